@@ -1,0 +1,113 @@
+"""Build and packaging for prorl.
+
+One distribution, three import names (DESIGN.md): the folders `prorl/`, `engine/` and `kernels/` at the
+top of the repository are installed as `prorl`, `prorl.engine` and `prorl.kernels`.
+
+The native CPU backend of the fused ops is built by CMake, the way vLLM does it: the extension has no
+sources of its own, and `CMakeBuild.build_extension` runs CMake configure/build against the torch that is
+already installed (so install with `--no-build-isolation`). Where it is built is chosen by
+`PRORL_TARGET_DEVICE` (`cpu`, `cuda`, `none`; default: `cpu`, or `cuda` when torch is a CUDA build and
+nvcc is found), read here without importing prorl. A build that fails, or `none`, leaves the torch
+backend in charge and says so: `pip install` never fails for want of a compiler.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def target_device() -> str:
+    device = os.environ.get("PRORL_TARGET_DEVICE", "").strip().lower()
+    if device:
+        if device not in ("cpu", "cuda", "none"):
+            raise SystemExit(f"PRORL_TARGET_DEVICE must be cpu, cuda or none, got {device!r}")
+        return device
+    try:
+        import torch
+    except ImportError:
+        return "none"
+    if torch.version.cuda and shutil.which("nvcc"):
+        return "cuda"
+    return "cpu"
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name: str, cmake_lists_dir: str = "."):
+        super().__init__(name, sources=[])
+        self.cmake_lists_dir = os.path.abspath(cmake_lists_dir)
+
+
+class CMakeBuild(build_ext):
+    def run(self):
+        device = target_device()
+        if device == "none":
+            warnings.warn("PRORL_TARGET_DEVICE=none (or torch not installed at build time): "
+                          "native kernels not built; the torch backend will be used.", stacklevel=1)
+            return
+        try:
+            super().run()
+        except Exception as exc:  # noqa: BLE001 - any build failure falls back to the torch backend
+            warnings.warn(f"prorl native extension failed to build ({exc}); the torch backend will be "
+                          "used for CPU tensors. See the CMake output above.", stacklevel=1)
+
+    def build_extension(self, ext: CMakeExtension):
+        import torch  # noqa: F401 - present: target_device() returned cpu/cuda
+
+        out_path = os.path.abspath(self.get_ext_fullpath(ext.name))
+        build_temp = os.path.join(os.path.abspath(self.build_temp), ext.name)
+        os.makedirs(build_temp, exist_ok=True)
+        cfg = os.environ.get("PRORL_BUILD_TYPE", "Release")
+        args = [
+            f"-DCMAKE_BUILD_TYPE={cfg}",
+            f"-DPython3_EXECUTABLE={sys.executable}",
+            f"-DPRORL_TARGET_DEVICE={target_device()}",
+            f"-DPRORL_OUTPUT_PATH={out_path}",
+            f"-DPRORL_CPU_ARCH={os.environ.get('PRORL_CPU_ARCH', 'native')}",
+        ]
+        if shutil.which("ninja"):
+            args.append("-GNinja")
+        jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
+        subprocess.check_call(["cmake", ext.cmake_lists_dir, *args], cwd=build_temp)
+        subprocess.check_call(["cmake", "--build", ".", "--config", cfg, "-j", jobs], cwd=build_temp)
+        if not os.path.exists(out_path):
+            raise RuntimeError(f"CMake did not produce {out_path}")
+
+
+def read(path: str) -> str:
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        return f.read()
+
+
+setup(
+    name="prorl",
+    version="0.1.0",
+    description="A lean engine for prolonged RL of LLM reasoning (the ProRL v2 recipe) with fused loss ops",
+    long_description=read("README.md"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    package_dir={"prorl": "prorl", "prorl.kernels": "kernels", "prorl.engine": "engine"},
+    packages=["prorl", "prorl.kernels", "prorl.engine"]
+    + ["prorl." + p for p in find_packages("prorl")]
+    + ["prorl.kernels." + p for p in find_packages("kernels")]
+    + ["prorl.engine." + p for p in find_packages("engine")],
+    package_data={"prorl.kernels": ["csrc/*.cpp", "csrc/*.h"]},
+    ext_modules=[CMakeExtension("prorl.kernels._C")],
+    cmdclass={"build_ext": CMakeBuild},
+    # torch is a requirement, but installing it is the user's first step (README): on CPU machines an
+    # unpinned `torch` pulls a multi-GB CUDA build. The range below admits the 2.13 CPU build.
+    install_requires=["torch>=2.6", "numpy", "tqdm"],
+    extras_require={
+        "test": ["pytest>=8", "ruff", "triton", "transformers>=4.51", "safetensors", "matplotlib",
+                 "liger-kernel"],
+        "bench": ["matplotlib", "liger-kernel", "triton"],
+        "gpu": ["flash-attn", "transformer-engine[pytorch]", "vllm"],
+    },
+    zip_safe=False,
+)
