@@ -48,14 +48,20 @@ class CMakeBuild(build_ext):
     def run(self):
         device = target_device()
         if device == "none":
-            warnings.warn("PRORL_TARGET_DEVICE=none (or torch not installed at build time): "
-                          "native kernels not built; the torch backend will be used.", stacklevel=1)
+            warnings.warn(
+                "PRORL_TARGET_DEVICE=none (or torch not installed at build time): "
+                "native kernels not built; the torch backend will be used.",
+                stacklevel=1,
+            )
             return
         try:
             super().run()
         except Exception as exc:  # noqa: BLE001 - any build failure falls back to the torch backend
-            warnings.warn(f"prorl native extension failed to build ({exc}); the torch backend will be "
-                          "used for CPU tensors. See the CMake output above.", stacklevel=1)
+            warnings.warn(
+                f"prorl native extension failed to build ({exc}); the torch backend will be "
+                "used for CPU tensors. See the CMake output above.",
+                stacklevel=1,
+            )
 
     def build_extension(self, ext: CMakeExtension):
         import torch  # noqa: F401 - present: target_device() returned cpu/cuda
@@ -104,8 +110,15 @@ setup(
     # unpinned `torch` pulls a multi-GB CUDA build. The range below admits the 2.13 CPU build.
     install_requires=["torch>=2.6", "numpy", "tqdm"],
     extras_require={
-        "test": ["pytest>=8", "ruff", "triton", "transformers>=4.51", "safetensors", "matplotlib",
-                 "liger-kernel"],
+        "test": [
+            "pytest>=8",
+            "ruff",
+            "triton",
+            "transformers>=4.51",
+            "safetensors",
+            "matplotlib",
+            "liger-kernel",
+        ],
         "bench": ["matplotlib", "liger-kernel", "triton"],
         "gpu": ["flash-attn", "transformer-engine[pytorch]", "vllm"],
     },

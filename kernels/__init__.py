@@ -5,7 +5,8 @@
 Each op runs on one of three backends, chosen by the device of its inputs (see `_backend.py`).
 """
 
-from ._backend import native_available, resolve as resolve_backend
+from ._backend import native_available
+from ._backend import resolve as resolve_backend
 from .linear_logprob_entropy import linear_logprob_entropy, linear_logprob_entropy_reference
 
 __all__ = [

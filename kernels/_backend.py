@@ -76,7 +76,9 @@ def resolve(device: torch.device, requested: str | None = None) -> str:
                 raise RuntimeError(f"native backend requested but unavailable: {native_error()}")
         if name == "triton":
             if not triton_available():
-                raise RuntimeError("triton backend requested but triton is not installed (pip install triton)")
+                raise RuntimeError(
+                    "triton backend requested but triton is not installed (pip install triton)"
+                )
             if device.type == "cpu" and not interpreting():
                 raise RuntimeError("triton on CPU tensors needs TRITON_INTERPRET=1 set before import")
         return name

@@ -78,7 +78,9 @@ def linear_logprob_entropy(
     if weight.dim() != 2:
         raise ValueError(f"weight must be [V, D], got shape {tuple(weight.shape)}")
     if hidden.shape[:-1] != labels.shape:
-        raise ValueError(f"labels {tuple(labels.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}")
+        raise ValueError(
+            f"labels {tuple(labels.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}"
+        )
     if hidden.dtype != weight.dtype:
         raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
     if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -91,12 +93,15 @@ def linear_logprob_entropy(
     if h.device.type == "cpu" and y.numel():  # cheap here; on CUDA it would be a host sync
         valid = y != ignore_index
         if valid.any() and (y[valid].min() < 0 or y[valid].max() >= weight.shape[0]):
-            raise IndexError(f"labels must lie in [0, {weight.shape[0]}) or equal ignore_index={ignore_index}")
+            raise IndexError(
+                f"labels must lie in [0, {weight.shape[0]}) or equal ignore_index={ignore_index}"
+            )
     name = _backend.resolve(h.device, backend)
     if chunk_bytes is None:
         chunk_bytes = (1 << 30) if h.is_cuda else (16 << 20)
-    logp, ent = _LinearLogprobEntropy.apply(h, weight, y, float(temperature), int(ignore_index), name,
-                                            int(chunk_bytes))
+    logp, ent = _LinearLogprobEntropy.apply(
+        h, weight, y, float(temperature), int(ignore_index), name, int(chunk_bytes)
+    )
     return logp.view(lead), (ent.view(lead) if return_entropy else None)
 
 
@@ -109,8 +114,9 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         if backend == "native":
             logp, ent, lse, ez = torch.ops.prorl.lle_forward(hidden, weight, safe_labels, inv_t, chunk_bytes)
         else:
-            logp, ent, lse, ez = _chunked_forward(hidden, weight, safe_labels, inv_t, chunk_bytes,
-                                                  _tile_ops(backend))
+            logp, ent, lse, ez = _chunked_forward(
+                hidden, weight, safe_labels, inv_t, chunk_bytes, _tile_ops(backend)
+            )
         zero = torch.zeros((), dtype=torch.float32, device=hidden.device)
         logp = torch.where(valid, logp, zero)
         ent = torch.where(valid, ent, zero)
@@ -129,11 +135,24 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         g_ent = torch.where(valid, g_ent.float(), zero).mul_(ctx.inv_t).contiguous()
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if ctx.backend == "native":
-            gh, gw = torch.ops.prorl.lle_backward(hidden, weight, labels, lse, ez, g_lp, g_ent, ctx.inv_t,
-                                                  ctx.chunk_bytes, need_h, need_w)
+            gh, gw = torch.ops.prorl.lle_backward(
+                hidden, weight, labels, lse, ez, g_lp, g_ent, ctx.inv_t, ctx.chunk_bytes, need_h, need_w
+            )
         else:
-            gh, gw = _chunked_backward(hidden, weight, labels, lse, ez, g_lp, g_ent, ctx.inv_t,
-                                       ctx.chunk_bytes, _tile_ops(ctx.backend), need_h, need_w)
+            gh, gw = _chunked_backward(
+                hidden,
+                weight,
+                labels,
+                lse,
+                ez,
+                g_lp,
+                g_ent,
+                ctx.inv_t,
+                ctx.chunk_bytes,
+                _tile_ops(ctx.backend),
+                need_h,
+                need_w,
+            )
         return (gh if need_h else None), (gw if need_w else None), None, None, None, None, None
 
 
@@ -198,8 +217,11 @@ def _chunked_backward(hidden, weight, labels, lse, ez, g_lp, g_ent, inv_t, chunk
     rows, cols = tile_shape(max(n, 1), v, chunk_bytes)
     one_pass = rows >= n  # each dW tile is then written exactly once: no fp32 accumulator needed
     if need_w:
-        gw = torch.empty_like(weight) if one_pass else torch.zeros(weight.shape, dtype=torch.float32,
-                                                                     device=weight.device)
+        gw = (
+            torch.empty_like(weight)
+            if one_pass
+            else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        )
         if n == 0:
             gw.zero_()
     else:
