@@ -1,0 +1,11 @@
+"""Test-session set-up shared by every test module."""
+
+import os
+
+import torch
+
+# Triton kernels run on the CPU only under its interpreter, which must be switched on before triton is
+# first imported (by our Triton backend, or by a peer such as liger-kernel). On a CUDA machine the real
+# compiler is used.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
