@@ -1,0 +1,205 @@
+"""The algorithmic pieces of ProRL v2 that are not loss kernels, as small pure functions.
+
+What ProRL does differently from textbook GRPO (../shared/RECIPE.md):
+- advantages are REINFORCE++-baseline: centre on the group mean, then whiten over the whole global
+  batch (token-weighted), instead of dividing by each group's own std (`prorl.kernels.group_advantages`);
+- PPO-Clip is asymmetric ("clip-higher", eps_low 0.2 / eps_high 0.28) so rare tokens can still grow;
+- groups whose raw rewards are all equal carry no signal and are dropped *before* advantages are
+  computed, and the batch is refilled with new prompts (dynamic sampling, `keep_groups`);
+- a k2 KL penalty to a reference policy that is periodically reset to the current policy
+  (`ReferenceResetPolicy`), so the run can go on improving for thousands of steps;
+- a cosine length penalty that is switched on and off on a schedule (`length_penalty_on`,
+  `cosine_length_eta`), and responses cut at the length limit get no reward (`stop_properly`).
+
+Everything here is a function of its arguments (or a small object with `state_dict`), so each RECIPE.md
+worked number is a unit test, and resuming a run restores the exact same decisions.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+
+import torch
+
+# --------------------------------------------------------------------------------------------------
+# Reward shaping (RECIPE §5)
+# --------------------------------------------------------------------------------------------------
+
+
+def stop_properly(rewards: torch.Tensor, truncated: torch.Tensor, c_stop: float = 0.0) -> torch.Tensor:
+    """A response cut by the length limit gets R * c_stop (default 0). rewards [B], truncated [B] bool."""
+    return torch.where(truncated, rewards * c_stop, rewards)
+
+
+def cosine_length_eta(lengths: torch.Tensor, max_len: int, eta_min: float, eta_max: float) -> torch.Tensor:
+    """eta(t) = eta_min + 0.5 (eta_max - eta_min)(1 + cos(pi t / T)); t = response tokens, T = max_len."""
+    t = lengths.to(torch.float64).clamp(0, max_len)
+    return (eta_min + 0.5 * (eta_max - eta_min) * (1.0 + torch.cos(math.pi * t / max_len))).to(torch.float32)
+
+
+def length_penalty_on(step: int, k_on: int, k_off: int) -> bool:
+    """The cosine length term is on for k_on steps, then off for k_off steps, repeating (from step 0)."""
+    if k_on <= 0:
+        return False
+    if k_off <= 0:
+        return True
+    return step % (k_on + k_off) < k_on
+
+
+def cosine_length_shaping(
+    rewards: torch.Tensor,
+    lengths: torch.Tensor,
+    truncated: torch.Tensor,
+    correct: torch.Tensor,
+    *,
+    max_len: int,
+    lam: float = 0.5,
+    eta_min: float = -1.0,
+    eta_max: float = 0.0,
+    wrong_eta_min: float | None = None,
+    wrong_eta_max: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """R' = R + lam * eta(t) for responses that stopped properly; returns (R', the term added).
+
+    Wrong answers use (wrong_eta_min, wrong_eta_max) when given (the Demystifying-Long-CoT variant),
+    else the same eta as correct ones. Truncated responses get no term (they are handled by
+    `stop_properly`). Whether the schedule is on this step is the caller's (`length_penalty_on`).
+    """
+    eta = cosine_length_eta(lengths, max_len, eta_min, eta_max)
+    if wrong_eta_min is not None or wrong_eta_max is not None:
+        eta_wrong = cosine_length_eta(
+            lengths,
+            max_len,
+            eta_min if wrong_eta_min is None else wrong_eta_min,
+            eta_max if wrong_eta_max is None else wrong_eta_max,
+        )
+        eta = torch.where(correct, eta, eta_wrong)
+    term = torch.where(truncated, torch.zeros_like(eta), lam * eta)
+    return rewards + term, term
+
+
+def overlong_buffer_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float = 1.0):
+    """DAPO's soft overlong punishment: 0 up to max_len - buffer_len, then linear down to -factor."""
+    over = (lengths.to(torch.float32) - (max_len - buffer_len)).clamp(min=0)
+    return -factor * (over / max(buffer_len, 1)).clamp(max=1.0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Dynamic sampling (RECIPE §6)
+# --------------------------------------------------------------------------------------------------
+
+
+def keep_groups(raw_rewards: torch.Tensor, group_index: torch.Tensor, num_groups: int | None = None):
+    """Per group: True iff its RAW rewards are not all equal. Decided per group, never per sample.
+
+    raw_rewards [B] float, group_index [B] int64 in [0, G). Returns keep [G] bool (no Python loop).
+    """
+    g = int(group_index.max()) + 1 if num_groups is None else num_groups
+    r = raw_rewards.to(torch.float64)
+    hi = torch.full((g,), -math.inf, dtype=torch.float64).scatter_reduce(0, group_index, r, "amax")
+    lo = torch.full((g,), math.inf, dtype=torch.float64).scatter_reduce(0, group_index, r, "amin")
+    return hi > lo
+
+
+def group_pass_stats(raw_rewards: torch.Tensor, group_index: torch.Tensor, num_groups: int) -> dict:
+    """Pass rate and all-correct / all-wrong group fractions (binary rewards: correct iff reward >= 1)."""
+    correct = (raw_rewards >= 1.0).to(torch.float64)
+    count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(correct))
+    n_correct = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, correct)
+    present = count > 0
+    return {
+        "dynamic_sampling/pass_rate": float(correct.mean()) if correct.numel() else 0.0,
+        "dynamic_sampling/frac_all_correct": float(((n_correct == count) & present).sum() / present.sum()),
+        "dynamic_sampling/frac_all_wrong": float(((n_correct == 0) & present).sum() / present.sum()),
+    }
+
+
+# --------------------------------------------------------------------------------------------------
+# Reference-policy reset (RECIPE §7)
+# --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class ReferenceResetPolicy:
+    """Decides when pi_ref <- current policy: every `interval` steps, on a KL spike, or on stalled validation.
+
+    KL spike: this step's mean KL > kl_spike_factor x the median of the last `window` steps' KL.
+    Stall: no validation improvement for `patience` evaluations (0 = off). The optimizer is reset too
+    only if `reset_optimizer` (v1 behaviour); the caller does the actual copy. Checkpointed whole.
+    """
+
+    interval: int = 300
+    kl_spike_factor: float = 5.0
+    window: int = 20
+    patience: int = 0
+    reset_optimizer: bool = False
+    kl_history: list[float] = field(default_factory=list)
+    best_val: float = -math.inf
+    evals_since_best: int = 0
+    last_reset_step: int = 0
+    num_resets: int = 0
+
+    def observe_validation(self, score: float) -> None:
+        if score > self.best_val:
+            self.best_val, self.evals_since_best = score, 0
+        else:
+            self.evals_since_best += 1
+
+    def should_reset(self, step: int, mean_kl: float) -> str | None:
+        """Record this step's KL; return why to reset now ('interval' | 'kl_spike' | 'stall'), or None."""
+        reason = None
+        if self.interval > 0 and step - self.last_reset_step >= self.interval:
+            reason = "interval"
+        elif self.kl_spike_factor > 0 and len(self.kl_history) >= self.window:
+            median = statistics.median(self.kl_history[-self.window :])
+            if median > 0 and mean_kl > self.kl_spike_factor * median:
+                reason = "kl_spike"
+        if reason is None and self.patience > 0 and self.evals_since_best >= self.patience:
+            reason = "stall"
+        self.kl_history = (self.kl_history + [float(mean_kl)])[-max(self.window, 1) :]
+        return reason
+
+    def record_reset(self, step: int) -> None:
+        self.last_reset_step, self.num_resets = step, self.num_resets + 1
+        self.kl_history.clear()  # KL to the new reference restarts from 0
+        self.evals_since_best = 0
+
+    def state_dict(self) -> dict:
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for k, v in state.items():
+            if not hasattr(self, k):
+                raise KeyError(f"unknown ReferenceResetPolicy state key {k!r}")
+            setattr(self, k, list(v) if isinstance(v, list) else v)
+
+
+# --------------------------------------------------------------------------------------------------
+# Off-policy correction and schedules
+# --------------------------------------------------------------------------------------------------
+
+
+def importance_weights(
+    old_logp: torch.Tensor, sampler_logp: torch.Tensor, mode: str = "tis", low: float = 0.5, high: float = 5.0
+) -> torch.Tensor | None:
+    """Per-token w = exp(old_logp - sampler_logp), detached: TIS clamps to <= high, ICE-POP zeroes outside
+    [low, high], 'none' returns None. Corrects the drift between the sampler and the trainer."""
+    if mode == "none":
+        return None
+    w = torch.exp((old_logp - sampler_logp).detach().clamp(-20, 20))
+    if mode == "tis":
+        return w.clamp(max=high)
+    if mode == "icepop":
+        return torch.where((w >= low) & (w <= high), w, torch.zeros_like(w))
+    raise ValueError(f"unknown importance-sampling mode {mode!r}; choose none, tis or icepop")
+
+
+def scheduled_value(step: int, schedule: dict[int, int] | None, default: int) -> int:
+    """A value that changes at given steps, e.g. max response tokens {0: 4096, 1000: 8192}."""
+    value = default
+    for start in sorted(schedule or {}):
+        if step >= start:
+            value = schedule[start]
+    return value

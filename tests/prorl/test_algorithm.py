@@ -1,0 +1,120 @@
+"""prorl.algorithm against the worked numbers of RECIPE.md §5-§7."""
+
+import math
+
+import pytest
+import torch
+
+from prorl.algorithm import (
+    ReferenceResetPolicy,
+    cosine_length_eta,
+    cosine_length_shaping,
+    group_pass_stats,
+    importance_weights,
+    keep_groups,
+    length_penalty_on,
+    overlong_buffer_penalty,
+    scheduled_value,
+    stop_properly,
+)
+
+
+def test_stop_properly_vector():
+    raw = torch.tensor([1.0, 1.0, 0.0, 0.0])
+    trunc = torch.tensor([False, True, False, True])
+    assert stop_properly(raw, trunc).tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert stop_properly(raw, trunc, c_stop=0.5).tolist() == [1.0, 0.5, 0.0, 0.0]
+
+
+def test_cosine_eta_vector():
+    eta = cosine_length_eta(torch.tensor([0, 2048, 4096, 6144, 8192]), 8192, eta_min=-1.0, eta_max=0.0)
+    torch.testing.assert_close(eta, torch.tensor([0.0, -0.1464, -0.5, -0.8536, -1.0]), atol=1e-4, rtol=0)
+
+
+def test_schedule_on_off_vector():
+    on = [s for s in range(1300) if length_penalty_on(s, 100, 500)]
+    assert on == list(range(0, 100)) + list(range(600, 700)) + list(range(1200, 1300))
+    assert not length_penalty_on(5, 0, 500) and length_penalty_on(10**6, 100, 0)
+
+
+def test_cosine_shaping_skips_truncated_and_uses_wrong_eta():
+    r = torch.tensor([1.0, 0.0, 1.0])
+    lengths = torch.tensor([4096, 4096, 8192])
+    trunc = torch.tensor([False, False, True])
+    correct = torch.tensor([True, False, True])
+    shaped, term = cosine_length_shaping(r, lengths, trunc, correct, max_len=8192, lam=0.5)
+    torch.testing.assert_close(term, torch.tensor([-0.25, -0.25, 0.0]))
+    # Demystifying-style: wrong answers on their own scale (-10 -> 0 here)
+    _, term = cosine_length_shaping(
+        r,
+        lengths,
+        trunc,
+        correct,
+        max_len=8192,
+        lam=1.0,
+        eta_min=1.0,
+        eta_max=2.0,
+        wrong_eta_min=-10.0,
+        wrong_eta_max=0.0,
+    )
+    torch.testing.assert_close(term, torch.tensor([1.5, -5.0, 0.0]))
+
+
+def test_overlong_buffer():
+    p = overlong_buffer_penalty(torch.tensor([100, 3072, 3584, 4096, 5000]), 4096, 1024)
+    torch.testing.assert_close(p, torch.tensor([0.0, 0.0, -0.5, -1.0, -1.0]))
+
+
+def test_keep_groups_is_per_group():
+    # [1,0,0,0] keeps its lone correct answer (NeMo-RL's per-sample check would drop it)
+    rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0.5, 0.5, 0.25, 0.5])
+    groups = torch.arange(4).repeat_interleave(4)
+    assert keep_groups(rewards, groups).tolist() == [True, False, False, True]
+    stats = group_pass_stats(rewards, groups, 4)
+    assert stats["dynamic_sampling/frac_all_correct"] == 0.25
+    assert stats["dynamic_sampling/frac_all_wrong"] == 0.5  # groups 2 and 3 have no reward >= 1
+    assert stats["dynamic_sampling/pass_rate"] == pytest.approx(5 / 16)
+
+
+def test_reset_policy_interval_spike_stall_and_state():
+    p = ReferenceResetPolicy(interval=300, kl_spike_factor=5.0, window=20)
+    for step in range(1, 300):
+        assert p.should_reset(step, 0.01) is None
+    assert p.should_reset(300, 0.01) == "interval"
+    p.record_reset(300)
+    assert p.num_resets == 1 and p.last_reset_step == 300 and p.kl_history == []
+    for step in range(301, 321):
+        assert p.should_reset(step, 0.01) is None
+    assert p.should_reset(321, 0.049) is None  # below 5x the median
+    assert p.should_reset(322, 0.06) == "kl_spike"
+    q = ReferenceResetPolicy(interval=0, patience=2)
+    q.observe_validation(0.5)
+    q.observe_validation(0.4)
+    assert q.should_reset(1, 0.0) is None
+    q.observe_validation(0.5)
+    assert q.should_reset(2, 0.0) == "stall"
+    r = ReferenceResetPolicy()
+    r.load_state_dict(p.state_dict())
+    assert r == p
+    with pytest.raises(KeyError):
+        r.load_state_dict({"bogus": 1})
+
+
+def test_importance_weights():
+    old = torch.tensor([0.0, 0.0, 0.0, 0.0])
+    sampler = torch.tensor([0.0, math.log(10.0), -math.log(10.0), math.log(1.5)])
+    torch.testing.assert_close(
+        importance_weights(old, sampler, "tis", high=2.0), torch.tensor([1.0, 0.1, 2.0, 2 / 3])
+    )
+    torch.testing.assert_close(
+        importance_weights(old, sampler, "icepop"), torch.tensor([1.0, 0.0, 0.0, 2 / 3])
+    )
+    assert importance_weights(old, sampler, "none") is None
+    with pytest.raises(ValueError):
+        importance_weights(old, sampler, "bogus")
+
+
+def test_scheduled_value():
+    sched = {0: 4096, 1000: 8192}
+    assert [scheduled_value(s, sched, 1) for s in (0, 999, 1000, 5000)] == [4096, 4096, 8192, 8192]
+    assert scheduled_value(3, None, 77) == 77
