@@ -1,0 +1,243 @@
+"""Typed configuration: one small dataclass per component, YAML presets, dotted command-line overrides.
+
+    cfg = load_config("prorl_v2_1.5b", ["trainer.total_steps=10", "rollout.n=8"])
+
+Built on OmegaConf structured configs: a key that no dataclass declares, or a value of the wrong type,
+is rejected with a message naming the key (`ConfigError`). Presets live in `prorl/configs/<name>.yaml`
+and hold only what differs from the dataclass defaults; `--config FILE` takes any YAML of the same shape.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+class ConfigError(ValueError):
+    """A bad config file, key or value; the message names it."""
+
+
+@dataclass
+class ModelConfig:
+    path: str = MISSING  # Hugging Face-format directory (config.json + *.safetensors + tokenizer)
+    dtype: str = "float32"  # float32 | bfloat16
+    attention: str = "auto"  # auto | sdpa | flex | flash
+    activation_checkpointing: bool = False
+    compile: bool = False
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # verl parquet / JSONL; empty: built-in task
+    val_files: list[str] = field(default_factory=list)
+    builtin_task: str = "digit_sums"  # used when train_files is empty
+    train_size: int = 20000
+    val_size: int = 200
+    prompt_key: str = "prompt"
+    max_prompt_tokens: int = 1024
+    shuffle: bool = True
+
+
+@dataclass
+class RolloutConfig:
+    backend: str = "native"  # native | vllm
+    n: int = 16  # responses per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_response_tokens: int = 8192
+    # step -> max response tokens (context-length schedule); empty: constant
+    max_response_schedule: dict[int, int] = field(default_factory=dict)
+    gpu_memory_utilization: float = 0.5
+    tensor_parallel_size: int = 1
+
+
+@dataclass
+class RewardConfig:
+    num_workers: int = 2
+    timeout_s: float = 10.0
+    c_stop: float = 0.0  # reward multiplier of responses cut at the length limit
+    # cosine length penalty (RECIPE §5): on for k_on steps, off for k_off, repeating
+    length_penalty: bool = True
+    length_k_on: int = 100
+    length_k_off: int = 500
+    length_lam: float = 0.5
+    length_eta_min: float = -1.0
+    length_eta_max: float = 0.0
+    wrong_eta_min: float | None = None
+    wrong_eta_max: float | None = None
+
+
+@dataclass
+class AlgorithmConfig:
+    advantage: str = "reinforce++-baseline"  # reinforce++-baseline | grpo | dr-grpo
+    whiten_weighting: str = "token"  # token | sequence
+    grpo_std_unbiased: bool = False
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip: float | None = None
+    kl_coef: float = 1e-4
+    kl_estimator: str = "k2"  # k1 | k2 | k3
+    kl_clamp: str = "log-ratio"  # log-ratio | output
+    entropy_coef: float = 0.0
+    agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | constant
+    is_mode: str = "none"  # none | tis | icepop (sampler vs trainer log-prob correction)
+    is_low: float = 0.5
+    is_high: float = 5.0
+    # dynamic sampling (RECIPE §6)
+    dynamic_sampling: bool = True
+    oversample: float = 1.5
+    max_rounds: int = 10
+    # reference reset (RECIPE §7)
+    reset_interval: int = 300
+    reset_kl_spike_factor: float = 5.0
+    reset_window: int = 20
+    reset_patience: int = 0
+    reset_optimizer: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 2e-6
+    weight_decay: float = 0.01
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    grad_clip: float = 1.0
+    warmup_steps: int = 0
+    schedule: str = "constant"  # constant | cosine
+    min_lr_ratio: float = 0.1
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 3000
+    prompts_per_step: int = 256
+    mini_batches: int = 4  # optimizer updates per RL step
+    micro_batch_tokens: int = 16384
+    save_every: int = 50
+    val_every: int = 25
+    val_temperature: float = 0.0
+    val_samples: int = 1
+    log_every: int = 1
+    max_consecutive_skips: int = 5
+    deterministic: bool = False
+    tensorboard: bool = True
+    wandb_project: str | None = None
+
+
+@dataclass
+class Config:
+    output_dir: str = ""  # empty: runs/<timestamp>, chosen at start (see resolve_output_dir)
+    seed: int = 1
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+
+_CHOICES = {
+    "model.dtype": ("float32", "bfloat16"),
+    "model.attention": ("auto", "sdpa", "flex", "flash"),
+    "rollout.backend": ("native", "vllm"),
+    "algorithm.advantage": ("reinforce++-baseline", "grpo", "dr-grpo"),
+    "algorithm.whiten_weighting": ("token", "sequence"),
+    "algorithm.kl_estimator": ("k1", "k2", "k3"),
+    "algorithm.kl_clamp": ("log-ratio", "output"),
+    "algorithm.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"),
+    "algorithm.is_mode": ("none", "tis", "icepop"),
+    "optim.schedule": ("constant", "cosine"),
+}
+
+
+def preset_path(name: str) -> str:
+    path = name if name.endswith((".yaml", ".yml")) else os.path.join(PRESET_DIR, f"{name}.yaml")
+    if not os.path.isfile(path):
+        known = sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".yaml"))
+        raise ConfigError(f"config {name!r} not found; presets: {', '.join(known)}, or a path to a YAML file")
+    return path
+
+
+def load_config(preset: str | None = "default", overrides: list[str] | None = None) -> Config:
+    """Defaults <- preset or YAML file <- dotted overrides ("a.b=c"); validated. Returns a typed Config."""
+    cfg = OmegaConf.structured(Config)
+    try:
+        if preset:
+            cfg = OmegaConf.merge(cfg, OmegaConf.load(preset_path(preset)))
+        bad = [o for o in overrides or [] if "=" not in o]
+        if bad:
+            raise ConfigError(f"overrides must look like key=value, got {bad}")
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides or [])))
+        OmegaConf.resolve(cfg)
+        obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_explain(exc)) from None
+    validate(obj)
+    return obj
+
+
+def _explain(exc: OmegaConfBaseException) -> str:
+    key = getattr(exc, "full_key", None)
+    msg = str(exc).splitlines()[0]
+    if "not in struct" in msg or "Key '" in msg and "not" in msg:
+        return f"unknown config key {key!r}: {msg}"
+    if "missing mandatory value" in msg.lower():
+        return f"{key} is required (set it in the config file or as {key}=...)"
+    return f"bad config value for {key!r}: {msg}" if key else msg
+
+
+def validate(cfg: Config) -> None:
+    """Value checks that types alone cannot express."""
+    for dotted, allowed in _CHOICES.items():
+        section, key = dotted.split(".")
+        value = getattr(getattr(cfg, section), key)
+        if value not in allowed:
+            raise ConfigError(f"{dotted}={value!r} is not one of {', '.join(allowed)}")
+    checks = [
+        (cfg.rollout.n >= 1, "rollout.n must be >= 1"),
+        (cfg.rollout.temperature >= 0, "rollout.temperature must be >= 0"),
+        (0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
+        (cfg.rollout.max_response_tokens >= 1, "rollout.max_response_tokens must be >= 1"),
+        (cfg.algorithm.eps_low >= 0 and cfg.algorithm.eps_high >= 0, "algorithm.eps_low/high must be >= 0"),
+        (cfg.algorithm.dual_clip is None or cfg.algorithm.dual_clip > 1, "algorithm.dual_clip must be > 1"),
+        (cfg.algorithm.kl_coef >= 0, "algorithm.kl_coef must be >= 0"),
+        (cfg.algorithm.max_rounds >= 1, "algorithm.max_rounds must be >= 1"),
+        (cfg.algorithm.oversample >= 1, "algorithm.oversample must be >= 1"),
+        (cfg.optim.lr > 0, "optim.lr must be > 0"),
+        (len(cfg.optim.betas) == 2, "optim.betas must have two values"),
+        (cfg.trainer.total_steps >= 0, "trainer.total_steps must be >= 0"),
+        (cfg.trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
+        (cfg.trainer.mini_batches >= 1, "trainer.mini_batches must be >= 1"),
+        (
+            cfg.trainer.prompts_per_step % cfg.trainer.mini_batches == 0,
+            "trainer.prompts_per_step must be a multiple of trainer.mini_batches",
+        ),
+        (cfg.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+
+
+def resolve_output_dir(cfg: Config) -> str:
+    """`output_dir`, or runs/<timestamp> when it is empty."""
+    if not cfg.output_dir:
+        import datetime
+
+        cfg.output_dir = os.path.join("runs", datetime.datetime.now().strftime("%Y%m%d-%H%M%S"))
+    return cfg.output_dir
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
