@@ -1,0 +1,124 @@
+"""AdamW with a learning-rate schedule, global-norm gradient clipping and non-finite-gradient skipping.
+
+`Optimizer` is one stateful object (`state_dict` / `load_state_dict`) holding the torch AdamW, its
+LambdaLR schedule and the skip counter, so a checkpoint stores it as one entry. `step()` does, in order:
+global grad norm -> if not finite: skip (weights, moments and schedule untouched, counter + 1) -> else clip
+to `max_grad_norm` and take the AdamW step -> advance the schedule -> zero the grads. It costs one host
+sync per step (reading the norm), which also returns the norm for logging. Under FSDP2 the norm of
+DTensor gradients is already the global one, so every rank takes the same skip decision.
+
+Schedules (factor multiplying `lr`, as a function of the number of optimizer steps already taken, s):
+- warmup: (s + 1) / warmup_steps while s < warmup_steps - the first step uses lr / warmup_steps, not 0.
+- `constant`: 1 after warmup.
+- `cosine`: min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * p)) / 2, p = (s - warmup) / (total - warmup)
+  clipped to [0, 1]: the factor falls from 1 at the end of warmup to min_lr_ratio at `total_steps`.
+A skipped step does not advance the schedule (as in Hugging Face's Trainer).
+
+Weight decay applies to matrices (embeddings, projections), not to 1-D parameters (biases, norms).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = 1.0  # None or <= 0: no clipping (the norm is still computed and reported)
+    schedule: str = "constant"  # "constant" | "cosine"
+    warmup_steps: int = 0
+    total_steps: int | None = None  # required by "cosine"
+    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+
+
+@dataclass(frozen=True)
+class StepResult:
+    grad_norm: float  # global L2 norm of the gradients before clipping (inf/nan when skipped)
+    lr: float  # learning rate used by this step (or that would have been, when skipped)
+    skipped: bool
+    skipped_total: int
+
+
+def lr_factor(step: int, cfg: OptimizerConfig) -> float:
+    """Multiplier of cfg.lr for the optimizer step taken after `step` completed steps (see module doc)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "cosine":
+        span = max(cfg.total_steps - cfg.warmup_steps, 1)
+        progress = min(max((step - cfg.warmup_steps) / span, 0.0), 1.0)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    raise ValueError(f"unknown schedule {cfg.schedule!r}; choose 'constant' or 'cosine'")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Two AdamW groups: decayed matrices, undecayed 1-D parameters (biases, norm weights)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+class Optimizer:
+    """AdamW + schedule + clipping + non-finite skip for one model. See the module docstring."""
+
+    def __init__(self, model: nn.Module, cfg: OptimizerConfig):
+        if cfg.schedule not in ("constant", "cosine"):
+            raise ValueError(f"unknown schedule {cfg.schedule!r}; choose 'constant' or 'cosine'")
+        if cfg.schedule == "cosine" and not cfg.total_steps:
+            raise ValueError("the cosine schedule needs total_steps")
+        self.cfg = cfg
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
+        self.skipped_total = 0
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step will use."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    def step(self) -> StepResult:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        if hasattr(norm, "full_tensor"):  # DTensor gradients (FSDP2): the norm is already global
+            norm = norm.full_tensor()
+        norm_value = float(norm)  # the one host sync of the step
+        lr = self.lr
+        if not math.isfinite(norm_value):
+            self.skipped_total += 1
+            self.optimizer.zero_grad(set_to_none=True)
+            return StepResult(norm_value, lr, True, self.skipped_total)
+        if self.cfg.max_grad_norm and self.cfg.max_grad_norm > 0:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_grad_norm, norm, foreach=True)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return StepResult(norm_value, lr, False, self.skipped_total)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "skipped_total": self.skipped_total,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.skipped_total = state["skipped_total"]

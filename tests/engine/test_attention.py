@@ -1,0 +1,135 @@
+"""Attention backends against a float64 reference (explicit document-causal mask), and against each other."""
+
+import pytest
+import torch
+from prorl.engine.attention import (
+    FlashAttention,
+    FlexAttention,
+    SDPAAttention,
+    default_backend_name,
+    flash_attn_available,
+    get_attention_backend,
+    make_context,
+)
+from prorl.engine.model import load_hf, packed_position_ids
+from tiny_hf import hf_logits_per_sequence
+
+LENGTHS = [5, 0, 17, 1, 9]  # includes an empty and a one-token sequence
+HQ, HKV, D = 4, 2, 16
+
+
+def reference_attention(q, k, v, cu, scale):
+    """float64, explicit [N, N] mask: same sequence and not in the future; GQA by repeating k/v heads."""
+    q, k, v = (t.double() for t in (q, k, v))
+    n = q.shape[0]
+    doc = torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff().long())  # [N]
+    allowed = (doc[:, None] == doc[None, :]) & torch.ones(n, n, dtype=torch.bool).tril()
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # [N, Hq, d]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def _inputs(dtype=torch.float32, device="cpu"):
+    gen = torch.Generator().manual_seed(0)
+    n = sum(LENGTHS)
+    q, k, v = (torch.randn(n, h, D, generator=gen) for h in (HQ, HKV, HKV))
+    cu = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    return [t.to(device=device, dtype=dtype).requires_grad_() for t in (q, k, v)], cu.to(device)
+
+
+def _check_against_reference(backend, dtype=torch.float32, device="cpu", atol=1e-5, backward=True):
+    (q, k, v), cu = _inputs(dtype, device)
+    if not backward:
+        q, k, v = (t.detach() for t in (q, k, v))
+    scale = D**-0.5
+    out = backend(q, k, v, backend.prepare(make_context(q.shape[0], cu)), scale)
+    assert out.shape == q.shape and out.dtype == dtype
+    ref = reference_attention(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), cu.cpu(), scale)
+    assert (out.detach().cpu().double() - ref).abs().max().item() <= atol
+    if not backward:
+        return
+    # backward: gradients of a fixed projection of the output
+    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (out.double().cpu() * upstream).sum().backward()
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    (reference_attention(*leaves, cu.cpu(), scale) * upstream).sum().backward()
+    for ours, theirs in zip((q, k, v), leaves):
+        assert (ours.grad.cpu().double() - theirs.grad).abs().max().item() <= atol * 10
+
+
+def test_sdpa_matches_reference():
+    _check_against_reference(SDPAAttention())
+
+
+# torch 2.13 FlexAttention on the CPU is forward-only ("FlexAttention does not support backward on CPU"):
+# usable for evaluation and rollout there, not for training. The backward is checked on CUDA only.
+def test_flex_eager_matches_reference():
+    # Eager mode runs an unfused path that materialises the scores.
+    _check_against_reference(FlexAttention(compile=False), backward=torch.cuda.is_available())
+
+
+def test_flex_cpu_backward_is_refused_by_torch():
+    (q, k, v), cu = _inputs()
+    backend = FlexAttention(compile=False)
+    with pytest.raises(NotImplementedError, match="backward on CPU"):
+        backend(q, k, v, backend.prepare(make_context(q.shape[0], cu)), D**-0.5)
+
+
+@pytest.mark.slow
+def test_flex_compiled_matches_reference():
+    # Compiled FlexAttention (inductor's CPU template): ~40 s cold to compile on this 2-core machine.
+    _check_against_reference(FlexAttention(compile=True), backward=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs CUDA in torch 2.13")
+def test_flex_compiled_cuda_matches_reference():
+    _check_against_reference(FlexAttention(compile=True), device="cuda", atol=1e-4)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and flash_attn_available()),
+    reason="flash-attn varlen needs a CUDA device and the flash-attn package (the [gpu] extra)",
+)
+def test_flash_matches_reference():
+    _check_against_reference(FlashAttention(), dtype=torch.bfloat16, device="cuda", atol=2e-2)
+
+
+def test_flash_without_package_names_the_extra():
+    if flash_attn_available():
+        pytest.skip("flash-attn is installed here")
+    with pytest.raises(ImportError, match=r"prorl\[gpu\]"):
+        get_attention_backend("flash")
+
+
+def test_backend_selection():
+    assert default_backend_name("cpu") == "sdpa"
+    assert isinstance(get_attention_backend(None, "cpu"), SDPAAttention)
+    assert isinstance(get_attention_backend("flex"), FlexAttention)
+    backend = SDPAAttention()
+    assert get_attention_backend(backend) is backend
+    with pytest.raises(ValueError, match="unknown attention backend 'nope'"):
+        get_attention_backend("nope")
+
+
+def test_packed_position_ids():
+    cu = torch.tensor([0, 3, 3, 7], dtype=torch.int32)
+    assert packed_position_ids(cu, 7).tolist() == [0, 1, 2, 0, 1, 2, 3]
+
+
+def test_decoder_backends_agree(hf_checkpoint, packed_batch):
+    """SDPA and (eager) FlexAttention inside the full model give the same logits as transformers."""
+    import transformers
+
+    path = hf_checkpoint("qwen3")
+    ids, cu = packed_batch
+    ref = hf_logits_per_sequence(transformers.AutoModelForCausalLM.from_pretrained(path), ids, cu)
+    with torch.no_grad():
+        sdpa = load_hf(path, attention="sdpa")
+        flex = load_hf(path, attention=FlexAttention(compile=False))
+        sdpa_logits = sdpa.logits(sdpa(ids, cu_seqlens=cu))
+        flex_logits = flex.logits(flex(ids, cu_seqlens=cu))
+    print(f"sdpa vs flex max abs logit difference {(sdpa_logits - flex_logits).abs().max().item():.2e}")
+    assert (sdpa_logits - flex_logits).abs().max().item() <= 1e-4
+    assert (flex_logits - ref).abs().max().item() <= 1e-4
