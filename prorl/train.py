@@ -1,12 +1,19 @@
-"""Entry point of the ProRL v2 trainer: `torchrun prorl/train.py [--config FILE] [dotted.key=value ...]`.
+"""Entry point of the ProRL v2 trainer.
 
-PLACEHOLDER. The trainer (issue 7) is not built yet. Until it is, this entry point runs a demo of the
-fused op the trainer is built on, `prorl.kernels.linear_logprob_entropy`, under torchrun: every rank
-computes per-token log-probs and entropies of a random LM head on its own tokens with the op (native
-backend on CPU, Triton on CUDA), checks them against the unfused float64 reference, and rank 0 prints
-the agreement, the time, and the logits memory the op did not allocate. It exits non-zero on a mismatch.
+    torchrun --standalone --nproc_per_node=2 prorl/train.py                      # the embedded default
+    torchrun --nproc_per_node=8 prorl/train.py --config prorl_v2_1.5b model.path=/models/x \\
+        data.train_files=[/data/train.parquet] data.val_files=[/data/val.parquet]
+
+With no arguments it runs the embedded default on the CPU: the shipped tiny reasoner
+(prorl/assets/tiny-reasoner, made by `python -m prorl.warmstart`) trained with the full recipe on the
+built-in digit-sum task, held-out accuracy printed before and after, metrics, a checkpoint and a PNG of
+the training curves written to the run directory.
 """
 
+from __future__ import annotations
+
+import argparse
+import datetime
 import os
 import sys
 import time
@@ -19,55 +26,99 @@ if sys.path and os.path.abspath(sys.path[0]) == os.path.dirname(os.path.abspath(
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from prorl.kernels import linear_logprob_entropy, linear_logprob_entropy_reference, resolve_backend  # noqa: E402
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 
 
-def main(argv: list[str]) -> int:
-    if argv:
-        print(f"prorl/train.py: the trainer is not implemented yet (issue 7); ignoring arguments {argv}")
+def resolve_model_path(path: str) -> str:
+    if path.startswith("builtin:"):
+        path = os.path.join(ASSETS, path.split(":", 1)[1])
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise SystemExit(f"prorl: model.path={path!r} is not a Hugging Face model directory (no config.json)")
+    return path
+
+
+def load_examples(cfg, split: str):
+    from prorl import data
+
+    files = cfg.data.train_files if split == "train" else cfg.data.val_files
+    if files:
+        out = []
+        for f in files:
+            out += data.load_file(f)
+        return out
+    size = cfg.data.train_size if split == "train" else cfg.data.val_size
+    return data.builtin(
+        cfg.data.builtin_task, n=size if split == "train" else None, seed=cfg.seed, split=split
+    )[:size]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="ProRL v2 trainer", allow_abbrev=False)
+    ap.add_argument("--config", default="default", help="preset name in prorl/configs or a YAML path")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=10")
+    args = ap.parse_args(argv)
+
+    from prorl.config import ConfigError, load_config, resolve_output_dir, to_yaml
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"prorl: config error: {exc}", file=sys.stderr)
+        return 2
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else None
-    )
-    device = device or torch.device("cpu")
-    if world > 1:
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-
-    # A Qwen2.5-0.5B-sized LM head (D=896, V=151936) on 256 tokens per rank.
-    n, d, v = 256, 896, 151936
-    gen = torch.Generator().manual_seed(1234 + rank)
-    hidden = torch.randn(n, d, generator=gen).to(device).requires_grad_()
-    weight = (torch.randn(v, d, generator=gen) * d**-0.5).to(device).requires_grad_()
-    labels = torch.randint(0, v, (n,), generator=gen).to(device)
-    labels[-1] = -100  # the last token of a sequence has no next-token target
-
-    start = time.perf_counter()
-    logp, ent = linear_logprob_entropy(hidden, weight, labels)
-    (logp.sum() + 0.01 * ent.sum()).backward()
-    elapsed = time.perf_counter() - start
-
-    ref_logp, ref_ent = linear_logprob_entropy_reference(hidden.detach(), weight.detach(), labels)
-    err = torch.stack([(logp.double() - ref_logp).abs().max(), (ent.double() - ref_ent).abs().max()])
-    if world > 1:
-        dist.all_reduce(err, op=dist.ReduceOp.MAX)
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    rank = dist.get_rank() if dist.is_initialized() else 0
     if rank == 0:
-        print("prorl: the ProRL v2 trainer is not built yet (issue 7); running the fused-op demo instead.")
-        print(
-            f"  linear_logprob_entropy[{resolve_backend(device)}] on {world} rank(s) x {n} tokens, "
-            f"D={d}, V={v}: forward+backward {elapsed:.2f} s on rank 0"
+        resolve_output_dir(cfg)
+    if dist.is_initialized():  # every rank writes to rank 0's directory
+        box = [cfg.output_dir]
+        dist.broadcast_object_list(box, src=0)
+        cfg.output_dir = box[0]
+    from transformers import PreTrainedTokenizerFast
+
+    from prorl.report import Reporter
+    from prorl.rewards.pool import RewardPool
+    from prorl.trainer import Trainer
+
+    model_path = resolve_model_path(cfg.model.path)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
+    train, val = load_examples(cfg, "train"), load_examples(cfg, "val")
+    sources = tuple(sorted({e.data_source for e in train + val}))
+    reporter = Reporter(cfg, rank)
+    if rank == 0:
+        print(to_yaml(cfg), flush=True)
+        reporter.save_config(to_yaml(cfg))
+    with RewardPool(
+        num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, preload=sources
+    ) as pool:
+        trainer = Trainer(cfg, model_path, tokenizer, train, val, pool)
+        t_start = time.time()
+        acc0 = trainer.validate()
+        reporter.validation(0, acc0)
+        reporter.say(
+            f"prorl: held-out accuracy before RL: {acc0:.1%} ({len(val)} problems, "
+            f"{'greedy' if cfg.trainer.val_temperature == 0 else 'T=' + str(cfg.trainer.val_temperature)})"
         )
-        print(f"  max |error| vs float64 reference: logp {err[0]:.2e}, entropy {err[1]:.2e}")
-        print(
-            f"  logits never materialised: {n * v * 4 / 2**20:.0f} MiB of fp32 [N, V] per rank not allocated"
-        )
-    ok = bool(err.max() < 1e-3)
-    if world > 1:
+        while trainer.step_count < cfg.trainer.total_steps:
+            metrics = trainer.step()
+            step = trainer.step_count
+            if cfg.trainer.val_every and (
+                step % cfg.trainer.val_every == 0 or step == cfg.trainer.total_steps
+            ):
+                metrics["val/accuracy"] = trainer.validate()
+            reporter.log(metrics)
+        reporter.say(f"prorl: trained {trainer.step_count} steps in {time.time() - t_start:.0f} s")
+        out = reporter.finish(trainer)
+    if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
-    if not ok:
-        print("prorl: demo FAILED: the op disagrees with the reference", file=sys.stderr)
-    return 0 if ok else 1
+    if rank == 0 and out:
+        print(out)
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""Training data: verl's parquet schema, JSONL with the same fields, and built-in generated task sets.
+
+One row, whatever the file format (verl's schema; what `prorl.rewards.score` receives is in brackets):
+
+    data_source              str, selects the verifier            [data_source]
+    prompt                   chat messages [{"role", "content"}, ...] (a plain string is taken as
+                             one user message, TRL style)
+    reward_model.ground_truth  anything JSON-serialisable          [ground_truth]
+    extra_info               dict, optional                        [extra]
+    ability                  str, optional (verl's domain tag)
+
+A row missing a field, with a wrong type, or with a data_source no verifier is registered for is an
+error at load time naming the file, the row and the field, never a surprise hours into a run
+(`skip_bad=True` drops such rows and counts them instead).
+
+Built-in task sets (no download; deterministic by seed):
+- `digit_sums`: sums of three single-digit numbers, answer in `\\boxed{}`, scored by the math
+  verifier; small enough for a ~0.5M-parameter model on a CPU (MACHINE-NOTES.md). The 1,000 possible
+  problems are split once, by a fixed permutation, into 800 train and 200 validation problems.
+- `reasoning_gym/<task>`: any Reasoning Gym generator; validation rows come from a different seed
+  (for tasks with few distinct problems the two may overlap).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Example:
+    prompt: list[dict]
+    data_source: str
+    ground_truth: Any
+    extra: dict = field(default_factory=dict)
+    ability: str | None = None
+
+    def to_row(self) -> dict:
+        """The verl-schema row of this example (what `load_file` reads back)."""
+        row = {
+            "data_source": self.data_source,
+            "prompt": self.prompt,
+            "reward_model": {"ground_truth": self.ground_truth},
+            "extra_info": self.extra,
+        }
+        if self.ability is not None:
+            row["ability"] = self.ability
+        return row
+
+
+class DataError(ValueError):
+    """A row that cannot be used; the message names file, row and field."""
+
+
+@dataclass
+class LoadReport:
+    rows: int = 0
+    skipped: int = 0
+    errors: list[str] = field(default_factory=list)  # the first few, when skipping
+
+
+# -- files -----------------------------------------------------------------------------------------------
+
+
+def _parse_row(row: Any, where: str, check_data_source: bool) -> Example:
+    def bad(field_name: str, problem: str) -> DataError:
+        return DataError(f"{where}: field '{field_name}' {problem}")
+
+    if not isinstance(row, dict):
+        raise DataError(f"{where}: a row must be an object, got {type(row).__name__}")
+    data_source = row.get("data_source")
+    if not isinstance(data_source, str) or not data_source:
+        raise bad(
+            "data_source", "is missing" if data_source is None else f"must be a string, got {data_source!r}"
+        )
+    if check_data_source:
+        from prorl.rewards import UnknownDataSourceError, lookup  # light: verifiers load lazily
+
+        try:
+            lookup(data_source)
+        except UnknownDataSourceError as exc:
+            raise bad("data_source", f"has no verifier: {exc}") from None
+
+    prompt = row.get("prompt")
+    if prompt is None:
+        raise bad("prompt", "is missing")
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        raise bad("prompt", "must be a non-empty list of chat messages or a string")
+    for i, msg in enumerate(prompt):
+        if not (
+            isinstance(msg, dict) and isinstance(msg.get("role"), str) and isinstance(msg.get("content"), str)
+        ):
+            raise bad(f"prompt[{i}]", f"must be {{'role': str, 'content': str}}, got {msg!r:.200}")
+    prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
+
+    reward_model = row.get("reward_model")
+    if reward_model is None and "ground_truth" in row:  # flat TRL-style column
+        reward_model = {"ground_truth": row["ground_truth"]}
+    if not isinstance(reward_model, dict):
+        raise bad("reward_model", "is missing" if reward_model is None else "must be an object")
+    if reward_model.get("ground_truth") is None:
+        raise bad("reward_model.ground_truth", "is missing")
+
+    extra = row.get("extra_info")
+    if extra is None:
+        extra = {}
+    elif isinstance(extra, str):
+        try:
+            extra = json.loads(extra)
+        except json.JSONDecodeError:
+            raise bad("extra_info", "is a string that is not JSON") from None
+    if not isinstance(extra, dict):
+        raise bad("extra_info", f"must be an object, got {type(extra).__name__}")
+    ability = row.get("ability")
+    if ability is not None and not isinstance(ability, str):
+        raise bad("ability", "must be a string")
+    return Example(prompt, data_source, reward_model["ground_truth"], extra, ability)
+
+
+def _read_rows(path: str):
+    """(row number from 0, row) pairs of a .parquet, .jsonl or .json file."""
+    lower = path.lower()
+    if lower.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError as exc:
+            raise ImportError("reading parquet needs pyarrow: pip install pyarrow") from exc
+        yield from enumerate(pq.read_table(path).to_pylist())
+    elif lower.endswith((".jsonl", ".jsonl.txt")):
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    yield i, json.loads(line)
+                except json.JSONDecodeError as exc:
+                    yield i, DataError(f"{path}: row {i} (line {i + 1}): not valid JSON ({exc})")
+    elif lower.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            rows = json.load(f)
+        if not isinstance(rows, list):
+            raise DataError(f"{path}: a .json data file must hold a list of rows")
+        yield from enumerate(rows)
+    else:
+        raise DataError(f"{path}: unknown data file type (use .parquet, .jsonl or .json)")
+
+
+def load_file(
+    path: str, *, check_data_source: bool = True, skip_bad: bool = False, report: LoadReport | None = None
+) -> list[Example]:
+    """Every row of `path` as an Example. Raises DataError on the first bad row unless `skip_bad`
+    (then bad rows are dropped and counted in `report`)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"data file not found: {path}")
+    report = report if report is not None else LoadReport()
+    out = []
+    for i, row in _read_rows(path):
+        try:
+            if isinstance(row, DataError):
+                raise row
+            out.append(_parse_row(row, f"{path}: row {i}", check_data_source))
+            report.rows += 1
+        except DataError as exc:
+            if not skip_bad:
+                raise
+            report.skipped += 1
+            if len(report.errors) < 10:
+                report.errors.append(str(exc))
+    return out
+
+
+def write_jsonl(examples: list[Example], path: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        for ex in examples:
+            f.write(json.dumps(ex.to_row()) + "\n")
+
+
+def write_parquet(examples: list[Example], path: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [ex.to_row() for ex in examples]
+    for row in rows:  # free-form values as JSON text, so mixed types fit one parquet column
+        if not isinstance(row["reward_model"]["ground_truth"], str):
+            row["reward_model"]["ground_truth"] = json.dumps(row["reward_model"]["ground_truth"])
+        row["extra_info"] = json.dumps(row["extra_info"])
+    pq.write_table(pa.Table.from_pylist(rows), path)
+
+
+# -- built-in task sets -----------------------------------------------------------------------------------
+
+SPLITS = ("train", "val")
+DIGIT_SUMS_SPLIT_SEED = 20251129  # fixed forever: changing it would leak validation problems into training
+DIGIT_SUMS_VAL_SIZE = 200
+
+
+def _digit_sum_problems(split: str) -> list[tuple[int, int, int]]:
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    problems = [(a, b, c) for a in range(10) for b in range(10) for c in range(10)]
+    random.Random(DIGIT_SUMS_SPLIT_SEED).shuffle(problems)
+    return problems[:DIGIT_SUMS_VAL_SIZE] if split == "val" else problems[DIGIT_SUMS_VAL_SIZE:]
+
+
+def digit_sums(n: int | None = None, seed: int = 0, split: str = "train") -> list[Example]:
+    """`n` problems "a+b+c=" (a, b, c in 0..9) from `split`, shuffled by `seed` (all of them when n is
+    None; cycling through fresh shuffles when n exceeds the split). ground_truth is the sum;
+    extra_info["solution"] is a worked answer ("3+5=8, 8+7=15. \\boxed{15}") for a supervised warm-start."""
+    problems = _digit_sum_problems(split)
+    rng = random.Random(seed)
+    n = len(problems) if n is None else n
+    picked: list[tuple[int, int, int]] = []
+    while len(picked) < n:
+        order = problems[:]
+        rng.shuffle(order)
+        picked += order[: n - len(picked)]
+    out = []
+    for a, b, c in picked:
+        s = a + b + c
+        solution = f"{a}+{b}={a + b}, {a + b}+{c}={s}. \\boxed{{{s}}}"
+        out.append(
+            Example(
+                prompt=[{"role": "user", "content": f"{a}+{b}+{c}="}],
+                data_source="math",
+                ground_truth=str(s),
+                extra={"split": split, "solution": solution, "task": "digit_sums"},
+                ability="math",
+            )
+        )
+    return out
+
+
+def reasoning_gym_tasks(
+    task: str, n: int, seed: int = 0, split: str = "train", config: dict | None = None
+) -> list[Example]:
+    """`n` problems of the Reasoning Gym generator `task`. The verifier regenerates each entry from
+    extra_info["reasoning_gym"] (task, seed, size, index, config), so nothing lossy is stored."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    from reasoning_gym.utils import SYSTEM_PROMPTS  # imports reasoning_gym (~5 s), only when used
+
+    from prorl.rewards.logic import dataset
+
+    split_seed = seed if split == "train" else seed + 1_000_003
+    config = dict(config or {})
+    ds = dataset(task, split_seed, n, json.dumps(config, sort_keys=True))
+    out = []
+    for i in range(n):
+        entry = ds[i]
+        ref = {"task": task, "seed": split_seed, "size": n, "index": i, "config": config}
+        out.append(
+            Example(
+                prompt=[
+                    {"role": "system", "content": SYSTEM_PROMPTS["default"]},
+                    {"role": "user", "content": entry["question"]},
+                ],
+                data_source=f"reasoning_gym/{task}",
+                ground_truth=str(entry["answer"]),
+                extra={"split": split, "reasoning_gym": ref},
+                ability="logic",
+            )
+        )
+    return out
+
+
+def builtin(name: str, n: int | None = None, seed: int = 0, split: str = "train") -> list[Example]:
+    """A built-in task set by name: "digit_sums" or "reasoning_gym/<task>"."""
+    if name == "digit_sums":
+        return digit_sums(n, seed, split)
+    if name.startswith("reasoning_gym/"):
+        return reasoning_gym_tasks(name.split("/", 1)[1], n if n is not None else 1000, seed, split)
+    raise ValueError(f"unknown built-in task set {name!r}; known: 'digit_sums', 'reasoning_gym/<task>'")
+
+
+__all__ = [
+    "DataError",
+    "Example",
+    "LoadReport",
+    "builtin",
+    "digit_sums",
+    "load_file",
+    "reasoning_gym_tasks",
+    "write_jsonl",
+    "write_parquet",
+]

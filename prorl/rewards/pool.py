@@ -1,0 +1,281 @@
+"""RewardPool: score a batch of responses in worker processes, each call under a hard timeout.
+
+A verifier that hangs (sympy on a pathological expression), crashes the interpreter (a segfault in a
+C extension, `os._exit`) or raises must not stop or freeze training. Each item goes to one worker;
+the parent keeps the clock. When an item outlives `timeout_s` its worker is SIGKILLed and replaced;
+when a worker dies its item is an error and the worker is replaced; either way the batch completes,
+the item scores 0 and is flagged, so the trainer logs `reward/timeout_frac` and `reward/error_frac`.
+
+Workers are fresh interpreters started with subprocess (fork+exec, like multiprocessing's "spawn"),
+never a bare fork of the trainer (which holds torch threads and CUDA state); unlike multiprocessing's
+spawn they do not re-import the trainer's `__main__`. They start with the parent's `sys.path`, import
+`prorl.rewards` (so the built-in keys are registered) and the modules of the keys in `preload`, then
+say "ready"; an item's clock starts only when it is handed to a ready worker. The verifier itself is
+sent with every item by reference (module + name, as pickle does), so user-registered verifiers must
+be module-level functions of modules the workers can import; the pool checks this when it scores.
+
+Talk is over a socketpair with multiprocessing's Connection framing (pickle). A worker that dies is
+seen as EOF on its connection.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import prorl.rewards as rewards
+
+log = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = 120.0
+
+
+@dataclass
+class BatchResult:
+    """Per-item outcome of `RewardPool.score_batch`; failed items score 0."""
+
+    scores: list[float]
+    timed_out: list[bool]
+    errored: list[bool]
+    errors: list[str | None]
+    extras: list[dict] = field(default_factory=list)
+
+    def metrics(self) -> dict[str, float]:
+        n = max(len(self.scores), 1)
+        return {
+            "reward/timeout_frac": sum(self.timed_out) / n,
+            "reward/error_frac": sum(self.errored) / n,
+        }
+
+
+class _Worker:
+    def __init__(self, preload: tuple[str, ...]):
+        parent_sock, child_sock = socket.socketpair()
+        code = (
+            "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
+            "from prorl.rewards.pool import _worker_main; _worker_main(int(sys.argv[2]))"
+        )
+        # a temporary directory of its own, removed when the worker is killed: a code sandbox killed
+        # with its worker cannot clean up after itself
+        self.tmpdir = tempfile.mkdtemp(prefix="prorl-reward-worker-")
+        os.chmod(self.tmpdir, 0o711)  # the sandbox's unprivileged uid must reach its directory inside
+        env = dict(
+            os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=self.tmpdir
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, json.dumps(sys.path), str(child_sock.fileno())],
+            pass_fds=(child_sock.fileno(),),
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+        child_sock.close()
+        self.conn = Connection(parent_sock.detach())
+        self.conn.send({"preload": list(preload)})
+        self.ready = False
+        self.started = time.monotonic()
+        self.item: int | None = None  # index of the item it is working on
+        self.deadline = 0.0
+
+    def kill(self) -> None:
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        self.proc.wait()
+        self.conn.close()
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+
+
+def _worker_main(fd: int) -> None:
+    """Worker loop: init, say ready, then score items until the parent closes the connection."""
+    conn = Connection(fd)
+    init = conn.recv()
+    try:
+        for key in init["preload"]:
+            rewards.load(rewards.lookup(key)[1])
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("init_error", traceback.format_exc()))
+        return
+    conn.send(("ready",))
+    while True:
+        try:
+            task = conn.recv()
+        except (EOFError, OSError):
+            return
+        data_source, entry, response, ground_truth, extra = task
+        try:
+            extra = dict(extra or {})
+            extra.setdefault("data_source", data_source)
+            result = rewards.load(entry)(response, ground_truth, extra)
+            value, info = rewards.normalize_result(result, data_source)
+            try:
+                pickle.dumps(info)
+            except Exception:  # noqa: BLE001 - extras are best-effort
+                info = {k: repr(v) for k, v in info.items()}
+            conn.send(("ok", value, info))
+        except Exception as exc:  # noqa: BLE001 - any verifier error scores 0 and is counted
+            conn.send(("error", f"{type(exc).__name__}: {exc}", {}))
+
+
+class RewardPool:
+    """A pool of `num_workers` verifier processes; `score_batch` blocks, `score_batch_async` does not.
+
+    timeout_s: hard limit per item (wall clock, from hand-off to a ready worker). The code verifier
+        has its own 5 s budget inside, so keep this above that.
+    preload: registry keys whose modules each worker imports at start (math-verify ~1 s,
+        reasoning-gym ~5 s), so that import time never counts against an item.
+    """
+
+    def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, preload: tuple[str, ...] = ("math",)):
+        if num_workers < 1:
+            raise ValueError("num_workers must be >= 1")
+        self.timeout_s = float(timeout_s)
+        self.preload = tuple(preload)
+        self.workers = [_Worker(self.preload) for _ in range(num_workers)]
+        self.replaced = 0  # workers killed or lost and started again, over the pool's life
+        self._executor: ThreadPoolExecutor | None = None
+
+    # -- public API -------------------------------------------------------------------------------
+    def score_batch(
+        self,
+        data_sources: list[str],
+        responses: list[str],
+        ground_truths: list[Any],
+        extras: list[dict | None] | None = None,
+    ) -> BatchResult:
+        """Score every item; never raises for a verifier's failure (it scores 0 and is flagged).
+
+        Raises for caller bugs: unknown data_source, mismatched lengths, a verifier that cannot be
+        sent to the workers (lambda, closure), a worker that cannot start.
+        """
+        n = len(responses)
+        extras = list(extras) if extras is not None else [None] * n
+        if not (len(data_sources) == len(ground_truths) == len(extras) == n):
+            raise ValueError("data_sources, responses, ground_truths and extras must have equal lengths")
+        entries = {}
+        for ds in set(data_sources):
+            entry = rewards.lookup(ds)[1]
+            try:
+                pickle.dumps(entry)
+            except Exception as exc:
+                raise TypeError(
+                    f"the verifier for {ds!r} cannot be sent to worker processes ({exc}); register a "
+                    "module-level function of an importable module (not a lambda or closure)"
+                ) from exc
+            entries[ds] = entry
+        result = BatchResult([0.0] * n, [False] * n, [False] * n, [None] * n, [{} for _ in range(n)])
+        pending = deque(range(n))
+        remaining = n
+        while remaining:
+            for w in self.workers:
+                if w.ready and w.item is None and pending:
+                    i = pending.popleft()
+                    try:
+                        w.conn.send(
+                            (
+                                data_sources[i],
+                                entries[data_sources[i]],
+                                responses[i],
+                                ground_truths[i],
+                                extras[i],
+                            )
+                        )
+                    except OSError:  # died while idle: replace it and retry the item
+                        pending.appendleft(i)
+                        self._replace(w)
+                        continue
+                    w.item, w.deadline = i, time.monotonic() + self.timeout_s
+            now = time.monotonic()
+            deadlines = [w.deadline for w in self.workers if w.item is not None]
+            deadlines += [w.started + STARTUP_TIMEOUT_S for w in self.workers if not w.ready]
+            timeout = max(0.0, min(deadlines) - now) if deadlines else None
+            ready_conns = wait([w.conn for w in self.workers], timeout=timeout)
+            for w in list(self.workers):
+                if w.conn in ready_conns:
+                    remaining -= self._receive(w, result)
+            now = time.monotonic()
+            for w in list(self.workers):
+                if w.item is not None and now >= w.deadline:
+                    i = w.item
+                    result.timed_out[i], result.errors[i] = True, f"timeout after {self.timeout_s:g} s"
+                    remaining -= 1
+                    self._replace(w)
+                elif not w.ready and now >= w.started + STARTUP_TIMEOUT_S:
+                    raise RuntimeError(f"a reward worker did not start within {STARTUP_TIMEOUT_S:g} s")
+        return result
+
+    def score_batch_async(self, *args, **kwargs) -> Future:
+        """`score_batch` on a background thread; returns a Future of BatchResult. One batch at a time."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="reward-pool")
+        return self._executor.submit(self.score_batch, *args, **kwargs)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+            self._executor = None
+        for w in self.workers:
+            w.kill()
+        self.workers = []
+
+    def __enter__(self) -> RewardPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self):
+        try:
+            if getattr(self, "workers", None):
+                self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # -- internals --------------------------------------------------------------------------------
+    def _receive(self, w: _Worker, result: BatchResult) -> int:
+        """Handle what `w` sent (or its death). Returns how many items finished (0 or 1)."""
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):
+            code = w.proc.wait()
+            if w.item is None:
+                if not w.ready:
+                    raise RuntimeError(f"a reward worker exited during start-up (exit code {code})") from None
+                self._replace(w)
+                return 0
+            i = w.item
+            result.errored[i], result.errors[i] = True, f"worker died (exit code {code})"
+            self._replace(w)
+            return 1
+        if msg[0] == "ready":
+            w.ready = True
+            return 0
+        if msg[0] == "init_error":
+            raise RuntimeError(f"a reward worker failed to start:\n{msg[1]}")
+        i, w.item = w.item, None
+        status, payload, info = msg
+        if status == "ok":
+            result.scores[i], result.extras[i] = payload, info
+        else:
+            result.errored[i], result.errors[i] = True, payload
+            log.debug("reward error on item %d: %s", i, payload)
+        return 1
+
+    def _replace(self, w: _Worker) -> None:
+        w.kill()
+        self.workers[self.workers.index(w)] = _Worker(self.preload)
+        self.replaced += 1

@@ -1,0 +1,79 @@
+"""Start-up self-test: a known-right and a known-wrong answer through every configured verifier.
+
+A verifier that silently scores everything 0 (a missing dependency swallowed somewhere, a sandbox that
+cannot start on this host, math-verify called from a thread) wastes a whole run, so the trainer calls
+`self_test(data_sources, pool)` before step 0 and stops with this module's message if any built-in
+verifier does not give the right answer 1 and the wrong answer 0, or times out, or errors.
+"""
+
+from __future__ import annotations
+
+from prorl.rewards import lookup
+
+_STDIO = {"inputs": ["2 3\n", "10 -4\n"], "outputs": ["5\n", "6\n"]}
+_SUM = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+
+# built-in key -> (data_source, right response, wrong response, ground truth, extra)
+SAMPLES: dict[str, tuple] = {
+    "math": ("math", "<think>1/2</think> \\boxed{\\frac{1}{2}}", "\\boxed{0.6}", "0.5", None),
+    "stem": ("stem", "The answer is (C).", "The answer is (B).", "C", None),
+    "ifeval": (
+        "ifeval",
+        "all lower case and no commas here",
+        "Has Capitals, and commas",
+        {
+            "instruction_id_list": ["change_case:english_lowercase", "punctuation:no_comma"],
+            "kwargs": [{}, {}],
+        },
+        None,
+    ),
+    "reasoning_gym": (
+        "reasoning_gym/basic_arithmetic",
+        "<answer>12</answer>",
+        "<answer>13</answer>",
+        "12",
+        None,
+    ),
+    "code": ("code", _SUM, _SUM.replace("a + b", "a - b"), _STDIO, None),
+}
+
+
+def self_test(data_sources, pool=None) -> dict[str, str]:
+    """Check the verifier behind each data source (once per verifier). Returns {key: "ok" | "skipped:
+    no sample"}; raises RuntimeError naming every verifier that misbehaved and how."""
+    keys = sorted({lookup(ds)[0] for ds in data_sources})
+    status, failures = {}, []
+    todo = [k for k in keys if k in SAMPLES]
+    status.update({k: "skipped: no sample" for k in keys if k not in SAMPLES})
+    if not todo:
+        return status
+    items = [(SAMPLES[k][0], SAMPLES[k][i], SAMPLES[k][3], SAMPLES[k][4]) for k in todo for i in (1, 2)]
+    sources, responses, truths, extras = (list(x) for x in zip(*items))
+    if pool is not None:
+        res = pool.score_batch(sources, responses, truths, extras)
+        outcomes = [
+            (s, "timeout" if t else f"error: {e}" if err else None)
+            for s, t, err, e in zip(res.scores, res.timed_out, res.errored, res.errors)
+        ]
+    else:
+        from prorl.rewards import score
+
+        outcomes = []
+        for item in items:
+            try:
+                outcomes.append((score(*item), None))
+            except Exception as exc:  # noqa: BLE001 - reported below
+                outcomes.append((0.0, f"error: {type(exc).__name__}: {exc}"))
+    for j, key in enumerate(todo):
+        (right, right_problem), (wrong, wrong_problem) = outcomes[2 * j], outcomes[2 * j + 1]
+        problems = [p for p in (right_problem, wrong_problem) if p]
+        if right != 1.0:
+            problems.append(f"known-right answer scored {right}")
+        if wrong != 0.0:
+            problems.append(f"known-wrong answer scored {wrong}")
+        if problems:
+            failures.append(f"{key}: " + "; ".join(problems))
+        status[key] = "ok" if not problems else "failed"
+    if failures:
+        raise RuntimeError("reward self-test failed:\n  " + "\n  ".join(failures))
+    return status

@@ -1,0 +1,508 @@
+"""The ProRL v2 trainer: one RL step reads like the data flow in DESIGN.md.
+
+    prompts -> generate n each -> verify -> shape (stop-properly, scheduled cosine length penalty)
+      -> dynamic sampling on RAW rewards (drop all-equal groups, refill with new prompts, carry surplus)
+      -> old / reference log-probs -> REINFORCE++-baseline advantages (global whitening)
+      -> M mini-batch updates of PPO-Clip-Higher + k2 KL, from hidden states with the fused op
+      -> (weights already in the sampler: it samples from the trained model) -> metrics -> reference reset
+
+Under torchrun every rank takes `prompts_per_step / world` prompts, generates and verifies its own groups
+(a group never straddles ranks), and the global pieces are collective: the advantage whitening, the
+token normaliser of each mini-batch, the gradients (summed: each rank's loss is already divided by the
+global token count) and the metrics. The sampler is prorl's own `NativeGenerator` on the policy itself,
+so there is no weight copy; the vLLM backend (GPU) receives the weights after each step instead.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from prorl import algorithm
+from prorl.config import Config
+from prorl.engine.model import load_hf
+from prorl.engine.optim import Optimizer, OptimizerConfig
+from prorl.engine.rollout import NativeGenerator, SamplingParams
+from prorl.kernels import group_advantages, linear_logprob_entropy, ppo_loss
+
+
+@dataclass
+class Group:
+    """One prompt's n responses, as they travel through a step."""
+
+    example_index: int
+    prompt_ids: list[int]
+    responses: list[list[int]]
+    sampler_logps: list[list[float]]
+    truncated: list[bool]
+    raw: list[float] | None = None  # verifier scores
+    shaped: list[float] | None = None
+
+
+def world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def all_reduce_(t: torch.Tensor, op=None) -> torch.Tensor:
+    if world()[1] > 1:
+        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
+    return t
+
+
+class Trainer:
+    def __init__(self, cfg: Config, model_path: str, tokenizer, train_examples, val_examples, reward_pool):
+        self.cfg = cfg
+        self.rank, self.world = world()
+        torch.manual_seed(cfg.seed + self.rank)
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        self.policy = load_hf(model_path, dtype=dtype)
+        self.reference = load_hf(model_path, dtype=dtype).requires_grad_(False).eval()
+        self.tokenizer = tokenizer
+        self.stop_ids = [
+            tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>",) if t in tokenizer.get_vocab()
+        ]
+        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.stop_ids:
+            self.stop_ids.append(tokenizer.eos_token_id)
+        self.generator = NativeGenerator(self.policy)
+        self.train_examples, self.val_examples = train_examples, val_examples
+        self.pool = reward_pool
+        o = cfg.optim
+        self.optimizer = Optimizer(
+            self.policy,
+            OptimizerConfig(
+                lr=o.lr,
+                betas=tuple(o.betas),
+                weight_decay=o.weight_decay,
+                max_grad_norm=o.grad_clip,
+                schedule=o.schedule,
+                warmup_steps=o.warmup_steps,
+                total_steps=max(cfg.trainer.total_steps * cfg.trainer.mini_batches, 1),
+                min_lr_ratio=o.min_lr_ratio,
+            ),
+        )
+        a = cfg.algorithm
+        self.reset_policy = algorithm.ReferenceResetPolicy(
+            interval=a.reset_interval,
+            kl_spike_factor=a.reset_kl_spike_factor,
+            window=a.reset_window,
+            patience=a.reset_patience,
+            reset_optimizer=a.reset_optimizer,
+        )
+        self.step_count = 0
+        self.data_rng = random.Random(cfg.seed * 1000 + self.rank)
+        self.data_order: list[int] = []
+        self.carry: list[Group] = []  # kept groups beyond this step's need, used first next step
+        self.consecutive_skips = 0
+
+    # ------------------------------------------------------------------------------------------
+    # data
+    # ------------------------------------------------------------------------------------------
+    def next_examples(self, k: int) -> list[int]:
+        out = []
+        while len(out) < k:
+            if not self.data_order:
+                self.data_order = list(range(len(self.train_examples)))
+                if self.cfg.data.shuffle:
+                    self.data_rng.shuffle(self.data_order)
+            out.append(self.data_order.pop())
+        return out
+
+    def encode_prompt(self, example) -> list[int]:
+        text = self.tokenizer.apply_chat_template(example.prompt, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)[-self.cfg.data.max_prompt_tokens :]
+
+    # ------------------------------------------------------------------------------------------
+    # rollout + verification
+    # ------------------------------------------------------------------------------------------
+    def rollout(self, example_indices: list[int], seed: int, max_new: int) -> list[Group]:
+        r = self.cfg.rollout
+        prompts = [self.encode_prompt(self.train_examples[i]) for i in example_indices]
+        params = SamplingParams(
+            n=r.n,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=max_new,
+            stop_token_ids=self.stop_ids,
+            seed=seed,
+        )
+        self.policy.eval()
+        out = self.generator.generate(prompts, params).by_prompt()
+        groups = []
+        for p, ex in enumerate(example_indices):
+            samples = out[p]
+            groups.append(
+                Group(
+                    ex,
+                    prompts[p],
+                    [s.token_ids for s in samples],
+                    [s.logprobs for s in samples],
+                    [s.finish_reason == "length" for s in samples],
+                )
+            )
+        return groups
+
+    def verify(self, groups: list[Group]) -> dict[str, float]:
+        exs = [self.train_examples[g.example_index] for g in groups for _ in g.responses]
+        texts = [self.tokenizer.decode(t, skip_special_tokens=True) for g in groups for t in g.responses]
+        res = self.pool.score_batch(
+            [e.data_source for e in exs], texts, [e.ground_truth for e in exs], [e.extra for e in exs]
+        )
+        i = 0
+        for g in groups:
+            g.raw = res.scores[i : i + len(g.responses)]
+            i += len(g.responses)
+        return res.metrics()
+
+    def collect(self, need: int, max_new: int) -> tuple[list[Group], dict[str, float]]:
+        """Dynamic sampling (RECIPE §6): keep groups whose RAW rewards differ, refill until `need` groups."""
+        a = self.cfg.algorithm
+        kept, seen, rounds, rmetrics = (
+            list(self.carry),
+            [],
+            0,
+            {"reward/timeout_frac": 0.0, "reward/error_frac": 0.0},
+        )
+        self.carry = []
+        while len(kept) < need and rounds < (a.max_rounds if a.dynamic_sampling else 1):
+            missing = need - len(kept)
+            k = missing if (rounds == 0 or not a.dynamic_sampling) else math.ceil(missing * a.oversample)
+            seed = (self.cfg.seed * 1_000_003 + self.step_count * 101 + rounds) * 64 + self.rank
+            groups = self.rollout(self.next_examples(k), seed, max_new)
+            m = self.verify(groups)
+            for key in rmetrics:
+                rmetrics[key] += m[key] * len(groups)
+            seen += groups
+            rounds += 1
+            for g in groups:
+                if not a.dynamic_sampling or max(g.raw) > min(g.raw):
+                    kept.append(g)
+        if len(kept) > need:
+            self.carry = kept[need:]
+            kept = kept[:need]
+        raw = torch.tensor([r for g in seen for r in g.raw]) if seen else torch.zeros(0)
+        gidx = torch.arange(len(seen)).repeat_interleave(self.cfg.rollout.n)
+        metrics = {k: v / max(len(seen), 1) for k, v in rmetrics.items()}
+        metrics.update(algorithm.group_pass_stats(raw, gidx, max(len(seen), 1)) if seen else {})
+        metrics["dynamic_sampling/rounds"] = rounds
+        metrics["dynamic_sampling/kept_groups"] = len(kept)
+        return kept, metrics
+
+    def shape(self, groups: list[Group], max_new: int) -> torch.Tensor:
+        """Stop-properly, then the cosine length term while its schedule is on; returns the length term."""
+        rc = self.cfg.reward
+        raw = torch.tensor([r for g in groups for r in g.raw])
+        trunc = torch.tensor([t for g in groups for t in g.truncated])
+        lengths = torch.tensor([len(t) for g in groups for t in g.responses])
+        shaped = algorithm.stop_properly(raw, trunc, rc.c_stop)
+        term = torch.zeros_like(shaped)
+        if rc.length_penalty and algorithm.length_penalty_on(
+            self.step_count, rc.length_k_on, rc.length_k_off
+        ):
+            shaped, term = algorithm.cosine_length_shaping(
+                shaped,
+                lengths,
+                trunc,
+                raw >= 1.0,
+                max_len=max_new,
+                lam=rc.length_lam,
+                eta_min=rc.length_eta_min,
+                eta_max=rc.length_eta_max,
+                wrong_eta_min=rc.wrong_eta_min,
+                wrong_eta_max=rc.wrong_eta_max,
+            )
+        i = 0
+        for g in groups:
+            g.shaped = shaped[i : i + len(g.responses)].tolist()
+            i += len(g.responses)
+        return term
+
+    # ------------------------------------------------------------------------------------------
+    # log-probs and the update
+    # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def pack(seqs: list[tuple[list[int], list[int]]]):
+        """(prompt, response) pairs -> ids [N], labels [N] (next-token targets of response tokens only),
+        cu_seqlens [S+1], response mask [N] marking the positions whose label is a response token."""
+        ids, labels, lengths = [], [], []
+        for prompt, resp in seqs:
+            seq = prompt + resp
+            ids += seq
+            labels += [-100] * (len(prompt) - 1) + resp + [-100]
+            lengths.append(len(seq))
+        labels_t = torch.tensor(labels)
+        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        return torch.tensor(ids), labels_t, cu, labels_t != -100
+
+    def logprobs(self, model, ids, labels, cu, temperature, grad: bool, entropy: bool = False):
+        with torch.set_grad_enabled(grad):
+            hidden = model(ids, cu_seqlens=cu)
+            return linear_logprob_entropy(
+                hidden, model.lm_head_weight, labels, temperature=temperature, return_entropy=entropy
+            )
+
+    def update(self, groups: list[Group]) -> dict[str, float]:
+        cfg, a = self.cfg, self.cfg.algorithm
+        temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        timing = {}
+        # advantages over the global batch (group centring local, whitening across ranks)
+        t0 = time.perf_counter()
+        rewards = torch.tensor([r for g in groups for r in g.shaped], dtype=torch.float32)
+        gidx = torch.arange(len(groups)).repeat_interleave(cfg.rollout.n)
+        lengths = torch.tensor([len(t) for g in groups for t in g.responses], dtype=torch.float32)
+        pg = dist.group.WORLD if self.world > 1 else None
+        adv = group_advantages(
+            rewards,
+            gidx,
+            mode=a.advantage,
+            std_unbiased=a.grpo_std_unbiased,
+            lengths=lengths,
+            weighting=a.whiten_weighting,
+            num_groups=len(groups),
+            process_group=pg,
+        )
+        seqs = [(g.prompt_ids, t) for g in groups for t in g.responses]
+        sampler = [lp for g in groups for lp in g.sampler_logps]
+        # old and reference log-probs, one packed pass each (no grad)
+        self.policy.eval()
+        ids, labels, cu, mask = self.pack(seqs)
+        old, _ = self.logprobs(self.policy, ids, labels, cu, temp, grad=False)
+        ref, _ = self.logprobs(self.reference, ids, labels, cu, temp, grad=False)
+        sampler_t = torch.zeros_like(old)
+        sampler_t[mask] = torch.tensor([x for lp in sampler for x in lp])
+        token_adv = torch.repeat_interleave(adv, torch.tensor([len(p) + len(t) for p, t in seqs]))
+        timing["timing_s/old_logp"] = time.perf_counter() - t0
+        mismatch = ((old - sampler_t).abs() * mask).sum() / mask.sum().clamp(min=1)
+
+        # M mini-batch updates
+        t0 = time.perf_counter()
+        self.policy.train()
+        order = list(range(len(groups)))
+        per_mb = math.ceil(len(groups) / cfg.trainer.mini_batches)
+        stats = {
+            "pg_loss": 0.0,
+            "kl_loss": 0.0,
+            "clipfrac_low": 0.0,
+            "clipfrac_high": 0.0,
+            "approx_kl": 0.0,
+            "kl_mean": 0.0,
+            "entropy": 0.0,
+            "grad_norm": 0.0,
+            "tokens": 0.0,
+        }
+        n_updates = 0
+        bounds = cu.tolist()
+        for m0 in range(0, cfg.trainer.mini_batches * per_mb, per_mb):
+            mb_groups = order[m0 : m0 + per_mb]
+            rows = [gi * cfg.rollout.n + j for gi in mb_groups for j in range(cfg.rollout.n)]
+            # tokens of these sequences in the packed step tensors
+            sel = (
+                torch.cat([torch.arange(bounds[r], bounds[r + 1]) for r in rows])
+                if rows
+                else torch.zeros(0, dtype=torch.long)
+            )
+            mb_lengths = [bounds[r + 1] - bounds[r] for r in rows]
+            n_local = mask[sel].sum().to(torch.float64)
+            n_global = all_reduce_(n_local.clone())
+            if n_global.item() == 0:
+                continue
+            mb_cu = torch.tensor([0] + mb_lengths).cumsum(0).to(torch.int32)
+            if rows:
+                logp, ent = self.logprobs(
+                    self.policy, ids[sel], labels[sel], mb_cu, temp, grad=True, entropy=True
+                )
+                is_w = algorithm.importance_weights(old[sel], sampler_t[sel], a.is_mode, a.is_low, a.is_high)
+                loss, m = ppo_loss(
+                    logp,
+                    old[sel],
+                    token_adv[sel],
+                    mask[sel],
+                    eps_low=a.eps_low,
+                    eps_high=a.eps_high,
+                    dual_clip=a.dual_clip,
+                    ref_logp=ref[sel],
+                    kl_coef=a.kl_coef,
+                    kl_estimator=a.kl_estimator,
+                    kl_clamp=a.kl_clamp,
+                    is_weights=is_w,
+                    is_mode=a.is_mode if is_w is not None else "none",
+                    agg=a.agg,
+                    normalizer=n_global.float(),
+                    cu_seqlens=mb_cu,
+                )
+                if a.entropy_coef:
+                    loss = loss - a.entropy_coef * (ent * mask[sel]).sum() / n_global.float()
+                loss.backward()
+                for k in ("clipfrac_low", "clipfrac_high", "approx_kl", "kl_mean"):
+                    stats[k] += float(m[k]) * float(n_local)
+                stats["pg_loss"] += float(m["pg_loss"])
+                stats["kl_loss"] += float(m["kl_loss"])
+                stats["entropy"] += float((ent.detach() * mask[sel]).sum())
+                stats["tokens"] += float(n_local)
+            self.sync_grads()
+            result = self.optimizer.step()
+            stats["grad_norm"] += float(result.grad_norm)
+            self.consecutive_skips = 0 if not result.skipped else self.consecutive_skips + 1
+            if self.consecutive_skips >= cfg.trainer.max_consecutive_skips:
+                raise RuntimeError(
+                    f"{self.consecutive_skips} consecutive optimizer steps skipped for non-finite "
+                    "gradients; stopping (lower optim.lr or check the data)"
+                )
+            n_updates += 1
+        timing["timing_s/update"] = time.perf_counter() - t0
+        summed = all_reduce_(
+            torch.tensor(
+                [
+                    stats[k]
+                    for k in (
+                        "pg_loss",
+                        "kl_loss",
+                        "clipfrac_low",
+                        "clipfrac_high",
+                        "approx_kl",
+                        "kl_mean",
+                        "entropy",
+                        "tokens",
+                    )
+                ],
+                dtype=torch.float64,
+            )
+        )
+        tok = max(float(summed[7]), 1.0)
+        out = {
+            "actor/pg_loss": float(summed[0]) / max(n_updates, 1),
+            "actor/kl_loss": float(summed[1]) / max(n_updates, 1),
+            "actor/pg_clipfrac_lower": float(summed[2]) / tok,
+            "actor/pg_clipfrac": float(summed[3]) / tok,
+            "actor/ppo_kl": float(summed[4]) / tok,
+            "actor/kl_mean": float(summed[5]) / tok,
+            "actor/entropy": float(summed[6]) / tok,
+            "actor/grad_norm": stats["grad_norm"] / max(n_updates, 1),
+            "actor/lr": self.optimizer.lr,
+            "critic/advantages/mean": float(adv.mean()) if adv.numel() else 0.0,
+            "critic/advantages/max": float(adv.max()) if adv.numel() else 0.0,
+            "critic/advantages/min": float(adv.min()) if adv.numel() else 0.0,
+            "rollout/logprob_mismatch": float(all_reduce_(mismatch.double().clone())) / self.world,
+        }
+        out.update(timing)
+        return out
+
+    def sync_grads(self) -> None:
+        """Sum gradients over ranks (each rank's loss is already divided by the global token count)."""
+        if self.world == 1:
+            return
+        params = list(self.policy.parameters())
+        for p in params:  # a rank with no tokens in this mini-batch still takes part
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    # ------------------------------------------------------------------------------------------
+    # one step, validation, reference reset
+    # ------------------------------------------------------------------------------------------
+    def step(self) -> dict[str, float]:
+        cfg = self.cfg
+        t_start = time.perf_counter()
+        max_new = algorithm.scheduled_value(
+            self.step_count, cfg.rollout.max_response_schedule, cfg.rollout.max_response_tokens
+        )
+        need = cfg.trainer.prompts_per_step // self.world
+        t0 = time.perf_counter()
+        groups, metrics = self.collect(need, max_new)
+        metrics["timing_s/gen"] = time.perf_counter() - t0
+        term = self.shape(groups, max_new) if groups else torch.zeros(0)
+        raw = torch.tensor([r for g in groups for r in g.raw]) if groups else torch.zeros(0)
+        lengths = torch.tensor([len(t) for g in groups for t in g.responses], dtype=torch.float32)
+        trunc = torch.tensor([t for g in groups for t in g.truncated], dtype=torch.float32)
+        metrics.update(self.update(groups))
+        kl = metrics["actor/kl_mean"]
+        reason = self.reset_policy.should_reset(self.step_count, kl)
+        if reason is not None:
+            self.reset_reference(reason)
+        sums = all_reduce_(
+            torch.tensor(
+                [
+                    raw.sum(),
+                    float(raw.numel()),
+                    lengths.sum(),
+                    lengths.max() if lengths.numel() else 0,
+                    trunc.sum(),
+                    term.sum(),
+                ],
+                dtype=torch.float64,
+            )
+        )
+        cnt = max(float(sums[1]), 1.0)
+        metrics.update(
+            {
+                "critic/score/mean": float(sums[0]) / cnt,
+                "critic/rewards/mean": float(sums[0] + sums[5]) / cnt,
+                "response_length/mean": float(sums[2]) / cnt,
+                "response_length/max": float(sums[3]),
+                "response_length/clip_ratio": float(sums[4]) / cnt,
+                "reward/length_penalty/mean": float(sums[5]) / cnt,
+                "ref/num_resets": self.reset_policy.num_resets,
+                "ref/last_reset_step": self.reset_policy.last_reset_step,
+                "ref/reset_reason": reason or "",
+            }
+        )
+        elapsed = time.perf_counter() - t_start
+        metrics["timing_s/step"] = elapsed
+        metrics["perf/tokens_per_s"] = float(sums[2]) / max(elapsed, 1e-9)
+        self.step_count += 1
+        metrics["step"] = self.step_count
+        return metrics
+
+    @torch.no_grad()
+    def reset_reference(self, reason: str) -> None:
+        """pi_ref <- current policy, in place; optimizer state kept unless reset_optimizer (v1)."""
+        for p_ref, p in zip(self.reference.parameters(), self.policy.parameters()):
+            p_ref.copy_(p)
+        if self.reset_policy.reset_optimizer:
+            self.optimizer.reset_state() if hasattr(self.optimizer, "reset_state") else None
+        self.reset_policy.record_reset(self.step_count)
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Greedy (or val_temperature) accuracy on the validation set, split over ranks."""
+        cfg = self.cfg
+        exs = self.val_examples[self.rank :: self.world]
+        if not exs:
+            return 0.0
+        self.policy.eval()
+        prompts = [self.encode_prompt(e) for e in exs]
+        params = SamplingParams(
+            n=cfg.trainer.val_samples,
+            temperature=cfg.trainer.val_temperature,
+            max_new_tokens=cfg.rollout.max_response_tokens,
+            stop_token_ids=self.stop_ids,
+            seed=cfg.seed,
+        )
+        out = self.generator.generate(prompts, params)
+        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in out.samples]
+        ex_of = [exs[s.prompt_index] for s in out.samples]
+        res = self.pool.score_batch(
+            [e.data_source for e in ex_of], texts, [e.ground_truth for e in ex_of], [e.extra for e in ex_of]
+        )
+        sums = all_reduce_(torch.tensor([sum(res.scores), float(len(res.scores))], dtype=torch.float64))
+        acc = float(sums[0]) / max(float(sums[1]), 1.0)
+        self.reset_policy.observe_validation(acc)
+        return acc
+
+
+def write_jsonl(path: str, record: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")

@@ -1,0 +1,142 @@
+import os
+import tempfile
+import threading
+import time
+import uuid
+
+import pytest
+
+import prorl.rewards as rewards
+from prorl.rewards.pool import RewardPool
+from prorl.rewards.selftest import self_test
+
+
+@pytest.fixture
+def registered():
+    saved = dict(rewards._REGISTRY)
+    rewards.register("half", "reward_helpers:constant_half")
+    rewards.register("echo", "reward_helpers:echo_extra")
+    rewards.register("hang", "reward_helpers:sleep_forever")
+    rewards.register("crash", "reward_helpers:hard_exit")
+    rewards.register("raise", "reward_helpers:raises")
+    rewards.register("range", "reward_helpers:out_of_range")
+    yield
+    rewards._REGISTRY.clear()
+    rewards._REGISTRY.update(saved)
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RewardPool(num_workers=2, timeout_s=1.5, preload=()) as p:
+        yield p
+
+
+def test_batch_with_hangs_and_crashes_completes(registered, pool):
+    sources = ["half", "hang", "echo", "crash", "raise", "range", "echo", "half"]
+    responses = ["", "", "a", "", "", "", "a", ""]
+    truths = [None, None, "a", None, None, None, "b", None]
+    start = time.monotonic()
+    res = pool.score_batch(sources, responses, truths)
+    elapsed = time.monotonic() - start
+    assert res.scores == [0.5, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5]
+    assert res.timed_out == [False, True, False, False, False, False, False, False]
+    assert res.errored == [False, False, False, True, True, True, False, False]
+    assert "exit code 3" in res.errors[3] and "verifier bug" in res.errors[4] and "outside" in res.errors[5]
+    assert res.extras[2] == {"data_source": "echo"}
+    assert res.metrics() == {"reward/timeout_frac": 1 / 8, "reward/error_frac": 3 / 8}
+    assert elapsed < 10  # one timeout (1.5 s) plus replacing workers, not a hang
+    # the pool is healthy afterwards: the replaced workers score normally
+    again = pool.score_batch(["half"] * 4, [""] * 4, [None] * 4)
+    assert again.scores == [0.5] * 4 and not any(again.errored + again.timed_out)
+
+
+def test_all_hang_still_completes(registered, pool):
+    res = pool.score_batch(["hang"] * 3, [""] * 3, [None] * 3)
+    assert res.timed_out == [True] * 3 and res.scores == [0.0] * 3
+
+
+def test_async_and_math_in_workers():
+    pytest.importorskip("math_verify")
+    # math-verify uses signal.alarm: in the workers its own timeout works (no "threaded" error);
+    # preloading keeps its import (~1 s) out of the items' clock
+    with RewardPool(num_workers=1, timeout_s=30, preload=("math",)) as math_pool:
+        fut = math_pool.score_batch_async(
+            ["openai/gsm8k", "math"], ["\\boxed{0.5}", "\\boxed{3}"], ["\\frac12", "4"]
+        )
+        res = fut.result(timeout=60)
+    assert res.scores == [1.0, 0.0] and not any(res.errored + res.timed_out), res.errors
+
+
+def test_caller_errors_raise(registered, pool):
+    with pytest.raises(LookupError):
+        pool.score_batch(["nope"], [""], [None])
+    rewards.register("lam", lambda r, g, e: 1.0)
+    with pytest.raises(TypeError, match="module-level"):
+        pool.score_batch(["lam"], [""], [None])
+    with pytest.raises(ValueError):
+        pool.score_batch(["half"], ["", ""], [None])
+
+
+def test_math_in_a_thread_without_pool():
+    out = []
+    t = threading.Thread(target=lambda: out.append(rewards.score("math", "\\boxed{\\frac{2}{4}}", "0.5")))
+    t.start()
+    t.join(60)
+    assert out == [1.0]
+
+
+def _processes_with(marker):
+    found = []
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    found += [int(pid)] if marker.encode() in f.read() else []
+            except OSError:
+                pass
+    return found
+
+
+def test_pool_timeout_kills_the_code_sandbox_too(pool):
+    # the worker is SIGKILLed on the pool's timeout while its sandbox runs: the sandbox must die with it
+    marker = f"prorl-pool-{uuid.uuid4().hex}"
+    code = f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'while True: pass', '{marker}'])"
+    response = f"```python\n{code}\n```"
+    gt = {"inputs": ["1\n"], "outputs": ["1\n"]}
+    res = pool.score_batch(["code"], [response], [gt], [{"time_limit_s": 30}])
+    assert res.timed_out == [True]
+    deadline = time.monotonic() + 5
+    while _processes_with(marker) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    leftover = _processes_with(marker)
+    for pid in leftover:
+        os.kill(pid, 9)
+    assert leftover == []
+    # nor its private directory (the killed worker could not remove it; the pool removes its TMPDIR)
+    assert all(os.path.isdir(w.tmpdir) for w in pool.workers)
+    assert not [d for d in os.listdir(tempfile.gettempdir()) if d.startswith("prorl-sbx-")]
+
+
+ALL_BUILTINS = ["math", "stem", "ifeval", "reasoning_gym/leg_counting", "code"]
+
+
+def test_self_test_in_process():
+    pytest.importorskip("math_verify")
+    pytest.importorskip("reasoning_gym")
+    assert self_test(ALL_BUILTINS) == {k: "ok" for k in ["code", "ifeval", "math", "reasoning_gym", "stem"]}
+
+
+def test_self_test_with_pool():
+    pytest.importorskip("math_verify")
+    with RewardPool(num_workers=2, timeout_s=30, preload=("math",)) as p:
+        assert self_test(["openai/gsm8k", "codeforces"], p) == {"math": "ok", "code": "ok"}
+
+
+def test_self_test_names_broken_verifiers(registered):
+    rewards.register("math", "reward_helpers:constant_half")
+    rewards.register("stem", "reward_helpers:raises")
+    with pytest.raises(
+        RuntimeError, match=r"(?s)math: known-right answer scored 0.5.*stem: error: RuntimeError"
+    ):
+        self_test(["math", "stem", "half"])
+    assert self_test(["half"]) == {"half": "skipped: no sample"}
