@@ -108,18 +108,22 @@ setup(
     cmdclass={"build_ext": CMakeBuild},
     # torch is a requirement, but installing it is the user's first step (README): on CPU machines an
     # unpinned `torch` pulls a multi-GB CUDA build. The range below admits the 2.13 CPU build.
-    install_requires=["torch>=2.6", "numpy", "tqdm"],
+    install_requires=[
+        "torch>=2.6",
+        "numpy",
+        "omegaconf>=2.3",
+        "pyyaml",
+        "safetensors",
+        "tokenizers",
+        "transformers>=4.51",
+        "math-verify>=0.9.0",
+        "matplotlib",
+        "tqdm",
+    ],
     extras_require={
-        "test": [
-            "pytest>=8",
-            "ruff",
-            "triton",
-            "transformers>=4.51",
-            "safetensors",
-            "matplotlib",
-            "liger-kernel",
-        ],
-        "bench": ["matplotlib", "liger-kernel", "triton"],
+        "rewards": ["reasoning-gym>=0.1.25", "pyarrow", "langdetect"],
+        "test": ["pytest>=8", "ruff", "triton", "liger-kernel", "trl", "reasoning-gym>=0.1.25", "pyarrow"],
+        "bench": ["liger-kernel", "triton", "trl"],
         "gpu": ["flash-attn", "transformer-engine[pytorch]", "vllm"],
     },
     zip_safe=False,
