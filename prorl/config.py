@@ -60,6 +60,9 @@ class RolloutConfig:
 
 @dataclass
 class RewardConfig:
+    # modules imported at start (and by every reward worker) that call prorl.rewards.register(...):
+    # how users add verifiers without editing the package
+    plugins: list[str] = field(default_factory=list)
     num_workers: int = 2
     timeout_s: float = 10.0
     c_stop: float = 0.0  # reward multiplier of responses cut at the length limit

@@ -19,6 +19,19 @@ Built-in task sets (no download; deterministic by seed):
   problems are split once, by a fixed permutation, into 800 train and 200 validation problems.
 - `reasoning_gym/<task>`: any Reasoning Gym generator; validation rows come from a different seed
   (for tasks with few distinct problems the two may overlap).
+
+Mixing files (`load_mixture`, `mix`). A file spec is `path` or `path:weight` (as in
+`data.train_files=[math.parquet:3,code.parquet:1]`). Without weights the files are concatenated, in
+order. With weights (all specs must then have one) the weights are SHARES of the mixture, normalised,
+as Megatron's blend weights are: `n` examples (default: the files' total size) are apportioned by
+largest remainder, and each file gives its share as seeded shuffled passes over its rows (subsampled
+when its share is smaller than the file; repeated, every row once per pass, when larger); the mixture
+is then shuffled so the domains interleave. A path that exists as given, or whose text after the last
+`:` is not a number, is taken whole.
+
+Tokenizing (`encode_prompts`): the model's chat template with the generation prompt, then the token
+ids without added special tokens; a prompt over `max_prompt_tokens` is FILTERED and counted, never
+truncated (a truncated problem statement is a different problem, and its reward is noise).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import os
 import sys
 import time
@@ -81,8 +82,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from prorl.report import Reporter
     from prorl.rewards.pool import RewardPool
+    from prorl.rewards.selftest import self_test
     from prorl.trainer import Trainer
 
+    for module in cfg.reward.plugins:  # user verifiers: each module calls prorl.rewards.register(...)
+        importlib.import_module(module)
     model_path = resolve_model_path(cfg.model.path)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
     train, val = load_examples(cfg, "train"), load_examples(cfg, "val")
@@ -92,8 +96,16 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg), flush=True)
         reporter.save_config(to_yaml(cfg))
     with RewardPool(
-        num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, preload=sources
+        num_workers=cfg.reward.num_workers,
+        timeout_s=cfg.reward.timeout_s,
+        preload=sources,
     ) as pool:
+        try:  # a verifier that silently scores everything 0 would waste the whole run
+            status = self_test(sources, pool)
+        except RuntimeError as exc:
+            print(f"prorl: {exc}", file=sys.stderr)
+            return 3
+        reporter.say("prorl: reward self-test: " + ", ".join(f"{k} {v}" for k, v in status.items()))
         trainer = Trainer(cfg, model_path, tokenizer, train, val, pool)
         t_start = time.time()
         acc0 = trainer.validate()

@@ -131,9 +131,17 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    tokenizer = build_tokenizer()
-    model = Decoder(tiny_config(len(tokenizer)))
-    model.init_weights(torch.Generator().manual_seed(args.seed))
+    if args.init:
+        from transformers import PreTrainedTokenizerFast
+
+        from prorl.engine.model import load_hf
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.init)
+        model = load_hf(args.init)
+    else:
+        tokenizer = build_tokenizer()
+        model = Decoder(tiny_config(len(tokenizer)))
+        model.init_weights(torch.Generator().manual_seed(args.seed))
     opt = Optimizer(
         model,
         OptimizerConfig(
@@ -173,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         loss = -logp.sum() / (torch.tensor(labels) != -100).sum()
         loss.backward()
         opt.step()
-        if step % args.eval_every == 0 or step == args.steps:
+        out_of_time = args.minutes is not None and time.time() - start > 60 * args.minutes
+        if step % args.eval_every == 0 or step == args.steps or out_of_time:
             model.eval()
             acc = greedy_accuracy(model, tokenizer, val)
             model.train()
@@ -186,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(rec), flush=True)
             log.write(json.dumps(rec) + "\n")
             log.flush()
+        if out_of_time:
+            break
     save_hf(model, args.out)
     tokenizer.save_pretrained(args.out)
     with open(os.path.join(args.out, "warmstart_args.json"), "w") as f:
