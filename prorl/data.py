@@ -37,6 +37,7 @@ truncated (a truncated problem statement is a different problem, and its reward 
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 from dataclasses import dataclass, field
@@ -205,6 +206,123 @@ def write_parquet(examples: list[Example], path: str) -> None:
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
+# -- mixing and tokenizing ---------------------------------------------------------------------------------
+
+
+def parse_file_spec(spec: str) -> tuple[str, float | None]:
+    """`"path"` -> (path, None); `"path:weight"` -> (path, weight > 0). See "Mixing files" above."""
+    if os.path.exists(spec) or ":" not in spec:
+        return spec, None
+    path, _, text = spec.rpartition(":")
+    try:
+        weight = float(text)
+    except ValueError:
+        return spec, None  # a ':' inside the path (s3://..., a Windows drive), not a weight
+    if not math.isfinite(weight) or weight <= 0:
+        raise DataError(f"{spec}: the weight after ':' must be a positive number, got {text!r}")
+    return path, weight
+
+
+def _shuffled_passes(items: list, n: int, rng: random.Random) -> list:
+    """`n` items drawn as successive shuffled passes over `items`: no repeat before every item is used."""
+    picked: list = []
+    while len(picked) < n:
+        order = items[:]
+        rng.shuffle(order)
+        picked += order[: n - len(picked)]
+    return picked
+
+
+def mix(sources: list[tuple[list[Example], float]], n: int | None = None, seed: int = 0) -> list[Example]:
+    """A shuffled mixture of `n` examples (default: the sources' total size) in which source i holds the
+    share weight_i / sum(weights), apportioned by largest remainder (ties to the earlier source).
+
+    Each source gives its count as seeded shuffled passes over its examples (subsampled or repeated);
+    each source has its own random stream, so changing one weight does not redraw the others.
+    """
+    if not sources:
+        raise ValueError("mix: no sources")
+    weights = [float(w) for _, w in sources]
+    for i, ((examples, _), w) in enumerate(zip(sources, weights)):
+        if not math.isfinite(w) or w <= 0:
+            raise ValueError(f"mix: source {i} has weight {w}; weights must be positive")
+        if not examples:
+            raise ValueError(f"mix: source {i} has no examples, so it cannot fill its share")
+    total = sum(len(ex) for ex, _ in sources) if n is None else int(n)
+    if total < 0:
+        raise ValueError(f"mix: n must be >= 0, got {n}")
+    quotas = [total * w / sum(weights) for w in weights]
+    counts = [int(q) for q in quotas]
+    by_remainder = sorted(range(len(quotas)), key=lambda i: (counts[i] - quotas[i], i))
+    for i in by_remainder[: total - sum(counts)]:
+        counts[i] += 1
+    out: list[Example] = []
+    for i, ((examples, _), count) in enumerate(zip(sources, counts)):
+        out += _shuffled_passes(examples, count, random.Random(f"prorl.data.mix:{seed}:{i}"))
+    random.Random(f"prorl.data.mix:{seed}").shuffle(out)
+    return out
+
+
+def load_mixture(
+    specs: list[str],
+    *,
+    n: int | None = None,
+    seed: int = 0,
+    check_data_source: bool = True,
+    skip_bad: bool = False,
+    report: LoadReport | None = None,
+) -> list[Example]:
+    """Examples of several files given as `path` or `path:weight` specs (see "Mixing files" above).
+
+    All unweighted and `n` None: the plain concatenation, in order. All unweighted with `n`: a `mix`
+    weighted by file size. Weighted: `mix(..., n, seed)`. Some weighted and some not: DataError.
+    """
+    parsed = [parse_file_spec(s) for s in specs]
+    unweighted = [s for s, (_, w) in zip(specs, parsed) if w is None]
+    if unweighted and len(unweighted) < len(specs):
+        raise DataError(
+            f"data files {unweighted} have no ':weight' while others do; give every file a weight or none"
+        )
+    loaded = [
+        load_file(path, check_data_source=check_data_source, skip_bad=skip_bad, report=report)
+        for path, _ in parsed
+    ]
+    if unweighted and n is None:
+        return [ex for examples in loaded for ex in examples]
+    for (path, _), examples in zip(parsed, loaded):
+        if not examples:
+            raise DataError(f"{path}: no usable rows, so it cannot take part in a weighted mixture")
+    weights = [len(ex) if w is None else w for (_, w), ex in zip(parsed, loaded)]
+    return mix(list(zip(loaded, weights)), n, seed)
+
+
+def encode_prompts(
+    examples: list[Example], tokenizer, max_prompt_tokens: int | None = None
+) -> tuple[list[list[int]], list[int], int]:
+    """Prompt token ids for generation: the tokenizer's chat template with the generation prompt, then
+    ids without added special tokens (the template already holds them).
+
+    Returns (token id lists of the kept examples, their indices in `examples`, number filtered): an
+    example whose prompt is longer than `max_prompt_tokens` is dropped and counted, never truncated.
+    `tokenizer`: a transformers tokenizer with a chat template (load ours with
+    `PreTrainedTokenizerFast.from_pretrained(model_dir)`, MACHINE-NOTES.md).
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "the tokenizer has no chat template (tokenizer_config.json 'chat_template' or "
+            "chat_template.jinja in the model directory); prorl prompts are chat messages"
+        )
+    if not examples:
+        return [], [], 0
+    template = lambda messages: tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False
+    )
+    texts = [template(ex.prompt) for ex in examples]
+    all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]  # batched: one call into Rust
+    kept = [i for i, ids in enumerate(all_ids) if max_prompt_tokens is None or len(ids) <= max_prompt_tokens]
+    return [list(all_ids[i]) for i in kept], kept, len(examples) - len(kept)
+
+
 # -- built-in task sets -----------------------------------------------------------------------------------
 
 SPLITS = ("train", "val")
@@ -225,15 +343,9 @@ def digit_sums(n: int | None = None, seed: int = 0, split: str = "train") -> lis
     None; cycling through fresh shuffles when n exceeds the split). ground_truth is the sum;
     extra_info["solution"] is a worked answer ("3+5=8, 8+7=15. \\boxed{15}") for a supervised warm-start."""
     problems = _digit_sum_problems(split)
-    rng = random.Random(seed)
     n = len(problems) if n is None else n
-    picked: list[tuple[int, int, int]] = []
-    while len(picked) < n:
-        order = problems[:]
-        rng.shuffle(order)
-        picked += order[: n - len(picked)]
     out = []
-    for a, b, c in picked:
+    for a, b, c in _shuffled_passes(problems, n, random.Random(seed)):
         s = a + b + c
         solution = f"{a}+{b}={a + b}, {a + b}+{c}={s}. \\boxed{{{s}}}"
         out.append(
@@ -296,7 +408,11 @@ __all__ = [
     "LoadReport",
     "builtin",
     "digit_sums",
+    "encode_prompts",
     "load_file",
+    "load_mixture",
+    "mix",
+    "parse_file_spec",
     "reasoning_gym_tasks",
     "write_jsonl",
     "write_parquet",

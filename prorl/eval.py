@@ -1,0 +1,439 @@
+"""Evaluate a checkpoint on benchmark files: k samples per prompt, pass@1 as the mean over k, unbiased
+pass@k, mean continuous score; a per-data-source table printed and written as JSON and CSV.
+
+    python -m prorl.eval --model DIR --data aime24.parquet math500.jsonl [--k 16] [--out DIR]
+    python -m prorl.eval --model prorl/assets/tiny-reasoner --builtin digit_sums --k 4
+
+What is computed (RECIPE.md §8), per data source and over all prompts:
+- `pass@1`: mean over prompts of c / k, where c of the k samples are correct;
+- `pass@j` for j = 2, 4, ... (powers of two) and k: mean over prompts of the unbiased estimator
+  1 - C(k - c, j) / C(k, j) (Chen et al. 2021), the chance that j samples drawn without replacement from
+  the k contain a correct one; with j = k it is the plain "any of the k correct";
+- `mean_score`: mean of the verifier's continuous score over every sample: the headline number for logic
+  puzzles (Reasoning Gym) and instruction following (IFEval), whose scores are fractions. A sample is
+  "correct" when its score reaches `correct_threshold` (1.0: all tests passed, all instructions met);
+- `mean_response_tokens`, `truncated_frac` (hit max tokens), `timeout_frac` / `error_frac` (verifier).
+The `primary` column names the headline metric of each source (`mean_score` for the `reasoning_gym` and
+`ifeval` verifiers, `pass@1` otherwise).
+
+Defaults follow the papers: temperature 0.6, top-p 0.95, k = 16, up to 32K response tokens (capped by
+the model's context, the cap printed). Prompts are the chat-templated messages (`data.encode_prompts`);
+one over `--max-prompt-tokens` is filtered and counted, never truncated. Generation uses prorl's
+`NativeGenerator` (CPU or one GPU) in chunks of prompts sized to a KV-cache budget; chunk i's responses
+are scored in the `RewardPool` while chunk i+1 generates. Draws are fixed by (seed + chunk start, prompt
+index in chunk, sample index, position): reproducible for the same seed and chunk size. `--backend vllm`
+is reserved for the vLLM generator and not implemented yet.
+
+Written to --out (default runs/eval-<UTC time>): `results.json` (settings and every metric),
+`results.csv` (one row per data source plus `all`), `samples.jsonl` (one row per sample: example index,
+data source, sample index, score, correct, flags, response text), from which every number can be
+recomputed. `evaluate(...)` is the same thing as a function for the trainer; `summarize(records, k)`
+turns per-sample records (e.g. gathered from several ranks) into the metrics.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import os
+import sys
+import time
+from collections import defaultdict
+
+from prorl import data
+
+CONTINUOUS_KEYS = ("reasoning_gym", "ifeval")  # verifier keys whose headline metric is mean_score
+BACKENDS = ("native", "vllm")
+
+
+# -- metrics -------------------------------------------------------------------------------------------
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n - c, k) / C(n, k) (exact integers,
+    one rounding)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def pass_ks(k: int) -> list[int]:
+    """The j of the reported pass@j: 1, the powers of two below k, and k."""
+    ks = [1]
+    while ks[-1] * 2 < k:
+        ks.append(ks[-1] * 2)
+    return ks + ([k] if k > 1 else [])
+
+
+def primary_metric(data_source: str) -> str:
+    from prorl.rewards import lookup
+
+    return "mean_score" if lookup(data_source)[0] in CONTINUOUS_KEYS else "pass@1"
+
+
+def _group_metrics(records: list[dict], k: int) -> dict:
+    """Metrics of the samples of one group of prompts (each prompt with exactly k records)."""
+    by_prompt: dict[int, list[dict]] = defaultdict(list)
+    for r in records:
+        by_prompt[r["index"]].append(r)
+    bad = {i: len(rs) for i, rs in by_prompt.items() if len(rs) != k}
+    if bad:
+        first = dict(list(bad.items())[:5])
+        raise ValueError(f"every prompt needs k={k} samples; these (index: count) differ: {first}")
+    out: dict = {"prompts": len(by_prompt), "samples": len(records)}
+    if not records:
+        return out | {f"pass@{j}": None for j in pass_ks(k)} | {"mean_score": None}
+    correct = [sum(r["correct"] for r in rs) for rs in by_prompt.values()]
+    for j in pass_ks(k):
+        out[f"pass@{j}"] = sum(pass_at_k(k, c, j) for c in correct) / len(correct)
+    n = len(records)
+    out["mean_score"] = sum(r["score"] for r in records) / n
+    out["mean_response_tokens"] = sum(r["response_tokens"] for r in records) / n
+    out["truncated_frac"] = sum(r["finish_reason"] == "length" for r in records) / n
+    out["timeout_frac"] = sum(r["timed_out"] for r in records) / n
+    out["error_frac"] = sum(r["errored"] for r in records) / n
+    return out
+
+
+def summarize(records: list[dict], k: int, filtered: dict[str, int] | None = None) -> dict:
+    """{"by_source": {data_source: metrics}, "all": metrics} from per-sample records (keys `index`,
+    `data_source`, `score`, `correct`, `timed_out`, `errored`, `finish_reason`, `response_tokens`).
+    `filtered`: prompts dropped per data source (reported beside the metrics)."""
+    filtered = filtered or {}
+    groups: dict[str, list[dict]] = defaultdict(list)
+    for r in records:
+        groups[r["data_source"]].append(r)
+    by_source = {}
+    for ds in sorted(set(groups) | set(filtered)):
+        by_source[ds] = {"primary": primary_metric(ds), "filtered": filtered.get(ds, 0)}
+        by_source[ds] |= _group_metrics(groups.get(ds, []), k)
+    overall = {"primary": "pass@1", "filtered": sum(filtered.values())} | _group_metrics(records, k)
+    return {"by_source": by_source, "all": overall}
+
+
+# -- generation and scoring ----------------------------------------------------------------------------
+
+
+def stop_token_ids(tokenizer, model_path: str | None = None) -> list[int]:
+    """End-of-turn ids: the tokenizer's eos, ChatML's <|im_end|> when in the vocabulary, and the
+    `eos_token_id` (int or list) of the model's generation_config.json."""
+    ids = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    if "<|im_end|>" in tokenizer.get_vocab():
+        ids.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    gen_cfg = os.path.join(model_path, "generation_config.json") if model_path else None
+    if gen_cfg and os.path.isfile(gen_cfg):
+        with open(gen_cfg) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+    return sorted(set(ids))
+
+
+def _builtin_keys(examples: list[data.Example]) -> tuple[str, ...]:
+    """Registry keys of the built-in verifiers the examples use: what reward workers can preload (a fresh
+    worker knows only the built-in keys; a user's verifier is imported with its first item)."""
+    from prorl.rewards import lookup
+
+    keys = {lookup(ex.data_source) for ex in examples}
+    return tuple(sorted(k for k, entry in keys if isinstance(entry, str) and entry.startswith("prorl.")))
+
+
+def _chunk_size(model, k: int, seq_len: int, kv_cache_gib: float) -> int:
+    """Prompts per generate call so that the KV cache (k rows per prompt, seq_len slots each) fits."""
+    cfg = model.config
+    elem = model.embed_tokens.weight.element_size()
+    per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem  # K and V, every layer
+    return max(1, int(kv_cache_gib * 2**30 // (k * seq_len * per_token)))
+
+
+def evaluate(
+    model_path: str | None,
+    examples: list[data.Example],
+    k: int = 16,
+    *,
+    temperature: float = 0.6,
+    top_p: float = 0.95,
+    max_tokens: int = 32768,
+    max_prompt_tokens: int | None = 1024,
+    seed: int = 0,
+    backend: str = "native",
+    device: str | None = None,
+    dtype: str | None = None,
+    kv_cache_gib: float = 2.0,
+    prompts_per_generate: int = 64,
+    correct_threshold: float = 1.0,
+    model=None,
+    tokenizer=None,
+    pool=None,
+    num_workers: int = 2,
+    timeout_s: float = 10.0,
+    log=print,
+) -> dict:
+    """Generate k samples per example, score them, and summarise (module docstring).
+
+    Args:
+        model_path: Hugging Face-format directory (weights via `load_hf`, tokenizer via
+            `PreTrainedTokenizerFast`); may be None when `model` and `tokenizer` are given.
+        examples: `prorl.data.Example`s (any mix of data sources with registered verifiers).
+        model, tokenizer, pool: already loaded objects to use instead (the trainer passes its policy,
+            tokenizer and `RewardPool`); a pool made here has `num_workers` workers, `timeout_s` per item.
+        dtype: "float32" | "bfloat16" | None (None: float32 on the CPU, the checkpoint's dtype on CUDA).
+        kv_cache_gib, prompts_per_generate: a generate call takes at most `prompts_per_generate` prompts,
+            fewer when their KV cache would pass `kv_cache_gib`; scoring overlaps the next call.
+        log: called with progress lines (None: silent).
+    Returns: {"settings", "by_source", "all", "samples" (per-sample records), "elapsed_s", ...}.
+    """
+    import torch
+
+    from prorl.engine.rollout import NativeGenerator, SamplingParams
+
+    if backend != "native":
+        raise NotImplementedError(
+            f"eval backend {backend!r} is not implemented yet; use backend='native' (prorl's own generator)"
+        )
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    log = log or (lambda *a, **kw: None)
+    start = time.time()
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if tokenizer is None:
+        from transformers import PreTrainedTokenizerFast  # not AutoTokenizer: MACHINE-NOTES.md
+
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
+    if model is None:
+        from prorl.engine.model import load_hf
+
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[dtype]
+        if torch_dtype is None and torch.device(device).type == "cpu":
+            torch_dtype = torch.float32
+        model = load_hf(model_path, dtype=torch_dtype, device=device)
+
+    prompts, kept, _ = data.encode_prompts(examples, tokenizer, max_prompt_tokens)
+    kept_set = set(kept)
+    filtered: dict[str, int] = defaultdict(int)
+    for i, ex in enumerate(examples):
+        if i not in kept_set:
+            filtered[ex.data_source] += 1
+    context = model.config.max_position_embeddings
+    longest = max((len(p) for p in prompts), default=0)
+    max_new = min(max_tokens, context - longest)
+    if prompts and max_new < 1:
+        raise ValueError(f"the longest prompt ({longest} tokens) fills the model's context ({context})")
+    chunk = min(prompts_per_generate, _chunk_size(model, k, longest + max_new, kv_cache_gib))
+    settings = dict(
+        model=model_path,
+        backend=backend,
+        k=k,
+        temperature=temperature,
+        top_p=top_p,
+        max_tokens=max_tokens,
+        max_new_tokens=max_new,
+        max_prompt_tokens=max_prompt_tokens,
+        seed=seed,
+        device=str(model.embed_tokens.weight.device),
+        dtype=str(model.embed_tokens.weight.dtype).removeprefix("torch."),
+        correct_threshold=correct_threshold,
+        prompts_per_generate=chunk,
+    )
+    n_filtered = len(examples) - len(kept)
+    log(
+        f"eval: {len(kept)} prompts x {k} samples ({n_filtered} filtered: prompt > {max_prompt_tokens} "
+        f"tokens), max {max_new} new tokens (context {context}), T={temperature}, top-p={top_p}, "
+        f"{chunk} prompts per generate call"
+    )
+
+    stops = stop_token_ids(tokenizer, model_path)
+    generator = NativeGenerator(model)
+    own_pool = pool is None
+    if own_pool:
+        from prorl.rewards.pool import RewardPool
+
+        pool = RewardPool(num_workers=num_workers, timeout_s=timeout_s, preload=_builtin_keys(examples))
+    was_training = model.training
+    model.eval()
+    records: list[dict] = []
+    pending = []  # (Future of BatchResult, records of that chunk)
+    generated = 0
+    try:
+        for lo in range(0, len(prompts), chunk):
+            params = SamplingParams(
+                n=k,
+                temperature=temperature,
+                top_p=top_p,
+                max_new_tokens=max_new,
+                stop_token_ids=stops,
+                seed=seed + lo,
+            )
+            out = generator.generate(prompts[lo : lo + chunk], params)
+            chunk_records = []
+            for s in out.samples:
+                i = kept[lo + s.prompt_index]
+                chunk_records.append(
+                    dict(
+                        index=i,
+                        data_source=examples[i].data_source,
+                        sample=s.sample_index,
+                        finish_reason=s.finish_reason,
+                        response_tokens=len(s.token_ids),
+                        response=tokenizer.decode(s.token_ids, skip_special_tokens=True),
+                    )
+                )
+                generated += len(s.token_ids)
+            exs = [examples[r["index"]] for r in chunk_records]
+            future = pool.score_batch_async(
+                [e.data_source for e in exs],
+                [r["response"] for r in chunk_records],
+                [e.ground_truth for e in exs],
+                [e.extra for e in exs],
+            )
+            pending.append((future, chunk_records))
+            done, rate = min(lo + chunk, len(prompts)), generated / (time.time() - start)
+            log(f"eval: generated {done}/{len(prompts)} prompts, {rate:.0f} tok/s")
+        for future, chunk_records in pending:
+            res = future.result()
+            for r, s, t, e in zip(chunk_records, res.scores, res.timed_out, res.errored):
+                r.update(score=s, correct=s >= correct_threshold, timed_out=t, errored=e)
+            records += chunk_records
+    finally:
+        if own_pool:
+            pool.close()
+        model.train(was_training)
+
+    results = {"settings": settings, "n_examples": len(examples), "n_filtered": n_filtered}
+    results |= summarize(records, k, dict(filtered))
+    results |= {"generated_tokens": generated, "elapsed_s": time.time() - start, "samples": records}
+    return results
+
+
+# -- output ------------------------------------------------------------------------------------------------
+
+
+def table_rows(results: dict) -> list[dict]:
+    """One flat dict per data source plus `all` (the CSV rows)."""
+    rows = [{"data_source": ds} | m for ds, m in results["by_source"].items()]
+    return rows + [{"data_source": "all"} | results["all"]]
+
+
+def format_table(results: dict) -> str:
+    """The plain-text per-data-source table (pass@j and mean_score in %)."""
+    k = results["settings"]["k"]
+    metrics = [f"pass@{j}" for j in pass_ks(k)] + ["mean_score"]
+    rows = table_rows(results)
+    width = max(len("data_source"), *(len(r["data_source"]) for r in rows))
+    head = f"{'data_source':<{width}} {'prompts':>7} {'filtered':>8} " + " ".join(f"{m:>10}" for m in metrics)
+    head += f" {'primary':>10} {'resp tok':>8} {'trunc %':>7} {'fail %':>6}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = [f"{100 * r[m]:>10.1f}" if r.get(m) is not None else f"{'-':>10}" for m in metrics]
+        tail = (
+            f" {r['mean_response_tokens']:>8.1f} {100 * r['truncated_frac']:>7.1f} "
+            f"{100 * (r['timeout_frac'] + r['error_frac']):>6.1f}"
+            if r["samples"]
+            else f" {'-':>8} {'-':>7} {'-':>6}"
+        )
+        lines.append(
+            f"{r['data_source']:<{width}} {r['prompts']:>7} {r['filtered']:>8} "
+            + " ".join(cells)
+            + f" {r['primary']:>10}"
+            + tail
+        )
+    return "\n".join(lines)
+
+
+def write_results(results: dict, out_dir: str) -> list[str]:
+    """results.json (all but the samples), results.csv, samples.jsonl in `out_dir`; returns the paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    paths = [os.path.join(out_dir, f) for f in ("results.json", "results.csv", "samples.jsonl")]
+    with open(paths[0], "w") as f:
+        json.dump({key: v for key, v in results.items() if key != "samples"}, f, indent=1)
+    rows = table_rows(results)
+    columns = list(dict.fromkeys(key for r in rows for key in r))
+    with open(paths[1], "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    with open(paths[2], "w") as f:
+        for r in results["samples"]:
+            f.write(json.dumps(r) + "\n")
+    return paths
+
+
+# -- command line --------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m prorl.eval", description=__doc__.split("\n")[0], allow_abbrev=False
+    )
+    ap.add_argument("--model", required=True, help="Hugging Face-format model directory")
+    ap.add_argument("--data", nargs="+", default=[], help="benchmark files (verl parquet / JSONL / JSON)")
+    ap.add_argument("--builtin", default=None, help="a built-in task's validation split (digit_sums, ...)")
+    ap.add_argument("--limit", type=int, default=None, help="at most this many examples per file / task")
+    ap.add_argument("--k", type=int, default=16, help="samples per prompt")
+    ap.add_argument("--temperature", type=float, default=0.6)
+    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--max-tokens", type=int, default=32768, help="max response tokens (capped by context)")
+    ap.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are filtered")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--backend", choices=BACKENDS, default="native")
+    ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    ap.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV-cache budget per generate call")
+    ap.add_argument("--prompts-per-generate", type=int, default=64, help="most prompts per generate call")
+    ap.add_argument("--num-workers", type=int, default=2, help="reward worker processes")
+    ap.add_argument("--timeout", type=float, default=10.0, help="seconds per verification")
+    ap.add_argument("--out", default=None, help="output directory (default runs/eval-<UTC time>)")
+    args = ap.parse_args(argv)
+
+    if args.backend != "native":
+        msg = f"--backend {args.backend} is not implemented yet (the vLLM generator); use --backend native"
+        print(f"prorl.eval: {msg}", file=sys.stderr)
+        return 2
+    if not args.data and not args.builtin:
+        ap.error("give --data FILE [FILE ...] and/or --builtin TASK")
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        ap.error(f"--model {args.model!r} is not a Hugging Face model directory (no config.json)")
+    examples = []
+    try:
+        for path in args.data:
+            examples += data.load_file(path)[: args.limit]
+    except (data.DataError, FileNotFoundError) as exc:
+        print(f"prorl.eval: {exc}", file=sys.stderr)
+        return 2
+    if args.builtin:
+        examples += data.builtin(args.builtin, n=args.limit, split="val")
+    if not examples:
+        ap.error("no examples to evaluate")
+
+    results = evaluate(
+        args.model,
+        examples,
+        args.k,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        seed=args.seed,
+        backend=args.backend,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_gib=args.kv_cache_gib,
+        prompts_per_generate=args.prompts_per_generate,
+        num_workers=args.num_workers,
+        timeout_s=args.timeout,
+    )
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    out_dir = args.out or os.path.join("runs", f"eval-{stamp}")
+    results["settings"]["data"] = list(args.data) + ([f"builtin:{args.builtin}"] if args.builtin else [])
+    paths = write_results(results, out_dir)
+    print(format_table(results))
+    print(f"{results['generated_tokens']} tokens in {results['elapsed_s']:.1f} s; wrote {', '.join(paths)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

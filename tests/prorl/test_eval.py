@@ -1,0 +1,220 @@
+"""prorl.eval: the pass@k estimator against brute-force enumeration, and an end-to-end evaluation of a tiny
+random checkpoint whose scores are known by construction (a verifier driven by the ground truth) or
+recomputed here from the per-sample file eval.py writes."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import math
+from collections import defaultdict
+
+import pytest
+import torch
+
+import prorl.rewards as rewards
+from prorl import data
+from prorl.eval import evaluate, main, pass_at_k, pass_ks, summarize
+
+
+def brute_pass_at_k(n: int, c: int, k: int) -> float:
+    """Fraction of the k-subsets of n samples (c correct) that hold a correct one."""
+    flags = [1] * c + [0] * (n - c)
+    subsets = list(itertools.combinations(flags, k))
+    return sum(any(s) for s in subsets) / len(subsets)
+
+
+def test_pass_at_k_hand_cases():
+    assert pass_at_k(4, 1, 1) == 0.25
+    assert pass_at_k(4, 1, 2) == 0.5  # 3 of the 6 pairs hold the correct sample
+    assert pass_at_k(4, 1, 4) == 1.0
+    assert pass_at_k(16, 0, 16) == 0.0 and pass_at_k(16, 16, 1) == 1.0
+    assert pass_at_k(16, 2, 8) == pytest.approx(1 - 3003 / 12870)  # C(14,8) / C(16,8)
+    for bad in ((4, 5, 1), (4, 1, 5), (4, 1, 0), (4, -1, 1)):
+        with pytest.raises(ValueError):
+            pass_at_k(*bad)
+
+
+def test_pass_at_k_matches_enumeration():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                assert pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(n, c, k), abs=1e-12), (n, c, k)
+    # pass@1 is the plain fraction correct (the "mean over k" of RECIPE.md)
+    assert all(pass_at_k(16, c, 1) == pytest.approx(c / 16) for c in range(17))
+
+
+def test_pass_ks():
+    assert pass_ks(1) == [1] and pass_ks(2) == [1, 2] and pass_ks(16) == [1, 2, 4, 8, 16]
+    assert pass_ks(6) == [1, 2, 4, 6]
+
+
+def _record(index, source, score, correct=None, length=3, finish="stop"):
+    return dict(
+        index=index,
+        data_source=source,
+        score=score,
+        correct=score >= 1.0 if correct is None else correct,
+        timed_out=False,
+        errored=False,
+        finish_reason=finish,
+        response_tokens=length,
+    )
+
+
+def test_summarize_hand_made():
+    # math: prompt 0 has 1 of 4 correct, prompt 1 has 4 of 4; ifeval: continuous scores, none perfect
+    recs = [_record(0, "math", s) for s in (1, 0, 0, 0)] + [_record(1, "math", 1.0) for _ in range(4)]
+    recs += [_record(2, "ifeval", s, finish="length") for s in (0.5, 0.25, 0.5, 0.75)]
+    out = summarize(recs, 4, filtered={"math": 2})
+    m, f = out["by_source"]["math"], out["by_source"]["ifeval"]
+    assert m["primary"] == "pass@1" and f["primary"] == "mean_score"
+    assert (m["prompts"], m["samples"], m["filtered"]) == (2, 8, 2)
+    assert m["pass@1"] == pytest.approx((0.25 + 1.0) / 2)
+    assert m["pass@2"] == pytest.approx((0.5 + 1.0) / 2)
+    assert m["pass@4"] == 1.0 and m["mean_score"] == pytest.approx(5 / 8)
+    assert f["pass@4"] == 0.0 and f["mean_score"] == pytest.approx(0.5) and f["truncated_frac"] == 1.0
+    assert out["all"]["prompts"] == 3 and out["all"]["pass@1"] == pytest.approx(1.25 / 3)
+    with pytest.raises(ValueError, match="k=4"):
+        summarize(recs[:-1], 4)
+
+
+# -- end to end ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A random ~0.5M-parameter Qwen2 with the warm-start's character tokenizer and chat template."""
+    from prorl.engine.model import Decoder, save_hf
+
+    from prorl.warmstart import build_tokenizer, tiny_config
+
+    path = tmp_path_factory.mktemp("tiny")
+    tokenizer = build_tokenizer()
+    model = Decoder(tiny_config(len(tokenizer)))
+    model.init_weights(torch.Generator().manual_seed(0))
+    save_hf(model, str(path))
+    tokenizer.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture
+def eval_verifier():
+    saved = dict(rewards._REGISTRY)
+    rewards.register("evaltest", "eval_helpers:by_ground_truth")
+    yield
+    rewards._REGISTRY.clear()
+    rewards._REGISTRY.update(saved)
+
+
+def _example(source, truth, text="1+2+3="):
+    return data.Example([{"role": "user", "content": text}], source, truth)
+
+
+EXAMPLES = [
+    _example("evaltest/binary", "always"),
+    _example("evaltest/binary", "never"),
+    _example("evaltest/binary", "parity", "9+9+9="),
+    _example("evaltest/binary", "always", "x" * 200),  # 200+ prompt tokens: filtered, not truncated
+    _example("evaltest/graded", "half"),
+]
+K = 4
+
+
+def _recompute(samples: list[dict], k: int) -> dict:
+    """pass@j (by subset enumeration) and mean score per data source, from the per-sample rows."""
+    by_source: dict[str, dict[int, list[dict]]] = defaultdict(lambda: defaultdict(list))
+    for s in samples:
+        by_source[s["data_source"]][s["index"]].append(s)
+    out = {}
+    for ds, prompts in by_source.items():
+        flat = [s for rows in prompts.values() for s in rows]
+        out[ds] = {"prompts": len(prompts), "mean_score": sum(s["score"] for s in flat) / len(flat)}
+        for j in pass_ks(k):
+            per_prompt = [
+                sum(any(r["score"] >= 1.0 for r in sub) for sub in itertools.combinations(rows, j))
+                / math.comb(len(rows), j)
+                for rows in prompts.values()
+            ]
+            out[ds][f"pass@{j}"] = sum(per_prompt) / len(per_prompt)
+    return out
+
+
+def test_cli_end_to_end(tiny_model_dir, eval_verifier, tmp_path, capsys):
+    path = tmp_path / "bench.jsonl"
+    data.write_jsonl(EXAMPLES, str(path))
+    out_dir = tmp_path / "out"
+    args = ["--model", tiny_model_dir, "--data", str(path), "--k", str(K), "--max-tokens", "6"]
+    args += ["--max-prompt-tokens", "64", "--temperature", "1.0", "--num-workers", "1", "--out", str(out_dir)]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "evaltest/binary" in printed and "evaltest/graded" in printed and "\nall " in printed
+
+    results = json.loads((out_dir / "results.json").read_text())
+    samples = [json.loads(line) for line in (out_dir / "samples.jsonl").read_text().splitlines()]
+    with open(out_dir / "results.csv", newline="") as f:
+        csv_rows = {r["data_source"]: r for r in csv.DictReader(f)}
+
+    # the long prompt is filtered and counted; every kept prompt has K samples
+    assert results["n_examples"] == 5 and results["n_filtered"] == 1
+    assert results["by_source"]["evaltest/binary"]["filtered"] == 1
+    assert sorted({s["index"] for s in samples}) == [0, 1, 2, 4] and len(samples) == 4 * K
+    assert all(1 <= s["response_tokens"] <= 6 for s in samples)
+
+    # known by construction
+    score_of = {i: [s["score"] for s in samples if s["index"] == i] for i in (0, 1, 2, 4)}
+    assert score_of[0] == [1.0] * K and score_of[1] == [0.0] * K and score_of[4] == [0.5] * K
+    # parity: the recorded score is the stated function of the recorded response
+    for s in samples:
+        if s["index"] == 2:
+            assert s["score"] == float(len(s["response"]) % 2 == 0)
+    graded = results["by_source"]["evaltest/graded"]
+    assert graded["mean_score"] == 0.5 and graded["pass@1"] == 0.0 and graded["pass@4"] == 0.0
+    c = sum(s == 1.0 for s in score_of[2])  # correct samples of the parity prompt
+    binary = results["by_source"]["evaltest/binary"]
+    assert binary["pass@1"] == pytest.approx((1 + 0 + c / K) / 3)
+    assert binary["pass@4"] == pytest.approx((1 + 0 + (c > 0)) / 3)
+
+    # every number equals a brute-force recomputation from the per-sample file, in JSON and CSV
+    expected = _recompute(samples, K)
+    for ds, metrics in expected.items():
+        for name, value in metrics.items():
+            assert results["by_source"][ds][name] == pytest.approx(value), (ds, name)
+            assert float(csv_rows[ds][name]) == pytest.approx(value), (ds, name)
+    overall = _recompute([dict(s, data_source="all") for s in samples], K)["all"]
+    for name, value in overall.items():
+        assert results["all"][name] == pytest.approx(value)
+        assert float(csv_rows["all"][name]) == pytest.approx(value)
+
+
+def test_api_with_loaded_model_and_pool(tiny_model_dir, eval_verifier):
+    from prorl.engine.model import load_hf
+    from transformers import PreTrainedTokenizerFast
+
+    from prorl.rewards.pool import RewardPool
+
+    model = load_hf(tiny_model_dir).train()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
+    with RewardPool(num_workers=1, preload=()) as pool:
+        res = evaluate(
+            None,
+            EXAMPLES[:2],
+            2,
+            model=model,
+            tokenizer=tokenizer,
+            pool=pool,
+            max_tokens=4,
+            prompts_per_generate=1,  # two generate calls, the first scored while the second runs
+            log=None,
+        )
+    assert model.training  # restored
+    assert res["all"]["pass@1"] == 0.5 and res["all"]["pass@2"] == 0.5
+    assert [(s["index"], s["sample"]) for s in res["samples"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_unimplemented_backend_is_a_clear_error(tiny_model_dir, capsys):
+    assert main(["--model", tiny_model_dir, "--builtin", "digit_sums", "--backend", "vllm"]) == 2
+    assert "not implemented yet" in capsys.readouterr().err
+    with pytest.raises(NotImplementedError, match="native"):
+        evaluate(tiny_model_dir, [], backend="vllm")
