@@ -37,8 +37,8 @@ class DataConfig:
     train_files: list[str] = field(default_factory=list)  # verl parquet / JSONL; empty: built-in task
     val_files: list[str] = field(default_factory=list)
     builtin_task: str = "digit_sums"  # used when train_files is empty
-    train_size: int = 20000
-    val_size: int = 200
+    train_size: int = 0  # built-in task size; 0: the whole split (digit_sums) or the generator default
+    val_size: int = 200  # 0: the whole split
     prompt_key: str = "prompt"
     max_prompt_tokens: int = 1024
     shuffle: bool = True

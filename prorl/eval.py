@@ -44,6 +44,7 @@ import time
 from collections import defaultdict
 
 from prorl import data
+from prorl.rewards import builtin_keys
 
 CONTINUOUS_KEYS = ("reasoning_gym", "ifeval")  # verifier keys whose headline metric is mean_score
 BACKENDS = ("native", "vllm")
@@ -131,15 +132,6 @@ def stop_token_ids(tokenizer, model_path: str | None = None) -> list[int]:
             eos = json.load(f).get("eos_token_id")
         ids += eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
     return sorted(set(ids))
-
-
-def _builtin_keys(examples: list[data.Example]) -> tuple[str, ...]:
-    """Registry keys of the built-in verifiers the examples use: what reward workers can preload (a fresh
-    worker knows only the built-in keys; a user's verifier is imported with its first item)."""
-    from prorl.rewards import lookup
-
-    keys = {lookup(ex.data_source) for ex in examples}
-    return tuple(sorted(k for k, entry in keys if isinstance(entry, str) and entry.startswith("prorl.")))
 
 
 def _chunk_size(model, k: int, seq_len: int, kv_cache_gib: float) -> int:
@@ -252,7 +244,11 @@ def evaluate(
     if own_pool:
         from prorl.rewards.pool import RewardPool
 
-        pool = RewardPool(num_workers=num_workers, timeout_s=timeout_s, preload=_builtin_keys(examples))
+        pool = RewardPool(
+            num_workers=num_workers,
+            timeout_s=timeout_s,
+            preload=builtin_keys(ex.data_source for ex in examples),
+        )
     was_training = model.training
     model.eval()
     records: list[dict] = []

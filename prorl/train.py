@@ -42,15 +42,10 @@ def load_examples(cfg, split: str):
     from prorl import data
 
     files = cfg.data.train_files if split == "train" else cfg.data.val_files
-    if files:
-        out = []
-        for f in files:
-            out += data.load_file(f)
-        return out
-    size = cfg.data.train_size if split == "train" else cfg.data.val_size
-    return data.builtin(
-        cfg.data.builtin_task, n=size if split == "train" else None, seed=cfg.seed, split=split
-    )[:size]
+    if files:  # "path" or "path:weight" (weighted mixing, see prorl.data)
+        return data.load_mixture(list(files), seed=cfg.seed)
+    size = (cfg.data.train_size if split == "train" else cfg.data.val_size) or None
+    return data.builtin(cfg.data.builtin_task, n=size, seed=cfg.seed, split=split)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,6 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import PreTrainedTokenizerFast
 
     from prorl.report import Reporter
+    from prorl.rewards import builtin_keys
     from prorl.rewards.pool import RewardPool
     from prorl.rewards.selftest import self_test
     from prorl.trainer import Trainer
@@ -98,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     with RewardPool(
         num_workers=cfg.reward.num_workers,
         timeout_s=cfg.reward.timeout_s,
-        preload=sources,
+        preload=builtin_keys(sources),
     ) as pool:
         try:  # a verifier that silently scores everything 0 would waste the whole run
             status = self_test(sources, pool)

@@ -15,7 +15,6 @@ so there is no weight copy; the vLLM backend (GPU) receives the weights after ea
 
 from __future__ import annotations
 
-import json
 import math
 import random
 import time
@@ -72,7 +71,13 @@ class Trainer:
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.stop_ids:
             self.stop_ids.append(tokenizer.eos_token_id)
         self.generator = NativeGenerator(self.policy)
+        # prompts are encoded once; those over max_prompt_tokens are dropped and counted, not truncated
         self.train_examples, self.val_examples = train_examples, val_examples
+        self.train_prompts, self.train_kept, self.filtered = self._encode(train_examples)
+        self.val_prompts, self.val_kept, filtered_val = self._encode(val_examples)
+        self.filtered += filtered_val
+        if not self.train_kept:
+            raise ValueError(f"no training prompt fits data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
         self.pool = reward_pool
         o = cfg.optim
         self.optimizer = Optimizer(
@@ -105,26 +110,28 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     # data
     # ------------------------------------------------------------------------------------------
+    def _encode(self, examples):
+        from prorl.data import encode_prompts
+
+        return encode_prompts(examples, self.tokenizer, self.cfg.data.max_prompt_tokens)
+
     def next_examples(self, k: int) -> list[int]:
+        """Positions in `train_kept` of the next k prompts (reshuffled at each epoch boundary)."""
         out = []
         while len(out) < k:
             if not self.data_order:
-                self.data_order = list(range(len(self.train_examples)))
+                self.data_order = list(range(len(self.train_kept)))
                 if self.cfg.data.shuffle:
                     self.data_rng.shuffle(self.data_order)
             out.append(self.data_order.pop())
         return out
-
-    def encode_prompt(self, example) -> list[int]:
-        text = self.tokenizer.apply_chat_template(example.prompt, add_generation_prompt=True, tokenize=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)[-self.cfg.data.max_prompt_tokens :]
 
     # ------------------------------------------------------------------------------------------
     # rollout + verification
     # ------------------------------------------------------------------------------------------
     def rollout(self, example_indices: list[int], seed: int, max_new: int) -> list[Group]:
         r = self.cfg.rollout
-        prompts = [self.encode_prompt(self.train_examples[i]) for i in example_indices]
+        prompts = [self.train_prompts[i] for i in example_indices]
         params = SamplingParams(
             n=r.n,
             temperature=r.temperature,
@@ -151,7 +158,7 @@ class Trainer:
         return groups
 
     def verify(self, groups: list[Group]) -> dict[str, float]:
-        exs = [self.train_examples[g.example_index] for g in groups for _ in g.responses]
+        exs = [self.train_examples[self.train_kept[g.example_index]] for g in groups for _ in g.responses]
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for g in groups for t in g.responses]
         res = self.pool.score_batch(
             [e.data_source for e in exs], texts, [e.ground_truth for e in exs], [e.extra for e in exs]
@@ -479,11 +486,10 @@ class Trainer:
     def validate(self) -> float:
         """Greedy (or val_temperature) accuracy on the validation set, split over ranks."""
         cfg = self.cfg
-        exs = self.val_examples[self.rank :: self.world]
-        if not exs:
-            return 0.0
+        mine = list(range(self.rank, len(self.val_kept), self.world))
+        exs = [self.val_examples[self.val_kept[i]] for i in mine]
+        prompts = [self.val_prompts[i] for i in mine]
         self.policy.eval()
-        prompts = [self.encode_prompt(e) for e in exs]
         params = SamplingParams(
             n=cfg.trainer.val_samples,
             temperature=cfg.trainer.val_temperature,
@@ -491,18 +497,18 @@ class Trainer:
             stop_token_ids=self.stop_ids,
             seed=cfg.seed,
         )
-        out = self.generator.generate(prompts, params)
-        texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in out.samples]
-        ex_of = [exs[s.prompt_index] for s in out.samples]
-        res = self.pool.score_batch(
-            [e.data_source for e in ex_of], texts, [e.ground_truth for e in ex_of], [e.extra for e in ex_of]
-        )
-        sums = all_reduce_(torch.tensor([sum(res.scores), float(len(res.scores))], dtype=torch.float64))
+        scores: list[float] = []
+        if prompts:  # a rank may hold none when there are fewer problems than ranks
+            out = self.generator.generate(prompts, params)
+            texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in out.samples]
+            ex_of = [exs[s.prompt_index] for s in out.samples]
+            scores = self.pool.score_batch(
+                [e.data_source for e in ex_of],
+                texts,
+                [e.ground_truth for e in ex_of],
+                [e.extra for e in ex_of],
+            ).scores
+        sums = all_reduce_(torch.tensor([sum(scores), float(len(scores))], dtype=torch.float64))
         acc = float(sums[0]) / max(float(sums[1]), 1.0)
         self.reset_policy.observe_validation(acc)
         return acc
-
-
-def write_jsonl(path: str, record: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")

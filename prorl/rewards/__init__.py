@@ -129,6 +129,13 @@ def lookup(data_source: str) -> tuple[str, Verifier | str]:
     )
 
 
+def builtin_keys(data_sources) -> tuple[str, ...]:
+    """Registry keys of the built-in verifiers behind `data_sources`: what reward workers can preload (a
+    fresh worker knows only the built-ins; a user's verifier is imported with its first item)."""
+    keys = {lookup(ds) for ds in data_sources}
+    return tuple(sorted(k for k, entry in keys if isinstance(entry, str) and entry.startswith("prorl.")))
+
+
 def load(entry: Verifier | str) -> Verifier:
     """The callable behind a registry entry (imports a "module:function" string)."""
     if callable(entry):
