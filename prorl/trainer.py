@@ -106,6 +106,7 @@ class Trainer:
         self.data_order: list[int] = []
         self.carry: list[Group] = []  # kept groups beyond this step's need, used first next step
         self.consecutive_skips = 0
+        self.reward_time = 0.0
 
     # ------------------------------------------------------------------------------------------
     # data
@@ -158,6 +159,7 @@ class Trainer:
         return groups
 
     def verify(self, groups: list[Group]) -> dict[str, float]:
+        t0 = time.perf_counter()
         exs = [self.train_examples[self.train_kept[g.example_index]] for g in groups for _ in g.responses]
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for g in groups for t in g.responses]
         res = self.pool.score_batch(
@@ -167,6 +169,7 @@ class Trainer:
         for g in groups:
             g.raw = res.scores[i : i + len(g.responses)]
             i += len(g.responses)
+        self.reward_time += time.perf_counter() - t0
         return res.metrics()
 
     def collect(self, need: int, max_new: int) -> tuple[list[Group], dict[str, float]]:
@@ -428,8 +431,10 @@ class Trainer:
         )
         need = cfg.trainer.prompts_per_step // self.world
         t0 = time.perf_counter()
+        self.reward_time = 0.0
         groups, metrics = self.collect(need, max_new)
-        metrics["timing_s/gen"] = time.perf_counter() - t0
+        metrics["timing_s/reward"] = self.reward_time
+        metrics["timing_s/gen"] = time.perf_counter() - t0 - self.reward_time
         term = self.shape(groups, max_new) if groups else torch.zeros(0)
         raw = torch.tensor([r for g in groups for r in g.raw]) if groups else torch.zeros(0)
         lengths = torch.tensor([len(t) for g in groups for t in g.responses], dtype=torch.float32)
