@@ -1,0 +1,557 @@
+"""Checkpoints: a dict of stateful objects, saved with torch.distributed.checkpoint, committed atomically.
+
+    ckpt = Checkpointer(f"{output_dir}/checkpoints", keep_last=3)   # checks the directory is writable
+    ckpt.preflight(state)                                           # enough disk for one save? (clear error)
+    info = ckpt.load(state, config_hash=h)        # latest complete one, if any -> CheckpointInfo | None
+    ...
+    ckpt.save(step, state, config_hash=h)         # state = {"model": model, "optimizer": opt, "trainer": ...}
+
+What goes where. Models (`nn.Module`) and optimizers (a torch optimizer, or an object holding one as
+`.optimizer` and its state under `state_dict()["optimizer"]`, like engine.optim.Optimizer) go through
+DCP's sharded path: each rank writes only its shards (FSDP2 DTensors), names are the clean parameter
+names (`get_model_state_dict` / `get_optimizer_state_dict`), so DCP can reshard a checkpoint into
+another world size (DCP's feature; not tested here). Everything else - anything with
+`state_dict`/`load_state_dict`, or a plain dict - is pickled whole from rank 0 into `objects.pt` and
+restored exactly, whatever its structure (lists that grew, new keys): such state must be the same on
+every rank. The RNG states (python, numpy, torch CPU, CUDA) of every rank go to `rng/rank_XXXXX.pt`
+and are restored on load (when the world size is unchanged).
+
+Layout and commit protocol:
+
+    step_00000100/          complete: has COMPLETE, written last
+        .metadata, *.distcp     DCP files (every rank writes its shards)
+        objects.pt              rank 0's non-tensor state
+        rng/rank_00000.pt       one per rank
+        meta.json               step, config hash, model identity per model key, world size, keys
+        COMPLETE
+    step_00000150.tmp/      a save in progress or interrupted: never loaded; removed by the next save
+
+A save writes everything into `step_X.tmp/`, then rank 0 renames it to `step_X/` and only then writes
+`COMPLETE` (via a temporary file and a rename, fsynced). `latest()` takes the highest step whose
+directory has no `.tmp` suffix and holds `COMPLETE`, so a crash at any point (mid-write, between rename
+and marker, a full disk) leaves nothing that looks complete. Retention deletes a checkpoint's marker
+before its files for the same reason.
+
+Checks. The constructor fails with a clear message if the directory cannot be created or written;
+`preflight` / `save` compare the estimated size of one save (all ranks' shards) with the free space.
+`meta.json` records a model identity (architecture + parameter names and shapes, hashed) per model key:
+loading a checkpoint of a different model raises `CheckpointError` naming both. A differing config hash
+is only reported (`CheckpointInfo.config_changed`, and a warning): the caller decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import parallel
+
+logger = logging.getLogger(__name__)
+
+MARKER = "COMPLETE"
+META = "meta.json"
+OBJECTS = "objects.pt"
+RNG_DIR = "rng"
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written or must not be loaded; the message says why and where."""
+
+
+# ---------------------------------------------------------------------------------------------------
+# Stateful adapters for DCP
+
+
+class ModelState:
+    """A model as a DCP stateful: clean parameter names, sharded tensors under FSDP2."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self.model)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self.model, state)
+
+
+class OptimizerState:
+    """An optimizer as a DCP stateful, its state keyed by parameter names (loads into a fresh optimizer).
+
+    `optimizer` is a torch optimizer, or an object that holds one as `.optimizer` and returns its state
+    under `state_dict()["optimizer"]` (engine.optim.Optimizer: the schedule and skip counter travel
+    beside it, pickled).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Any):
+        self.model = model
+        self.owner = None if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+        self.optimizer = optimizer if self.owner is None else optimizer.optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        fresh = not self.optimizer.state
+        state = get_optimizer_state_dict(self.model, self.optimizer)
+        if fresh:
+            # get_optimizer_state_dict initialises an empty state with a zero-lr step (step count 1);
+            # keep the optimizer itself untouched so that saving before the first step changes nothing
+            self.optimizer.state.clear()
+        out: dict[str, Any] = {"optim": state}
+        if self.owner is not None:
+            rest = {k: v for k, v in self.owner.state_dict().items() if k != "optimizer"}
+            out["rest"] = (rest,)  # a tuple is one opaque DCP entry: restored whole, whatever its keys
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
+        if self.owner is not None:
+            self.owner.load_state_dict({**state["rest"][0], "optimizer": self.optimizer.state_dict()})
+
+
+def _is_optimizer(obj: Any) -> bool:
+    return isinstance(obj, torch.optim.Optimizer) or isinstance(
+        getattr(obj, "optimizer", None), torch.optim.Optimizer
+    )
+
+
+def _owner_model(optimizer: Any, models: dict[str, nn.Module], key: str) -> nn.Module:
+    torch_opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
+    first = torch_opt.param_groups[0]["params"][0]
+    for model in models.values():
+        if any(p is first for p in model.parameters()):
+            return model
+    raise CheckpointError(f"state[{key!r}] is an optimizer of none of the models in the state dict")
+
+
+def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, nn.Module]]:
+    """state -> (DCP statefuls, other objects, models by key)."""
+    models = {k: v for k, v in state.items() if isinstance(v, nn.Module)}
+    models.update({k: v.model for k, v in state.items() if isinstance(v, ModelState)})
+    dcp_state: dict[str, Any] = {}
+    objects: dict[str, Any] = {}
+    for key, value in state.items():
+        if isinstance(value, nn.Module):
+            dcp_state[key] = ModelState(value)
+        elif isinstance(value, (ModelState, OptimizerState)):
+            dcp_state[key] = value
+        elif _is_optimizer(value):
+            dcp_state[key] = OptimizerState(_owner_model(value, models, key), value)
+        elif isinstance(value, dict) or (hasattr(value, "state_dict") and hasattr(value, "load_state_dict")):
+            objects[key] = value
+        else:
+            raise CheckpointError(
+                f"state[{key!r}] ({type(value).__name__}) is neither a module, an optimizer, a dict nor an "
+                "object with state_dict/load_state_dict"
+            )
+    return dcp_state, objects, models
+
+
+# ---------------------------------------------------------------------------------------------------
+# Identity, hashing, RNG
+
+
+def config_hash(config: Any) -> str:
+    """A short stable hash of a config (dataclass, dict, or anything JSON-able with default=str)."""
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        config = dataclasses.asdict(config)
+    text = json.dumps(config, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def model_identity(model: nn.Module) -> dict[str, Any]:
+    """{"hash", "summary"}: the architecture (class, config without init-only fields) and every
+    parameter's clean name and global shape. Dtypes are not part of it (a bf16 export of an fp32 model
+    is the same model)."""
+    config = getattr(model, "config", None)
+    if dataclasses.is_dataclass(config):
+        config = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("hf", "initializer_range")}
+    shapes = sorted((parallel.clean_name(n), list(p.shape)) for n, p in model.named_parameters())
+    identity = {"class": type(model).__name__, "config": config, "shapes": shapes}
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    summary = {
+        "class": type(model).__name__,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "tensors": len(shapes),
+    }
+    if isinstance(config, dict):
+        keys = ("model_type", "num_layers", "hidden_size", "intermediate_size", "num_heads", "vocab_size")
+        summary.update({k: config[k] for k in keys if k in config})
+    return {"hash": digest, "summary": summary}
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: python, numpy (if installed), torch CPU, CUDA (if initialised)."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy
+
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Files
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: str, data: bytes) -> None:
+    """Write via a temporary name, fsync, rename: the file is either absent or whole."""
+    tmp = f"{path}.partial"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _torch_save_file(obj: Any, path: str) -> None:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    _write_file(path, buffer.getvalue())
+
+
+def _all_ranks_ok(fn, main_only: bool = False) -> None:
+    """Run fn (on rank 0 only if main_only), then agree: if it failed anywhere, every rank raises - the
+    failing rank its own error, the others a CheckpointError - instead of waiting at a barrier."""
+    error = None
+    if not main_only or parallel.dist_info().is_main:
+        try:
+            fn()
+        except Exception as exc:  # re-raised below, after the other ranks have heard of it
+            error = exc
+    failed = parallel.all_reduce_max(1.0 if error is not None else 0.0)
+    if error is not None:
+        raise error
+    if failed:
+        raise CheckpointError("checkpoint: another rank failed writing its part (see its error)")
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns on every call without a process group that it assumes a single process; so do we."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
+def _tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.numel() * local.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What `load` restored."""
+
+    step: int
+    path: str
+    meta: dict[str, Any]
+    config_changed: bool  # the saved config hash differs from the one passed to load (None: not compared)
+
+
+class Checkpointer:
+    """Saves and restores a dict of stateful objects under `directory` (see the module docstring).
+
+    Args:
+        directory: where `step_XXXXXXXX/` checkpoints live (shared by all ranks and nodes).
+        keep_last: complete checkpoints to keep (older ones are deleted after each save); None = all.
+        min_free_bytes: free space required beyond the estimated size of a save.
+    Raises:
+        CheckpointError: the directory cannot be created or written.
+    """
+
+    def __init__(self, directory: str, keep_last: int | None = 3, min_free_bytes: int = 64 * 2**20):
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
+        self.directory = os.path.abspath(directory)
+        self.keep_last = keep_last
+        self.min_free_bytes = min_free_bytes
+        self._check_writable()
+
+    # -- discovery ---------------------------------------------------------------------------------
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, f"step_{step:08d}")
+
+    def complete_steps(self) -> list[int]:
+        """Steps of the complete checkpoints, ascending."""
+        steps = []
+        for name in os.listdir(self.directory):
+            match = _STEP_DIR.match(name)
+            if match and os.path.isfile(os.path.join(self.directory, name, MARKER)):
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def latest(self) -> str | None:
+        """Path of the newest complete checkpoint, or None."""
+        steps = self.complete_steps()
+        return self.step_dir(steps[-1]) if steps else None
+
+    # -- checks ------------------------------------------------------------------------------------
+
+    def _check_writable(self) -> None:
+        probe = os.path.join(self.directory, f".write_probe.{os.getpid()}")
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            with open(probe, "wb") as f:
+                f.write(b"ok")
+            os.remove(probe)
+        except OSError as exc:
+            raise CheckpointError(f"checkpoint directory {self.directory} is not writable: {exc}") from exc
+
+    def _check_space(self, local_bytes: int) -> None:
+        """All ranks agree: the estimated total size of one save must fit in the free space."""
+        needed = int(parallel.all_reduce_sum(local_bytes) * 1.05) + self.min_free_bytes
+        free = shutil.disk_usage(self.directory).free
+        ok = parallel.all_reduce_min(1.0 if free >= needed else 0.0)
+        if ok < 1.0:
+            raise CheckpointError(
+                f"not enough free disk space for a checkpoint in {self.directory}: about {_gib(needed)} "
+                f"needed (shards of all ranks + {_gib(self.min_free_bytes)} margin), {_gib(free)} free"
+                + ("" if free < needed else " here but less on another rank's filesystem")
+            )
+
+    def preflight(self, state: dict[str, Any]) -> int:
+        """Fail now (CheckpointError) if a save of `state` would not fit; returns its estimated bytes.
+        Collective under torchrun (every rank must call it)."""
+        self._check_writable()
+        dcp_state, objects, _ = _split(state)
+        local = _tensor_bytes({k: v.state_dict() for k, v in dcp_state.items()})
+        self._check_space(local)
+        return local
+
+    # -- save --------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: dict[str, Any], *, config_hash: str | None = None, extra=None) -> str:
+        """Save `state` as checkpoint `step`; collective under torchrun. Returns the committed path.
+
+        extra: JSON-able dict stored in meta.json (e.g. the run's metrics at this step).
+        """
+        import torch.distributed.checkpoint as dcp
+
+        info = parallel.dist_info()
+        dcp_state, objects, models = _split(state)
+        state_dicts = {k: v.state_dict() for k, v in dcp_state.items()}
+        self._check_space(_tensor_bytes(state_dicts))
+
+        final, tmp = self.step_dir(step), self.step_dir(step) + ".tmp"
+
+        def prepare():
+            self._remove_stale()
+            os.makedirs(os.path.join(tmp, RNG_DIR))
+
+        _all_ranks_ok(prepare, main_only=True)
+        with _single_process_quiet():  # DCP agrees on failures across ranks itself
+            dcp.save(state_dicts, checkpoint_id=tmp, no_dist=not dist.is_initialized())
+
+        def write_small_files():
+            _torch_save_file(rng_state(), os.path.join(tmp, RNG_DIR, f"rank_{info.rank:05d}.pt"))
+            if not info.is_main:
+                return
+            saved_objects = {k: v if isinstance(v, dict) else v.state_dict() for k, v in objects.items()}
+            _torch_save_file(saved_objects, os.path.join(tmp, OBJECTS))
+            meta = {
+                "format": FORMAT_VERSION,
+                "step": step,
+                "config_hash": config_hash,
+                "models": {k: model_identity(m) for k, m in models.items()},
+                "keys": sorted(state),
+                "world_size": info.world_size,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "torch": torch.__version__,
+                "extra": extra or {},
+            }
+            _write_file(os.path.join(tmp, META), json.dumps(meta, indent=2, default=str).encode())
+
+        _all_ranks_ok(write_small_files)  # also the barrier: every rank's files are on disk
+
+        def commit():
+            if os.path.exists(final):  # the same step saved again: retire the old one marker-first
+                self._delete(final)
+            os.replace(tmp, final)
+            _fsync_dir(self.directory)
+            _write_file(os.path.join(final, MARKER), json.dumps({"step": step}).encode())
+            _fsync_dir(final)
+            self._retain()
+            logger.info("checkpoint saved: %s", final)
+
+        _all_ranks_ok(commit, main_only=True)
+        return final
+
+    def _delete(self, path: str) -> None:
+        marker = os.path.join(path, MARKER)
+        if os.path.exists(marker):
+            os.remove(marker)
+            _fsync_dir(path)
+        shutil.rmtree(path)
+
+    def _remove_stale(self) -> None:
+        """Interrupted saves: `.tmp` directories and step directories without a marker."""
+        for name in os.listdir(self.directory):
+            path = os.path.join(self.directory, name)
+            stale_tmp = name.startswith("step_") and name.endswith(".tmp")
+            incomplete = _STEP_DIR.match(name) and not os.path.exists(os.path.join(path, MARKER))
+            if os.path.isdir(path) and (stale_tmp or incomplete):
+                logger.warning("removing incomplete checkpoint %s", path)
+                shutil.rmtree(path)
+
+    def _retain(self) -> None:
+        if self.keep_last is None:
+            return
+        for step in self.complete_steps()[: -self.keep_last]:
+            self._delete(self.step_dir(step))
+
+    # -- load --------------------------------------------------------------------------------------
+
+    def load(
+        self,
+        state: dict[str, Any],
+        *,
+        path: str | None = None,
+        step: int | None = None,
+        config_hash: str | None = None,
+    ) -> CheckpointInfo | None:
+        """Restore `state` in place from `path`, checkpoint `step`, or the latest complete one.
+
+        Returns None when there is no complete checkpoint (and neither path nor step was given).
+        Raises CheckpointError: incomplete checkpoint, a model of another architecture, keys of
+        `state` missing from the checkpoint. A different `config_hash` is reported, not refused.
+        Collective under torchrun.
+        """
+        import torch.distributed.checkpoint as dcp
+
+        info = parallel.dist_info()
+        if path is None and step is not None:
+            path = self.step_dir(step)
+        if path is None:
+            path = self.latest()
+            if dist.is_initialized():  # every rank loads what rank 0 found
+                holder = [path]
+                dist.broadcast_object_list(holder, src=0)
+                path = holder[0]
+            if path is None:
+                return None
+        if path.rstrip("/").endswith(".tmp") or not os.path.isfile(os.path.join(path, MARKER)):
+            raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+        with open(os.path.join(path, META)) as f:
+            meta = json.load(f)
+
+        dcp_state, objects, models = _split(state)
+        missing = sorted(set(state) - set(meta["keys"]))
+        if missing:
+            raise CheckpointError(f"checkpoint {path} has no {missing} (it holds {meta['keys']})")
+        for key, model in models.items():
+            saved, current = meta["models"].get(key), model_identity(model)
+            if saved is None or saved["hash"] != current["hash"]:
+                raise CheckpointError(
+                    f"checkpoint {path} holds a different model under {key!r}: saved "
+                    f"{saved['summary'] if saved else 'no model'}, this run's {current['summary']} "
+                    "(architecture or parameter shapes differ); refusing to load it"
+                )
+        config_changed = config_hash is not None and meta.get("config_hash") != config_hash
+        if config_changed:
+            logger.warning(
+                "checkpoint %s was saved with config hash %s, this run's is %s",
+                path,
+                meta.get("config_hash"),
+                config_hash,
+            )
+
+        with _single_process_quiet():
+            dcp.load(dcp_state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        saved_objects = torch.load(os.path.join(path, OBJECTS), weights_only=False)  # written by us
+        for key, obj in objects.items():
+            if isinstance(obj, dict):
+                obj.clear()
+                obj.update(saved_objects[key])
+            else:
+                obj.load_state_dict(saved_objects[key])
+        rng_file = os.path.join(path, RNG_DIR, f"rank_{info.rank:05d}.pt")
+        if meta["world_size"] == info.world_size and os.path.isfile(rng_file):
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        else:
+            logger.warning(
+                "checkpoint %s was saved by %d ranks, this run has %d: RNG states not restored",
+                path,
+                meta["world_size"],
+                info.world_size,
+            )
+        return CheckpointInfo(meta["step"], path, meta, config_changed)
+
+
+def export_hf(model: nn.Module, path: str, dtype: torch.dtype | None = None) -> None:
+    """Write a (possibly FSDP-sharded) Decoder as a Hugging Face directory; collective under torchrun.
+
+    Gathers the full weights to rank 0's CPU (`parallel.full_state_dict`), rebuilds a plain Decoder
+    there and writes it with `engine.model.save_hf` (config.json + safetensors). dtype: cast on export
+    (e.g. torch.bfloat16 for a half-size release); None keeps the master-weight dtype.
+    """
+    from .model import Decoder, save_hf
+
+    full = parallel.full_state_dict(model, cpu_offload=True)
+    if parallel.dist_info().is_main:
+        if dtype is not None:
+            full = {k: v.to(dtype) for k, v in full.items()}
+        with torch.device("meta"):
+            plain = Decoder(model.config)
+        plain.load_state_dict(full, strict=True, assign=True)
+        save_hf(plain, path)
+    parallel.barrier()

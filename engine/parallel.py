@@ -1,0 +1,426 @@
+"""Process-group set-up and the one function that applies the parallel plan (FSDP2) to a decoder.
+
+The model (`engine/model`) holds no parallelism code. The order of operations is always the same:
+
+    info = init_distributed()                          # torchrun env -> gloo (CPU) / NCCL (CUDA)
+    model = meta_decoder(ModelConfig.from_hf(...))     # on the meta device: no memory, no init cost
+    model = fp8.convert_to_fp8(model)                  # optional converters come first (engine/fp8.py)
+    model = parallelize(model, param_dtype=torch.bfloat16, activation_checkpointing=True)
+    materialize(model, info.device, hf_path=path)      # to_empty + each rank reads only what it keeps
+
+`parallelize` applies, per decoder `Block` and in this order: activation checkpointing -> `torch.compile`
+(optional) -> FSDP2 `fully_shard`; then `fully_shard` of the root (embeddings, final norm, LM head). This
+is torchtitan's order: checkpointing wraps the plain block, compile sees the wrapped block (so the
+recomputation is compiled too), and FSDP's all-gather / reduce-scatter hooks sit outside the compiled
+region. Mixed precision is FSDP2's `MixedPrecisionPolicy`: fp32 master weights and optimizer state,
+bf16 copies for compute, gradients reduced in fp32.
+
+The LM head belongs to the loss (`linear_logprob_entropy(hidden, model.lm_head_weight, ...)`), which
+reads the weight after `forward` returns. That works under FSDP2 because the root module is not
+resharded after forward: between forward and backward `model.lm_head_weight` is the unsharded
+(all-gathered, param-dtype) tensor, and its gradient is reduce-scattered by FSDP's end-of-backward
+callback. Read it only between a forward and its backward.
+
+Single process. Without torchrun (`python script.py`, tests, notebooks) `init_distributed` creates no
+process group and `parallelize` applies checkpointing / compile but no sharding (FSDP2 needs a process
+group; under `torchrun --nproc_per_node=1` it runs with a world of one). Every helper here (the
+all-reduces, the state-dict helpers) works in both modes.
+
+Gradients are SUMMED over ranks (`grad_reduce="sum"`): each rank normalises its loss by the global
+token count (the kernels' `normalizer`), so per-rank losses add up to the single-process loss and the
+summed gradient is the single-process gradient, whatever the token count of each rank.
+
+Failure. Every collective has a timeout (`timeout_s`, default 600 s: long enough for a slow checkpoint
+write or a rank compiling, short enough that a stuck job ends within minutes). Measured with gloo and a
+2 s timeout (tests/engine/test_parallel.py): a peer that is alive but never joins -> RuntimeError
+"Timed out waiting 2000ms for recv operation" after 2.0 s; a peer that dies -> RuntimeError
+"Connection closed by peer ... typically caused by a remote worker crashing" as soon as its process
+exits. On NCCL a timed-out collective makes the watchdog abort the process. Under torchrun the elastic
+agent also stops the surviving workers once one exits with an error. The last complete checkpoint is
+never touched (engine/checkpoint.py commits by rename).
+
+Multi-node: start the same command on every node with torchrun's rendezvous flags, one process per GPU,
+e.g. 2 nodes of 8 GPUs with the c10d rendezvous (ranks assigned on arrival):
+
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 \
+             --rdzv_id=$JOB_ID prorl/train.py ...
+
+or with static ranks: `--nnodes=2 --node_rank=$NODE_RANK --master_addr=$HEAD_NODE --master_port=29500`.
+torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, which `init_distributed`
+reads. Checkpoint directories must be on a filesystem every node sees (each rank writes its shards).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import logging
+import os
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .model import Decoder, ModelConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 600.0
+# Name segments that wrappers insert into parameter names (checkpoint_wrapper, torch.compile); the
+# state-dict helpers below and torch.distributed.checkpoint strip them.
+WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits. `backend` is None in single-process mode (no process group)."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def _default_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def dist_info() -> DistInfo:
+    """The current process's `DistInfo` (from the process group if one exists; never creates one)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if not dist.is_initialized():
+        return DistInfo(0, 1, 0, _default_device(0), None)
+    backend = dist.get_backend()
+    device = _default_device(local_rank) if backend == "nccl" else torch.device("cpu")
+    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def init_distributed(*, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> DistInfo:
+    """Create the default process group from torchrun's environment; one process per device.
+
+    Args:
+        timeout_s: collective timeout: a collective that a peer never joins raises after this long.
+        backend: "gloo" | "nccl" | None (NCCL when CUDA is available, else gloo).
+    Returns:
+        DistInfo. Not under torchrun (no RANK / WORLD_SIZE in the environment): single-process mode,
+        no process group, device cuda:0 or cpu. A group created earlier by the caller is reused.
+    """
+    if dist.is_initialized():
+        return dist_info()
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return dist_info()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    device_id = None
+    if backend == "nccl":
+        # Tear the process down on a failed or timed-out NCCL collective instead of hanging (torch's
+        # default in recent versions; stated here so the behaviour does not depend on the version).
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        device_id = _default_device(local_rank)
+        torch.cuda.set_device(device_id)
+    dist.init_process_group(
+        backend=backend,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device_id,  # NCCL: eager communicator creation on this GPU
+    )
+    info = dist_info()
+    if info.is_main:
+        logger.info("distributed: %s, world size %d, device %s", backend, info.world_size, info.device)
+    return info
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The parallel plan
+
+
+def parallelize(
+    model: Decoder,
+    *,
+    mesh=None,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+    cpu_offload: bool = False,
+    grad_reduce: str = "sum",
+) -> Decoder:
+    """Apply activation checkpointing -> torch.compile -> FSDP2 to `model`, per Block, then the root.
+
+    Call it on a model built on the meta device (then `materialize`), or on a materialised one.
+
+    Args:
+        mesh: 1-D DeviceMesh to shard over; None = all ranks of the default group.
+        param_dtype: compute dtype of the all-gathered parameters (bf16 for mixed precision); None =
+            the parameters' own dtype. Master weights and optimizer state keep the model's dtype.
+        reduce_dtype: dtype of the gradient reduce-scatter (fp32 recommended with bf16 params).
+        activation_checkpointing: recompute each Block's activations in backward (memory for time).
+        compile: torch.compile each Block (after checkpointing, so the recomputation is compiled).
+        cpu_offload: FSDP2 CPUOffloadPolicy - sharded parameters, gradients and optimizer state live in
+            host memory; the optimizer step runs on the CPU.
+        grad_reduce: "sum" (default): gradients are summed over ranks, so each rank normalises its loss
+            by the GLOBAL token count (the kernels' `normalizer`) and the per-rank losses add up to the
+            single-process loss. "mean": FSDP's default average (loss normalised per rank).
+    Returns:
+        the same model object (blocks replaced in place by their wrappers).
+    Raises:
+        ValueError: mixed precision or CPU offload asked for without a process group.
+    """
+    from .fp8 import has_fp8_layers
+
+    if grad_reduce not in ("sum", "mean"):
+        raise ValueError(f"grad_reduce must be 'sum' or 'mean', got {grad_reduce!r}")
+    if activation_checkpointing and has_fp8_layers(model):
+        raise ValueError(
+            "activation checkpointing of FP8 (Transformer Engine) layers needs TE's own checkpoint, which "
+            "recomputes under the same FP8 state; torch's would recompute outside fp8_autocast. Turn one off."
+        )
+    if activation_checkpointing or compile:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+        for name, block in list(model.layers.named_children()):
+            if activation_checkpointing:
+                # preserve_rng_state=False: the decoder has no dropout, so the recomputation needs no RNG
+                block = checkpoint_wrapper(block, preserve_rng_state=False)
+            if compile:
+                block = torch.compile(block)
+            model.layers.register_module(name, block)
+
+    if not dist.is_initialized():
+        if cpu_offload:
+            raise ValueError("cpu_offload is an FSDP2 policy: run under torchrun (a world of 1 is fine)")
+        own = {p.dtype for p in model.parameters()}
+        if param_dtype is not None and own != {param_dtype}:
+            raise ValueError(
+                f"param_dtype={param_dtype} is applied by FSDP2, which needs a process group: run under "
+                "torchrun (--nproc_per_node=1 is fine), or build the model in that dtype"
+            )
+        return model
+
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if mesh is None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(dist_info().device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    # Blocks: keep inputs as given - cos/sin arrive in fp32 (the decoder applies RoPE in fp32) and the
+    # hidden states are already in param_dtype, produced by the (root-owned) embedding.
+    block_mp = MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs=False)
+    root_mp = MixedPrecisionPolicy(param_dtype, reduce_dtype)
+    blocks = list(model.layers)
+    for i, block in enumerate(blocks):
+        # the last block's parameters are needed again at once by backward: do not reshard them
+        fully_shard(
+            block,
+            mesh=mesh,
+            mp_policy=block_mp,
+            offload_policy=offload,
+            reshard_after_forward=i < len(blocks) - 1,
+        )
+    fully_shard(model, mesh=mesh, mp_policy=root_mp, offload_policy=offload)
+    if grad_reduce == "sum":
+        for module in (*blocks, model):
+            module.set_gradient_divide_factor(1.0)
+            # plain SUM collectives: a factor other than the world size is otherwise NCCL's PREMUL_SUM,
+            # which gloo lacks
+            module.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def clean_name(name: str) -> str:
+    """A parameter name without wrapper segments: `layers.0._orig_mod.mlp.*` -> `layers.0.mlp.*`."""
+    for prefix in WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def meta_decoder(cfg: ModelConfig, attention=None, dtype: torch.dtype = torch.float32) -> Decoder:
+    """A Decoder on the meta device (no memory, no init). `dtype` = the master-weight dtype."""
+    with torch.device("meta"):
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            return Decoder(cfg, attention=attention)
+        finally:
+            torch.set_default_dtype(previous)
+
+
+def hf_model_config(path: str) -> ModelConfig:
+    """The ModelConfig of a Hugging Face checkpoint directory (its config.json)."""
+    with open(os.path.join(path, "config.json")) as f:
+        return ModelConfig.from_hf(json.load(f))
+
+
+@torch.no_grad()
+def materialize(
+    model: Decoder, device: torch.device | str, *, hf_path: str | None = None, seed: int = 0
+) -> Decoder:
+    """Allocate a meta-device (possibly sharded) model on `device` and fill it.
+
+    With `hf_path`, each rank reads every tensor it needs from the safetensors files (memory-mapped,
+    one tensor at a time) and keeps only its own shard: no broadcast, peak extra memory one full tensor.
+    The directory's config.json must describe the same model. Without `hf_path`, `init_weights()` under
+    `torch.manual_seed(seed)` (sharded parameters draw through DTensor's RNG: valid init, but not the
+    same numbers as an unsharded model). With `parallelize(cpu_offload=True)` pass device="cpu": the
+    shards live in host memory.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    model.to_empty(device=device)
+    if hf_path is None:
+        torch.manual_seed(seed)
+        model.init_weights()
+        return model
+
+    from safetensors import safe_open
+
+    from .model.hf_io import _tensor_files, hf_name
+
+    saved = hf_model_config(hf_path)
+    if saved != model.config:
+        raise ValueError(f"{hf_path}/config.json describes another model: {saved}, not {model.config}")
+    files = _tensor_files(hf_path)
+    by_file: dict[str, list[tuple[str, nn.Parameter]]] = defaultdict(list)
+    missing = []
+    for name, param in model.named_parameters():
+        key = hf_name(clean_name(name))
+        if key not in files:
+            missing.append(key)
+        else:
+            by_file[files[key]].append((key, param))
+    if missing:
+        raise ValueError(f"{hf_path} lacks {', '.join(missing[:6])}" + (" ..." if len(missing) > 6 else ""))
+    for file, entries in by_file.items():
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for key, param in entries:
+                full = f.get_tensor(key)
+                if tuple(full.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"{key}: shape {tuple(full.shape)} in {hf_path}, {tuple(param.shape)} here"
+                    )
+                if isinstance(param, DTensor):
+                    # src_data_rank=None: every rank cuts its own shard from the tensor it read; no comms
+                    local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                    param.to_local().copy_(local.to_local())
+                else:
+                    param.copy_(full)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------
+# Full (unsharded) state dicts: weight sync to the rollout engine, HF export, reference-policy copies
+
+
+def full_state_dict(model: nn.Module, *, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
+    """Unsharded parameters by clean name (no wrapper segments), in the master-weight dtype; without the
+    `_extra_state` entries of FP8 (Transformer Engine) layers.
+
+    A collective under FSDP2: every rank must call it. `cpu_offload=False`: every rank gets every full
+    tensor on its device (weight push to a colocated rollout engine). `cpu_offload=True`: full tensors
+    on the CPU of rank 0 only, an empty dict elsewhere (HF export, low GPU memory).
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if not dist.is_initialized():
+        state = {clean_name(k): v.detach() for k, v in model.state_dict().items()}
+        state = {k: v.cpu() for k, v in state.items()} if cpu_offload else state
+    else:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+        state = get_model_state_dict(model, options=options)
+    return {k: v for k, v in state.items() if not k.endswith("_extra_state")}  # FP8 layers' metadata
+
+
+def load_full_state_dict(
+    model: nn.Module, state: dict[str, torch.Tensor], *, broadcast_from_rank0: bool = False
+) -> None:
+    """Load unsharded tensors (clean names, every parameter) into a possibly sharded model; collective.
+
+    `broadcast_from_rank0=True`: only rank 0's `state` is read (other ranks may pass {}); it is
+    broadcast tensor by tensor and each rank keeps its shard.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if not dist.is_initialized():
+        own = {clean_name(k): k for k in model.state_dict()}
+        if set(own) != set(state):
+            raise ValueError(f"state keys differ from the model's: {sorted(set(own) ^ set(state))[:6]}")
+        model.load_state_dict({own[k]: v for k, v in state.items()})
+        return
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0)
+    set_model_state_dict(model, state, options=options)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Metrics across ranks (single-process mode: identity)
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+}
+
+
+def all_reduce(value: Any, op: str = "sum", group=None) -> Any:
+    """Reduce a float, a tensor or a dict of floats/scalar tensors over ranks; returns the same kind.
+
+    op: "sum" | "mean" | "max" | "min". A dict costs one collective (values stacked in fp64); dict values
+    come back as floats. Tensors come back as new tensors (the input is not modified). No process group:
+    the value itself (mean of one rank = the value).
+    """
+    if op not in _OPS:
+        raise ValueError(f"unknown op {op!r}; choose one of {sorted(_OPS)}")
+    if isinstance(value, dict):
+        keys = list(value)
+        flat = torch.tensor([float(value[k]) for k in keys], dtype=torch.float64)
+        out = all_reduce(flat, op, group)
+        return {k: float(v) for k, v in zip(keys, out.tolist())}
+    if not isinstance(value, torch.Tensor):
+        return float(all_reduce(torch.tensor(float(value), dtype=torch.float64), op, group))
+    if not dist.is_initialized():
+        return value.clone()
+    # NCCL reduces only CUDA tensors: host values travel through this rank's GPU
+    nccl = dist.get_backend(group) == "nccl"
+    device = dist_info().device if nccl and value.device.type == "cpu" else value.device
+    out = value.detach().to(device, copy=True)
+    dist.all_reduce(out, op=_OPS[op], group=group)
+    if op == "mean":
+        out = out / dist.get_world_size(group)
+    return out.to(value.device)
+
+
+def all_reduce_sum(value: Any, group=None) -> Any:
+    return all_reduce(value, "sum", group)
+
+
+def all_reduce_mean(value: Any, group=None) -> Any:
+    return all_reduce(value, "mean", group)
+
+
+def all_reduce_max(value: Any, group=None) -> Any:
+    return all_reduce(value, "max", group)
+
+
+def all_reduce_min(value: Any, group=None) -> Any:
+    return all_reduce(value, "min", group)
+
+
+def barrier() -> None:
+    """Wait for every rank (no-op in single-process mode)."""
+    if dist.is_initialized():
+        dist.barrier()
