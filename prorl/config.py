@@ -122,7 +122,8 @@ class TrainerConfig:
     prompts_per_step: int = 256
     mini_batches: int = 4  # optimizer updates per RL step
     micro_batch_tokens: int = 16384
-    save_every: int = 50
+    save_every: int = 50  # 0: no checkpoints (the final HF export is always written)
+    keep_last: int = 2
     val_every: int = 25
     val_temperature: float = 0.0
     val_samples: int = 1

@@ -42,6 +42,17 @@ class Reporter:
         with open(os.path.join(self.dir, "config.yaml"), "w") as f:
             f.write(text)
 
+    def resume(self, step: int) -> None:
+        """Drop metrics of steps after the checkpoint (they are about to be redone) and reload history."""
+        rows = []
+        if os.path.exists(self.path):
+            rows = [json.loads(line) for line in open(self.path)]
+        rows = [r for r in rows if r.get("step", 0) <= step]
+        self.val_history = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
+        if self.rank == 0:
+            with open(self.path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in rows)
+
     def validation(self, step: int, acc: float) -> None:
         self.val_history.append((step, acc))
         if self.rank == 0:

@@ -75,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.output_dir = box[0]
     from transformers import PreTrainedTokenizerFast
 
+    from prorl.engine.checkpoint import Checkpointer, CheckpointError, config_hash
     from prorl.report import Reporter
     from prorl.rewards import builtin_keys
     from prorl.rewards.pool import RewardPool
@@ -103,13 +104,35 @@ def main(argv: list[str] | None = None) -> int:
             return 3
         reporter.say("prorl: reward self-test: " + ", ".join(f"{k} {v}" for k, v in status.items()))
         trainer = Trainer(cfg, model_path, tokenizer, train, val, pool)
+        # resume from the latest complete checkpoint of this output_dir, if any (RECIPE §7, issue 8)
+        ckpt = Checkpointer(os.path.join(cfg.output_dir, "checkpoints"), keep_last=cfg.trainer.keep_last)
+        chash = config_hash(to_yaml(cfg))  # changed settings are reported on resume
+        holder: dict = {}
+        state = {
+            "model": trainer.policy,
+            "reference": trainer.reference,
+            "optimizer": trainer.optimizer,
+            "trainer": holder,
+        }
+        try:
+            info = ckpt.load(state, config_hash=chash)
+        except CheckpointError as exc:
+            print(f"prorl: cannot resume: {exc}", file=sys.stderr)
+            return 4
         t_start = time.time()
-        acc0 = trainer.validate()
-        reporter.validation(0, acc0)
-        reporter.say(
-            f"prorl: held-out accuracy before RL: {acc0:.1%} ({len(val)} problems, "
-            f"{'greedy' if cfg.trainer.val_temperature == 0 else 'T=' + str(cfg.trainer.val_temperature)})"
-        )
+        if info is not None:
+            trainer.restore(holder)
+            reporter.resume(trainer.step_count)
+            reporter.say(
+                f"prorl: resumed from {info.path} (step {trainer.step_count})"
+                + (" - the config changed since that save" if info.config_changed else "")
+            )
+        else:
+            acc0 = trainer.validate()
+            reporter.validation(0, acc0)
+            mode = "greedy" if cfg.trainer.val_temperature == 0 else f"T={cfg.trainer.val_temperature}"
+            reporter.say(f"prorl: held-out accuracy before RL: {acc0:.1%} ({len(val)} problems, {mode})")
+        saved_at = trainer.step_count
         while trainer.step_count < cfg.trainer.total_steps:
             metrics = trainer.step()
             step = trainer.step_count
@@ -118,7 +141,16 @@ def main(argv: list[str] | None = None) -> int:
             ):
                 metrics["val/accuracy"] = trainer.validate()
             reporter.log(metrics)
-        reporter.say(f"prorl: trained {trainer.step_count} steps in {time.time() - t_start:.0f} s")
+            if cfg.trainer.save_every and (
+                step % cfg.trainer.save_every == 0 or step == cfg.trainer.total_steps
+            ):
+                state["trainer"] = trainer.checkpoint_state()
+                ckpt.save(step, state, config_hash=chash)
+                saved_at = step
+        if saved_at != trainer.step_count and cfg.trainer.save_every:
+            state["trainer"] = trainer.checkpoint_state()
+            ckpt.save(trainer.step_count, state, config_hash=chash)
+        reporter.say(f"prorl: trained to step {trainer.step_count} in {time.time() - t_start:.0f} s")
         out = reporter.finish(trainer)
     if dist.is_initialized():
         dist.barrier()

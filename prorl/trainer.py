@@ -15,6 +15,7 @@ so there is no weight copy; the vLLM backend (GPU) receives the weights after ea
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -477,6 +478,39 @@ class Trainer:
         self.step_count += 1
         metrics["step"] = self.step_count
         return metrics
+
+    # ------------------------------------------------------------------------------------------
+    # checkpointed state of the trainer itself
+    # ------------------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict:
+        """Everything besides the models and the optimizer that an exact resume needs. Collective: the data
+        position and the dynamic-sampling carry-over differ by rank, so every rank's part is gathered."""
+        local = {
+            "step_count": self.step_count,
+            "data_order": list(self.data_order),
+            "data_rng": self.data_rng.getstate(),
+            "carry": [dataclasses.asdict(g) for g in self.carry],
+            "consecutive_skips": self.consecutive_skips,
+        }
+        ranks = [local]
+        if self.world > 1:
+            ranks = [None] * self.world
+            dist.all_gather_object(ranks, local)
+        return {"world": self.world, "ranks": ranks, "reset_policy": self.reset_policy.state_dict()}
+
+    def restore(self, state: dict) -> None:
+        if state["world"] != self.world:
+            raise ValueError(
+                f"this checkpoint was written by {state['world']} ranks; resume it with the same number "
+                f"(this run has {self.world}): the data position and carry-over are per rank"
+            )
+        local = state["ranks"][self.rank]
+        self.step_count = local["step_count"]
+        self.data_order = list(local["data_order"])
+        self.data_rng.setstate(local["data_rng"])
+        self.carry = [Group(**g) for g in local["carry"]]
+        self.consecutive_skips = local["consecutive_skips"]
+        self.reset_policy.load_state_dict(state["reset_policy"])
 
     @torch.no_grad()
     def reset_reference(self, reason: str) -> None:

@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--slip", type=float, default=0.6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--init", default=None, help="continue from this checkpoint (SFT control)")
+    ap.add_argument("--minutes", type=float, default=None, help="stop after this much wall time")
     ap.add_argument(
         "--log", default=None, help="JSONL of (step, loss, val accuracy); default <out>/warmstart.jsonl"
     )

@@ -6,5 +6,14 @@ Backends: `NativeGenerator` (batched KV-cache sampler on prorl's own decoder, CP
 
 from .base import Generator, Rollouts, Sample, SamplingParams
 from .native import NativeGenerator
+from .vllm import StaleWeightsError, VLLMGenerator  # vllm itself is imported only when one is built
 
-__all__ = ["Generator", "NativeGenerator", "Rollouts", "Sample", "SamplingParams"]
+__all__ = [
+    "Generator",
+    "NativeGenerator",
+    "Rollouts",
+    "Sample",
+    "SamplingParams",
+    "StaleWeightsError",
+    "VLLMGenerator",
+]

