@@ -130,6 +130,10 @@ def plot_run(metrics_path: str, png_path: str, control: list[tuple[int, float]] 
             ax.plot([r["step"] for r in steps], [r[key] for r in steps], lw=1)
         for s in resets:
             ax.axvline(s, color="grey", ls="--", lw=0.8)
+        if key == "response_length/mean":  # steps where the cosine length penalty was on, shaded
+            for r in steps:
+                if r.get("reward/length_penalty/mean", 0.0) != 0.0:
+                    ax.axvspan(r["step"] - 0.5, r["step"] + 0.5, color="orange", alpha=0.15, lw=0)
         ax.set_title(title)
         ax.set_xlabel("RL step")
     fig.tight_layout()

@@ -1,0 +1,104 @@
+"""The embedded default's result beside its control: RL vs the same minutes of further supervised training.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 prorl/train.py          # -> runs/<ts>/
+    OMP_NUM_THREADS=1 python -m prorl.warmstart --init prorl/assets/tiny-reasoner \\
+        --out /tmp/sft_control --steps 1500 --eval-every 100 --lr 1e-3 --minutes 8     # the control
+    python -m benchmarks embedded_default --run runs/<ts> --control /tmp/sft_control/warmstart.jsonl
+
+Reads the run's metrics.jsonl (held-out greedy accuracy every `val_every` steps; wall time from the
+per-step `timing_s/step`) and the control's log (held-out greedy accuracy every 100 supervised steps,
+with elapsed seconds), both on the same 200 held-out digit-sum problems, and draws accuracy against wall
+time (`benchmarks/results/embedded_default.png`) with rows appended to `embedded_default.csv`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from benchmarks import harness
+
+NAME = "embedded_default"
+
+
+def rl_curve(run: Path) -> list[tuple[float, float]]:
+    """(seconds since the first step, held-out accuracy) of an RL run; accuracy before RL at 0 s."""
+    rows = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    elapsed, curve = 0.0, []
+    for r in rows:
+        elapsed += r.get("timing_s/step", 0.0)
+        if "val/accuracy" in r:
+            curve.append((elapsed, r["val/accuracy"]))
+    return curve
+
+
+def control_curve(path: Path, start_accuracy: float) -> list[tuple[float, float]]:
+    rows = [json.loads(line) for line in open(path)]
+    return [(0.0, start_accuracy)] + [(r["elapsed_s"], r["val_greedy_accuracy"]) for r in rows]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--run", required=True, type=Path, help="run directory of the embedded default")
+    ap.add_argument("--control", required=True, type=Path, help="warmstart.jsonl of the SFT control")
+    ap.add_argument("--out", type=Path, default=harness.RESULTS_DIR / f"{NAME}.csv")
+    args = ap.parse_args(argv)
+
+    rl = rl_curve(args.run)
+    control = control_curve(args.control, rl[0][1])
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
+    device = harness.device_name(__import__("torch").device("cpu"))
+    rows = []
+    for provider, curve in (("prorl-rl", rl), ("sft-control", control)):
+        last = [a for _, a in curve[-3:]]
+        for metric, unit, value in (
+            ("accuracy_before", "fraction", curve[0][1]),
+            ("accuracy_after_mean_last3", "fraction", sum(last) / len(last)),
+            ("accuracy_max", "fraction", max(a for _, a in curve)),
+            ("wall_time", "s", curve[-1][0]),
+        ):
+            rows.append(
+                dict(
+                    name=NAME,
+                    provider=provider,
+                    mode="greedy-200-heldout",
+                    shape="digit_sums",
+                    metric=metric,
+                    unit=unit,
+                    p50=value,
+                    p20=value,
+                    p80=value,
+                    device=device,
+                    versions="OMP_NUM_THREADS=1 2 procs" if provider == "prorl-rl" else "1 proc",
+                    git_rev=harness.git_rev(),
+                    timestamp=stamp,
+                )
+            )
+    harness.append_csv(args.out, rows)
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    ax.plot([t / 60 for t, _ in rl], [a for _, a in rl], "o-", label="RL (prorl, embedded default)")
+    ax.plot([t / 60 for t, _ in control], [a for _, a in control], "s--", label="further SFT (control)")
+    ax.set_xlabel("minutes of training after the warm-start")
+    ax.set_ylabel("held-out greedy accuracy (200)")
+    ax.set_ylim(0, 1.05)
+    ax.legend(loc="center right")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    png = args.out.with_suffix(".png")
+    fig.savefig(png, dpi=100)
+    for r in rows:
+        print(f"{r['provider']:12s} {r['metric']:28s} {r['p50']:.3f} {r['unit']}")
+    print(f"wrote {args.out} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
