@@ -44,13 +44,20 @@ The loss is linear in the per-token terms, so its gradient is known in the forwa
     g_kl = 1 | d | 1 - exp(-d)   (k1 | k2 | k3), 0 where a clamp is active
 
 The forward pass stores it (4 bytes per token) and the backward pass is one multiply by the upstream
-gradient, so a fused kernel needs one launch each way. `ppo_loss_reference` is the same math written the
-way verl and TRL write it, in float64, differentiated by autograd; the tests hold every backend to it.
+gradient: one elementwise launch (the triton forward is a per-token kernel and a tiny reduction kernel).
+`ppo_loss_reference` is the same math written the way verl and TRL write it, in float64, differentiated by
+autograd; the tests hold every backend to it.
 
-Backends. Layout checks and the aggregation weights s_t are shared torch code; a backend supplies one
-function, (logp, per-token inputs, s_t, options) -> (loss, statistics vector, gradient), registered in
-`_FORWARDS`. Only the torch one exists so far (a dozen elementwise passes); until the native and triton
-kernels land, those backends run it too.
+Backends. Layout checks are shared torch code; a backend supplies one function, (logp, per-token inputs,
+aggregation, options) -> (loss, statistics vector of sums, gradient), registered in `_FORWARDS`. The
+aggregation reaches it as s_t = m_t u_t / D with u_t per token (only seq-mean-token-mean has one; else 1)
+and D a number, a 0-d tensor, or "count the valid tokens" (token-mean without a normaliser), so that the
+kernels compute s_t in their own pass:
+    native  (CPU)   one OpenMP pass over the tokens, vectorised (kernels/csrc/ppo_loss.cpp)
+    triton  (CUDA)  one per-token kernel writing per-block partial sums, then a one-program kernel that
+                    reduces them in a fixed order (deterministic) into the loss and the statistics
+                    (kernels/ppo_loss_triton.py); backward is the one multiply below
+    torch           a dozen elementwise passes (the readable version of the same math)
 
 Layouts. Padded: every per-token input [B, T], advantages [B] (one per sequence) or [B, T]. Packed: every
 per-token input [N], advantages [N], or [S] together with `cu_seqlens` [S + 1] (the varlen convention:
@@ -92,9 +99,11 @@ IS_MODES = ("none", "tis", "icepop")
 RATIO_LOG_CLAMP = 20.0
 
 # Slots of the statistics vector a backend returns (sums unless marked max).
+# Slot order is shared with kernels/csrc/ppo_loss.cpp and kernels/ppo_loss_triton.py.
 _STATS = (
-    "pg kl n clip_low clip_high dual old_minus_new ratio ratio_max kl_sum is_sum is_max is_modified".split()
-)
+    "pg kl n clip_low clip_high clip dual old_minus_new ratio ratio_max kl_sum is_sum is_max is_modified"
+).split()
+_MAX_SLOTS = (_STATS.index("ratio_max"), _STATS.index("is_max"))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -160,7 +169,7 @@ def ppo_loss(
         logp, old_logp, advantages, mask, ref_logp, is_weights, cu_seqlens, need_seq=agg.startswith("seq-")
     )
     cdt = torch.float64 if logp.dtype == torch.float64 else torch.float32
-    scale = _aggregation_weights(tok, agg, normalizer, cdt)
+    aggregation = _aggregation(tok, agg, normalizer, cdt)
     opts = _Options(
         eps_low=float(eps_low),
         eps_high=float(eps_high),
@@ -175,7 +184,7 @@ def ppo_loss(
         is_bounds=tuple(is_bounds),
     )
     name = _backend.resolve(tok["valid"].device, backend)
-    loss, stats = _PPOLoss.apply(logp, tok, scale, opts, name)
+    loss, stats = _PPOLoss.apply(logp, tok, aggregation, opts, name)
     return loss, _metrics(stats, opts)
 
 
@@ -198,9 +207,11 @@ class _Options:
 
 class _PPOLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logp, tok, scale, opts, backend):
-        forward = _FORWARDS.get(backend, _torch_forward)  # native/triton kernels: not written yet
-        loss, stats, grad = forward(logp.reshape(-1), tok, scale, opts, need_grad=ctx.needs_input_grad[0])
+    def forward(ctx, logp, tok, aggregation, opts, backend):
+        forward = _FORWARDS[backend]
+        loss, stats, grad = forward(
+            logp.reshape(-1), tok, aggregation, opts, need_grad=ctx.needs_input_grad[0]
+        )
         ctx.mark_non_differentiable(stats)
         ctx.save_for_backward(grad)
         ctx.shape, ctx.dtype = logp.shape, logp.dtype
@@ -263,7 +274,7 @@ def _flatten(logp, old_logp, advantages, mask, ref_logp, is_weights, cu_seqlens,
         raise ValueError(f"advantages is on {advantages.device}, logp on {logp.device}")
     dev = logp.device
     n = logp.numel()
-    valid = mask.reshape(-1) != 0
+    valid = mask.reshape(-1) if mask.dtype == torch.bool else mask.reshape(-1) != 0
     seq, num_seqs = None, None
     if logp.dim() == 2:
         b, t = logp.shape
@@ -315,26 +326,50 @@ def _flatten(logp, old_logp, advantages, mask, ref_logp, is_weights, cu_seqlens,
     }
 
 
-def _aggregation_weights(tok, agg, normalizer, cdt):
-    """s_t [N] of the module docstring (0 on masked tokens). No host sync: counts stay on the device, and
-    a Python-number denominator is applied as a Python scalar (no host-to-device copy)."""
-    m = tok["valid"].to(cdt)
+@dataclass(frozen=True)
+class _Aggregation:
+    """s_t = m_t u_t / D (module docstring), in the form the kernels take it.
+
+    weight: [N] u_t in the compute dtype, 0 on masked tokens; None means u_t = 1.
+    denom:  D as a Python number > 0, a 0-d tensor on the device (a value <= 0 reads as 1), or None: the
+            number of valid tokens of this call (at least 1), counted by the backend.
+    """
+
+    weight: torch.Tensor | None
+    denom: float | torch.Tensor | None
+
+
+def _aggregation(tok, agg, normalizer, cdt) -> _Aggregation:
+    """The aggregation of `agg`. No host sync: counts stay on the device, and a Python-number denominator
+    stays a Python scalar (no host-to-device copy)."""
+    weight, denom = None, normalizer
     if agg == "seq-mean-token-mean" or (agg == "seq-mean-token-sum" and normalizer is None):
+        m = tok["valid"].to(cdt)
         per_seq = _seq_sum(m, tok)  # [S] valid tokens per sequence
         if agg == "seq-mean-token-mean":
-            m = m / per_seq.clamp_min(1.0)[tok["seq"]]
-    if normalizer is None:
-        if agg == "constant":
-            if tok["padded_shape"] is None:
-                raise ValueError("agg='constant' on a packed batch needs a normalizer (e.g. S * max_len)")
-            normalizer = float(math.prod(tok["padded_shape"]))
-        else:
-            count = tok["valid"].sum() if agg == "token-mean" else (per_seq > 0).sum()
-            normalizer = count.clamp_min(1).to(cdt)  # no valid token: loss 0, not 0/0
-    if torch.is_tensor(normalizer):
-        normalizer = normalizer.to(device=m.device, dtype=cdt)
-        return m / torch.where(normalizer > 0, normalizer, torch.ones_like(normalizer))
-    return m * (1.0 / float(normalizer))
+            weight = m / per_seq.clamp_min(1.0)[tok["seq"]]
+        if normalizer is None:
+            denom = (per_seq > 0).sum()  # sequences with a valid token; 0 reads as 1: loss 0, not 0/0
+    if normalizer is None and agg == "constant":
+        if tok["padded_shape"] is None:
+            raise ValueError("agg='constant' on a packed batch needs a normalizer (e.g. S * max_len)")
+        denom = float(math.prod(tok["padded_shape"]))
+    if torch.is_tensor(denom):
+        denom = denom.to(device=tok["valid"].device, dtype=cdt)
+    elif denom is not None:
+        denom = float(denom)
+    return _Aggregation(weight, denom)
+
+
+def _scale(tok, aggregation, cdt):
+    """s_t [N] in `cdt` (0 on masked tokens), materialised: what the torch backend multiplies by."""
+    m = aggregation.weight if aggregation.weight is not None else tok["valid"].to(cdt)
+    denom = aggregation.denom
+    if denom is None:
+        denom = tok["valid"].sum().to(cdt)
+    if torch.is_tensor(denom):
+        return m / torch.where(denom > 0, denom, torch.ones_like(denom))
+    return m * (1.0 / denom)
 
 
 def _seq_sum(x, tok):
@@ -349,9 +384,10 @@ def _seq_sum(x, tok):
 # --------------------------------------------------------------------------------------------------
 
 
-def _torch_forward(logp, tok, scale, opts, need_grad):
-    """Returns (loss 0-d, stats [len(_STATS)], grad [N] or None) in the compute dtype of `scale`."""
-    cdt = scale.dtype
+def _torch_forward(logp, tok, aggregation, opts, need_grad):
+    """Returns (loss 0-d, stats [len(_STATS)] sums and maxima, grad [N] or None) in the compute dtype."""
+    cdt = torch.float64 if logp.dtype == torch.float64 else torch.float32
+    scale = _scale(tok, aggregation, cdt)
     valid = tok["valid"]
     zero = torch.zeros((), dtype=cdt, device=logp.device)
     clean = lambda x: torch.where(valid, x.to(cdt), zero)  # masked tokens may hold NaN/inf: never read them
@@ -412,6 +448,7 @@ def _torch_forward(logp, tok, scale, opts, need_grad):
             vf.sum(),
             clip_low.to(cdt).sum(),
             clip_high.to(cdt).sum(),
+            (clip_low | clip_high).to(cdt).sum(),
             dual.to(cdt).sum(),
             ((old - lp) * vf).sum(),
             ratio_v.sum(),
@@ -456,27 +493,70 @@ def _kl_and_grad(d, opts):
     return kl, g
 
 
-_FORWARDS = {"torch": _torch_forward}
+def _native_forward(logp, tok, aggregation, opts, need_grad):
+    """The torch.ops.prorl.ppo_forward kernel (kernels/csrc/ppo_loss.cpp); same contract as _torch_forward."""
+    denom = aggregation.denom
+    loss, stats, grad = torch.ops.prorl.ppo_forward(
+        logp,
+        tok["old"],
+        tok["adv"],
+        tok["valid"],
+        tok["ref"],
+        tok["isw"],
+        aggregation.weight,
+        denom if torch.is_tensor(denom) else None,
+        0.0 if denom is None or torch.is_tensor(denom) else denom,  # 0: count the valid tokens
+        opts.eps_low,
+        opts.eps_high,
+        opts.dual_clip or 0.0,  # 0: off
+        opts.kl_coef,
+        KL_ESTIMATORS.index(opts.kl_estimator),
+        KL_CLAMPS.index(opts.kl_clamp),
+        opts.kl_clamp_value,
+        IS_MODES.index(opts.is_mode),
+        *opts.is_bounds,
+        need_grad,
+    )
+    return loss, stats, (grad if need_grad else None)
+
+
+def _triton_forward(logp, tok, aggregation, opts, need_grad):
+    from . import ppo_loss_triton
+
+    return ppo_loss_triton.ppo_forward(logp, tok, aggregation, opts, need_grad)
+
+
+_FORWARDS = {"torch": _torch_forward, "native": _native_forward, "triton": _triton_forward}
 
 
 def _metrics(stats, opts):
+    """The metrics dict from a statistics vector of sums: two tensor ops, the rest are views (no syncs)."""
+    per_token = stats / stats[_STATS.index("n")].clamp_min(1.0)
     s = dict(zip(_STATS, stats.unbind()))
-    n = s["n"].clamp_min(1.0)
+    mean = dict(zip(_STATS, per_token.unbind()))
     out = {
         "pg_loss": s["pg"],
         "kl_loss": s["kl"],
         "num_tokens": s["n"],
-        "clipfrac_low": s["clip_low"] / n,
-        "clipfrac_high": s["clip_high"] / n,
-        "clipfrac": (s["clip_low"] + s["clip_high"]) / n,
-        "dualclip_frac": s["dual"] / n,
-        "approx_kl": s["old_minus_new"] / n,
-        "kl_mean": s["kl_sum"] / n,
-        "ratio_mean": s["ratio"] / n,
+        "clipfrac_low": mean["clip_low"],
+        "clipfrac_high": mean["clip_high"],
+        "clipfrac": mean["clip"],
+        "dualclip_frac": mean["dual"],
+        "approx_kl": mean["old_minus_new"],
+        "kl_mean": mean["kl_sum"],
+        "ratio_mean": mean["ratio"],
         "ratio_max": s["ratio_max"],
     }
     if opts.has_is:
-        out.update(is_mean=s["is_sum"] / n, is_max=s["is_max"], is_frac_modified=s["is_modified"] / n)
+        out.update(is_mean=mean["is_sum"], is_max=s["is_max"], is_frac_modified=mean["is_modified"])
+    return out
+
+
+def _combine_stats(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Statistics of two disjoint token sets from each one's (sums add, maxima take the max)."""
+    out = a + b
+    idx = list(_MAX_SLOTS)
+    out[idx] = torch.maximum(a[idx], b[idx])
     return out
 
 

@@ -2,15 +2,33 @@
 
 The expected numbers come from RECIPE.md (worked by hand there) or from `ppo_loss_reference`, a plain
 float64 per-sequence loop differentiated by autograd, independent of the op's closed-form gradient.
+Every backend runs every case: torch, native (when built) and triton (CPU tensors under the Triton
+interpreter, which tests/conftest.py switches on when there is no CUDA; on a CUDA machine the triton
+cases here skip — they would need the tensors on the GPU).
 """
 
 import math
+import os
 
 import pytest
 import torch
-from prorl.kernels import ppo_loss, ppo_loss_reference
+from prorl.kernels import native_available, ppo_loss, ppo_loss_reference
+from prorl.kernels._backend import triton_available
 
-BACKENDS = ["torch", None]  # None: the default for CPU tensors (native until its kernel lands: torch)
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "native",
+        marks=pytest.mark.skipif(not native_available(), reason="native library not built (see pip output)"),
+    ),
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            not (triton_available() and os.environ.get("TRITON_INTERPRET") == "1"),
+            reason="triton on CPU tensors needs triton installed and TRITON_INTERPRET=1",
+        ),
+    ),
+]
 
 
 def _one_token(r, a, **kw):
@@ -60,16 +78,19 @@ def _agg_batch():
     return zeros, adv, mask
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "agg,expected", [("token-mean", 1 / 3), ("seq-mean-token-mean", 0.5), ("seq-mean-token-sum", 1.0)]
 )
-def test_recipe_aggregation_padded_and_packed(agg, expected):
+def test_recipe_aggregation_padded_and_packed(agg, expected, backend):
     zeros, adv, mask = _agg_batch()
-    loss, _ = ppo_loss(zeros, zeros, adv, mask, agg=agg)
+    loss, _ = ppo_loss(zeros, zeros, adv, mask, agg=agg, backend=backend)
     assert loss.item() == pytest.approx(expected, abs=1e-12)
     packed = torch.zeros(6, dtype=torch.float64)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
-    loss, _ = ppo_loss(packed, packed, adv, torch.ones(6, dtype=torch.bool), agg=agg, cu_seqlens=cu)
+    loss, _ = ppo_loss(
+        packed, packed, adv, torch.ones(6, dtype=torch.bool), agg=agg, cu_seqlens=cu, backend=backend
+    )
     assert loss.item() == pytest.approx(expected, abs=1e-12)
 
 
@@ -112,8 +133,9 @@ KL_VECTORS = [
 ]
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("logp,ref,expected", KL_VECTORS)
-def test_recipe_kl_vectors(logp, ref, expected):
+def test_recipe_kl_vectors(logp, ref, expected, backend):
     for est, value in zip(("k1", "k2", "k3"), expected):
         lp = torch.tensor([logp], dtype=torch.float64, requires_grad=True)
         # A = 0 and old = logp: the policy term is 0, so loss = kl_coef * KL
@@ -126,6 +148,7 @@ def test_recipe_kl_vectors(logp, ref, expected):
             kl_coef=1.0,
             kl_estimator=est,
             kl_clamp="none",
+            backend=backend,
         )
         loss.backward()
         assert loss.item() == pytest.approx(value, abs=1e-4), est
@@ -134,8 +157,9 @@ def test_recipe_kl_vectors(logp, ref, expected):
         assert lp.grad.item() == pytest.approx({"k1": 1.0, "k2": d, "k3": 1 - math.exp(-d)}[est], abs=1e-12)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("clamp,expected", [("log-ratio", 50.0), ("output", 10.0)])
-def test_recipe_kl_clamp_rows(clamp, expected):
+def test_recipe_kl_clamp_rows(clamp, expected, backend):
     """(logp, ref) = (-0.1, -12.0), k2: 50 with the log-ratio clamped to 10, 10 with the output clamped."""
     lp = torch.tensor([-0.1], dtype=torch.float64, requires_grad=True)
     loss, _ = ppo_loss(
@@ -148,13 +172,15 @@ def test_recipe_kl_clamp_rows(clamp, expected):
         kl_estimator="k2",
         kl_clamp=clamp,
         kl_clamp_value=10.0,
+        backend=backend,
     )
     loss.backward()
     assert loss.item() == pytest.approx(expected, abs=1e-12)
     assert lp.grad.item() == 0.0  # the clamp is active: no gradient
 
 
-def test_is_modes_by_hand():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_is_modes_by_hand(backend):
     """r = 1, A = -1 (per-token loss 1) so the loss is the mean corrected weight."""
     w = torch.tensor([0.3, 1.0, 6.0], dtype=torch.float64)
     args = (
@@ -166,7 +192,11 @@ def test_is_modes_by_hand():
     cases = [("none", [0.3, 1.0, 6.0]), ("tis", [0.3, 1.0, 2.0]), ("icepop", [0.0, 1.0, 0.0])]
     for mode, weights in cases:
         loss, m = ppo_loss(
-            *args, is_weights=w, is_mode=mode, is_bounds=(0.5, 2.0) if mode == "tis" else (0.5, 5.0)
+            *args,
+            is_weights=w,
+            is_mode=mode,
+            is_bounds=(0.5, 2.0) if mode == "tis" else (0.5, 5.0),
+            backend=backend,
         )
         assert loss.item() == pytest.approx(sum(weights) / 3, abs=1e-12), mode
         assert m["is_mean"].item() == pytest.approx(7.3 / 3) and m["is_max"].item() == 6.0
@@ -232,9 +262,10 @@ def _compare(got, ref, dtype=torch.float64):
         )
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("options", OPTION_SETS)
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"])
-def test_against_reference_padded(options, agg):
+def test_against_reference_padded(options, agg, backend):
     logp, old, ref, mask, adv, isw = _random_padded(seed=2)
     kw = dict(
         ref_logp=ref if "kl_coef" in options else None,
@@ -242,9 +273,16 @@ def test_against_reference_padded(options, agg):
         is_weights=isw if "is_mode" in options else None,
         **options,
     )
-    got = _run(ppo_loss, logp, old, adv, mask, **kw)
+    got = _run(ppo_loss, logp, old, adv, mask, backend=backend, **kw)
     want = _run(ppo_loss_reference, logp, old, adv, mask, **kw)
     _compare(got, want)
+    if backend != "torch":  # and the same as the torch backend, metric by metric (IS statistics included)
+        plain = _run(ppo_loss, logp, old, adv, mask, backend="torch", **kw)
+        torch.testing.assert_close(got[0], plain[0], rtol=1e-12, atol=1e-14)
+        torch.testing.assert_close(got[1], plain[1], rtol=1e-12, atol=1e-14)
+        assert got[2].keys() == plain[2].keys()
+        for k in plain[2]:
+            torch.testing.assert_close(got[2][k], plain[2][k], rtol=1e-12, atol=1e-14, msg=k)
     # the inputs take every branch: clipped on both sides, dual-clipped, clamped, truncated
     m = got[2]
     assert m["clipfrac_low"] > 0 and m["clipfrac_high"] > 0 and m["clipfrac"] < 1
@@ -253,12 +291,13 @@ def test_against_reference_padded(options, agg):
         assert 0 < m["is_frac_modified"] < 1
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("options", OPTION_SETS[:3] + OPTION_SETS[5:6])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
-def test_padded_and_packed_agree(options, agg):
+def test_padded_and_packed_agree(options, agg, backend):
     """The same sequences padded [B, T] and packed [N] with cu_seqlens (and per-token advantages)."""
     logp, old, ref, mask, adv, isw = _random_padded(seed=1)
-    kw = dict(agg=agg, **options)
+    kw = dict(agg=agg, backend=backend, **options)
     pad_kw = dict(kw, ref_logp=ref, is_weights=isw if "is_mode" in options else None)
     got_pad = _run(ppo_loss, logp, old, adv, mask, **pad_kw)
     lengths = mask.sum(-1)
@@ -280,19 +319,28 @@ def test_padded_and_packed_agree(options, agg):
         torch.testing.assert_close(got_pack[0], got_pad[0], rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(got_pack[1], got_pad[1][mask], rtol=1e-12, atol=1e-14)
         assert (got_pad[1][~mask] == 0).all()
+        ref_kw = {k: v for k, v in pack_kw.items() if k != "backend"}
         want = _run(
-            ppo_loss_reference, pack(logp), pack(old), advantages, torch.ones(int(lengths.sum())), **pack_kw
+            ppo_loss_reference, pack(logp), pack(old), advantages, torch.ones(int(lengths.sum())), **ref_kw
         )
         _compare(got_pack, want)
 
 
-def test_packed_tokens_outside_cu_seqlens_are_masked():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_tokens_outside_cu_seqlens_are_masked(backend):
     logp, old, _, _, _, _ = _random_padded(b=1, t=10, seed=2, empty_row=False)
     logp, old = logp[0], old[0]
     adv = torch.tensor([1.0, -1.0])
     cu = torch.tensor([2, 5, 8])  # tokens 0, 1, 8, 9 belong to no sequence
     got = _run(
-        ppo_loss, logp, old, adv, torch.ones(10, dtype=torch.bool), cu_seqlens=cu, agg="seq-mean-token-mean"
+        ppo_loss,
+        logp,
+        old,
+        adv,
+        torch.ones(10, dtype=torch.bool),
+        cu_seqlens=cu,
+        agg="seq-mean-token-mean",
+        backend=backend,
     )
     want = _run(
         ppo_loss,
@@ -302,19 +350,21 @@ def test_packed_tokens_outside_cu_seqlens_are_masked():
         torch.ones(6, dtype=torch.bool),
         cu_seqlens=cu - 2,
         agg="seq-mean-token-mean",
+        backend=backend,
     )
     torch.testing.assert_close(got[0], want[0])
     assert (got[1][[0, 1, 8, 9]] == 0).all()
     torch.testing.assert_close(got[1][2:8], want[1])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_low_precision_inputs(dtype):
+def test_low_precision_inputs(dtype, backend):
     """fp32/bf16 log-probs are computed in fp32: compared with float64 on the same (rounded) inputs."""
     logp, old, ref, mask, adv, _ = _random_padded(seed=3)
     lp, o, rf = (x.to(dtype) for x in (logp, old, ref))
     kw = dict(ref_logp=rf, kl_coef=0.2, agg="seq-mean-token-mean")
-    got = _run(ppo_loss, lp, o, adv.float(), mask, **kw)
+    got = _run(ppo_loss, lp, o, adv.float(), mask, backend=backend, **kw)
     assert got[0].dtype == torch.float32 and got[1].dtype == dtype
     want = _run(
         ppo_loss_reference,
@@ -336,13 +386,24 @@ def test_low_precision_inputs(dtype):
 # --------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"])
-def test_all_masked_gives_zero_loss_and_grad(agg):
+def test_all_masked_gives_zero_loss_and_grad(agg, backend):
     logp, old, ref, mask, adv, isw = _random_padded(seed=4)
     mask = torch.zeros_like(mask)
     logp[0, 0] = float("nan")  # masked tokens may hold anything
     got = _run(
-        ppo_loss, logp, old, adv, mask, ref_logp=ref, kl_coef=0.1, is_weights=isw, is_mode="tis", agg=agg
+        ppo_loss,
+        logp,
+        old,
+        adv,
+        mask,
+        ref_logp=ref,
+        kl_coef=0.1,
+        is_weights=isw,
+        is_mode="tis",
+        agg=agg,
+        backend=backend,
     )
     assert got[0].item() == 0.0
     assert (got[1] == 0).all()
@@ -350,9 +411,11 @@ def test_all_masked_gives_zero_loss_and_grad(agg):
         assert torch.isfinite(v).all() and v.item() == 0.0, k
 
 
-def test_masked_garbage_is_ignored():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_masked_garbage_is_ignored(backend):
     logp, old, ref, mask, adv, isw = _random_padded(seed=5)
-    clean = _run(ppo_loss, logp, old, adv, mask, ref_logp=ref, kl_coef=0.1, is_weights=isw, is_mode="icepop")
+    kw = dict(kl_coef=0.1, is_mode="icepop", backend=backend)
+    clean = _run(ppo_loss, logp, old, adv, mask, ref_logp=ref, is_weights=isw, **kw)
     junk = lambda x: torch.where(mask, x, torch.full_like(x, float("nan")))
     dirty = _run(
         ppo_loss,
@@ -361,19 +424,19 @@ def test_masked_garbage_is_ignored():
         adv,
         mask,
         ref_logp=junk(ref),
-        kl_coef=0.1,
         is_weights=junk(isw),
-        is_mode="icepop",
+        **kw,
     )
     assert torch.equal(clean[0], dirty[0]) and torch.equal(clean[1], dirty[1])
 
 
-def test_normalizer_number_or_tensor():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_normalizer_number_or_tensor(backend):
     logp, old, _, mask, adv, _ = _random_padded(seed=6)
     n = mask.sum()
     for norm in (float(n) * 4, n * 4):
-        loss, _, _ = _run(ppo_loss, logp, old, adv, mask, normalizer=norm)
-        local, _, _ = _run(ppo_loss, logp, old, adv, mask)
+        loss, _, _ = _run(ppo_loss, logp, old, adv, mask, normalizer=norm, backend=backend)
+        local, _, _ = _run(ppo_loss, logp, old, adv, mask, backend=backend)
         torch.testing.assert_close(loss * 4, local)
 
 

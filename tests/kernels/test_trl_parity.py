@@ -15,15 +15,33 @@ loss_type="grpo" -> agg="seq-mean-token-mean" with normalizer = B * gradient_acc
 counts every row, even one without completion tokens); importance_sampling_ratio -> is_weights.
 """
 
+import os
 from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
 import torch
-from prorl.kernels import ppo_loss
+from prorl.kernels import native_available, ppo_loss
+from prorl.kernels._backend import triton_available
+from prorl.kernels.adapters import trl_grpo_loss
 
 trl = pytest.importorskip("trl", reason="TRL is not installed (pip install trl); CI installs it")
 grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL without trl.trainer.grpo_trainer")
+
+BACKENDS = [
+    "torch",
+    pytest.param(
+        "native",
+        marks=pytest.mark.skipif(not native_available(), reason="native library not built (see pip output)"),
+    ),
+    pytest.param(
+        "triton",
+        marks=pytest.mark.skipif(
+            not (triton_available() and os.environ.get("TRITON_INTERPRET") == "1"),
+            reason="triton on CPU tensors needs triton installed and TRITON_INTERPRET=1",
+        ),
+    ),
+]
 
 
 class _Accelerator:
@@ -70,6 +88,7 @@ class _TrainerStub(SimpleNamespace):
                 delta=None, use_bias_correction_kl=False, steps_per_generation=steps_per_generation
             ),
             aux_loss_enabled=False,
+            max_completion_length=logp.shape[1],  # read by loss_type="dr_grpo"
             _entropy_bonus_enabled=False,
             _metrics=defaultdict(lambda: defaultdict(list)),
         )
@@ -144,27 +163,32 @@ def _assert_same(ours, theirs, beta):
         assert ours[2]["kl_mean"].item() == pytest.approx(theirs[2]["kl"], rel=1e-9)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_dapo_global_token_normaliser_with_epsilon_high(beta):
+def test_dapo_global_token_normaliser_with_epsilon_high(beta, backend):
     batch, _ = _batch()
     num_items = int(batch[3].sum()) + 17  # the generation batch holds more tokens than this micro-batch
     theirs = _trl_loss(
         *batch, num_items=num_items, loss_type="dapo", beta=beta, grad_accum=2, steps_per_generation=4
     )
     # TRL: num_items_in_batch / num_processes * gradient_accumulation_steps / steps_per_generation
-    ours = _our_loss(*batch, kl_coef=beta, agg="token-mean", normalizer=num_items * 2 / 4)
+    ours = _our_loss(*batch, kl_coef=beta, agg="token-mean", normalizer=num_items * 2 / 4, backend=backend)
     _assert_same(ours, theirs, beta)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("beta", [0.0, 0.04])
-def test_grpo_sequence_mean_then_batch_mean(beta):
+def test_grpo_sequence_mean_then_batch_mean(beta, backend):
     batch, _ = _batch(seed=5)
     theirs = _trl_loss(*batch, loss_type="grpo", beta=beta, grad_accum=2)
-    ours = _our_loss(*batch, kl_coef=beta, agg="seq-mean-token-mean", normalizer=batch[0].shape[0] * 2)
+    ours = _our_loss(
+        *batch, kl_coef=beta, agg="seq-mean-token-mean", normalizer=batch[0].shape[0] * 2, backend=backend
+    )
     _assert_same(ours, theirs, beta)
 
 
-def test_dapo_with_truncated_importance_sampling():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_dapo_with_truncated_importance_sampling(backend):
     batch, sampler = _batch(seed=2)
     logp, old, ref, mask, adv = batch
     # TRANSCRIPTION of TRL's vllm_importance_sampling_mode="token_truncate" ratio, computed at generation time
@@ -184,5 +208,44 @@ def test_dapo_with_truncated_importance_sampling():
         is_mode="tis",
         is_bounds=(0.0, clip_max),
         normalizer=num_items,
+        backend=backend,
     )
     _assert_same(ours, theirs, 0.04)
+
+
+# --------------------------------------------------------------------------------------------------
+# The drop-in adapter (prorl.kernels.adapters.trl_grpo_loss): TRL's names in, TRL's loss out
+# --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("loss_type", ["dapo", "grpo", "bnpo", "dr_grpo"])
+def test_adapter_matches_trl(loss_type, backend):
+    batch, sampler = _batch(seed=7)
+    logp, old, ref, mask, adv = batch
+    num_items = int(mask.sum()) + 5
+    is_ratio = torch.clamp(torch.exp((old - sampler) * mask), max=2.0)  # as TRL stores it (see above)
+    kw = dict(loss_type=loss_type, beta=0.04, grad_accum=3, steps_per_generation=2)
+    theirs = _trl_loss(*batch, num_items=num_items, is_ratio=is_ratio, is_correction=True, **kw)
+    x = logp.clone().requires_grad_()
+    ours = trl_grpo_loss(
+        x,
+        old,
+        adv,
+        mask,
+        loss_type=loss_type,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        beta=0.04,
+        ref_per_token_logps=ref,
+        num_items_in_batch=torch.tensor(float(num_items)),
+        gradient_accumulation_steps=3,
+        steps_per_generation=2,
+        max_completion_length=logp.shape[1],
+        importance_sampling_ratio=is_ratio,
+        backend=backend,
+    )
+    ours.backward()
+    torch.testing.assert_close(ours.detach(), theirs[0], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(x.grad, theirs[1], rtol=1e-12, atol=1e-14)
+    assert x.grad.abs().sum() > 0

@@ -1,0 +1,170 @@
+"""Benchmark of `prorl.kernels.ppo_loss` against the same loss in eager torch, as trainers write it.
+
+    python -m benchmarks ppo_loss [--quick] [--threads N] [--sizes N1,N2] [--providers a,b] [--out CSV]
+    python -m benchmarks ppo_loss --device cuda        # UNVERIFIED: no GPU was available when written
+
+The op: the ProRL v2 loss on padded [B, T] log-probs (T = 1024, or N when smaller; ~10% of each row
+masked), advantages [B]: PPO-Clip-Higher (0.2 / 0.28), k2 KL to a reference with the log-ratio clamped to
++-10 and beta = 1e-4, token-mean, plus the metrics a trainer logs (clip fractions, approx KL). Modes
+(harness.py): `forward` (with autograd recording), `backward` (its forward untimed), `full` (both). The
+loss has no FLOP count worth the name, so rows are times and peak extra memory only.
+
+Providers:
+- `prorl`: ours, native C++/OpenMP backend on the CPU, Triton on CUDA.
+- `prorl-torch`: ours, torch backend (a dozen elementwise passes, closed-form gradient).
+- `naive`: eager torch as verl writes it (compute_policy_loss + kl_penalty + agg_loss token-mean), the
+  same math as ours; autograd differentiates it.
+- `trl-style`: eager torch as TRL's GRPOTrainer._compute_loss writes it (loss_type="dapo", k3 KL without a
+  clamp, clip fractions as masked means). Its KL estimator differs from the other three (k3, not k2),
+  which changes one exp per token; a transcription of the formula, not the trl package.
+Goal (issue 3): on the CPU at N = 64K, prorl >= 3x faster than `naive` for forward + backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from benchmarks import harness
+from benchmarks.linear_logprob_entropy import _autograd_step
+
+NAME = "ppo_loss"
+PROVIDERS = ("prorl", "prorl-torch", "naive", "trl-style")
+CPU_SIZES = (4096, 65536, 1048576)
+QUICK_SIZES = (2048,)
+ROW = 1024  # tokens per padded row
+EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 1e-4
+
+
+def _masked_mean(x, mask):
+    return (x * mask).sum() / mask.sum()
+
+
+def naive_ppo_loss(logp, old, adv, mask, ref):
+    """verl-style eager loss: (loss, pg_clipfrac, ppo_kl); adv [B, 1] broadcasts over T."""
+    import torch
+
+    log_ratio = torch.clamp(logp - old, min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    ppo_kl = _masked_mean(-log_ratio, mask)
+    pg_losses1 = -adv * ratio
+    pg_losses2 = -adv * torch.clamp(ratio, 1 - EPS_LOW, 1 + EPS_HIGH)
+    pg_losses = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = _masked_mean(torch.gt(pg_losses2, pg_losses1).float(), mask)
+    d = torch.clamp(logp - ref, min=-10.0, max=10.0)
+    kl_loss = _masked_mean(0.5 * d.square(), mask)
+    return _masked_mean(pg_losses, mask) + BETA * kl_loss, pg_clipfrac, ppo_kl
+
+
+def trl_style_loss(logp, old, adv, mask, ref):
+    """TRL-style eager loss (dapo, k3): (loss, low clip fraction, high clip fraction)."""
+    import torch
+
+    coef_1 = torch.exp(logp - old)
+    coef_2 = torch.clamp(coef_1, 1 - EPS_LOW, 1 + EPS_HIGH)
+    per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+    per_token_loss = -torch.min(coef_1 * adv, coef_2 * adv) + BETA * per_token_kl
+    loss = (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+    is_low = (coef_1 < 1 - EPS_LOW) & (adv < 0)
+    is_high = (coef_1 > 1 + EPS_HIGH) & (adv > 0)
+    return loss, _masked_mean(is_low.float(), mask), _masked_mean(is_high.float(), mask)
+
+
+def make_shape(n: int, dtype: str = "float32") -> dict:
+    t = min(n, ROW)
+    return dict(N=n, T=t, dtype=dtype, label=f"N={n} B={n // t} T={t} {dtype}")
+
+
+def _inputs(shape: dict, device):
+    """logp [B, T] (leaf), old/ref near it, adv [B, 1] and [B], mask [B, T] with ~10% of each row padding."""
+    import torch
+
+    b, t = shape["N"] // shape["T"], shape["T"]
+    dtype = getattr(torch, shape["dtype"])
+    g = torch.Generator(device=device).manual_seed(0)
+    logp = -torch.rand(b, t, generator=g, device=device) * 3
+    old = logp + torch.randn(b, t, generator=g, device=device) * 0.3
+    ref = logp + torch.randn(b, t, generator=g, device=device) * 0.3
+    lengths = torch.randint(int(0.8 * t), t + 1, (b,), generator=g, device=device)
+    mask = torch.arange(t, device=device)[None, :] < lengths[:, None]
+    adv = torch.randn(b, generator=g, device=device)
+    logp, old, ref = (x.to(dtype) for x in (logp, old, ref))
+    return logp.requires_grad_(), old, ref, adv, mask
+
+
+def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
+    """The Step that measures `provider` in `mode` on `shape`."""
+    import torch
+
+    logp, old, ref, adv, mask = _inputs(shape, device)
+    one = (torch.ones((), device=device),)
+    if provider in ("prorl", "prorl-torch"):
+        from prorl.kernels import ppo_loss
+
+        backend = "torch" if provider == "prorl-torch" else ("triton" if device.type == "cuda" else "native")
+        kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, ref_logp=ref, kl_coef=BETA, kl_estimator="k2")
+        forward = lambda: (ppo_loss(logp, old, adv, mask, backend=backend, **kw)[0],)
+        return _autograd_step(mode, forward, (logp,), one, 0.0, note=f"prorl_backend={backend}")
+    maskf, adv2 = mask.to(logp.dtype), adv[:, None]
+    if provider == "naive":
+        forward = lambda: (naive_ppo_loss(logp, old, adv2, maskf, ref)[0],)
+        return _autograd_step(mode, forward, (logp,), one, 0.0, note="verl_style_eager")
+    if provider == "trl-style":
+        forward = lambda: (trl_style_loss(logp, old, adv2, maskf, ref)[0],)
+        return _autograd_step(mode, forward, (logp,), one, 0.0, note="trl_style_eager_k3")
+    raise ValueError(f"unknown provider {provider!r}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help=f"N in {QUICK_SIZES}, 2 reps (seconds)")
+    p.add_argument("--device", default="cpu", help="cpu | cuda (cuda: UNVERIFIED)")
+    p.add_argument("--threads", type=int, default=None, help="torch/OMP threads (default: all cores)")
+    p.add_argument("--providers", default=None, help="comma-separated subset of the providers")
+    p.add_argument("--modes", default=",".join(harness.MODES), help="comma-separated subset of the modes")
+    p.add_argument("--sizes", default=None, help=f"comma-separated token counts N (default {CPU_SIZES})")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16 (of the log-probs)")
+    p.add_argument("--reps", type=int, default=None, help="timed calls (default 20, --quick 2)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per provider worker")
+    p.add_argument("--out", default=None, help=f"CSV to append to (default benchmarks/results/{NAME}.csv)")
+    args = p.parse_args(argv)
+
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("--device cuda needs a visible CUDA device")
+    sizes = (
+        [int(x) for x in args.sizes.split(",")]
+        if args.sizes
+        else list(QUICK_SIZES if args.quick else CPU_SIZES)
+    )
+    shapes = [make_shape(n, args.dtype) for n in sizes]
+    providers = args.providers.split(",") if args.providers else list(PROVIDERS)
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in harness.MODES]
+    if unknown:
+        p.error(f"unknown modes {unknown}; choose from {harness.MODES}")
+    rows, errors = harness.run_benchmark(
+        NAME,
+        "benchmarks.ppo_loss",
+        providers,
+        modes,
+        shapes,
+        device=args.device,
+        threads=args.threads,
+        warmup=args.warmup,
+        reps=args.reps or (2 if args.quick else 20),
+        out=args.out,
+        timeout=args.timeout,
+    )
+    print(harness.summary_table(rows, floor=None, reference="naive"))
+    print("\nnote: trl-style uses TRL's k3 KL (no clamp); the others ProRL's k2 with a log-ratio clamp")
+    for e in errors:
+        print(f"error: {e}", file=sys.stderr)
+    return 1 if errors and not rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""The PPO-Clip-Higher + KL loss straight from hidden states, fused with the LM head:
+
+    loss, metrics = linear_ppo_loss(hidden [N, D], weight [V, D], labels [N], old_logp, advantages, mask, ...)
+
+equals `ppo_loss(linear_logprob_entropy(hidden, weight, labels, T)[0], old_logp, advantages, mask, ...)`
+(optionally minus entropy_coef times the entropy aggregated like the loss), in 6NDV matmul FLOPs instead of 8.
+
+Why 6 and how. The unfused pair streams the logits once forward (2NDV, for lse) and recomputes them in
+backward (2NDV) before the two gradient products dhidden = dZ W and dweight = dZ^T hidden (4NDV): 8NDV. The
+loss gradient of a token is known in closed form once its logp is (ppo_loss's docstring), so the backward
+products could run during the forward, on logits already computed, if a row's logits were still at hand
+when its lse is known. That needs the row's logits over the WHOLE vocabulary at once, so this op keeps the
+logits of a block of R rows in a workspace [R, V] fp32 and does everything for that block before the next:
+
+    for each block of R rows:
+        Z = H_R W^T                          2 R D V   one GEMM into the workspace
+        m, s, b, z_y over the row (T applied)          read-only pass over Z (tile op `update_stats`)
+        logp, H, then the ppo_loss backend on the R tokens -> dloss/dlogp (G) and the block's statistics
+        Z <- dL/dZ in place                            one pass over Z (tile op `tile_grad`)
+        dH_R  = dZ W                         2 R D V   written once
+        dW   += dZ^T H_R                     2 R D V   fp32 accumulator (written directly when R >= N)
+
+6NDV in all, no recompute: the gradients are computed in the forward (as Liger's fused linear cross entropy
+does) and kept until backward, which multiplies them by the upstream scalar (in place, so backward runs once).
+Designs not taken: streaming lse first and recomputing the logits for the gradients is 8NDV with a one-tile
+workspace (that is `linear_logprob_entropy` + `ppo_loss`); accumulating dH online during the lse pass (as
+flash attention accumulates P V) still needs a second logits pass for dW, so it is 8NDV too.
+
+What the bound costs. Workspace: the [R, V] fp32 block (R = chunk_bytes // (4 V); the torch backend adds a
+copy and its own temporaries), plus the fp32 dW accumulator when there are several row blocks or the weight
+is not fp32, and an fp32 copy of hidden and weight for bf16/fp16 on the CPU. With several row blocks dW is
+read and written once per block (8 V D bytes), which is why R should not be small: the default budget is
+room for 256 rows on the CPU (156 MiB at V = 152K; dW traffic ~1/32 of the GEMM time at D = 896 on two
+cores) and 1 GiB on CUDA. Elementwise work is O(N V): two passes over each block.
+
+The chunked plan's pieces come from linear_logprob_entropy (`_mm_f32`, the tile ops of the triton and torch
+backends); the native backend's tile ops are torch.ops.prorl.tile_update_stats / tile_grad
+(kernels/csrc/softmax_tiles.h). Layouts, options and metrics are those of `ppo_loss`, plus `entropy_mean`
+(over valid tokens) and `entropy_loss` (entropy aggregated like the loss).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _backend
+from .linear_logprob_entropy import _mm_f32, _tile_ops
+from .ppo_loss import (
+    _FORWARDS,
+    _STATS,
+    _Aggregation,
+    _aggregation,
+    _check_options,
+    _combine_stats,
+    _flatten,
+    _metrics,
+    _Options,
+    _scale,
+)
+
+__all__ = ["linear_ppo_loss"]
+
+_DEFAULT_CPU_ROWS = 256
+
+
+def linear_ppo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    ignore_index: int = -100,
+    eps_low: float = 0.2,
+    eps_high: float = 0.28,
+    dual_clip: float | None = None,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k2",
+    kl_clamp: str = "log-ratio",
+    kl_clamp_value: float = 10.0,
+    is_weights: torch.Tensor | None = None,
+    is_mode: str = "none",
+    is_bounds: tuple[float, float] = (0.5, 5.0),
+    entropy_coef: float = 0.0,
+    agg: str = "token-mean",
+    normalizer: float | torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_bytes: int | None = None,
+    backend: str | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-Clip-Higher + KL loss from hidden states and the LM head, fused (module docstring).
+
+    Args:
+        hidden: [N, D] packed or [B, T, D] padded fp32/bf16/fp16 final hidden states; differentiable.
+        weight: [V, D] LM-head weight, same dtype; differentiable.
+        labels: [N] or [B, T] int64 sampled token ids; `ignore_index` rows count as masked.
+        old_logp, advantages, mask, ref_logp, is_weights, cu_seqlens, eps_*, dual_clip, kl_*, is_*, agg,
+            normalizer: as `ppo_loss`, shaped like labels (advantages also [B], or [S] with cu_seqlens).
+        temperature: the sampling temperature, applied in fp32 before the log-softmax.
+        entropy_coef: subtracts entropy_coef * sum_t s_t H_t (entropy aggregated like the loss; verl's
+            entropy_coeff). 0 (default) costs nothing.
+        chunk_bytes: budget of the [R, V] fp32 logits workspace; default: 256 rows (CPU), 1 GiB (CUDA).
+        backend: "native" | "triton" | "torch"; default by device.
+
+    Returns:
+        (loss, metrics): 0-d fp32 loss (gradients flow to hidden and weight) and ppo_loss's metrics plus
+        entropy_mean and entropy_loss, all detached device tensors.
+    """
+    _check_options(
+        eps_low, eps_high, dual_clip, kl_estimator, kl_clamp, kl_clamp_value, is_mode, is_bounds, agg
+    )
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(
+            f"need hidden [..., D] and weight [V, D], got {tuple(hidden.shape)}, {tuple(weight.shape)}"
+        )
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"labels {tuple(labels.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}"
+        )
+    if hidden.dtype != weight.dtype or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(
+            f"hidden and weight must share a dtype among fp32/bf16/fp16, got {hidden.dtype}, {weight.dtype}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if isinstance(normalizer, (int, float)) and not normalizer > 0:
+        raise ValueError(f"normalizer must be > 0, got {normalizer}")
+    if old_logp.shape != labels.shape:
+        raise ValueError(f"old_logp {tuple(old_logp.shape)} must have labels' shape {tuple(labels.shape)}")
+    y = labels.reshape(-1).long()
+    keep = y != ignore_index
+    if y.device.type == "cpu" and bool(keep.any()):  # cheap here; on CUDA it would be a host sync
+        if y[keep].min() < 0 or y[keep].max() >= weight.shape[0]:
+            raise IndexError(
+                f"labels must lie in [0, {weight.shape[0]}) or equal ignore_index={ignore_index}"
+            )
+    tok = _flatten(
+        old_logp,
+        old_logp,
+        advantages,
+        mask,
+        ref_logp,
+        is_weights,
+        cu_seqlens,
+        need_seq=agg.startswith("seq-"),
+    )
+    tok["valid"] = tok["valid"] & keep
+    aggregation = _aggregation(tok, agg, normalizer, torch.float32)
+    if aggregation.denom is None:  # a call-local token count, resolved now: every row block needs the total
+        aggregation = _Aggregation(aggregation.weight, tok["valid"].sum().to(torch.float32))
+    opts = _Options(
+        eps_low=float(eps_low),
+        eps_high=float(eps_high),
+        dual_clip=dual_clip,
+        has_ref=ref_logp is not None,
+        kl_coef=float(kl_coef),
+        kl_estimator=kl_estimator,
+        kl_clamp=kl_clamp,
+        kl_clamp_value=float(kl_clamp_value),
+        has_is=is_weights is not None,
+        is_mode=is_mode,
+        is_bounds=tuple(is_bounds),
+    )
+    h = hidden.reshape(-1, hidden.shape[-1])
+    name = _backend.resolve(h.device, backend)
+    if chunk_bytes is None:
+        chunk_bytes = (1 << 30) if h.is_cuda else max(16 << 20, 4 * weight.shape[0] * _DEFAULT_CPU_ROWS)
+    safe_y = torch.where(keep, y, torch.zeros_like(y))
+    settings = (float(entropy_coef), 1.0 / float(temperature), name, int(chunk_bytes))
+    loss, stats, ent = _LinearPPOLoss.apply(h, weight, safe_y, tok, aggregation, opts, settings)
+    metrics = _metrics(stats, opts)
+    metrics["entropy_mean"] = ent[1] / stats[_STATS.index("n")].clamp_min(1.0)
+    metrics["entropy_loss"] = ent[0]
+    return loss, metrics
+
+
+class _LinearPPOLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, tok, aggregation, opts, settings):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        loss, stats, ent, gh, gw = _fused_forward(
+            hidden, weight, labels, tok, aggregation, opts, settings, need_h, need_w
+        )
+        ctx.mark_non_differentiable(stats, ent)
+        ctx.save_for_backward(gh, gw)
+        ctx.need, ctx.consumed = (need_h, need_w), False
+        return loss, stats, ent
+
+    @staticmethod
+    def backward(ctx, g_loss, g_stats, g_ent):
+        if ctx.consumed:
+            raise RuntimeError("linear_ppo_loss: backward runs once (its gradients are scaled in place)")
+        ctx.consumed = True
+        gh, gw = ctx.saved_tensors
+        # computed in the forward: scale by the upstream gradient (skip 1.0 where checking is free)
+        if not (g_loss.device.type == "cpu" and float(g_loss) == 1.0):
+            gh = gh.mul_(g_loss.to(gh.dtype)) if ctx.need[0] else gh
+            gw = gw.mul_(g_loss.to(gw.dtype)) if ctx.need[1] else gw
+        return (gh if ctx.need[0] else None), (gw if ctx.need[1] else None), None, None, None, None, None
+
+
+class _NativeTileOps:
+    """The tile ops of softmax_tiles.h (same contract as the triton ones: update_stats reads x only)."""
+
+    @staticmethod
+    def update_stats(x, labels, c0, inv_t, m, s, b, zy):
+        torch.ops.prorl.tile_update_stats(x, labels, c0, inv_t, m, s, b, zy)
+
+    @staticmethod
+    def tile_grad(x, labels, c0, inv_t, lse, ez, g_lp, g_ent):
+        torch.ops.prorl.tile_grad(x, labels, c0, inv_t, lse, ez, g_lp, g_ent)
+
+
+def _mm_into(out, a, b):
+    """out [M, N] fp32 = a @ b: fp32 operands straight into `out`; bf16/fp16 CUDA ones multiply natively."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        torch.mm(a, b, out=out)
+        return
+    try:
+        torch.mm(a, b, out_dtype=torch.float32, out=out)  # CUDA (torch >= 2.8); UNVERIFIED here (no GPU)
+    except (RuntimeError, TypeError):
+        out.copy_(_mm_f32(a, b))
+
+
+def _fused_forward(hidden, weight, labels, tok, aggregation, opts, settings, need_h, need_w):
+    """loss, stats, (entropy_loss, entropy_sum), dloss/dhidden, dloss/dweight: see the module docstring."""
+    entropy_coef, inv_t, backend, chunk_bytes = settings
+    n, d = hidden.shape
+    v = weight.shape[0]
+    dev = hidden.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    ops = _NativeTileOps if backend == "native" else _tile_ops(backend)
+    copy_before_stats = backend == "torch"  # its update_stats overwrites the tile: give it a copy
+    need_grad = need_h or need_w
+    low_cuda = hidden.is_cuda and hidden.dtype != torch.float32
+    h_all = hidden if low_cuda else hidden.float()  # fp32 on the CPU: every GEMM into fp32 buffers
+    w_all = weight if low_cuda else weight.float()
+    rows = max(1, min(n, chunk_bytes // (4 * v)))
+    one_block = rows >= n
+
+    loss = torch.zeros((), **f32)
+    stats = torch.zeros(len(_STATS), **f32)
+    ent = torch.zeros(2, **f32)  # sum_t s_t H_t, sum over valid tokens of H_t
+    gh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_h else None
+    direct_w = one_block and not low_cuda and n > 0  # dW written by one GEMM: no accumulator to zero
+    gw = (torch.empty(v, d, **f32) if direct_w else torch.zeros(v, d, **f32)) if need_w else None
+    w_cols = max(256, chunk_bytes // (4 * d))  # low-precision CUDA dW: [w_cols, D] fp32 products at a time
+    buf = torch.empty(rows * v, **f32)
+    gh_rows = torch.empty(rows, d, **f32) if need_h and hidden.dtype != torch.float32 else None
+    for r0 in range(0, n, rows):
+        r1 = min(n, r0 + rows)
+        nr = r1 - r0
+        h, y = h_all[r0:r1], labels[r0:r1]
+        x = buf[: nr * v].view(nr, v)  # [R, V] fp32 logits of this row block, before 1/T
+        _mm_into(x, h, w_all.t())
+        m = torch.full((nr,), -3.0e38, **f32)
+        s, b, zy = torch.zeros(nr, **f32), torch.zeros(nr, **f32), torch.zeros(nr, **f32)
+        ops.update_stats(x.clone() if copy_before_stats else x, y, 0, inv_t, m, s, b, zy)
+        log_s = torch.log(s)
+        lse, ez = m + log_s, m + b / s
+        logp, entropy = zy - lse, log_s - b / s
+
+        part = {k: (t[r0:r1] if torch.is_tensor(t) and k != "padded_shape" else t) for k, t in tok.items()}
+        part["padded_shape"] = None  # rows of the block are tokens; the aggregation weights are already set
+        weights = aggregation.weight[r0:r1] if aggregation.weight is not None else None
+        block_agg = _Aggregation(weights, aggregation.denom)
+        block_loss, block_stats, g_lp = _FORWARDS[backend](logp, part, block_agg, opts, need_grad)
+        valid = part["valid"]
+        scale = _scale(part, block_agg, torch.float32) if entropy_coef != 0.0 else None
+        ent_terms = torch.stack(
+            [
+                (scale * entropy).sum() if scale is not None else loss.new_zeros(()),
+                torch.where(valid, entropy, 0.0).sum(),
+            ]
+        )
+        ent += ent_terms
+        loss += block_loss if scale is None else block_loss - entropy_coef * ent_terms[0]
+        stats = _combine_stats(stats, block_stats)
+        if not need_grad:
+            continue
+
+        g_ent = (-entropy_coef * inv_t) * scale if scale is not None else torch.zeros_like(g_lp)
+        ops.tile_grad(x, y, 0, inv_t, lse, ez, (g_lp * inv_t).contiguous(), g_ent.contiguous())  # x <- dL/dx
+        dx = x.to(hidden.dtype) if low_cuda else x  # [R, V]
+        if need_h:
+            out = gh[r0:r1] if gh_rows is None else gh_rows[:nr]
+            _mm_into(out, dx, w_all)
+            if gh_rows is not None:
+                gh[r0:r1].copy_(out)
+        if need_w and direct_w:
+            torch.mm(dx.t(), h, out=gw)
+        elif need_w and not low_cuda:
+            gw.addmm_(dx.t(), h)
+        elif need_w:  # UNVERIFIED (no GPU): bf16/fp16 products with fp32 results, added tile by tile
+            for c0 in range(0, v, w_cols):
+                gw[c0 : c0 + w_cols] += _mm_f32(dx[:, c0 : c0 + w_cols].t(), h)
+    if gw is not None:
+        gw = gw.to(weight.dtype)
+    empty = torch.empty(0, **f32)
+    return loss, stats, ent, (gh if need_h else empty), (gw if need_w else empty)
