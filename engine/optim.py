@@ -111,6 +111,11 @@ class Optimizer:
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(norm_value, lr, False, self.skipped_total)
 
+    def reset_state(self) -> None:
+        """Forget the AdamW moments and step counts (ProRL v1's reset with the reference policy). The
+        learning-rate schedule and the skip counter go on: a reset is not a restart of the run."""
+        self.optimizer.state.clear()
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "optimizer": self.optimizer.state_dict(),

@@ -517,8 +517,8 @@ class Trainer:
         """pi_ref <- current policy, in place; optimizer state kept unless reset_optimizer (v1)."""
         for p_ref, p in zip(self.reference.parameters(), self.policy.parameters()):
             p_ref.copy_(p)
-        if self.reset_policy.reset_optimizer:
-            self.optimizer.reset_state() if hasattr(self.optimizer, "reset_state") else None
+        if self.reset_policy.reset_optimizer:  # v1 behaviour; v2 keeps the optimizer state
+            self.optimizer.reset_state()
         self.reset_policy.record_reset(self.step_count)
 
     @torch.no_grad()

@@ -140,3 +140,19 @@ def test_state_dict_resume_is_exact():
     assert resumed_opt.lr == opt.lr
     for name, tensor in model.state_dict().items():
         assert torch.equal(resumed.state_dict()[name], tensor), name
+
+
+def test_reset_state_forgets_moments_keeps_schedule():
+    model = torch.nn.Linear(3, 2)
+    opt = Optimizer(model, OptimizerConfig(lr=0.1, weight_decay=0.0, schedule="cosine", total_steps=10))
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    lr_before = opt.lr
+    assert opt.optimizer.state
+    opt.reset_state()
+    assert not opt.optimizer.state and opt.lr == lr_before
+    # the next step is a first AdamW step again: |update| = lr (bias-corrected m/sqrt(v) = sign(g))
+    w0 = model.weight.detach().clone()
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    torch.testing.assert_close((model.weight - w0).abs(), torch.full_like(w0, lr_before), atol=1e-4, rtol=0)
