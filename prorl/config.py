@@ -28,6 +28,7 @@ class ModelConfig:
     path: str = MISSING  # Hugging Face-format directory (config.json + *.safetensors + tokenizer)
     dtype: str = "float32"  # float32 | bfloat16
     attention: str = "auto"  # auto | sdpa | flex | flash
+    fsdp: bool = False  # shard policy and reference with FSDP2 (under torchrun); replicate when False
     activation_checkpointing: bool = False
     compile: bool = False
 

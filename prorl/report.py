@@ -1,10 +1,19 @@
 """Run reporting: metrics.jsonl (one object per step), TensorBoard when installed, a summary line per step on
-rank 0, the final checkpoint export, and a PNG of the training curves with reference resets marked."""
+rank 0, the final checkpoint export, a PNG of the training curves (reference resets marked, length-penalty
+phases shaded, clip fractions, time per phase) and a short text summary.
+
+The report can be made again from a run directory at any time, also of a run in progress or one that was
+stopped:
+
+    python -m prorl.report runs/20261129-203100          # -> training_curves.png, summary.txt, printed
+"""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import sys
 
 SUMMARY_KEYS = (
     ("critic/score/mean", "score", "{:.3f}"),
@@ -15,6 +24,33 @@ SUMMARY_KEYS = (
     ("dynamic_sampling/pass_rate", "pass", "{:.2f}"),
     ("timing_s/step", "s", "{:.2f}"),
 )
+# the phases of a step, stacked in the timing panel (timing_s/step is their sum plus bookkeeping)
+TIMING_KEYS = ("timing_s/gen", "timing_s/reward", "timing_s/old_logp", "timing_s/ref", "timing_s/update")
+LAST_EVALS = 3  # "after" accuracy: mean of the last evaluations (one greedy evaluation is noisy)
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The rows of a metrics.jsonl; a torn last line (a crash mid-write) is ignored."""
+    rows = []
+    if not os.path.exists(path):
+        return rows
+    with open(path) as f:
+        for line in f:
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+    return rows
+
+
+def _write_rows(path: str, rows: list[dict]) -> None:
+    """Replace the file atomically: a kill during the rewrite leaves the old file, never half of one."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 class Reporter:
@@ -42,22 +78,30 @@ class Reporter:
         with open(os.path.join(self.dir, "config.yaml"), "w") as f:
             f.write(text)
 
-    def resume(self, step: int) -> None:
-        """Drop metrics of steps after the checkpoint (they are about to be redone) and reload history."""
-        rows = []
-        if os.path.exists(self.path):
-            rows = [json.loads(line) for line in open(self.path)]
-        rows = [r for r in rows if r.get("step", 0) <= step]
-        self.val_history = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
-        if self.rank == 0:
-            with open(self.path, "w") as f:
-                f.writelines(json.dumps(r) + "\n" for r in rows)
+    def start(self) -> int:
+        """A run from step 0: rows of an earlier attempt that saved no checkpoint are dropped (counted)."""
+        return self.resume(-1)
 
-    def validation(self, step: int, acc: float) -> None:
+    def resume(self, step: int) -> int:
+        """Drop metrics of steps after the checkpoint (they are about to be redone) and reload history.
+        Returns how many rows were dropped (rank 0)."""
+        if self.rank != 0:  # only rank 0 writes metrics or reads the history
+            return 0
+        rows = read_metrics(self.path)
+        kept = [r for r in rows if r.get("step", 0) <= step]
+        self.val_history = [(r["step"], r["val/accuracy"]) for r in kept if "val/accuracy" in r]
+        if os.path.exists(self.path):
+            _write_rows(self.path, kept)
+        return len(rows) - len(kept)
+
+    def validation(self, step: int, acc: float, seconds: float | None = None) -> None:
         self.val_history.append((step, acc))
         if self.rank == 0:
+            row = {"step": step, "val/accuracy": acc}
+            if seconds is not None:
+                row["timing_s/val"] = seconds
             with open(self.path, "a") as f:
-                f.write(json.dumps({"step": step, "val/accuracy": acc}) + "\n")
+                f.write(json.dumps(row) + "\n")
 
     def log(self, metrics: dict) -> None:
         if "val/accuracy" in metrics:
@@ -79,37 +123,114 @@ class Reporter:
                 parts.append(f"[ref reset: {metrics['ref/reset_reason']}]")
             print("  ".join(parts), flush=True)
 
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
     def finish(self, trainer) -> str | None:
-        """Export the final policy (HF format) and the curves; returns the closing summary (rank 0)."""
+        """Export the final policy (HF format), the curves and the summary; returns the closing text
+        (rank 0)."""
         if self.rank != 0:
             return None
         from prorl.engine.model import save_hf
 
         out = os.path.join(self.dir, "checkpoints", "final")
-        save_hf(trainer.policy, out)
+        save_hf(trainer.sampler_model, out)  # the policy itself, or its unsharded copy under FSDP
         trainer.tokenizer.save_pretrained(out)
         png = plot_run(self.path, os.path.join(self.dir, "training_curves.png"))
-        if self.tb is not None:
-            self.tb.close()
-        before = self.val_history[0][1] if self.val_history else float("nan")
-        last = [a for _, a in self.val_history[-3:]]
-        after = sum(last) / len(last) if last else float("nan")
+        self.close()
+        summary = write_summary(self.dir)
+        before, after, n = accuracy_before_after(self.val_history)
         return (
-            f"prorl: held-out accuracy {before:.1%} -> {after:.1%} "
-            f"(mean of the last {len(last)} evaluations)\n"
-            f"prorl: metrics {self.path}\nprorl: checkpoint {out}\nprorl: curves {png}"
+            f"prorl: held-out accuracy {before:.1%} -> {after:.1%} (mean of the last {n} evaluations)\n"
+            f"prorl: metrics {self.path}\nprorl: checkpoint {out}\nprorl: curves {png}\n"
+            f"prorl: summary {summary}"
         )
 
 
+def accuracy_before_after(vals: list[tuple[int, float]]) -> tuple[float, float, int]:
+    """(first evaluation, mean of the last LAST_EVALS after it, how many were averaged)."""
+    if not vals:
+        return float("nan"), float("nan"), 0
+    last = [a for _, a in vals[1:][-LAST_EVALS:]] or [vals[0][1]]
+    return vals[0][1], sum(last) / len(last), len(last)
+
+
+def _duration(seconds: float) -> str:
+    m, s = divmod(int(round(seconds)), 60)
+    h, m = divmod(m, 60)
+    return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
+
+
+def summarize(run_dir: str) -> str:
+    """A few lines about a run directory: steps, held-out accuracy before/after, resets, wall time and
+    where it went. Wall time is the sum of the recorded step and validation times (start-up and
+    checkpoint writes are not in metrics.jsonl)."""
+    rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
+    steps = [r for r in rows if "critic/score/mean" in r]
+    vals = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
+    total = None
+    config = os.path.join(run_dir, "config.yaml")
+    if os.path.exists(config):
+        from omegaconf import OmegaConf
+
+        total = OmegaConf.load(config).get("trainer", {}).get("total_steps")
+    last = steps[-1]["step"] if steps else 0
+    lines = [f"run {run_dir}: {last} steps" + (f" of {total}" if total is not None else "")]
+    if vals:
+        before, after, n = accuracy_before_after(vals)
+        lines.append(
+            f"held-out accuracy {before:.1%} (step {vals[0][0]}) -> {after:.1%} "
+            f"(mean of the last {n} evaluations, step {vals[-1][0]})"
+        )
+    if steps:
+        k = min(5, len(steps))
+        first = sum(r["critic/score/mean"] for r in steps[:k]) / k
+        final = sum(r["critic/score/mean"] for r in steps[-k:]) / k
+        lines.append(f"train reward {first:.3f} -> {final:.3f} (mean of the first / last {k} steps)")
+        resets = [(r["step"], r["ref/reset_reason"]) for r in steps if r.get("ref/reset_reason")]
+        lines.append(
+            f"reference resets: {len(resets)}"
+            + (" (" + ", ".join(f"step {s} {why}" for s, why in resets) + ")" if resets else "")
+        )
+    step_s = sum(r.get("timing_s/step", 0.0) for r in steps)
+    if step_s:
+        val_s = sum(r.get("timing_s/val", 0.0) for r in rows)
+        timed_val = any("timing_s/val" in r for r in rows)
+        parts = [
+            f"{key.split('/')[1]} {sum(r.get(key, 0.0) for r in steps) / step_s:.0%}"
+            for key in TIMING_KEYS
+            if any(key in r for r in steps)
+        ]
+        timing = (
+            f"wall time {_duration(step_s + val_s)} "
+            f"(steps {_duration(step_s)}, validation {_duration(val_s)})"
+            if timed_val
+            else f"wall time in steps {_duration(step_s)} (validation not timed)"
+        )
+        lines.append(timing + (f"; of the steps: {', '.join(parts)}" if parts else ""))
+    return "\n".join(lines)
+
+
+def write_summary(run_dir: str) -> str:
+    path = os.path.join(run_dir, "summary.txt")
+    with open(path, "w") as f:
+        f.write(summarize(run_dir) + "\n")
+    return path
+
+
 def plot_run(metrics_path: str, png_path: str, control: list[tuple[int, float]] | None = None) -> str:
-    """Reward, accuracy, entropy, KL and response length against step, reference resets as dashed lines."""
+    """Reward, accuracy, entropy, KL, response length, clip fractions and time per phase against step;
+    reference resets as dashed lines, steps with the cosine length penalty on shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in open(metrics_path)]
+    rows = read_metrics(metrics_path)
     steps = [r for r in rows if "critic/score/mean" in r]
+    x = [r["step"] for r in steps]
     vals = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
     resets = [r["step"] for r in steps if r.get("ref/reset_reason")]
     panels = [
@@ -118,16 +239,37 @@ def plot_run(metrics_path: str, png_path: str, control: list[tuple[int, float]] 
         ("actor/entropy", "entropy"),
         ("actor/kl_mean", "KL to reference"),
         ("response_length/mean", "response length"),
+        ("clipfrac", "clipped token fraction"),
+        ("timing", "seconds per step"),
     ]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4 * len(panels), 3.2))
+    cols = 4
+    fig, axes = plt.subplots(2, cols, figsize=(4 * cols, 6.4))
+    axes = axes.ravel()
+    for ax in axes[len(panels) :]:
+        ax.axis("off")
     for ax, (key, title) in zip(axes, panels):
         if key == "val/accuracy":
             ax.plot([s for s, _ in vals], [a for _, a in vals], "o-", label="RL")
             if control:
                 ax.plot([s for s, _ in control], [a for _, a in control], "s--", label="SFT control")
                 ax.legend()
+        elif key == "clipfrac":  # clip-higher: the upper bound (1 + eps_high) and the lower (1 - eps_low)
+            for k, label in (
+                ("actor/pg_clipfrac", "high (A > 0)"),
+                ("actor/pg_clipfrac_lower", "low (A < 0)"),
+            ):
+                ax.plot(x, [r.get(k, float("nan")) for r in steps], lw=1, label=label)
+            ax.legend(fontsize=8)
+        elif key == "timing":
+            present = [k for k in TIMING_KEYS if any(k in r for r in steps)]
+            if present:
+                ax.stackplot(
+                    x, *[[r.get(k, 0.0) for r in steps] for k in present], labels=[k[9:] for k in present]
+                )
+            ax.plot(x, [r.get("timing_s/step", float("nan")) for r in steps], "k-", lw=0.8, label="step")
+            ax.legend(fontsize=8, loc="upper left")
         else:
-            ax.plot([r["step"] for r in steps], [r[key] for r in steps], lw=1)
+            ax.plot(x, [r.get(key, float("nan")) for r in steps], lw=1)
         for s in resets:
             ax.axvline(s, color="grey", ls="--", lw=0.8)
         if key == "response_length/mean":  # steps where the cosine length penalty was on, shaded
@@ -140,3 +282,25 @@ def plot_run(metrics_path: str, png_path: str, control: list[tuple[int, float]] 
     fig.savefig(png_path, dpi=90)
     plt.close(fig)
     return png_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m prorl.report", description="Regenerate the curves PNG and the summary of a run"
+    )
+    ap.add_argument("run_dir", help="a run directory (holds metrics.jsonl)")
+    ap.add_argument("--png", default=None, help="output PNG (default RUN_DIR/training_curves.png)")
+    args = ap.parse_args(argv)
+    metrics = os.path.join(args.run_dir, "metrics.jsonl")
+    if not os.path.isfile(metrics):
+        print(f"prorl.report: {args.run_dir} has no metrics.jsonl (not a run directory?)", file=sys.stderr)
+        return 2
+    png = plot_run(metrics, args.png or os.path.join(args.run_dir, "training_curves.png"))
+    summary = write_summary(args.run_dir)
+    print(open(summary).read(), end="")
+    print(f"curves {png}\nsummary {summary}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

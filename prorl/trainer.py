@@ -63,15 +63,33 @@ class Trainer:
         self.rank, self.world = world()
         torch.manual_seed(cfg.seed + self.rank)
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        self.policy = load_hf(model_path, dtype=dtype)
-        self.reference = load_hf(model_path, dtype=dtype).requires_grad_(False).eval()
+        # Replicated (default, CPU) or FSDP2-sharded policy and reference. The sampler needs whole weights
+        # and steps at its own pace on each rank, so under FSDP it samples from an unsharded inference copy
+        # that receives the policy's weights after every update (`sync_sampler`).
+        self.fsdp = cfg.model.fsdp and self.world > 1
+        if not self.fsdp:
+            self.policy = load_hf(model_path, dtype=dtype)
+            self.reference = load_hf(model_path, dtype=dtype).requires_grad_(False).eval()
+            self.sampler_model = self.policy
+        else:
+            from prorl.engine.parallel import parallelize
+
+            # fp32 master weights, computed in the configured dtype (bf16: FSDP2 mixed precision)
+            opts = dict(
+                activation_checkpointing=cfg.model.activation_checkpointing,
+                compile=cfg.model.compile,
+                param_dtype=None if dtype == torch.float32 else dtype,
+            )
+            self.policy = parallelize(load_hf(model_path), **opts)
+            self.reference = parallelize(load_hf(model_path).requires_grad_(False).eval(), **opts)
+            self.sampler_model = load_hf(model_path, dtype=dtype).requires_grad_(False).eval()
         self.tokenizer = tokenizer
         self.stop_ids = [
             tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>",) if t in tokenizer.get_vocab()
         ]
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.stop_ids:
             self.stop_ids.append(tokenizer.eos_token_id)
-        self.generator = NativeGenerator(self.policy)
+        self.generator = NativeGenerator(self.sampler_model)
         # prompts are encoded once; those over max_prompt_tokens are dropped and counted, not truncated
         self.train_examples, self.val_examples = train_examples, val_examples
         self.train_prompts, self.train_kept, self.filtered = self._encode(train_examples)
@@ -326,6 +344,8 @@ class Trainer:
             if n_global.item() == 0:
                 continue
             mb_cu = torch.tensor([0] + mb_lengths).cumsum(0).to(torch.int32)
+            if not rows and self.fsdp:  # no tokens here this time, but FSDP's collectives need this rank
+                (self.policy(ids[:1]).sum() * 0.0).backward()
             if rows:
                 logp, ent = self.logprobs(
                     self.policy, ids[sel], labels[sel], mb_cu, temp, grad=True, entropy=True
@@ -369,6 +389,9 @@ class Trainer:
                 )
             n_updates += 1
         timing["timing_s/update"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.sync_sampler()
+        timing["timing_s/sync"] = time.perf_counter() - t0
         summed = all_reduce_(
             torch.tensor(
                 [
@@ -406,9 +429,17 @@ class Trainer:
         out.update(timing)
         return out
 
+    def sync_sampler(self) -> None:
+        """Push the policy's weights into the sampler's unsharded copy (FSDP only; else they are one)."""
+        if self.fsdp:
+            from prorl.engine.parallel import full_state_dict
+
+            self.generator.update_weights(full_state_dict(self.policy))
+
     def sync_grads(self) -> None:
-        """Sum gradients over ranks (each rank's loss is already divided by the global token count)."""
-        if self.world == 1:
+        """Sum gradients over ranks (each rank's loss is already divided by the global token count);
+        FSDP2 reduces them itself."""
+        if self.world == 1 or self.fsdp:
             return
         params = list(self.policy.parameters())
         for p in params:  # a rank with no tokens in this mini-batch still takes part
@@ -511,6 +542,7 @@ class Trainer:
         self.carry = [Group(**g) for g in local["carry"]]
         self.consecutive_skips = local["consecutive_skips"]
         self.reset_policy.load_state_dict(state["reset_policy"])
+        self.sync_sampler()  # the checkpoint restored the policy, not the sampler's copy
 
     @torch.no_grad()
     def reset_reference(self, reason: str) -> None:

@@ -7,45 +7,22 @@
 // on logits and gradients is fp32; bf16/fp16 inputs are converted tile by tile.
 //
 // Registered as torch.ops.prorl.lle_forward / lle_backward (no Python bindings; loaded with
-// torch.ops.load_library). The exponentials use fast_exp below, written so that GCC vectorises the
-// `omp simd` loops (8 lanes with AVX2) without -ffast-math, which would change the process's numerics.
-// Nothing here relies on infinities: the running max starts at -FLT_MAX.
+// torch.ops.load_library). The per-tile loops live in softmax_tiles.h; their exponential (fast_exp) is
+// written so that GCC vectorises the `omp simd` loops (8 lanes with AVX2) without -ffast-math, which would
+// change the process's numerics. Nothing relies on infinities: the running max starts at -FLT_MAX.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include <algorithm>
 #include <cfloat>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
 #include <tuple>
+
+#include "softmax_tiles.h"  // fast_exp, tile_stats, tile_grad (shared with ppo_loss.cpp)
 
 namespace prorl {
 namespace {
 
 constexpr int64_t kMinTileCols = 256;
-
-// e^x for x <= ~88, branch-free so that it vectorises: x = k ln2 + r with |r| <= ln2/2, e^r by the
-// Cephes degree-6 polynomial (about 1 ulp), 2^k built in the exponent bits. Inputs below -87.3 are
-// clamped there (e^-87.3 = 1.2e-38, negligible beside the softmax sum, which is >= 1).
-inline float fast_exp(float x) {
-  x = std::min(std::max(x, -87.3f), 88.3f);
-  const float fx = x * 1.44269504088896341f;
-  const float kf = (fx + 12582912.0f) - 12582912.0f;  // round to nearest: 1.5 * 2^23 trick
-  float r = x - kf * 0.693359375f;                     // ln2 split in a high and a low part
-  r = r - kf * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(kf) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
-}
 
 // Rows and columns of one fp32 tile within chunk_bytes; mirrors tile_shape() in Python.
 std::pair<int64_t, int64_t> tile_shape(int64_t n, int64_t v, int64_t chunk_bytes) {
@@ -62,56 +39,6 @@ void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::
               "hidden [N, D] and weight [V, D] expected");
   TORCH_CHECK(labels.dim() == 1 && labels.size(0) == hidden.size(0), "labels [N] expected");
   TORCH_CHECK(labels.scalar_type() == at::kLong, "labels must be int64");
-}
-
-// Merge one tile x[rows, cols] (raw logits of columns c0..c0+cols) into the running statistics.
-void tile_stats(const float* x, int64_t rows, int64_t cols, int64_t c0, const int64_t* labels, float inv_t,
-                float* m, float* s, float* b, float* zy) {
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * cols;
-    float mx = -FLT_MAX;
-#pragma omp simd reduction(max : mx)
-    for (int64_t j = 0; j < cols; ++j) mx = std::max(mx, xr[j]);
-    const float m_new = std::max(m[r], mx * inv_t);  // inv_t > 0: max commutes with the scaling
-    float se = 0.f, sb = 0.f;
-#pragma omp simd reduction(+ : se, sb)
-    for (int64_t j = 0; j < cols; ++j) {
-      const float d = xr[j] * inv_t - m_new;  // <= 0
-      const float e = fast_exp(d);
-      se += e;
-      sb += d * e;
-    }
-    // b is sum (z - m) e^(z - m): re-centre the old sum on the new max before adding the tile's.
-    const float alpha = expf(m[r] - m_new);
-    b[r] = alpha * (b[r] + (m[r] - m_new) * s[r]) + sb;
-    s[r] = alpha * s[r] + se;
-    m[r] = m_new;
-    const int64_t local = labels[r] - c0;
-    if (local >= 0 && local < cols) zy[r] = xr[local] * inv_t;
-  }
-}
-
-// In place: raw logits -> dL/dx. g_lp and g_ent arrive multiplied by 1/T and zeroed on ignored rows.
-void tile_grad(float* x, int64_t rows, int64_t cols, int64_t c0, const int64_t* labels, float inv_t,
-               const float* lse, const float* ez, const float* g_lp, const float* g_ent) {
-#pragma omp parallel for schedule(static)
-  for (int64_t r = 0; r < rows; ++r) {
-    float* xr = x + r * cols;
-    const float l = lse[r], e = ez[r], gl = g_lp[r], ge = g_ent[r];
-    if (gl == 0.f && ge == 0.f) {  // ignored row (or zero upstream gradient): exact zeros, no exp
-      std::fill(xr, xr + cols, 0.f);
-      continue;
-    }
-#pragma omp simd
-    for (int64_t j = 0; j < cols; ++j) {
-      const float z = xr[j] * inv_t;
-      const float p = fast_exp(z - l);
-      xr[j] = -(gl + ge * (z - e)) * p;
-    }
-    const int64_t local = labels[r] - c0;
-    if (local >= 0 && local < cols) xr[local] += gl;
-  }
 }
 
 // A [rows, cols] fp32 view over the front of the reused tile buffer.

@@ -2,8 +2,7 @@
 //
 // These are the tile kernels of the chunked plan in kernels/linear_logprob_entropy.py (see its docstring for
 // the math): tile_stats merges one fp32 tile of raw logits into running per-row (m, s, b, z_y) and only reads
-// the tile; tile_grad overwrites a tile with dL/dx. linear_logprob_entropy.cpp still holds its own copies of
-// fast_exp / tile_stats / tile_grad (the same code); it can include this header instead when next edited.
+// the tile; tile_grad overwrites a tile with dL/dx. Used by linear_logprob_entropy.cpp and ppo_loss.cpp.
 #pragma once
 
 #include <algorithm>
