@@ -1,0 +1,51 @@
+"""Smoke test of the train_step benchmark: tiny model and batch, temp CSV. Never asserts speed."""
+
+from __future__ import annotations
+
+import csv
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is a folder at the root
+
+from benchmarks import harness, train_step  # noqa: E402
+
+ARGS = ["--quick", "--seqs", "3", "--lengths", "5,12", "--reps", "1", "--warmup", "0", "--threads", "1"]
+
+
+def test_train_step_benchmark_smoke(tmp_path, capsys):
+    # Two providers through the worker processes (each worker costs seconds of imports).
+    out = tmp_path / "train_step.csv"
+    args = ARGS + ["--providers", "prorl,transformers-padded", "--ckpt-dir", str(tmp_path), "--out", str(out)]
+    assert train_step.main(args) == 0
+    assert "speedup" in capsys.readouterr().out
+    with open(out, newline="") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == harness.COLUMNS
+        rows = list(reader)
+    seen = {(r["provider"], r["metric"]) for r in rows}
+    for provider in ("prorl", "transformers-padded"):
+        for metric in ("time", "gflops", "tokens_per_s", "padding_fraction"):
+            assert (provider, metric) in seen
+    pad = {r["provider"]: float(r["p50"]) for r in rows if r["metric"] == "padding_fraction"}
+    assert pad["prorl"] == 0.0 and pad["transformers-padded"] > 0.0
+    assert all(re.search(r"loss=[0-9.]+", r["versions"]) for r in rows if r["metric"] == "time")
+
+
+def test_train_step_providers_compute_the_same_loss(tmp_path):
+    # Every provider built in this process: same weights, batch and loss, so each untimed loss (in the
+    # note) matches transformers on the padded batch, the independent reference; one step runs.
+    shape = train_step.make_shape("tiny", 3, 5, 12, "float32", str(tmp_path))
+    losses = {}
+    for provider in train_step.PROVIDERS:
+        step = train_step.build(provider, "full", shape, torch.device("cpu"))
+        step.prepare()
+        step.run()
+        losses[provider] = float(re.search(r"loss=([-0-9.e]+)", step.note).group(1))
+    ref = losses["transformers-padded"]
+    assert ref > 0.0
+    for provider, loss in losses.items():
+        assert abs(loss - ref) < 1e-4 * ref, (provider, loss, ref)
