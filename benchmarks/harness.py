@@ -327,8 +327,15 @@ def run_provider(
     reps: int,
     peak_tflops: float = H200_BF16_DENSE_TFLOPS,
     timeout: float | None = None,
+    entry: str = "benchmarks.harness:worker_main",
+    extra: dict | None = None,
 ) -> Result:
-    """Measure one provider in a fresh worker process (see module docstring)."""
+    """Measure one provider in a fresh worker process (see module docstring).
+
+    `entry` ("module:function") is the worker's entry point, called with [spec JSON, result path]; a
+    benchmark that measures more than one timed call per case (rl_step.py: the phases of an RL step)
+    supplies its own and reads its own keys from `extra`, which is merged into the spec.
+    """
     spec = dict(
         module=module,
         provider=provider,
@@ -339,10 +346,12 @@ def run_provider(
         warmup=warmup,
         reps=reps,
         peak_tflops=peak_tflops,
+        **(extra or {}),
     )
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    code = "import sys; from benchmarks.harness import worker_main; worker_main(sys.argv[1:])"
+    module_name, func = entry.split(":")
+    code = f"import sys; from {module_name} import {func}; {func}(sys.argv[1:])"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
         try:
@@ -395,10 +404,13 @@ def run_benchmark(
     out: Path | None = None,
     peak_tflops: float = H200_BF16_DENSE_TFLOPS,
     timeout: float | None = None,
+    entry: str = "benchmarks.harness:worker_main",
+    extra: dict | None = None,
 ) -> tuple[list[dict], list[str]]:
     """Measure every provider (one worker each), append all rows to the CSV; return (rows, errors).
 
     `shapes` are dicts with at least a `label` (the CSV `shape` column) and whatever `build` reads.
+    `entry` and `extra`: see `run_provider`.
     """
     threads = threads or default_threads()
     out = Path(out) if out else RESULTS_DIR / f"{name}.csv"
@@ -423,6 +435,8 @@ def run_benchmark(
             reps=reps,
             peak_tflops=peak_tflops,
             timeout=timeout,
+            entry=entry,
+            extra=extra,
         )
         errors.extend(res.errors)
         for r in res.rows:

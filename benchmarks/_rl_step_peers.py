@@ -1,0 +1,330 @@
+"""The pieces of rl_step.py that are not prorl's own code path: TRL's GRPOTrainer instrumented per phase,
+and the three ablations that swap one prorl piece for the conventional one.
+
+Everything here is applied inside the benchmark's worker process (monkeypatches on one Trainer object
+or on `prorl.trainer`'s module globals); nothing in prorl changes.
+
+- `naive_logprob_entropy`: `nofused`, the [N, V] logits -> log_softmax path (the benchmark of the op,
+  benchmarks/linear_logprob_entropy.py, owns the function).
+- `padded_logprobs`: `nopack`, every sequence right-padded to the longest one of the batch and run as
+  one [S, Lmax] batch (one batched SDPA call, pad tokens through every layer and the LM head), as a
+  padded trainer does; the real tokens' values are gathered back in packed order.
+- `HFGenerator`: `hfgen`, `transformers.generate` on a Qwen2ForCausalLM holding the policy's weights
+  (copied in before every call: ~2 ms at these sizes), sampled-token log-probs from `output_scores`,
+  with the generation settings TRL uses (dynamic cache, top_k=0, top_p=1).
+- `TRLPhases` + `run_trl`: TRL's GRPOTrainer.train() for warmup + reps optimizer steps, timed by
+  wrapping its methods on the instance (TRL's own `profiling_context` only reports to W&B / MLflow).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import types
+
+import torch
+
+from benchmarks.linear_logprob_entropy import naive_logprob_entropy
+
+# --------------------------------------------------------------------------------------------------
+# Ablations of prorl's Trainer
+# --------------------------------------------------------------------------------------------------
+
+
+def naive_lle(hidden, weight, labels, temperature=1.0, ignore_index=-100, return_entropy=True):
+    """`linear_logprob_entropy`'s signature on the unfused path (entropy computed either way: V is tiny)."""
+    logp, ent = naive_logprob_entropy(hidden, weight, labels, temperature, ignore_index)
+    return logp, (ent if return_entropy else None)
+
+
+def _padded_attention_backend(length: int):
+    from prorl.engine.attention import AttentionBackend
+
+    class PaddedSDPA(AttentionBackend):
+        """One causal SDPA over [S, H, Lmax, d]: right padding never reaches a real token causally."""
+
+        name = "padded-sdpa"
+
+        def __call__(self, q, k, v, ctx, scale):
+            n, hq, d = q.shape
+            s = n // length
+            q4, k4, v4 = (t.view(s, length, t.shape[1], d).transpose(1, 2) for t in (q, k, v))
+            out = torch.nn.functional.scaled_dot_product_attention(
+                q4, k4, v4, is_causal=True, scale=scale, enable_gqa=True
+            )
+            return out.transpose(1, 2).reshape(n, hq, d)
+
+    return PaddedSDPA()
+
+
+def padded_logprobs(self, model, ids, labels, cu, temperature, grad: bool, entropy: bool = False):
+    """Trainer.logprobs on right-padded [S, Lmax] input (bound to a Trainer with types.MethodType)."""
+    from prorl.trainer import Trainer
+
+    lengths = cu.diff()
+    s, lmax = lengths.numel(), int(lengths.max())
+    valid = torch.arange(lmax)[None, :] < lengths[:, None]  # [S, Lmax], row-major = packed order
+    pid = torch.zeros(s, lmax, dtype=ids.dtype)
+    pid[valid] = ids
+    plab = torch.full((s, lmax), -100, dtype=labels.dtype)
+    plab[valid] = labels
+    pcu = (torch.arange(s + 1) * lmax).to(torch.int32)
+    saved = model.attention
+    model.attention = _padded_attention_backend(lmax)
+    try:
+        logp, ent = Trainer.logprobs(
+            self, model, pid.view(-1), plab.view(-1), pcu, temperature, grad, entropy
+        )
+    finally:
+        model.attention = saved
+    flat = valid.view(-1)
+    return logp[flat], (ent[flat] if ent is not None else None)
+
+
+class HFGenerator:
+    """`Generator` interface over `transformers.generate`, weights copied from the policy before each call."""
+
+    def __init__(self, policy, model_path: str, pad_token_id: int):
+        import transformers
+        from prorl.engine.model.hf_io import hf_name
+
+        self.policy, self.pad = policy, pad_token_id
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        hf_state = self.hf.state_dict()  # detached tensors sharing the model's storage
+        ours = policy.state_dict(keep_vars=True)  # the live parameters
+        missing = [k for k in ours if hf_name(k) not in hf_state]
+        if missing:
+            raise RuntimeError(f"HFGenerator: no transformers parameter for {missing[:3]}")
+        self._pairs = [(hf_state[hf_name(k)], v) for k, v in ours.items()]
+
+    @torch.no_grad()
+    def _sync(self) -> None:
+        for theirs, ours in self._pairs:
+            theirs.copy_(ours)
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids, params):
+        from prorl.engine.rollout import Rollouts, Sample
+
+        self._sync()
+        rows = [(p, j) for p in range(len(prompt_token_ids)) for j in range(params.n)]
+        width = max(len(x) for x in prompt_token_ids)
+        ids = torch.full((len(rows), width), self.pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, (p, _) in enumerate(rows):  # left padding, as TRL does
+            x = prompt_token_ids[p]
+            ids[r, width - len(x) :] = torch.tensor(x)
+            mask[r, width - len(x) :] = 1
+        torch.manual_seed(params.seed)
+        out = self.hf.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=params.temperature > 0,
+            temperature=params.temperature if params.temperature > 0 else None,
+            top_k=0 if params.top_k < 0 else params.top_k,
+            top_p=params.top_p,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=list(params.stop_token_ids) or None,
+            pad_token_id=self.pad,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+        new = out.sequences[:, width:]  # [B, T]
+        scores = torch.stack(out.scores, dim=1).float()  # [B, T, V] temperature-scaled logits
+        logp = torch.log_softmax(scores, dim=-1).gather(-1, new[..., None]).squeeze(-1)
+        stops = torch.tensor(list(params.stop_token_ids) or [-1])
+        samples = []
+        for r, (p, j) in enumerate(rows):
+            hit = torch.isin(new[r], stops).nonzero()
+            end = int(hit[0]) + 1 if len(hit) else new.shape[1]
+            samples.append(
+                Sample(p, j, new[r, :end].tolist(), logp[r, :end].tolist(), "stop" if len(hit) else "length")
+            )
+        return Rollouts(samples)
+
+    def update_weights(self, named_tensors) -> None:
+        pass  # weights are copied from the policy at every generate()
+
+
+def apply_ablations(trainer, flags: list[str], model_path: str, tokenizer) -> None:
+    """Swap the pieces named in `flags` (nofused, nopack, hfgen) on one Trainer."""
+    unknown = set(flags) - {"nofused", "nopack", "hfgen"}
+    if unknown:
+        raise ValueError(f"unknown prorl ablation(s) {sorted(unknown)}; known: nofused, nopack, hfgen")
+    if "nofused" in flags:
+        import prorl.trainer
+
+        prorl.trainer.linear_logprob_entropy = naive_lle  # the module global Trainer.logprobs calls
+    if "nopack" in flags:
+        trainer.logprobs = types.MethodType(padded_logprobs, trainer)
+    if "hfgen" in flags:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        trainer.generator = HFGenerator(trainer.policy, model_path, pad)
+
+
+# --------------------------------------------------------------------------------------------------
+# TRL
+# --------------------------------------------------------------------------------------------------
+
+
+def math_reward(completions, ground_truth, **kwargs) -> list[float]:
+    """TRL reward function: prorl's `math` verifier (the same function prorl's RewardPool runs)."""
+    from prorl.rewards import score
+
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
+    return [float(score("math", t, g)) for t, g in zip(texts, ground_truth)]
+
+
+_PHASES = ("gen", "reward", "old_logp", "update")
+
+
+class TRLPhases:
+    """Per-optimizer-step phase times of a GRPOTrainer, from wrappers on its instance methods.
+
+    gen = `_generate` (prompt tokenisation, `generate`, decoding); reward = `_calculate_rewards`;
+    old_logp = `_get_per_token_logps_and_entropies` under no_grad (the reference model's pass, and the
+    old-policy pass when TRL makes one); update = `training_step` minus `_prepare_inputs` (loss forward
+    and backward) + from its return to `on_step_end` (grad clipping, optimizer and scheduler step);
+    step = from one `on_step_end` to the next (the whole loop, data loading and logging included).
+    """
+
+    def __init__(self, memory):
+        self.memory = memory
+        self.records: list[dict] = []
+        self._cur = self._fresh()
+        self._t_end: float | None = None
+
+    @staticmethod
+    def _fresh() -> dict:
+        return dict.fromkeys((*_PHASES, "tokens", "_prepare", "_ts_end"), 0.0)
+
+    def _timed(self, fn, key, when=None):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if when is None or when():
+                self._cur[key] += time.perf_counter() - t0
+            if key == "_gs":
+                self._cur["tokens"] += float(out["completion_mask"].sum())
+            return out
+
+        return wrapper
+
+    def instrument(self, trainer) -> None:
+        from transformers import TrainerCallback
+
+        self._cur["_gs"] = 0.0
+        trainer._generate = self._timed(trainer._generate, "gen")
+        trainer._calculate_rewards = self._timed(trainer._calculate_rewards, "reward")
+        trainer._get_per_token_logps_and_entropies = self._timed(
+            trainer._get_per_token_logps_and_entropies, "old_logp", when=lambda: not torch.is_grad_enabled()
+        )
+        trainer._generate_and_score_completions = self._timed(trainer._generate_and_score_completions, "_gs")
+        trainer._prepare_inputs = self._timed(trainer._prepare_inputs, "_prepare")
+        inner = trainer.training_step
+
+        def training_step(*args, **kwargs):
+            t0 = time.perf_counter()
+            before = self._cur["_prepare"]
+            out = inner(*args, **kwargs)
+            t1 = time.perf_counter()
+            self._cur["update"] += (t1 - t0) - (self._cur["_prepare"] - before)
+            self._cur["_ts_end"] = t1
+            return out
+
+        trainer.training_step = training_step
+        phases = self
+
+        class _Clock(TrainerCallback):
+            def on_step_begin(self, args, state, control, **kwargs):
+                if phases._t_end is None:
+                    phases.memory.start()
+                    phases._t_end = time.perf_counter()
+
+            def on_step_end(self, args, state, control, **kwargs):
+                t = time.perf_counter()
+                cur = phases._cur
+                cur["update"] += t - cur["_ts_end"]
+                rss, extra = phases.memory.stop()
+                rec = {k: cur[k] for k in (*_PHASES, "tokens")}
+                rec.update(step=t - phases._t_end, peak_rss=rss, peak_extra_memory=extra)
+                phases.records.append(rec)
+                phases._cur = phases._fresh()
+                phases._cur["_gs"] = 0.0
+                phases.memory.start()  # untimed: the next step's interval starts after it
+                phases._t_end = time.perf_counter()
+
+        trainer.add_callback(_Clock())
+
+
+def run_trl(work: dict, model_path: str, warmup: int, reps: int, memory, gpu: bool) -> tuple[list[dict], str]:
+    """TRL's GRPOTrainer on the same model, prompts and settings; returns (per-step records, note)."""
+    import importlib.metadata
+    import shutil
+    import tempfile
+
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerFast
+    from trl import GRPOConfig, GRPOTrainer
+
+    from prorl.data import builtin
+
+    tok = PreTrainedTokenizerFast.from_pretrained(model_path)
+    examples = builtin("digit_sums", seed=0, split="train")
+    ds = Dataset.from_list([{"prompt": e.prompt, "ground_truth": e.ground_truth} for e in examples])
+    p, n = work["prompts"], work["n"]
+    dtype = torch.bfloat16 if gpu else torch.float32
+    kwargs = dict(
+        output_dir=(out_dir := tempfile.mkdtemp(prefix="rl_step_trl_")),
+        per_device_train_batch_size=p * n,  # completions per optimizer step = P prompts x n
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_iterations=1,
+        num_generations=n,
+        max_completion_length=work["max_new"],
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        loss_type="dapo",  # token-level loss
+        epsilon=0.2,
+        epsilon_high=0.28,
+        beta=1e-4,
+        learning_rate=work["lr"],
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        max_steps=warmup + reps,
+        bf16=gpu,
+        use_cpu=not gpu,
+        model_init_kwargs={"dtype": dtype},
+        logging_steps=10**6,
+        save_strategy="no",
+        report_to="none",
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=0,
+        log_completions=False,
+    )
+    if gpu:  # UNVERIFIED: colocated vLLM (TRL's recipe for one GPU)
+        for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+            os.environ.setdefault(k, v)
+        os.environ.setdefault("MASTER_PORT", "29517")
+        kwargs.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
+    args = GRPOConfig(**kwargs)
+    threads = torch.get_num_threads()
+    trainer = GRPOTrainer(
+        model=model_path, reward_funcs=math_reward, args=args, train_dataset=ds, processing_class=tok
+    )
+    torch.set_num_threads(threads)  # whatever the trainer's set-up did, the same threads as prorl
+    phases = TRLPhases(memory)
+    phases.instrument(trainer)
+    try:
+        trainer.train()
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    note = (
+        f"trl={importlib.metadata.version('trl')} transformers={importlib.metadata.version('transformers')} "
+        f"loss=dapo kl=k3 old_logp={'recomputed' if gpu else 'skipped (on-policy)'} "
+        f"gen={'vllm-colocate' if gpu else 'transformers.generate'} reward=in-process"
+    )
+    return phases.records, note

@@ -1,0 +1,94 @@
+"""Smoke test of benchmarks/rl_step.py: one step each of prorl and TRL's GRPOTrainer on the tiny reasoner
+into a temp CSV, and the ablation swaps checked against prorl's own path. Never asserts speed."""
+
+from __future__ import annotations
+
+import csv
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+# `benchmarks` is a folder at the repository root, not an installed package (see test_benchmarks_smoke.py)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import harness, rl_step  # noqa: E402
+
+
+def test_rl_step_prorl_and_trl_one_step(tmp_path, capsys):
+    pytest.importorskip("trl", reason="TRL is not installed (pip install trl)")
+    pytest.importorskip("datasets", reason="TRL's GRPOTrainer needs datasets")
+    out = tmp_path / "rl_step.csv"
+    args = ["--providers", "prorl,trl", "--models", "tiny", "--prompts", "2", "--n", "2", "--max-new", "8"]
+    args += ["--warmup", "0", "--reps", "1", "--threads", "1", "--out", str(out), "--no-plot"]
+    assert rl_step.main(args) == 0
+    assert "x trl" in capsys.readouterr().out  # the summary table was printed
+
+    with open(out, newline="") as f:
+        reader = csv.DictReader(f)
+        assert tuple(reader.fieldnames) == harness.COLUMNS
+        rows = list(reader)
+    by = {(r["provider"], r["mode"], r["metric"]): r for r in rows}
+    for provider in ("prorl", "trl"):
+        for phase in ("gen", "reward", "old_logp", "update", "other", "step"):
+            assert (provider, phase, "time") in by, (provider, phase)
+        for metric in ("tokens_per_s", "response_tokens", "peak_memory"):
+            assert (provider, "step", metric) in by
+        step = float(by[(provider, "step", "time")]["p50"])
+        assert float(by[(provider, "gen", "time")]["p50"]) > 0
+        assert float(by[(provider, "update", "time")]["p50"]) > 0
+        # the phases are disjoint parts of the step: what is left over is not negative
+        assert float(by[(provider, "other", "time")]["p50"]) > -0.01 * step
+        assert 0 < float(by[(provider, "step", "response_tokens")]["p50"]) <= 2 * 2 * 8
+    for r in rows:
+        assert r["name"] == "rl_step" and r["shape"] == "tiny P=2 n=2 L=8"
+        p20, p50, p80 = float(r["p20"]), float(r["p50"]), float(r["p80"])
+        assert all(math.isfinite(x) for x in (p20, p50, p80)) and p20 <= p50 <= p80
+        assert "OMP_NUM_THREADS=1" in r["versions"] and "threads=1" in r["versions"]
+
+
+@pytest.fixture(scope="module")
+def trainer():
+    from transformers import PreTrainedTokenizerFast
+
+    from prorl.config import load_config
+    from prorl.data import builtin
+    from prorl.trainer import Trainer
+
+    path = rl_step.model_path("tiny")
+    cfg = load_config("default", rl_step.prorl_overrides(rl_step.work("tiny", 2, 2, 8), path, gpu=False))
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    train, val = builtin("digit_sums", n=8, split="train"), builtin("digit_sums", n=2, split="val")
+    return Trainer(cfg, path, tok, train, val, reward_pool=None), tok, path
+
+
+def test_ablations_compute_what_prorl_computes(trainer):
+    from prorl.engine.rollout import SamplingParams
+    from prorl.kernels import linear_logprob_entropy
+
+    from benchmarks._rl_step_peers import HFGenerator, naive_lle, padded_logprobs
+
+    tr, tok, path = trainer
+    prompts = tr.train_prompts[:2]
+    # transformers.generate: its sampled-token log-probs are the policy's (same weights, same distribution)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, stop_token_ids=tr.stop_ids, seed=1)
+    samples = HFGenerator(tr.policy, path, tok.pad_token_id).generate(prompts, params).samples
+    assert len(samples) == 4 and all(1 <= len(s.token_ids) == len(s.logprobs) <= 10 for s in samples)
+    # sequences of unequal length, so that padding is real
+    seqs = [(prompts[s.prompt_index], s.token_ids[: 3 + i]) for i, s in enumerate(samples)]
+    ids, labels, cu, mask = tr.pack(seqs)
+    logp, ent = tr.logprobs(tr.policy, ids, labels, cu, 1.0, grad=False, entropy=True)
+    sampler = torch.tensor([x for (_, t), s in zip(seqs, samples) for x in s.logprobs[: len(t)]])
+    torch.testing.assert_close(logp[mask], sampler, atol=1e-4, rtol=0)
+    # padded [S, Lmax] batch: the same values at the real tokens
+    logp_pad, ent_pad = padded_logprobs(tr, tr.policy, ids, labels, cu, 1.0, grad=False, entropy=True)
+    torch.testing.assert_close(logp_pad, logp, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent_pad[mask], ent[mask], atol=1e-5, rtol=0)
+    # unfused path: the fused op's values
+    hidden = tr.policy(ids, cu_seqlens=cu)
+    fused = linear_logprob_entropy(hidden, tr.policy.lm_head_weight, labels)
+    naive = naive_lle(hidden, tr.policy.lm_head_weight, labels)
+    torch.testing.assert_close(naive[0], fused[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(naive[1], fused[1], atol=1e-5, rtol=0)
