@@ -25,7 +25,14 @@ SUMMARY_KEYS = (
     ("timing_s/step", "s", "{:.2f}"),
 )
 # the phases of a step, stacked in the timing panel (timing_s/step is their sum plus bookkeeping)
-TIMING_KEYS = ("timing_s/gen", "timing_s/reward", "timing_s/old_logp", "timing_s/ref", "timing_s/update")
+TIMING_KEYS = (
+    "timing_s/gen",
+    "timing_s/reward",
+    "timing_s/old_logp",
+    "timing_s/ref",
+    "timing_s/update",
+    "timing_s/sync",
+)
 LAST_EVALS = 3  # "after" accuracy: mean of the last evaluations (one greedy evaluation is noisy)
 
 
@@ -158,6 +165,8 @@ def accuracy_before_after(vals: list[tuple[int, float]]) -> tuple[float, float, 
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
     m, s = divmod(int(round(seconds)), 60)
     h, m = divmod(m, 60)
     return f"{h}h{m:02d}m{s:02d}s" if h else f"{m}m{s:02d}s"
@@ -267,7 +276,8 @@ def plot_run(metrics_path: str, png_path: str, control: list[tuple[int, float]] 
                     x, *[[r.get(k, 0.0) for r in steps] for k in present], labels=[k[9:] for k in present]
                 )
             ax.plot(x, [r.get("timing_s/step", float("nan")) for r in steps], "k-", lw=0.8, label="step")
-            ax.legend(fontsize=8, loc="upper left")
+            ax.set_ylim(0, 1.4 * max([r.get("timing_s/step", 0.0) for r in steps] + [1e-3]))  # legend room
+            ax.legend(fontsize=7, loc="upper left", ncol=3)
         else:
             ax.plot(x, [r.get(key, float("nan")) for r in steps], lw=1)
         for s in resets:

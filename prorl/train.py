@@ -8,14 +8,32 @@ With no arguments it runs the embedded default on the CPU: the shipped tiny reas
 (prorl/assets/tiny-reasoner, made by `python -m prorl.warmstart`) trained with the full recipe on the
 built-in digit-sum task, held-out accuracy printed before and after, metrics, a checkpoint and a PNG of
 the training curves written to the run directory.
+
+Lifecycle (issue 8):
+- Re-running the same command on the same `output_dir` resumes from its latest complete checkpoint;
+  `metrics.jsonl` is cut back to that step, so the resumed run's rows follow on as if never stopped.
+  With `trainer.deterministic=true` on the CPU the result is bit-identical to an uninterrupted run
+  (tests/prorl/test_resume.py kills runs with SIGKILL mid-step and mid-save to check it).
+- SIGTERM or Ctrl-C: the current step is finished, a checkpoint saved (if `trainer.save_every` > 0), and
+  the process exits 0. All ranks agree on the step to stop after. Under torchrun the agent forwards the
+  signal and kills workers that are still alive after `--shutdown-timeout` (default 30 s) - raise it
+  when a step plus a save takes longer. A second signal, 2 s or more after the first, aborts at once.
+- A dead rank: collectives have a timeout (engine.parallel.init_distributed), so the others fail with
+  an error instead of hanging; the last complete checkpoint is untouched.
+- An unwritable output directory, or too little disk for one checkpoint: a clear error and exit code 5
+  before the first step.
+
+Exit codes: 0 done (or stopped cleanly by a signal), 2 config error, 3 reward self-test failed,
+4 checkpoint cannot be resumed, 5 output directory unusable.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib
 import os
+import random
+import signal
 import sys
 import time
 
@@ -28,6 +46,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+
+
+class Fatal(Exception):
+    """Stop before (or instead of) training with a message and an exit code; raised on every rank."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
 
 
 def resolve_model_path(path: str) -> str:
@@ -48,13 +74,104 @@ def load_examples(cfg, split: str):
     return data.builtin(cfg.data.builtin_task, n=size, seed=cfg.seed, split=split)
 
 
+def seed_everything(seed: int, deterministic: bool) -> None:
+    """Seed python, numpy and torch; with `deterministic`, also forbid nondeterministic kernels."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy
+
+        numpy.random.seed(seed % 2**32)
+    except ImportError:
+        pass
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it to be deterministic
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+
+
+def on_every_rank(code: int, fn, *args):
+    """fn(*args) on every rank; if it fails with an OSError or CheckpointError anywhere, every rank raises
+    Fatal (the failing rank with its own message) instead of the others waiting in the next collective."""
+    from prorl.engine import parallel
+    from prorl.engine.checkpoint import CheckpointError
+
+    error, result = None, None
+    try:
+        result = fn(*args)
+    except (OSError, CheckpointError) as exc:
+        error = str(exc)
+    if parallel.all_reduce_max(1.0 if error else 0.0) > 0:
+        raise Fatal(code, error or "")  # ranks that did not fail exit quietly
+    return result
+
+
+class StopRequest:
+    """SIGTERM / SIGINT set a flag; the training loop asks `requested()` after each step (collective, so
+    that every rank stops after the same step). A second signal 2 s or more after the first raises
+    KeyboardInterrupt (one request can arrive twice: a scheduler such as Slurm signals every process of
+    the job, and torchrun forwards the signal to its workers as well).
+
+    Under torchrun a worker whose agent has died (`kill -9` of torchrun: the workers run in sessions of
+    their own and would train on, unseen) stops the same way once it notices its new parent."""
+
+    def __init__(self):
+        self.reason: str | None = None
+        self.first_at = 0.0
+        self.parent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.reason is None:
+            self.reason, self.first_at = signal.Signals(signum).name, time.monotonic()
+        elif time.monotonic() - self.first_at >= 2.0:
+            raise KeyboardInterrupt
+
+    def requested(self) -> bool:
+        from prorl.engine import parallel
+
+        if self.reason is None and self.parent is not None and os.getppid() != self.parent:
+            self.reason = "the loss of torchrun (its agent process died)"
+        return parallel.all_reduce_max(1.0 if self.reason is not None else 0.0) > 0
+
+    @property
+    def name(self) -> str:
+        return self.reason or "a stop request on another rank"
+
+
+def lock_output_dir(path: str):
+    """An exclusive lock on `path` held for this process's lifetime (released by the kernel however it
+    ends): a second run on the same directory, or workers left over from a killed torchrun, would
+    interleave checkpoints and metrics with this one. Returns the open lock file; raises OSError."""
+    import fcntl
+    import socket
+
+    f = open(os.path.join(path, ".lock"), "a+")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        owner = f.read().strip() or "an unknown process"
+        f.close()
+        msg = f"{path} is in use by another run ({owner}): stop it, or use another output_dir"
+        raise OSError(msg) from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+    f.flush()
+    return f
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="ProRL v2 trainer", allow_abbrev=False)
     ap.add_argument("--config", default="default", help="preset name in prorl/configs or a YAML path")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=10")
     args = ap.parse_args(argv)
 
-    from prorl.config import ConfigError, load_config, resolve_output_dir, to_yaml
+    from prorl.config import ConfigError, load_config
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -62,20 +179,38 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prorl: config error: {exc}", file=sys.stderr)
         return 2
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    from prorl.engine.parallel import init_distributed
+
+    # gloo on the CPU, NCCL on GPUs; collectives time out, so a dead or stuck rank ends the job
+    info = init_distributed()
+    try:
+        return run(cfg, info.rank)
+    except Fatal as exc:
+        if str(exc):
+            print(f"prorl: {exc}", file=sys.stderr)
+        return exc.code
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(cfg, rank: int) -> int:
+    from prorl.config import resolve_output_dir, to_yaml
+    from prorl.engine.checkpoint import Checkpointer, CheckpointError, config_hash
+
+    seed_everything(cfg.seed + rank, cfg.trainer.deterministic)
     if rank == 0:
         resolve_output_dir(cfg)
     if dist.is_initialized():  # every rank writes to rank 0's directory
         box = [cfg.output_dir]
         dist.broadcast_object_list(box, src=0)
         cfg.output_dir = box[0]
+    # an unwritable or busy output directory fails here, before the model is even loaded
+    ckpt = on_every_rank(5, Checkpointer, os.path.join(cfg.output_dir, "checkpoints"), cfg.trainer.keep_last)
+    # held until this process ends
+    _lock = on_every_rank(5, lambda: lock_output_dir(cfg.output_dir) if rank == 0 else None)
     from transformers import PreTrainedTokenizerFast
 
-    from prorl.engine.checkpoint import Checkpointer, CheckpointError, config_hash
     from prorl.report import Reporter
     from prorl.rewards import builtin_keys
     from prorl.rewards.pool import RewardPool
@@ -92,11 +227,22 @@ def main(argv: list[str] | None = None) -> int:
     if rank == 0:
         print(to_yaml(cfg), flush=True)
         reporter.save_config(to_yaml(cfg))
-    with RewardPool(
-        num_workers=cfg.reward.num_workers,
-        timeout_s=cfg.reward.timeout_s,
-        preload=builtin_keys(sources),
-    ) as pool:
+    # Reward workers start with SIGINT / SIGTERM ignored (inherited through exec): a Ctrl-C in the terminal
+    # (without torchrun) or a scheduler's signal reaches them too, and the step being finished still
+    # needs its verifiers; the pool kills them itself. Then this process takes the signals as a stop request.
+    stop = StopRequest()
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        pool = RewardPool(
+            num_workers=cfg.reward.num_workers,
+            timeout_s=cfg.reward.timeout_s,
+            preload=builtin_keys(sources),
+        )
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    stop.install()
+    with pool:
         try:  # a verifier that silently scores everything 0 would waste the whole run
             status = self_test(sources, pool)
         except RuntimeError as exc:
@@ -105,7 +251,6 @@ def main(argv: list[str] | None = None) -> int:
         reporter.say("prorl: reward self-test: " + ", ".join(f"{k} {v}" for k, v in status.items()))
         trainer = Trainer(cfg, model_path, tokenizer, train, val, pool)
         # resume from the latest complete checkpoint of this output_dir, if any (RECIPE §7, issue 8)
-        ckpt = Checkpointer(os.path.join(cfg.output_dir, "checkpoints"), keep_last=cfg.trainer.keep_last)
         chash = config_hash(to_yaml(cfg))  # changed settings are reported on resume
         holder: dict = {}
         state = {
@@ -114,47 +259,69 @@ def main(argv: list[str] | None = None) -> int:
             "optimizer": trainer.optimizer,
             "trainer": holder,
         }
+        if cfg.trainer.save_every:  # disk space for one save, before spending time on training
+            on_every_rank(5, ckpt.preflight, state)
         try:
-            info = ckpt.load(state, config_hash=chash)
+            resumed = ckpt.load(state, config_hash=chash)
         except CheckpointError as exc:
             print(f"prorl: cannot resume: {exc}", file=sys.stderr)
             return 4
         t_start = time.time()
-        if info is not None:
+        if resumed is not None:
             trainer.restore(holder)
             reporter.resume(trainer.step_count)
             reporter.say(
-                f"prorl: resumed from {info.path} (step {trainer.step_count})"
-                + (" - the config changed since that save" if info.config_changed else "")
+                f"prorl: resumed from {resumed.path} (step {trainer.step_count})"
+                + (" - the config changed since that save" if resumed.config_changed else "")
             )
         else:
+            dropped = reporter.start()
+            if dropped:
+                reporter.say(f"prorl: dropped {dropped} metrics rows of an attempt that saved nothing")
+            t0 = time.perf_counter()
             acc0 = trainer.validate()
-            reporter.validation(0, acc0)
+            reporter.validation(0, acc0, time.perf_counter() - t0)
             mode = "greedy" if cfg.trainer.val_temperature == 0 else f"T={cfg.trainer.val_temperature}"
             reporter.say(f"prorl: held-out accuracy before RL: {acc0:.1%} ({len(val)} problems, {mode})")
-        saved_at = trainer.step_count
-        while trainer.step_count < cfg.trainer.total_steps:
+
+        def save(step: int) -> None:
+            state["trainer"] = trainer.checkpoint_state()
+            ckpt.save(step, state, config_hash=chash)
+
+        saved_at, stopped = trainer.step_count, False
+        total, every = cfg.trainer.total_steps, cfg.trainer.save_every
+        while trainer.step_count < total:
+            if stop.requested():
+                stopped = True
+                break
             metrics = trainer.step()
             step = trainer.step_count
-            if cfg.trainer.val_every and (
-                step % cfg.trainer.val_every == 0 or step == cfg.trainer.total_steps
-            ):
+            if cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total):
+                t0 = time.perf_counter()
                 metrics["val/accuracy"] = trainer.validate()
-            reporter.log(metrics)
-            if cfg.trainer.save_every and (
-                step % cfg.trainer.save_every == 0 or step == cfg.trainer.total_steps
-            ):
-                state["trainer"] = trainer.checkpoint_state()
-                ckpt.save(step, state, config_hash=chash)
+                metrics["timing_s/val"] = time.perf_counter() - t0
+            reporter.log(metrics)  # before the save: a checkpoint's step always has its metrics row
+            if every and (step % every == 0 or step == total):
+                save(step)
                 saved_at = step
-        if saved_at != trainer.step_count and cfg.trainer.save_every:
-            state["trainer"] = trainer.checkpoint_state()
-            ckpt.save(trainer.step_count, state, config_hash=chash)
+        if every and saved_at != trainer.step_count:
+            save(trainer.step_count)
+            saved_at = trainer.step_count
+        if stopped:
+            if not every:
+                where = "not saved (trainer.save_every=0)"
+            else:
+                where = f"checkpoint {ckpt.step_dir(saved_at)}" if saved_at else "nothing to save yet"
+            reporter.say(
+                f"prorl: stopped by {stop.name} after step {trainer.step_count} of {total}; {where}; "
+                "re-run the same command to resume"
+            )
+            reporter.close()
+            return 0
         reporter.say(f"prorl: trained to step {trainer.step_count} in {time.time() - t_start:.0f} s")
         out = reporter.finish(trainer)
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
     if rank == 0 and out:
         print(out)
     return 0

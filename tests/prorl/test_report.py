@@ -1,0 +1,68 @@
+"""prorl/report.py: the run summary and curves regenerated from a run directory (`python -m prorl.report`),
+on a metrics.jsonl written by hand, so every number in the summary is known by construction."""
+
+import json
+import subprocess
+import sys
+
+from prorl.report import read_metrics, summarize
+
+
+def write_run(run_dir, torn_tail: bool = False):
+    rows = [{"step": 0, "val/accuracy": 0.25, "timing_s/val": 6.0}]
+    for step in range(1, 11):
+        rows.append(
+            {
+                "step": step,
+                "critic/score/mean": 0.1 * step,  # first 5 steps: mean 0.3, last 5: mean 0.8
+                "actor/pg_clipfrac": 0.01,
+                "actor/pg_clipfrac_lower": 0.002,
+                "actor/entropy": 0.5,
+                "actor/kl_mean": 1e-3,
+                "response_length/mean": 20.0,
+                "reward/length_penalty/mean": -0.1 if step <= 2 else 0.0,
+                "ref/reset_reason": "interval" if step in (4, 8) else "",
+                "timing_s/gen": 6.0,
+                "timing_s/reward": 1.0,
+                "timing_s/old_logp": 1.0,
+                "timing_s/update": 2.0,
+                "timing_s/step": 10.0,
+            }
+        )
+        if step in (5, 10):
+            rows[-1].update({"val/accuracy": 0.5 if step == 5 else 0.75, "timing_s/val": 6.0})
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (run_dir / "metrics.jsonl").write_text(text + ('{"step": 11, "critic/sc' if torn_tail else ""))
+    (run_dir / "config.yaml").write_text("trainer:\n  total_steps: 20\n")
+
+
+def test_summary_numbers(tmp_path):
+    write_run(tmp_path, torn_tail=True)  # a crash mid-write leaves a torn last line: ignored
+    assert len(read_metrics(str(tmp_path / "metrics.jsonl"))) == 11
+    lines = summarize(str(tmp_path)).splitlines()
+    assert lines[0] == f"run {tmp_path}: 10 steps of 20"
+    # before: step 0; after: mean of the evaluations after it (at most 3): (0.5 + 0.75) / 2
+    assert lines[1] == "held-out accuracy 25.0% (step 0) -> 62.5% (mean of the last 2 evaluations, step 10)"
+    assert lines[2] == "train reward 0.300 -> 0.800 (mean of the first / last 5 steps)"
+    assert lines[3] == "reference resets: 2 (step 4 interval, step 8 interval)"
+    # 10 steps of 10 s + 3 validations of 6 s
+    assert lines[4] == (
+        "wall time 1m58s (steps 1m40s, validation 18.0s); of the steps: gen 60%, reward 10%, old_logp 10%, "
+        "update 20%"
+    )
+
+
+def test_command_line_regenerates_png_and_summary(tmp_path):
+    write_run(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "prorl.report", str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "training_curves.png").stat().st_size > 10_000
+    assert (tmp_path / "summary.txt").read_text() == summarize(str(tmp_path)) + "\n"
+    assert "reference resets: 2" in proc.stdout
+
+    missing = subprocess.run(
+        [sys.executable, "-m", "prorl.report", str(tmp_path / "nope")], capture_output=True, text=True
+    )
+    assert missing.returncode == 2 and "no metrics.jsonl" in missing.stderr
