@@ -165,6 +165,32 @@ def lock_output_dir(path: str):
     return f
 
 
+# Settings that fix what a resumed run trains on and how its batch is built: changing them between a
+# checkpoint and its resume would silently make a different run, so resuming refuses. Anything else (log
+# and eval intervals, total steps, learning rate, timeouts, worker counts) is allowed and reported.
+INCOMPATIBLE_ON_RESUME = (
+    "seed",
+    "model.path",
+    "model.dtype",
+    "data.",
+    "rollout.n",
+    "trainer.prompts_per_step",
+    "trainer.mini_batches",
+)
+
+
+def config_changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:
+    """Dotted keys whose values differ between two config dicts -> (old, new)."""
+    out: dict[str, tuple] = {}
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.update(config_changes(a, b, f"{prefix}{key}."))
+        elif a != b and f"{prefix}{key}" != "output_dir":
+            out[f"{prefix}{key}"] = (a, b)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="ProRL v2 trainer", allow_abbrev=False)
     ap.add_argument("--config", default="default", help="preset name in prorl/configs or a YAML path")
@@ -195,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(cfg, rank: int) -> int:
-    from prorl.config import resolve_output_dir, to_yaml
+    from prorl.config import resolve_output_dir, to_dict, to_yaml
     from prorl.engine.checkpoint import Checkpointer, CheckpointError, config_hash
 
     seed_everything(cfg.seed + rank, cfg.trainer.deterministic)
@@ -268,6 +294,25 @@ def run(cfg, rank: int) -> int:
             return 4
         t_start = time.time()
         if resumed is not None:
+            saved_cfg = (resumed.meta.get("extra") or {}).get("config")
+            changed = config_changes(saved_cfg, to_dict(cfg)) if saved_cfg else {}
+            bad = sorted(k for k in changed if k.startswith(INCOMPATIBLE_ON_RESUME))
+            if bad:
+                if rank != 0:
+                    return 4
+                print(
+                    f"prorl: cannot resume {resumed.path}: settings that fix the run's data and batch "
+                    "changed: "
+                    + "; ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in bad)
+                    + " (use a new output_dir, or restore them)",
+                    file=sys.stderr,
+                )
+                return 4
+            if changed:
+                reporter.say(
+                    "prorl: resuming with changed settings: "
+                    + "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in sorted(changed.items()))
+                )
             trainer.restore(holder)
             reporter.resume(trainer.step_count)
             reporter.say(
@@ -286,7 +331,7 @@ def run(cfg, rank: int) -> int:
 
         def save(step: int) -> None:
             state["trainer"] = trainer.checkpoint_state()
-            ckpt.save(step, state, config_hash=chash)
+            ckpt.save(step, state, config_hash=chash, extra={"config": to_dict(cfg)})
 
         saved_at, stopped = trainer.step_count, False
         total, every = cfg.trainer.total_steps, cfg.trainer.save_every

@@ -25,6 +25,7 @@ import logging
 import os
 import pickle
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -102,6 +103,10 @@ class _Worker:
 
 def _worker_main(fd: int) -> None:
     """Worker loop: init, say ready, then score items until the parent closes the connection."""
+    # Ctrl-C / SIGTERM go to the whole process group: the trainer decides when to stop, and still needs
+    # its verifiers to finish the step. A worker ends when its connection closes (or by SIGKILL).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     conn = Connection(fd)
     init = conn.recv()
     try:

@@ -108,3 +108,33 @@ def test_fsdp_policy_matches_replicated(tmp_path):
             "actor/entropy",
         ):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
+
+
+@pytest.mark.slow
+def test_resume_refuses_incompatible_config_and_reports_harmless_changes(tmp_path):
+    out = tmp_path / "run"
+    base = [
+        sys.executable,
+        "prorl/train.py",
+        f"output_dir={out}",
+        "trainer.prompts_per_step=4",
+        "rollout.n=4",
+        "trainer.val_every=0",
+        "data.val_size=4",
+        "trainer.save_every=1",
+    ]
+
+    def run(*extra):
+        return subprocess.run([*base, *extra], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+
+    first = run("trainer.total_steps=1")
+    assert first.returncode == 0, first.stderr[-2000:]
+    refused = run("trainer.total_steps=2", "rollout.n=2")
+    assert refused.returncode == 4
+    assert "rollout.n: 4 -> 2" in refused.stderr and "cannot resume" in refused.stderr
+    allowed = run("trainer.total_steps=2", "optim.lr=1e-5")
+    assert allowed.returncode == 0, allowed.stderr[-2000:]
+    assert (
+        "resuming with changed settings: optim.lr: 3e-05 -> 1e-05; trainer.total_steps: 1 -> 2"
+        in allowed.stdout
+    )
