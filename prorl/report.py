@@ -60,12 +60,34 @@ def _write_rows(path: str, rows: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+def start_wandb(cfg):
+    """A W&B run for `trainer.wandb_project` (rank 0). WANDB_MODE=offline keeps it on disk."""
+    try:
+        import wandb
+    except ImportError as exc:
+        raise ImportError(
+            f"trainer.wandb_project={cfg.trainer.wandb_project!r} needs the wandb package: pip install wandb "
+            "(or unset trainer.wandb_project)"
+        ) from exc
+    from prorl.config import to_dict
+
+    return wandb.init(
+        project=cfg.trainer.wandb_project,
+        config=to_dict(cfg),
+        dir=cfg.output_dir,
+        name=os.path.basename(os.path.normpath(cfg.output_dir)),
+        resume="allow",
+    )
+
+
 class Reporter:
     def __init__(self, cfg, rank: int):
         self.cfg, self.rank = cfg, rank
         self.dir = cfg.output_dir
         self.path = os.path.join(self.dir, "metrics.jsonl")
         self.tb = None
+        self.wandb = None
+        self.bar = None
         self.val_history: list[tuple[int, float]] = []
         if rank == 0:
             os.makedirs(self.dir, exist_ok=True)
@@ -76,9 +98,21 @@ class Reporter:
                     self.tb = SummaryWriter(os.path.join(self.dir, "tensorboard"))
                 except ImportError:
                     self.tb = None  # tensorboard not installed: JSONL only
+            if cfg.trainer.wandb_project:
+                self.wandb = start_wandb(cfg)
+            if sys.stdout.isatty():  # a live progress bar for people; plain summary lines for log files
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=cfg.trainer.total_steps, unit="step", dynamic_ncols=True)
 
     def say(self, text: str) -> None:
         if self.rank == 0:
+            self._print(text)
+
+    def _print(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text)
+        else:
             print(text, flush=True)
 
     def save_config(self, text: str) -> None:
@@ -121,6 +155,11 @@ class Reporter:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)) and k != "step":
                     self.tb.add_scalar(k, v, metrics["step"])
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+        if self.bar is not None:
+            self.bar.n = metrics["step"]
+            self.bar.refresh()
         if metrics["step"] % max(self.cfg.trainer.log_every, 1) == 0 or "val/accuracy" in metrics:
             parts = [f"step {metrics['step']:>5}"]
             for key, short, fmt in SUMMARY_KEYS:
@@ -128,12 +167,18 @@ class Reporter:
                     parts.append(f"{short} {fmt.format(metrics[key])}")
             if metrics.get("ref/reset_reason"):
                 parts.append(f"[ref reset: {metrics['ref/reset_reason']}]")
-            print("  ".join(parts), flush=True)
+            self._print("  ".join(parts))
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
             self.tb = None
+        if self.wandb is not None:
+            self.wandb.finish()
+            self.wandb = None
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
     def finish(self, trainer) -> str | None:
         """Export the final policy (HF format), the curves and the summary; returns the closing text

@@ -5,6 +5,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from prorl.report import read_metrics, summarize
 
 
@@ -66,3 +68,22 @@ def test_command_line_regenerates_png_and_summary(tmp_path):
         [sys.executable, "-m", "prorl.report", str(tmp_path / "nope")], capture_output=True, text=True
     )
     assert missing.returncode == 2 and "no metrics.jsonl" in missing.stderr
+
+
+def test_wandb_without_the_package_fails_with_the_install_hint(tmp_path, monkeypatch):
+    import builtins
+
+    from prorl.config import load_config
+    from prorl.report import Reporter
+
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb":
+            raise ImportError("No module named 'wandb'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    cfg = load_config("default", [f"output_dir={tmp_path}", "trainer.wandb_project=demo"])
+    with pytest.raises(ImportError, match="pip install wandb"):
+        Reporter(cfg, rank=0)
