@@ -28,6 +28,7 @@ from prorl import algorithm
 from prorl.config import Config
 from prorl.engine.model import load_hf
 from prorl.engine.optim import Optimizer, OptimizerConfig
+from prorl.engine.parallel import all_reduce, dist_info
 from prorl.engine.rollout import NativeGenerator, SamplingParams
 from prorl.kernels import group_advantages, linear_logprob_entropy, ppo_loss
 
@@ -45,22 +46,11 @@ class Group:
     shaped: list[float] | None = None
 
 
-def world() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def all_reduce_(t: torch.Tensor, op=None) -> torch.Tensor:
-    if world()[1] > 1:
-        dist.all_reduce(t, op=op or dist.ReduceOp.SUM)
-    return t
-
-
 class Trainer:
     def __init__(self, cfg: Config, model_path: str, tokenizer, train_examples, val_examples, reward_pool):
         self.cfg = cfg
-        self.rank, self.world = world()
+        info = dist_info()
+        self.rank, self.world = info.rank, info.world_size
         torch.manual_seed(cfg.seed + self.rank)
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         # Replicated (default, CPU) or FSDP2-sharded policy and reference. The sampler needs whole weights
@@ -340,7 +330,7 @@ class Trainer:
             )
             mb_lengths = [bounds[r + 1] - bounds[r] for r in rows]
             n_local = mask[sel].sum().to(torch.float64)
-            n_global = all_reduce_(n_local.clone())
+            n_global = all_reduce(n_local)
             if n_global.item() == 0:
                 continue
             mb_cu = torch.tensor([0] + mb_lengths).cumsum(0).to(torch.int32)
@@ -392,7 +382,7 @@ class Trainer:
         t0 = time.perf_counter()
         self.sync_sampler()
         timing["timing_s/sync"] = time.perf_counter() - t0
-        summed = all_reduce_(
+        summed = all_reduce(
             torch.tensor(
                 [
                     stats[k]
@@ -424,7 +414,7 @@ class Trainer:
             "critic/advantages/mean": float(adv.mean()) if adv.numel() else 0.0,
             "critic/advantages/max": float(adv.max()) if adv.numel() else 0.0,
             "critic/advantages/min": float(adv.min()) if adv.numel() else 0.0,
-            "rollout/logprob_mismatch": float(all_reduce_(mismatch.double().clone())) / self.world,
+            "rollout/logprob_mismatch": float(all_reduce(mismatch.double())) / self.world,
         }
         out.update(timing)
         return out
@@ -476,7 +466,7 @@ class Trainer:
         reason = self.reset_policy.should_reset(self.step_count, kl)
         if reason is not None:
             self.reset_reference(reason)
-        sums = all_reduce_(
+        sums = all_reduce(
             torch.tensor(
                 [
                     raw.sum(),
@@ -579,7 +569,7 @@ class Trainer:
                 [e.ground_truth for e in ex_of],
                 [e.extra for e in ex_of],
             ).scores
-        sums = all_reduce_(torch.tensor([sum(scores), float(len(scores))], dtype=torch.float64))
+        sums = all_reduce(torch.tensor([sum(scores), float(len(scores))], dtype=torch.float64))
         acc = float(sums[0]) / max(float(sums[1]), 1.0)
         self.reset_policy.observe_validation(acc)
         return acc
