@@ -16,9 +16,9 @@ timed ones, each provider in a fresh worker process (harness.py). Settings:
   resets off; its RewardPool has 1 worker process.
 - trl: `GRPOTrainer` (loss_type="dapo", epsilon 0.2, epsilon_high 0.28, beta 1e-4, num_generations=n,
   max_completion_length=L, per_device_train_batch_size = P x n, use_vllm=False, bf16 off, use_cpu).
-What is NOT identical, and why it does not favour prorl: TRL skips the old-policy log-prob pass when it
-is on-policy (one update per generation); prorl always makes it (it also measures sampler drift), so
-prorl does one extra no-grad forward. TRL scores in-process; prorl ships responses to a worker process.
+What is NOT identical, and why it does not favour prorl: neither makes an old-policy log-prob pass (one
+update per generation: old_logp = logp.detach() in both; prorl then measures sampler drift from the
+update's own forward). TRL scores in-process; prorl ships responses to a worker process.
 The advantage estimators (TRL: group-normalised GRPO; prorl: REINFORCE++-baseline) and KL estimators
 (k3 / k2) differ in a few element-wise ops. Response lengths are sampled, so tokens per step differ a
 little between runs: compare `tokens_per_s` as well as time per step (`response_tokens` is recorded).
@@ -188,12 +188,12 @@ def prorl_overrides(w: dict, path: str, gpu: bool) -> list[str]:
         "optim.weight_decay=0.0",
         "optim.grad_clip=1.0",
         "data.max_prompt_tokens=64",
+        *(["rollout.backend=vllm", "rollout.gpu_memory_utilization=0.3"] if gpu else []),
     ]
 
 
 def run_prorl(provider: str, w: dict, path: str, warmup: int, reps: int, memory, gpu: bool):
     """prorl's Trainer.step() warmup + reps times; returns (per-step records, note)."""
-    import contextlib
 
     import torch
     from transformers import PreTrainedTokenizerFast
@@ -214,19 +214,12 @@ def run_prorl(provider: str, w: dict, path: str, warmup: int, reps: int, memory,
         if w["no_stop"]:
             trainer.stop_ids = []
         apply_ablations(trainer, provider.split("-")[1:], path, tok)
-        device_ctx = _prorl_on_gpu(trainer, path, w["max_new"] + 128) if gpu else contextlib.nullcontext()
         for _ in range(warmup + reps):
             memory.start()
             t0 = time.perf_counter()
-            with device_ctx:
-                m = trainer.step()
-            t_sync = 0.0
+            m = trainer.step()
             if gpu:
-                t1 = time.perf_counter()
-                with torch.device("cpu"):
-                    trainer.generator.update_weights(trainer.policy.state_dict())
                 torch.cuda.synchronize()
-                t_sync = time.perf_counter() - t1
             step = time.perf_counter() - t0
             rss, extra = memory.stop()
             records.append(
@@ -235,7 +228,7 @@ def run_prorl(provider: str, w: dict, path: str, warmup: int, reps: int, memory,
                     reward=m["timing_s/reward"],
                     old_logp=m["timing_s/old_logp"],
                     update=m["timing_s/update"],
-                    sync=m.get("timing_s/sync", 0.0) + t_sync,  # weights to the sampler, where it is a copy
+                    sync=m.get("timing_s/sync", 0.0),  # weights to the sampler, where it is a copy
                     step=step,
                     tokens=m["response_length/mean"] * w["prompts"] * w["n"],
                     peak_rss=rss,
@@ -244,35 +237,12 @@ def run_prorl(provider: str, w: dict, path: str, warmup: int, reps: int, memory,
             )
     flags = provider.split("-")[1:]
     note = (
-        "loss=token-mean kl=k2 old_logp=recomputed reward=RewardPool(1 worker)"
+        "loss=token-mean kl=k2 old_logp=skipped (on-policy: logp.detach()) reward=RewardPool(1 worker)"
         + (" gen=vllm" if gpu else " gen=" + ("transformers.generate" if "hfgen" in flags else "native"))
         + (" logp=naive" if "nofused" in flags else " logp=fused")
         + (" padded" if "nopack" in flags else " packed")
     )
     return records, note
-
-
-def _prorl_on_gpu(trainer, path: str, max_model_len: int):
-    """UNVERIFIED. Policy and reference on CUDA, rollouts by VLLMGenerator; the step runs with CUDA as
-    the default device (the Trainer creates its tensors without a device), vLLM calls on the CPU default."""
-    import torch
-    from prorl.engine.rollout import VLLMGenerator
-
-    trainer.policy.cuda()
-    trainer.reference.cuda()
-    gen = VLLMGenerator(path, dtype="bfloat16", gpu_memory_utilization=0.3, max_model_len=max_model_len)
-
-    class OnCPUDefault:
-        def generate(self, prompts, params):
-            with torch.device("cpu"):
-                return gen.generate(prompts, params)
-
-        def update_weights(self, named_tensors):
-            with torch.device("cpu"):
-                return gen.update_weights(named_tensors)
-
-    trainer.generator = OnCPUDefault()
-    return torch.device("cuda")
 
 
 def _rows(records: list[dict], note: str) -> list[dict]:

@@ -203,3 +203,43 @@ def scheduled_value(step: int, schedule: dict[int, int] | None, default: int) ->
         if step >= start:
             value = schedule[start]
     return value
+
+
+# --------------------------------------------------------------------------------------------------
+# Batching
+# --------------------------------------------------------------------------------------------------
+
+
+def token_budget_chunks(lengths: list[int], budget: int) -> list[tuple[int, int]]:
+    """Split consecutive sequences into micro-batches of at most `budget` tokens, in order.
+
+    Returns [start, end) index ranges covering all of `lengths`; a sequence longer than the budget gets a
+    micro-batch of its own (it is never cut: attention needs the whole sequence). budget <= 0: one chunk.
+    """
+    if budget <= 0:
+        return [(0, len(lengths))] if lengths else []
+    chunks, start, used = [], 0, 0
+    for i, n in enumerate(lengths):
+        if used and used + n > budget:
+            chunks.append((start, i))
+            start, used = i, 0
+        used += n
+    if start < len(lengths):
+        chunks.append((start, len(lengths)))
+    return chunks
+
+
+def loss_normalizer(agg: str, mask: torch.Tensor, cu_seqlens: torch.Tensor, max_new: int) -> torch.Tensor:
+    """This rank's share of the ppo_loss normaliser D of one mini-batch (sum it over ranks).
+
+    token-mean: valid tokens; seq-mean-token-mean / seq-mean-token-sum: sequences with a valid token;
+    constant (Dr.GRPO): sequences x the response budget `max_new`. `mask` [N] packed, `cu_seqlens` [S+1].
+    """
+    if agg == "token-mean":
+        return mask.sum().double()
+    per_seq = torch.segment_reduce(mask.double(), "sum", offsets=cu_seqlens.long())
+    if agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return (per_seq > 0).sum().double()
+    if agg == "constant":
+        return torch.tensor(float(per_seq.numel() * max_new), dtype=torch.float64, device=mask.device)
+    raise ValueError(f"unknown aggregation {agg!r}")

@@ -122,7 +122,9 @@ class TrainerConfig:
     total_steps: int = 3000
     prompts_per_step: int = 256
     mini_batches: int = 4  # optimizer updates per RL step
-    micro_batch_tokens: int = 16384
+    micro_batch_tokens: int = 16384  # tokens per forward/backward (a longer sequence goes alone); <=0: no limit
+    # with mini_batches=1 old_logp = logp.detach() exactly and its no-grad pass is skipped; true forces it
+    recompute_old_logp: bool = False
     save_every: int = 50  # 0: no checkpoints (the final HF export is always written)
     keep_last: int = 2
     val_every: int = 25

@@ -51,16 +51,31 @@ class Trainer:
         self.cfg = cfg
         info = dist_info()
         self.rank, self.world = info.rank, info.world_size
+        # cuda:LOCAL_RANK under torchrun on GPUs (init_distributed set it), else the CPU: models and every
+        # tensor of the step live there; NCCL collectives need device tensors
+        self.device = info.device
         torch.manual_seed(cfg.seed + self.rank)
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
-        # Replicated (default, CPU) or FSDP2-sharded policy and reference. The sampler needs whole weights
-        # and steps at its own pace on each rank, so under FSDP it samples from an unsharded inference copy
-        # that receives the policy's weights after every update (`sync_sampler`).
+        attention = None if cfg.model.attention == "auto" else cfg.model.attention
+        self.backend = self._resolve_backend(cfg.rollout.backend)
+        # Replicated (default, CPU) or FSDP2-sharded policy and reference. The native sampler needs whole
+        # weights and steps at its own pace on each rank, so under FSDP it samples from an unsharded
+        # inference copy that receives the policy's weights after every update (`sync_sampler`); the vLLM
+        # engine holds its own copy, pushed the same way.
         self.fsdp = cfg.model.fsdp and self.world > 1
+
+        def load(**kw):
+            return load_hf(model_path, device=self.device, attention=attention, **kw)
+
+        self.sampler_model = None
         if not self.fsdp:
-            self.policy = load_hf(model_path, dtype=dtype)
-            self.reference = load_hf(model_path, dtype=dtype).requires_grad_(False).eval()
-            self.sampler_model = self.policy
+            self.policy = load(dtype=dtype)
+            self.reference = load(dtype=dtype).requires_grad_(False).eval()
+            if cfg.model.compile:
+                self.policy.compile()
+                self.reference.compile()
+            if self.backend == "native":
+                self.sampler_model = self.policy
         else:
             from prorl.engine.parallel import parallelize
 
@@ -70,16 +85,17 @@ class Trainer:
                 compile=cfg.model.compile,
                 param_dtype=None if dtype == torch.float32 else dtype,
             )
-            self.policy = parallelize(load_hf(model_path), **opts)
-            self.reference = parallelize(load_hf(model_path).requires_grad_(False).eval(), **opts)
-            self.sampler_model = load_hf(model_path, dtype=dtype).requires_grad_(False).eval()
+            self.policy = parallelize(load(), **opts)
+            self.reference = parallelize(load().requires_grad_(False).eval(), **opts)
+            if self.backend == "native":
+                self.sampler_model = load(dtype=dtype).requires_grad_(False).eval()
         self.tokenizer = tokenizer
         self.stop_ids = [
             tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>",) if t in tokenizer.get_vocab()
         ]
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.stop_ids:
             self.stop_ids.append(tokenizer.eos_token_id)
-        self.generator = NativeGenerator(self.sampler_model)
+        self.generator = self._make_generator(model_path, dtype)
         # prompts are encoded once; those over max_prompt_tokens are dropped and counted, not truncated
         self.train_examples, self.val_examples = train_examples, val_examples
         self.train_prompts, self.train_kept, self.filtered = self._encode(train_examples)
@@ -110,12 +126,61 @@ class Trainer:
             patience=a.reset_patience,
             reset_optimizer=a.reset_optimizer,
         )
+        self.budget = cfg.trainer.micro_batch_tokens
+        self.last_sync_check: dict | None = None  # vLLM: the post-sync probe report
         self.step_count = 0
         self.data_rng = random.Random(cfg.seed * 1000 + self.rank)
         self.data_order: list[int] = []
         self.carry: list[Group] = []  # kept groups beyond this step's need, used first next step
         self.consecutive_skips = 0
         self.reward_time = 0.0
+
+    # ------------------------------------------------------------------------------------------
+    # the sampler
+    # ------------------------------------------------------------------------------------------
+    def _resolve_backend(self, name: str) -> str:
+        """rollout.backend -> "native" | "vllm" ("auto": engine.rollout's measured rule for this device)."""
+        if name != "auto":
+            return name
+        from prorl.engine.rollout import resolve_backend
+
+        return resolve_backend("auto", self.device)
+
+    def _make_generator(self, model_path: str, dtype: torch.dtype):
+        if self.backend == "native":
+            return NativeGenerator(self.sampler_model)
+        from prorl.engine.rollout.vllm import VLLMGenerator
+
+        r, cuda = self.cfg.rollout, self.device.type == "cuda"
+        kwargs = {}
+        if cuda and self.world > 1:
+            # one engine per rank on its own GPU, in this process (TRL's colocate mode); vLLM reads RANK /
+            # LOCAL_RANK / MASTER_* from torchrun's environment. UNVERIFIED: no GPU when written.
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        return VLLMGenerator(
+            model_path,
+            tensor_parallel_size=r.tensor_parallel_size,
+            gpu_memory_utilization=r.gpu_memory_utilization,
+            dtype=dtype,
+            enable_sleep_mode=cuda,  # training and sampling share the GPU: the engine sleeps while we train
+            seed=self.cfg.seed + self.rank,
+            max_model_len=self.cfg.data.max_prompt_tokens
+            + max([r.max_response_tokens, *r.max_response_schedule.values()]),
+            **kwargs,
+        )
+
+    def sync_sampler(self) -> None:
+        """Give the sampler the policy's current weights: nothing for the native sampler on the policy
+        itself; the unsharded copy (native under FSDP) or the vLLM engine (woken first, then checked
+        against the policy: a failed sync raises StaleWeightsError instead of sampling stale weights)."""
+        if self.backend == "vllm":
+            self.generator.wake_up()
+            report = self.generator.update_weights(self.policy.state_dict(), reference=self.policy)
+            self.last_sync_check = report
+        elif self.fsdp:
+            from prorl.engine.parallel import full_state_dict
+
+            self.generator.update_weights(full_state_dict(self.policy))
 
     # ------------------------------------------------------------------------------------------
     # data
@@ -268,109 +333,161 @@ class Trainer:
                 hidden, model.lm_head_weight, labels, temperature=temperature, return_entropy=entropy
             )
 
-    def update(self, groups: list[Group]) -> dict[str, float]:
+    def micro_batches(self, lengths: list[int], first: int = 0) -> list[tuple[int, int] | None]:
+        """Consecutive sequence ranges [start, end) of at most trainer.micro_batch_tokens tokens (offset by
+        `first`). Under FSDP every rank must run as many forwards (each one all-gathers), so the list is
+        padded with None up to the largest count over ranks: a None is a dummy pass."""
+        chunks = [(first + a, first + b) for a, b in algorithm.token_budget_chunks(lengths, self.budget)]
+        if self.fsdp:
+            most = int(all_reduce(torch.tensor(len(chunks), device=self.device), "max"))
+            chunks += [None] * (most - len(chunks))
+        return chunks
+
+    def dummy_pass(self, model, grad: bool) -> None:
+        """A forward (and backward) contributing nothing: FSDP's collectives on a rank without work."""
+        with torch.set_grad_enabled(grad):
+            out = model(torch.zeros(1, dtype=torch.long, device=self.device))
+            if grad:
+                (out.float().sum() * 0.0).backward()
+
+    @torch.no_grad()
+    def packed_logprobs(self, model, ids, labels, cu, bounds, lengths, temperature) -> torch.Tensor:
+        """Log-probs of every packed token under `model`, micro-batched: fp32 [N] (no grad)."""
+        out = torch.zeros(ids.numel(), dtype=torch.float32, device=self.device)
+        for chunk in self.micro_batches(lengths):
+            if chunk is None:
+                self.dummy_pass(model, grad=False)
+                continue
+            (r0, r1), (s, e) = chunk, (bounds[chunk[0]], bounds[chunk[1]])
+            lp, _ = self.logprobs(model, ids[s:e], labels[s:e], cu[r0 : r1 + 1] - cu[r0], temperature, False)
+            out[s:e] = lp.float()
+        return out
+
+    def update(self, groups: list[Group], max_new: int) -> dict[str, float]:
+        """Advantages, old/reference log-probs, then M mini-batch updates (each micro-batched by tokens).
+
+        On-policy shortcut: with one mini-batch the policy that is differentiated is the one that was
+        sampled from and old_logp = logp.detach() exactly, so the separate no-grad pass is skipped (TRL and
+        verl do the same); with M > 1 the later mini-batches are off-policy and old_logp is recomputed."""
         cfg, a = self.cfg, self.cfg.algorithm
+        dev, n = self.device, cfg.rollout.n
         temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         timing = {}
         # advantages over the global batch (group centring local, whitening across ranks)
         t0 = time.perf_counter()
-        rewards = torch.tensor([r for g in groups for r in g.shaped], dtype=torch.float32)
-        gidx = torch.arange(len(groups)).repeat_interleave(cfg.rollout.n)
-        lengths = torch.tensor([len(t) for g in groups for t in g.responses], dtype=torch.float32)
-        pg = dist.group.WORLD if self.world > 1 else None
+        rewards = torch.tensor([r for g in groups for r in g.shaped], dtype=torch.float32, device=dev)
+        gidx = torch.arange(len(groups), device=dev).repeat_interleave(n)
+        resp_len = torch.tensor(
+            [len(t) for g in groups for t in g.responses], dtype=torch.float32, device=dev
+        )
         adv = group_advantages(
             rewards,
             gidx,
             mode=a.advantage,
             std_unbiased=a.grpo_std_unbiased,
-            lengths=lengths,
+            lengths=resp_len,
             weighting=a.whiten_weighting,
             num_groups=len(groups),
-            process_group=pg,
+            process_group=dist.group.WORLD if self.world > 1 else None,
         )
         seqs = [(g.prompt_ids, t) for g in groups for t in g.responses]
-        sampler = [lp for g in groups for lp in g.sampler_logps]
-        # old and reference log-probs, one packed pass each (no grad)
-        self.policy.eval()
         ids, labels, cu, mask = self.pack(seqs)
-        old, _ = self.logprobs(self.policy, ids, labels, cu, temp, grad=False)
-        ref, _ = self.logprobs(self.reference, ids, labels, cu, temp, grad=False)
-        sampler_t = torch.zeros_like(old)
-        sampler_t[mask] = torch.tensor([x for lp in sampler for x in lp])
-        token_adv = torch.repeat_interleave(adv, torch.tensor([len(p) + len(t) for p, t in seqs]))
+        sampler_t = torch.zeros(ids.numel(), dtype=torch.float32)
+        sampler_t[mask] = torch.tensor([x for g in groups for lp in g.sampler_logps for x in lp])
+        bounds = cu.tolist()
+        lengths = [bounds[i + 1] - bounds[i] for i in range(len(seqs))]
+        ids, labels, cu, mask, sampler_t = (t.to(dev) for t in (ids, labels, cu, mask, sampler_t))
+        token_adv = torch.repeat_interleave(adv, torch.tensor(lengths, device=dev))
+        # reference (and, off-policy, old) log-probs: packed, micro-batched, no grad
+        on_policy = cfg.trainer.mini_batches == 1 and not cfg.trainer.recompute_old_logp
+        self.policy.eval()
+        old = None if on_policy else self.packed_logprobs(self.policy, ids, labels, cu, bounds, lengths, temp)
+        ref = self.packed_logprobs(self.reference, ids, labels, cu, bounds, lengths, temp)
         timing["timing_s/old_logp"] = time.perf_counter() - t0
-        mismatch = ((old - sampler_t).abs() * mask).sum() / mask.sum().clamp(min=1)
+        drift = torch.zeros(2, dtype=torch.float64, device=dev)  # sum |trainer - sampler| over tokens, count
+        if old is not None:
+            drift += torch.stack([((old - sampler_t).abs() * mask).sum().double(), mask.sum().double()])
 
-        # M mini-batch updates
+        # M mini-batch updates, each accumulated over micro-batches
         t0 = time.perf_counter()
         self.policy.train()
-        order = list(range(len(groups)))
+        keys = (
+            "pg_loss",
+            "kl_loss",
+            "clipfrac_low",
+            "clipfrac_high",
+            "approx_kl",
+            "kl_mean",
+            "entropy",
+            "tokens",
+        )
+        stats = torch.zeros(len(keys), dtype=torch.float64, device=dev)
+        grad_norms, n_updates = [], 0
         per_mb = math.ceil(len(groups) / cfg.trainer.mini_batches)
-        stats = {
-            "pg_loss": 0.0,
-            "kl_loss": 0.0,
-            "clipfrac_low": 0.0,
-            "clipfrac_high": 0.0,
-            "approx_kl": 0.0,
-            "kl_mean": 0.0,
-            "entropy": 0.0,
-            "grad_norm": 0.0,
-            "tokens": 0.0,
-        }
-        n_updates = 0
-        bounds = cu.tolist()
         for m0 in range(0, cfg.trainer.mini_batches * per_mb, per_mb):
-            mb_groups = order[m0 : m0 + per_mb]
-            rows = [gi * cfg.rollout.n + j for gi in mb_groups for j in range(cfg.rollout.n)]
-            # tokens of these sequences in the packed step tensors
-            sel = (
-                torch.cat([torch.arange(bounds[r], bounds[r + 1]) for r in rows])
-                if rows
-                else torch.zeros(0, dtype=torch.long)
+            r0, r1 = min(m0, len(groups)) * n, min(m0 + per_mb, len(groups)) * n
+            t_lo, t_hi = bounds[r0], bounds[r1]
+            norm = all_reduce(
+                algorithm.loss_normalizer(a.agg, mask[t_lo:t_hi], cu[r0 : r1 + 1] - cu[r0], max_new)
             )
-            mb_lengths = [bounds[r + 1] - bounds[r] for r in rows]
-            n_local = mask[sel].sum().to(torch.float64)
-            n_global = all_reduce(n_local)
-            if n_global.item() == 0:
+            if float(norm) == 0:  # no valid token in this mini-batch on any rank
                 continue
-            mb_cu = torch.tensor([0] + mb_lengths).cumsum(0).to(torch.int32)
-            if not rows and self.fsdp:  # no tokens here this time, but FSDP's collectives need this rank
-                (self.policy(ids[:1]).sum() * 0.0).backward()
-            if rows:
+            norm = norm.float()
+            for chunk in self.micro_batches(lengths[r0:r1], first=r0):
+                if chunk is None:
+                    self.dummy_pass(self.policy, grad=True)
+                    continue
+                (c0, c1), (s, e) = chunk, (bounds[chunk[0]], bounds[chunk[1]])
+                mb_cu, mb_mask = cu[c0 : c1 + 1] - cu[c0], mask[s:e]
                 logp, ent = self.logprobs(
-                    self.policy, ids[sel], labels[sel], mb_cu, temp, grad=True, entropy=True
+                    self.policy, ids[s:e], labels[s:e], mb_cu, temp, grad=True, entropy=True
                 )
-                is_w = algorithm.importance_weights(old[sel], sampler_t[sel], a.is_mode, a.is_low, a.is_high)
+                if on_policy:
+                    old_mb = logp.detach().float()
+                    drift += torch.stack(
+                        [((old_mb - sampler_t[s:e]).abs() * mb_mask).sum().double(), mb_mask.sum().double()]
+                    )
+                else:
+                    old_mb = old[s:e]
+                is_w = algorithm.importance_weights(old_mb, sampler_t[s:e], a.is_mode, a.is_low, a.is_high)
                 loss, m = ppo_loss(
                     logp,
-                    old[sel],
-                    token_adv[sel],
-                    mask[sel],
+                    old_mb,
+                    token_adv[s:e],
+                    mb_mask,
                     eps_low=a.eps_low,
                     eps_high=a.eps_high,
                     dual_clip=a.dual_clip,
-                    ref_logp=ref[sel],
+                    ref_logp=ref[s:e],
                     kl_coef=a.kl_coef,
                     kl_estimator=a.kl_estimator,
                     kl_clamp=a.kl_clamp,
                     is_weights=is_w,
                     is_mode=a.is_mode if is_w is not None else "none",
                     agg=a.agg,
-                    normalizer=n_global.float(),
+                    normalizer=norm,
                     cu_seqlens=mb_cu,
                 )
+                ent_sum = (ent.float() * mb_mask).sum()
                 if a.entropy_coef:
-                    loss = loss - a.entropy_coef * (ent * mask[sel]).sum() / n_global.float()
+                    loss = loss - a.entropy_coef * ent_sum / norm
                 loss.backward()
-                for k in ("clipfrac_low", "clipfrac_high", "approx_kl", "kl_mean"):
-                    stats[k] += float(m[k]) * float(n_local)
-                stats["pg_loss"] += float(m["pg_loss"])
-                stats["kl_loss"] += float(m["kl_loss"])
-                stats["entropy"] += float((ent.detach() * mask[sel]).sum())
-                stats["tokens"] += float(n_local)
+                n_tok = mb_mask.sum().double()
+                stats += torch.stack(
+                    [
+                        m["pg_loss"].double(),
+                        m["kl_loss"].double(),
+                        *(
+                            m[k].double() * n_tok
+                            for k in ("clipfrac_low", "clipfrac_high", "approx_kl", "kl_mean")
+                        ),
+                        ent_sum.detach().double(),
+                        n_tok,
+                    ]
+                )
             self.sync_grads()
             result = self.optimizer.step()
-            stats["grad_norm"] += float(result.grad_norm)
+            grad_norms.append(result.grad_norm)
             self.consecutive_skips = 0 if not result.skipped else self.consecutive_skips + 1
             if self.consecutive_skips >= cfg.trainer.max_consecutive_skips:
                 raise RuntimeError(
@@ -382,49 +499,27 @@ class Trainer:
         t0 = time.perf_counter()
         self.sync_sampler()
         timing["timing_s/sync"] = time.perf_counter() - t0
-        summed = all_reduce(
-            torch.tensor(
-                [
-                    stats[k]
-                    for k in (
-                        "pg_loss",
-                        "kl_loss",
-                        "clipfrac_low",
-                        "clipfrac_high",
-                        "approx_kl",
-                        "kl_mean",
-                        "entropy",
-                        "tokens",
-                    )
-                ],
-                dtype=torch.float64,
-            )
-        )
-        tok = max(float(summed[7]), 1.0)
+        summed = all_reduce(torch.cat([stats, drift])).tolist()  # the step's one metrics collective
+        s = dict(zip(keys, summed))
+        tok, updates = max(s["tokens"], 1.0), max(n_updates, 1)
         out = {
-            "actor/pg_loss": float(summed[0]) / max(n_updates, 1),
-            "actor/kl_loss": float(summed[1]) / max(n_updates, 1),
-            "actor/pg_clipfrac_lower": float(summed[2]) / tok,
-            "actor/pg_clipfrac": float(summed[3]) / tok,
-            "actor/ppo_kl": float(summed[4]) / tok,
-            "actor/kl_mean": float(summed[5]) / tok,
-            "actor/entropy": float(summed[6]) / tok,
-            "actor/grad_norm": stats["grad_norm"] / max(n_updates, 1),
+            "actor/pg_loss": s["pg_loss"] / updates,
+            "actor/kl_loss": s["kl_loss"] / updates,
+            "actor/pg_clipfrac_lower": s["clipfrac_low"] / tok,
+            "actor/pg_clipfrac": s["clipfrac_high"] / tok,
+            "actor/ppo_kl": s["approx_kl"] / tok,
+            "actor/kl_mean": s["kl_mean"] / tok,
+            "actor/entropy": s["entropy"] / tok,
+            "actor/grad_norm": sum(float(g) for g in grad_norms) / updates,
             "actor/lr": self.optimizer.lr,
             "critic/advantages/mean": float(adv.mean()) if adv.numel() else 0.0,
             "critic/advantages/max": float(adv.max()) if adv.numel() else 0.0,
             "critic/advantages/min": float(adv.min()) if adv.numel() else 0.0,
-            "rollout/logprob_mismatch": float(all_reduce(mismatch.double())) / self.world,
+            # mean |trainer - sampler| log-prob over the step's response tokens, all ranks
+            "rollout/logprob_mismatch": summed[len(keys)] / max(summed[len(keys) + 1], 1.0),
         }
         out.update(timing)
         return out
-
-    def sync_sampler(self) -> None:
-        """Push the policy's weights into the sampler's unsharded copy (FSDP only; else they are one)."""
-        if self.fsdp:
-            from prorl.engine.parallel import full_state_dict
-
-            self.generator.update_weights(full_state_dict(self.policy))
 
     def sync_grads(self) -> None:
         """Sum gradients over ranks (each rank's loss is already divided by the global token count);
@@ -455,13 +550,15 @@ class Trainer:
         t0 = time.perf_counter()
         self.reward_time = 0.0
         groups, metrics = self.collect(need, max_new)
+        if self.backend == "vllm":
+            self.generator.sleep()  # free the engine's GPU memory while we train; sync_sampler wakes it
         metrics["timing_s/reward"] = self.reward_time
         metrics["timing_s/gen"] = time.perf_counter() - t0 - self.reward_time
         term = self.shape(groups, max_new) if groups else torch.zeros(0)
         raw = torch.tensor([r for g in groups for r in g.raw]) if groups else torch.zeros(0)
         lengths = torch.tensor([len(t) for g in groups for t in g.responses], dtype=torch.float32)
         trunc = torch.tensor([t for g in groups for t in g.truncated], dtype=torch.float32)
-        metrics.update(self.update(groups))
+        metrics.update(self.update(groups, max_new))
         kl = metrics["actor/kl_mean"]
         reason = self.reset_policy.should_reset(self.step_count, kl)
         if reason is not None:

@@ -1,0 +1,115 @@
+"""Trainer.update in-process: micro-batching and the on-policy shortcut change the cost, not the result.
+
+Two trainers load the same shipped checkpoint and are fed the same sampled groups; one takes the plain path
+(one forward per mini-batch, old log-probs recomputed), the other the variant under test. After the update
+their weights and loss metrics must agree to float32 round-off (sums taken in another order).
+"""
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from prorl.config import load_config
+from prorl.data import builtin
+from prorl.rewards.pool import RewardPool
+from prorl.trainer import Trainer
+
+TINY_REASONER = str(Path(__file__).resolve().parents[2] / "prorl" / "assets" / "tiny-reasoner")
+
+BASE = [
+    "trainer.prompts_per_step=4",
+    "rollout.n=4",
+    "rollout.max_response_tokens=24",
+    "algorithm.dynamic_sampling=false",  # every group is trained on: both trainers see the same groups
+    "reward.length_penalty=false",
+    "optim.lr=1e-3",  # large enough that a wrong gradient shows in the weights
+    "trainer.recompute_old_logp=true",
+    "trainer.micro_batch_tokens=0",
+]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = PreTrainedTokenizerFast.from_pretrained(TINY_REASONER)
+    train = builtin("digit_sums", n=16, seed=0, split="train")
+    val = builtin("digit_sums", n=4, seed=0, split="val")
+    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
+        yield tok, train, val, pool
+
+
+def make(setup, overrides):
+    tok, train, val, pool = setup
+    cfg = load_config("default", [f"model.path={TINY_REASONER}", *BASE, *overrides])
+    return Trainer(cfg, TINY_REASONER, tok, train, val, pool)
+
+
+def updated(setup, overrides, groups, max_new=24):
+    trainer = make(setup, overrides)
+    metrics = trainer.update(copy.deepcopy(groups), max_new)
+    return {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}, metrics
+
+
+def sampled_groups(setup, overrides):
+    trainer = make(setup, overrides)
+    groups, _ = trainer.collect(2, 24)
+    trainer.shape(groups, 24)
+    assert sum(len(t) for g in groups for t in g.responses) > 0
+    return groups
+
+
+def assert_same(a, b, metrics_a, metrics_b):
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+    for key in ("actor/pg_loss", "actor/kl_mean", "actor/entropy", "rollout/logprob_mismatch"):
+        assert metrics_a[key] == pytest.approx(metrics_b[key], rel=1e-4, abs=1e-7), key
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "constant"])
+def test_micro_batches_equal_one_pass(setup, agg):
+    groups = sampled_groups(setup, ["trainer.mini_batches=2"])
+    one, m_one = updated(setup, ["trainer.mini_batches=2", f"algorithm.agg={agg}"], groups)
+    # 40 tokens: each mini-batch (8 sequences of ~20-45 tokens) splits into several micro-batches
+    many, m_many = updated(
+        setup, ["trainer.mini_batches=2", f"algorithm.agg={agg}", "trainer.micro_batch_tokens=40"], groups
+    )
+    assert_same(one, many, m_one, m_many)
+    before = make(setup, []).policy.state_dict()
+    assert any(not torch.equal(before[k], one[k]) for k in one), "the update changed nothing"
+
+
+def test_on_policy_shortcut_equals_recomputed_old_logp(setup):
+    groups = sampled_groups(setup, ["trainer.mini_batches=1"])
+    recomputed, m_rec = updated(setup, ["trainer.mini_batches=1"], groups)
+    shortcut, m_short = updated(
+        setup,
+        ["trainer.mini_batches=1", "trainer.recompute_old_logp=false", "trainer.micro_batch_tokens=64"],
+        groups,
+    )
+    assert_same(recomputed, shortcut, m_rec, m_short)
+
+
+def test_token_budget_chunks_cover_in_order_and_respect_the_budget():
+    from prorl.algorithm import token_budget_chunks
+
+    lengths = [3, 4, 5, 20, 1, 1, 8]
+    chunks = token_budget_chunks(lengths, 8)
+    assert chunks == [(0, 2), (2, 3), (3, 4), (4, 6), (6, 7)]
+    for a, b in chunks:
+        assert sum(lengths[a:b]) <= 8 or b - a == 1
+    assert token_budget_chunks(lengths, 0) == [(0, 7)]
+    assert token_budget_chunks([], 8) == []
+
+
+def test_loss_normalizer_counts_by_aggregation():
+    from prorl.algorithm import loss_normalizer
+
+    # three packed sequences: 2 valid tokens, none, 1 valid token
+    mask = torch.tensor([0, 1, 1, 0, 0, 0, 0, 1], dtype=torch.bool)
+    cu = torch.tensor([0, 3, 5, 8])
+    assert float(loss_normalizer("token-mean", mask, cu, 10)) == 3
+    assert float(loss_normalizer("seq-mean-token-mean", mask, cu, 10)) == 2
+    assert float(loss_normalizer("seq-mean-token-sum", mask, cu, 10)) == 2
+    assert float(loss_normalizer("constant", mask, cu, 10)) == 30
