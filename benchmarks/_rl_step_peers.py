@@ -57,28 +57,30 @@ def _padded_attention_backend(length: int):
     return PaddedSDPA()
 
 
-def padded_logprobs(self, model, ids, labels, cu, temperature, grad: bool, entropy: bool = False):
-    """Trainer.logprobs on right-padded [S, Lmax] input (bound to a Trainer with types.MethodType)."""
-    from prorl.trainer import Trainer
+def padded_logprobs(self, model, batch, temperature, grad: bool, entropy: bool = False):
+    """Trainer.logprobs on right-padded [S, Lmax] input (bound to a Trainer with types.MethodType). Needs
+    plain packing (share_prompts off: a shared-prompt layout has no padded equivalent)."""
+    import prorl.trainer
 
-    lengths = cu.diff()
+    if batch.kv_index is not None:
+        raise ValueError("padded_logprobs needs trainer.share = False (plain packing)")
+    lengths = batch.cu_seqlens.diff().long()
     s, lmax = lengths.numel(), int(lengths.max())
-    valid = torch.arange(lmax)[None, :] < lengths[:, None]  # [S, Lmax], row-major = packed order
-    pid = torch.zeros(s, lmax, dtype=ids.dtype)
-    pid[valid] = ids
-    plab = torch.full((s, lmax), -100, dtype=labels.dtype)
-    plab[valid] = labels
+    valid = torch.arange(lmax, device=lengths.device)[None, :] < lengths[:, None]  # [S, Lmax], row-major
+    pid = torch.zeros(s, lmax, dtype=batch.ids.dtype, device=lengths.device)
+    pid[valid] = batch.ids
     pcu = (torch.arange(s + 1) * lmax).to(torch.int32)
+    padded_row = torch.arange(s * lmax).view(s, lmax)[valid]  # packed token -> its row in [S * Lmax]
     saved = model.attention
     model.attention = _padded_attention_backend(lmax)
     try:
-        logp, ent = Trainer.logprobs(
-            self, model, pid.view(-1), plab.view(-1), pcu, temperature, grad, entropy
-        )
+        with torch.set_grad_enabled(grad):
+            hidden = model(pid.view(-1), cu_seqlens=pcu).index_select(0, padded_row[batch.hidden_rows])
+            return prorl.trainer.linear_logprob_entropy(
+                hidden, model.lm_head_weight, batch.labels, temperature=temperature, return_entropy=entropy
+            )
     finally:
         model.attention = saved
-    flat = valid.view(-1)
-    return logp[flat], (ent[flat] if ent is not None else None)
 
 
 class HFGenerator:
@@ -156,6 +158,7 @@ def apply_ablations(trainer, flags: list[str], model_path: str, tokenizer) -> No
 
         prorl.trainer.linear_logprob_entropy = naive_lle  # the module global Trainer.logprobs calls
     if "nopack" in flags:
+        trainer.share = False  # one sequence per prompt + response, each padded to the longest
         trainer.logprobs = types.MethodType(padded_logprobs, trainer)
     if "hfgen" in flags:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -1,10 +1,13 @@
 """Causal attention over packed (varlen) sequences, behind one small interface.
 
-Every backend takes q [N, Hq, d], k/v [N, Hkv, d] (tokens of all sequences concatenated, GQA heads not
+Every backend takes q [N, Hq, d], k/v [Nk, Hkv, d] (tokens of all sequences concatenated, GQA heads not
 repeated) and an `AttentionContext` built once per forward from `cu_seqlens`, and returns [N, Hq, d].
 Tokens attend only to earlier tokens of their own sequence. The context carries separate q and k
-boundaries (the flash-attn varlen convention) so that a KV-cache decode step (rollout) can later pass
-cached keys without a new signature; today every backend requires them to be the same.
+boundaries (the flash-attn varlen convention). When they differ, sequence i has Lq_i <= Lk_i and its
+queries are the LAST Lq_i positions of its keys (causal mask aligned bottom-right, as flash-attn >= 2.1):
+this is how a group's responses attend to one shared copy of their prompt (`shared_prefix_context`; the
+keys of each response are gathered as [prompt keys, own keys] by `kv_index`, see engine/model/decoder.py).
+`sdpa` and `flash` support it; `flex` supports self-attention only.
 
 Backends (`get_attention_backend(name)`):
 - `sdpa`  : `F.scaled_dot_product_attention(is_causal=True)` once per sequence. Runs anywhere. Measured on
@@ -37,6 +40,8 @@ class AttentionContext:
     num_tokens: N, the number of packed query tokens.
     cu_seqlens_q/k: [B+1] int32 offsets of each sequence in the packed q / k tensors.
     max_seqlen_q/k: longest sequence (host ints, needed by flash-attn; None = computed when needed).
+    kv_index: None (keys are the layer's own k/v) or [Nk] int64 rows of the layer's k/v that form the
+        packed keys (a shared prefix gathered once per sequence that uses it).
     extra: per-backend data built by `prepare` (host lengths, a BlockMask, ...).
     """
 
@@ -45,6 +50,7 @@ class AttentionContext:
     cu_seqlens_k: torch.Tensor
     max_seqlen_q: int | None = None
     max_seqlen_k: int | None = None
+    kv_index: torch.Tensor | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -62,7 +68,10 @@ class AttentionBackend:
     @staticmethod
     def _self_attention_only(ctx: AttentionContext) -> None:
         if ctx.cu_seqlens_k is not ctx.cu_seqlens_q:
-            raise NotImplementedError("separate key boundaries (KV cache) are not implemented yet")
+            raise NotImplementedError(
+                "this attention backend supports self-attention only (no separate key boundaries, e.g. a "
+                "shared prompt prefix): use 'sdpa' or 'flash'"
+            )
 
 
 class SDPAAttention(AttentionBackend):
@@ -71,18 +80,31 @@ class SDPAAttention(AttentionBackend):
     name = "sdpa"
 
     def prepare(self, ctx):
-        self._self_attention_only(ctx)
         ctx.extra["lengths"] = ctx.cu_seqlens_q.diff().tolist()  # host sync, once per forward
+        ctx.extra["lengths_k"] = (
+            ctx.extra["lengths"] if ctx.cu_seqlens_k is ctx.cu_seqlens_q else ctx.cu_seqlens_k.diff().tolist()
+        )
+        if any(lk < lq for lq, lk in zip(ctx.extra["lengths"], ctx.extra["lengths_k"])):
+            raise ValueError("every sequence needs at least as many keys as queries")
         return ctx
 
     @torch.compiler.disable  # data-dependent split sizes would recompile for every batch
     def __call__(self, q, k, v, ctx, scale):
-        lengths = ctx.extra["lengths"]
+        lq_all, lk_all = ctx.extra["lengths"], ctx.extra["lengths_k"]
         q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, N, d]
-        outs = [
-            F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-            for qs, ks, vs in zip(q4.split(lengths, 2), k4.split(lengths, 2), v4.split(lengths, 2))
-        ]
+        outs = []
+        for qs, ks, vs, lq, lk in zip(
+            q4.split(lq_all, 2), k4.split(lk_all, 2), v4.split(lk_all, 2), lq_all, lk_all
+        ):
+            if lq == lk:
+                outs.append(
+                    F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+                )
+            else:  # queries are the last lq keys: query i sees keys 0 .. lk - lq + i
+                mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+                outs.append(
+                    F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+                )
         return torch.cat(outs, dim=2)[0].transpose(0, 1)  # [N, Hq, d]
 
 
@@ -186,8 +208,51 @@ def get_attention_backend(name: str | AttentionBackend | None, device: torch.dev
 
 
 def make_context(
-    num_tokens: int, cu_seqlens: torch.Tensor, max_seqlen: int | None = None
+    num_tokens: int,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int | None = None,
+    *,
+    cu_seqlens_k: torch.Tensor | None = None,
+    kv_index: torch.Tensor | None = None,
 ) -> AttentionContext:
-    """Self-attention context for `num_tokens` packed tokens split by [B+1] offsets `cu_seqlens`."""
+    """Context for `num_tokens` packed tokens split by [B+1] offsets `cu_seqlens`: self-attention, or with
+    `cu_seqlens_k` and `kv_index` each sequence's keys gathered from the layer's k/v (a shared prefix)."""
     cu_seqlens = cu_seqlens.to(torch.int32)
-    return AttentionContext(num_tokens, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    if cu_seqlens_k is None:
+        return AttentionContext(num_tokens, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
+    if kv_index is None:
+        raise ValueError("cu_seqlens_k needs kv_index (the rows of k/v that form the packed keys)")
+    return AttentionContext(num_tokens, cu_seqlens, cu_seqlens_k.to(torch.int32), kv_index=kv_index.long())
+
+
+def shared_prefix_layout(
+    prompt_lengths: list[int], response_lengths: list[list[int]]
+) -> dict[str, list[int]]:
+    """Host-side layout of groups packed as [prompt, response_1, ..., response_n] per group, each prompt once.
+
+    Segments (the attention's sequences) are every prompt and every response, in token order. A prompt
+    attends to itself (causal); a response attends to its group's prompt and to its own earlier tokens.
+    Returns lists: `cu_q` [S+1] segment offsets, `cu_k` [S+1] offsets of the gathered keys, `kv_index`
+    [Nk] token row of every gathered key, `position_ids` [N] (a response continues its prompt's
+    positions), `segment_of_response` (segment index of each response, group-major).
+    """
+    cu_q, cu_k, kv_index, positions, seg_of_resp = [0], [0], [], [], []
+    start = 0
+    for lp, lrs in zip(prompt_lengths, response_lengths):
+        prompt_rows = list(range(start, start + lp))
+        cu_q.append(cu_q[-1] + lp)
+        cu_k.append(cu_k[-1] + lp)
+        kv_index += prompt_rows
+        positions += range(lp)
+        r0 = start + lp
+        for lr in lrs:
+            seg_of_resp.append(len(cu_q) - 1)
+            cu_q.append(cu_q[-1] + lr)
+            cu_k.append(cu_k[-1] + lp + lr)
+            kv_index += prompt_rows + list(range(r0, r0 + lr))
+            positions += range(lp, lp + lr)
+            r0 += lr
+        start = r0
+    return dict(
+        cu_q=cu_q, cu_k=cu_k, kv_index=kv_index, position_ids=positions, segment_of_response=seg_of_resp
+    )

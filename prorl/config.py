@@ -122,9 +122,13 @@ class TrainerConfig:
     total_steps: int = 3000
     prompts_per_step: int = 256
     mini_batches: int = 4  # optimizer updates per RL step
-    micro_batch_tokens: int = 16384  # tokens per forward/backward (a longer sequence goes alone); <=0: no limit
+    micro_batch_tokens: int = (
+        16384  # tokens per forward/backward (a longer sequence goes alone); <=0: no limit
+    )
     # with mini_batches=1 old_logp = logp.detach() exactly and its no-grad pass is skipped; true forces it
     recompute_old_logp: bool = False
+    # each prompt through the model once per group, its n responses attending to it (prorl/packing.py)
+    share_prompts: bool = True
     save_every: int = 50  # 0: no checkpoints (the final HF export is always written)
     keep_last: int = 2
     val_every: int = 25

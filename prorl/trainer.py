@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from prorl import algorithm
+from prorl import algorithm, packing
 from prorl.config import Config
 from prorl.engine.model import load_hf
 from prorl.engine.optim import Optimizer, OptimizerConfig
@@ -127,6 +127,9 @@ class Trainer:
             reset_optimizer=a.reset_optimizer,
         )
         self.budget = cfg.trainer.micro_batch_tokens
+        # one copy of each prompt per group in the log-prob passes (packing.py); not with dynamic RoPE,
+        # whose scaling depends on the whole sequence's length
+        self.share = cfg.trainer.share_prompts and self.policy.config.rope.rope_type != "dynamic"
         self.last_sync_check: dict | None = None  # vLLM: the post-sync probe report
         self.step_count = 0
         self.data_rng = random.Random(cfg.seed * 1000 + self.rank)
@@ -312,36 +315,39 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     # log-probs and the update
     # ------------------------------------------------------------------------------------------
-    @staticmethod
-    def pack(seqs: list[tuple[list[int], list[int]]]):
-        """(prompt, response) pairs -> ids [N], labels [N] (next-token targets of response tokens only),
-        cu_seqlens [S+1], response mask [N] marking the positions whose label is a response token."""
-        ids, labels, lengths = [], [], []
-        for prompt, resp in seqs:
-            seq = prompt + resp
-            ids += seq
-            labels += [-100] * (len(prompt) - 1) + resp + [-100]
-            lengths.append(len(seq))
-        labels_t = torch.tensor(labels)
-        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-        return torch.tensor(ids), labels_t, cu, labels_t != -100
-
-    def logprobs(self, model, ids, labels, cu, temperature, grad: bool, entropy: bool = False):
+    def logprobs(self, model, batch: packing.PackedBatch, temperature, grad: bool, entropy: bool = False):
+        """Log-probs (and entropies) of the batch's response tokens, [R], from hidden states (fused op)."""
         with torch.set_grad_enabled(grad):
-            hidden = model(ids, cu_seqlens=cu)
+            hidden = packing.hidden_states(model, batch)
             return linear_logprob_entropy(
-                hidden, model.lm_head_weight, labels, temperature=temperature, return_entropy=entropy
+                hidden, model.lm_head_weight, batch.labels, temperature=temperature, return_entropy=entropy
             )
 
-    def micro_batches(self, lengths: list[int], first: int = 0) -> list[tuple[int, int] | None]:
-        """Consecutive sequence ranges [start, end) of at most trainer.micro_batch_tokens tokens (offset by
-        `first`). Under FSDP every rank must run as many forwards (each one all-gathers), so the list is
-        padded with None up to the largest count over ranks: a None is a dummy pass."""
-        chunks = [(first + a, first + b) for a, b in algorithm.token_budget_chunks(lengths, self.budget)]
+    def micro_batches(self, groups: list[Group], g0: int, g1: int) -> list[list[tuple[int, int, int]] | None]:
+        """Groups g0..g1 as micro-batches of units (group, first response, end response) of at most
+        trainer.micro_batch_tokens tokens (a group is split when it alone exceeds them). Under FSDP every
+        rank must run as many forwards (each one all-gathers): the list is padded with None (dummy passes)
+        up to the largest count over ranks."""
+        lp = [len(g.prompt_ids) for g in groups[g0:g1]]
+        lr = [[len(t) for t in g.responses] for g in groups[g0:g1]]
+        units = packing.split_groups(lp, lr, self.budget, self.share)
+        sizes = [packing.unit_tokens(lp[g], lr[g][a:b], self.share) for g, a, b in units]
+        chunks: list = [
+            [(g0 + g, a, b) for g, a, b in units[c0:c1]]
+            for c0, c1 in algorithm.token_budget_chunks(sizes, self.budget)
+        ]
         if self.fsdp:
             most = int(all_reduce(torch.tensor(len(chunks), device=self.device), "max"))
             chunks += [None] * (most - len(chunks))
         return chunks
+
+    def batch_of(self, groups: list[Group], units, resp_cu: list[int]):
+        """The PackedBatch of these units and its [lo, hi) range in the step's response-token space."""
+        n = self.cfg.rollout.n
+        entries = [(groups[g].prompt_ids, groups[g].responses[a:b]) for g, a, b in units]
+        (g_first, a_first, _), (g_last, _, b_last) = units[0], units[-1]
+        lo, hi = resp_cu[g_first * n + a_first], resp_cu[g_last * n + b_last]
+        return packing.pack(entries, self.share, self.device), lo, hi
 
     def dummy_pass(self, model, grad: bool) -> None:
         """A forward (and backward) contributing nothing: FSDP's collectives on a rank without work."""
@@ -351,21 +357,21 @@ class Trainer:
                 (out.float().sum() * 0.0).backward()
 
     @torch.no_grad()
-    def packed_logprobs(self, model, ids, labels, cu, bounds, lengths, temperature) -> torch.Tensor:
-        """Log-probs of every packed token under `model`, micro-batched: fp32 [N] (no grad)."""
-        out = torch.zeros(ids.numel(), dtype=torch.float32, device=self.device)
-        for chunk in self.micro_batches(lengths):
-            if chunk is None:
+    def response_logprobs(self, model, groups, resp_cu, temperature) -> torch.Tensor:
+        """Log-probs of every response token of the step under `model`, micro-batched: fp32 [R] (no grad)."""
+        out = torch.zeros(resp_cu[-1], dtype=torch.float32, device=self.device)
+        for units in self.micro_batches(groups, 0, len(groups)):
+            if units is None:
                 self.dummy_pass(model, grad=False)
                 continue
-            (r0, r1), (s, e) = chunk, (bounds[chunk[0]], bounds[chunk[1]])
-            lp, _ = self.logprobs(model, ids[s:e], labels[s:e], cu[r0 : r1 + 1] - cu[r0], temperature, False)
-            out[s:e] = lp.float()
+            batch, lo, hi = self.batch_of(groups, units, resp_cu)
+            out[lo:hi] = self.logprobs(model, batch, temperature, grad=False)[0].float()
         return out
 
     def update(self, groups: list[Group], max_new: int) -> dict[str, float]:
-        """Advantages, old/reference log-probs, then M mini-batch updates (each micro-batched by tokens).
+        """Advantages, reference (and old) log-probs, then M mini-batch updates, each micro-batched.
 
+        Every per-token tensor here is over the step's response tokens [R] (group-major; see packing.py).
         On-policy shortcut: with one mini-batch the policy that is differentiated is the one that was
         sampled from and old_logp = logp.detach() exactly, so the separate no-grad pass is skipped (TRL and
         verl do the same); with M > 1 the later mini-batches are off-policy and old_logp is recomputed."""
@@ -377,36 +383,37 @@ class Trainer:
         t0 = time.perf_counter()
         rewards = torch.tensor([r for g in groups for r in g.shaped], dtype=torch.float32, device=dev)
         gidx = torch.arange(len(groups), device=dev).repeat_interleave(n)
-        resp_len = torch.tensor(
-            [len(t) for g in groups for t in g.responses], dtype=torch.float32, device=dev
-        )
+        lengths = [len(t) for g in groups for t in g.responses]
         adv = group_advantages(
             rewards,
             gidx,
             mode=a.advantage,
             std_unbiased=a.grpo_std_unbiased,
-            lengths=resp_len,
+            lengths=torch.tensor(lengths, dtype=torch.float32, device=dev),
             weighting=a.whiten_weighting,
             num_groups=len(groups),
             process_group=dist.group.WORLD if self.world > 1 else None,
         )
-        seqs = [(g.prompt_ids, t) for g in groups for t in g.responses]
-        ids, labels, cu, mask = self.pack(seqs)
-        sampler_t = torch.zeros(ids.numel(), dtype=torch.float32)
-        sampler_t[mask] = torch.tensor([x for g in groups for lp in g.sampler_logps for x in lp])
-        bounds = cu.tolist()
-        lengths = [bounds[i + 1] - bounds[i] for i in range(len(seqs))]
-        ids, labels, cu, mask, sampler_t = (t.to(dev) for t in (ids, labels, cu, mask, sampler_t))
+        resp_cu = [0]
+        for length in lengths:
+            resp_cu.append(resp_cu[-1] + length)
+        cu_all = torch.tensor(resp_cu, dtype=torch.int32, device=dev)
+        sampler = torch.tensor(
+            [x for g in groups for lp in g.sampler_logps for x in lp], dtype=torch.float32, device=dev
+        )
         token_adv = torch.repeat_interleave(adv, torch.tensor(lengths, device=dev))
+        mask = torch.ones(resp_cu[-1], dtype=torch.bool, device=dev)
         # reference (and, off-policy, old) log-probs: packed, micro-batched, no grad
         on_policy = cfg.trainer.mini_batches == 1 and not cfg.trainer.recompute_old_logp
         self.policy.eval()
-        old = None if on_policy else self.packed_logprobs(self.policy, ids, labels, cu, bounds, lengths, temp)
-        ref = self.packed_logprobs(self.reference, ids, labels, cu, bounds, lengths, temp)
+        old = None if on_policy else self.response_logprobs(self.policy, groups, resp_cu, temp)
+        ref = self.response_logprobs(self.reference, groups, resp_cu, temp)
         timing["timing_s/old_logp"] = time.perf_counter() - t0
         drift = torch.zeros(2, dtype=torch.float64, device=dev)  # sum |trainer - sampler| over tokens, count
         if old is not None:
-            drift += torch.stack([((old - sampler_t).abs() * mask).sum().double(), mask.sum().double()])
+            drift += torch.stack(
+                [(old - sampler).abs().sum().double(), torch.tensor(float(old.numel()), device=dev)]
+            )
 
         # M mini-batch updates, each accumulated over micro-batches
         t0 = time.perf_counter()
@@ -425,36 +432,33 @@ class Trainer:
         grad_norms, n_updates = [], 0
         per_mb = math.ceil(len(groups) / cfg.trainer.mini_batches)
         for m0 in range(0, cfg.trainer.mini_batches * per_mb, per_mb):
-            r0, r1 = min(m0, len(groups)) * n, min(m0 + per_mb, len(groups)) * n
-            t_lo, t_hi = bounds[r0], bounds[r1]
+            g0, g1 = min(m0, len(groups)), min(m0 + per_mb, len(groups))
+            lo, hi = resp_cu[g0 * n], resp_cu[g1 * n]
             norm = all_reduce(
-                algorithm.loss_normalizer(a.agg, mask[t_lo:t_hi], cu[r0 : r1 + 1] - cu[r0], max_new)
+                algorithm.loss_normalizer(a.agg, mask[lo:hi], cu_all[g0 * n : g1 * n + 1] - lo, max_new)
             )
-            if float(norm) == 0:  # no valid token in this mini-batch on any rank
+            if float(norm) == 0:  # no response token in this mini-batch on any rank
                 continue
             norm = norm.float()
-            for chunk in self.micro_batches(lengths[r0:r1], first=r0):
-                if chunk is None:
+            for units in self.micro_batches(groups, g0, g1):
+                if units is None:
                     self.dummy_pass(self.policy, grad=True)
                     continue
-                (c0, c1), (s, e) = chunk, (bounds[chunk[0]], bounds[chunk[1]])
-                mb_cu, mb_mask = cu[c0 : c1 + 1] - cu[c0], mask[s:e]
-                logp, ent = self.logprobs(
-                    self.policy, ids[s:e], labels[s:e], mb_cu, temp, grad=True, entropy=True
-                )
+                batch, s, e = self.batch_of(groups, units, resp_cu)
+                logp, ent = self.logprobs(self.policy, batch, temp, grad=True, entropy=True)
                 if on_policy:
                     old_mb = logp.detach().float()
                     drift += torch.stack(
-                        [((old_mb - sampler_t[s:e]).abs() * mb_mask).sum().double(), mb_mask.sum().double()]
+                        [(old_mb - sampler[s:e]).abs().sum().double(), torch.tensor(float(e - s), device=dev)]
                     )
                 else:
                     old_mb = old[s:e]
-                is_w = algorithm.importance_weights(old_mb, sampler_t[s:e], a.is_mode, a.is_low, a.is_high)
+                is_w = algorithm.importance_weights(old_mb, sampler[s:e], a.is_mode, a.is_low, a.is_high)
                 loss, m = ppo_loss(
                     logp,
                     old_mb,
                     token_adv[s:e],
-                    mb_mask,
+                    mask[s:e],
                     eps_low=a.eps_low,
                     eps_high=a.eps_high,
                     dual_clip=a.dual_clip,
@@ -466,13 +470,13 @@ class Trainer:
                     is_mode=a.is_mode if is_w is not None else "none",
                     agg=a.agg,
                     normalizer=norm,
-                    cu_seqlens=mb_cu,
+                    cu_seqlens=batch.resp_cu,
                 )
-                ent_sum = (ent.float() * mb_mask).sum()
+                ent_sum = ent.float().sum()
                 if a.entropy_coef:
                     loss = loss - a.entropy_coef * ent_sum / norm
                 loss.backward()
-                n_tok = mb_mask.sum().double()
+                n_tok = torch.tensor(float(e - s), dtype=torch.float64, device=dev)
                 stats += torch.stack(
                     [
                         m["pg_loss"].double(),

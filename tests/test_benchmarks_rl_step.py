@@ -69,6 +69,7 @@ def test_ablations_compute_what_prorl_computes(trainer):
     from prorl.kernels import linear_logprob_entropy
 
     from benchmarks._rl_step_peers import HFGenerator, naive_lle, padded_logprobs
+    from prorl.packing import pack
 
     tr, tok, path = trainer
     prompts = tr.train_prompts[:2]
@@ -78,14 +79,17 @@ def test_ablations_compute_what_prorl_computes(trainer):
     assert len(samples) == 4 and all(1 <= len(s.token_ids) == len(s.logprobs) <= 10 for s in samples)
     # sequences of unequal length, so that padding is real
     seqs = [(prompts[s.prompt_index], s.token_ids[: 3 + i]) for i, s in enumerate(samples)]
-    ids, labels, cu, mask = tr.pack(seqs)
-    logp, ent = tr.logprobs(tr.policy, ids, labels, cu, 1.0, grad=False, entropy=True)
+    batch = pack([(p, [t]) for p, t in seqs], share=False)
+    logp, ent = tr.logprobs(tr.policy, batch, 1.0, grad=False, entropy=True)
     sampler = torch.tensor([x for (_, t), s in zip(seqs, samples) for x in s.logprobs[: len(t)]])
-    torch.testing.assert_close(logp[mask], sampler, atol=1e-4, rtol=0)
+    torch.testing.assert_close(logp, sampler, atol=1e-4, rtol=0)
     # padded [S, Lmax] batch: the same values at the real tokens
-    logp_pad, ent_pad = padded_logprobs(tr, tr.policy, ids, labels, cu, 1.0, grad=False, entropy=True)
+    logp_pad, ent_pad = padded_logprobs(tr, tr.policy, batch, 1.0, grad=False, entropy=True)
     torch.testing.assert_close(logp_pad, logp, atol=1e-5, rtol=0)
-    torch.testing.assert_close(ent_pad[mask], ent[mask], atol=1e-5, rtol=0)
+    torch.testing.assert_close(ent_pad, ent, atol=1e-5, rtol=0)
+    ids, cu = batch.ids, batch.cu_seqlens
+    labels = torch.full_like(ids, -100)
+    labels[batch.hidden_rows] = batch.labels
     # unfused path: the fused op's values
     hidden = tr.policy(ids, cu_seqlens=cu)
     fused = linear_logprob_entropy(hidden, tr.policy.lm_head_weight, labels)

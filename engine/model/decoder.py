@@ -65,6 +65,8 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, attn: AttentionBackend, ctx: AttentionContext) -> torch.Tensor:
         """x [N, D], cos/sin [N, head_dim] fp32 -> [N, D]."""
         q, k, v = self.qkv(x, cos, sin)
+        if ctx.kv_index is not None:  # shared prefix: each sequence's keys gathered (backward sums them)
+            k, v = k.index_select(0, ctx.kv_index), v.index_select(0, ctx.kv_index)
         out = attn(q, k, v, ctx, self.head_dim**-0.5)  # [N, Hq, hd]
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
 
@@ -156,6 +158,8 @@ class Decoder(nn.Module):
         *,
         attention_mask: torch.Tensor | None = None,
         max_seqlen: int | None = None,
+        cu_seqlens_k: torch.Tensor | None = None,
+        kv_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm.
 
@@ -165,6 +169,9 @@ class Decoder(nn.Module):
         tokens) -> [B, T, D], zeros at padding. Each row's tokens are packed in order and, unless
         position_ids [B, T] is given, numbered from 0 as `generate` does.
         max_seqlen: longest sequence, if the caller knows it (saves flash-attn a host sync).
+        Shared prefix (packed only): `cu_seqlens_k` [B+1] and `kv_index` [Nk] give each sequence of
+        `cu_seqlens` its keys, gathered from all tokens' keys (see engine/attention.py,
+        `shared_prefix_layout`, which also gives the position_ids this needs).
         """
         if input_ids.dim() == 2:
             return self._forward_padded(input_ids, attention_mask, position_ids)
@@ -174,10 +181,13 @@ class Decoder(nn.Module):
         if cu_seqlens is None:
             cu_seqlens = torch.tensor([0, n], dtype=torch.int32, device=input_ids.device)
         if position_ids is None:
+            if cu_seqlens_k is not None:
+                raise ValueError("a shared-prefix layout needs its position_ids (shared_prefix_layout)")
             position_ids = packed_position_ids(cu_seqlens, n)
 
         attn = self.attention_backend(input_ids.device)
-        ctx = attn.prepare(make_context(n, cu_seqlens, max_seqlen))
+        context = make_context(n, cu_seqlens, max_seqlen, cu_seqlens_k=cu_seqlens_k, kv_index=kv_index)
+        ctx = attn.prepare(context)
         cos, sin = rope_cos_sin(self.config, position_ids, cu_seqlens)  # [N, head_dim] fp32
 
         x = self.embed_tokens(input_ids)  # [N, D]

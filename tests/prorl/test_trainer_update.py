@@ -113,3 +113,14 @@ def test_loss_normalizer_counts_by_aggregation():
     assert float(loss_normalizer("seq-mean-token-mean", mask, cu, 10)) == 2
     assert float(loss_normalizer("seq-mean-token-sum", mask, cu, 10)) == 2
     assert float(loss_normalizer("constant", mask, cu, 10)) == 30
+
+
+def test_shared_prompts_equal_repeated_prompts(setup):
+    groups = sampled_groups(setup, ["trainer.mini_batches=2"])
+    shared, m_shared = updated(setup, ["trainer.mini_batches=2", "trainer.micro_batch_tokens=100"], groups)
+    repeated, m_rep = updated(
+        setup,
+        ["trainer.mini_batches=2", "trainer.micro_batch_tokens=100", "trainer.share_prompts=false"],
+        groups,
+    )
+    assert_same(shared, repeated, m_shared, m_rep)
