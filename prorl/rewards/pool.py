@@ -63,6 +63,15 @@ class BatchResult:
         }
 
 
+def _item_key(data_source, response, ground_truth, extra):
+    """A hashable identity of one item (ground truths and extras may be lists / dicts); items that cannot be
+    represented get a key of their own."""
+    try:
+        return (data_source, response, repr(ground_truth), repr(extra))
+    except Exception:  # noqa: BLE001 - a failing __repr__: never merged with another item
+        return (object(),)
+
+
 class _Worker:
     def __init__(self, preload: tuple[str, ...]):
         parent_sock, child_sock = socket.socketpair()
@@ -164,6 +173,8 @@ class RewardPool:
     ) -> BatchResult:
         """Score every item; never raises for a verifier's failure (it scores 0 and is flagged).
 
+        Identical items (same data_source, response, ground truth and extra) are verified once and share
+        the outcome: a group's samples often repeat, and a verifier is a function of its inputs.
         Raises for caller bugs: unknown data_source, mismatched lengths, a verifier that cannot be
         sent to the workers (lambda, closure), a worker that cannot start.
         """
@@ -171,6 +182,28 @@ class RewardPool:
         extras = list(extras) if extras is not None else [None] * n
         if not (len(data_sources) == len(ground_truths) == len(extras) == n):
             raise ValueError("data_sources, responses, ground_truths and extras must have equal lengths")
+        first: dict = {}
+        of = [
+            first.setdefault(_item_key(*item), i)
+            for i, item in enumerate(zip(data_sources, responses, ground_truths, extras))
+        ]
+        unique = sorted(set(of))
+        if len(unique) == n:
+            return self._score_unique(data_sources, responses, ground_truths, extras)
+        got = self._score_unique(
+            *([x[i] for i in unique] for x in (data_sources, responses, ground_truths, extras))
+        )
+        slot = {i: k for k, i in enumerate(unique)}
+        return BatchResult(
+            *(
+                [getattr(got, f)[slot[of[i]]] for i in range(n)]
+                for f in ("scores", "timed_out", "errored", "errors")
+            ),
+            [dict(got.extras[slot[of[i]]]) for i in range(n)],
+        )
+
+    def _score_unique(self, data_sources, responses, ground_truths, extras) -> BatchResult:
+        n = len(responses)
         entries = {}
         for ds in set(data_sources):
             entry = rewards.lookup(ds)[1]

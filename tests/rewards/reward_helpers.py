@@ -27,3 +27,10 @@ def raises(response, ground_truth, extra):
 
 def out_of_range(response, ground_truth, extra):
     return 2.0
+
+
+def counting(response, ground_truth, extra):
+    """Appends one line per call to the file named by the ground truth; scores 1 if the response is 'yes'."""
+    with open(ground_truth["log"], "a") as f:
+        f.write(response + "\n")
+    return 1.0 if response == "yes" else 0.0

@@ -140,3 +140,19 @@ def test_self_test_names_broken_verifiers(registered):
     ):
         self_test(["math", "stem", "half"])
     assert self_test(["half"]) == {"half": "skipped: no sample"}
+
+
+def test_identical_items_are_verified_once(registered, pool, tmp_path):
+    rewards.register("count", "reward_helpers:counting")
+    log = str(tmp_path / "calls.txt")
+    responses = ["yes", "no", "yes", "yes", "maybe", "no", "yes"]
+    truth = {"log": log}
+    res = pool.score_batch(
+        ["count"] * 7, responses, [truth] * 7, [None, None, None, {"k": 1}, None, None, None]
+    )
+    assert res.scores == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0, 1.0]
+    with open(log) as f:
+        calls = sorted(f.read().split())
+    # "yes" with extra None, "yes" with extra {"k": 1}, "no", "maybe": four distinct items
+    assert calls == ["maybe", "no", "yes", "yes"]
+    assert len(res.extras) == 7 and res.extras[0] is not res.extras[2]
