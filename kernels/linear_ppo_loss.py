@@ -267,7 +267,9 @@ def _fused_forward(hidden, weight, labels, tok, aggregation, opts, settings, nee
         part["padded_shape"] = None  # rows of the block are tokens; the aggregation weights are already set
         weights = aggregation.weight[r0:r1] if aggregation.weight is not None else None
         block_agg = _Aggregation(weights, aggregation.denom)
-        block_loss, block_stats, g_lp = _FORWARDS[backend](logp, part, block_agg, opts, need_grad)
+        block_loss, block_stats, g_lp, g_scale = _FORWARDS[backend](logp, part, block_agg, opts, need_grad)
+        if g_scale is not None:  # not reached: the denominator is always resolved above
+            g_lp = g_lp * g_scale
         valid = part["valid"]
         scale = _scale(part, block_agg, torch.float32) if entropy_coef != 0.0 else None
         ent_terms = torch.stack(

@@ -44,19 +44,25 @@ The loss is linear in the per-token terms, so its gradient is known in the forwa
     g_kl = 1 | d | 1 - exp(-d)   (k1 | k2 | k3), 0 where a clamp is active
 
 The forward pass stores it (4 bytes per token) and the backward pass is one multiply by the upstream
-gradient: one elementwise launch (the triton forward is a per-token kernel and a tiny reduction kernel).
+gradient: one elementwise launch (on triton also the cast to logp's dtype, and for a token-mean without a
+normaliser the 1 / count that the one-launch forward learns only at its end).
 `ppo_loss_reference` is the same math written the way verl and TRL write it, in float64, differentiated by
 autograd; the tests hold every backend to it.
 
 Backends. Layout checks are shared torch code; a backend supplies one function, (logp, per-token inputs,
-aggregation, options) -> (loss, statistics vector of sums, gradient), registered in `_FORWARDS`. The
+aggregation, options) -> (loss, statistics vector of sums, gradient, gradient scale or None), registered in
+`_FORWARDS` (dloss/dlogp = gradient * scale; only triton returns a scale, see below). The
 aggregation reaches it as s_t = m_t u_t / D with u_t per token (only seq-mean-token-mean has one; else 1)
 and D a number, a 0-d tensor, or "count the valid tokens" (token-mean without a normaliser), so that the
 kernels compute s_t in their own pass:
     native  (CPU)   one OpenMP pass over the tokens, vectorised (kernels/csrc/ppo_loss.cpp)
-    triton  (CUDA)  one per-token kernel writing per-block partial sums, then a one-program kernel that
-                    reduces them in a fixed order (deterministic) into the loss and the statistics
-                    (kernels/ppo_loss_triton.py); backward is the one multiply below
+    triton  (CUDA)  ONE launch: each program writes its block's partial sums to a workspace; the last
+                    program to finish (an atomic completion counter) reduces them in a fixed order
+                    (deterministic) into the loss, the statistics and the metric means. Backward: ONE
+                    launch. No host sync either way. Interpreter-verified only (kernels/
+                    ppo_loss_triton.py). Around it only allocations and views, for bool masks and padded
+                    [B] advantages (read in place); a numeric mask (`!= 0`), the seq-mean weights and a
+                    normaliser tensor of another dtype each cost one small torch op before the launch.
     torch           a dozen elementwise passes (the readable version of the same math)
 
 Layouts. Padded: every per-token input [B, T], advantages [B] (one per sequence) or [B, T]. Packed: every
@@ -165,8 +171,17 @@ def ppo_loss(
     )
     if isinstance(normalizer, (int, float)) and not normalizer > 0:
         raise ValueError(f"normalizer must be > 0, got {normalizer}")
+    name = _backend.resolve(logp.device, backend)
     tok = _flatten(
-        logp, old_logp, advantages, mask, ref_logp, is_weights, cu_seqlens, need_seq=agg.startswith("seq-")
+        logp,
+        old_logp,
+        advantages,
+        mask,
+        ref_logp,
+        is_weights,
+        cu_seqlens,
+        need_seq=agg.startswith("seq-"),
+        row_advantages=name == "triton",  # it reads [B] advantages of a padded batch in place
     )
     cdt = torch.float64 if logp.dtype == torch.float64 else torch.float32
     aggregation = _aggregation(tok, agg, normalizer, cdt)
@@ -183,7 +198,6 @@ def ppo_loss(
         is_mode=is_mode,
         is_bounds=tuple(is_bounds),
     )
-    name = _backend.resolve(tok["valid"].device, backend)
     loss, stats = _PPOLoss.apply(logp, tok, aggregation, opts, name)
     return loss, _metrics(stats, opts)
 
@@ -209,19 +223,29 @@ class _PPOLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logp, tok, aggregation, opts, backend):
         forward = _FORWARDS[backend]
-        loss, stats, grad = forward(
-            logp.reshape(-1), tok, aggregation, opts, need_grad=ctx.needs_input_grad[0]
+        kw = {"with_means": True} if backend == "triton" else {}  # the kernel also writes the metric means
+        loss, stats, grad, grad_scale = forward(
+            logp.reshape(-1), tok, aggregation, opts, need_grad=ctx.needs_input_grad[0], **kw
         )
         ctx.mark_non_differentiable(stats)
-        ctx.save_for_backward(grad)
-        ctx.shape, ctx.dtype = logp.shape, logp.dtype
+        ctx.set_materialize_grads(False)  # no zero-filled gradient for `stats` (a launch on CUDA)
+        ctx.save_for_backward(grad, grad_scale)
+        ctx.shape, ctx.dtype, ctx.backend = logp.shape, logp.dtype, backend
         return loss, stats
 
     @staticmethod
     def backward(ctx, g_loss, g_stats):
-        (grad,) = ctx.saved_tensors
-        g = (grad * g_loss).to(ctx.dtype).view(ctx.shape)
-        return g, None, None, None, None
+        grad, grad_scale = ctx.saved_tensors
+        if g_loss is None:  # materialize_grads is off: nothing flowed into the loss
+            return None, None, None, None, None
+        if ctx.backend == "triton":  # one launch: product, scale and cast to logp's dtype
+            from . import ppo_loss_triton
+
+            g = ppo_loss_triton.ppo_backward(grad, g_loss, grad_scale, ctx.dtype)
+        else:
+            g = grad * g_loss if grad_scale is None else grad * (g_loss * grad_scale)
+            g = g.to(ctx.dtype)
+        return g.view(ctx.shape), None, None, None, None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -252,8 +276,13 @@ def _check_options(
         raise ValueError(f"is_bounds must satisfy 0 <= lo <= hi, got {is_bounds}")
 
 
-def _flatten(logp, old_logp, advantages, mask, ref_logp, is_weights, cu_seqlens, need_seq):
-    """Check shapes and return the per-token inputs flattened to [N], plus the sequence layout."""
+def _flatten(
+    logp, old_logp, advantages, mask, ref_logp, is_weights, cu_seqlens, need_seq, row_advantages=False
+):
+    """Check shapes and return the per-token inputs flattened to [N], plus the sequence layout.
+
+    row_advantages: a padded batch's [B] advantages stay [B] (tok["adv_row_len"] = T, the backend reads
+    advantage offs // T) instead of being broadcast to a [N] copy; tok["adv_row_len"] is 0 otherwise."""
     if not logp.is_floating_point():
         raise TypeError(f"logp must be floating point, got {logp.dtype}")
     if logp.dim() not in (1, 2):
@@ -275,12 +304,14 @@ def _flatten(logp, old_logp, advantages, mask, ref_logp, is_weights, cu_seqlens,
     dev = logp.device
     n = logp.numel()
     valid = mask.reshape(-1) if mask.dtype == torch.bool else mask.reshape(-1) != 0
-    seq, num_seqs = None, None
+    seq, num_seqs, adv_row_len = None, None, 0
     if logp.dim() == 2:
         b, t = logp.shape
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens is for packed [N] inputs; padded [B, T] rows are the sequences")
-        if advantages.shape == (b,):
+        if advantages.shape == (b,) and row_advantages:
+            adv, adv_row_len = advantages, t
+        elif advantages.shape == (b,):
             adv = advantages[:, None].expand(b, t).reshape(-1)
         elif advantages.shape == (b, t):
             adv = advantages.reshape(-1)
@@ -318,6 +349,7 @@ def _flatten(logp, old_logp, advantages, mask, ref_logp, is_weights, cu_seqlens,
         "valid": valid,
         "old": flat(old_logp),
         "adv": adv,
+        "adv_row_len": adv_row_len,
         "ref": flat(ref_logp),
         "isw": flat(is_weights),
         "seq": seq,
@@ -385,7 +417,8 @@ def _seq_sum(x, tok):
 
 
 def _torch_forward(logp, tok, aggregation, opts, need_grad):
-    """Returns (loss 0-d, stats [len(_STATS)] sums and maxima, grad [N] or None) in the compute dtype."""
+    """Returns (loss 0-d, stats [len(_STATS)] sums and maxima, grad [N] or None, grad_scale) in the compute
+    dtype; dloss/dlogp = grad * grad_scale, or grad itself when grad_scale is None (always, here)."""
     cdt = torch.float64 if logp.dtype == torch.float64 else torch.float32
     scale = _scale(tok, aggregation, cdt)
     valid = tok["valid"]
@@ -459,7 +492,7 @@ def _torch_forward(logp, tok, aggregation, opts, need_grad):
             is_modified.to(cdt).sum() if w is not None else zero,
         ]
     )
-    return loss, stats, grad
+    return loss, stats, grad, None
 
 
 def _apply_is_mode(w, opts):
@@ -517,21 +550,25 @@ def _native_forward(logp, tok, aggregation, opts, need_grad):
         *opts.is_bounds,
         need_grad,
     )
-    return loss, stats, (grad if need_grad else None)
+    return loss, stats, (grad if need_grad else None), None
 
 
-def _triton_forward(logp, tok, aggregation, opts, need_grad):
+def _triton_forward(logp, tok, aggregation, opts, need_grad, with_means=False):
     from . import ppo_loss_triton
 
-    return ppo_loss_triton.ppo_forward(logp, tok, aggregation, opts, need_grad)
+    return ppo_loss_triton.ppo_forward(logp, tok, aggregation, opts, need_grad, with_means)
 
 
 _FORWARDS = {"torch": _torch_forward, "native": _native_forward, "triton": _triton_forward}
 
 
 def _metrics(stats, opts):
-    """The metrics dict from a statistics vector of sums: two tensor ops, the rest are views (no syncs)."""
-    per_token = stats / stats[_STATS.index("n")].clamp_min(1.0)
+    """The metrics dict from a statistics vector of sums: two tensor ops, the rest are views (no syncs).
+    A [2, len(_STATS)] `stats` (the triton kernel's) holds the per-token means in row 1: views only."""
+    if stats.dim() == 2:
+        stats, per_token = stats[0], stats[1]
+    else:
+        per_token = stats / stats[_STATS.index("n")].clamp_min(1.0)
     s = dict(zip(_STATS, stats.unbind()))
     mean = dict(zip(_STATS, per_token.unbind()))
     out = {

@@ -1,14 +1,32 @@
 """Triton backend of `ppo_loss` (the math is in ppo_loss.py's docstring).
 
-Forward, two launches:
-    _token_kernel     one program per BLOCK tokens: the per-token loss terms, the closed-form gradient
-                      dloss/dlogp (written out) and the block's share of every statistic, reduced in
-                      fp64 and written to row `pid` of a [programs, NSTAT] partials buffer (no atomics,
-                      no zeroing);
-    _finalize_kernel  one program: sums (and maxes) the partial rows in a fixed order, then writes the
-                      loss and the statistics vector. The result does not depend on scheduling
-                      (deterministic), and the host never waits: nothing is read back.
-Backward is one elementwise multiply of the stored gradient by the upstream scalar (ppo_loss.py).
+Forward, ONE launch (`_forward_kernel`, one program per BLOCK tokens):
+    1. every program computes its tokens' loss terms and closed-form gradient dloss/dlogp (written out),
+       reduces its share of every statistic in fp64 and writes it to row `pid` of a [programs, NSTAT]
+       partials workspace (torch.empty: no zeroing launch);
+    2. then it increments a completion counter with an acq_rel atomic (after a barrier, so the whole row
+       is written first); the program that sees `programs - 1` is the last to finish;
+    3. the last program sums (and maxes) ALL partial rows in row order 0, 1, 2, ... — a fixed order, so
+       the result does not depend on which program finishes last or on scheduling (deterministic) — writes
+       the loss and the statistics vector, and resets the counter to 0 for the next call.
+    The host never waits: nothing is read back, no count is taken on the host.
+Token-mean without a normaliser divides by this call's valid-token count, which is known only in step 3:
+the kernel then writes the UNSCALED gradient u_t g_t and the last program writes 1 / count to a 0-d
+`grad_scale`; the backward applies it. With a normaliser (a number, or a 0-d tensor read in-kernel) the
+gradient is written scaled and `grad_scale` is None.
+Backward, ONE launch (`_backward_kernel`): stored gradient x upstream gradient (x grad_scale), cast to
+logp's dtype in the same pass.
+
+The completion counter is an int32 on the device, created zeroed once per (device, stream) and left at 0
+by every launch, so concurrent calls on different streams do not share one. (A launch that dies midway
+would leave it non-zero; CUDA cannot continue after such a fault anyway.)
+
+VERIFIED ONLY UNDER THE TRITON INTERPRETER (TRITON_INTERPRET=1, CPU tensors; tests/kernels/
+test_ppo_loss*.py): no GPU was available when the one-launch version was written. The interpreter runs
+programs one after another, so it exercises the counter, the last-program branch, the fixed-order
+reduction and the reset, but not concurrent programs: the memory ordering on a real GPU (barrier, then
+an acq_rel atomic; volatile loads of the partials in the last program) is the pattern of Triton's own
+fused layer-norm backward tutorial, not something measured here.
 
 Per-token inputs are loaded with `mask=valid`, `other=0`: a masked token's values (NaN included) never enter
 the arithmetic. Math in fp32 (fp64 for fp64 logp); the sums in fp64. The options that change the code (KL
@@ -25,31 +43,39 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["ppo_forward"]
+__all__ = ["ppo_backward", "ppo_forward"]
 
 # Tokens per program on a GPU: 1024 fp32 = 8 per thread with 4 warps, a row of partials per 4 KiB of logp.
 # Not tuned (no GPU was available when this was written).
 _BLOCK_GPU = 1024
 # Under the interpreter small blocks make the tiny test batches span several programs (exercising the partial
-# sums and the masked last block).
+# sums, the completion counter and the masked last block).
 _BLOCK_INTERPRETER = 32
 _NSTAT = 16  # partials row width: the 14 statistics of ppo_loss._STATS, padded to a power of two
 
+# How the aggregation denominator D reaches the kernel.
+_DENOM_HOST, _DENOM_PTR, _DENOM_COUNT = 0, 1, 2
+
 
 @triton.jit
-def _token_kernel(
+def _forward_kernel(
     logp_ptr,  # [N] current log-probs (any float dtype)
     old_ptr,  # [N] old log-probs
-    adv_ptr,  # [N] advantages
+    adv_ptr,  # [N] advantages, or [N / ADV_ROW_LEN] (one per padded row) if ADV_ROW_LEN > 0
     valid_ptr,  # [N] uint8, nonzero on valid tokens
     ref_ptr,  # [N] reference log-probs (read only if HAS_REF)
     isw_ptr,  # [N] importance weights (read only if HAS_IS)
     weight_ptr,  # [N] aggregation weight u_t (read only if HAS_WEIGHT)
-    denom_ptr,  # 0-d D (read only if DENOM_FROM_PTR; a value <= 0 reads as 1)
-    grad_ptr,  # [N] out: dloss/dlogp in the compute dtype (written only if NEED_GRAD)
-    part_ptr,  # [programs, NSTAT] fp64 out: this program's sums and maxima
+    denom_ptr,  # 0-d D (read only if DENOM_MODE == 1; a value <= 0 reads as 1)
+    grad_ptr,  # [N] out: dloss/dlogp (DENOM_MODE 2: without the 1/D) in the compute dtype (if NEED_GRAD)
+    part_ptr,  # [programs, NSTAT] fp64 workspace: each program's sums and maxima
+    counter_ptr,  # int32, 0 on entry: programs finished; the last one resets it to 0
+    loss_ptr,  # 0-d out (compute dtype)
+    stats_ptr,  # [NUM_STATS] out (compute dtype); [2, NUM_STATS] if MEANS: row 1 = row 0 / valid tokens
+    scale_ptr,  # 0-d out: 1 / max(valid tokens, 1) (written only if DENOM_MODE == 2)
     n,
-    inv_denom,  # 1 / D when D is a host number
+    adv_row_len,  # T of a padded batch with per-row advantages (read only if ADV_PER_ROW)
+    inv_denom,  # 1 / D when D is a host number (DENOM_MODE 0)
     lo,  # 1 - eps_low
     hi,  # 1 + eps_high
     dual_c,
@@ -61,7 +87,8 @@ def _token_kernel(
     HAS_REF: tl.constexpr,
     HAS_IS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
-    DENOM_FROM_PTR: tl.constexpr,
+    ADV_PER_ROW: tl.constexpr,
+    DENOM_MODE: tl.constexpr,  # 0 host number, 1 0-d tensor, 2 this call's valid-token count (deferred)
     DUAL: tl.constexpr,
     KL_EST: tl.constexpr,  # 0 k1, 1 k2, 2 k3
     KL_CLAMP: tl.constexpr,  # 0 log-ratio, 1 output, 2 none
@@ -69,6 +96,9 @@ def _token_kernel(
     NEED_GRAD: tl.constexpr,
     BLOCK: tl.constexpr,
     NSTAT: tl.constexpr,
+    NUM_STATS: tl.constexpr,
+    MEANS: tl.constexpr,  # also write the per-token means the metrics report (saves two launches)
+    BLOCK_P: tl.constexpr,  # partial rows per step of the final reduction
 ):
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -77,18 +107,18 @@ def _token_kernel(
     vf = v.to(CDT)
     lp = tl.load(logp_ptr + offs, mask=v, other=0.0).to(CDT)
     old = tl.load(old_ptr + offs, mask=v, other=0.0).to(CDT)
-    a = tl.load(adv_ptr + offs, mask=v, other=0.0).to(CDT)
-    if DENOM_FROM_PTR:
-        d = tl.load(denom_ptr).to(CDT)
-        d = tl.where(d > 0, d, 1.0)
-        u = vf
-        if HAS_WEIGHT:
-            u = tl.load(weight_ptr + offs, mask=v, other=0.0).to(CDT)
-        s = u / d
+    if ADV_PER_ROW:
+        a = tl.load(adv_ptr + offs // adv_row_len, mask=v, other=0.0).to(CDT)
     else:
-        s = vf * inv_denom
-        if HAS_WEIGHT:
-            s = tl.load(weight_ptr + offs, mask=v, other=0.0).to(CDT) * inv_denom
+        a = tl.load(adv_ptr + offs, mask=v, other=0.0).to(CDT)
+    s = vf  # s_t = m_t u_t / D (DENOM_MODE 2: m_t u_t, the 1/D comes at the end)
+    if HAS_WEIGHT:
+        s = tl.load(weight_ptr + offs, mask=v, other=0.0).to(CDT)
+    if DENOM_MODE == 0:
+        s = s * inv_denom
+    if DENOM_MODE == 1:
+        d = tl.load(denom_ptr).to(CDT)
+        s = s / tl.where(d > 0, d, 1.0)
 
     log_ratio = lp - old
     ratio_ok = tl.abs(log_ratio) <= 20.0  # RATIO_LOG_CLAMP
@@ -150,7 +180,7 @@ def _token_kernel(
             g = tl.where(kl_coef != 0.0, g + kl_coef * g_kl, g)  # a select: 0 * inf would be NaN
         tl.store(grad_ptr + offs, tl.where(v, s * g, 0.0), mask=inb)
 
-    # This block's statistics, summed in fp64, in the slot order of ppo_loss._STATS.
+    # 1. This block's statistics, summed in fp64, in the slot order of ppo_loss._STATS.
     ratio_v = ratio * vf
     row = part_ptr + pid.to(tl.int64) * NSTAT
     tl.store(row + 0, tl.sum((s * (w * pg)).to(tl.float64), axis=0))
@@ -168,54 +198,94 @@ def _token_kernel(
     tl.store(row + 12, tl.max(tl.where(inb, w_raw.to(tl.float64), -float("inf")), axis=0))
     tl.store(row + 13, tl.sum(modified.to(tl.float64), axis=0))
 
+    # 2. Count this program as finished; the whole row is written before (barrier, then release).
+    tl.debug_barrier()
+    done = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+
+    # 3. The last program to finish reduces every row in a fixed order.
+    if done == tl.num_programs(0) - 1:
+        n_parts = tl.num_programs(0)
+        cols = tl.arange(0, NSTAT)
+        is_max = (cols == 9) | (cols == 12)  # ratio_max, is_max: every other slot is a sum
+        acc_sum = tl.zeros([NSTAT], tl.float64)
+        acc_max = tl.full([NSTAT], -float("inf"), tl.float64)
+        for start in range(0, n_parts, BLOCK_P):
+            rows = start + tl.arange(0, BLOCK_P)
+            in_rows = rows[:, None] < n_parts
+            ptrs = part_ptr + rows[:, None].to(tl.int64) * NSTAT + cols[None, :]
+            used = in_rows & (cols[None, :] < NUM_STATS)  # the row's padding slots are never written
+            x = tl.load(ptrs, mask=used, other=0.0, volatile=True)  # other programs' rows: not from L1
+            acc_sum += tl.sum(x, axis=0)
+            acc_max = tl.maximum(acc_max, tl.max(tl.where(in_rows, x, -float("inf")), axis=0))
+        res = tl.where(is_max, acc_max, acc_sum)
+        inv = 1.0 / tl.maximum(tl.sum(tl.where(cols == 2, res, 0.0), axis=0), 1.0)  # 1 / valid tokens
+        if DENOM_MODE == 2:  # token-mean of this call: divide the two aggregated sums by the count now
+            res = tl.where((cols == 0) | (cols == 1), res * inv, res)
+            tl.store(scale_ptr, inv)
+        loss = tl.sum(tl.where(cols == 0, res, 0.0), axis=0)
+        if HAS_REF:
+            loss += kl_coef * tl.sum(tl.where(cols == 1, res, 0.0), axis=0)
+        tl.store(loss_ptr, loss)
+        tl.store(stats_ptr + cols, res, mask=cols < NUM_STATS)
+        if MEANS:
+            tl.store(stats_ptr + NUM_STATS + cols, res * inv, mask=cols < NUM_STATS)
+        tl.atomic_xchg(counter_ptr, 0)  # ready for the next launch on this stream
+
 
 @triton.jit
-def _finalize_kernel(
-    part_ptr,  # [n_parts, NSTAT] fp64 partial statistics
-    loss_ptr,  # 0-d out (compute dtype)
-    stats_ptr,  # [NUM_STATS] out (compute dtype)
-    n_parts,
-    kl_coef,
-    HAS_REF: tl.constexpr,
-    NUM_STATS: tl.constexpr,
-    NSTAT: tl.constexpr,
-    BLOCK_P: tl.constexpr,  # partial rows per loop step
+def _backward_kernel(
+    grad_ptr,  # [N] stored gradient (compute dtype)
+    g_out_ptr,  # 0-d upstream gradient of the loss
+    scale_ptr,  # 0-d grad_scale (read only if HAS_SCALE)
+    out_ptr,  # [N] out: dloss/dlogp in logp's dtype
+    n,
+    HAS_SCALE: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
-    cols = tl.arange(0, NSTAT)
-    is_max = (cols == 9) | (cols == 12)  # ratio_max, is_max: every other slot is a sum
-    acc_sum = tl.zeros([NSTAT], tl.float64)
-    acc_max = tl.full([NSTAT], -float("inf"), tl.float64)
-    for start in range(0, n_parts, BLOCK_P):
-        rows = start + tl.arange(0, BLOCK_P)
-        in_rows = rows[:, None] < n_parts
-        x = tl.load(part_ptr + rows[:, None].to(tl.int64) * NSTAT + cols[None, :], mask=in_rows, other=0.0)
-        acc_sum += tl.sum(x, axis=0)
-        acc_max = tl.maximum(acc_max, tl.max(tl.where(in_rows, x, -float("inf")), axis=0))
-    res = tl.where(is_max, acc_max, acc_sum)
-    loss = tl.sum(tl.where(cols == 0, res, 0.0), axis=0)
-    if HAS_REF:
-        loss += kl_coef * tl.sum(tl.where(cols == 1, res, 0.0), axis=0)
-    tl.store(loss_ptr, loss)
-    tl.store(stats_ptr + cols, res, mask=cols < NUM_STATS)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inb = offs < n
+    g = tl.load(grad_ptr + offs, mask=inb, other=0.0)
+    c = tl.load(g_out_ptr).to(g.dtype)
+    if HAS_SCALE:
+        c = c * tl.load(scale_ptr).to(g.dtype)
+    tl.store(out_ptr + offs, g * c, mask=inb)  # the store casts to logp's dtype
 
 
 _KL_ESTIMATORS = {"k1": 0, "k2": 1, "k3": 2}
 _KL_CLAMPS = {"log-ratio": 0, "output": 1, "none": 2}
 _IS_MODES = {"none": 0, "tis": 1, "icepop": 2}
 
+_counters: dict[tuple, torch.Tensor] = {}
 
-def ppo_forward(logp, tok, aggregation, opts, need_grad):
-    """Same contract as ppo_loss._torch_forward: (loss 0-d, stats [14] sums/maxima, grad [N] or None)."""
+
+def _counter(dev: torch.device) -> torch.Tensor:
+    """The completion counter of (device, current stream): zeroed once, left at 0 by every launch."""
+    stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
+    key = (str(dev), stream)
+    counter = _counters.get(key)
+    if counter is None:
+        counter = _counters[key] = torch.zeros(1, dtype=torch.int32, device=dev)
+    return counter
+
+
+def _device_ctx(t: torch.Tensor):
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def ppo_forward(logp, tok, aggregation, opts, need_grad, with_means=False):
+    """Same contract as ppo_loss._torch_forward: (loss 0-d, stats [14] sums/maxima, grad [N] or None,
+    grad_scale 0-d or None), dloss/dlogp = grad * grad_scale (grad alone when grad_scale is None).
+    with_means: stats is [2, 14], row 1 = row 0 / max(valid tokens, 1) (what ppo_loss._metrics reports)."""
     from .ppo_loss import _STATS
 
     cdt = torch.float64 if logp.dtype == torch.float64 else torch.float32
     dev = logp.device
     n = logp.numel()
     loss = torch.empty((), dtype=cdt, device=dev)
-    stats = torch.empty(len(_STATS), dtype=cdt, device=dev)
+    stats = torch.empty((2, len(_STATS)) if with_means else len(_STATS), dtype=cdt, device=dev)
     grad = torch.empty(n, dtype=cdt, device=dev) if need_grad else None
     if n == 0:
-        return loss.zero_(), stats.zero_(), grad
+        return loss.zero_(), stats.zero_(), grad, None
     flat = lambda t: t.reshape(-1).contiguous()
     lp, old, adv = flat(logp), flat(tok["old"]), flat(tok["adv"])
     valid = flat(tok["valid"]).view(torch.uint8)
@@ -224,29 +294,44 @@ def ppo_forward(logp, tok, aggregation, opts, need_grad):
     weight = flat(aggregation.weight) if aggregation.weight is not None else lp
     denom = aggregation.denom
     if denom is None:
-        denom = valid.sum()  # token-mean of this call: one count on the device, no host sync
-    from_ptr = torch.is_tensor(denom)
+        mode = _DENOM_COUNT  # token-mean of this call: counted in the kernel, applied in the backward
+    else:
+        mode = _DENOM_PTR if torch.is_tensor(denom) else _DENOM_HOST
+    grad_scale = torch.empty((), dtype=cdt, device=dev) if mode == _DENOM_COUNT else None
     block = _BLOCK_GPU if lp.is_cuda else _BLOCK_INTERPRETER
     programs = triton.cdiv(n, block)
     partials = torch.empty(programs, _NSTAT, dtype=torch.float64, device=dev)
     lo, hi = opts.is_bounds
-    with torch.cuda.device(dev) if lp.is_cuda else contextlib.nullcontext():
-        _token_kernel[(programs,)](
-            lp, old, adv, valid, ref, isw, weight, denom if from_ptr else lp,
-            grad if need_grad else lp, partials,
-            n, 0.0 if from_ptr else 1.0 / denom,
+    with _device_ctx(lp):
+        _forward_kernel[(programs,)](
+            lp, old, adv, valid, ref, isw, weight, denom if mode == _DENOM_PTR else lp,
+            grad if need_grad else lp, partials, _counter(dev), loss, stats,
+            grad_scale if grad_scale is not None else loss,
+            n, tok["adv_row_len"], 1.0 / denom if mode == _DENOM_HOST else 0.0,
             1.0 - opts.eps_low, 1.0 + opts.eps_high, float(opts.dual_clip or 0.0), opts.kl_coef,
             opts.kl_clamp_value, float(lo), float(hi),
             CDT=tl.float64 if cdt == torch.float64 else tl.float32,
             HAS_REF=opts.has_ref, HAS_IS=opts.has_is, HAS_WEIGHT=aggregation.weight is not None,
-            DENOM_FROM_PTR=from_ptr, DUAL=opts.dual_clip is not None,
+            ADV_PER_ROW=tok["adv_row_len"] > 0, DENOM_MODE=mode, DUAL=opts.dual_clip is not None,
             KL_EST=_KL_ESTIMATORS[opts.kl_estimator], KL_CLAMP=_KL_CLAMPS[opts.kl_clamp],
             IS_MODE=_IS_MODES[opts.is_mode], NEED_GRAD=need_grad,
-            BLOCK=block, NSTAT=_NSTAT, num_warps=4,
-        )  # fmt: skip
-        _finalize_kernel[(1,)](
-            partials, loss, stats, programs, opts.kl_coef,
-            HAS_REF=opts.has_ref, NUM_STATS=len(_STATS), NSTAT=_NSTAT,
+            BLOCK=block, NSTAT=_NSTAT, NUM_STATS=len(_STATS), MEANS=with_means,
             BLOCK_P=128 if lp.is_cuda else 2, num_warps=4,
         )  # fmt: skip
-    return loss, stats, grad
+    return loss, stats, grad, (grad_scale if need_grad else None)
+
+
+def ppo_backward(grad, g_loss, grad_scale, dtype):
+    """dloss/dlogp [N] in `dtype`: grad * g_loss (* grad_scale), one launch."""
+    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    n = grad.numel()
+    if n == 0:
+        return out
+    block = _BLOCK_GPU if grad.is_cuda else _BLOCK_INTERPRETER
+    g_loss = g_loss.to(device=grad.device).reshape(())  # a no-op for autograd's 0-d upstream gradient
+    with _device_ctx(grad):
+        _backward_kernel[(triton.cdiv(n, block),)](
+            grad, g_loss, grad_scale if grad_scale is not None else g_loss, out, n,
+            HAS_SCALE=grad_scale is not None, BLOCK=block, num_warps=4,
+        )  # fmt: skip
+    return out
