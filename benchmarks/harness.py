@@ -29,7 +29,10 @@ What is measured, per (provider, shape, mode):
 Rows are appended to the CSV with the columns in `COLUMNS` (one row per metric; DESIGN.md "Public
 names"). `device` is the CPU model (/proc/cpuinfo) or the GPU name; `versions` lists torch, triton,
 liger-kernel, the thread settings and any note of the provider; `git_rev` is the short commit with
-`+dirty` when tracked files differ from it; one `timestamp` (UTC, ISO 8601) per invocation.
+`+dirty` when tracked files differ from it; one `timestamp` (UTC, ISO 8601) per invocation; `command`
+is the invocation that produced the row (`command_line()`: the writing process's sys.argv, i.e. the
+parent's, since rows are written by the parent, never by a provider's worker). CSVs written before the
+`command` column existed get it on the next append, empty (= not recorded) for their old rows.
 
 Timing on shared machines varies (MACHINE-NOTES: up to 30x with 2 threads on 2 busy cores): providers
 run one after another, so compare ratios within one invocation and look at the p20-p80 spread.
@@ -46,6 +49,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -69,7 +73,9 @@ COLUMNS = (
     "versions",
     "git_rev",
     "timestamp",
+    "command",
 )
+COLUMNS_BEFORE_COMMAND = COLUMNS[:-1]  # older CSVs: append_csv adds the column (empty = not recorded)
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 H200_BF16_DENSE_TFLOPS = 989.0
@@ -370,14 +376,55 @@ def run_provider(
         return res
 
 
+def command_line(argv: Sequence[str] | None = None) -> str:
+    """The invocation as a shell command, from `argv` (default: this process's sys.argv).
+
+    `python -m benchmarks rl_step --quick` has sys.argv[0] = <repo>/benchmarks/__main__.py and is given
+    back as written; another script of the repository is named as a module (`python -m benchmarks.x`),
+    anything else by its file name.
+    """
+    argv = list(sys.argv if argv is None else argv)
+    if not argv or not argv[0]:
+        return ""
+    head = Path(argv[0])
+    prog = [head.name]
+    if head.suffix == ".py":
+        try:
+            parts = list(head.resolve().relative_to(REPO_ROOT).with_suffix("").parts)
+        except ValueError:
+            parts = [head.parent.name] if head.name == "__main__.py" else []
+        if parts and parts[-1] == "__main__":
+            parts = parts[:-1]
+        if parts:
+            prog = ["python", "-m", ".".join(parts)]
+    return shlex.join(prog + argv[1:])
+
+
+def _add_command_column(path: Path) -> None:
+    """Rewrite a CSV with the columns before `command` to COLUMNS, its rows' command empty."""
+    with open(path, newline="") as f:
+        old = list(csv.DictReader(f))
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS, restval="")
+        writer.writeheader()
+        writer.writerows(old)
+    os.replace(tmp, path)
+
+
 def append_csv(path: Path, rows: Sequence[dict]) -> None:
-    """Append rows (dicts with COLUMNS keys) to `path`, writing the header when the file is new."""
+    """Append rows (dicts with COLUMNS keys) to `path`, writing the header when the file is new.
+
+    A row without `command` gets `command_line()`. A CSV written before the `command` column existed
+    is first rewritten with it (its old rows' command empty)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if path.exists() and path.stat().st_size > 0:
         with open(path, newline="") as f:
             header = next(csv.reader(f), [])
-        if tuple(header) != COLUMNS:
+        if tuple(header) == COLUMNS_BEFORE_COMMAND:
+            _add_command_column(path)
+        elif tuple(header) != COLUMNS:
             raise ValueError(f"{path} has columns {header}, expected {list(COLUMNS)}; use another --out")
         new = False
     else:
@@ -386,7 +433,9 @@ def append_csv(path: Path, rows: Sequence[dict]) -> None:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         if new:
             writer.writeheader()
+        command = command_line()
         for r in rows:
+            r = {"command": command, **r}
             writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
 
 

@@ -1,0 +1,398 @@
+"""Regenerate README.md's performance tables from benchmarks/results/*.csv (`--check`: fail if stale).
+
+    python -m benchmarks readme [--check] [--readme README.md] [--results benchmarks/results]
+
+Rewrites the text between `<!-- perf:begin -->` and `<!-- perf:end -->` in the README; nothing else in
+the file changes. For every results CSV with rows, per machine (the `device` column) one markdown table:
+
+- the newest row (by timestamp) of each (provider, mode, shape, metric), as plot.py draws them;
+- the benchmark's main metric as p50 (p20–p80) and a few others as p50 (`VIEWS` picks them: a readable
+  subset, not every metric); rl_step is one row per (shape, provider) with the step time and one column
+  per phase;
+- ratios to a baseline provider, only against the baseline's row of the SAME invocation (same
+  timestamp): providers are compared within one run, never across runs;
+- the runs the rows come from: the command (the CSV's `command` column; "not recorded" for rows written
+  before it existed), the machine (device, threads from `versions`), the date and the git revision;
+- links to the PNGs in the results folder whose names start with the benchmark's.
+
+Only numbers the CSVs hold are printed. `--check` writes nothing and exits 1 when the README's block
+differs from what would be generated (or the markers are missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import csv
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from benchmarks.harness import REPO_ROOT, RESULTS_DIR
+
+BEGIN = "<!-- perf:begin -->"
+END = "<!-- perf:end -->"
+
+
+@dataclass(frozen=True)
+class View:
+    """What one benchmark's table shows.
+
+    primary: the metric shown as p50 (p20–p80) in the first value column (rows without it are skipped).
+    extras: further metrics, p50 only, when any row has them.
+    ratios: (provider, kind): `speedup` = the baseline's primary p50 / the row's (higher is better; the
+      inverse when `higher_is_better`), `multiple` = the row's p50 / the baseline's.
+    phases: when set, one row per (shape, provider): primary and extras from mode `total`, then one
+      column per phase (mode) with that mode's primary p50.
+    """
+
+    primary: str = "time"
+    extras: tuple[str, ...] = ("peak_extra_memory",)
+    ratios: tuple[tuple[str, str], ...] = ()
+    higher_is_better: bool = False
+    phases: tuple[str, ...] = ()
+    total: str = "step"
+
+
+# in README order; benchmarks not named here get View() and follow in name order
+VIEWS: dict[str, View] = {
+    "rl_step": View(
+        extras=("tokens_per_s", "peak_memory"),
+        ratios=(("trl", "speedup"),),
+        phases=("gen", "sync", "reward", "old_logp", "update", "other"),
+    ),
+    "train_step": View(
+        extras=("tokens_per_s", "peak_extra_memory"), ratios=(("transformers-padded", "speedup"),)
+    ),
+    "linear_logprob_entropy": View(ratios=(("naive", "speedup"), ("sgemm-floor", "multiple"))),
+    "linear_ppo_loss": View(ratios=(("naive", "speedup"), ("sgemm-floor", "multiple"))),
+    "ppo_loss": View(ratios=(("naive", "speedup"),)),
+    "advantages": View(ratios=(("python-loop", "speedup"),)),
+    "rewards": View(extras=("throughput",), ratios=(("naive", "speedup"),)),
+    "rollout": View(extras=("tokens_per_s",), ratios=(("transformers", "speedup"),)),
+    "collectives": View(
+        primary="busbw", extras=("time",), ratios=(("nccl-tests", "multiple"),), higher_is_better=True
+    ),
+    "embedded_default": View(
+        primary="accuracy_after_mean_last3", extras=("accuracy_before", "accuracy_max", "wall_time")
+    ),
+}
+
+LABELS = {
+    "time": "time",
+    "peak_extra_memory": "peak extra memory",
+    "peak_memory": "peak memory",
+    "tokens_per_s": "throughput",
+    "accuracy_after_mean_last3": "accuracy after (mean of last 3)",
+    "accuracy_before": "accuracy before",
+    "accuracy_max": "accuracy max",
+    "wall_time": "wall time",
+}
+
+
+# --------------------------------------------------------------------------------------------------
+# Reading
+# --------------------------------------------------------------------------------------------------
+
+
+def read_rows(path: Path) -> list[dict]:
+    """All rows of a results CSV, p50/p20/p80 as floats; `command` "" where the CSV predates it."""
+    rows = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            r = {k: (v or "") for k, v in r.items() if k is not None}
+            try:
+                for k in ("p50", "p20", "p80"):
+                    r[k] = float(r[k])
+            except (KeyError, ValueError):
+                continue  # a row without numbers (a truncated line) is not shown
+            r.setdefault("command", "")
+            rows.append(r)
+    return rows
+
+
+def latest(rows: list[dict]) -> dict[tuple, dict]:
+    """(device, shape, mode, provider, metric) -> the newest row (ties: the later line)."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["device"], r["shape"], r["mode"], r["provider"], r["metric"])
+        if key not in out or r["timestamp"] >= out[key]["timestamp"]:
+            out[key] = r
+    return out
+
+
+def threads_of(versions: str) -> str:
+    words = versions.split()
+    for prefix in ("threads=", "OMP_NUM_THREADS="):
+        hit = next((w for w in words if w.startswith(prefix)), None)
+        if hit:
+            return hit
+    return "threads not recorded"
+
+
+def descriptions() -> dict[str, str]:
+    """Benchmark name -> the first line of its module docstring (read without importing it)."""
+    found = {}
+    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        try:
+            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        except SyntaxError:
+            continue
+        found[path.stem] = doc.strip().split("\n")[0]
+    return found
+
+
+# --------------------------------------------------------------------------------------------------
+# Formatting
+# --------------------------------------------------------------------------------------------------
+
+
+def num(x: float) -> str:
+    """About 3 significant digits, thousands separated."""
+    a = abs(x)
+    if a >= 100:
+        return f"{x:,.0f}"
+    if a >= 10:
+        return f"{x:.1f}"
+    if a >= 1:
+        return f"{x:.2f}"
+    if a == 0:
+        return "0"
+    return f"{x:#.3g}"
+
+
+def spread(r: dict) -> str:
+    if r["p20"] == r["p50"] == r["p80"]:
+        return num(r["p50"])
+    return f"{num(r['p50'])} ({num(r['p20'])}–{num(r['p80'])})"
+
+
+def cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def label(metric: str, unit: str) -> str:
+    name = LABELS.get(metric, metric.replace("_", " "))
+    return f"{name} ({unit})" if unit else name
+
+
+def _table(head: list[str], body: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in body]
+    return lines
+
+
+def _ratio(view: View, kind: str, row: dict, base: dict | None) -> str:
+    if base is None or row["p50"] == 0 or base["p50"] == 0:
+        return "–"
+    if kind == "multiple":
+        return f"{row['p50'] / base['p50']:.2f}"
+    x = row["p50"] / base["p50"] if view.higher_is_better else base["p50"] / row["p50"]
+    return f"{num(x)}×"
+
+
+def render_device(name: str, view: View, device: str, rows: list[dict]) -> list[str]:
+    """The table and run list of one benchmark on one machine (rows: all of its rows on that device)."""
+    new = latest(rows)
+    by_run = {(r["timestamp"], r["shape"], r["mode"], r["provider"], r["metric"]): r for r in rows}
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    get = lambda s, m, p, metric: new.get((device, s, m, p, metric))  # noqa: E731
+
+    # the table's rows: (shape, mode, provider) keys whose primary metric exists
+    if view.phases:
+        keys = [(s, view.total, p) for s in shapes for p in providers if get(s, view.total, p, view.primary)]
+        phases = [ph for ph in view.phases if any(get(s, ph, p, view.primary) for s, _, p in keys)]
+    else:
+        keys = [(s, m, p) for s in shapes for m in modes for p in providers if get(s, m, p, view.primary)]
+        phases = []
+    if not keys:
+        return []
+    extras = [e for e in view.extras if any(get(s, m, p, e) for s, m, p in keys)]
+    ratios = [
+        (b, kind)
+        for b, kind in view.ratios
+        if any(
+            by_run.get((get(s, m, p, view.primary)["timestamp"], s, m, b, view.primary)) for s, m, p in keys
+        )
+    ]
+    show_shape = len({s for s, _, _ in keys}) > 1
+    show_mode = not view.phases and len({m for _, m, _ in keys}) > 1
+
+    runs: dict[tuple, int] = {}  # (timestamp, command) -> number, in time order
+    used = []
+    for s, m, p in keys:
+        cells = [get(s, m, p, view.primary)] + [get(s, m, p, e) for e in extras]
+        cells += [get(s, ph, p, view.primary) for ph in phases]
+        used.append([c for c in cells if c is not None])
+    for r in sorted((c for u in used for c in u), key=lambda r: (r["timestamp"], r["command"])):
+        runs.setdefault((r["timestamp"], r["command"]), len(runs) + 1)
+
+    first = get(*keys[0], view.primary)
+    head = (["shape"] if show_shape else []) + (["mode"] if show_mode else []) + ["provider"]
+    prim_label = label(view.primary, first["unit"])
+    head.append(f"{view.total} {prim_label}" if view.phases else prim_label)
+    head += [f"speed-up vs {b}" if kind == "speedup" else f"÷ {b}" for b, kind in ratios]
+    for ph in phases:
+        unit = next(get(s, ph, p, view.primary)["unit"] for s, _, p in keys if get(s, ph, p, view.primary))
+        head.append(f"{ph} ({unit})")
+    for e in extras:
+        unit = next(get(s, m, p, e)["unit"] for s, m, p in keys if get(s, m, p, e))
+        head.append(label(e, unit))
+    if len(runs) > 1:
+        head.append("run")
+
+    body = []
+    for (s, m, p), u in zip(keys, used):
+        r = get(s, m, p, view.primary)
+        line = ([s] if show_shape else []) + ([m] if show_mode else []) + [p, spread(r)]
+        for b, kind in ratios:
+            line.append(_ratio(view, kind, r, by_run.get((r["timestamp"], s, m, b, view.primary))))
+        for ph in phases:
+            v = get(s, ph, p, view.primary)
+            line.append(num(v["p50"]) if v else "–")
+        for e in extras:
+            v = get(s, m, p, e)
+            line.append(num(v["p50"]) if v else "–")
+        if len(runs) > 1:
+            line.append(", ".join(str(n) for n in sorted({runs[(c["timestamp"], c["command"])] for c in u})))
+        body.append(line)
+
+    out = [f"#### `{name}` on {device or 'an unrecorded machine'}", ""]
+    if not show_shape:
+        mode = "" if show_mode or view.phases else f"; mode `{keys[0][1]}`"
+        out += [f"Shape: {keys[0][0]}{mode}.", ""]
+    out += _table(head, body)
+    out.append("")
+    timed = any(get(s, m, p, view.primary)["p20"] != get(s, m, p, view.primary)["p80"] for s, m, p in keys)
+    notes = [f"{view.primary}: p50 (p20–p80) of the timed repetitions; other columns p50."] if timed else []
+    for b, kind in ratios:
+        if kind == "speedup":
+            what = "the row's ÷ " + b + "'s" if view.higher_is_better else f"{b}'s ÷ the row's"
+            notes.append(f"speed-up vs {b}: {what} {view.primary} p50, both from the same run.")
+        else:
+            notes.append(f"÷ {b}: the row's {view.primary} p50 ÷ {b}'s, both from the same run.")
+    if view.phases:
+        notes.append(f"Phase columns: p50 {view.primary} of each phase of the {view.total}.")
+    if notes:
+        out += [" ".join(notes), ""]
+    first_of_run = {}
+    for u in used:
+        for c in u:
+            first_of_run.setdefault((c["timestamp"], c["command"]), c)
+    out.append("Runs:" if len(runs) > 1 else "Run:")
+    out.append("")
+    for (stamp, command), n in runs.items():
+        r = first_of_run[(stamp, command)]
+        cmd = f"`{command}`" if command else "command not recorded (row written before the CSV had it)"
+        when = stamp[:16].replace("T", " ")
+        tag = f"{n}. " if len(runs) > 1 else "- "
+        out.append(f"{tag}{cmd} — {device}, {threads_of(r['versions'])}, {when}, rev `{r['git_rev']}`")
+    out.append("")
+    return out
+
+
+def pngs_of(names: list[str], results: Path) -> dict[str, list[Path]]:
+    """Each PNG in `results` goes to the longest benchmark name its stem equals or starts with + '_'."""
+    out: dict[str, list[Path]] = {n: [] for n in names}
+    for png in sorted(results.glob("*.png")):
+        owners = [n for n in names if png.stem == n or png.stem.startswith(n + "_")]
+        if owners:
+            out[max(owners, key=len)].append(png)
+    return out
+
+
+# the command that writes a results PNG, by its stem; PNGs not named here are linked without one
+PNG_SOURCES = {
+    "{name}": "python -m benchmarks {name}",  # rl_step, collectives, embedded_default: <csv stem>.png
+    "{name}_time": "python -m benchmarks plot {name}",
+    "{name}_memory": "python -m benchmarks plot {name}",
+    "rl_step_scaling": "python -m benchmarks rl_step --scaling",
+}
+
+
+def _png_link(name: str, png: Path, base: str) -> str:
+    link = f"[{png.name}]({base}/{png.name})"
+    for stem, command in PNG_SOURCES.items():
+        if png.stem == stem.format(name=name):
+            return f"{link} (`{command.format(name=name)}`)"
+    return link
+
+
+def generate(results: Path = RESULTS_DIR, readme: Path = REPO_ROOT / "README.md") -> str:
+    """The block between the markers (without them), from the CSVs in `results`."""
+    results = Path(results)
+    found = {p.stem: read_rows(p) for p in sorted(results.glob("*.csv"))}
+    found = {n: rows for n, rows in found.items() if rows}
+    order = [n for n in VIEWS if n in found] + sorted(n for n in found if n not in VIEWS)
+    docs = descriptions()
+    pngs = pngs_of(order, results)
+    base = Path(os.path.relpath(results.resolve(), Path(readme).resolve().parent)).as_posix()
+    out = [
+        "",
+        "<!-- generated from benchmarks/results/*.csv by `python -m benchmarks readme`: do not edit -->",
+        "",
+    ]
+    if not order:
+        out += ["No results yet.", ""]
+    for name in order:
+        view = VIEWS.get(name, View())
+        devices = list(dict.fromkeys(r["device"] for r in found[name]))
+        body = []
+        for device in devices:
+            body += render_device(name, view, device, [r for r in found[name] if r["device"] == device])
+        if not body:
+            continue
+        if docs.get(name):
+            body[2:2] = [docs[name], ""]
+        out += body
+        if pngs[name]:
+            links = [_png_link(name, p, base) for p in pngs[name]]
+            out += ["Plots: " + ", ".join(links) + ".", ""]
+    return "\n".join(out)
+
+
+def splice(text: str, block: str) -> str:
+    """`text` with the part between the markers replaced by `block`; ValueError without the markers."""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        raise ValueError(f"README has no {BEGIN} ... {END} block")
+    return text[: start + len(BEGIN)] + "\n" + block.strip("\n") + "\n" + text[end:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks readme", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--check", action="store_true", help="exit 1 if the README's block is stale; write nothing"
+    )
+    p.add_argument("--readme", default=str(REPO_ROOT / "README.md"))
+    p.add_argument("--results", default=str(RESULTS_DIR), help="folder of the results CSVs and PNGs")
+    args = p.parse_args(argv)
+    readme = Path(args.readme)
+    text = readme.read_text()
+    try:
+        new = splice(text, generate(Path(args.results), readme))
+    except ValueError as exc:
+        print(f"{readme}: {exc}", file=sys.stderr)
+        return 1
+    if args.check:
+        if new != text:
+            print(
+                f"{readme}: the performance tables are stale; run `python -m benchmarks readme`",
+                file=sys.stderr,
+            )
+            return 1
+        print(f"{readme}: the performance tables are up to date")
+        return 0
+    if new != text:
+        readme.write_text(new)
+        print(f"{readme}: performance tables regenerated")
+    else:
+        print(f"{readme}: already up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
