@@ -149,10 +149,14 @@ class HFGenerator:
 
 
 def apply_ablations(trainer, flags: list[str], model_path: str, tokenizer) -> None:
-    """Swap the pieces named in `flags` (nofused, nopack, hfgen) on one Trainer."""
-    unknown = set(flags) - {"nofused", "nopack", "hfgen"}
+    """Swap the pieces named in `flags` (nofused, nopack, noshare, hfgen) on one Trainer."""
+    unknown = set(flags) - {"nofused", "nopack", "noshare", "hfgen"}
     if unknown:
-        raise ValueError(f"unknown prorl ablation(s) {sorted(unknown)}; known: nofused, nopack, hfgen")
+        raise ValueError(
+            f"unknown prorl ablation(s) {sorted(unknown)}; known: nofused, nopack, noshare, hfgen"
+        )
+    if "noshare" in flags:
+        trainer.share = False  # every response packed with its own copy of the prompt
     if "nofused" in flags:
         import prorl.trainer
 

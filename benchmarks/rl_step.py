@@ -34,9 +34,11 @@ on CUDA max_memory_allocated) and `peak_extra_memory` (the same minus the reside
 How TRL's phases are taken: `_rl_step_peers.TRLPhases`.
 
 Providers: `prorl`, `trl`, and ablations of prorl named by what they switch off, combinable with `-`:
-`prorl-nofused` (unfused logits -> log_softmax instead of the fused op), `prorl-nopack` (right-padded
-[S, Lmax] batches instead of packed sequences), `prorl-hfgen` (`transformers.generate` with
-output_scores instead of prorl's sampler), `prorl-nofused-nopack-hfgen` (all three).
+`prorl-nofused` (unfused logits -> log_softmax instead of the fused op), `prorl-noshare` (each response
+packed with its own copy of the prompt instead of one copy per group, prorl/packing.py), `prorl-nopack`
+(right-padded [S, Lmax] batches, one per prompt + response, instead of packed sequences), `prorl-hfgen`
+(`transformers.generate` with output_scores instead of prorl's sampler), `prorl-nofused-nopack-hfgen`
+(all three).
 Models: `tiny` = the shipped tiny reasoner (prorl/assets/tiny-reasoner, ~0.5M parameters, it answers
 and stops); `random` = a random-weight Qwen2 (hidden 256, 4 layers, ~3M parameters) with the same
 tokenizer (it rarely samples the stop token, so most responses run to the cap).
@@ -69,7 +71,15 @@ from pathlib import Path
 from benchmarks import harness
 
 NAME = "rl_step"
-PROVIDERS = ("prorl", "trl", "prorl-nofused", "prorl-nopack", "prorl-hfgen", "prorl-nofused-nopack-hfgen")
+PROVIDERS = (
+    "prorl",
+    "trl",
+    "prorl-nofused",
+    "prorl-noshare",
+    "prorl-nopack",
+    "prorl-hfgen",
+    "prorl-nofused-nopack-hfgen",
+)
 PHASES = ("gen", "reward", "old_logp", "update", "sync", "other", "step")
 TINY = Path(__file__).resolve().parent.parent / "prorl" / "assets" / "tiny-reasoner"
 RANDOM_MODELS = {  # random-weight Qwen2 checkpoints with the tiny reasoner's tokenizer (vocab 100)
@@ -241,6 +251,7 @@ def run_prorl(provider: str, w: dict, path: str, warmup: int, reps: int, memory,
         + (" gen=vllm" if gpu else " gen=" + ("transformers.generate" if "hfgen" in flags else "native"))
         + (" logp=naive" if "nofused" in flags else " logp=fused")
         + (" padded" if "nopack" in flags else " packed")
+        + ("" if {"nopack", "noshare"} & set(flags) else " shared-prompts")
     )
     return records, note
 
