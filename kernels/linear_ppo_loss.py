@@ -28,8 +28,9 @@ flash attention accumulates P V) still needs a second logits pass for dW, so it 
 
 What the bound costs. Workspace: the [R, V] fp32 block (R = chunk_bytes // (4 V); the torch backend adds a
 copy and its own temporaries), plus an fp32 dW accumulator when the weight is not fp32 (an fp32 weight's
-gradient accumulates in place, never zero-filled), and an fp32 copy of hidden and weight for bf16/fp16 on the CPU. With several row blocks dW is
-read and written once per block (8 V D bytes), which is why R should not be small: the default budget is
+gradient accumulates in place, never zero-filled), and an fp32 copy of hidden and weight for bf16/fp16 on
+the CPU. With several row blocks dW is read and written once per block (8 V D bytes), which is why R
+should not be small: the default budget is
 room for 256 rows on the CPU (156 MiB at V = 152K; dW traffic ~1/32 of the GEMM time at D = 896 on two
 cores) and 1 GiB on CUDA. Elementwise work is O(N V): two passes over each block.
 
