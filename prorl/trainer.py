@@ -2,15 +2,25 @@
 
     prompts -> generate n each -> verify -> shape (stop-properly, scheduled cosine length penalty)
       -> dynamic sampling on RAW rewards (drop all-equal groups, refill with new prompts, carry surplus)
-      -> old / reference log-probs -> REINFORCE++-baseline advantages (global whitening)
+      -> REINFORCE++-baseline advantages (global whitening) -> reference (and old) log-probs
       -> M mini-batch updates of PPO-Clip-Higher + k2 KL, from hidden states with the fused op
-      -> (weights already in the sampler: it samples from the trained model) -> metrics -> reference reset
+      -> weights to the sampler -> metrics -> reference reset
 
 Under torchrun every rank takes `prompts_per_step / world` prompts, generates and verifies its own groups
-(a group never straddles ranks), and the global pieces are collective: the advantage whitening, the
-token normaliser of each mini-batch, the gradients (summed: each rank's loss is already divided by the
-global token count) and the metrics. The sampler is prorl's own `NativeGenerator` on the policy itself,
-so there is no weight copy; the vLLM backend (GPU) receives the weights after each step instead.
+(a group never straddles ranks), and the global pieces are collective: the advantage whitening, the loss
+normaliser of each mini-batch, the gradients (summed: each rank's loss is already divided by the global
+normaliser) and the metrics.
+
+Where things run. Models and step tensors live on `dist_info().device`: cuda:LOCAL_RANK under torchrun on
+GPUs, else the CPU. The sampler (`rollout.backend`) is prorl's `NativeGenerator` on the policy itself (no
+weight copy; under FSDP on an unsharded copy that receives the weights after each step) or a colocated
+`VLLMGenerator` that sleeps while the policy trains and gets the weights pushed and checked after each
+step. GPU paths are written against the documented APIs and UNVERIFIED here (no GPU was lent).
+
+Cost. The log-prob passes pack each group's prompt once with its n responses attending to it
+(prorl/packing.py: exact, tested against unpacked sequences) and split the work into micro-batches of at
+most `trainer.micro_batch_tokens` tokens (gradient accumulation; under FSDP every rank runs as many
+passes). With one mini-batch per step the old-policy pass is skipped: old_logp = logp.detach() exactly.
 """
 
 from __future__ import annotations
