@@ -10,11 +10,13 @@ keys of each response are gathered as [prompt keys, own keys] by `kv_index`, see
 `sdpa` and `flash` support it; `flex` supports self-attention only.
 
 Backends (`get_attention_backend(name)`):
-- `sdpa`  : `F.scaled_dot_product_attention(is_causal=True)` once per sequence. Runs anywhere. Measured on
-            this CPU (1 thread, 14/2 heads, d=64, fwd+bwd): 8x256 tokens 204 ms vs 1553 ms for one call
-            with an [N, N] block-diagonal mask; 32x64 tokens 75 ms vs 1413 ms; [1500, 300, 200, 48]
-            481 ms vs 1495 ms - the mask pays for all N^2 pairs. The loop needs the lengths on the host
-            (one sync per forward) and is excluded from torch.compile graphs.
+- `sdpa`  : `F.scaled_dot_product_attention`, sequences bucketed by length into a few padded calls (one
+            causal call for a sequence alone). Measured earlier on this CPU (1 thread, 14/2 heads, d=64,
+            fwd+bwd): one call per sequence 8x256 tokens 204 ms vs 1553 ms for one call with an [N, N]
+            block-diagonal mask (it pays for all N^2 pairs); buckets pay only for padding within similar
+            lengths, and cut the calls of an RL step's ~150 short segments per layer to a handful
+            (`python -m benchmarks rl_step`). Needs the lengths on the host (one sync per forward) and is
+            excluded from torch.compile graphs.
 - `flex`  : FlexAttention with a document-causal BlockMask, no host sync. Compiled by default (the
             eager fallback materialises all N^2 scores; it is what the CPU tests use, `compile=False`).
             On this CPU torch 2.13 compiles it in 25-40 s cold. On the CPU torch 2.13 has no FlexAttention
@@ -75,37 +77,111 @@ class AttentionBackend:
 
 
 class SDPAAttention(AttentionBackend):
-    """One `scaled_dot_product_attention(is_causal=True)` call per sequence (see the module docstring)."""
+    """`scaled_dot_product_attention` over buckets of similar-length sequences (see the module docstring).
+
+    `prepare` sorts the sequences by key length and groups them while padding stays small (padded area
+    <= PAD_SLACK x the real q x k area, mask <= MAX_MASK elements); each bucket is one SDPA call on
+    [B, H, Lq_max, Lk_max] with a boolean mask (valid keys, causal aligned bottom-right), gathered from and
+    scattered back to the packed rows by index. A bucket of one sequence with as many queries as keys is a
+    plain `is_causal` call. Many short sequences (RL responses) then cost a few calls instead of one each;
+    long ones stay alone.
+    """
 
     name = "sdpa"
+    PAD_SLACK = 1.5
+    MAX_MASK = 2**24  # elements of one bucket's [B, Lq, Lk] mask (16 MB): long sequences go alone
 
     def prepare(self, ctx):
-        ctx.extra["lengths"] = ctx.cu_seqlens_q.diff().tolist()  # host sync, once per forward
-        ctx.extra["lengths_k"] = (
-            ctx.extra["lengths"] if ctx.cu_seqlens_k is ctx.cu_seqlens_q else ctx.cu_seqlens_k.diff().tolist()
-        )
-        if any(lk < lq for lq, lk in zip(ctx.extra["lengths"], ctx.extra["lengths_k"])):
+        lq = ctx.cu_seqlens_q.diff().tolist()  # host sync, once per forward
+        lk = lq if ctx.cu_seqlens_k is ctx.cu_seqlens_q else ctx.cu_seqlens_k.diff().tolist()
+        if any(b < a for a, b in zip(lq, lk)):
             raise ValueError("every sequence needs at least as many keys as queries")
+        start_q = [0]
+        start_k = [0]
+        for a, b in zip(lq, lk):
+            start_q.append(start_q[-1] + a)
+            start_k.append(start_k[-1] + b)
+        device = ctx.cu_seqlens_q.device
+        plans = []
+        for bucket in self._buckets(lq, lk):
+            if len(bucket) == 1 and lq[bucket[0]] == lk[bucket[0]]:
+                i = bucket[0]
+                plans.append(("causal", start_q[i], lq[i], start_k[i], lk[i]))
+                continue
+            mq, mk = max(lq[i] for i in bucket), max(lk[i] for i in bucket)
+            # padded slots read row 0 (any real row: their outputs are dropped, their keys masked out)
+            q_idx = torch.zeros(len(bucket), mq, dtype=torch.long)
+            k_idx = torch.zeros(len(bucket), mk, dtype=torch.long)
+            mask = torch.zeros(len(bucket), 1, mq, mk, dtype=torch.bool)
+            rows_out = []
+            for b, i in enumerate(bucket):
+                q_idx[b, : lq[i]] = torch.arange(start_q[i], start_q[i] + lq[i])
+                k_idx[b, : lk[i]] = torch.arange(start_k[i], start_k[i] + lk[i])
+                mask[b, 0, : lq[i], : lk[i]] = torch.ones(lq[i], lk[i], dtype=torch.bool).tril(lk[i] - lq[i])
+                mask[b, 0, lq[i] :, 0] = True  # padded queries see one key: no all-masked row (NaN)
+                rows_out.append(torch.arange(b * mq, b * mq + lq[i]))
+            where = torch.cat([torch.arange(start_q[i], start_q[i] + lq[i]) for i in bucket])
+            plans.append(
+                (
+                    "padded",
+                    q_idx.view(-1).to(device),
+                    k_idx.view(-1).to(device),
+                    mask.to(device),
+                    torch.cat(rows_out).to(device),
+                    where.to(device),
+                )
+            )
+        ctx.extra["sdpa_plans"] = plans
         return ctx
 
-    @torch.compiler.disable  # data-dependent split sizes would recompile for every batch
+    @classmethod
+    def _buckets(cls, lq: list[int], lk: list[int]) -> list[list[int]]:
+        order = sorted(range(len(lq)), key=lambda i: (lk[i], lq[i]))
+        buckets, cur, real, mq = [], [], 0, 0
+        for i in order:
+            area = lq[i] * lk[i]
+            new_mq = max(mq, lq[i])
+            padded = (len(cur) + 1) * new_mq * lk[i]
+            if cur and (padded > cls.PAD_SLACK * (real + area) or padded > cls.MAX_MASK):
+                buckets.append(cur)
+                cur, real, new_mq = [], 0, lq[i]
+            cur.append(i)
+            real += area
+            mq = new_mq
+        if cur:
+            buckets.append(cur)
+        return buckets
+
+    @torch.compiler.disable  # data-dependent bucket shapes would recompile for every batch
     def __call__(self, q, k, v, ctx, scale):
-        lq_all, lk_all = ctx.extra["lengths"], ctx.extra["lengths_k"]
-        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, N, d]
-        outs = []
-        for qs, ks, vs, lq, lk in zip(
-            q4.split(lq_all, 2), k4.split(lk_all, 2), v4.split(lk_all, 2), lq_all, lk_all
-        ):
-            if lq == lk:
-                outs.append(
-                    F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-                )
-            else:  # queries are the last lq keys: query i sees keys 0 .. lk - lq + i
-                mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
-                outs.append(
-                    F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
-                )
-        return torch.cat(outs, dim=2)[0].transpose(0, 1)  # [N, Hq, d]
+        n, hq, d = q.shape
+        out = q.new_empty(n, hq, v.shape[-1]) if len(ctx.extra["sdpa_plans"]) > 1 else None
+        pieces = []
+        for plan in ctx.extra["sdpa_plans"]:
+            if plan[0] == "causal":
+                _, s0, length, k0, _ = plan
+                qs, ks, vs = (t[a : a + length].transpose(0, 1)[None] for t, a in ((q, s0), (k, k0), (v, k0)))
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+                piece, where = o[0].transpose(0, 1), (s0, s0 + length)
+            else:
+                _, q_idx, k_idx, mask, rows_out, where = plan
+                b, mq, mk = mask.shape[0], mask.shape[2], mask.shape[3]
+                qs = q.index_select(0, q_idx).view(b, mq, hq, d).transpose(1, 2)
+                ks = k.index_select(0, k_idx).view(b, mk, k.shape[1], d).transpose(1, 2)
+                vs = v.index_select(0, k_idx).view(b, mk, v.shape[1], v.shape[-1]).transpose(1, 2)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
+                piece = o.transpose(1, 2).reshape(b * mq, hq, -1).index_select(0, rows_out)
+            if out is None:  # one plan covering every row, in order
+                if plan[0] == "causal" or bool((where == torch.arange(n, device=where.device)).all()):
+                    return piece
+                out = q.new_empty(n, hq, v.shape[-1])
+            pieces.append((piece, where))
+        for piece, where in pieces:
+            if isinstance(where, tuple):
+                out[where[0] : where[1]] = piece
+            else:
+                out[where] = piece
+        return out
 
 
 class FlexAttention(AttentionBackend):
