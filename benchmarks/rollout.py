@@ -222,6 +222,48 @@ def summary(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def plot_rates(csv_path, png_path) -> None:
+    """Tokens/s per shape and provider (the newest row of each), p50 bars with p20-p80 whiskers, and the
+    ratio to `transformers` above each bar."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from benchmarks.plot import load_latest
+
+    rows = [r for r in load_latest(csv_path) if r["name"] == NAME and r["metric"] == "tokens_per_s"]
+    shapes = [s["label"] for s in make_shapes(CHECKPOINTS, (16, 64), (128, 512))]
+    shapes = [s for s in shapes if any(r["shape"] == s for r in rows)]
+    providers = [
+        p for p in (*PROVIDERS[:1], "prorl-compile", *PROVIDERS[1:]) if any(r["provider"] == p for r in rows)
+    ]
+    by = {(r["shape"], r["provider"]): r for r in rows}
+    fig, ax = plt.subplots(figsize=(12, 4.8))
+    width = 0.8 / max(1, len(providers))
+    for i, provider in enumerate(providers):
+        for j, shape in enumerate(shapes):
+            r = by.get((shape, provider))
+            if r is None:
+                continue
+            x = j - 0.4 + width * (i + 0.5)
+            err = [[max(0.0, r["p50"] - r["p20"])], [max(0.0, r["p80"] - r["p50"])]]
+            ax.bar(x, r["p50"], width, yerr=err, capsize=2, color=f"C{i}", label=provider if j == 0 else None)
+            ref = by.get((shape, "transformers"))
+            if ref is not None and provider != "transformers":
+                ax.text(x, r["p80"] * 1.08, f"{r['p50'] / ref['p50']:.2f}x", ha="center", fontsize=7)
+    ax.set_xticks(range(len(shapes)), [s.replace(" new", "\nnew") for s in shapes], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("generated tokens/s (p50, p20-p80)")
+    threads = next((v for v in rows[0]["versions"].split() if v.startswith("threads=")), "") if rows else ""
+    ax.set_title(f"rollout: tokens/s, sampling T=1, no stop ({threads}; ratio = p50 / transformers p50)")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny and small at B=16 x 128 new tokens, 2 reps")
@@ -235,7 +277,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=1, help="untimed calls before timing")
     p.add_argument("--timeout", type=float, default=None, help="seconds per provider worker")
     p.add_argument("--out", default=None, help=f"CSV to append to (default benchmarks/results/{NAME}.csv)")
+    p.add_argument(
+        "--plot-only", action="store_true", help="only redraw the plot (<csv stem>.png) from the CSV"
+    )
     args = p.parse_args(argv)
+    csv_path = args.out or harness.RESULTS_DIR / f"{NAME}.csv"
+    png_path = os.path.splitext(str(csv_path))[0] + ".png"
+    if args.plot_only:
+        plot_rates(csv_path, png_path)
+        print(png_path)
+        return 0
 
     ckpts = args.ckpts.split(",") if args.ckpts else list(CHECKPOINTS)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [16] if args.quick else [16, 64]
@@ -262,8 +313,10 @@ def main(argv: list[str] | None = None) -> int:
         timeout=args.timeout,
     )
     rates = tokens_per_s_rows(rows, shapes)
-    harness.append_csv(args.out or harness.RESULTS_DIR / f"{NAME}.csv", rates)
+    harness.append_csv(csv_path, rates)
     print(summary(rows + rates))
+    if rows:
+        plot_rates(csv_path, png_path)
     for e in errors:
         print(f"error: {e}", file=sys.stderr)
     return 1 if errors and not rows else 0

