@@ -47,7 +47,9 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    backend: str = "native"  # native | vllm
+    # native | vllm | auto (engine.rollout.resolve_backend: native on CPU, where it measured fastest;
+    # vllm on CUDA when installed)
+    backend: str = "auto"
     n: int = 16  # responses per prompt
     temperature: float = 1.0
     top_p: float = 1.0
@@ -157,7 +159,7 @@ class Config:
 _CHOICES = {
     "model.dtype": ("float32", "bfloat16"),
     "model.attention": ("auto", "sdpa", "flex", "flash"),
-    "rollout.backend": ("native", "vllm"),
+    "rollout.backend": ("auto", "native", "vllm"),
     "algorithm.advantage": ("reinforce++-baseline", "grpo", "dr-grpo"),
     "algorithm.whiten_weighting": ("token", "sequence"),
     "algorithm.kl_estimator": ("k1", "k2", "k3"),
