@@ -129,23 +129,13 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help=f"G in {QUICK_GROUPS}, 2 reps (seconds)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda (cuda: UNVERIFIED)")
-    p.add_argument("--threads", type=int, default=None, help="torch/OMP threads (default: all cores)")
-    p.add_argument("--providers", default=None, help="comma-separated subset of the providers")
+    harness.add_standard_args(p, NAME, reps="default 10, --quick 2", warmup=1, device=True)
     p.add_argument("--groups", default=None, help=f"comma-separated group counts G (default {GROUPS})")
     p.add_argument("--n", type=int, default=N_PER_GROUP, help="responses per group")
     p.add_argument("--algos", default=",".join(ALGOS), help="comma-separated subset of the algorithms")
-    p.add_argument("--reps", type=int, default=None, help="timed calls (default 10, --quick 2)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed calls before timing")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per provider worker")
-    p.add_argument("--out", default=None, help=f"CSV to append to (default benchmarks/results/{NAME}.csv)")
     args = p.parse_args(argv)
 
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            p.error("--device cuda needs a visible CUDA device")
+    harness.check_device(p, args)
     groups = (
         [int(x) for x in args.groups.split(",")]
         if args.groups

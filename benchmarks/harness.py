@@ -439,6 +439,30 @@ def append_csv(path: Path, rows: Sequence[dict]) -> None:
             writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
 
 
+def add_standard_args(parser, name: str, *, reps: str, warmup: int, device: bool = False) -> None:
+    """The options every op benchmark shares: --threads --providers --reps --warmup --timeout --out (and
+    --device cpu|cuda). `reps` describes the default in the help (the benchmark picks it when None)."""
+    if device:
+        parser.add_argument("--device", default="cpu", help="cpu | cuda (cuda: UNVERIFIED)")
+    parser.add_argument("--threads", type=int, default=None, help="torch/OMP threads (default: all cores)")
+    parser.add_argument("--providers", default=None, help="comma-separated subset of the providers")
+    parser.add_argument("--reps", type=int, default=None, help=f"timed calls ({reps})")
+    parser.add_argument("--warmup", type=int, default=warmup, help="untimed calls before timing")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per provider worker")
+    parser.add_argument(
+        "--out", default=None, help=f"CSV to append to (default benchmarks/results/{name}.csv)"
+    )
+
+
+def check_device(parser, args) -> None:
+    """Fail the command line early when --device cuda is asked for without a visible CUDA device."""
+    if getattr(args, "device", "cpu") == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda needs a visible CUDA device")
+
+
 def run_benchmark(
     name: str,
     module: str,

@@ -200,16 +200,11 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help=f"tiny shape {QUICK_SHAPE}, 2 reps (seconds)")
     p.add_argument("--gpu", action="store_true", help="CUDA, bf16, the H200 shapes and GPU providers")
-    p.add_argument("--threads", type=int, default=None, help="torch/OMP threads (default: all cores)")
-    p.add_argument("--providers", default=None, help="comma-separated subset of the providers")
+    harness.add_standard_args(p, NAME, reps="default 5, --quick 2", warmup=1)
     p.add_argument("--modes", default=",".join(harness.MODES), help="comma-separated subset of the modes")
     p.add_argument("--shape", default=None, help="N,D,V (overrides the default shapes)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (GPU default) | float16")
     p.add_argument("--temperature", type=float, default=1.0)
-    p.add_argument("--reps", type=int, default=None, help="timed calls (default 5, --quick 2)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed calls before timing")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per provider worker")
-    p.add_argument("--out", default=None, help=f"CSV to append to (default benchmarks/results/{NAME}.csv)")
     args = p.parse_args(argv)
 
     device = "cuda" if args.gpu else "cpu"

@@ -118,23 +118,13 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help=f"N in {QUICK_SIZES}, 2 reps (seconds)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda (cuda: UNVERIFIED)")
-    p.add_argument("--threads", type=int, default=None, help="torch/OMP threads (default: all cores)")
-    p.add_argument("--providers", default=None, help="comma-separated subset of the providers")
+    harness.add_standard_args(p, NAME, reps="default 20, --quick 2", warmup=2, device=True)
     p.add_argument("--modes", default=",".join(harness.MODES), help="comma-separated subset of the modes")
     p.add_argument("--sizes", default=None, help=f"comma-separated token counts N (default {CPU_SIZES})")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 (of the log-probs)")
-    p.add_argument("--reps", type=int, default=None, help="timed calls (default 20, --quick 2)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed calls before timing")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per provider worker")
-    p.add_argument("--out", default=None, help=f"CSV to append to (default benchmarks/results/{NAME}.csv)")
     args = p.parse_args(argv)
 
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            p.error("--device cuda needs a visible CUDA device")
+    harness.check_device(p, args)
     sizes = (
         [int(x) for x in args.sizes.split(",")]
         if args.sizes
