@@ -149,12 +149,15 @@ class HFGenerator:
 
 
 def apply_ablations(trainer, flags: list[str], model_path: str, tokenizer) -> None:
-    """Swap the pieces named in `flags` (nofused, nopack, noshare, hfgen) on one Trainer."""
-    unknown = set(flags) - {"nofused", "nopack", "noshare", "hfgen"}
+    """Swap the pieces named in `flags` (nofused, nopack, noshare, hfgen; compile switches one on)."""
+    known = {"nofused", "nopack", "noshare", "hfgen", "compile"}
+    unknown = set(flags) - known
     if unknown:
-        raise ValueError(
-            f"unknown prorl ablation(s) {sorted(unknown)}; known: nofused, nopack, noshare, hfgen"
-        )
+        raise ValueError(f"unknown prorl variant(s) {sorted(unknown)}; known: {sorted(known)}")
+    if "compile" in flags:  # the native sampler's decode step under torch.compile (rollout.compile)
+        from prorl.engine.rollout import NativeGenerator
+
+        trainer.generator = NativeGenerator(trainer.sampler_model, compile=True)
     if "noshare" in flags:
         trainer.share = False  # every response packed with its own copy of the prompt
     if "nofused" in flags:
@@ -300,6 +303,9 @@ def run_trl(work: dict, model_path: str, warmup: int, reps: int, memory, gpu: bo
         lr_scheduler_type="constant",
         weight_decay=0.0,
         max_grad_norm=1.0,
+        # TRL defaults to activation checkpointing (an extra forward in backward); prorl does not
+        # checkpoint here, so TRL must not either: equal work
+        gradient_checkpointing=False,
         max_steps=warmup + reps,
         bf16=gpu,
         use_cpu=not gpu,

@@ -15,7 +15,8 @@ timed ones, each provider in a fresh worker process (harness.py). Settings:
   sampling off (every group is trained on, as in TRL), length penalty off, 1 mini-batch, reference
   resets off; its RewardPool has 1 worker process.
 - trl: `GRPOTrainer` (loss_type="dapo", epsilon 0.2, epsilon_high 0.28, beta 1e-4, num_generations=n,
-  max_completion_length=L, per_device_train_batch_size = P x n, use_vllm=False, bf16 off, use_cpu).
+  max_completion_length=L, per_device_train_batch_size = P x n, use_vllm=False, bf16 off, use_cpu,
+  gradient_checkpointing off: TRL turns it on by default, which would cost it an extra forward).
 What is NOT identical, and why it does not favour prorl: neither makes an old-policy log-prob pass (one
 update per generation: old_logp = logp.detach() in both; prorl then measures sampler drift from the
 update's own forward). TRL scores in-process; prorl ships responses to a worker process.
@@ -38,7 +39,8 @@ Providers: `prorl`, `trl`, and ablations of prorl named by what they switch off,
 packed with its own copy of the prompt instead of one copy per group, prorl/packing.py), `prorl-nopack`
 (right-padded [S, Lmax] batches, one per prompt + response, instead of packed sequences), `prorl-hfgen`
 (`transformers.generate` with output_scores instead of prorl's sampler), `prorl-nofused-nopack-hfgen`
-(all three).
+(all three); and `prorl-compile`, the native sampler's decode step under torch.compile
+(`rollout.compile=true`; its compilation, ~25 s, falls in the untimed warm-up steps: a start-up cost).
 Models: `tiny` = the shipped tiny reasoner (prorl/assets/tiny-reasoner, ~0.5M parameters, it answers
 and stops); `random` = a random-weight Qwen2 (hidden 256, 4 layers, ~3M parameters) with the same
 tokenizer (it rarely samples the stop token, so most responses run to the cap).
@@ -79,6 +81,7 @@ PROVIDERS = (
     "prorl-nopack",
     "prorl-hfgen",
     "prorl-nofused-nopack-hfgen",
+    "prorl-compile",
 )
 PHASES = ("gen", "reward", "old_logp", "update", "sync", "other", "step")
 TINY = Path(__file__).resolve().parent.parent / "prorl" / "assets" / "tiny-reasoner"
@@ -252,6 +255,7 @@ def run_prorl(provider: str, w: dict, path: str, warmup: int, reps: int, memory,
         + (" logp=naive" if "nofused" in flags else " logp=fused")
         + (" padded" if "nopack" in flags else " packed")
         + ("" if {"nopack", "noshare"} & set(flags) else " shared-prompts")
+        + (" sampler=compiled" if "compile" in flags else "")
     )
     return records, note
 

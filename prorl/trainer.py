@@ -161,7 +161,7 @@ class Trainer:
 
     def _make_generator(self, model_path: str, dtype: torch.dtype):
         if self.backend == "native":
-            return NativeGenerator(self.sampler_model)
+            return NativeGenerator(self.sampler_model, compile=self.cfg.rollout.compile)
         from prorl.engine.rollout.vllm import VLLMGenerator
 
         r, cuda = self.cfg.rollout, self.device.type == "cuda"
