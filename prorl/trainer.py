@@ -167,9 +167,15 @@ class Trainer:
         r, cuda = self.cfg.rollout, self.device.type == "cuda"
         kwargs = {}
         if cuda and self.world > 1:
-            # one engine per rank on its own GPU, in this process (TRL's colocate mode); vLLM reads RANK /
-            # LOCAL_RANK / MASTER_* from torchrun's environment. UNVERIFIED: no GPU when written.
-            kwargs["distributed_executor_backend"] = "external_launcher"
+            # one engine per rank on its own GPU, in this process, each a data-parallel rank fed its own
+            # prompts (vLLM's torchrun "external_launcher" mode: it reads RANK / LOCAL_RANK / MASTER_* and
+            # needs world = tp x pp x dp). UNVERIFIED: no GPU when written.
+            if r.tensor_parallel_size != 1:
+                raise NotImplementedError(
+                    "rollout.tensor_parallel_size > 1 under torchrun is not supported yet: every rank "
+                    "samples its own prompts, while a tensor-parallel group must be given the same ones"
+                )
+            kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=self.world)
         return VLLMGenerator(
             model_path,
             tensor_parallel_size=r.tensor_parallel_size,
