@@ -121,6 +121,8 @@ class SDPAAttention(AttentionBackend):
                 mask[b, 0, lq[i] :, 0] = True  # padded queries see one key: no all-masked row (NaN)
                 rows_out.append(torch.arange(b * mq, b * mq + lq[i]))
             where = torch.cat([torch.arange(start_q[i], start_q[i] + lq[i]) for i in bucket])
+            if torch.equal(where, torch.arange(start_q[-1])):  # every row, in order: no scatter needed
+                where = (0, start_q[-1])
             plans.append(
                 (
                     "padded",
@@ -128,7 +130,7 @@ class SDPAAttention(AttentionBackend):
                     k_idx.view(-1).to(device),
                     mask.to(device),
                     torch.cat(rows_out).to(device),
-                    where.to(device),
+                    where if isinstance(where, tuple) else where.to(device),
                 )
             )
         ctx.extra["sdpa_plans"] = plans
@@ -155,14 +157,13 @@ class SDPAAttention(AttentionBackend):
     @torch.compiler.disable  # data-dependent bucket shapes would recompile for every batch
     def __call__(self, q, k, v, ctx, scale):
         n, hq, d = q.shape
-        out = q.new_empty(n, hq, v.shape[-1]) if len(ctx.extra["sdpa_plans"]) > 1 else None
-        pieces = []
+        pieces = []  # (output rows, where they go: a (start, end) range or a row index)
         for plan in ctx.extra["sdpa_plans"]:
             if plan[0] == "causal":
                 _, s0, length, k0, _ = plan
                 qs, ks, vs = (t[a : a + length].transpose(0, 1)[None] for t, a in ((q, s0), (k, k0), (v, k0)))
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-                piece, where = o[0].transpose(0, 1), (s0, s0 + length)
+                pieces.append((o[0].transpose(0, 1), (s0, s0 + length)))
             else:
                 _, q_idx, k_idx, mask, rows_out, where = plan
                 b, mq, mk = mask.shape[0], mask.shape[2], mask.shape[3]
@@ -170,12 +171,10 @@ class SDPAAttention(AttentionBackend):
                 ks = k.index_select(0, k_idx).view(b, mk, k.shape[1], d).transpose(1, 2)
                 vs = v.index_select(0, k_idx).view(b, mk, v.shape[1], v.shape[-1]).transpose(1, 2)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
-                piece = o.transpose(1, 2).reshape(b * mq, hq, -1).index_select(0, rows_out)
-            if out is None:  # one plan covering every row, in order
-                if plan[0] == "causal" or bool((where == torch.arange(n, device=where.device)).all()):
-                    return piece
-                out = q.new_empty(n, hq, v.shape[-1])
-            pieces.append((piece, where))
+                pieces.append((o.transpose(1, 2).reshape(b * mq, hq, -1).index_select(0, rows_out), where))
+        if len(pieces) == 1 and isinstance(pieces[0][1], tuple) and pieces[0][1] == (0, n):
+            return pieces[0][0]  # one plan covering every row, in order
+        out = q.new_zeros(n, hq, v.shape[-1])  # zeros: rows of zero-length sequences stay defined
         for piece, where in pieces:
             if isinstance(where, tuple):
                 out[where[0] : where[1]] = piece

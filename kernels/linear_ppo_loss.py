@@ -152,18 +152,18 @@ def linear_ppo_loss(
     aggregation = _aggregation(tok, agg, normalizer, torch.float32)
     if aggregation.denom is None:  # a call-local token count, resolved now: every row block needs the total
         aggregation = _Aggregation(aggregation.weight, tok["valid"].sum().to(torch.float32))
-    opts = _Options(
-        eps_low=float(eps_low),
-        eps_high=float(eps_high),
-        dual_clip=dual_clip,
-        has_ref=ref_logp is not None,
-        kl_coef=float(kl_coef),
-        kl_estimator=kl_estimator,
-        kl_clamp=kl_clamp,
-        kl_clamp_value=float(kl_clamp_value),
-        has_is=is_weights is not None,
-        is_mode=is_mode,
-        is_bounds=tuple(is_bounds),
+    opts = _Options.of(
+        eps_low,
+        eps_high,
+        dual_clip,
+        ref_logp,
+        kl_coef,
+        kl_estimator,
+        kl_clamp,
+        kl_clamp_value,
+        is_weights,
+        is_mode,
+        is_bounds,
     )
     h = hidden.reshape(-1, hidden.shape[-1])
     name = _backend.resolve(h.device, backend)

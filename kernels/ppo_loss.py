@@ -185,18 +185,18 @@ def ppo_loss(
     )
     cdt = torch.float64 if logp.dtype == torch.float64 else torch.float32
     aggregation = _aggregation(tok, agg, normalizer, cdt)
-    opts = _Options(
-        eps_low=float(eps_low),
-        eps_high=float(eps_high),
-        dual_clip=dual_clip,
-        has_ref=ref_logp is not None,
-        kl_coef=float(kl_coef),
-        kl_estimator=kl_estimator,
-        kl_clamp=kl_clamp,
-        kl_clamp_value=float(kl_clamp_value),
-        has_is=is_weights is not None,
-        is_mode=is_mode,
-        is_bounds=tuple(is_bounds),
+    opts = _Options.of(
+        eps_low,
+        eps_high,
+        dual_clip,
+        ref_logp,
+        kl_coef,
+        kl_estimator,
+        kl_clamp,
+        kl_clamp_value,
+        is_weights,
+        is_mode,
+        is_bounds,
     )
     loss, stats = _PPOLoss.apply(logp, tok, aggregation, opts, name)
     return loss, _metrics(stats, opts)
@@ -217,6 +217,36 @@ class _Options:
     has_is: bool
     is_mode: str
     is_bounds: tuple[float, float]
+
+    @classmethod
+    def of(
+        cls,
+        eps_low,
+        eps_high,
+        dual_clip,
+        ref_logp,
+        kl_coef,
+        kl_estimator,
+        kl_clamp,
+        kl_clamp_value,
+        is_weights,
+        is_mode,
+        is_bounds,
+    ) -> _Options:
+        """The options of one call, from the public arguments (after `_check_options`)."""
+        return cls(
+            eps_low=float(eps_low),
+            eps_high=float(eps_high),
+            dual_clip=dual_clip,
+            has_ref=ref_logp is not None,
+            kl_coef=float(kl_coef),
+            kl_estimator=kl_estimator,
+            kl_clamp=kl_clamp,
+            kl_clamp_value=float(kl_clamp_value),
+            has_is=is_weights is not None,
+            is_mode=is_mode,
+            is_bounds=tuple(is_bounds),
+        )
 
 
 class _PPOLoss(torch.autograd.Function):
