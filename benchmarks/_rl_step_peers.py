@@ -69,8 +69,9 @@ def padded_logprobs(self, model, batch, temperature, grad: bool, entropy: bool =
     valid = torch.arange(lmax, device=lengths.device)[None, :] < lengths[:, None]  # [S, Lmax], row-major
     pid = torch.zeros(s, lmax, dtype=batch.ids.dtype, device=lengths.device)
     pid[valid] = batch.ids
-    pcu = (torch.arange(s + 1) * lmax).to(torch.int32)
-    padded_row = torch.arange(s * lmax).view(s, lmax)[valid]  # packed token -> its row in [S * Lmax]
+    dev = lengths.device
+    pcu = (torch.arange(s + 1, device=dev) * lmax).to(torch.int32)
+    padded_row = torch.arange(s * lmax, device=dev).view(s, lmax)[valid]  # packed token -> row in [S * Lmax]
     saved = model.attention
     model.attention = _padded_attention_backend(lmax)
     try:
@@ -91,7 +92,11 @@ class HFGenerator:
         from prorl.engine.model.hf_io import hf_name
 
         self.policy, self.pad = policy, pad_token_id
-        self.hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        weight = next(policy.parameters())  # the policy's dtype and device (CPU: fp32, as before)
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=weight.dtype).eval()
+        if weight.device.type != "cpu":
+            self.hf = self.hf.to(weight.device)
+        self.device = weight.device
         hf_state = self.hf.state_dict()  # detached tensors sharing the model's storage
         ours = policy.state_dict(keep_vars=True)  # the live parameters
         missing = [k for k in ours if hf_name(k) not in hf_state]
@@ -117,6 +122,8 @@ class HFGenerator:
             x = prompt_token_ids[p]
             ids[r, width - len(x) :] = torch.tensor(x)
             mask[r, width - len(x) :] = 1
+        if self.device.type != "cpu":
+            ids, mask = ids.to(self.device), mask.to(self.device)
         torch.manual_seed(params.seed)
         out = self.hf.generate(
             ids,
@@ -134,6 +141,7 @@ class HFGenerator:
         new = out.sequences[:, width:]  # [B, T]
         scores = torch.stack(out.scores, dim=1).float()  # [B, T, V] temperature-scaled logits
         logp = torch.log_softmax(scores, dim=-1).gather(-1, new[..., None]).squeeze(-1)
+        new, logp = new.cpu(), logp.cpu()  # no-ops on CPU
         stops = torch.tensor(list(params.stop_token_ids) or [-1])
         samples = []
         for r, (p, j) in enumerate(rows):
@@ -267,8 +275,11 @@ class TRLPhases:
         trainer.add_callback(_Clock())
 
 
-def run_trl(work: dict, model_path: str, warmup: int, reps: int, memory, gpu: bool) -> tuple[list[dict], str]:
-    """TRL's GRPOTrainer on the same model, prompts and settings; returns (per-step records, note)."""
+def run_trl(
+    work: dict, model_path: str, warmup: int, reps: int, memory, gpu: bool, gen: str = "vllm"
+) -> tuple[list[dict], str]:
+    """TRL's GRPOTrainer on the same model, prompts and settings; returns (per-step records, note). On
+    `gpu`, `gen` = "vllm" (colocated vLLM) or "native" (transformers.generate on CUDA, use_vllm=False)."""
     import importlib.metadata
     import shutil
     import tempfile
@@ -318,7 +329,8 @@ def run_trl(work: dict, model_path: str, warmup: int, reps: int, memory, gpu: bo
         seed=0,
         log_completions=False,
     )
-    if gpu:  # UNVERIFIED: colocated vLLM (TRL's recipe for one GPU)
+    use_vllm = gpu and gen == "vllm"
+    if use_vllm:  # UNVERIFIED: colocated vLLM (TRL's recipe for one GPU)
         for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
             os.environ.setdefault(k, v)
         os.environ.setdefault("MASTER_PORT", "29517")
@@ -337,7 +349,8 @@ def run_trl(work: dict, model_path: str, warmup: int, reps: int, memory, gpu: bo
         shutil.rmtree(out_dir, ignore_errors=True)
     note = (
         f"trl={importlib.metadata.version('trl')} transformers={importlib.metadata.version('transformers')} "
-        f"loss=dapo kl=k3 old_logp={'recomputed' if gpu else 'skipped (on-policy)'} "
-        f"gen={'vllm-colocate' if gpu else 'transformers.generate'} reward=in-process"
+        f"loss=dapo kl=k3 old_logp={'recomputed' if use_vllm else 'skipped (on-policy)'} "
+        f"gen={'vllm-colocate' if use_vllm else 'transformers.generate'} reward=in-process"
+        + (" dtype=bfloat16" if gpu else "")
     )
     return phases.records, note

@@ -3,6 +3,7 @@
     python -m benchmarks rl_step [--quick] [--threads 1] [--models tiny,random] [--providers prorl,trl,...]
     python -m benchmarks rl_step --scaling [--quick]    # prorl only: prompts, group size, length doubled
     python -m benchmarks rl_step --gpu                  # UNVERIFIED: vLLM rollouts in both, bf16, big model
+    python -m benchmarks rl_step --gpu --gpu-gen native --models tiny,random  # UNVERIFIED: no vLLM
 
 Equal work. Both trainers get the same checkpoint, the same prompts (the built-in digit_sums task, the
 tiny reasoner's chat template), P prompts x n samples per optimizer step, the same response cap L,
@@ -51,6 +52,12 @@ the work multiple (cost should grow no faster than the work).
 1024, 12 layers, same tokenizer), bf16 in both, prorl with `VLLMGenerator` (weights pushed after every
 step, phase `sync`) and the policy on CUDA; TRL with colocated vLLM (which then makes the old-policy
 pass for its importance-sampling correction).
+`--gpu --gpu-gen native` (UNVERIFIED, for a GPU without vLLM): the same, except that prorl samples with
+its native sampler on the CUDA policy (rollout.backend=native forced, so no `sync` phase) and TRL with
+`transformers.generate` on CUDA (use_vllm=False, so no old-policy pass either: on-policy as on CPU);
+`--gpu-gen vllm` is the default. The note of every row says which (`gen=...`). `--models`, `--prompts`,
+`--n`, `--max-new`, `--warmup` and `--reps` apply with `--gpu` as without it (e.g. `--models
+tiny,random` for small checkpoints).
 
 Results: benchmarks/results/rl_step.csv (harness.COLUMNS), rl_step.png (phases stacked per provider)
 and rl_step_scaling.png. On a shared machine timings vary (MACHINE-NOTES: up to 30x with 2 threads on 2
@@ -102,6 +109,7 @@ RANDOM_MODELS = {  # random-weight Qwen2 checkpoints with the tiny reasoner's to
     ),
 }
 LR = 3e-5
+GPU_GENS = ("vllm", "native")  # --gpu-gen: the samplers of the --gpu run
 
 
 def work(model: str, prompts: int, n: int, max_new: int, no_stop: bool = False) -> dict:
@@ -178,7 +186,16 @@ class Memory:
         return peak, peak - self.base
 
 
-def prorl_overrides(w: dict, path: str, gpu: bool) -> list[str]:
+def prorl_overrides(w: dict, path: str, gpu: bool, gen: str = "vllm") -> list[str]:
+    """The Trainer's config overrides; on `gpu`, `gen` is the sampler (vllm | native; CPU: the default
+    backend, which resolves to native there)."""
+    if gpu and gen not in GPU_GENS:
+        raise ValueError(f"gen must be one of {GPU_GENS}, got {gen!r}")
+    backend = []
+    if gpu:
+        backend = ["rollout.backend=native"]
+        if gen == "vllm":
+            backend = ["rollout.backend=vllm", "rollout.gpu_memory_utilization=0.3"]
     return [
         f"model.path={path}",
         f"model.dtype={'bfloat16' if gpu else 'float32'}",
@@ -201,12 +218,15 @@ def prorl_overrides(w: dict, path: str, gpu: bool) -> list[str]:
         "optim.weight_decay=0.0",
         "optim.grad_clip=1.0",
         "data.max_prompt_tokens=64",
-        *(["rollout.backend=vllm", "rollout.gpu_memory_utilization=0.3"] if gpu else []),
+        *backend,
     ]
 
 
-def run_prorl(provider: str, w: dict, path: str, warmup: int, reps: int, memory, gpu: bool):
-    """prorl's Trainer.step() warmup + reps times; returns (per-step records, note)."""
+def run_prorl(
+    provider: str, w: dict, path: str, warmup: int, reps: int, memory, gpu: bool, gen: str = "vllm"
+):
+    """prorl's Trainer.step() warmup + reps times; returns (per-step records, note). `gen`: the sampler
+    on `gpu` (vllm | native), ignored on CPU."""
 
     import torch
     from transformers import PreTrainedTokenizerFast
@@ -217,7 +237,7 @@ def run_prorl(provider: str, w: dict, path: str, warmup: int, reps: int, memory,
     from prorl.rewards.pool import RewardPool
     from prorl.trainer import Trainer
 
-    cfg = load_config("default", prorl_overrides(w, path, gpu))
+    cfg = load_config("default", prorl_overrides(w, path, gpu, gen))
     tok = PreTrainedTokenizerFast.from_pretrained(path)
     train = builtin("digit_sums", seed=0, split="train")
     val = builtin("digit_sums", n=4, seed=0, split="val")
@@ -249,13 +269,21 @@ def run_prorl(provider: str, w: dict, path: str, warmup: int, reps: int, memory,
                 )
             )
     flags = provider.split("-")[1:]
+    if "hfgen" in flags:
+        gen_note = "transformers.generate"
+    elif gpu:
+        gen_note = type(trainer.generator).__name__  # what actually sampled: VLLMGenerator | NativeGenerator
+        gen_note = {"VLLMGenerator": "vllm", "NativeGenerator": "native"}.get(gen_note, gen_note)
+    else:
+        gen_note = "native"
     note = (
         "loss=token-mean kl=k2 old_logp=skipped (on-policy: logp.detach()) reward=RewardPool(1 worker)"
-        + (" gen=vllm" if gpu else " gen=" + ("transformers.generate" if "hfgen" in flags else "native"))
+        + f" gen={gen_note}"
         + (" logp=naive" if "nofused" in flags else " logp=fused")
         + (" padded" if "nopack" in flags else " packed")
         + ("" if {"nopack", "noshare"} & set(flags) else " shared-prompts")
         + (" sampler=compiled" if "compile" in flags else "")
+        + (" dtype=bfloat16" if gpu else "")
     )
     return records, note
 
@@ -289,6 +317,7 @@ def worker_main(argv) -> None:
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
     gpu = device.type == "cuda"
+    gen = spec.get("gpu_gen", "vllm")
     provider = spec["provider"]
     res = harness.Result(
         provider, device=harness.device_name(device), versions=harness.versions_string(spec["threads"])
@@ -304,9 +333,9 @@ def worker_main(argv) -> None:
 
                 if w["no_stop"]:
                     raise ValueError("the nostop (scaling) settings are prorl-only")
-                records, note = run_trl(w, path, warmup, reps, memory, gpu)
+                records, note = run_trl(w, path, warmup, reps, memory, gpu, gen)
             elif provider.split("-")[0] == "prorl":
-                records, note = run_prorl(provider, w, path, warmup, reps, memory, gpu)
+                records, note = run_prorl(provider, w, path, warmup, reps, memory, gpu, gen)
             else:
                 raise ValueError(f"unknown provider {provider!r}")
             if len(records) != warmup + reps:
@@ -491,7 +520,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="P=4 n=4 L=16, tiny model, 1 warm-up + 2 timed steps")
     p.add_argument("--scaling", action="store_true", help="prorl only: P, n and L doubled (module docstring)")
-    p.add_argument("--gpu", action="store_true", help="UNVERIFIED: CUDA, vLLM rollouts in both, model large")
+    p.add_argument("--gpu", action="store_true", help="UNVERIFIED: CUDA, bf16, model large (see --gpu-gen)")
+    p.add_argument(
+        "--gpu-gen",
+        default="vllm",
+        choices=GPU_GENS,
+        help="with --gpu: vllm (vLLM in both) or native (prorl's sampler; TRL transformers.generate)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch/OMP threads of every provider (default 1)")
     p.add_argument("--providers", default=None, help=f"comma-separated, default {','.join(PROVIDERS)}")
     p.add_argument(
@@ -515,6 +550,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     q = args.quick
+    if args.gpu and not args.plot_only:
+        import torch
+
+        if not torch.cuda.is_available():
+            p.error("--gpu needs a visible CUDA device")
     out = Path(args.out) if args.out else harness.RESULTS_DIR / f"{NAME}.csv"
     if args.scaling:
         shapes = scaling_shapes(q)
@@ -547,6 +587,7 @@ def main(argv: list[str] | None = None) -> int:
             out=out,
             timeout=args.timeout,
             entry="benchmarks.rl_step:worker_main",
+            extra=dict(gpu_gen=args.gpu_gen) if args.gpu else None,
         )
         print(summary(rows, reference="trl"))
     if (rows or args.plot_only) and not args.no_plot:

