@@ -396,7 +396,7 @@ class Trainer:
         temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
         timing = {}
         # advantages over the global batch (group centring local, whitening across ranks)
-        t0 = time.perf_counter()
+        t0 = self._clock()
         rewards = torch.tensor([r for g in groups for r in g.shaped], dtype=torch.float32, device=dev)
         gidx = torch.arange(len(groups), device=dev).repeat_interleave(n)
         lengths = [len(t) for g in groups for t in g.responses]
@@ -424,7 +424,7 @@ class Trainer:
         self.policy.eval()
         old = None if on_policy else self.response_logprobs(self.policy, groups, resp_cu, temp)
         ref = self.response_logprobs(self.reference, groups, resp_cu, temp)
-        timing["timing_s/old_logp"] = time.perf_counter() - t0
+        timing["timing_s/old_logp"] = self._clock() - t0
         drift = torch.zeros(2, dtype=torch.float64, device=dev)  # sum |trainer - sampler| over tokens, count
         if old is not None:
             drift += torch.stack(
@@ -432,7 +432,7 @@ class Trainer:
             )
 
         # M mini-batch updates, each accumulated over micro-batches
-        t0 = time.perf_counter()
+        t0 = self._clock()
         self.policy.train()
         keys = (
             "pg_loss",
@@ -515,10 +515,10 @@ class Trainer:
                     "gradients; stopping (lower optim.lr or check the data)"
                 )
             n_updates += 1
-        timing["timing_s/update"] = time.perf_counter() - t0
+        timing["timing_s/update"] = self._clock() - t0
         t0 = time.perf_counter()
         self.sync_sampler()
-        timing["timing_s/sync"] = time.perf_counter() - t0
+        timing["timing_s/sync"] = self._clock() - t0
         summed = all_reduce(torch.cat([stats, drift])).tolist()  # the step's one metrics collective
         s = dict(zip(keys, summed))
         tok, updates = max(s["tokens"], 1.0), max(n_updates, 1)
@@ -559,6 +559,13 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     # one step, validation, reference reset
+    def _clock(self) -> float:
+        """time.perf_counter() after the device's queued work (CUDA runs asynchronously: without the sync
+        a phase's kernels would be timed in the next phase). One sync per phase boundary."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
     # ------------------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
         cfg = self.cfg
@@ -610,7 +617,7 @@ class Trainer:
                 "ref/reset_reason": reason or "",
             }
         )
-        elapsed = time.perf_counter() - t_start
+        elapsed = self._clock() - t_start
         metrics["timing_s/step"] = elapsed
         metrics["perf/tokens_per_s"] = float(sums[2]) / max(elapsed, 1e-9)
         self.step_count += 1

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# One prepared run on a lent GPU machine (an H200 here): checks the CUDA paths and records GPU benchmark rows.
+#
+#   bash benchmarks/gpu_check.sh [OUT_DIR]      # from the repository root; OUT_DIR default $OUT or /tmp/prorl-gpu
+#
+# Steps, most important first, each under its own `timeout` (one that fails or runs out does not stop the
+# rest; the log says which):
+#   1. install: wheels carried in .whl/ (pure-Python packages missing from the machine's image: omegaconf,
+#      math-verify, liger-kernel, trl, datasets, ...) into /tmp/site; prorl editable without the native CPU
+#      build (PRORL_TARGET_DEVICE=none; the Triton backend needs no build) and without fetching anything.
+#   2. tests: tests/gpu (compiled Triton kernels vs float64 references, no host sync, determinism, native
+#      sampler vs transformers, the trainer step on CUDA) and tests/engine/test_attention.py (SDPA and
+#      FlexAttention backward on CUDA).
+#   3. the embedded default end to end on cuda:0, 60 of its 150 steps: `torchrun --nproc_per_node=1 prorl/train.py`.
+#   4. benchmarks on cuda: ppo_loss, advantages, linear_logprob_entropy (bf16, vs Liger), rollout (native
+#      sampler vs transformers.generate), train_step, rl_step (prorl vs TRL, native / transformers
+#      generation: vLLM is not in the image). Rows are appended to benchmarks/results/*.csv.
+# Everything it writes comes back as OUT_DIR/gpu.log and OUT_DIR/results.tgz (the CSVs, plots, run logs).
+# Budget: GPU_CHECK_DEADLINE seconds (default 555; the device tool allows 600 per command): each step gets
+# min(its limit, what is left); steps that would get under 30 s are skipped and the results packed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT_DIR="${1:-${OUT:-/tmp/prorl-gpu}}"
+mkdir -p "$OUT_DIR"
+exec > >(tee -a "$OUT_DIR/gpu.log") 2>&1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+PY="${PYTHON:-python3}"
+T0=$(date +%s)
+SKIP="${GPU_CHECK_SKIP:-}"  # comma-separated step names to leave out
+DEADLINE="${GPU_CHECK_DEADLINE:-555}"  # seconds from the start: later steps get what is left, then packing
+
+step() {  # step NAME TIMEOUT_S CMD...: run one step, log its exit code and duration
+    local name=$1 limit=$2
+    shift 2
+    if [[ ",$SKIP," == *",$name,"* ]]; then
+        echo "=== [$name] skipped (GPU_CHECK_SKIP)"
+        return 0
+    fi
+    local left=$((DEADLINE - ($(date +%s) - T0)))
+    if ((left < 30)); then
+        echo "=== [$name] skipped: ${left} s left before the ${DEADLINE} s deadline"
+        return 0
+    fi
+    ((limit > left)) && limit=$left
+    echo "=== [$name] start at +$(($(date +%s) - T0)) s, limit ${limit} s: $*"
+    local s=$(date +%s)
+    timeout -k 10 "$limit" "$@"
+    local rc=$?
+    echo "=== [$name] rc=$rc in $(($(date +%s) - s)) s$([[ $rc == 124 || $rc == 137 ]] && echo ' (TIMED OUT)')"
+}
+
+echo "=== machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || true
+"$PY" -c "import sys, torch, triton, transformers; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+
+echo "=== install"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    pipt() { "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$@"; }
+    pipt .whl/*.whl || for w in .whl/*.whl; do pipt "$w" || echo "install of $w failed"; done
+    export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+PRORL_TARGET_DEVICE=none "$PY" -m pip install -q --no-index --no-build-isolation --no-deps -e . 2>&1 | grep -v "^WARNING: Running pip as" || true
+"$PY" -c "import prorl, prorl.engine, prorl.kernels, prorl.trainer; print('prorl imports ok')" || exit 1
+"$PY" -m pip list 2>/dev/null | grep -iE "^(liger-kernel|trl|datasets|accelerate|pyarrow|omegaconf|math-verify) " || true
+
+step tests 180 "$PY" -m pytest -q -rs -s -p no:cacheprovider --junitxml="$OUT_DIR/junit.xml" \
+    tests/gpu tests/engine/test_attention.py
+
+step main_job 150 torchrun --standalone --nproc_per_node=1 prorl/train.py output_dir=runs/gpu-default \
+    trainer.total_steps=60 trainer.val_every=30
+
+R=benchmarks/results/gpu  # GPU rows in their own CSVs (and plots): the CPU tables and plots stay CPU-only
+mkdir -p "$R"
+step ppo_loss 45 "$PY" -m benchmarks ppo_loss --device cuda --reps 50 --warmup 5 --out "$R/ppo_loss.csv"
+step llpe 100 "$PY" -m benchmarks linear_logprob_entropy --gpu --warmup 2 --reps 5 --timeout 30 \
+    --shape 16384,1536,151936 --providers prorl,naive,liger-flce,gemm-floor --out "$R/linear_logprob_entropy.csv"
+step rollout 110 "$PY" -m benchmarks rollout --device cuda --ckpts small,medium --batches 64 --new 128,512 \
+    --providers prorl,transformers-eager --reps 2 --warmup 1 --timeout 52 --out "$R/rollout.csv"
+step rl_step 110 "$PY" -m benchmarks rl_step --gpu --gpu-gen native --models tiny,random --providers prorl,trl \
+    --prompts 16 --n 8 --max-new 128 --warmup 1 --reps 3 --timeout 52 --out "$R/rl_step.csv"
+step advantages 40 "$PY" -m benchmarks advantages --device cuda --out "$R/advantages.csv"
+step train_step 60 "$PY" -m benchmarks train_step --gpu --timeout 55 --out "$R/train_step.csv"
+
+echo "=== pack results at +$(($(date +%s) - T0)) s"
+tar czf "$OUT_DIR/results.tgz" benchmarks/results/gpu $(ls -d runs/gpu-default/{config.yaml,metrics.jsonl,summary.txt,training_curves.png} 2>/dev/null)
+echo "=== done in $(($(date +%s) - T0)) s"
