@@ -8,13 +8,16 @@
 #   1. install: wheels carried in .whl/ (pure-Python packages missing from the machine's image: omegaconf,
 #      math-verify, liger-kernel, trl, datasets, ...) into /tmp/site; prorl editable without the native CPU
 #      build (PRORL_TARGET_DEVICE=none; the Triton backend needs no build) and without fetching anything.
-#   2. tests: tests/gpu (compiled Triton kernels vs float64 references, no host sync, determinism, native
-#      sampler vs transformers, the trainer step on CUDA) and tests/engine/test_attention.py (SDPA and
-#      FlexAttention backward on CUDA).
+#   2. tests (tests/gpu: compiled Triton kernels vs float64 references, no host sync, determinism, native
+#      sampler vs transformers, the trainer step on CUDA) and attention (tests/engine/test_attention.py:
+#      SDPA and FlexAttention forward and backward on CUDA).
 #   3. the embedded default end to end on cuda:0, 60 of its 150 steps: `torchrun --nproc_per_node=1 prorl/train.py`.
 #   4. benchmarks on cuda: ppo_loss, advantages, linear_logprob_entropy (bf16, vs Liger), rollout (native
 #      sampler vs transformers.generate), train_step, rl_step (prorl vs TRL, native / transformers
-#      generation: vLLM is not in the image). Rows are appended to benchmarks/results/*.csv.
+#      generation: vLLM is not in the image), then profile (benchmarks/gpu_profile_step.py: where a step's
+#      time goes, SDPA kernel families toggled, ppo_loss device time under CUDA graphs). Rows go to
+#      benchmarks/results/gpu/*.csv.
+# GPU_CHECK_ONLY=a,b runs only those steps; GPU_CHECK_SKIP=a,b leaves those out.
 # Everything it writes comes back as OUT_DIR/gpu.log and OUT_DIR/results.tgz (the CSVs, plots, run logs).
 # Budget: GPU_CHECK_DEADLINE seconds (default 555; the device tool allows 600 per command): each step gets
 # min(its limit, what is left); steps that would get under 30 s are skipped and the results packed.
@@ -27,13 +30,14 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY="${PYTHON:-python3}"
 T0=$(date +%s)
 SKIP="${GPU_CHECK_SKIP:-}"  # comma-separated step names to leave out
+ONLY="${GPU_CHECK_ONLY:-}"  # comma-separated step names to run (default: all)
 DEADLINE="${GPU_CHECK_DEADLINE:-555}"  # seconds from the start: later steps get what is left, then packing
 
 step() {  # step NAME TIMEOUT_S CMD...: run one step, log its exit code and duration
     local name=$1 limit=$2
     shift 2
-    if [[ ",$SKIP," == *",$name,"* ]]; then
-        echo "=== [$name] skipped (GPU_CHECK_SKIP)"
+    if [[ ",$SKIP," == *",$name,"* ]] || [[ -n "$ONLY" && ",$ONLY," != *",$name,"* ]]; then
+        echo "=== [$name] skipped (GPU_CHECK_SKIP / GPU_CHECK_ONLY)"
         return 0
     fi
     local left=$((DEADLINE - ($(date +%s) - T0)))
@@ -63,8 +67,8 @@ PRORL_TARGET_DEVICE=none "$PY" -m pip install -q --no-index --no-build-isolation
 "$PY" -c "import prorl, prorl.engine, prorl.kernels, prorl.trainer; print('prorl imports ok')" || exit 1
 "$PY" -m pip list 2>/dev/null | grep -iE "^(liger-kernel|trl|datasets|accelerate|pyarrow|omegaconf|math-verify) " || true
 
-step tests 180 "$PY" -m pytest -q -rs -s -p no:cacheprovider --junitxml="$OUT_DIR/junit.xml" \
-    tests/gpu tests/engine/test_attention.py
+step tests 150 "$PY" -m pytest -q -rs -s -p no:cacheprovider --junitxml="$OUT_DIR/junit.xml" tests/gpu
+step attention 60 "$PY" -m pytest -q -rs -p no:cacheprovider tests/engine/test_attention.py
 
 step main_job 150 torchrun --standalone --nproc_per_node=1 prorl/train.py output_dir=runs/gpu-default \
     trainer.total_steps=60 trainer.val_every=30
@@ -78,8 +82,9 @@ step rollout 110 "$PY" -m benchmarks rollout --device cuda --ckpts small,medium 
     --providers prorl,transformers-eager --reps 2 --warmup 1 --timeout 52 --out "$R/rollout.csv"
 step rl_step 110 "$PY" -m benchmarks rl_step --gpu --gpu-gen native --models tiny,random --providers prorl,trl \
     --prompts 16 --n 8 --max-new 128 --warmup 1 --reps 3 --timeout 52 --out "$R/rl_step.csv"
-step advantages 40 "$PY" -m benchmarks advantages --device cuda --out "$R/advantages.csv"
-step train_step 60 "$PY" -m benchmarks train_step --gpu --timeout 55 --out "$R/train_step.csv"
+step profile 120 "$PY" -m benchmarks.gpu_profile_step --model random --steps 5
+step advantages 40 "$PY" -m benchmarks advantages --device cuda --timeout 15 --out "$R/advantages.csv"
+step train_step 100 "$PY" -m benchmarks train_step --gpu --timeout 30 --out "$R/train_step.csv"
 
 echo "=== pack results at +$(($(date +%s) - T0)) s"
 tar czf "$OUT_DIR/results.tgz" benchmarks/results/gpu $(ls -d runs/gpu-default/{config.yaml,metrics.jsonl,summary.txt,training_curves.png} 2>/dev/null)

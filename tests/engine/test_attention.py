@@ -63,11 +63,19 @@ def test_sdpa_matches_reference():
     _check_against_reference(SDPAAttention())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_sdpa_cuda_matches_reference():
+    _check_against_reference(SDPAAttention(), device="cuda", atol=1e-4)
+
+
 # torch 2.13 FlexAttention on the CPU is forward-only ("FlexAttention does not support backward on CPU"):
 # usable for evaluation and rollout there, not for training. The backward is checked on CUDA only.
 def test_flex_eager_matches_reference():
     # Eager mode runs an unfused path that materialises the scores.
-    _check_against_reference(FlexAttention(compile=False), backward=torch.cuda.is_available())
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    atol = 1e-4 if device == "cuda" else 1e-5
+    backward = device == "cuda"
+    _check_against_reference(FlexAttention(compile=False), device=device, backward=backward, atol=atol)
 
 
 def test_flex_cpu_backward_is_refused_by_torch():

@@ -1,0 +1,141 @@
+"""Where prorl's RL step spends its time on a GPU, and the fused ops' device-only times.
+
+    python -m benchmarks.gpu_profile_step [--model random] [--steps 6] [--prompts 16] [--n 8] [--max-new 128]
+
+1. The rl_step benchmark's prorl Trainer (benchmarks/rl_step.py settings, bf16, native sampler) on cuda:0:
+   per-step phase times and the number of Triton kernels compiled during each step (files added to the
+   Triton cache), for `--steps` steps; then the same steps again with each SDPA kernel family switched
+   off in turn (cuDNN, memory-efficient, flash), to find a per-shape cost in one of them.
+2. torch.profiler over one more step: the top ops by self CUDA time and by self CPU time.
+3. ppo_loss (Triton) forward+backward at N = 4096 / 65536 / 1M tokens: wall time per call (host
+   included, `triton.testing.do_bench`) and device time (`do_bench_cudagraph`: the call captured in a
+   CUDA graph, so launch and Python overhead are excluded; possible because the op makes no host sync).
+Prints only; nothing is written to the results CSVs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+
+def _triton_cache_files() -> int:
+    root = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    return sum(len(files) for _, _, files in os.walk(root)) if os.path.isdir(root) else 0
+
+
+def _steps(trainer, k: int, label: str) -> None:
+    import torch
+
+    for i in range(k):
+        before = _triton_cache_files()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        m = trainer.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3
+        phases = " ".join(
+            f"{p} {m.get(f'timing_s/{p}', 0.0) * 1e3:7.1f}" for p in ("gen", "reward", "old_logp", "update")
+        )
+        print(
+            f"{label:<14} step {i}: {wall:8.1f} ms | {phases} | resp len {m['response_length/mean']:.1f}"
+            f" | triton cache +{_triton_cache_files() - before}",
+            flush=True,
+        )
+
+
+def profile_trainer(args) -> None:
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers import PreTrainedTokenizerFast
+
+    from benchmarks.rl_step import model_path, prorl_overrides, work
+    from prorl.config import load_config
+    from prorl.data import builtin
+    from prorl.rewards.pool import RewardPool
+    from prorl.trainer import Trainer
+
+    w = work(args.model, args.prompts, args.n, args.max_new)
+    path = model_path(args.model)
+    cfg = load_config("default", prorl_overrides(w, path, gpu=True, gen="native"))
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    train = builtin("digit_sums", seed=0, split="train")
+    val = builtin("digit_sums", n=4, seed=0, split="val")
+    all_backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]
+    all_backends.append(SDPBackend.MATH)
+    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
+        trainer = Trainer(cfg, path, tok, train, val, pool)
+        attention = trainer.policy.attention_backend(trainer.device).name
+        print(f"model {args.model} ({path}); attention {attention}", flush=True)
+        _steps(trainer, args.steps, "default")
+        for off in all_backends[:3]:
+            allowed = [b for b in all_backends if b != off]
+            with sdpa_kernel(allowed):
+                _steps(trainer, max(2, args.steps // 2), f"no {off.name.split('_')[0].lower()}")
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            trainer.step()
+            torch.cuda.synchronize()
+        table = prof.key_averages()
+        print(table.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
+        print(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60), flush=True)
+
+
+def _ppo_loss_calls(n: int):
+    """(forward, forward+backward) closures of a Triton ppo_loss call on n CUDA tokens."""
+    import torch
+    from prorl.kernels import ppo_loss
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    old = -torch.rand(n, device="cuda", generator=g) * 4
+    logp = (old + 0.3 * torch.randn(n, device="cuda", generator=g)).requires_grad_()
+    adv = torch.randn(n, device="cuda", generator=g)
+    mask = torch.rand(n, device="cuda", generator=g) > 0.1
+    ref = old - 0.1
+    cu = torch.arange(0, n + 1, 1024, device="cuda", dtype=torch.int32)
+
+    def fwd():
+        return ppo_loss(logp, old, adv, mask, ref_logp=ref, kl_coef=1e-3, cu_seqlens=cu, backend="triton")
+
+    def fwd_bwd():
+        loss, _ = fwd()
+        loss.backward()
+        logp.grad = None
+
+    return fwd, fwd_bwd
+
+
+def ppo_loss_device_times() -> None:
+    import triton.testing
+
+    for n in (4096, 65536, 1 << 20):
+        for name, fn in zip(("forward", "forward+backward"), _ppo_loss_calls(n)):
+            wall = triton.testing.do_bench(fn, warmup=25, rep=200) * 1e3
+            try:
+                dev = f"{triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3:8.1f} us"
+            except Exception as exc:  # noqa: BLE001 - report and go on
+                dev = f"capture failed ({type(exc).__name__}: {exc})"
+            print(f"ppo_loss N={n:>8} {name:<17} wall {wall:8.1f} us   device (CUDA graph) {dev}", flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="random", help="tiny | random | large (benchmarks/rl_step.py)")
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--max-new", type=int, default=128)
+    p.add_argument("--skip", default="", help="comma-separated: trainer, ppo_loss")
+    args = p.parse_args(argv)
+    skip = set(args.skip.split(","))
+    if "ppo_loss" not in skip:
+        ppo_loss_device_times()
+    if "trainer" not in skip:
+        profile_trainer(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
