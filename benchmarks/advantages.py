@@ -165,12 +165,14 @@ def main(argv: list[str] | None = None) -> int:
     print("\nspeed-up over python-loop (p50 ratio, this invocation):")
     for shape in dict.fromkeys(s for s, _ in times):
         loop = times.get((shape, "python-loop"))
+        if not loop:  # the loop ran out of time on this shape
+            continue
         ours = [
             f"{p} {loop / times[(shape, p)]:.0f}x"
             for p in providers
             if p != "python-loop" and (shape, p) in times
         ]
-        if loop and ours:
+        if ours:
             print(f"  {shape}: {', '.join(ours)}")
     for e in errors:
         print(f"error: {e}", file=sys.stderr)

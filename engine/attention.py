@@ -33,6 +33,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# SDPA kernels allowed on CUDA: cuDNN's attention is left out. It builds an execution plan for every new
+# shape, and bucketed RL batches bring new shapes every step: on an H200 (torch 2.11) a 3M-parameter
+# policy's RL step spent ~1.4 s of host time in _cudnn_attention_backward/forward per step; without cuDNN
+# the reference pass went from ~420 to ~40 ms and the update from ~840 to ~80 ms
+# (benchmarks/gpu_profile_step.py, the SDPA-family toggles).
+_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -108,33 +116,38 @@ class SDPAAttention(AttentionBackend):
                 i = bucket[0]
                 plans.append(("causal", start_q[i], lq[i], start_k[i], lk[i]))
                 continue
-            mq, mk = max(lq[i] for i in bucket), max(lk[i] for i in bucket)
-            # padded slots read row 0 (any real row: their outputs are dropped, their keys masked out)
-            q_idx = torch.zeros(len(bucket), mq, dtype=torch.long)
-            k_idx = torch.zeros(len(bucket), mk, dtype=torch.long)
-            mask = torch.zeros(len(bucket), 1, mq, mk, dtype=torch.bool)
-            rows_out = []
-            for b, i in enumerate(bucket):
-                q_idx[b, : lq[i]] = torch.arange(start_q[i], start_q[i] + lq[i])
-                k_idx[b, : lk[i]] = torch.arange(start_k[i], start_k[i] + lk[i])
-                mask[b, 0, : lq[i], : lk[i]] = torch.ones(lq[i], lk[i], dtype=torch.bool).tril(lk[i] - lq[i])
-                mask[b, 0, lq[i] :, 0] = True  # padded queries see one key: no all-masked row (NaN)
-                rows_out.append(torch.arange(b * mq, b * mq + lq[i]))
-            where = torch.cat([torch.arange(start_q[i], start_q[i] + lq[i]) for i in bucket])
-            if torch.equal(where, torch.arange(start_q[-1])):  # every row, in order: no scatter needed
-                where = (0, start_q[-1])
-            plans.append(
-                (
-                    "padded",
-                    q_idx.view(-1).to(device),
-                    k_idx.view(-1).to(device),
-                    mask.to(device),
-                    torch.cat(rows_out).to(device),
-                    where if isinstance(where, tuple) else where.to(device),
-                )
-            )
+            plans.append(self._padded_plan(bucket, lq, lk, start_q, start_k, device))
         ctx.extra["sdpa_plans"] = plans
         return ctx
+
+    @staticmethod
+    def _padded_plan(bucket, lq, lk, start_q, start_k, device):
+        """One padded SDPA call for the sequences in `bucket`: gather indices, mask, output rows; built
+        with a few vectorised ops on `device` (a per-sequence loop of small host ops cost ~70 ms per RL
+        step on an H200 host, profiled with benchmarks/gpu_profile_step.py)."""
+        as_t = lambda xs: torch.tensor(xs, dtype=torch.long).to(device, non_blocking=True)  # noqa: E731
+        bq, bk = as_t([lq[i] for i in bucket]), as_t([lk[i] for i in bucket])
+        sq, sk = as_t([start_q[i] for i in bucket]), as_t([start_k[i] for i in bucket])
+        mq, mk = max(lq[i] for i in bucket), max(lk[i] for i in bucket)
+        tq = torch.arange(mq, device=device)
+        tk = torch.arange(mk, device=device)
+        real_q = tq[None, :] < bq[:, None]  # [b, mq]
+        real_k = tk[None, :] < bk[:, None]  # [b, mk]
+        # padded slots read row 0 (any real row: their outputs are dropped, their keys masked out)
+        q_idx = torch.where(real_q, sq[:, None] + tq[None, :], 0)
+        k_idx = torch.where(real_k, sk[:, None] + tk[None, :], 0)
+        # causal aligned bottom-right: query t of a sequence sees keys j <= t + (Lk - Lq)
+        causal = tk[None, None, :] <= tq[None, :, None] + (bk - bq)[:, None, None]
+        mask = causal & real_k[:, None, :] & real_q[:, :, None]
+        mask[:, :, 0] |= ~real_q  # padded queries see one key: no all-masked row (NaN)
+        rows_out = (torch.arange(len(bucket), device=device)[:, None] * mq + tq[None, :])[real_q]
+        if [start_q[i] for i in bucket] == [sum(lq[j] for j in bucket[:n]) for n in range(len(bucket))] and (
+            sum(lq[i] for i in bucket) == start_q[-1]
+        ):
+            where = (0, start_q[-1])  # every row, in order: no scatter needed
+        else:
+            where = (sq[:, None] + tq[None, :])[real_q]
+        return ("padded", q_idx.view(-1), k_idx.view(-1), mask[:, None], rows_out, where)
 
     @classmethod
     def _buckets(cls, lq: list[int], lk: list[int]) -> list[list[int]]:
@@ -156,6 +169,12 @@ class SDPAAttention(AttentionBackend):
 
     @torch.compiler.disable  # data-dependent bucket shapes would recompile for every batch
     def __call__(self, q, k, v, ctx, scale):
+        if not q.is_cuda:
+            return self._attend(q, k, v, ctx, scale)
+        with sdpa_kernel(_CUDA_SDPA_BACKENDS):
+            return self._attend(q, k, v, ctx, scale)
+
+    def _attend(self, q, k, v, ctx, scale):
         n, hq, d = q.shape
         pieces = []  # (output rows, where they go: a (start, end) range or a row index)
         for plan in ctx.extra["sdpa_plans"]:
