@@ -321,22 +321,15 @@ def _png_link(name: str, png: Path, base: str) -> str:
     return link
 
 
-def generate(results: Path = RESULTS_DIR, readme: Path = REPO_ROOT / "README.md") -> str:
-    """The block between the markers (without them), from the CSVs in `results`."""
-    results = Path(results)
+def _render_folder(results: Path, readme: Path) -> list[str]:
+    """The tables and plot links of the CSVs and PNGs directly in `results`."""
     found = {p.stem: read_rows(p) for p in sorted(results.glob("*.csv"))}
     found = {n: rows for n, rows in found.items() if rows}
     order = [n for n in VIEWS if n in found] + sorted(n for n in found if n not in VIEWS)
     docs = descriptions()
     pngs = pngs_of(order, results)
     base = Path(os.path.relpath(results.resolve(), Path(readme).resolve().parent)).as_posix()
-    out = [
-        "",
-        "<!-- generated from benchmarks/results/*.csv by `python -m benchmarks readme`: do not edit -->",
-        "",
-    ]
-    if not order:
-        out += ["No results yet.", ""]
+    out = []
     for name in order:
         view = VIEWS.get(name, View())
         devices = list(dict.fromkeys(r["device"] for r in found[name]))
@@ -351,6 +344,30 @@ def generate(results: Path = RESULTS_DIR, readme: Path = REPO_ROOT / "README.md"
         if pngs[name]:
             links = [_png_link(name, p, base) for p in pngs[name]]
             out += ["Plots: " + ", ".join(links) + ".", ""]
+    return out
+
+
+# sub-folders of the results folder rendered after it, each under its own heading (their rows come from
+# another machine: kept apart so that plots never mix machines)
+SUBFOLDERS = {
+    "gpu": "GPU runs (a lent H200; `bash benchmarks/gpu_check.sh`, which writes to benchmarks/results/gpu)",
+}
+
+
+def generate(results: Path = RESULTS_DIR, readme: Path = REPO_ROOT / "README.md") -> str:
+    """The block between the markers (without them), from the CSVs in `results` and its SUBFOLDERS."""
+    results = Path(results)
+    out = [
+        "",
+        "<!-- generated from benchmarks/results/*.csv by `python -m benchmarks readme`: do not edit -->",
+        "",
+    ]
+    body = _render_folder(results, readme)
+    for sub, heading in SUBFOLDERS.items():
+        lines = _render_folder(results / sub, readme) if (results / sub).is_dir() else []
+        if lines:
+            body += [f"#### {heading}", "", *lines]
+    out += body or ["No results yet.", ""]
     return "\n".join(out)
 
 
