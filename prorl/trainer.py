@@ -29,6 +29,7 @@ import dataclasses
 import math
 import random
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -72,7 +73,19 @@ class Trainer:
         # weights and steps at its own pace on each rank, so under FSDP it samples from an unsharded
         # inference copy that receives the policy's weights after every update (`sync_sampler`); the vLLM
         # engine holds its own copy, pushed the same way.
-        self.fsdp = cfg.model.fsdp and self.world > 1
+        # FSDP2 whenever asked for and a process group exists, one rank included: it is also what gives
+        # bf16 compute over fp32 master weights (MixedPrecisionPolicy). Without it a bf16 policy is trained
+        # in bf16 itself: an update below bf16's resolution (~0.4% of a weight) is rounded away.
+        self.fsdp = cfg.model.fsdp and dist.is_available() and dist.is_initialized()
+        if dtype != torch.float32 and not self.fsdp and self.rank == 0:
+            warnings.warn(
+                f"model.dtype={cfg.model.dtype} without FSDP: the policy's weights and AdamW step are in "
+                f"{cfg.model.dtype} (no fp32 master copy), so small updates are lost to rounding. For bf16 "
+                "compute over fp32 master weights set model.fsdp=true and launch with torchrun (one process "
+                "is enough).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
         def load(**kw):
             return load_hf(model_path, device=self.device, attention=attention, **kw)

@@ -124,3 +124,47 @@ def test_shared_prompts_equal_repeated_prompts(setup):
         groups,
     )
     assert_same(shared, repeated, m_shared, m_rep)
+
+
+def _single_rank_group(tmp_path):
+    """A one-process gloo group, as `torchrun --nproc_per_node=1` makes."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+
+def test_bf16_updates_keep_fp32_master_weights(setup, tmp_path):
+    """bf16 compute: with FSDP (one rank is enough) the policy's master weights stay fp32, so an update far
+    below bf16's resolution still moves them; without FSDP the trainer warns that bf16 weights lose such
+    updates (and they are indeed lost to rounding)."""
+    import torch.distributed as dist
+
+    tiny = ["model.dtype=bfloat16", "optim.lr=1e-7", "optim.weight_decay=0"]
+    tiny.append("trainer.recompute_old_logp=false")
+    with pytest.warns(RuntimeWarning, match="no fp32 master copy"):
+        plain = make(setup, tiny)
+    groups = sampled_groups(setup, [])
+    for g in groups:  # mixed rewards in every group: non-zero advantages, so every weight gets a gradient
+        g.shaped = [float(i % 2) for i in range(len(g.responses))]
+    before = {k: v.detach().float().clone() for k, v in plain.policy.state_dict().items()}
+    plain.update(copy.deepcopy(groups), 24)
+    after = {k: v.detach().float() for k, v in plain.policy.state_dict().items()}
+    moved_bf16 = sum(int((after[k] != before[k]).sum()) for k in before)
+    _single_rank_group(tmp_path)
+    try:
+        sharded = make(setup, [*tiny, "model.fsdp=true"])
+        assert sharded.fsdp
+        params = dict(sharded.policy.named_parameters())
+        assert all(p.dtype == torch.float32 for p in params.values()), "master weights must be fp32"
+        start = {k: p.detach().full_tensor().clone() for k, p in params.items()}
+        sharded.update(copy.deepcopy(groups), 24)
+        end = {k: p.detach().full_tensor() for k, p in params.items()}
+    finally:
+        dist.destroy_process_group()
+    moved = sum(int((end[k] != start[k]).sum()) for k in start)
+    total = sum(v.numel() for v in start.values())
+    # Adam's first step moves every weight with a gradient by ~lr: far below bf16's spacing (2^-8 relative)
+    print(f"moved fp32-master {moved} / {total}, bf16 weights {moved_bf16} / {total}")
+    assert moved > 0.5 * total, (moved, total)
+    assert moved_bf16 < 0.01 * total, (moved_bf16, total)
