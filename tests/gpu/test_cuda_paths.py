@@ -223,20 +223,11 @@ def test_group_advantages_cuda_matches_float64():
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
+    from rollout_checkpoints import save_random_qwen2
+
     path = tmp_path_factory.mktemp("tiny-qwen2-cuda")
-    cfg = transformers.Qwen2Config(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    hf = transformers.Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.15)
-    hf.save_pretrained(path)
-    return str(path), hf.eval()
+    cfg = dict(vocab_size=256, hidden_size=64, intermediate_size=128, max_position_embeddings=128)
+    return str(path), save_random_qwen2(path, std=0.15, **cfg)
 
 
 PROMPTS = [[5, 9, 17, 3], [200, 7], [11, 12, 13, 14, 15, 16, 17], [42]]
@@ -262,23 +253,17 @@ def test_native_sampler_cuda_logprobs_match_trainer(checkpoint, dtype):
     sampler-vs-trainer mismatch that training logs, bounded)."""
     from prorl.engine.model import load_hf
     from prorl.engine.rollout import NativeGenerator, SamplingParams
-    from prorl.kernels import linear_logprob_entropy
+    from rollout_checkpoints import recompute_logprobs
 
     path, _ = checkpoint
     model = load_hf(path, dtype=dtype, device=CUDA)
     gen = NativeGenerator(model)
     params = SamplingParams(n=4, temperature=0.8, top_p=0.95, max_new_tokens=24, seed=3)
     out = gen.generate(PROMPTS, params)
-    diffs = []
-    for s in out.samples:
-        prompt = PROMPTS[s.prompt_index]
-        ids = torch.tensor(prompt + s.token_ids, device=CUDA)
-        with torch.no_grad():
-            hidden = model(ids)
-        labels = torch.full_like(ids, -100)
-        labels[len(prompt) - 1 : -1] = torch.tensor(s.token_ids, device=CUDA)
-        lp, _ = linear_logprob_entropy(hidden, model.lm_head_weight, labels, temperature=0.8)
-        diffs.append(torch.tensor(s.logprobs) - lp[len(prompt) - 1 : -1].float().cpu())
+    diffs = [
+        torch.tensor(s.logprobs) - recompute_logprobs(model, PROMPTS[s.prompt_index], s.token_ids, 0.8)
+        for s in out.samples
+    ]
     d = torch.cat(diffs)
     print(
         f"sampler-vs-trainer logp mismatch {dtype}: max {d.abs().max():.3g} rms {d.pow(2).mean().sqrt():.3g}"

@@ -11,7 +11,7 @@ transformers = pytest.importorskip("transformers")
 
 from prorl.engine.model import load_hf  # noqa: E402
 from prorl.engine.rollout import NativeGenerator, SamplingParams  # noqa: E402
-from prorl.kernels import linear_logprob_entropy  # noqa: E402
+from rollout_checkpoints import recompute_logprobs, save_random_qwen2  # noqa: E402
 
 PROMPTS = [[5, 9, 17, 3], [200, 7], [11, 12, 13, 14, 15, 16, 17], [42]]
 
@@ -19,24 +19,8 @@ PROMPTS = [[5, 9, 17, 3], [200, 7], [11, 12, 13, 14, 15, 16, 17], [42]]
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny-qwen2")
-    cfg = transformers.Qwen2Config(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    hf = transformers.Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.15)
-    hf.save_pretrained(path)
-    return str(path), hf.eval()
+    cfg = dict(vocab_size=256, hidden_size=64, intermediate_size=128, max_position_embeddings=128)
+    return str(path), save_random_qwen2(path, std=0.15, **cfg)
 
 
 def test_greedy_matches_transformers_generate(checkpoint):
@@ -50,16 +34,6 @@ def test_greedy_matches_transformers_generate(checkpoint):
         assert sample.finish_reason == "length"
 
 
-def _recompute_logprobs(model, prompt, tokens, temperature):
-    ids = torch.tensor(prompt + tokens)
-    with torch.no_grad():
-        hidden = model(ids)
-    labels = torch.full_like(ids, -100)
-    labels[len(prompt) - 1 : -1] = torch.tensor(tokens)
-    logp, _ = linear_logprob_entropy(hidden, model.lm_head_weight, labels, temperature=temperature)
-    return logp[len(prompt) - 1 : -1]
-
-
 @pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, -1), (0.7, 0.9, 50), (1.3, 0.8, -1)])
 def test_sampled_logprobs_match_trainer(checkpoint, temperature, top_p, top_k):
     path, _ = checkpoint
@@ -70,7 +44,7 @@ def test_sampled_logprobs_match_trainer(checkpoint, temperature, top_p, top_k):
     assert len(out.samples) == 12
     diffs = []
     for s in out.samples:
-        ref = _recompute_logprobs(model, PROMPTS[s.prompt_index], s.token_ids, temperature)
+        ref = recompute_logprobs(model, PROMPTS[s.prompt_index], s.token_ids, temperature)
         diffs.append(torch.tensor(s.logprobs) - ref)
     d = torch.cat(diffs)
     assert d.abs().max() < 1e-4, (d.abs().max(), d.pow(2).mean().sqrt())

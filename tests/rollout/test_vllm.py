@@ -17,7 +17,7 @@ transformers = pytest.importorskip("transformers")
 from prorl.engine.model import load_hf  # noqa: E402
 from prorl.engine.model.hf_io import hf_name  # noqa: E402
 from prorl.engine.rollout import NativeGenerator, SamplingParams  # noqa: E402
-from prorl.kernels import linear_logprob_entropy  # noqa: E402
+from rollout_checkpoints import recompute_logprobs, save_random_qwen2  # noqa: E402
 
 PROMPTS = [[5, 9, 17, 3], [200, 7], [11, 12, 13, 14, 15, 16, 17], [42]]
 
@@ -34,23 +34,8 @@ def test_missing_vllm_names_the_extra(monkeypatch):
 def checkpoint(tmp_path_factory):
     # head_dim 32: vLLM's CPU attention kernel supports 32, 64, ... but not 16
     path = tmp_path_factory.mktemp("tiny-qwen2-vllm")
-    cfg = transformers.Qwen2Config(
-        vocab_size=256,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    hf = transformers.Qwen2ForCausalLM(cfg)
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" not in name:
-                p.normal_(0, 0.1)
-    hf.save_pretrained(path)
+    cfg = dict(vocab_size=256, hidden_size=128, intermediate_size=256, max_position_embeddings=256)
+    save_random_qwen2(path, std=0.1, **cfg)
     return str(path)
 
 
@@ -62,16 +47,6 @@ def engine(checkpoint):
     return VLLMGenerator(
         checkpoint, dtype="float32", max_model_len=256, seed=0, kv_cache_memory_bytes=256 * 2**20
     )
-
-
-def _recompute_logprobs(model, prompt, tokens, temperature):
-    ids = torch.tensor(prompt + tokens)
-    with torch.no_grad():
-        hidden = model(ids)
-    labels = torch.full_like(ids, -100)
-    labels[len(prompt) - 1 : -1] = torch.tensor(tokens)
-    logp, _ = linear_logprob_entropy(hidden, model.lm_head_weight, labels, temperature=temperature)
-    return logp[len(prompt) - 1 : -1]
 
 
 def _greedy(gen, prompts=PROMPTS, max_new=16):
@@ -100,7 +75,7 @@ def test_sampled_logprobs_match_trainer(engine, checkpoint, temperature):
     d = torch.cat(
         [
             torch.tensor(s.logprobs)
-            - _recompute_logprobs(model, PROMPTS[s.prompt_index], s.token_ids, temperature)
+            - recompute_logprobs(model, PROMPTS[s.prompt_index], s.token_ids, temperature)
             for s in out.samples
         ]
     )
@@ -119,7 +94,7 @@ def test_truncated_sampling_logprobs_are_renormalised(engine, checkpoint):
         out = engine.generate(PROMPTS, params)
     d = torch.cat(
         [
-            torch.tensor(s.logprobs) - _recompute_logprobs(model, PROMPTS[s.prompt_index], s.token_ids, 1.0)
+            torch.tensor(s.logprobs) - recompute_logprobs(model, PROMPTS[s.prompt_index], s.token_ids, 1.0)
             for s in out.samples
         ]
     )
