@@ -8,7 +8,9 @@
 # 989 TFLOPS, H200 bf16 dense), and peak extra CUDA memory; rows appended to
 # benchmarks/results/linear_logprob_entropy.csv, then the plots are redrawn.
 #
-# UNVERIFIED: written on a CPU-only machine, against the documented APIs of torch and liger-kernel 0.8.5
+# The benchmark it runs ran on an H200 on 2026-11-30 through benchmarks/gpu_check.sh (the first shape; providers
+# prorl, naive, liger-flce, gemm-floor); this script as a whole, the D=4096 shape and the other providers have
+# not. Written against the documented APIs of torch and liger-kernel 0.8.5
 # (the Liger calls were exercised on the CPU under TRITON_INTERPRET=1 at a tiny shape, nothing else).
 #
 # Usage, from the repository root on the GPU machine:

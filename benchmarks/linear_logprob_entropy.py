@@ -27,8 +27,9 @@ Providers (CPU, fp32):
 GPU providers (`--gpu`, bf16): `prorl` (triton), `prorl-torch`, `naive`, `liger-flce` (Liger's Triton
 `liger_fused_linear_cross_entropy(reduction="none")`: per-token -logp only, no entropy, no temperature,
 default bf16 dW accumulation), `liger-flce-fp32acc` (the same with `accum_dtype=torch.float32`, as ours
-accumulates) and `gemm-floor` (the bf16 GEMMs). The `--gpu` path is UNVERIFIED: no GPU was available
-when it was written (see gpu_linear_logprob_entropy.sh).
+accumulates) and `gemm-floor` (the bf16 GEMMs). The `--gpu` path ran on an H200 (2026-11-30, shape 16384 x
+1536 x 151936, providers prorl, naive, liger-flce, gemm-floor: benchmarks/results/gpu); the other shape and
+providers have not run.
 """
 
 from __future__ import annotations

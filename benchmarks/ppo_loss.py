@@ -1,7 +1,7 @@
 """Benchmark of `prorl.kernels.ppo_loss` against the same loss in eager torch, as trainers write it.
 
     python -m benchmarks ppo_loss [--quick] [--threads N] [--sizes N1,N2] [--providers a,b] [--out CSV]
-    python -m benchmarks ppo_loss --device cuda        # UNVERIFIED: no GPU was available when written
+    python -m benchmarks ppo_loss --device cuda        # ran on an H200: benchmarks/results/gpu
 
 The op: the ProRL v2 loss on padded [B, T] log-probs (T = 1024, or N when smaller; ~10% of each row
 masked), advantages [B]: PPO-Clip-Higher (0.2 / 0.28), k2 KL to a reference with the log-ratio clamped to

@@ -3,7 +3,7 @@
     python -m benchmarks rl_step [--quick] [--threads 1] [--models tiny,random] [--providers prorl,trl,...]
     python -m benchmarks rl_step --scaling [--quick]    # prorl only: prompts, group size, length doubled
     python -m benchmarks rl_step --gpu                  # UNVERIFIED: vLLM rollouts in both, bf16, big model
-    python -m benchmarks rl_step --gpu --gpu-gen native --models tiny,random  # UNVERIFIED: no vLLM
+    python -m benchmarks rl_step --gpu --gpu-gen native --models tiny,random  # ran on an H200
 
 Equal work. Both trainers get the same checkpoint, the same prompts (the built-in digit_sums task, the
 tiny reasoner's chat template), P prompts x n samples per optimizer step, the same response cap L,
@@ -52,12 +52,12 @@ the work multiple (cost should grow no faster than the work).
 1024, 12 layers, same tokenizer), bf16 in both, prorl with `VLLMGenerator` (weights pushed after every
 step, phase `sync`) and the policy on CUDA; TRL with colocated vLLM (which then makes the old-policy
 pass for its importance-sampling correction).
-`--gpu --gpu-gen native` (UNVERIFIED, for a GPU without vLLM): the same, except that prorl samples with
-its native sampler on the CUDA policy (rollout.backend=native forced, so no `sync` phase) and TRL with
-`transformers.generate` on CUDA (use_vllm=False, so no old-policy pass either: on-policy as on CPU);
-`--gpu-gen vllm` is the default. The note of every row says which (`gen=...`). `--models`, `--prompts`,
-`--n`, `--max-new`, `--warmup` and `--reps` apply with `--gpu` as without it (e.g. `--models
-tiny,random` for small checkpoints).
+`--gpu --gpu-gen native` (for a GPU without vLLM; ran on an H200, benchmarks/results/gpu): the same,
+except that prorl samples with its native sampler on the CUDA policy (rollout.backend=native forced,
+so no `sync` phase) and TRL with `transformers.generate` on CUDA (use_vllm=False, so no old-policy pass
+either: on-policy as on CPU); `--gpu-gen vllm` is the default. The note of every row says which
+(`gen=...`). `--models`, `--prompts`, `--n`, `--max-new`, `--warmup` and `--reps` apply with `--gpu`
+as without it (e.g. `--models tiny,random` for small checkpoints).
 
 Results: benchmarks/results/rl_step.csv (harness.COLUMNS), rl_step.png (phases stacked per provider)
 and rl_step_scaling.png. On a shared machine timings vary (MACHINE-NOTES: up to 30x with 2 threads on 2

@@ -15,7 +15,8 @@ Where things run. Models and step tensors live on `dist_info().device`: cuda:LOC
 GPUs, else the CPU. The sampler (`rollout.backend`) is prorl's `NativeGenerator` on the policy itself (no
 weight copy; under FSDP on an unsharded copy that receives the weights after each step) or a colocated
 `VLLMGenerator` that sleeps while the policy trains and gets the weights pushed and checked after each
-step. GPU paths are written against the documented APIs and UNVERIFIED here (no GPU was lent).
+step. On CUDA the native-sampler path ran on one H200 (tests/gpu, the embedded default on cuda:0); vLLM on
+CUDA, NCCL across GPUs and FSDP2 on GPUs are written against the documented APIs and UNVERIFIED.
 
 Cost. The log-prob passes pack each group's prompt once with its n responses attending to it
 (prorl/packing.py: exact, tested against unpacked sequences) and split the work into micro-batches of at
