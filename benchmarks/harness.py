@@ -443,7 +443,7 @@ def add_standard_args(parser, name: str, *, reps: str, warmup: int, device: bool
     """The options every op benchmark shares: --threads --providers --reps --warmup --timeout --out (and
     --device cpu|cuda). `reps` describes the default in the help (the benchmark picks it when None)."""
     if device:
-        parser.add_argument("--device", default="cpu", help="cpu | cuda (cuda: UNVERIFIED)")
+        parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--threads", type=int, default=None, help="torch/OMP threads (default: all cores)")
     parser.add_argument("--providers", default=None, help="comma-separated subset of the providers")
     parser.add_argument("--reps", type=int, default=None, help=f"timed calls ({reps})")

@@ -1,7 +1,7 @@
 """Rollout throughput: NativeGenerator vs transformers.generate (static cache) vs vLLM, and weight-sync cost.
 
     python -m benchmarks rollout [--quick] [--threads N] [--providers a,b] [--out CSV]
-    python -m benchmarks rollout --device cuda [--dtype bfloat16] --ckpts tiny,small,medium  # UNVERIFIED
+    python -m benchmarks rollout --device cuda [--dtype bfloat16] --ckpts tiny,small,medium  # ran on an H200
 
 Every provider generates from the same checkpoint (a Qwen2 built from a config with seeded random weights,
 saved once under $TMPDIR/prorl-bench-rollout/<name>), the same prompts (batch B of 32 random tokens each),
@@ -31,13 +31,13 @@ Both keep head_dim >= 32 (vLLM's CPU attention kernel supports no smaller). `med
 when named in `--ckpts`, never a default) = hidden 1024, 12 layers, 16 heads (2 KV), intermediate 3584,
 vocab 32000 (~190M parameters). Timings on a shared 2-core machine vary a lot: compare providers within
 one invocation and look at the p20-p80 spread.
-Device and dtype: `--device cpu|cuda` (default cpu; cuda: UNVERIFIED, written without a GPU, until it
-has run on one) and `--dtype float32|bfloat16` (default float32 on cpu, bfloat16 on cuda). On cuda every
-provider holds its weights and works on the GPU in that dtype: `prorl` = NativeGenerator over
-`load_hf(path, dtype, device="cuda")`, `transformers` = `from_pretrained(path, dtype=...).to("cuda")`
-with the prompts on the GPU, `vllm` = VLLMGenerator in that dtype (CUDA graphs, not eager); the harness
-synchronizes around every timed call. A dtype other than fp32 on cpu, or any run on cuda, puts
-`dtype=...` in the CSV note of every row.
+Device and dtype: `--device cpu|cuda` (default cpu; cuda ran on an H200 for prorl and
+transformers-eager, benchmarks/results/gpu; vllm on cuda has not run) and `--dtype float32|bfloat16`
+(default float32 on cpu, bfloat16 on cuda). On cuda every provider holds its weights and works on the
+GPU in that dtype: `prorl` = NativeGenerator over `load_hf(path, dtype, device="cuda")`, `transformers`
+= `from_pretrained(path, dtype=...).to("cuda")` with the prompts on the GPU, `vllm` = VLLMGenerator in
+that dtype (CUDA graphs, not eager); the harness synchronizes around every timed call. A dtype other
+than fp32 on cpu, or any run on cuda, puts `dtype=...` in the CSV note of every row.
 """
 
 from __future__ import annotations
@@ -276,7 +276,7 @@ def summary(rows: list[dict]) -> str:
 
 def plot_rates(csv_path, png_path) -> None:
     """Tokens/s per shape and provider (the newest row of each), p50 bars with p20-p80 whiskers, and the
-    ratio to `transformers` above each bar."""
+    ratio to `transformers` above each bar where both rows come from the same run (same timestamp)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -304,13 +304,15 @@ def plot_rates(csv_path, png_path) -> None:
             err = [[max(0.0, r["p50"] - r["p20"])], [max(0.0, r["p80"] - r["p50"])]]
             ax.bar(x, r["p50"], width, yerr=err, capsize=2, color=f"C{i}", label=provider if j == 0 else None)
             ref = by.get((shape, "transformers"))
-            if ref is not None and provider != "transformers":
+            same_run = ref is not None and ref.get("timestamp") == r.get("timestamp")
+            if same_run and provider != "transformers":
                 ax.text(x, r["p80"] * 1.08, f"{r['p50'] / ref['p50']:.2f}x", ha="center", fontsize=7)
     ax.set_xticks(range(len(shapes)), [s.replace(" new", "\nnew") for s in shapes], fontsize=8)
     ax.set_yscale("log")
     ax.set_ylabel("generated tokens/s (p50, p20-p80)")
     threads = next((v for v in rows[0]["versions"].split() if v.startswith("threads=")), "") if rows else ""
-    ax.set_title(f"rollout: tokens/s, sampling T=1, no stop ({threads}; ratio = p50 / transformers p50)")
+    ratio = "ratio = p50 / transformers p50 of the same run"
+    ax.set_title(f"rollout: tokens/s, sampling T=1, no stop ({threads}; {ratio})")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
@@ -326,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help=f"comma-separated subset of {','.join(CHECKPOINTS)} (default {','.join(DEFAULT_CKPTS)})",
     )
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu | cuda (cuda: UNVERIFIED)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu | cuda")
     p.add_argument("--dtype", default=None, choices=DTYPES, help="default float32 on cpu, bfloat16 on cuda")
     p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 16,64)")
     p.add_argument("--new", default=None, help="comma-separated new-token counts (default 128,512)")
