@@ -26,11 +26,13 @@ cd "$(dirname "$0")/.."
 OUT_DIR="${1:-${OUT:-/tmp/prorl-gpu}}"
 mkdir -p "$OUT_DIR"
 exec > >(tee -a "$OUT_DIR/gpu.log") 2>&1
+TEE_PID=$!
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY="${PYTHON:-python3}"
 T0=$(date +%s)
 SKIP="${GPU_CHECK_SKIP:-}"  # comma-separated step names to leave out
 ONLY="${GPU_CHECK_ONLY:-}"  # comma-separated step names to run (default: all)
+SKIP="${SKIP// /}" ONLY="${ONLY// /}"  # spaces ignored
 DEADLINE="${GPU_CHECK_DEADLINE:-555}"  # seconds from the start: later steps get what is left, then packing
 
 step() {  # step NAME TIMEOUT_S CMD...: run one step, log its exit code and duration
@@ -70,7 +72,8 @@ PRORL_TARGET_DEVICE=none "$PY" -m pip install -q --no-index --no-build-isolation
 step tests 150 "$PY" -m pytest -q -rs -s -p no:cacheprovider --junitxml="$OUT_DIR/junit.xml" tests/gpu
 step attention 60 "$PY" -m pytest -q -rs -p no:cacheprovider tests/engine/test_attention.py
 
-step main_job 150 torchrun --standalone --nproc_per_node=1 prorl/train.py output_dir=runs/gpu-default \
+rm -rf runs/gpu-default  # a warm machine keeps it from an earlier call: the job would resume, not train
+step main_job 150 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 prorl/train.py output_dir=runs/gpu-default \
     trainer.total_steps=60 trainer.val_every=30
 
 R=benchmarks/results/gpu  # GPU rows in their own CSVs (and plots): the CPU tables and plots stay CPU-only
@@ -89,3 +92,5 @@ step train_step 100 "$PY" -m benchmarks train_step --gpu --timeout 30 --out "$R/
 echo "=== pack results at +$(($(date +%s) - T0)) s"
 tar czf "$OUT_DIR/results.tgz" benchmarks/results/gpu $(ls -d runs/gpu-default/{config.yaml,metrics.jsonl,summary.txt,training_curves.png} 2>/dev/null)
 echo "=== done in $(($(date +%s) - T0)) s"
+exec 1>&- 2>&-
+wait "$TEE_PID"  # the log is complete before the command returns

@@ -35,12 +35,22 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+
 # SDPA kernels allowed on CUDA: cuDNN's attention is left out. It builds an execution plan for every new
 # shape, and bucketed RL batches bring new shapes every step: on an H200 (torch 2.11) a 3M-parameter
 # policy's RL step spent ~1.4 s of host time in _cudnn_attention_backward/forward per step; without cuDNN
 # the reference pass went from ~420 to ~40 ms and the update from ~840 to ~80 ms
 # (benchmarks/gpu_profile_step.py, the SDPA-family toggles).
-_CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+def cuda_sdpa_backends() -> list[SDPBackend]:
+    """The SDPA kernels enabled right now (by default, or by a caller's own `sdpa_kernel` context), minus
+    cuDNN's: what `SDPAAttention` allows on CUDA. Empty when cuDNN is the only one enabled."""
+    b = torch.backends.cuda
+    enabled = (
+        (SDPBackend.FLASH_ATTENTION, b.flash_sdp_enabled()),
+        (SDPBackend.EFFICIENT_ATTENTION, b.mem_efficient_sdp_enabled()),
+        (SDPBackend.MATH, b.math_sdp_enabled()),
+    )
+    return [kernel for kernel, on in enabled if on]
 
 
 @dataclass
@@ -111,7 +121,9 @@ class SDPAAttention(AttentionBackend):
             start_k.append(start_k[-1] + b)
         device = ctx.cu_seqlens_q.device
         plans = []
-        for bucket in self._buckets(lq, lk):
+        live = [i for i, n in enumerate(lq) if n > 0]  # sequences without queries produce no output rows
+        for part in self._buckets([lq[i] for i in live], [lk[i] for i in live]):
+            bucket = [live[j] for j in part]
             if len(bucket) == 1 and lq[bucket[0]] == lk[bucket[0]]:
                 i = bucket[0]
                 plans.append(("causal", start_q[i], lq[i], start_k[i], lk[i]))
@@ -171,7 +183,10 @@ class SDPAAttention(AttentionBackend):
     def __call__(self, q, k, v, ctx, scale):
         if not q.is_cuda:
             return self._attend(q, k, v, ctx, scale)
-        with sdpa_kernel(_CUDA_SDPA_BACKENDS):
+        allowed = cuda_sdpa_backends()
+        if not allowed:  # the caller asked for cuDNN alone
+            return self._attend(q, k, v, ctx, scale)
+        with sdpa_kernel(allowed):
             return self._attend(q, k, v, ctx, scale)
 
     def _attend(self, q, k, v, ctx, scale):

@@ -182,13 +182,11 @@ class Reporter:
 
     def finish(self, trainer) -> str | None:
         """Export the final policy (HF format), the curves and the summary; returns the closing text
-        (rank 0)."""
+        (rank 0). Every rank calls it: gathering a sharded policy for the export is a collective."""
+        out = os.path.join(self.dir, "checkpoints", "final")
+        trainer.export_hf(out)
         if self.rank != 0:
             return None
-        from prorl.engine.model import save_hf
-
-        out = os.path.join(self.dir, "checkpoints", "final")
-        save_hf(trainer.sampler_model, out)  # the policy itself, or its unsharded copy under FSDP
         trainer.tokenizer.save_pretrained(out)
         png = plot_run(self.path, os.path.join(self.dir, "training_curves.png"))
         self.close()

@@ -68,6 +68,7 @@ class Trainer:
         self.device = info.device
         torch.manual_seed(cfg.seed + self.rank)
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        self.model_path, self.dtype = model_path, dtype
         attention = None if cfg.model.attention == "auto" else cfg.model.attention
         self.backend = self._resolve_backend(cfg.rollout.backend)
         # Replicated (default, CPU) or FSDP2-sharded policy and reference. The native sampler needs whole
@@ -214,6 +215,25 @@ class Trainer:
             from prorl.engine.parallel import full_state_dict
 
             self.generator.update_weights(full_state_dict(self.policy))
+
+    def export_hf(self, path: str) -> None:
+        """Write the current policy as a Hugging Face checkpoint directory (rank 0 writes; a collective
+        under FSDP: every rank must call it). With the native sampler that is the model it samples from
+        (the policy, or its unsharded copy, synced after every update); with vLLM the policy itself,
+        gathered from its shards when sharded, in the configured dtype."""
+        from prorl.engine.model import save_hf
+
+        if self.sampler_model is not None or not self.fsdp:
+            if self.rank == 0:
+                save_hf(self.sampler_model if self.sampler_model is not None else self.policy, path)
+            return
+        from prorl.engine.parallel import full_state_dict
+
+        state = full_state_dict(self.policy, cpu_offload=True)  # collective; full tensors on rank 0 only
+        if self.rank == 0:
+            model = load_hf(self.model_path, dtype=self.dtype)  # same architecture, on the CPU
+            model.load_state_dict(state, strict=True)
+            save_hf(model, path)
 
     # ------------------------------------------------------------------------------------------
     # data

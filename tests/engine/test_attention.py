@@ -63,6 +63,20 @@ def test_sdpa_matches_reference():
     _check_against_reference(SDPAAttention())
 
 
+def test_cuda_sdpa_kernels_respect_the_callers_choice():
+    """On CUDA the backend leaves out cuDNN's attention but keeps a caller's own restriction (the enabled
+    kernels are global flags, read here on any device)."""
+    from prorl.engine.attention import cuda_sdpa_backends
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]):
+        assert cuda_sdpa_backends() == [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+    with sdpa_kernel([SDPBackend.MATH]):
+        assert cuda_sdpa_backends() == [SDPBackend.MATH]
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        assert cuda_sdpa_backends() == []
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_sdpa_cuda_matches_reference():
     _check_against_reference(SDPAAttention(), device="cuda", atol=1e-4)
@@ -143,10 +157,16 @@ def test_decoder_backends_agree(hf_checkpoint, packed_batch):
     assert (flex_logits - ref).abs().max().item() <= 1e-4
 
 
-def test_sdpa_separate_key_lengths_match_reference():
+@pytest.mark.parametrize(
+    "lq,extra",
+    [
+        ([1, 3, 3, 4, 50, 2, 7, 1], [0, 2, 0, 5, 0, 1, 3, 9]),
+        # sequences without queries (an empty response after its shared prompt; an empty segment)
+        ([0, 3, 0, 0, 4, 0, 1], [4, 2, 0, 0, 5, 3, 9]),
+    ],
+)
+def test_sdpa_separate_key_lengths_match_reference(lq, extra):
     """Queries that are the last Lq of Lk keys (a shared prompt prefix), bucketed into few padded calls."""
-    lq = [1, 3, 3, 4, 50, 2, 7, 1]
-    extra = [0, 2, 0, 5, 0, 1, 3, 9]
     lk = [a + b for a, b in zip(lq, extra)]
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(sum(lq), HQ, D, generator=gen, requires_grad=True)
@@ -156,7 +176,7 @@ def test_sdpa_separate_key_lengths_match_reference():
     cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32)
     backend = SDPAAttention()
     ctx = backend.prepare(make_context(q.shape[0], cu_q, cu_seqlens_k=cu_k, kv_index=torch.arange(sum(lk))))
-    assert 1 < len(ctx.extra["sdpa_plans"]) < len(lq)  # bucketed: fewer calls than sequences
+    assert 1 <= len(ctx.extra["sdpa_plans"]) < len(lq)  # bucketed: fewer calls than sequences
     out = backend(q, k, v, ctx, D**-0.5)
     upstream = torch.randn(out.shape, generator=gen, dtype=torch.float64)
     (out.double() * upstream).sum().backward()

@@ -5,8 +5,10 @@ cannot show compiled-code problems: register pressure, fast-math exp/log accurac
 programs racing on the ppo_loss completion counter, host syncs). Run on a GPU machine with
 `python -m pytest tests/gpu` (benchmarks/gpu_check.sh does, with the GPU benchmarks).
 
-Every expected value comes from an independent reference computed on the CPU in float64
-(`*_reference` ops, `transformers` greedy generation), never from the code under test.
+Kernel results are held to independent references computed on the CPU in float64 (`*_reference` ops)
+and greedy decoding to `transformers`' generate. Two checks compare prorl with itself by design: the
+sampler's log-probs against the training model's recomputation (the sampler/trainer mismatch that
+training logs), and a sampler after `update_weights` against a fresh sampler on the new weights.
 """
 
 import contextlib
@@ -323,4 +325,5 @@ def test_trainer_steps_on_cuda(tmp_path):
     for m in metrics:
         print({k: round(float(v), 5) for k, v in m.items() if isinstance(v, (int, float))})
         assert all(math.isfinite(float(v)) for v in m.values() if isinstance(v, (int, float)))
+        assert m["rollout/logprob_mismatch"] < 1e-3  # fp32 sampler on the policy vs the update's forward
     assert not torch.equal(w0, next(trainer.policy.parameters()).detach())

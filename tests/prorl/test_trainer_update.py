@@ -168,3 +168,24 @@ def test_bf16_updates_keep_fp32_master_weights(setup, tmp_path):
     print(f"moved fp32-master {moved} / {total}, bf16 weights {moved_bf16} / {total}")
     assert moved > 0.5 * total, (moved, total)
     assert moved_bf16 < 0.01 * total, (moved_bf16, total)
+
+
+def test_export_gathers_a_sharded_policy(setup, tmp_path):
+    """export_hf under FSDP without a sampler copy (the vLLM backend's case): the policy is gathered from
+    its shards and written in the configured dtype; transformers loads it and its weights are the
+    policy's."""
+    import torch.distributed as dist
+    import transformers
+
+    _single_rank_group(tmp_path)
+    try:
+        trainer = make(setup, ["model.fsdp=true"])
+        trainer.sampler_model = None  # as with rollout.backend=vllm
+        trainer.export_hf(str(tmp_path / "final"))
+        want = {k: p.detach().full_tensor() for k, p in trainer.policy.named_parameters()}
+    finally:
+        dist.destroy_process_group()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
+    got = dict(hf.named_parameters())
+    assert torch.equal(got["model.embed_tokens.weight"], want["embed_tokens.weight"])
+    assert torch.equal(got["model.layers.0.mlp.up_proj.weight"], want["layers.0.mlp.up_proj.weight"])

