@@ -6,7 +6,13 @@
 # Steps, most important first, each under its own `timeout` (one that fails or runs out does not stop the
 # rest; the log says which):
 #   1. install: wheels carried in .whl/ (pure-Python packages missing from the machine's image: omegaconf,
-#      math-verify, liger-kernel, trl, datasets, ...) into /tmp/site; prorl editable without the native CPU
+#      math-verify, liger-kernel, trl, datasets, ...) into /tmp/site. Made on the CPU machine, in the repo root
+#      (.whl/ ignored through .git/info/exclude), for the image's Python 3.12:
+#        pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#          --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl omegaconf==2.4.0 \
+#          math-verify==0.9.0 latex2sympy2_extended==1.11.0 antlr4-python3-runtime==4.13.2 liger-kernel \
+#          trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
+#      and carried with the device tool's `carry: [".whl"]`; prorl editable without the native CPU
 #      build (PRORL_TARGET_DEVICE=none; the Triton backend needs no build) and without fetching anything.
 #   2. tests (tests/gpu: compiled Triton kernels vs float64 references, no host sync, determinism, native
 #      sampler vs transformers, the trainer step on CUDA) and attention (tests/engine/test_attention.py:
