@@ -153,10 +153,13 @@ class SDPAAttention(AttentionBackend):
         mask = causal & real_k[:, None, :] & real_q[:, :, None]
         mask[:, :, 0] |= ~real_q  # padded queries see one key: no all-masked row (NaN)
         rows_out = (torch.arange(len(bucket), device=device)[:, None] * mq + tq[None, :])[real_q]
-        if [start_q[i] for i in bucket] == [sum(lq[j] for j in bucket[:n]) for n in range(len(bucket))] and (
-            sum(lq[i] for i in bucket) == start_q[-1]
-        ):
-            where = (0, start_q[-1])  # every row, in order: no scatter needed
+        pos = 0  # does the bucket hold every row, in order? then its output needs no scatter
+        for i in bucket:
+            if start_q[i] != pos:
+                break
+            pos += lq[i]
+        if pos == start_q[-1]:
+            where = (0, start_q[-1])
         else:
             where = (sq[:, None] + tq[None, :])[real_q]
         return ("padded", q_idx.view(-1), k_idx.view(-1), mask[:, None], rows_out, where)
