@@ -181,19 +181,12 @@ class ReferenceResetPolicy:
 # --------------------------------------------------------------------------------------------------
 
 
-def importance_weights(
-    old_logp: torch.Tensor, sampler_logp: torch.Tensor, mode: str = "tis", low: float = 0.5, high: float = 5.0
-) -> torch.Tensor | None:
-    """Per-token w = exp(old_logp - sampler_logp), detached: TIS clamps to <= high, ICE-POP zeroes outside
-    [low, high], 'none' returns None. Corrects the drift between the sampler and the trainer."""
-    if mode == "none":
-        return None
-    w = torch.exp((old_logp - sampler_logp).detach().clamp(-20, 20))
-    if mode == "tis":
-        return w.clamp(max=high)
-    if mode == "icepop":
-        return torch.where((w >= low) & (w <= high), w, torch.zeros_like(w))
-    raise ValueError(f"unknown importance-sampling mode {mode!r}; choose none, tis or icepop")
+def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor) -> torch.Tensor:
+    """Raw per-token off-policy weights w = exp(old_logp - sampler_logp), detached (log-ratio clamped to
+    +-20): the correction for the drift between the sampler and the trainer. Truncating (TIS) or masking
+    (ICE-POP) them is `ppo_loss`'s `is_mode` / `is_bounds`, applied once there, where
+    `is_frac_modified` measures it on these raw weights."""
+    return torch.exp((old_logp - sampler_logp).detach().clamp(-20, 20))
 
 
 def scheduled_value(step: int, schedule: dict[int, int] | None, default: int) -> int:

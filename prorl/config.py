@@ -137,7 +137,8 @@ class TrainerConfig:
     save_every: int = 50  # 0: no checkpoints (the final HF export is always written)
     keep_last: int = 2
     val_every: int = 25
-    val_temperature: float = 0.0
+    val_temperature: float = 0.0  # 0: greedy
+    val_top_p: float = 0.95  # with val_temperature > 0 (the papers' evaluation: T 0.6, top-p 0.95)
     val_samples: int = 1
     log_every: int = 1
     max_consecutive_skips: int = 5
@@ -236,10 +237,22 @@ def validate(cfg: Config) -> None:
             "trainer.prompts_per_step must be a multiple of trainer.mini_batches",
         ),
         (cfg.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
+        (cfg.seed >= 0, "seed must be >= 0"),
     ]
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
+
+
+def check_world(cfg: Config, world: int) -> None:
+    """Checks that need the number of ranks: each rank trains prompts_per_step / world prompts."""
+    pps = cfg.trainer.prompts_per_step
+    if pps % world:
+        raise ConfigError(
+            f"trainer.prompts_per_step={pps} is not a multiple of the {world} ranks: each rank takes "
+            f"prompts_per_step / world prompts (use {pps - pps % world or world} or "
+            f"{pps + world - pps % world})"
+        )
 
 
 def resolve_output_dir(cfg: Config) -> str:

@@ -323,6 +323,23 @@ def encode_prompts(
     return [list(all_ids[i]) for i in kept], kept, len(examples) - len(kept)
 
 
+def stop_token_ids(tokenizer, model_path: str | None = None) -> list[int]:
+    """End-of-turn ids a sample stops at: the tokenizer's eos, ChatML's <|im_end|> when in the vocabulary,
+    and the `eos_token_id` (int or list) of the model's generation_config.json. The one definition the
+    trainer, the evaluator and the warm-start use."""
+    ids = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    if "<|im_end|>" in tokenizer.get_vocab():
+        ids.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    gen_cfg = os.path.join(model_path, "generation_config.json") if model_path else None
+    if gen_cfg and os.path.isfile(gen_cfg):
+        with open(gen_cfg) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
+    return sorted(set(ids))
+
+
 # -- built-in task sets -----------------------------------------------------------------------------------
 
 SPLITS = ("train", "val")

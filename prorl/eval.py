@@ -118,22 +118,6 @@ def summarize(records: list[dict], k: int, filtered: dict[str, int] | None = Non
 # -- generation and scoring ----------------------------------------------------------------------------
 
 
-def stop_token_ids(tokenizer, model_path: str | None = None) -> list[int]:
-    """End-of-turn ids: the tokenizer's eos, ChatML's <|im_end|> when in the vocabulary, and the
-    `eos_token_id` (int or list) of the model's generation_config.json."""
-    ids = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(tokenizer.eos_token_id)
-    if "<|im_end|>" in tokenizer.get_vocab():
-        ids.append(tokenizer.convert_tokens_to_ids("<|im_end|>"))
-    gen_cfg = os.path.join(model_path, "generation_config.json") if model_path else None
-    if gen_cfg and os.path.isfile(gen_cfg):
-        with open(gen_cfg) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids += eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else []
-    return sorted(set(ids))
-
-
 def _chunk_size(model, k: int, seq_len: int, kv_cache_gib: float) -> int:
     """Prompts per generate call so that the KV cache (k rows per prompt, seq_len slots each) fits."""
     cfg = model.config
@@ -161,6 +145,7 @@ def evaluate(
     model=None,
     tokenizer=None,
     pool=None,
+    generator=None,
     num_workers: int = 2,
     timeout_s: float = 10.0,
     log=print,
@@ -173,6 +158,8 @@ def evaluate(
         examples: `prorl.data.Example`s (any mix of data sources with registered verifiers).
         model, tokenizer, pool: already loaded objects to use instead (the trainer passes its policy,
             tokenizer and `RewardPool`); a pool made here has `num_workers` workers, `timeout_s` per item.
+        generator: a `prorl.engine.rollout.Generator` to sample with (the trainer's, native or vLLM);
+            default a `NativeGenerator` over `model`.
         dtype: "float32" | "bfloat16" | None (None: float32 on the CPU, the checkpoint's dtype on CUDA).
         kv_cache_gib, prompts_per_generate: a generate call takes at most `prompts_per_generate` prompts,
             fewer when their KV cache would pass `kv_cache_gib`; scoring overlaps the next call.
@@ -238,8 +225,8 @@ def evaluate(
         f"{chunk} prompts per generate call"
     )
 
-    stops = stop_token_ids(tokenizer, model_path)
-    generator = NativeGenerator(model)
+    stops = data.stop_token_ids(tokenizer, model_path)
+    generator = generator or NativeGenerator(model)
     own_pool = pool is None
     if own_pool:
         from prorl.rewards.pool import RewardPool

@@ -135,10 +135,11 @@ class Reporter:
             _write_rows(self.path, kept)
         return len(rows) - len(kept)
 
-    def validation(self, step: int, acc: float, seconds: float | None = None) -> None:
-        self.val_history.append((step, acc))
+    def validation(self, step: int, metrics: dict, seconds: float | None = None) -> None:
+        """A validation row outside a training step (the one before RL)."""
+        self.val_history.append((step, metrics["val/accuracy"]))
         if self.rank == 0:
-            row = {"step": step, "val/accuracy": acc}
+            row = {"step": step, **metrics}
             if seconds is not None:
                 row["timing_s/val"] = seconds
             with open(self.path, "a") as f:
@@ -291,10 +292,13 @@ def plot_run(metrics_path: str, png_path: str, control: list[tuple[int, float]] 
         ("actor/entropy", "entropy"),
         ("actor/kl_mean", "KL to reference"),
         ("response_length/mean", "response length"),
+        ("response_length/clip_ratio", "truncated responses (fraction)"),
+        ("dynamic_sampling/pass_rate", "pass rate of sampled groups"),
         ("clipfrac", "clipped token fraction"),
+        ("actor/grad_norm", "grad norm (before clipping)"),
         ("timing", "seconds per step"),
     ]
-    cols = 4
+    cols = 5
     fig, axes = plt.subplots(2, cols, figsize=(4 * cols, 6.4))
     axes = axes.ravel()
     for ax in axes[len(panels) :]:
@@ -307,8 +311,9 @@ def plot_run(metrics_path: str, png_path: str, control: list[tuple[int, float]] 
                 ax.legend()
         elif key == "clipfrac":  # clip-higher: the upper bound (1 + eps_high) and the lower (1 - eps_low)
             for k, label in (
-                ("actor/pg_clipfrac", "high (A > 0)"),
-                ("actor/pg_clipfrac_lower", "low (A < 0)"),
+                ("actor/pg_clipfrac", "either side"),
+                ("actor/pg_clipfrac_high", "high (A > 0)"),
+                ("actor/pg_clipfrac_low", "low (A < 0)"),
             ):
                 ax.plot(x, [r.get(k, float("nan")) for r in steps], lw=1, label=label)
             ax.legend(fontsize=8)

@@ -24,7 +24,9 @@ Lifecycle (issue 8):
   before the first step.
 
 Exit codes: 0 done (or stopped cleanly by a signal), 2 config error, 3 reward self-test failed,
-4 checkpoint cannot be resumed, 5 output directory unusable.
+4 checkpoint cannot be resumed, 5 output directory unusable, 6 training stalled (steps without a group to
+train on, or non-finite gradients, `trainer.max_consecutive_skips` times in a row; the last complete
+checkpoint is kept).
 """
 
 from __future__ import annotations
@@ -205,10 +207,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prorl: config error: {exc}", file=sys.stderr)
         return 2
 
-    from prorl.engine.parallel import init_distributed
+    from prorl.config import check_world
+    from prorl.engine.parallel import destroy_distributed, init_distributed
 
     # gloo on the CPU, NCCL on GPUs; collectives time out, so a dead or stuck rank ends the job
     info = init_distributed()
+    try:
+        check_world(cfg, info.world_size)
+    except ConfigError as exc:
+        print(f"prorl: config error: {exc}", file=sys.stderr)
+        destroy_distributed()
+        return 2
     try:
         return run(cfg, info.rank)
     except Fatal as exc:
@@ -241,7 +250,7 @@ def run(cfg, rank: int) -> int:
     from prorl.rewards import builtin_keys
     from prorl.rewards.pool import RewardPool
     from prorl.rewards.selftest import self_test
-    from prorl.trainer import Trainer
+    from prorl.trainer import Trainer, TrainingStalled
 
     for module in cfg.reward.plugins:  # user verifiers: each module calls prorl.rewards.register(...)
         importlib.import_module(module)
@@ -324,9 +333,10 @@ def run(cfg, rank: int) -> int:
             if dropped:
                 reporter.say(f"prorl: dropped {dropped} metrics rows of an attempt that saved nothing")
             t0 = time.perf_counter()
-            acc0 = trainer.validate()
-            reporter.validation(0, acc0, time.perf_counter() - t0)
+            val0 = trainer.validate()
+            reporter.validation(0, val0, time.perf_counter() - t0)
             mode = "greedy" if cfg.trainer.val_temperature == 0 else f"T={cfg.trainer.val_temperature}"
+            acc0 = val0["val/accuracy"]
             reporter.say(f"prorl: held-out accuracy before RL: {acc0:.1%} ({len(val)} problems, {mode})")
 
         def save(step: int) -> None:
@@ -339,11 +349,16 @@ def run(cfg, rank: int) -> int:
             if stop.requested():
                 stopped = True
                 break
-            metrics = trainer.step()
+            try:
+                metrics = trainer.step()
+            except TrainingStalled as exc:
+                reporter.say(f"prorl: stopped at step {trainer.step_count}: {exc}")
+                reporter.close()
+                return 6
             step = trainer.step_count
             if cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total):
                 t0 = time.perf_counter()
-                metrics["val/accuracy"] = trainer.validate()
+                metrics.update(trainer.validate())
                 metrics["timing_s/val"] = time.perf_counter() - t0
             reporter.log(metrics)  # before the save: a checkpoint's step always has its metrics row
             if every and (step % every == 0 or step == total):

@@ -27,22 +27,31 @@ passes). With one mini-batch per step the old-policy pass is skipped: old_logp =
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import random
 import time
 import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from prorl import algorithm, packing
-from prorl.config import Config
+from prorl.config import Config, check_world
+from prorl.data import stop_token_ids
 from prorl.engine.model import load_hf
 from prorl.engine.optim import Optimizer, OptimizerConfig
 from prorl.engine.parallel import all_reduce, dist_info
 from prorl.engine.rollout import NativeGenerator, SamplingParams
 from prorl.kernels import group_advantages, linear_logprob_entropy, ppo_loss
+from prorl.metrics import StepAccumulator, step_metrics
+
+
+class TrainingStalled(RuntimeError):
+    """Training cannot go on (steps without a group to train on, or non-finite gradients, repeated
+    `trainer.max_consecutive_skips` times); raised on every rank together, the message says why."""
 
 
 @dataclass
@@ -56,6 +65,8 @@ class Group:
     truncated: list[bool]
     raw: list[float] | None = None  # verifier scores
     shaped: list[float] | None = None
+    # carried-over groups only: the trainer's log-probs under the policy that sampled them (pi_old)
+    old_logps: list[list[float]] | None = None
 
 
 class Trainer:
@@ -63,6 +74,7 @@ class Trainer:
         self.cfg = cfg
         info = dist_info()
         self.rank, self.world = info.rank, info.world_size
+        check_world(cfg, self.world)
         # cuda:LOCAL_RANK under torchrun on GPUs (init_distributed set it), else the CPU: models and every
         # tensor of the step live there; NCCL collectives need device tensors
         self.device = info.device
@@ -104,28 +116,26 @@ class Trainer:
         else:
             from prorl.engine.parallel import parallelize
 
-            # fp32 master weights, computed in the configured dtype (bf16: FSDP2 mixed precision)
+            # fp32 master weights whatever the checkpoint's dtype (a bf16 checkpoint loaded as is would
+            # leave FSDP nothing to cast: bf16 masters and AdamW state, and updates at lr 2e-6 round away),
+            # computed in the configured dtype (bf16: FSDP2 mixed precision). The reference holds the same
+            # fp32 values, so that after a reset it equals the policy exactly and computes identically.
             opts = dict(
                 activation_checkpointing=cfg.model.activation_checkpointing,
                 compile=cfg.model.compile,
                 param_dtype=None if dtype == torch.float32 else dtype,
             )
-            self.policy = parallelize(load(), **opts)
-            self.reference = parallelize(load().requires_grad_(False).eval(), **opts)
+            self.policy = parallelize(load(dtype=torch.float32), **opts)
+            self.reference = parallelize(load(dtype=torch.float32).requires_grad_(False).eval(), **opts)
             if self.backend == "native":
                 self.sampler_model = load(dtype=dtype).requires_grad_(False).eval()
         self.tokenizer = tokenizer
-        self.stop_ids = [
-            tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>",) if t in tokenizer.get_vocab()
-        ]
-        if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in self.stop_ids:
-            self.stop_ids.append(tokenizer.eos_token_id)
+        self.stop_ids = stop_token_ids(tokenizer, model_path)
         self.generator = self._make_generator(model_path, dtype)
-        # prompts are encoded once; those over max_prompt_tokens are dropped and counted, not truncated
+        # training prompts are encoded once; those over max_prompt_tokens are dropped and counted, never
+        # truncated (validation prompts are encoded and filtered by prorl.eval.evaluate)
         self.train_examples, self.val_examples = train_examples, val_examples
         self.train_prompts, self.train_kept, self.filtered = self._encode(train_examples)
-        self.val_prompts, self.val_kept, filtered_val = self._encode(val_examples)
-        self.filtered += filtered_val
         if not self.train_kept:
             raise ValueError(f"no training prompt fits data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
         self.pool = reward_pool
@@ -160,8 +170,15 @@ class Trainer:
         self.data_rng = random.Random(cfg.seed * 1000 + self.rank)
         self.data_order: list[int] = []
         self.carry: list[Group] = []  # kept groups beyond this step's need, used first next step
-        self.consecutive_skips = 0
+        self.consecutive_skips = 0  # optimizer steps skipped in a row (non-finite gradients)
+        self.empty_steps = 0  # RL steps in a row that kept no group on any rank
         self.reward_time = 0.0
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the trainer divides logits by: the sampler's (1 for greedy sampling)."""
+        t = self.cfg.rollout.temperature
+        return t if t > 0 else 1.0
 
     # ------------------------------------------------------------------------------------------
     # the sampler
@@ -285,7 +302,8 @@ class Trainer:
             )
         return groups
 
-    def verify(self, groups: list[Group]) -> dict[str, float]:
+    def verify(self, groups: list[Group], acc: StepAccumulator) -> None:
+        """Raw verifier scores of every response (`Group.raw`), from the reward pool."""
         t0 = time.perf_counter()
         exs = [self.train_examples[self.train_kept[g.example_index]] for g in groups for _ in g.responses]
         texts = [self.tokenizer.decode(t, skip_special_tokens=True) for g in groups for t in g.responses]
@@ -296,49 +314,81 @@ class Trainer:
         for g in groups:
             g.raw = res.scores[i : i + len(g.responses)]
             i += len(g.responses)
+        acc.sum("samples_seen", len(texts))
+        acc.sum("samples_timeout", sum(res.timed_out))
+        acc.sum("samples_error", sum(res.errored))
         self.reward_time += time.perf_counter() - t0
-        return res.metrics()
 
-    def collect(self, need: int, max_new: int) -> tuple[list[Group], dict[str, float]]:
-        """Dynamic sampling (RECIPE §6): keep groups whose RAW rewards differ, refill until `need` groups."""
+    def rollout_seed(self, round_: int) -> int:
+        """The sampling seed of one round (the samplers take 32 bits): a hash of (seed, step) plus
+        round x world + rank, so that within a step every round of every rank draws its own stream,
+        whatever the number of ranks."""
+        base = int(np.random.SeedSequence([self.cfg.seed, self.step_count]).generate_state(1)[0])
+        return (base + round_ * self.world + self.rank) % 2**32
+
+    def collect(self, need: int, max_new: int, acc: StepAccumulator) -> list[Group]:
+        """Dynamic sampling (RECIPE §6): keep groups whose RAW rewards differ, refill until `need` groups.
+
+        Rounds are collective: before each round the ranks agree (one all-reduce) whether any of them still
+        lacks groups, and every rank then samples as many prompts as the largest shortfall asks for
+        (oversampled after the first round). So all ranks run the same rounds, and no rank waits in a
+        collective for longer than one round of another rank's sampling (the timeout is per collective).
+        Kept groups beyond `need` - a rank that was already full keeps sampling with the others - are
+        carried into the next step, at most `need` of them (the rest are dropped and counted), and are used
+        first there; `carry_old_logprobs` records their log-probs under the policy that sampled them, before
+        this step's update."""
         a = self.cfg.algorithm
-        kept, seen, rounds, rmetrics = (
-            list(self.carry),
-            [],
-            0,
-            {"reward/timeout_frac": 0.0, "reward/error_frac": 0.0},
-        )
-        self.carry = []
-        while len(kept) < need and rounds < (a.max_rounds if a.dynamic_sampling else 1):
-            missing = need - len(kept)
-            k = missing if (rounds == 0 or not a.dynamic_sampling) else math.ceil(missing * a.oversample)
-            seed = (self.cfg.seed * 1_000_003 + self.step_count * 101 + rounds) * 64 + self.rank
-            groups = self.rollout(self.next_examples(k), seed, max_new)
-            m = self.verify(groups)
-            for key in rmetrics:
-                rmetrics[key] += m[key] * len(groups)
-            seen += groups
+        kept, self.carry = list(self.carry), []  # carried groups first: they are one update old already
+        acc.sum("groups_carried", len(kept))
+        rounds = 0
+        while rounds < (a.max_rounds if a.dynamic_sampling else 1):
+            most = int(all_reduce(float(need - len(kept)), "max"))
+            if most <= 0:
+                break
+            k = most if rounds == 0 or not a.dynamic_sampling else math.ceil(most * a.oversample)
+            groups = self.rollout(self.next_examples(k), self.rollout_seed(rounds), max_new)
+            self.verify(groups, acc)
             rounds += 1
             for g in groups:
+                correct = sum(r >= 1.0 for r in g.raw)
+                acc.sum("groups_seen", 1)
+                acc.sum("groups_all_correct", correct == len(g.raw))
+                acc.sum("groups_all_wrong", correct == 0)
+                acc.sum("samples_correct", correct)
                 if not a.dynamic_sampling or max(g.raw) > min(g.raw):
                     kept.append(g)
-        if len(kept) > need:
-            self.carry = kept[need:]
-            kept = kept[:need]
-        raw = torch.tensor([r for g in seen for r in g.raw]) if seen else torch.zeros(0)
-        gidx = torch.arange(len(seen)).repeat_interleave(self.cfg.rollout.n)
-        metrics = {k: v / max(len(seen), 1) for k, v in rmetrics.items()}
-        metrics.update(algorithm.group_pass_stats(raw, gidx, max(len(seen), 1)) if seen else {})
-        metrics["dynamic_sampling/rounds"] = rounds
-        metrics["dynamic_sampling/kept_groups"] = len(kept)
-        return kept, metrics
+        acc.max("rounds", rounds)
+        # the carry-over: this step's surplus, at most `need` (all of it is used first next step); a
+        # carried group is never carried again (it would be trained two updates late)
+        kept, leftover = kept[:need], kept[need:]
+        self.carry = [g for g in leftover if g.old_logps is None][:need]
+        acc.sum("groups_kept", len(kept))
+        acc.sum("groups_dropped", len(leftover) - len(self.carry))
+        return kept
+
+    @torch.no_grad()
+    def carry_old_logprobs(self, temperature: float) -> None:
+        """The trainer's log-probs of the carried-over groups under the current policy - the one that
+        sampled them - taken before this step's update: their pi_old when the next step trains on them
+        (off-policy by one update). Without it their ratio would be 1 and clipping would never act on
+        them. A collective under FSDP: every rank calls it, with or without carried groups."""
+        lengths = [len(t) for g in self.carry for t in g.responses]
+        resp_cu = [0, *itertools.accumulate(lengths)]
+        self.policy.eval()
+        old = self.response_logprobs(self.policy, self.carry, resp_cu, temperature).tolist()
+        i = 0
+        for g in self.carry:
+            g.old_logps = []
+            for t in g.responses:
+                g.old_logps.append(old[resp_cu[i] : resp_cu[i] + len(t)])
+                i += 1
 
     def shape(self, groups: list[Group], max_new: int) -> torch.Tensor:
         """Stop-properly, then the cosine length term while its schedule is on; returns the length term."""
         rc = self.cfg.reward
-        raw = torch.tensor([r for g in groups for r in g.raw])
-        trunc = torch.tensor([t for g in groups for t in g.truncated])
-        lengths = torch.tensor([len(t) for g in groups for t in g.responses])
+        raw = torch.tensor([r for g in groups for r in g.raw], dtype=torch.float32)
+        trunc = torch.tensor([t for g in groups for t in g.truncated], dtype=torch.bool)
+        lengths = torch.tensor([len(t) for g in groups for t in g.responses], dtype=torch.long)
         shaped = algorithm.stop_properly(raw, trunc, rc.c_stop)
         term = torch.zeros_like(shaped)
         if rc.length_penalty and algorithm.length_penalty_on(
@@ -418,16 +468,19 @@ class Trainer:
             out[lo:hi] = self.logprobs(model, batch, temperature, grad=False)[0].float()
         return out
 
-    def update(self, groups: list[Group], max_new: int) -> dict[str, float]:
+    def update(self, groups: list[Group], max_new: int, acc: StepAccumulator) -> dict[str, float]:
         """Advantages, reference (and old) log-probs, then M mini-batch updates, each micro-batched.
 
         Every per-token tensor here is over the step's response tokens [R] (group-major; see packing.py).
-        On-policy shortcut: with one mini-batch the policy that is differentiated is the one that was
-        sampled from and old_logp = logp.detach() exactly, so the separate no-grad pass is skipped (TRL and
-        verl do the same); with M > 1 the later mini-batches are off-policy and old_logp is recomputed."""
+        pi_old: for groups sampled this step, with one mini-batch the policy that is differentiated is the
+        one that sampled them and old_logp = logp.detach() exactly, so the no-grad pass is skipped (TRL and
+        verl do the same); with M > 1 the later mini-batches are off-policy and old_logp is recomputed.
+        Groups carried over from the previous step use the log-probs recorded before that step's update
+        (`carry_old_logprobs`). A rank may hold no group (dynamic sampling fell short): it still takes
+        part in every collective. Returns the phase timings; the metrics go to `acc`."""
         cfg, a = self.cfg, self.cfg.algorithm
         dev, n = self.device, cfg.rollout.n
-        temp = cfg.rollout.temperature if cfg.rollout.temperature > 0 else 1.0
+        temp = self.logprob_temperature
         timing = {}
         # advantages over the global batch (group centring local, whitening across ranks)
         t0 = self._clock()
@@ -444,45 +497,39 @@ class Trainer:
             num_groups=len(groups),
             process_group=dist.group.WORLD if self.world > 1 else None,
         )
-        resp_cu = [0]
-        for length in lengths:
-            resp_cu.append(resp_cu[-1] + length)
+        resp_cu = [0, *itertools.accumulate(lengths)]
         cu_all = torch.tensor(resp_cu, dtype=torch.int32, device=dev)
-        sampler = torch.tensor(
-            [x for g in groups for lp in g.sampler_logps for x in lp], dtype=torch.float32, device=dev
+
+        def per_token(values):  # [R] fp32 from per-response lists
+            return torch.tensor([x for v in values for x in v], dtype=torch.float32, device=dev)
+
+        sampler = per_token(lp for g in groups for lp in g.sampler_logps)
+        nan = float("nan")
+        stored_old = per_token(
+            g.old_logps[j] if g.old_logps is not None else [nan] * len(t)
+            for g in groups
+            for j, t in enumerate(g.responses)
         )
-        token_adv = torch.repeat_interleave(adv, torch.tensor(lengths, device=dev))
+        carried = ~torch.isnan(stored_old)
+        token_adv = torch.repeat_interleave(adv, torch.tensor(lengths, dtype=torch.long, device=dev))
         mask = torch.ones(resp_cu[-1], dtype=torch.bool, device=dev)
         # reference (and, off-policy, old) log-probs: packed, micro-batched, no grad
         on_policy = cfg.trainer.mini_batches == 1 and not cfg.trainer.recompute_old_logp
         self.policy.eval()
-        old = None if on_policy else self.response_logprobs(self.policy, groups, resp_cu, temp)
-        ref = self.response_logprobs(self.reference, groups, resp_cu, temp)
+        old = None
+        if not on_policy:
+            old = torch.where(carried, stored_old, self.response_logprobs(self.policy, groups, resp_cu, temp))
         timing["timing_s/old_logp"] = self._clock() - t0
-        drift = torch.zeros(2, dtype=torch.float64, device=dev)  # sum |trainer - sampler| over tokens, count
-        if old is not None:
-            drift += torch.stack(
-                [(old - sampler).abs().sum().double(), torch.tensor(float(old.numel()), device=dev)]
-            )
+        t0 = self._clock()
+        ref = self.response_logprobs(self.reference, groups, resp_cu, temp)
+        timing["timing_s/ref"] = self._clock() - t0
 
         # M mini-batch updates, each accumulated over micro-batches
         t0 = self._clock()
         self.policy.train()
-        keys = (
-            "pg_loss",
-            "kl_loss",
-            "clipfrac_low",
-            "clipfrac_high",
-            "approx_kl",
-            "kl_mean",
-            "entropy",
-            "tokens",
-        )
-        stats = torch.zeros(len(keys), dtype=torch.float64, device=dev)
-        grad_norms, n_updates = [], 0
-        per_mb = math.ceil(len(groups) / cfg.trainer.mini_batches)
-        for m0 in range(0, cfg.trainer.mini_batches * per_mb, per_mb):
-            g0, g1 = min(m0, len(groups)), min(m0 + per_mb, len(groups))
+        per_mb = max(math.ceil(len(groups) / cfg.trainer.mini_batches), 1)
+        for m in range(cfg.trainer.mini_batches):
+            g0, g1 = min(m * per_mb, len(groups)), min((m + 1) * per_mb, len(groups))
             lo, hi = resp_cu[g0 * n], resp_cu[g1 * n]
             norm = all_reduce(
                 algorithm.loss_normalizer(a.agg, mask[lo:hi], cu_all[g0 * n : g1 * n + 1] - lo, max_new)
@@ -497,14 +544,11 @@ class Trainer:
                 batch, s, e = self.batch_of(groups, units, resp_cu)
                 logp, ent = self.logprobs(self.policy, batch, temp, grad=True, entropy=True)
                 if on_policy:
-                    old_mb = logp.detach().float()
-                    drift += torch.stack(
-                        [(old_mb - sampler[s:e]).abs().sum().double(), torch.tensor(float(e - s), device=dev)]
-                    )
+                    old_mb = torch.where(carried[s:e], stored_old[s:e], logp.detach().float())
                 else:
                     old_mb = old[s:e]
-                is_w = algorithm.importance_weights(old_mb, sampler[s:e], a.is_mode, a.is_low, a.is_high)
-                loss, m = ppo_loss(
+                is_w = algorithm.importance_weights(old_mb, sampler[s:e]) if a.is_mode != "none" else None
+                loss, metrics = ppo_loss(
                     logp,
                     old_mb,
                     token_adv[s:e],
@@ -517,7 +561,8 @@ class Trainer:
                     kl_estimator=a.kl_estimator,
                     kl_clamp=a.kl_clamp,
                     is_weights=is_w,
-                    is_mode=a.is_mode if is_w is not None else "none",
+                    is_mode=a.is_mode,
+                    is_bounds=(a.is_low, a.is_high),
                     agg=a.agg,
                     normalizer=norm,
                     cu_seqlens=batch.resp_cu,
@@ -526,54 +571,50 @@ class Trainer:
                 if a.entropy_coef:
                     loss = loss - a.entropy_coef * ent_sum / norm
                 loss.backward()
-                n_tok = torch.tensor(float(e - s), dtype=torch.float64, device=dev)
-                stats += torch.stack(
-                    [
-                        m["pg_loss"].double(),
-                        m["kl_loss"].double(),
-                        *(
-                            m[k].double() * n_tok
-                            for k in ("clipfrac_low", "clipfrac_high", "approx_kl", "kl_mean")
-                        ),
-                        ent_sum.detach().double(),
-                        n_tok,
-                    ]
-                )
+                self._record(acc, metrics, ent_sum, old_mb, sampler[s:e])
             self.sync_grads()
             result = self.optimizer.step()
-            grad_norms.append(result.grad_norm)
+            acc.sum("grad_norm", result.grad_norm if math.isfinite(result.grad_norm) else 0.0)
+            acc.max("updates", m + 1)
             self.consecutive_skips = 0 if not result.skipped else self.consecutive_skips + 1
             if self.consecutive_skips >= cfg.trainer.max_consecutive_skips:
-                raise RuntimeError(
+                raise TrainingStalled(
                     f"{self.consecutive_skips} consecutive optimizer steps skipped for non-finite "
                     "gradients; stopping (lower optim.lr or check the data)"
                 )
-            n_updates += 1
         timing["timing_s/update"] = self._clock() - t0
         t0 = time.perf_counter()
         self.sync_sampler()
         timing["timing_s/sync"] = self._clock() - t0
-        summed = all_reduce(torch.cat([stats, drift])).tolist()  # the step's one metrics collective
-        s = dict(zip(keys, summed))
-        tok, updates = max(s["tokens"], 1.0), max(n_updates, 1)
-        out = {
-            "actor/pg_loss": s["pg_loss"] / updates,
-            "actor/kl_loss": s["kl_loss"] / updates,
-            "actor/pg_clipfrac_lower": s["clipfrac_low"] / tok,
-            "actor/pg_clipfrac": s["clipfrac_high"] / tok,
-            "actor/ppo_kl": s["approx_kl"] / tok,
-            "actor/kl_mean": s["kl_mean"] / tok,
-            "actor/entropy": s["entropy"] / tok,
-            "actor/grad_norm": sum(float(g) for g in grad_norms) / updates,
-            "actor/lr": self.optimizer.lr,
-            "critic/advantages/mean": float(adv.mean()) if adv.numel() else 0.0,
-            "critic/advantages/max": float(adv.max()) if adv.numel() else 0.0,
-            "critic/advantages/min": float(adv.min()) if adv.numel() else 0.0,
-            # mean |trainer - sampler| log-prob over the step's response tokens, all ranks
-            "rollout/logprob_mismatch": summed[len(keys)] / max(summed[len(keys) + 1], 1.0),
-        }
-        out.update(timing)
-        return out
+        acc.sum("advantage", adv.sum())
+        acc.max("advantage", adv.max() if adv.numel() else -math.inf)
+        acc.min("advantage", adv.min() if adv.numel() else math.inf)
+        return timing
+
+    @staticmethod
+    def _record(acc: StepAccumulator, m: dict, ent_sum, old_logp, sampler_logp) -> None:
+        """One micro-batch's loss metrics (means over its tokens, weighted back to sums)."""
+        n_tok = m["num_tokens"].double()
+        acc.sum("tokens", n_tok)
+        acc.sum("pg_loss", m["pg_loss"])
+        acc.sum("kl_loss", m["kl_loss"])
+        acc.sum("entropy", ent_sum.detach())
+        for key, name in (
+            ("clipfrac", "clip_any"),
+            ("dualclip_frac", "clip_dual"),
+            ("clipfrac_high", "clip_high"),
+            ("clipfrac_low", "clip_low"),
+            ("approx_kl", "old_minus_new"),
+            ("kl_mean", "kl"),
+        ):
+            acc.sum(name, m[key].double() * n_tok)
+        gap = (old_logp - sampler_logp).abs()
+        acc.sum("mismatch", gap.sum())
+        acc.max("mismatch", gap.max() if gap.numel() else -math.inf)
+        if "is_mean" in m:
+            acc.sum("is_weight", m["is_mean"].double() * n_tok)
+            acc.sum("is_modified", m["is_frac_modified"].double() * n_tok)
+            acc.max("is_weight", m["is_max"])
 
     def sync_grads(self) -> None:
         """Sum gradients over ranks (each rank's loss is already divided by the global token count);
@@ -602,61 +643,83 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
+        """One RL step (module docstring); returns its metrics (global: every rank gets the same)."""
         cfg = self.cfg
         t_start = time.perf_counter()
         max_new = algorithm.scheduled_value(
             self.step_count, cfg.rollout.max_response_schedule, cfg.rollout.max_response_tokens
         )
         need = cfg.trainer.prompts_per_step // self.world
+        acc = StepAccumulator(self.device)
         t0 = time.perf_counter()
         self.reward_time = 0.0
-        groups, metrics = self.collect(need, max_new)
-        if self.backend == "vllm":
+        groups = self.collect(need, max_new, acc)
+        timing = {"timing_s/reward": self.reward_time}
+        timing["timing_s/gen"] = time.perf_counter() - t0 - self.reward_time
+        trained = int(all_reduce(float(len(groups))))  # groups kept by every rank together
+        if trained and self.backend == "vllm":
             self.generator.sleep()  # free the engine's GPU memory while we train; sync_sampler wakes it
-        metrics["timing_s/reward"] = self.reward_time
-        metrics["timing_s/gen"] = time.perf_counter() - t0 - self.reward_time
-        term = self.shape(groups, max_new) if groups else torch.zeros(0)
-        raw = torch.tensor([r for g in groups for r in g.raw]) if groups else torch.zeros(0)
-        lengths = torch.tensor([len(t) for g in groups for t in g.responses], dtype=torch.float32)
-        trunc = torch.tensor([t for g in groups for t in g.truncated], dtype=torch.float32)
-        metrics.update(self.update(groups, max_new))
-        kl = metrics["actor/kl_mean"]
-        reason = self.reset_policy.should_reset(self.step_count, kl)
-        if reason is not None:
-            self.reset_reference(reason)
-        sums = all_reduce(
-            torch.tensor(
-                [
-                    raw.sum(),
-                    float(raw.numel()),
-                    lengths.sum(),
-                    lengths.max() if lengths.numel() else 0,
-                    trunc.sum(),
-                    term.sum(),
-                ],
-                dtype=torch.float64,
-            )
-        )
-        cnt = max(float(sums[1]), 1.0)
+        if cfg.algorithm.dynamic_sampling:
+            self.carry_old_logprobs(self.logprob_temperature)
+        term = self.shape(groups, max_new)
+        self._record_batch(acc, groups, term)
+        if trained:
+            timing.update(self.update(groups, max_new, acc))
+        reduced = acc.reduce()
+        metrics = step_metrics(reduced)
+        metrics["actor/lr"] = self.optimizer.lr
+        reason = None
+        if trained:
+            self.empty_steps = 0
+            reason = self.reset_policy.should_reset(self.step_count, metrics["actor/kl_mean"])
+            if reason is not None:
+                self.reset_reference(reason)
+        else:  # no group of this step carries a learning signal on any rank: nothing to train on
+            self.empty_steps += 1
+            if self.empty_steps >= cfg.trainer.max_consecutive_skips:
+                raise TrainingStalled(
+                    f"{self.empty_steps} consecutive steps kept no group: every sampled group's rewards "
+                    "were all equal (all right or all wrong) after "
+                    f"{int(metrics['dynamic_sampling/rounds'])} rounds of dynamic sampling. The data is "
+                    "too easy or too hard for the model, or rollout.max_response_tokens cuts every "
+                    "answer; raise algorithm.max_rounds or trainer.max_consecutive_skips to wait longer"
+                )
         metrics.update(
             {
-                "critic/score/mean": float(sums[0]) / cnt,
-                "critic/rewards/mean": float(sums[0] + sums[5]) / cnt,
-                "response_length/mean": float(sums[2]) / cnt,
-                "response_length/max": float(sums[3]),
-                "response_length/clip_ratio": float(sums[4]) / cnt,
-                "reward/length_penalty/mean": float(sums[5]) / cnt,
+                "trainer/empty_step": float(not trained),
                 "ref/num_resets": self.reset_policy.num_resets,
                 "ref/last_reset_step": self.reset_policy.last_reset_step,
                 "ref/reset_reason": reason or "",
             }
         )
+        metrics.update(timing)
         elapsed = self._clock() - t_start
         metrics["timing_s/step"] = elapsed
-        metrics["perf/tokens_per_s"] = float(sums[2]) / max(elapsed, 1e-9)
+        metrics["perf/tokens_per_s"] = reduced[0].get("response_length", 0.0) / max(elapsed, 1e-9)
         self.step_count += 1
         metrics["step"] = self.step_count
         return metrics
+
+    @staticmethod
+    def _record_batch(acc: StepAccumulator, groups: list[Group], term: torch.Tensor) -> None:
+        """Per-sample statistics of the groups trained on (scores, rewards, lengths)."""
+        raw = torch.tensor([r for g in groups for r in g.raw], dtype=torch.float64)
+        shaped = torch.tensor([r for g in groups for r in g.shaped], dtype=torch.float64)
+        lengths = torch.tensor([len(t) for g in groups for t in g.responses], dtype=torch.float64)
+        prompts = torch.tensor([len(g.prompt_ids) for g in groups for _ in g.responses], dtype=torch.float64)
+        trunc = torch.tensor([t for g in groups for t in g.truncated], dtype=torch.float64)
+        acc.sum("samples", raw.numel())
+        acc.sum("truncated", trunc.sum())
+        acc.sum("length_term", term.double().sum())
+        for name, values in (
+            ("score", raw),
+            ("reward", shaped),
+            ("response_length", lengths),
+            ("prompt_length", prompts),
+        ):
+            acc.sum(name, values.sum())
+            acc.max(name, values.max() if values.numel() else -math.inf)
+            acc.min(name, values.min() if values.numel() else math.inf)
 
     # ------------------------------------------------------------------------------------------
     # checkpointed state of the trainer itself
@@ -702,32 +765,45 @@ class Trainer:
         self.reset_policy.record_reset(self.step_count)
 
     @torch.no_grad()
-    def validate(self) -> float:
-        """Greedy (or val_temperature) accuracy on the validation set, split over ranks."""
+    def validate(self, log=None) -> dict[str, float]:
+        """Held-out evaluation with the trainer's own sampler: `prorl.eval.evaluate` on this rank's share of
+        the validation examples (`trainer.val_samples` per prompt at `trainer.val_temperature` /
+        `val_top_p`), the per-sample records gathered from every rank and summarised together.
+
+        Returns `val/accuracy` (mean verifier score over every sample; for binary verifiers the mean
+        pass@1), `val/pass@j`, and per data source `val-core/<source>/reward/mean@k` (verl's name) and
+        `val-core/<source>/pass@j`. Collective: every rank calls it."""
+        from prorl.eval import evaluate, summarize
+
         cfg = self.cfg
-        mine = list(range(self.rank, len(self.val_kept), self.world))
-        exs = [self.val_examples[self.val_kept[i]] for i in mine]
-        prompts = [self.val_prompts[i] for i in mine]
-        self.policy.eval()
-        params = SamplingParams(
-            n=cfg.trainer.val_samples,
+        mine = list(range(self.rank, len(self.val_examples), self.world))
+        k = cfg.trainer.val_samples
+        results = evaluate(
+            None,
+            [self.val_examples[i] for i in mine],
+            k,
             temperature=cfg.trainer.val_temperature,
-            max_new_tokens=cfg.rollout.max_response_tokens,
-            stop_token_ids=self.stop_ids,
+            top_p=cfg.trainer.val_top_p if cfg.trainer.val_temperature > 0 else 1.0,
+            max_tokens=cfg.rollout.max_response_tokens,
+            max_prompt_tokens=cfg.data.max_prompt_tokens,
             seed=cfg.seed,
+            model=self.sampler_model if self.sampler_model is not None else self.policy,
+            tokenizer=self.tokenizer,
+            pool=self.pool,
+            generator=self.generator,
+            log=log,
         )
-        scores: list[float] = []
-        if prompts:  # a rank may hold none when there are fewer problems than ranks
-            out = self.generator.generate(prompts, params)
-            texts = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in out.samples]
-            ex_of = [exs[s.prompt_index] for s in out.samples]
-            scores = self.pool.score_batch(
-                [e.data_source for e in ex_of],
-                texts,
-                [e.ground_truth for e in ex_of],
-                [e.extra for e in ex_of],
-            ).scores
-        sums = all_reduce(torch.tensor([sum(scores), float(len(scores))], dtype=torch.float64))
-        acc = float(sums[0]) / max(float(sums[1]), 1.0)
-        self.reset_policy.observe_validation(acc)
-        return acc
+        fields = "data_source score correct timed_out errored finish_reason response_tokens".split()
+        records = [{"index": mine[r["index"]], **{f: r[f] for f in fields}} for r in results["samples"]]
+        if self.world > 1:
+            gathered = [None] * self.world
+            dist.all_gather_object(gathered, records)
+            records = [r for part in gathered for r in part]
+        summary = summarize(records, k)
+        out = {"val/accuracy": summary["all"]["mean_score"] or 0.0}
+        out.update({f"val/{m}": v for m, v in summary["all"].items() if m.startswith("pass@")})
+        for source, m in summary["by_source"].items():
+            out[f"val-core/{source}/reward/mean@{k}"] = m["mean_score"] or 0.0
+            out.update({f"val-core/{source}/{j}": v for j, v in m.items() if j.startswith("pass@")})
+        self.reset_policy.observe_validation(out["val/accuracy"])
+        return out

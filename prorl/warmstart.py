@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from prorl.data import digit_sums
+from prorl.data import digit_sums, stop_token_ids
 from prorl.engine.model import Decoder, ModelConfig, save_hf
 from prorl.engine.optim import Optimizer, OptimizerConfig
 from prorl.engine.rollout import NativeGenerator, SamplingParams
@@ -103,9 +103,9 @@ def greedy_accuracy(model, tokenizer, examples, max_new_tokens: int = 40) -> flo
     """Greedy accuracy on `examples`, scored by exact match of the last \\boxed{} (the math verifier's job in
     training; exact match suffices for integer sums and keeps this script free of worker processes)."""
     prompts = [encode_chat(tokenizer, ex.prompt[-1]["content"]) for ex in examples]
-    stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    stops = stop_token_ids(tokenizer)
     out = NativeGenerator(model).generate(
-        prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=[stop])
+        prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stops)
     )
     correct = 0
     for s in out.samples:

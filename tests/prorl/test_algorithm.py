@@ -100,18 +100,13 @@ def test_reset_policy_interval_spike_stall_and_state():
         r.load_state_dict({"bogus": 1})
 
 
-def test_importance_weights():
-    old = torch.tensor([0.0, 0.0, 0.0, 0.0])
-    sampler = torch.tensor([0.0, math.log(10.0), -math.log(10.0), math.log(1.5)])
+def test_importance_weights_are_raw():
+    """exp(old - sampler), unmodified: truncation and masking happen once, inside ppo_loss (is_mode)."""
+    old = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0])
+    sampler = torch.tensor([0.0, math.log(10.0), -math.log(10.0), math.log(1.5), -30.0])
     torch.testing.assert_close(
-        importance_weights(old, sampler, "tis", high=2.0), torch.tensor([1.0, 0.1, 2.0, 2 / 3])
+        importance_weights(old, sampler), torch.tensor([1.0, 0.1, 10.0, 2 / 3, math.exp(20.0)])
     )
-    torch.testing.assert_close(
-        importance_weights(old, sampler, "icepop"), torch.tensor([1.0, 0.0, 0.0, 2 / 3])
-    )
-    assert importance_weights(old, sampler, "none") is None
-    with pytest.raises(ValueError):
-        importance_weights(old, sampler, "bogus")
 
 
 def test_scheduled_value():

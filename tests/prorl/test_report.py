@@ -17,8 +17,9 @@ def write_run(run_dir, torn_tail: bool = False):
             {
                 "step": step,
                 "critic/score/mean": 0.1 * step,  # first 5 steps: mean 0.3, last 5: mean 0.8
-                "actor/pg_clipfrac": 0.01,
-                "actor/pg_clipfrac_lower": 0.002,
+                "actor/pg_clipfrac": 0.012,
+                "actor/pg_clipfrac_high": 0.01,
+                "actor/pg_clipfrac_low": 0.002,
                 "actor/entropy": 0.5,
                 "actor/kl_mean": 1e-3,
                 "response_length/mean": 20.0,

@@ -1,8 +1,12 @@
-"""Trainer.update in-process: micro-batching and the on-policy shortcut change the cost, not the result.
+"""Trainer.update in-process: micro-batching, the on-policy shortcut and shared prompts change the cost,
+not the result.
 
 Two trainers load the same shipped checkpoint and are fed the same sampled groups; one takes the plain path
-(one forward per mini-batch, old log-probs recomputed), the other the variant under test. After the update
-their weights and loss metrics must agree to float32 round-off (sums taken in another order).
+(one forward per mini-batch, old log-probs recomputed), the other the variant under test. The groups' rewards
+are set to alternate within every group, so every group carries an advantage and the gradient is far from
+zero. The optimizer is plain SGD: AdamW's first step moves every weight by about +-lr whatever the size of
+its gradient, so gradients at round-off level (two summation orders) would flip whole steps. The gradients
+of every optimizer step and the weights after the update must agree to float32 round-off.
 """
 
 import copy
@@ -14,6 +18,7 @@ from transformers import PreTrainedTokenizerFast
 
 from prorl.config import load_config
 from prorl.data import builtin
+from prorl.metrics import StepAccumulator, step_metrics
 from prorl.rewards.pool import RewardPool
 from prorl.trainer import Trainer
 
@@ -25,10 +30,12 @@ BASE = [
     "rollout.max_response_tokens=24",
     "algorithm.dynamic_sampling=false",  # every group is trained on: both trainers see the same groups
     "reward.length_penalty=false",
-    "optim.lr=1e-3",  # large enough that a wrong gradient shows in the weights
     "trainer.recompute_old_logp=true",
     "trainer.micro_batch_tokens=0",
 ]
+SGD_LR = 0.05
+# the SGD swap (with_sgd) bypasses the step counter that LambdaLR installs on AdamW
+pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")
 
 
 @pytest.fixture(scope="module")
@@ -46,23 +53,56 @@ def make(setup, overrides):
     return Trainer(cfg, TINY_REASONER, tok, train, val, pool)
 
 
+def run_update(trainer, groups, max_new=24):
+    """trainer.update on a copy of `groups`; returns the step's metrics."""
+    acc = StepAccumulator()
+    trainer.update(copy.deepcopy(groups), max_new, acc)
+    return step_metrics(acc.reduce())
+
+
+def with_sgd(trainer):
+    """Replace the trainer's AdamW by plain SGD and record the gradients of every optimizer step."""
+    grads = []
+    sgd = torch.optim.SGD(trainer.optimizer.params, lr=SGD_LR)
+    step = sgd.step
+
+    def recording_step(*args, **kwargs):
+        grads.append([p.grad.detach().clone() for p in trainer.optimizer.params])
+        return step(*args, **kwargs)
+
+    sgd.step = recording_step
+    trainer.optimizer.optimizer = sgd
+    return grads
+
+
 def updated(setup, overrides, groups, max_new=24):
     trainer = make(setup, overrides)
-    metrics = trainer.update(copy.deepcopy(groups), max_new)
-    return {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}, metrics
+    grads = with_sgd(trainer)
+    metrics = run_update(trainer, groups, max_new)
+    weights = {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}
+    return weights, grads, metrics
 
 
 def sampled_groups(setup, overrides):
     trainer = make(setup, overrides)
-    groups, _ = trainer.collect(2, 24)
+    groups = trainer.collect(2, 24, StepAccumulator())
     trainer.shape(groups, 24)
     assert sum(len(t) for g in groups for t in g.responses) > 0
+    for g in groups:  # mixed rewards in every group: non-zero advantages, a gradient far from round-off
+        g.shaped = [float(i % 2) for i in range(len(g.responses))]
     return groups
 
 
-def assert_same(a, b, metrics_a, metrics_b):
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+def assert_same(a, b):
+    weights_a, grads_a, metrics_a = a
+    weights_b, grads_b, metrics_b = b
+    assert len(grads_a) == len(grads_b) > 0
+    for step_a, step_b in zip(grads_a, grads_b):
+        assert max(float(g.abs().max()) for g in step_a) > 1e-3, "the gradient is (nearly) zero"
+        for g_a, g_b in zip(step_a, step_b):
+            torch.testing.assert_close(g_a, g_b, rtol=1e-4, atol=1e-7)
+    for name in weights_a:
+        torch.testing.assert_close(weights_a[name], weights_b[name], rtol=1e-5, atol=1e-6, msg=name)
     for key in ("actor/pg_loss", "actor/kl_mean", "actor/entropy", "rollout/logprob_mismatch"):
         assert metrics_a[key] == pytest.approx(metrics_b[key], rel=1e-4, abs=1e-7), key
 
@@ -70,25 +110,25 @@ def assert_same(a, b, metrics_a, metrics_b):
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "constant"])
 def test_micro_batches_equal_one_pass(setup, agg):
     groups = sampled_groups(setup, ["trainer.mini_batches=2"])
-    one, m_one = updated(setup, ["trainer.mini_batches=2", f"algorithm.agg={agg}"], groups)
+    one = updated(setup, ["trainer.mini_batches=2", f"algorithm.agg={agg}"], groups)
     # 40 tokens: each mini-batch (8 sequences of ~20-45 tokens) splits into several micro-batches
-    many, m_many = updated(
+    many = updated(
         setup, ["trainer.mini_batches=2", f"algorithm.agg={agg}", "trainer.micro_batch_tokens=40"], groups
     )
-    assert_same(one, many, m_one, m_many)
+    assert_same(one, many)
     before = make(setup, []).policy.state_dict()
-    assert any(not torch.equal(before[k], one[k]) for k in one), "the update changed nothing"
+    assert any(not torch.equal(before[k], one[0][k]) for k in one[0]), "the update changed nothing"
 
 
 def test_on_policy_shortcut_equals_recomputed_old_logp(setup):
     groups = sampled_groups(setup, ["trainer.mini_batches=1"])
-    recomputed, m_rec = updated(setup, ["trainer.mini_batches=1"], groups)
-    shortcut, m_short = updated(
+    recomputed = updated(setup, ["trainer.mini_batches=1"], groups)
+    shortcut = updated(
         setup,
         ["trainer.mini_batches=1", "trainer.recompute_old_logp=false", "trainer.micro_batch_tokens=64"],
         groups,
     )
-    assert_same(recomputed, shortcut, m_rec, m_short)
+    assert_same(recomputed, shortcut)
 
 
 def test_token_budget_chunks_cover_in_order_and_respect_the_budget():
@@ -117,13 +157,13 @@ def test_loss_normalizer_counts_by_aggregation():
 
 def test_shared_prompts_equal_repeated_prompts(setup):
     groups = sampled_groups(setup, ["trainer.mini_batches=2"])
-    shared, m_shared = updated(setup, ["trainer.mini_batches=2", "trainer.micro_batch_tokens=100"], groups)
-    repeated, m_rep = updated(
+    shared = updated(setup, ["trainer.mini_batches=2", "trainer.micro_batch_tokens=100"], groups)
+    repeated = updated(
         setup,
         ["trainer.mini_batches=2", "trainer.micro_batch_tokens=100", "trainer.share_prompts=false"],
         groups,
     )
-    assert_same(shared, repeated, m_shared, m_rep)
+    assert_same(shared, repeated)
 
 
 def _single_rank_group(tmp_path):
@@ -145,10 +185,8 @@ def test_bf16_updates_keep_fp32_master_weights(setup, tmp_path):
     with pytest.warns(RuntimeWarning, match="no fp32 master copy"):
         plain = make(setup, tiny)
     groups = sampled_groups(setup, [])
-    for g in groups:  # mixed rewards in every group: non-zero advantages, so every weight gets a gradient
-        g.shaped = [float(i % 2) for i in range(len(g.responses))]
     before = {k: v.detach().float().clone() for k, v in plain.policy.state_dict().items()}
-    plain.update(copy.deepcopy(groups), 24)
+    run_update(plain, groups)
     after = {k: v.detach().float() for k, v in plain.policy.state_dict().items()}
     moved_bf16 = sum(int((after[k] != before[k]).sum()) for k in before)
     _single_rank_group(tmp_path)
@@ -158,7 +196,7 @@ def test_bf16_updates_keep_fp32_master_weights(setup, tmp_path):
         params = dict(sharded.policy.named_parameters())
         assert all(p.dtype == torch.float32 for p in params.values()), "master weights must be fp32"
         start = {k: p.detach().full_tensor().clone() for k, p in params.items()}
-        sharded.update(copy.deepcopy(groups), 24)
+        run_update(sharded, groups)
         end = {k: p.detach().full_tensor() for k, p in params.items()}
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,132 @@
+"""The step's metrics: accumulated on each rank, reduced across ranks in two collectives, named once.
+
+    acc = StepAccumulator(device)
+    acc.sum("tokens", n); acc.max("response_length", lengths.max()); acc.min(...)   # anywhere in the step
+    metrics = step_metrics(acc.reduce())                                          # global, by name
+
+Values may be Python numbers or 0-d device tensors (they stay on the device until `reduce`, so the update
+loop adds no host sync). `reduce` stacks every sum into one float64 vector and every extremum into another
+(minima negated) and all-reduces each once: every rank must register the same keys, whatever its data
+(an empty rank passes -inf to `max`/`min`), since the vectors are matched by sorted key.
+
+Names and meanings (RECIPE §9). A name that verl uses carries verl's meaning (verl 0.9.1,
+`compute_policy_loss_vanilla` and `compute_data_metrics`): `actor/pg_clipfrac` is the fraction of response
+tokens whose ratio clip is active on either side, `actor/pg_clipfrac_lower` the fraction capped by the dual
+clip (0 without it), `actor/ppo_kl` the mean of old - new log-prob (log-ratio clamped at +-20),
+`critic/score/*` the verifier's raw scores, `critic/rewards/*` the rewards trained on (after the
+stop-properly and length shaping), `response_length/*` and `prompt_length/*` per sample. prorl's own
+splits have names of their own: `actor/pg_clipfrac_high` (A > 0, r > 1 + eps_high) and
+`actor/pg_clipfrac_low` (A < 0, r < 1 - eps_low).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from prorl.engine.parallel import all_reduce
+
+
+class StepAccumulator:
+    """Sums, maxima and minima of one step on this rank; `reduce()` makes them global."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self._sum: dict[str, torch.Tensor | float] = {}
+        self._max: dict[str, torch.Tensor | float] = {}
+
+    def sum(self, key: str, value) -> None:
+        self._sum[key] = self._sum.get(key, 0.0) + value
+
+    def max(self, key: str, value) -> None:
+        value = _as_tensor(value, self.device)
+        old = self._max.get(key)
+        self._max[key] = value if old is None else torch.maximum(old, value)
+
+    def min(self, key: str, value) -> None:
+        self.max("-" + key, -value)
+
+    def reduce(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        """(sums, maxima, minima) over every rank."""
+        sums = self._reduce(self._sum, "sum")
+        extrema = self._reduce(self._max, "max")
+        maxima = {k: v for k, v in extrema.items() if not k.startswith("-")}
+        minima = {k[1:]: -v for k, v in extrema.items() if k.startswith("-")}
+        return sums, maxima, minima
+
+    def _reduce(self, values: dict, op: str) -> dict[str, float]:
+        if not values:
+            return {}
+        keys = sorted(values)
+        vec = torch.stack([_as_tensor(values[k], self.device) for k in keys])
+        return dict(zip(keys, all_reduce(vec, op).tolist()))
+
+
+def _as_tensor(value, device) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device=device, dtype=torch.float64).reshape(())
+    return torch.tensor(float(value), dtype=torch.float64, device=device)
+
+
+def step_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, float]]) -> dict[str, float]:
+    """The step's metrics (RECIPE §9 names) from the global sums and extrema that the trainer registered."""
+    s, mx, mn = reduced
+
+    def mean(num: str, den: str) -> float:
+        return s.get(num, 0.0) / max(s.get(den, 0.0), 1.0)
+
+    def finite(x: float | None) -> float:
+        return x if x is not None and math.isfinite(x) else 0.0
+
+    updates = max(mx.get("updates", 0.0), 1.0)
+    out = {
+        # sampling and dynamic sampling
+        "dynamic_sampling/rounds": mx.get("rounds", 0.0),
+        "dynamic_sampling/sampled_groups": s.get("groups_seen", 0.0),
+        "dynamic_sampling/kept_groups": s.get("groups_kept", 0.0),
+        "dynamic_sampling/carried_groups": s.get("groups_carried", 0.0),
+        "dynamic_sampling/dropped_groups": s.get("groups_dropped", 0.0),
+        "dynamic_sampling/pass_rate": mean("samples_correct", "samples_seen"),
+        "dynamic_sampling/frac_all_correct": mean("groups_all_correct", "groups_seen"),
+        "dynamic_sampling/frac_all_wrong": mean("groups_all_wrong", "groups_seen"),
+        "reward/timeout_frac": mean("samples_timeout", "samples_seen"),
+        "reward/error_frac": mean("samples_error", "samples_seen"),
+        # the trained batch
+        "critic/score/mean": mean("score", "samples"),
+        "critic/score/max": finite(mx.get("score")),
+        "critic/score/min": finite(mn.get("score")),
+        "critic/rewards/mean": mean("reward", "samples"),
+        "critic/rewards/max": finite(mx.get("reward")),
+        "critic/rewards/min": finite(mn.get("reward")),
+        "critic/advantages/mean": mean("advantage", "samples"),
+        "critic/advantages/max": finite(mx.get("advantage")),
+        "critic/advantages/min": finite(mn.get("advantage")),
+        "reward/length_penalty/mean": mean("length_term", "samples"),
+        "response_length/mean": mean("response_length", "samples"),
+        "response_length/max": finite(mx.get("response_length")),
+        "response_length/min": finite(mn.get("response_length")),
+        "response_length/clip_ratio": mean("truncated", "samples"),
+        "prompt_length/mean": mean("prompt_length", "samples"),
+        "prompt_length/max": finite(mx.get("prompt_length")),
+        "prompt_length/min": finite(mn.get("prompt_length")),
+        # the update
+        "actor/pg_loss": s.get("pg_loss", 0.0) / updates,
+        "actor/kl_loss": s.get("kl_loss", 0.0) / updates,
+        "actor/entropy": mean("entropy", "tokens"),
+        "actor/pg_clipfrac": mean("clip_any", "tokens"),
+        "actor/pg_clipfrac_lower": mean("clip_dual", "tokens"),
+        "actor/pg_clipfrac_high": mean("clip_high", "tokens"),
+        "actor/pg_clipfrac_low": mean("clip_low", "tokens"),
+        "actor/ppo_kl": mean("old_minus_new", "tokens"),
+        "actor/kl_mean": mean("kl", "tokens"),
+        "actor/grad_norm": s.get("grad_norm", 0.0) / updates,
+        # sampler vs trainer: |log p_trainer(pi_old) - log p_sampler| per response token
+        "rollout/logprob_mismatch": mean("mismatch", "tokens"),
+        "rollout/logprob_mismatch_max": finite(mx.get("mismatch")),
+    }
+    if "is_weight" in s:
+        out["rollout/is_mean"] = mean("is_weight", "tokens")
+        out["rollout/is_max"] = finite(mx.get("is_weight"))
+        out["rollout/is_frac_modified"] = mean("is_modified", "tokens")
+    return out

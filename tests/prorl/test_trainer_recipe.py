@@ -1,0 +1,231 @@
+"""The trainer's algorithm and metrics as RECIPE.md states them, in-process on the shipped tiny reasoner.
+
+- carried-over groups (dynamic sampling's surplus) are trained against the log-probs of the policy that
+  sampled them, so their ratio is not 1 and clipping acts on them (§6);
+- the sampler-vs-trainer importance weights are truncated / masked once, at the configured bounds (§3);
+- verl's metric names carry verl's meanings (§9), and `critic/rewards/*` are the rewards trained on;
+- rollout seeds are distinct for every round of every rank within a step.
+
+The independent references are plain forwards of the model (`recompute_logprobs`), `ppo_loss_reference`
+(float64, autograd) and RECIPE.md's worked numbers.
+"""
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from prorl.kernels import ppo_loss
+from prorl.kernels.ppo_loss import ppo_loss_reference
+from rollout_checkpoints import recompute_logprobs
+from transformers import PreTrainedTokenizerFast
+
+import prorl.trainer as trainer_module
+from prorl.config import ConfigError, check_world, load_config
+from prorl.data import builtin
+from prorl.metrics import StepAccumulator, step_metrics
+from prorl.rewards.pool import RewardPool
+from prorl.trainer import Group, Trainer
+
+TINY_REASONER = str(Path(__file__).resolve().parents[2] / "prorl" / "assets" / "tiny-reasoner")
+BASE = [
+    "trainer.prompts_per_step=4",
+    "rollout.n=4",
+    "rollout.max_response_tokens=24",
+    "reward.length_penalty=false",
+    "trainer.mini_batches=1",
+    "trainer.micro_batch_tokens=0",
+]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = PreTrainedTokenizerFast.from_pretrained(TINY_REASONER)
+    train = builtin("digit_sums", n=16, seed=0, split="train")
+    val = builtin("digit_sums", n=4, seed=0, split="val")
+    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
+        yield tok, train, val, pool
+
+
+def make(setup, overrides=()):
+    tok, train, val, pool = setup
+    cfg = load_config("default", [f"model.path={TINY_REASONER}", *BASE, *overrides])
+    return Trainer(cfg, TINY_REASONER, tok, train, val, pool)
+
+
+class LossSpy:
+    """Records the arguments and results of every ppo_loss call the trainer makes."""
+
+    def __init__(self, monkeypatch):
+        self.calls = []
+        monkeypatch.setattr(trainer_module, "ppo_loss", self)
+
+    def __call__(self, *args, **kwargs):
+        out = ppo_loss(*args, **kwargs)
+        self.calls.append((args, kwargs, out))
+        return out
+
+
+def sampled(trainer, k=3):
+    groups = trainer.rollout(list(range(k)), seed=7, max_new=24)
+    for g in groups:
+        g.raw = [float(i % 2) for i in range(len(g.responses))]  # mixed: every group carries signal
+        g.shaped = list(g.raw)
+    return groups
+
+
+def per_token_logprobs(model, groups, temperature=1.0):
+    """[R] log-probs of every response token under `model`, one plain forward per prompt + response."""
+    out = [
+        recompute_logprobs(model, g.prompt_ids, t, temperature)
+        for g in groups
+        for t in g.responses
+        if t  # an empty response has no token
+    ]
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def test_carried_groups_are_trained_against_the_policy_that_sampled_them(setup, monkeypatch):
+    trainer = make(setup, ["optim.lr=3e-3"])
+    groups = sampled(trainer, k=3)
+    trainer.carry = copy.deepcopy(groups[2:])  # this step's surplus, sampled by the current policy
+    behaviour = copy.deepcopy(trainer.policy)
+    trainer.carry_old_logprobs(trainer.logprob_temperature)
+    trainer.update(groups[:2], 24, StepAccumulator())  # the policy moves
+    carried = trainer.collect(1, 24, StepAccumulator())  # the carry is used first, nothing sampled
+    assert carried[0].old_logps is not None and carried[0].responses == groups[2].responses
+
+    want_old = per_token_logprobs(behaviour, carried)
+    now = per_token_logprobs(trainer.policy, carried)  # before this update moves the policy again
+    spy = LossSpy(monkeypatch)
+    trainer.update(carried, 24, StepAccumulator())
+    (logp, old, *_), _, _ = spy.calls[0]
+    torch.testing.assert_close(old.float(), want_old, rtol=0, atol=1e-5)
+    torch.testing.assert_close(logp.detach().float(), now, rtol=0, atol=1e-5)
+    assert (now - want_old).abs().max() > 1e-3, "the update did not move the policy"
+
+
+def test_a_carried_group_is_never_carried_twice(setup):
+    trainer = make(setup)
+    groups = sampled(trainer, k=3)
+    for g in groups[:2]:
+        g.old_logps = [[0.0] * len(t) for t in g.responses]
+    trainer.carry = groups[:2]  # more carried groups than this step needs
+    kept = trainer.collect(1, 24, acc := StepAccumulator())
+    assert kept == groups[:1] and trainer.carry == []
+    s, _, _ = acc.reduce()
+    assert s["groups_dropped"] == 1 and s["groups_carried"] == 2
+
+
+@pytest.mark.parametrize(
+    "mode, bounds, log_w, modified",
+    [
+        ("tis", (0.5, 10.0), math.log(7.0), 0.0),  # 7 < is_high=10: not truncated (the old code capped at 5)
+        ("tis", (0.5, 10.0), math.log(12.0), 1.0),
+        ("icepop", (0.2, 5.0), math.log(0.35), 0.0),  # 0.35 in [0.2, 5]: kept (the old code zeroed it)
+        ("icepop", (0.2, 5.0), math.log(0.1), 1.0),
+    ],
+)
+def test_importance_weights_are_bounded_once_at_the_configured_bounds(
+    setup, monkeypatch, mode, bounds, log_w, modified
+):
+    trainer = make(
+        setup,
+        [f"algorithm.is_mode={mode}", f"algorithm.is_low={bounds[0]}", f"algorithm.is_high={bounds[1]}"],
+    )
+    groups = sampled(trainer, k=2)
+    true = per_token_logprobs(trainer.policy, groups).tolist()
+    i = 0
+    for g in groups:  # the sampler's log-probs differ from the trainer's by log_w on every token
+        for j, t in enumerate(g.responses):
+            g.sampler_logps[j] = [x - log_w for x in true[i : i + len(t)]]
+            i += len(t)
+    spy = LossSpy(monkeypatch)
+    acc = StepAccumulator()
+    trainer.update(groups, 24, acc)
+    metrics = step_metrics(acc.reduce())
+    (logp, old, adv, mask), kwargs, (loss, _) = spy.calls[0]
+    w = kwargs["is_weights"]
+    torch.testing.assert_close(w, torch.full_like(w, math.exp(log_w)), rtol=1e-4, atol=0)
+    assert kwargs["is_mode"] == mode and tuple(kwargs.get("is_bounds", (0.5, 5.0))) == bounds
+    assert metrics["rollout/is_frac_modified"] == pytest.approx(modified)
+    # the gradient the trainer's call produces equals the reference's with the raw weights and the
+    # configured bounds (the loss itself is ~0 on-policy: whitened advantages average to zero)
+    ours = logp.detach().double().requires_grad_()
+    ppo_loss(ours, old.double(), adv.double(), mask, **{**kwargs, "is_weights": w.double()})[0].backward()
+    theirs = logp.detach().double().requires_grad_()
+    ppo_loss_reference(
+        theirs,
+        old.double(),
+        adv.double(),
+        mask,
+        **{k: kwargs[k] for k in ("eps_low", "eps_high", "kl_coef", "kl_estimator", "agg", "cu_seqlens")},
+        ref_logp=kwargs["ref_logp"].double(),
+        is_weights=torch.full_like(theirs, math.exp(log_w)),
+        is_mode=mode,
+        is_bounds=bounds,
+        normalizer=float(kwargs["normalizer"]),
+    )[0].backward()
+    if mode == "icepop" and modified:  # every weight masked: no policy gradient at all
+        assert theirs.grad.abs().max() == 0
+    else:
+        assert theirs.grad.abs().max() > 1e-4
+    torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-6, atol=1e-9)
+
+
+def test_clip_fraction_names_carry_verls_meanings():
+    """RECIPE §3 vectors: r=1.5, A=+1 clipped high; r=0.5, A=-1 clipped low; r=4, A=-1 unclipped but capped
+    by the dual clip c=3; r=1.1, A=+1 and r=0.7, A=+1 unclipped."""
+    r = torch.tensor([1.5, 0.5, 4.0, 1.1, 0.7], dtype=torch.float64)
+    adv = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
+    logp = torch.log(r)
+    _, m = ppo_loss(logp, torch.zeros_like(logp), adv, torch.ones(5, dtype=torch.bool), dual_clip=3.0)
+    acc = StepAccumulator()
+    Trainer._record(acc, m, torch.tensor(0.0), logp, logp)
+    got = step_metrics(acc.reduce())
+    assert got["actor/pg_clipfrac"] == pytest.approx(2 / 5)  # verl: clipped on either side
+    assert got["actor/pg_clipfrac_lower"] == pytest.approx(1 / 5)  # verl: the dual-clip fraction
+    assert got["actor/pg_clipfrac_high"] == pytest.approx(1 / 5)
+    assert got["actor/pg_clipfrac_low"] == pytest.approx(1 / 5)
+    assert got["actor/ppo_kl"] == pytest.approx(-float(logp.mean()))  # mean of old - new
+
+
+def test_rewards_metric_is_the_shaped_reward(setup):
+    """RECIPE §5: raw [1, 1, 0, 0] with truncated [F, T, F, T] -> trained on [1, 0, 0, 0]."""
+    trainer = make(setup)
+    g = Group(
+        0, [1, 2], [[3], [4], [5], [6]], [[0.0]] * 4, [False, True, False, True], raw=[1.0, 1.0, 0.0, 0.0]
+    )
+    term = trainer.shape([g], 24)
+    acc = StepAccumulator()
+    trainer._record_batch(acc, [g], term)
+    got = step_metrics(acc.reduce())
+    assert g.shaped == [1.0, 0.0, 0.0, 0.0]
+    assert got["critic/score/mean"] == pytest.approx(0.5) and got["critic/rewards/mean"] == pytest.approx(
+        0.25
+    )
+    assert got["critic/rewards/max"] == 1.0 and got["critic/rewards/min"] == 0.0
+    assert got["response_length/clip_ratio"] == pytest.approx(0.5)
+
+
+def test_rollout_seeds_are_distinct_within_a_step(setup):
+    trainer = make(setup)
+    seeds = set()
+    for world in (1, 2, 64, 65, 300):
+        trainer.world = world
+        step_seeds = {0: set()}
+        for rank in range(world):
+            trainer.rank = rank
+            step_seeds[0] |= {trainer.rollout_seed(r) for r in range(10)}
+        assert len(step_seeds[0]) == 10 * world, world
+        seeds |= step_seeds[0]
+    assert all(0 <= s < 2**32 for s in seeds)
+
+
+def test_prompts_per_step_must_split_evenly_over_ranks():
+    cfg = load_config("default", ["trainer.prompts_per_step=3", "trainer.mini_batches=1"])
+    check_world(cfg, 1)
+    check_world(cfg, 3)
+    with pytest.raises(ConfigError, match="prompts_per_step=3 is not a multiple of the 2 ranks"):
+        check_world(cfg, 2)
