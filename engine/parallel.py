@@ -242,6 +242,40 @@ def parallelize(
     return model
 
 
+def reshard(model: nn.Module) -> None:
+    """Put every FSDP2 module of `model` back into its sharded state. After a forward FSDP2 leaves the root
+    and the last block unsharded (`reshard_after_forward=False`, above): their `.parameters()` are then
+    temporary full tensors, and a write into them is lost at the next reshard."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
+@torch.no_grad()
+def copy_parameters_(dst: nn.Module, src: nn.Module) -> None:
+    """dst's parameters <- src's, exactly, for two models of one architecture and one placement (both
+    replicated, or both sharded over the same mesh): shard by shard in the sharded state, which is what a
+    checkpoint saves. Casts when the dtypes differ."""
+    from torch.distributed.tensor import DTensor
+
+    reshard(dst)
+    reshard(src)
+    pairs = list(zip(dst.named_parameters(), src.named_parameters(), strict=True))
+    for (name_d, p_d), (name_s, p_s) in pairs:
+        if clean_name(name_d) != clean_name(name_s) or p_d.shape != p_s.shape:
+            raise ValueError(f"cannot copy {name_s} {tuple(p_s.shape)} into {name_d} {tuple(p_d.shape)}")
+        if isinstance(p_d, DTensor) != isinstance(p_s, DTensor) or (
+            isinstance(p_d, DTensor) and p_d.placements != p_s.placements
+        ):
+            raise ValueError(f"{name_d}: the two models are sharded differently")
+        if isinstance(p_d, DTensor):
+            p_d.to_local().copy_(p_s.to_local())
+        else:
+            p_d.copy_(p_s)
+
+
 def clean_name(name: str) -> str:
     """A parameter name without wrapper segments: `layers.0._orig_mod.mlp.*` -> `layers.0.mlp.*`."""
     for prefix in WRAPPER_PREFIXES:
@@ -343,6 +377,32 @@ def full_state_dict(model: nn.Module, *, cpu_offload: bool = False) -> dict[str,
         options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
         state = get_model_state_dict(model, options=options)
     return {k: v for k, v in state.items() if not k.endswith("_extra_state")}  # FP8 layers' metadata
+
+
+def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None):
+    """(clean name, full tensor) of every parameter and buffer of `model`, one at a time, in `dtype`
+    (None: the parameter's own); without the `_extra_state` entries of FP8 layers. A sharded (DTensor)
+    parameter's local shard is cast BEFORE it is all-gathered: fp32 masters pushed as bf16 cost half the
+    traffic and half the peak memory. A collective under FSDP2: every rank iterates in the same order.
+    For weight pushes (the sampler's copy, a vLLM engine), where memory allows one full tensor at a time."""
+    from torch.distributed.tensor import DTensor
+
+    reshard(model)  # the registered (sharded) parameters, not FSDP's temporary full copies
+    for name, tensor in model.state_dict().items():
+        if name.endswith("_extra_state"):
+            continue
+        tensor = tensor.detach()
+        if isinstance(tensor, DTensor):
+            local = tensor.to_local()
+            local = local.to(dtype) if dtype is not None else local
+            shape, stride = tensor.shape, tensor.stride()
+            tensor = DTensor.from_local(
+                local, tensor.device_mesh, tensor.placements, shape=shape, stride=stride
+            )
+            tensor = tensor.full_tensor()
+        elif dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        yield clean_name(name), tensor
 
 
 def load_full_state_dict(

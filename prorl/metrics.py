@@ -6,8 +6,9 @@
 
 Values may be Python numbers or 0-d device tensors (they stay on the device until `reduce`, so the update
 loop adds no host sync). `reduce` stacks every sum into one float64 vector and every extremum into another
-(minima negated) and all-reduces each once: every rank must register the same keys, whatever its data
-(an empty rank passes -inf to `max`/`min`), since the vectors are matched by sorted key.
+(minima negated) and all-reduces each once, matched by key: the ranks first agree on the union of their
+keys (a rank without data for a key - no token in a micro-batch, no group kept - contributes 0 to a sum
+and nothing to an extremum).
 
 Names and meanings (RECIPE §9). A name that verl uses carries verl's meaning (verl 0.9.1,
 `compute_policy_loss_vanilla` and `compute_data_metrics`): `actor/pg_clipfrac` is the fraction of response
@@ -24,6 +25,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from prorl.engine.parallel import all_reduce
 
@@ -48,7 +50,16 @@ class StepAccumulator:
         self.max("-" + key, -value)
 
     def reduce(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-        """(sums, maxima, minima) over every rank."""
+        """(sums, maxima, minima) over every rank; extrema no rank registered come back as -inf / inf."""
+        keys = (sorted(self._sum), sorted(self._max))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, keys)
+            keys = tuple(sorted(set().union(*(g[i] for g in gathered))) for i in (0, 1))
+        for key in keys[0]:
+            self._sum.setdefault(key, 0.0)
+        for key in keys[1]:
+            self._max.setdefault(key, -math.inf)
         sums = self._reduce(self._sum, "sum")
         extrema = self._reduce(self._max, "max")
         maxima = {k: v for k, v in extrema.items() if not k.startswith("-")}
@@ -120,7 +131,7 @@ def step_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, fl
         "actor/pg_clipfrac_low": mean("clip_low", "tokens"),
         "actor/ppo_kl": mean("old_minus_new", "tokens"),
         "actor/kl_mean": mean("kl", "tokens"),
-        "actor/grad_norm": s.get("grad_norm", 0.0) / updates,
+        "actor/grad_norm": finite(mx.get("grad_norm")) / updates,
         # sampler vs trainer: |log p_trainer(pi_old) - log p_sampler| per response token
         "rollout/logprob_mismatch": mean("mismatch", "tokens"),
         "rollout/logprob_mismatch_max": finite(mx.get("mismatch")),

@@ -43,7 +43,7 @@ from prorl.config import Config, check_world
 from prorl.data import stop_token_ids
 from prorl.engine.model import load_hf
 from prorl.engine.optim import Optimizer, OptimizerConfig
-from prorl.engine.parallel import all_reduce, dist_info
+from prorl.engine.parallel import all_reduce, copy_parameters_, dist_info, iter_full_tensors
 from prorl.engine.rollout import NativeGenerator, SamplingParams
 from prorl.kernels import group_advantages, linear_logprob_entropy, ppo_loss
 from prorl.metrics import StepAccumulator, step_metrics
@@ -194,44 +194,37 @@ class Trainer:
     def _make_generator(self, model_path: str, dtype: torch.dtype):
         if self.backend == "native":
             return NativeGenerator(self.sampler_model, compile=self.cfg.rollout.compile)
-        from prorl.engine.rollout.vllm import VLLMGenerator
+        from prorl.engine.rollout.vllm import VLLMGenerator, torchrun_engine_kwargs
 
         r, cuda = self.cfg.rollout, self.device.type == "cuda"
-        kwargs = {}
-        if cuda and self.world > 1:
-            # one engine per rank on its own GPU, in this process, each a data-parallel rank fed its own
-            # prompts (vLLM's torchrun "external_launcher" mode: it reads RANK / LOCAL_RANK / MASTER_* and
-            # needs world = tp x pp x dp). UNVERIFIED: no GPU when written.
-            if r.tensor_parallel_size != 1:
-                raise NotImplementedError(
-                    "rollout.tensor_parallel_size > 1 under torchrun is not supported yet: every rank "
-                    "samples its own prompts, while a tensor-parallel group must be given the same ones"
-                )
-            kwargs.update(distributed_executor_backend="external_launcher", data_parallel_size=self.world)
-        return VLLMGenerator(
+        generator = VLLMGenerator(
             model_path,
             tensor_parallel_size=r.tensor_parallel_size,
             gpu_memory_utilization=r.gpu_memory_utilization,
             dtype=dtype,
             enable_sleep_mode=cuda,  # training and sampling share the GPU: the engine sleeps while we train
             seed=self.cfg.seed + self.rank,
+            per_request_seeds=self.cfg.trainer.deterministic,
             max_model_len=self.cfg.data.max_prompt_tokens
             + max([r.max_response_tokens, *r.max_response_schedule.values()]),
-            **kwargs,
+            # one independent engine per rank under torchrun (see torchrun_engine_kwargs)
+            **torchrun_engine_kwargs(self.world, r.tensor_parallel_size),
         )
+        # the engine and the policy hold the same weights now: the sampler/trainer gap measured here is the
+        # yardstick of the post-sync checks (a collective under FSDP)
+        generator.calibrate(self.policy)
+        return generator
 
     def sync_sampler(self) -> None:
         """Give the sampler the policy's current weights: nothing for the native sampler on the policy
         itself; the unsharded copy (native under FSDP) or the vLLM engine (woken first, then checked
-        against the policy: a failed sync raises StaleWeightsError instead of sampling stale weights)."""
+        against the policy: a failed sync raises StaleWeightsError instead of sampling stale weights).
+        Tensors travel one at a time, cast to the sampler's dtype before they are gathered."""
         if self.backend == "vllm":
-            self.generator.wake_up()
-            report = self.generator.update_weights(self.policy.state_dict(), reference=self.policy)
-            self.last_sync_check = report
+            tensors = iter_full_tensors(self.policy, self.dtype)
+            self.last_sync_check = self.generator.update_weights(tensors, reference=self.policy)
         elif self.fsdp:
-            from prorl.engine.parallel import full_state_dict
-
-            self.generator.update_weights(full_state_dict(self.policy))
+            self.generator.update_weights(iter_full_tensors(self.policy, self.dtype))
 
     def export_hf(self, path: str) -> None:
         """Write the current policy as a Hugging Face checkpoint directory (rank 0 writes; a collective
@@ -449,12 +442,19 @@ class Trainer:
         lo, hi = resp_cu[g_first * n + a_first], resp_cu[g_last * n + b_last]
         return packing.pack(entries, self.share, self.device), lo, hi
 
+    DUMMY_TOKENS = 16  # Transformer Engine's FP8 GEMMs need a multiple of 16 rows
+
     def dummy_pass(self, model, grad: bool) -> None:
-        """A forward (and backward) contributing nothing: FSDP's collectives on a rank without work."""
-        with torch.set_grad_enabled(grad):
-            out = model(torch.zeros(1, dtype=torch.long, device=self.device))
-            if grad:
-                (out.float().sum() * 0.0).backward()
+        """A pass that contributes nothing, for a rank with less work than another under FSDP: every
+        forward all-gathers and every backward reduce-scatters, so every rank runs as many. It goes through
+        the same code as a real micro-batch (the fused op reads the LM head), so that its backward produces
+        a gradient for every parameter a real one does: with an untied LM head a plain forward would leave
+        lm_head.weight without one, and the ranks' reduce-scatters would differ in size (gloo aborts,
+        NCCL hangs)."""
+        batch = packing.pack([([0], [[0] * (self.DUMMY_TOKENS - 1)])], self.share, self.device)
+        logp, ent = self.logprobs(model, batch, self.logprob_temperature, grad=grad, entropy=grad)
+        if grad:
+            ((logp.float().sum() + ent.float().sum()) * 0.0).backward()
 
     @torch.no_grad()
     def response_logprobs(self, model, groups, resp_cu, temperature) -> torch.Tensor:
@@ -528,6 +528,7 @@ class Trainer:
         t0 = self._clock()
         self.policy.train()
         per_mb = max(math.ceil(len(groups) / cfg.trainer.mini_batches), 1)
+        norms = 0.0
         for m in range(cfg.trainer.mini_batches):
             g0, g1 = min(m * per_mb, len(groups)), min((m + 1) * per_mb, len(groups))
             lo, hi = resp_cu[g0 * n], resp_cu[g1 * n]
@@ -574,7 +575,7 @@ class Trainer:
                 self._record(acc, metrics, ent_sum, old_mb, sampler[s:e])
             self.sync_grads()
             result = self.optimizer.step()
-            acc.sum("grad_norm", result.grad_norm if math.isfinite(result.grad_norm) else 0.0)
+            norms += result.grad_norm if math.isfinite(result.grad_norm) else 0.0
             acc.max("updates", m + 1)
             self.consecutive_skips = 0 if not result.skipped else self.consecutive_skips + 1
             if self.consecutive_skips >= cfg.trainer.max_consecutive_skips:
@@ -582,6 +583,7 @@ class Trainer:
                     f"{self.consecutive_skips} consecutive optimizer steps skipped for non-finite "
                     "gradients; stopping (lower optim.lr or check the data)"
                 )
+        acc.max("grad_norm", norms)  # the global norm, the same on every rank: not summed over ranks
         timing["timing_s/update"] = self._clock() - t0
         t0 = time.perf_counter()
         self.sync_sampler()
@@ -671,7 +673,8 @@ class Trainer:
         reason = None
         if trained:
             self.empty_steps = 0
-            reason = self.reset_policy.should_reset(self.step_count, metrics["actor/kl_mean"])
+            # counted in completed steps (this one included): interval N resets after steps N, 2N, ...
+            reason = self.reset_policy.should_reset(self.step_count + 1, metrics["actor/kl_mean"])
             if reason is not None:
                 self.reset_reference(reason)
         else:  # no group of this step carries a learning signal on any rank: nothing to train on
@@ -757,12 +760,12 @@ class Trainer:
 
     @torch.no_grad()
     def reset_reference(self, reason: str) -> None:
-        """pi_ref <- current policy, in place; optimizer state kept unless reset_optimizer (v1)."""
-        for p_ref, p in zip(self.reference.parameters(), self.policy.parameters()):
-            p_ref.copy_(p)
+        """pi_ref <- current policy, exactly (shard by shard under FSDP, in the sharded state checkpoints
+        save); optimizer state kept unless reset_optimizer (v1)."""
+        copy_parameters_(self.reference, self.policy)
         if self.reset_policy.reset_optimizer:  # v1 behaviour; v2 keeps the optimizer state
             self.optimizer.reset_state()
-        self.reset_policy.record_reset(self.step_count)
+        self.reset_policy.record_reset(self.step_count + 1)
 
     @torch.no_grad()
     def validate(self, log=None) -> dict[str, float]:

