@@ -300,6 +300,38 @@ def test_adapter_on_every_backend(backend, monkeypatch):
         _assert_same(_ours(*batch, ent, **kw), _trl(*batch, ent, **kw))
 
 
+@pytest.mark.parametrize("use_vllm,correction", [(False, True), (True, False)])
+def test_adapter_applies_the_is_ratio_only_where_trl_does(use_vllm, correction):
+    batch, sampler, ent = _batch(seed=13, b=8, t=12)
+    inputs = _inputs(*batch[1:], is_ratio=_is_ratio(batch[1], sampler, batch[3], "token"))
+    results = []
+    for compute_loss in (grpo_trainer.GRPOTrainer._compute_loss, trl_compute_loss):
+        logp = batch[0].clone().requires_grad_()
+        stub = _TrainerStub(logp, ent, is_correction=use_vllm)
+        stub.vllm_importance_sampling_correction = correction
+        loss = compute_loss(stub, None, inputs)
+        loss.backward()
+        results.append((loss.detach(), logp.grad, {k: v[-1] for k, v in stub._metrics["train"].items()}))
+    _assert_same(results[1], results[0])
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_adapter_with_tool_mask(loss_type):
+    """Tool-call tokens (tool_mask 0) are left out of the loss and of every metric, as in TRL."""
+    batch, _, ent = _batch(seed=12, b=8, t=16)
+    tool_mask = (torch.rand(8, 16, generator=torch.Generator().manual_seed(1)) > 0.3).long()
+    results = []
+    for compute_loss in (grpo_trainer.GRPOTrainer._compute_loss, trl_compute_loss):
+        logp = batch[0].clone().requires_grad_()
+        stub = _TrainerStub(logp, ent, loss_type=loss_type, beta=0.04)
+        inputs = _inputs(*batch[1:]) | {"tool_mask": tool_mask}
+        loss = compute_loss(stub, None, inputs)
+        loss.backward()
+        results.append((loss.detach(), logp.grad, {k: v[-1] for k, v in stub._metrics["train"].items()}))
+    _assert_same(results[1], results[0])
+    assert (results[0][1][(tool_mask == 0)] == 0).all()
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_adapter_in_evaluation(loss_type):
     """model.eval(): TRL divides by neither the accumulation steps nor steps_per_generation."""

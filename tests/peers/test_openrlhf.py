@@ -52,7 +52,7 @@ def _batch_info(mask, kind, seed):
     if kind == "local":  # what training_step computes for one micro-batch on one process
         return loss_utils.get_loss_batch_info(None, mask)
     # an optimizer step of two micro-batches (gradient accumulation) on each of two data-parallel ranks
-    other = _batch(*mask.shape, seed=seed + 1000)[-1]
+    other = _batch(mask.shape[0] + 3, mask.shape[1], seed=seed + 1000)[-1]  # more rows than this one
     info = loss_utils._optimizer_step_loss_norm([mask, other], None, 2, 2)
     return {k: v * 2 if torch.is_tensor(v) else v for k, v in info.items()}  # the other rank's share too
 
