@@ -17,10 +17,9 @@ own method logs (kl, entropy, clip_ratio/low_mean, high_mean, region_mean, low_m
     loss_type grpo / bnpo / dr_grpo / dapo          agg seq-mean-token-mean / token-mean / constant /
                                                     token-mean with TRL's normaliser (_normaliser below)
 
-Two differences from TRL, both outside normal operation: the policy ratio is clamped at |logp - old| <= 20
-(as verl and OpenRLHF do; TRL does not), so where a token is beyond it and not clipped, TRL's loss follows
-exp(logp - old) and ours stays at exp(+-20) with zero gradient; and an empty row gives 0 where TRL's
-clip_ratio/low_min and high_max skip it as NaN (they still do: those two are computed TRL's way).
+One difference from TRL, outside normal operation: the policy ratio is clamped at |logp - old| <= 20 (as
+verl and OpenRLHF do; TRL does not). A token beyond it on the clipped side gives TRL's numbers; on the other
+side TRL's loss follows exp(logp - old) and ours stays at exp(+-20) with zero gradient.
 
 The bias-corrected KL, k3(d) exp(logp - old), is not one of ppo_loss's terms: it is added in torch (a few
 elementwise passes) with ppo_loss's aggregation weights; with use_bias_correction_kl=False the KL is fused.

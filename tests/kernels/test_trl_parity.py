@@ -539,8 +539,8 @@ def _train(is_mode, tmp_path):
 @pytest.mark.parametrize(
     "is_mode", [None, "sequence_mask", "sequence_truncate", "token_mask", "token_truncate"]
 )
-def test_snippet_in_a_real_grpo_trainer(is_mode, tmp_path):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def test_snippet_in_a_real_grpo_trainer(is_mode, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # everything is local: nothing may be downloaded
     records = _train(is_mode, tmp_path)
     assert len(records) == 6  # 3 optimizer steps x 2 micro-batches
     clipped = 0
