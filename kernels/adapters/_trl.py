@@ -148,7 +148,7 @@ def trl_compute_loss(trainer, model, inputs: dict) -> torch.Tensor:
         local = [m["clipfrac_low"] * n, m["clipfrac_high"] * n, m["clipfrac"] * n, n]
         local.append((entropies * mask).sum().to(n.dtype))
         if trainer.beta != 0.0:
-            local.append(m["kl_sum"])
+            local.append(m["kl_sum"].to(n.dtype))
         totals = trainer.accelerator.reduce(torch.stack(local), reduction="sum")
         means = (totals / totals[3].clamp(min=1.0)).tolist()
         low_min = nanmin(trainer.accelerator.gather(m["row_clip_low"])).item()
