@@ -22,7 +22,9 @@ Backends (`get_attention_backend(name)`):
             On this CPU torch 2.13 compiles it in 25-40 s cold. On the CPU torch 2.13 has no FlexAttention
             backward ("does not support backward on CPU"): there it serves evaluation/rollout only.
 - `flash` : flash-attn 2 `flash_attn_varlen_func` (CUDA, fp16/bf16), from the `[gpu]` extra.
-Default: `flash` on CUDA when flash-attn is importable, else `sdpa`.
+Default: `flash` on CUDA for fp16/bf16 compute when flash-attn (>= 2.1, whose causal mask is aligned
+bottom-right, as the shared-prompt layout needs) is importable, else `sdpa`; chosen per compute dtype, so
+an fp32 model on a GPU with flash-attn installed runs SDPA.
 """
 
 from __future__ import annotations
@@ -277,6 +279,11 @@ class FlashAttention(AttentionBackend):
         return ctx
 
     def __call__(self, q, k, v, ctx, scale):
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"flash-attn computes in fp16/bf16 only, got {q.dtype}: use model.dtype=bfloat16, or "
+                "attention='sdpa' (the default picks SDPA for fp32)"
+            )
         return self._fn(
             q,
             k,
@@ -301,19 +308,23 @@ def flash_attn_available() -> bool:
     return True
 
 
-def default_backend_name(device: torch.device | str) -> str:
-    """`flash` on CUDA when flash-attn is installed, otherwise `sdpa`."""
-    if torch.device(device).type == "cuda" and flash_attn_available():
+def default_backend_name(device: torch.device | str, dtype: torch.dtype | None = None) -> str:
+    """`flash` on CUDA for fp16/bf16 compute (`dtype`; None: assume half precision) when flash-attn is
+    installed, otherwise `sdpa`."""
+    half = dtype is None or dtype in (torch.float16, torch.bfloat16)
+    if torch.device(device).type == "cuda" and half and flash_attn_available():
         return "flash"
     return "sdpa"
 
 
-def get_attention_backend(name: str | AttentionBackend | None, device: torch.device | str = "cpu"):
-    """A backend instance from its name (`sdpa`, `flex`, `flash`), None (the default for `device`), or
-    an instance (returned as is)."""
+def get_attention_backend(
+    name: str | AttentionBackend | None, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+):
+    """A backend instance from its name (`sdpa`, `flex`, `flash`), None (the default for `device` and the
+    compute `dtype`), or an instance (returned as is)."""
     if isinstance(name, AttentionBackend):
         return name
-    name = name or default_backend_name(device)
+    name = name or default_backend_name(device, dtype)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {sorted(BACKENDS)}")
     return BACKENDS[name]()

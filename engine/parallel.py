@@ -65,6 +65,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .model import Decoder, ModelConfig
+from .watchdog import Watchdog, null_watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +102,17 @@ def dist_info() -> DistInfo:
     if not dist.is_initialized():
         return DistInfo(0, 1, 0, _default_device(0), None)
     backend = dist.get_backend()
-    device = _default_device(local_rank) if backend == "nccl" else torch.device("cpu")
+    device = _default_device(local_rank) if "nccl" in backend else torch.device("cpu")
     return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def process_group_backend(cuda: bool, cpu_offload: bool = False) -> str:
+    """gloo on the CPU; NCCL on GPUs, with gloo beside it for CPU tensors when FSDP offloads parameters
+    and gradients to host memory (the gradient norm's all-reduce then runs on CPU tensors, which NCCL
+    cannot reduce; torchtitan does the same)."""
+    if not cuda:
+        return "gloo"
+    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
 
 
 def init_distributed(*, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> DistInfo:
@@ -110,7 +120,8 @@ def init_distributed(*, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | Non
 
     Args:
         timeout_s: collective timeout: a collective that a peer never joins raises after this long.
-        backend: "gloo" | "nccl" | None (NCCL when CUDA is available, else gloo).
+        backend: "gloo" | "nccl" | "cuda:nccl,cpu:gloo" | None (NCCL when CUDA is available, else gloo;
+            see `process_group_backend`).
     Returns:
         DistInfo. Not under torchrun (no RANK / WORLD_SIZE in the environment): single-process mode,
         no process group, device cuda:0 or cpu. A group created earlier by the caller is reused.
@@ -122,7 +133,7 @@ def init_distributed(*, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | Non
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     device_id = None
-    if backend == "nccl":
+    if "nccl" in backend:
         # Tear the process down on a failed or timed-out NCCL collective instead of hanging (torch's
         # default in recent versions; stated here so the behaviour does not depend on the version).
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
@@ -436,29 +447,44 @@ _OPS = {
 }
 
 
-def all_reduce(value: Any, op: str = "sum", group=None) -> Any:
+_WATCHDOG = null_watchdog()
+
+
+def set_watchdog(watchdog: Watchdog) -> None:
+    """The watchdog that `all_reduce` reports its waits to (engine/watchdog.py); one per process."""
+    global _WATCHDOG
+    _WATCHDOG = watchdog
+
+
+def watchdog() -> Watchdog:
+    return _WATCHDOG
+
+
+def all_reduce(value: Any, op: str = "sum", group=None, *, what: str | None = None) -> Any:
     """Reduce a float, a tensor or a dict of floats/scalar tensors over ranks; returns the same kind.
 
     op: "sum" | "mean" | "max" | "min". A dict costs one collective (values stacked in fp64); dict values
     come back as floats. Tensors come back as new tensors (the input is not modified). No process group:
-    the value itself (mean of one rank = the value).
+    the value itself (mean of one rank = the value). `what` names the collective in the watchdog's
+    message should this rank wait long in it.
     """
     if op not in _OPS:
         raise ValueError(f"unknown op {op!r}; choose one of {sorted(_OPS)}")
     if isinstance(value, dict):
         keys = list(value)
         flat = torch.tensor([float(value[k]) for k in keys], dtype=torch.float64)
-        out = all_reduce(flat, op, group)
+        out = all_reduce(flat, op, group, what=what)
         return {k: float(v) for k, v in zip(keys, out.tolist())}
     if not isinstance(value, torch.Tensor):
-        return float(all_reduce(torch.tensor(float(value), dtype=torch.float64), op, group))
+        return float(all_reduce(torch.tensor(float(value), dtype=torch.float64), op, group, what=what))
     if not dist.is_initialized():
         return value.clone()
     # NCCL reduces only CUDA tensors: host values travel through this rank's GPU
     nccl = dist.get_backend(group) == "nccl"
     device = dist_info().device if nccl and value.device.type == "cpu" else value.device
     out = value.detach().to(device, copy=True)
-    dist.all_reduce(out, op=_OPS[op], group=group)
+    with _WATCHDOG.waiting(f"all-reduce of {what or 'a value'}"):
+        dist.all_reduce(out, op=_OPS[op], group=group)
     if op == "mean":
         out = out / dist.get_world_size(group)
     return out.to(value.device)

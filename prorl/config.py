@@ -31,6 +31,9 @@ class ModelConfig:
     fsdp: bool = False  # shard policy and reference with FSDP2 (under torchrun); replicate when False
     activation_checkpointing: bool = False
     compile: bool = False
+    # FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer state in host memory (on CUDA
+    # the process group then pairs NCCL with gloo for the CPU tensors)
+    cpu_offload: bool = False
 
 
 @dataclass
@@ -143,6 +146,10 @@ class TrainerConfig:
     log_every: int = 1
     max_consecutive_skips: int = 5
     deterministic: bool = False
+    # collective timeout of the process group; 0: sized from this config (`collective_timeout_s`)
+    collective_timeout_s: float = 0.0
+    # a rank that has waited this long in one collective says so, naming it (0: never)
+    wait_warning_s: float = 300.0
     tensorboard: bool = True
     wandb_project: str | None = None
 
@@ -238,10 +245,34 @@ def validate(cfg: Config) -> None:
         ),
         (cfg.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
         (cfg.seed >= 0, "seed must be >= 0"),
+        (
+            cfg.trainer.collective_timeout_s >= 0,
+            "trainer.collective_timeout_s must be >= 0 (0: from the config)",
+        ),
+        (cfg.trainer.wait_warning_s >= 0, "trainer.wait_warning_s must be >= 0 (0: never warn)"),
     ]
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
+
+
+def collective_timeout_s(cfg: Config, world: int | None = None) -> float:
+    """The process group's collective timeout: `trainer.collective_timeout_s`, or when that is 0 one sized
+    from the config. The longest legitimate wait in one collective is a sampling round of another rank:
+    generating up to the longest response budget, then verifying the round's samples, at worst every one
+    at `reward.timeout_s` (sampling rounds are collective: trainer.collect). Hence 600 s (engine start,
+    checkpoint writes) + 0.1 s per response token + ceil(round samples / reward workers) x reward.timeout_s,
+    with a round of ceil(prompts per rank x oversample) prompts x rollout.n samples."""
+    if cfg.trainer.collective_timeout_s > 0:
+        return cfg.trainer.collective_timeout_s
+    import math
+
+    world = world or int(os.environ.get("WORLD_SIZE", "1"))
+    r = cfg.rollout
+    max_new = max([r.max_response_tokens, *r.max_response_schedule.values()])
+    prompts = math.ceil(max(cfg.trainer.prompts_per_step // world, 1) * cfg.algorithm.oversample)
+    verify = math.ceil(prompts * r.n / max(cfg.reward.num_workers, 1)) * cfg.reward.timeout_s
+    return 600.0 + 0.1 * max_new + verify
 
 
 def check_world(cfg: Config, world: int) -> None:

@@ -27,7 +27,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from prorl.engine.parallel import all_reduce
+from prorl.engine.parallel import all_reduce, watchdog
 
 
 class StepAccumulator:
@@ -54,7 +54,8 @@ class StepAccumulator:
         keys = (sorted(self._sum), sorted(self._max))
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, keys)
+            with watchdog().waiting("all-gather of the metric names"):
+                dist.all_gather_object(gathered, keys)
             keys = tuple(sorted(set().union(*(g[i] for g in gathered))) for i in (0, 1))
         for key in keys[0]:
             self._sum.setdefault(key, 0.0)
@@ -71,7 +72,7 @@ class StepAccumulator:
             return {}
         keys = sorted(values)
         vec = torch.stack([_as_tensor(values[k], self.device) for k in keys])
-        return dict(zip(keys, all_reduce(vec, op).tolist()))
+        return dict(zip(keys, all_reduce(vec, op, what=f"the step's metrics ({op})").tolist()))
 
 
 def _as_tensor(value, device) -> torch.Tensor:

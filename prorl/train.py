@@ -24,7 +24,8 @@ Lifecycle (issue 8):
   before the first step.
 
 Exit codes: 0 done (or stopped cleanly by a signal), 2 config error, 3 reward self-test failed,
-4 checkpoint cannot be resumed, 5 output directory unusable, 6 training stalled (steps without a group to
+4 checkpoint cannot be resumed, 5 output directory unusable, 7 another rank stopped answering (a collective
+timed out or lost its peer: a rank died, was frozen or hangs), 6 training stalled (steps without a group to
 train on, or non-finite gradients, `trainer.max_consecutive_skips` times in a row; the last complete
 checkpoint is kept).
 """
@@ -181,6 +182,14 @@ INCOMPATIBLE_ON_RESUME = (
 )
 
 
+def peer_failure(exc: BaseException) -> bool:
+    """Whether `exc` is a collective that timed out or lost a peer (gloo and NCCL word it so)."""
+    text = str(exc).lower()
+    return isinstance(exc, dist.DistError) or any(
+        s in text for s in ("timed out", "timeout", "connection closed by peer", "connection reset by peer")
+    )
+
+
 def config_changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:
     """Dotted keys whose values differ between two config dicts -> (old, new)."""
     out: dict[str, tuple] = {}
@@ -207,16 +216,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prorl: config error: {exc}", file=sys.stderr)
         return 2
 
-    from prorl.config import check_world
-    from prorl.engine.parallel import destroy_distributed, init_distributed
+    from prorl.config import check_world, collective_timeout_s
+    from prorl.engine import parallel
+    from prorl.engine.watchdog import Watchdog
 
-    # gloo on the CPU, NCCL on GPUs; collectives time out, so a dead or stuck rank ends the job
-    info = init_distributed()
+    # gloo on the CPU, NCCL on GPUs; collectives time out, so a dead or stuck rank ends the job, and a rank
+    # that waits long in one says which (engine/watchdog.py)
+    backend = parallel.process_group_backend(torch.cuda.is_available(), cfg.model.cpu_offload)
+    info = parallel.init_distributed(timeout_s=collective_timeout_s(cfg), backend=backend)
+    parallel.set_watchdog(Watchdog(cfg.trainer.wait_warning_s, info.rank))
     try:
         check_world(cfg, info.world_size)
     except ConfigError as exc:
         print(f"prorl: config error: {exc}", file=sys.stderr)
-        destroy_distributed()
+        parallel.destroy_distributed()
         return 2
     try:
         return run(cfg, info.rank)
@@ -224,6 +237,18 @@ def main(argv: list[str] | None = None) -> int:
         if str(exc):
             print(f"prorl: {exc}", file=sys.stderr)
         return exc.code
+    except RuntimeError as exc:  # a collective timed out, or a peer's connection broke: say so plainly
+        if not peer_failure(exc):
+            raise
+        first = str(exc).strip().splitlines()[0][:300]
+        print(
+            f"prorl: rank {info.rank}: the other ranks stopped answering ({first}). A rank died, was "
+            f"stopped or hangs; collectives time out after {collective_timeout_s(cfg):.0f} s "
+            "(trainer.collective_timeout_s). The last complete checkpoint is kept: re-run the same command "
+            "to resume.",
+            file=sys.stderr,
+        )
+        return 7
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

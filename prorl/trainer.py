@@ -43,7 +43,7 @@ from prorl.config import Config, check_world
 from prorl.data import stop_token_ids
 from prorl.engine.model import load_hf
 from prorl.engine.optim import Optimizer, OptimizerConfig
-from prorl.engine.parallel import all_reduce, copy_parameters_, dist_info, iter_full_tensors
+from prorl.engine.parallel import all_reduce, copy_parameters_, dist_info, iter_full_tensors, watchdog
 from prorl.engine.rollout import NativeGenerator, SamplingParams
 from prorl.kernels import group_advantages, linear_logprob_entropy, ppo_loss
 from prorl.metrics import StepAccumulator, step_metrics
@@ -124,6 +124,7 @@ class Trainer:
                 activation_checkpointing=cfg.model.activation_checkpointing,
                 compile=cfg.model.compile,
                 param_dtype=None if dtype == torch.float32 else dtype,
+                cpu_offload=cfg.model.cpu_offload,
             )
             self.policy = parallelize(load(dtype=torch.float32), **opts)
             self.reference = parallelize(load(dtype=torch.float32).requires_grad_(False).eval(), **opts)
@@ -335,12 +336,13 @@ class Trainer:
         acc.sum("groups_carried", len(kept))
         rounds = 0
         while rounds < (a.max_rounds if a.dynamic_sampling else 1):
-            most = int(all_reduce(float(need - len(kept)), "max"))
-            if most <= 0:
-                break
-            k = most if rounds == 0 or not a.dynamic_sampling else math.ceil(most * a.oversample)
-            groups = self.rollout(self.next_examples(k), self.rollout_seed(rounds), max_new)
-            self.verify(groups, acc)
+            with watchdog().phase(f"step {self.step_count + 1}, sampling round {rounds}"):
+                most = int(all_reduce(float(need - len(kept)), "max", what="the ranks' shortfall of groups"))
+                if most <= 0:
+                    break
+                k = most if rounds == 0 or not a.dynamic_sampling else math.ceil(most * a.oversample)
+                groups = self.rollout(self.next_examples(k), self.rollout_seed(rounds), max_new)
+                self.verify(groups, acc)
             rounds += 1
             for g in groups:
                 correct = sum(r >= 1.0 for r in g.raw)
@@ -430,7 +432,9 @@ class Trainer:
             for c0, c1 in algorithm.token_budget_chunks(sizes, self.budget)
         ]
         if self.fsdp:
-            most = int(all_reduce(torch.tensor(len(chunks), device=self.device), "max"))
+            most = int(
+                all_reduce(torch.tensor(len(chunks), device=self.device), "max", what="micro-batch counts")
+            )
             chunks += [None] * (most - len(chunks))
         return chunks
 
@@ -521,7 +525,8 @@ class Trainer:
             old = torch.where(carried, stored_old, self.response_logprobs(self.policy, groups, resp_cu, temp))
         timing["timing_s/old_logp"] = self._clock() - t0
         t0 = self._clock()
-        ref = self.response_logprobs(self.reference, groups, resp_cu, temp)
+        with watchdog().phase(f"step {self.step_count + 1}, reference log-probs"):
+            ref = self.response_logprobs(self.reference, groups, resp_cu, temp)
         timing["timing_s/ref"] = self._clock() - t0
 
         # M mini-batch updates, each accumulated over micro-batches
@@ -533,14 +538,16 @@ class Trainer:
             g0, g1 = min(m * per_mb, len(groups)), min((m + 1) * per_mb, len(groups))
             lo, hi = resp_cu[g0 * n], resp_cu[g1 * n]
             norm = all_reduce(
-                algorithm.loss_normalizer(a.agg, mask[lo:hi], cu_all[g0 * n : g1 * n + 1] - lo, max_new)
+                algorithm.loss_normalizer(a.agg, mask[lo:hi], cu_all[g0 * n : g1 * n + 1] - lo, max_new),
+                what=f"mini-batch {m}'s loss normaliser",
             )
             if float(norm) == 0:  # no response token in this mini-batch on any rank
                 continue
             norm = norm.float()
             for units in self.micro_batches(groups, g0, g1):
                 if units is None:
-                    self.dummy_pass(self.policy, grad=True)
+                    with watchdog().phase(f"step {self.step_count + 1}, update {m}, dummy pass"):
+                        self.dummy_pass(self.policy, grad=True)
                     continue
                 batch, s, e = self.batch_of(groups, units, resp_cu)
                 logp, ent = self.logprobs(self.policy, batch, temp, grad=True, entropy=True)
@@ -586,7 +593,8 @@ class Trainer:
         acc.max("grad_norm", norms)  # the global norm, the same on every rank: not summed over ranks
         timing["timing_s/update"] = self._clock() - t0
         t0 = time.perf_counter()
-        self.sync_sampler()
+        with watchdog().phase(f"step {self.step_count + 1}, weight sync"):
+            self.sync_sampler()
         timing["timing_s/sync"] = self._clock() - t0
         acc.sum("advantage", adv.sum())
         acc.max("advantage", adv.max() if adv.numel() else -math.inf)
@@ -658,7 +666,7 @@ class Trainer:
         groups = self.collect(need, max_new, acc)
         timing = {"timing_s/reward": self.reward_time}
         timing["timing_s/gen"] = time.perf_counter() - t0 - self.reward_time
-        trained = int(all_reduce(float(len(groups))))  # groups kept by every rank together
+        trained = int(all_reduce(float(len(groups)), what="the kept-group count"))  # every rank's
         if trained and self.backend == "vllm":
             self.generator.sleep()  # free the engine's GPU memory while we train; sync_sampler wakes it
         if cfg.algorithm.dynamic_sampling:

@@ -142,12 +142,16 @@ class Decoder(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
-    def attention_backend(self, device: torch.device) -> AttentionBackend:
+    def attention_backend(self, device: torch.device, dtype: torch.dtype | None = None) -> AttentionBackend:
+        """The backend for compute on `device` in `dtype` (the default depends on both: flash-attn only
+        for fp16/bf16); `dtype` None: the embedding's, which under FSDP mixed precision is the compute
+        dtype while a forward runs."""
         if isinstance(self.attention, AttentionBackend):
             return self.attention
-        key = f"{self.attention}/{device.type}"
+        dtype = dtype or self.embed_tokens.weight.dtype
+        key = f"{self.attention}/{device.type}/{dtype}"
         if key not in self._backends:
-            self._backends[key] = get_attention_backend(self.attention, device)
+            self._backends[key] = get_attention_backend(self.attention, device, dtype)
         return self._backends[key]
 
     def forward(

@@ -197,3 +197,33 @@ def test_sdpa_separate_key_lengths_match_reference(lq, extra):
     (ref * upstream).sum().backward()
     for ours, theirs in zip((q, k, v), leaves):
         assert (ours.grad.double() - theirs.grad).abs().max().item() <= 1e-4
+
+
+def test_default_backend_follows_the_compute_dtype(monkeypatch):
+    """flash-attn computes in fp16/bf16 only: on a GPU with flash-attn installed the default is SDPA for an
+    fp32 model (the embedded default's dtype), flash for bf16."""
+    import prorl.engine.attention as attention
+
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
+    assert default_backend_name("cuda", torch.float32) == "sdpa"
+    assert default_backend_name("cuda", torch.bfloat16) == "flash"
+    assert default_backend_name("cuda", torch.float16) == "flash"
+    assert default_backend_name("cpu", torch.bfloat16) == "sdpa"
+
+
+def test_flash_refuses_fp32_with_a_clear_error(monkeypatch):
+    """A stand-in for flash_attn (its documented rule: fp16/bf16 inputs) shows that an explicit
+    attention='flash' with fp32 compute fails with our message, not deep inside the kernel."""
+    import sys
+    import types
+
+    def varlen(q, k, v, cu_q, cu_k, max_q, max_k, softmax_scale=None, causal=False):
+        assert q.dtype in (torch.float16, torch.bfloat16), "flash-attn: fp16/bf16 only"
+        raise AssertionError("not reached in this test")
+
+    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=varlen))
+    backend = get_attention_backend("flash")
+    q = torch.zeros(4, 2, 8)
+    ctx = backend.prepare(make_context(4, torch.tensor([0, 4], dtype=torch.int32)))
+    with pytest.raises(ValueError, match="fp16/bf16 only, got torch.float32"):
+        backend(q, q, q, ctx, 1.0)

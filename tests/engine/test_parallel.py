@@ -194,3 +194,40 @@ def test_stalled_or_dead_rank_raises_instead_of_hanging(tmp_path):
         stall_msg,
     )
     assert dead_msg is not None and dead_s < 10, (dead_s, dead_msg)
+
+
+def _slow_peer(rank, world):
+    """Rank 1 joins the all-reduce 1.5 s late: rank 0's watchdog (0.5 s) names what it waits for."""
+    import time
+
+    from prorl.engine import parallel
+    from prorl.engine.watchdog import Watchdog
+
+    lines = []
+    parallel.set_watchdog(Watchdog(0.5, rank, log=lines.append, poll_s=0.05))
+    try:
+        with parallel.watchdog().phase("sampling round 3"):
+            if rank == 1:
+                time.sleep(1.5)
+            parallel.all_reduce(1.0, what="round 3's shortfall")
+    finally:
+        parallel.watchdog().close()
+        parallel.set_watchdog(parallel.null_watchdog())
+    return lines
+
+
+def test_a_waiting_rank_says_what_it_waits_for(tmp_path):
+    lines = run_ranks(_slow_peer, tmp_path)
+    assert lines[1] == []  # the late rank itself did not wait
+    assert lines[0], "rank 0 waited 1.5 s and said nothing"
+    assert "rank 0 has waited" in lines[0][0]
+    assert "all-reduce of round 3's shortfall" in lines[0][0] and "'sampling round 3'" in lines[0][0]
+
+
+def test_process_group_backend():
+    from prorl.engine.parallel import process_group_backend
+
+    assert process_group_backend(cuda=False) == "gloo" and process_group_backend(False, True) == "gloo"
+    assert process_group_backend(cuda=True) == "nccl"
+    # CPU offload: the gradient norm's all-reduce runs on CPU tensors, which NCCL cannot reduce
+    assert process_group_backend(cuda=True, cpu_offload=True) == "cuda:nccl,cpu:gloo"

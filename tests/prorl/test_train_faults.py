@@ -2,6 +2,7 @@
 unusable output directory (not writable, too little disk, in use by another run), Ctrl-C without
 torchrun, and torchrun itself killed (its workers must not train on unseen)."""
 
+import contextlib
 import os
 import signal
 
@@ -82,3 +83,46 @@ def test_workers_of_a_killed_torchrun_stop_after_their_step(tmp_path):
     assert stopped, text[-3000:]
     step = int(stopped[0].split("after step ")[1].split()[0])
     assert complete_steps(out / "checkpoints")[-1] == step
+
+
+def _rank_worker(tree, rank: int) -> int:
+    """The pid of torchrun's worker for `rank` (its environment says RANK=rank)."""
+    for pid in tree:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if (
+            b"prorl/train.py" in cmd
+            and f"RANK={rank}".encode() in env
+            and b"-m\0torch.distributed.run" not in cmd
+        ):
+            return pid
+    raise AssertionError(f"no worker for rank {rank} in {tree}")
+
+
+@pytest.mark.slow
+def test_a_frozen_rank_is_named_and_ends_the_run_cleanly(tmp_path):
+    """SIGSTOP of one rank's trainer: the other says what it waits for (trainer.wait_warning_s), then ends
+    with exit code 7 and a plain message once its collective times out (trainer.collective_timeout_s), the
+    last complete checkpoint untouched - instead of waiting silently for 600 s and dying in a traceback."""
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    overrides = [*LONG, "trainer.collective_timeout_s=20", "trainer.wait_warning_s=4"]
+    proc = launch(train_command(out, overrides), log)
+    assert wait_for(lambda: complete_steps(out / "checkpoints"), proc), log.read_text()[-3000:]
+    frozen = _rank_worker(process_tree(proc.pid), 1)
+    os.kill(frozen, signal.SIGSTOP)
+    saved = complete_steps(out / "checkpoints")
+    try:
+        proc.wait(timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # torchrun has killed it (a stopped process dies)
+            os.kill(frozen, signal.SIGCONT)
+    text = log.read_text()
+    assert "prorl: rank 0 has waited" in text and "for the other ranks (" in text, text[-3000:]
+    assert "prorl: rank 0: the other ranks stopped answering" in text, text[-3000:]
+    assert "exitcode: 7" in text or proc.returncode != 0, text[-3000:]
+    assert complete_steps(out / "checkpoints")[: len(saved)] == saved
