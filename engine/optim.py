@@ -81,6 +81,11 @@ class Optimizer:
         if cfg.schedule == "cosine" and not cfg.total_steps:
             raise ValueError("the cosine schedule needs total_steps")
         self.cfg = cfg
+        # the registered (sharded) parameters: after a forward FSDP2 leaves the root and the last block
+        # unsharded, and their .parameters() are then temporaries it frees on resharding
+        from .parallel import reshard
+
+        reshard(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
             param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps

@@ -224,6 +224,12 @@ def parallelize(
 
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+    if cpu_offload and dist_info().device.type != "cuda":
+        raise ValueError(
+            "model.cpu_offload (FSDP2 CPUOffloadPolicy) needs a CUDA device: FSDP2 pins the host copies "
+            "(torch 2.13 fails with 'Cannot access accelerator device' without one)"
+        )
+
     if mesh is None:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -386,6 +392,7 @@ def full_state_dict(model: nn.Module, *, cpu_offload: bool = False) -> dict[str,
         state = {k: v.cpu() for k, v in state.items()} if cpu_offload else state
     else:
         options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
+        reshard(model)
         state = get_model_state_dict(model, options=options)
     return {k: v for k, v in state.items() if not k.endswith("_extra_state")}  # FP8 layers' metadata
 
@@ -433,6 +440,7 @@ def load_full_state_dict(
         model.load_state_dict({own[k]: v for k, v in state.items()})
         return
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast_from_rank0)
+    reshard(model)
     set_model_state_dict(model, state, options=options)
 
 

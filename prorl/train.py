@@ -33,6 +33,7 @@ checkpoint is kept).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import random
@@ -302,7 +303,7 @@ def run(cfg, rank: int) -> int:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     stop.install()
-    with pool:
+    with pool, contextlib.ExitStack() as stack:
         try:  # a verifier that silently scores everything 0 would waste the whole run
             status = self_test(sources, pool)
         except RuntimeError as exc:
@@ -310,6 +311,7 @@ def run(cfg, rank: int) -> int:
             return 3
         reporter.say("prorl: reward self-test: " + ", ".join(f"{k} {v}" for k, v in status.items()))
         trainer = Trainer(cfg, model_path, tokenizer, train, val, pool)
+        stack.callback(trainer.close)  # the sampler's engine goes before the process group
         # resume from the latest complete checkpoint of this output_dir, if any (RECIPE §7, issue 8)
         chash = config_hash(to_yaml(cfg))  # changed settings are reported on resume
         holder: dict = {}

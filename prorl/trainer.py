@@ -246,6 +246,10 @@ class Trainer:
             model.load_state_dict(state, strict=True)
             save_hf(model, path)
 
+    def close(self) -> None:
+        """Release the sampler (a vLLM engine) before the process group goes."""
+        self.generator.close()
+
     # ------------------------------------------------------------------------------------------
     # data
     # ------------------------------------------------------------------------------------------

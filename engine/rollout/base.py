@@ -54,10 +54,14 @@ class Rollouts:
 
 
 class Generator:
-    """Interface: `generate(prompt_token_ids, params) -> Rollouts`, `update_weights(named_tensors)`."""
+    """Interface: `generate(prompt_token_ids, params) -> Rollouts`, `update_weights(named_tensors)`,
+    `close()` (release the engine; before the caller tears down its process group)."""
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> Rollouts:
         raise NotImplementedError
 
     def update_weights(self, named_tensors) -> None:
         raise NotImplementedError
+
+    def close(self) -> None:
+        pass

@@ -398,6 +398,9 @@ class VLLMGenerator(Generator):
         ids = torch.tensor(self.probe_ids, device=device)
         labels = torch.cat([ids[1:], ids.new_full((1,), -100)])
         logp, _ = linear_logprob_entropy(model(ids), model.lm_head_weight, labels, return_entropy=False)
+        from ..parallel import reshard
+
+        reshard(model)  # FSDP2 leaves the root unsharded after a forward: back to the registered shards
         return logp[:-1].float().cpu()
 
     def calibrate(self, reference) -> float:
@@ -464,6 +467,13 @@ class VLLMGenerator(Generator):
                 )
             self.llm.wake_up()
             self.asleep = False
+
+    def close(self) -> None:
+        """Shut the engine down now. Under torchrun its groups live in the caller's process group; vLLM's
+        own finalizer at interpreter exit would find that group already destroyed."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
 
 
 def _has_head_dtype(vllm) -> bool:

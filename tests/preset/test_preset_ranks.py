@@ -140,12 +140,12 @@ def test_preset_on_two_ranks(preset, tmp_path):
 # -- one update split over 2 ranks == the same update on 1 rank -----------------------------------------
 
 
-def _update_on(rank, world, ckpt, train, val, groups_by_rank):
+def _update_on(rank, world, ckpt, train, val, groups_by_rank, extra=()):
     from prorl.metrics import StepAccumulator, step_metrics
     from prorl.rewards.pool import RewardPool
 
     with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
-        trainer = make_trainer(ckpt, train, val, [], pool)
+        trainer = make_trainer(ckpt, train, val, list(extra), pool)
         grads = []
         sgd = torch.optim.SGD(trainer.optimizer.params, lr=1.0)  # AdamW's sign-like first step would
         step = sgd.step  # turn round-off in tiny gradients into whole steps: compare under plain SGD

@@ -227,3 +227,16 @@ def test_export_gathers_a_sharded_policy(setup, tmp_path):
     got = dict(hf.named_parameters())
     assert torch.equal(got["model.embed_tokens.weight"], want["embed_tokens.weight"])
     assert torch.equal(got["model.layers.0.mlp.up_proj.weight"], want["layers.0.mlp.up_proj.weight"])
+
+
+def test_cpu_offload_reaches_fsdp(setup, tmp_path):
+    """model.cpu_offload is FSDP2's CPUOffloadPolicy, which needs a GPU (it pins host memory): on this CPU
+    the trainer says so when it applies the parallel plan."""
+    import torch.distributed as dist
+
+    _single_rank_group(tmp_path)
+    try:
+        with pytest.raises(ValueError, match="model.cpu_offload .* needs a CUDA device"):
+            make(setup, ["model.fsdp=true", "model.cpu_offload=true"])
+    finally:
+        dist.destroy_process_group()

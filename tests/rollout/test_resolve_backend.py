@@ -40,3 +40,14 @@ def test_auto_on_cuda_depends_on_vllm(monkeypatch, installed, expected):
 def test_unknown_name_raises():
     with pytest.raises(ValueError, match="auto"):
         resolve_backend("sglang", "cpu")
+
+
+def test_torchrun_engines_are_independent():
+    """One vLLM engine per rank, independent (vLLM's ExternalDP dimension): no data_parallel_size, whose
+    generate calls are collectives across the engines; tensor parallelism refused under torchrun."""
+    from prorl.engine.rollout.vllm import torchrun_engine_kwargs
+
+    assert torchrun_engine_kwargs(1) == {}
+    assert torchrun_engine_kwargs(8) == {"distributed_executor_backend": "external_launcher"}
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size > 1 under torchrun"):
+        torchrun_engine_kwargs(8, tensor_parallel_size=2)

