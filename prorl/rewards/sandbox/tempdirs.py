@@ -1,0 +1,59 @@
+"""Private temporary directories that are removed even when their owner is SIGKILLed.
+
+Each directory is created with an exclusive `flock` held on it for as long as its owner lives: the
+process that made it, or the child it handed the descriptor to (a reward worker). A later start calls
+`remove_stale` to delete the ones nobody holds any more. A lock, not a pid, tells whether the owner is
+alive: it cannot be confused by a reused pid or by a run in another PID namespace sharing /tmp.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import stat
+import tempfile
+
+
+def make_locked(prefix: str, parent: str | None = None) -> tuple[str, int]:
+    """A new directory `<parent>/<prefix>XXXXXXXX` (mode 0700) and a descriptor holding its lock.
+
+    The lock lives until every copy of the descriptor is closed (close it, or let the process die)."""
+    parent = parent or tempfile.gettempdir()
+    # made under a hidden name and renamed once locked, so `remove_stale` never sees it unlocked
+    staging = tempfile.mkdtemp(prefix="." + prefix, dir=parent)
+    fd = os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    path = os.path.join(parent, os.path.basename(staging)[1:])
+    os.rename(staging, path)
+    return path, fd
+
+
+def remove_stale(prefix: str, parent: str | None = None) -> list[str]:
+    """Delete this user's `<parent>/<prefix>*` directories whose lock nobody holds; returns them."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    try:
+        names = [n for n in os.listdir(parent) if n.startswith(prefix)]
+    except OSError:
+        return removed
+    for name in names:
+        path = os.path.join(parent, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its owner is alive
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+        finally:
+            os.close(fd)
+    return removed
