@@ -127,12 +127,20 @@ class _Worker:
 
 
 def _worker_main(fd: int) -> None:
-    """Worker loop: init, say ready, then score items until the parent closes the connection."""
+    """Worker: init, say ready, then score items until the pool closes the connection or vanishes."""
     # Ctrl-C / SIGTERM go to the whole process group: the trainer decides when to stop, and still needs
     # its verifiers to finish the step. A worker ends when its connection closes (or by SIGKILL).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    conn = Connection(fd)
+    try:
+        _serve(Connection(fd))
+    except (EOFError, OSError):  # the pool is gone (a pool that closes kills its workers first)
+        tmpdir = os.environ.get("TMPDIR", "")
+        if os.path.basename(tmpdir).startswith(TMP_PREFIX):
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _serve(conn: Connection) -> None:
     init = conn.recv()
     try:
         for key in init["preload"]:
@@ -142,14 +150,7 @@ def _worker_main(fd: int) -> None:
         return
     conn.send(("ready",))
     while True:
-        try:
-            task = conn.recv()
-        except (EOFError, OSError):  # the pool is gone (a pool that closes kills its workers first)
-            tmpdir = os.environ.get("TMPDIR", "")
-            if os.path.basename(tmpdir).startswith(TMP_PREFIX):
-                shutil.rmtree(tmpdir, ignore_errors=True)
-            return
-        data_source, entry, response, ground_truth, extra = task
+        data_source, entry, response, ground_truth, extra = conn.recv()
         try:
             extra = dict(extra or {})
             extra.setdefault("data_source", data_source)
@@ -159,9 +160,10 @@ def _worker_main(fd: int) -> None:
                 pickle.dumps(info)
             except Exception:  # noqa: BLE001 - extras are best-effort
                 info = {k: repr(v) for k, v in info.items()}
-            conn.send(("ok", value, info))
+            reply = ("ok", value, info)
         except Exception as exc:  # noqa: BLE001 - any verifier error scores 0 and is counted
-            conn.send(("error", f"{type(exc).__name__}: {exc}", {}))
+            reply = ("error", f"{type(exc).__name__}: {exc}", {})
+        conn.send(reply)
 
 
 class RewardPool:

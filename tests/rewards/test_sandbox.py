@@ -188,19 +188,19 @@ def test_root_holds_only_the_minimal_tree(backend):
 
 @pytest.mark.parametrize("backend", ISOLATING)
 def test_cannot_remount_or_unmount(backend):
-    # as uid 0 of a user namespace (non-root `unshare`) the code must have no capability left, and a
-    # nested user + mount namespace must not unlock the read-only mounts either
+    # no capability is left to the code (as uid 0 of a user namespace, or bwrap run as root), and a
+    # nested user + mount namespace does not unlock the read-only mounts either
     code = """
-import ctypes, os
+import ctypes, sys
 libc = ctypes.CDLL(None, use_errno=True)
-MS_RDONLY, MS_REMOUNT, MS_BIND = 1, 32, 4096
+MS_REMOUNT, MS_BIND = 32, 4096
 out = []
 out.append(libc.mount(None, b'/', None, MS_REMOUNT | MS_BIND, None))
 out.append(libc.umount2(b'/sandbox/code', 2))
 if libc.unshare(0x10000000 | 0x00020000) == 0:  # CLONE_NEWUSER | CLONE_NEWNS
     out.append(libc.mount(None, b'/', None, MS_REMOUNT | MS_BIND, None))
     out.append(libc.mount(None, b'/usr', None, MS_REMOUNT | MS_BIND, None))
-for p in ('/x', '/usr/x', '/sandbox/code/x'):
+for p in sys.argv[2:]:
     try:
         open(p, 'w')
         out.append('wrote ' + p)
@@ -208,9 +208,17 @@ for p in ('/x', '/usr/x', '/sandbox/code/x'):
         pass
 print(out)
 """
-    res = run(code, backend)
-    assert res.returncode == 0, res.stderr
-    assert eval(res.stdout.decode()) in ([-1, -1], [-1, -1, -1, -1])
+    name = f"evil-{uuid.uuid4().hex}"
+    targets = [f"/{name}", f"/usr/{name}", f"/sandbox/code/{name}"]
+    try:
+        res = run(code, backend, args=targets)
+        assert res.returncode == 0, res.stderr
+        assert eval(res.stdout.decode()) in ([-1, -1], [-1, -1, -1, -1])
+        assert [p for p in targets if os.path.exists(p)] == []
+    finally:
+        for p in targets:
+            if os.path.isfile(p):
+                os.remove(p)
 
 
 # -- network, sockets, processes ---------------------------------------------------------------------

@@ -74,11 +74,10 @@ def test_many_processes_share_one_memory_limit(backend):
     finally:
         done.set()
         watcher.join()
-    assert res.cgroup != "none" and "memory" in res.cgroup
     held_together = int(res.stdout.split()[0]) if res.stdout.strip() else 0
     assert held_together * 64 * MIB <= limit, res.stdout
-    assert 0 < peak[0] <= limit * 1.1, peak[0] / MIB
-    assert res.oom_kills > 0
+    assert 0 < peak[0] <= limit * 1.1, f"peak {peak[0] / MIB:.0f} MiB"
+    assert "memory" in res.cgroup and res.oom_kills > 0
     assert processes_with(marker) == []
 
 
@@ -105,11 +104,11 @@ print(started, round((time.process_time() - c0) / (time.monotonic() - w0), 3))
 @pytest.mark.parametrize("backend", ALL)
 def test_many_threads_share_one_cpu_limit(backend):
     need_cgroup("cpu")
-    res = run(_MANY_THREADS, backend, sandbox.Limits(wall_s=6.0, cpu_cores=0.5))
+    res = run(_MANY_THREADS, backend, sandbox.Limits(wall_s=6.0, cpu_cores=0.25))
     assert res.returncode == 0, res.stderr
     started, cores = res.stdout.split()
     assert int(started) >= 4
-    assert float(cores) <= 0.5 * 1.25 + 0.05  # cpu.max: half a core, however many threads
+    assert float(cores) <= 0.25 * 1.25 + 0.05, f"{cores} cores"  # a quarter core, however many threads
 
 
 def _fake_tree(tmp_path, enabled="memory pids cpu"):
