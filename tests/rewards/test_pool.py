@@ -84,6 +84,7 @@ def test_caller_errors_raise(registered, pool):
 
 
 def test_math_in_a_thread_without_pool():
+    pytest.importorskip("math_verify")
     out = []
     t = threading.Thread(target=lambda: out.append(rewards.score("math", "\\boxed{\\frac{2}{4}}", "0.5")))
     t.start()

@@ -401,9 +401,14 @@ def test_private_directories_of_killed_runs_are_removed(tmp_path):
     stale = tmp_path / "prorl-sbx-dead"
     (stale / "code").mkdir(parents=True)
     live, fd = tempdirs.make_locked("prorl-sbx-", str(tmp_path))
+    unlocked = tmp_path / "prorl-sbx-unlocked-but-in-use"  # by a run of a version that did not lock
+    unlocked.mkdir()
+    user = subprocess.Popen(["sleep", "30"], env=dict(os.environ, TMPDIR=str(unlocked)))
     try:
         assert tempdirs.remove_stale("prorl-sbx-", str(tmp_path)) == [str(stale)]
-        assert os.listdir(tmp_path) == [os.path.basename(live)]
+        assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(live), unlocked.name])
     finally:
         os.close(fd)
-    assert tempdirs.remove_stale("prorl-sbx-", str(tmp_path)) == [live]
+        user.kill()
+        user.wait()
+    assert sorted(tempdirs.remove_stale("prorl-sbx-", str(tmp_path))) == sorted([live, str(unlocked)])

@@ -104,7 +104,7 @@ class Result:
 
 
 def _unshare_flags() -> list[str]:
-    flags = ["--mount", "--net", "--pid", "--ipc", "--uts", "--fork", "--kill-child"]
+    flags = ["--mount", "--net", "--pid", "--ipc", "--uts", "--cgroup", "--fork", "--kill-child"]
     flags += ["--propagation", "private"]
     if os.geteuid() != 0:
         flags = ["--user", "--map-root-user", *flags]

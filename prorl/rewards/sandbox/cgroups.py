@@ -13,8 +13,8 @@ Where a run's cgroup goes (found once per process, nothing on the host is change
 - v1: a child of this process's own cgroup in each hierarchy, where writable (in practice, as root).
 
 The run's first process joins the cgroup before it execs (`join`, in the child), so everything it
-starts is inside. A run's cgroup is named `prorl-sbx-<pid>-<n>` after the process that made it; one
-left by a process that was killed (its sandbox dies with it) is removed by the next run that finds it.
+starts is inside. A run's cgroup is named `prorl-sbx-<pid>-<n>` after the process that made it; an
+empty one left by a process that was killed (its sandbox dies with it) is removed by the next run.
 """
 
 from __future__ import annotations
@@ -82,10 +82,11 @@ def _own(proc_cgroup: str) -> dict[str, str]:
 
 
 def _under(mount_root: str, mount_point: str, path: str) -> str | None:
+    """Where cgroup `path` is in a hierarchy mounted at `mount_point` (None if outside its root)."""
     if mount_root == "/":
-        return os.path.join(mount_point, path.lstrip("/"))
+        return os.path.normpath(os.path.join(mount_point, path.lstrip("/")))
     if path == mount_root or path.startswith(mount_root + "/"):
-        return os.path.join(mount_point, path[len(mount_root) :].lstrip("/"))
+        return os.path.normpath(os.path.join(mount_point, path[len(mount_root) :].lstrip("/")))
     return None
 
 
@@ -108,7 +109,7 @@ def find(proc_cgroup: str, mountinfo: str) -> Setup:
         here = _under(v2[0][0], v2[0][1], own[""])
         if here:
             # the own cgroup only when it is the root (it holds this process), else its parent
-            candidates = [here] if here.rstrip("/") == v2[0][1].rstrip("/") else [os.path.dirname(here)]
+            candidates = [here] if here == os.path.normpath(v2[0][1]) else [os.path.dirname(here)]
             for cand in candidates:
                 try:
                     enabled = set(_read(os.path.join(cand, "cgroup.subtree_control")).split())
@@ -146,9 +147,19 @@ def setup() -> Setup:
     if os.environ.get("PRORL_SANDBOX_CGROUP", "").strip() == "0":
         return Setup({}, "turned off by PRORL_SANDBOX_CGROUP=0")
     try:
-        return find(_read("/proc/self/cgroup"), _read("/proc/self/mountinfo"))
+        found = find(_read("/proc/self/cgroup"), _read("/proc/self/mountinfo"))
     except OSError as exc:
         return Setup({}, f"cannot read the cgroup layout ({exc})")
+    parents, reasons = dict(found.parents), [found.reason] if found.reason else []
+    for version, parent in set(parents.values()):  # writable on paper; can a cgroup be made there?
+        probe = os.path.join(parent, f"{_PREFIX}{os.getpid()}-probe")
+        try:
+            os.mkdir(probe)
+            os.rmdir(probe)
+        except OSError as exc:
+            reasons.append(f"cannot create a cgroup in {parent} ({exc.strerror})")
+            parents = {c: p for c, p in parents.items() if p != (version, parent)}
+    return Setup(parents, "; ".join(reasons) if len(parents) < len(CONTROLLERS) else "")
 
 
 class Cgroup:
@@ -267,7 +278,8 @@ def _kill_and_remove(d: str, wait_s: float = 5.0) -> bool:
 
 
 def _remove_stale(parent: str) -> None:
-    """Remove run cgroups under `parent` whose creating process is gone."""
+    """Remove empty run cgroups under `parent` whose creating process is gone (one that still holds
+    processes is left alone: it may belong to a run in another PID namespace)."""
     try:
         names = os.listdir(parent)
     except OSError:
@@ -283,4 +295,7 @@ def _remove_stale(parent: str) -> None:
             pass
         except OSError:
             continue
-        _kill_and_remove(os.path.join(parent, name), wait_s=1.0)
+        try:
+            os.rmdir(os.path.join(parent, name))
+        except OSError:
+            pass

@@ -3,7 +3,9 @@
 Each directory is created with an exclusive `flock` held on it for as long as its owner lives: the
 process that made it, or the child it handed the descriptor to (a reward worker). A later start calls
 `remove_stale` to delete the ones nobody holds any more. A lock, not a pid, tells whether the owner is
-alive: it cannot be confused by a reused pid or by a run in another PID namespace sharing /tmp.
+alive: it cannot be confused by a reused pid or by a run in another PID namespace sharing /tmp. A
+directory whose lock is free is still kept while a process has it as TMPDIR (a run of a version that
+did not lock its directories).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ def make_locked(prefix: str, parent: str | None = None) -> tuple[str, int]:
 def remove_stale(prefix: str, parent: str | None = None) -> list[str]:
     """Delete this user's `<parent>/<prefix>*` directories whose lock nobody holds; returns them."""
     parent = parent or tempfile.gettempdir()
-    removed = []
+    removed, in_use = [], None
     try:
         names = [n for n in os.listdir(parent) if n.startswith(prefix)]
     except OSError:
@@ -48,12 +50,28 @@ def remove_stale(prefix: str, parent: str | None = None) -> list[str]:
             continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: its owner is alive
-            os.close(fd)
-            continue
-        try:
+            in_use = _tmpdirs_in_use() if in_use is None else in_use
+            if path in in_use:
+                continue
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
+        except OSError:  # held: its owner is alive
+            pass
         finally:
             os.close(fd)
     return removed
+
+
+def _tmpdirs_in_use() -> set[str]:
+    """TMPDIR of every process this one may inspect."""
+    found = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read()
+        except OSError:
+            continue
+        for var in env.split(b"\0"):
+            if var.startswith(b"TMPDIR="):
+                found.add(os.fsdecode(var[7:]).rstrip("/"))
+    return found
