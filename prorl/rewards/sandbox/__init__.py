@@ -1,38 +1,37 @@
 """Run untrusted Python (model-written code) in an OS-level sandbox, like a contest judge.
 
 A run sees a minimal root (`rootfs`): read-only system directories and the Python installation
-(wherever it lives: a venv under /tmp, conda under /opt, a user site), its own files read-only, private
-size-limited tmpfs scratch (/tmp, /var/tmp, /dev/shm), empty /run and /var; no other host file, socket
-or writable directory. Limits apply to the run as a whole through a cgroup (`cgroups`: memory.max,
-pids.max, cpu.max, v2 or v1) where one can be created here, and always per process through rlimits
-(CPU seconds, address space, file size, open files, processes of the uid, no core dumps). The
-environment is emptied (PATH, HOME, LANG); stdout/stderr go to size-limited files; on the wall-clock
-limit the whole run is SIGKILLed, and it dies with the process that started it.
+(wherever it lives: a venv under /tmp, conda under /opt, a user site), its own files read-only at
+/sandbox/code, private size-limited tmpfs scratch (/tmp, /var/tmp, /dev/shm), empty /run and /var; no
+other host file, socket or writable directory. Limits apply to the run as a whole through a cgroup
+(`cgroups`: memory.max, pids.max, cpu.max; v2, or v1 on older hosts) where this process can create
+one, and always per process through rlimits (CPU seconds, address space, file size, open files,
+processes of the uid, no core dumps). The environment is emptied (PATH, HOME, LANG); stdout/stderr go
+to size-limited files; on the wall clock the whole run is SIGKILLed; it dies with its starter.
 
-Backends, picked once per process by trying each (override with PRORL_SANDBOX=unshare|bwrap|none):
-- `unshare` as root (the default there): util-linux `unshare` (mount, PID, network, IPC, UTS namespaces),
-  a sh script builds the root with `mount` and `pivot_root` (the host's tree is detached), then `setpriv`
-  drops to a uid of its own (1e9 + the pid of the scoring process), no capabilities, no_new_privs.
-- `bwrap` (non-root with bubblewrap): the same root and namespaces, user namespace included; the code runs
-  as the calling user's uid, without capabilities.
-- `unshare` as non-root (no bubblewrap, user namespaces allowed): the same root; the code is uid 0 of a
-  user namespace (the calling user outside), with every capability dropped.
-- `none` (nothing else works; a warning is logged): no namespaces. As root it drops to the sandbox uid.
+Backends, picked once per process by trying each in turn (override with PRORL_SANDBOX=unshare|bwrap|none):
+`unshare` (root: the default) util-linux `unshare` gives mount, PID, network, IPC, UTS and cgroup
+namespaces, a sh script builds the root with `mount` + `pivot_root` (the host's tree is detached),
+`setpriv` drops to a uid of its own (1e9 + the scorer's pid) with no capabilities and no_new_privs;
+as non-root it adds a user namespace and the code is its uid 0 (the caller outside), every capability
+dropped. `bwrap` (non-root: the default) bubblewrap builds the same root in the same namespaces; the
+code keeps the caller's uid, no capabilities. `none` (nothing else works; logged): no namespaces.
 
-What each guarantees (tested by tests/rewards/test_sandbox.py on the backends a machine has):
-- every namespace backend: no host file outside the minimal root is readable (datasets, checkpoints,
-  home directories); nothing is written to the host (all writable places are private tmpfs, gone after the
-  run); no network, no host UNIX sockets (path or abstract); host processes are invisible and unkillable;
-  background processes die with the run; a fork bomb stops at the process limit.
-- with a cgroup (see `describe()`): memory, tasks and CPU are limited for the run as a whole: many
-  processes cannot add up to more than `memory_bytes`, many threads cannot take more than `cpu_cores`.
-- without one (logged as a warning): memory is limited per process (`memory_bytes` × up to `nproc`
-  processes), CPU time per process (and by the wall clock), processes per uid (RLIMIT_NPROC counts all
-  processes of the calling user for `bwrap` / non-root `unshare`).
-- `none`: only rlimits, the process-group kill, the private working directory and (as root) the uid drop;
-  the host's files, network and world-writable directories are reachable.
-Not protected against by any backend: kernel exploits (no seccomp filter; a VM is the answer for hostile
-code), side channels, reading what the system directories hold (keep data out of /usr).
+What each guarantees (tests/rewards/test_sandbox*.py check it on the backends a machine has):
+
+    mode                      host files  host writes  network, host sockets  whole-run limits
+    unshare, root             none        none         none                   cgroup, else rlimits (1)
+    bwrap / unshare, user     none        none         none                   delegated cgroup, else (1)(2)
+    bwrap run as root         none        none         none                   cgroup, else (1)(3)
+    none                      readable    world-wr.    reachable              cgroup, else (1)(2)
+
+"host files: none" means nothing outside the minimal root (datasets, checkpoints, home directories,
+/run's sockets); "host writes: none": every writable place is a private tmpfs, gone after the run.
+(1) rlimits only: memory per process (`memory_bytes` × up to `nproc` processes), CPU seconds per
+process and the wall clock; a warning is logged when a controller is missing. (2) RLIMIT_NPROC counts
+every process of the calling user. (3) no process limit: uid 0 is exempt from RLIMIT_NPROC.
+Not protected against by any mode: kernel exploits (no seccomp filter: a VM is the answer for hostile
+code), side channels, what the system directories themselves hold (keep data out of /usr).
 """
 
 from __future__ import annotations
@@ -306,6 +305,7 @@ def run_python(
                 pids = limits.nproc + _HELPERS[name]
                 cgroup = cgroups.Cgroup(setup, limits.memory_bytes, pids, limits.cpu_cores)
         except (rootfs.LayoutError, OSError) as exc:
+            os.close(status)
             raise SandboxError(f"cannot set up the `{name}` sandbox: {exc}") from exc
         out_path, err_path = os.path.join(outer, "stdout"), os.path.join(outer, "stderr")
         start = time.monotonic()
