@@ -58,7 +58,8 @@ BACKENDS = ("unshare", "bwrap", "none")
 UID_BASE = 1_000_000_000
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 TMP_PREFIX = "prorl-sbx-"
-_HELPERS = {"unshare": 2, "bwrap": 2, "none": 0}  # tasks a backend runs beside Python (unshare + sh, bwrap×2)
+# tasks a backend runs beside Python: unshare + sh + timeout, bwrap × 2 + timeout
+_HELPERS = {"unshare": 3, "bwrap": 3, "none": 0}
 # Runs inside, as `python -I -c _BOOT <status fd> <user sites> <script> <code dir> args...`: says that
 # Python started (what tells a broken sandbox from failing code), adds the user site, runs the script.
 _BOOT = (
@@ -171,6 +172,8 @@ def describe() -> dict[str, str]:
 
 
 def _preexec(limits: Limits, uid: int | None, cgroup: cgroups.Cgroup | None):
+    starter = os.getpid()
+
     def fn():
         if cgroup is not None:  # first, while still allowed to write cgroup.procs
             cgroup.join()
@@ -179,6 +182,8 @@ def _preexec(limits: Limits, uid: int | None, cgroup: cgroups.Cgroup | None):
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG, after setuid
+        if os.getppid() != starter:  # it died before the signal was armed
+            os._exit(1)
         for res, value in (
             (resource.RLIMIT_CPU, limits.cpu_s),
             (resource.RLIMIT_AS, limits.memory_bytes),
@@ -202,7 +207,8 @@ def _unshare_command(outer: str, code_dir: str, python: list[str], limits: Limit
     # not exec: sh stays the namespace's init (pid 1) and keeps the parent-death signal that
     # `--kill-child` gave it, which a uid change would clear; when it dies, the kernel kills every
     # process in the namespace
-    sh.append(f"cd {WORK_DIR} && " + " ".join(shlex.quote(a) for a in [*drop, *env, *python]))
+    run = [*_own_deadline(limits), *drop, *env, *python]
+    sh.append(f"cd {WORK_DIR} && " + " ".join(shlex.quote(a) for a in run))
     return [shutil.which("unshare") or "unshare", *_unshare_flags(), "sh", "-c", "\n".join(sh)]
 
 
@@ -210,7 +216,17 @@ def _bwrap_command(code_dir: str, python: list[str], limits: Limits) -> list[str
     cmd = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
     cmd += ["--cap-drop", "ALL", *rootfs.bwrap_args(rootfs.plan(code_dir, limits.tmpfs_bytes))]
     cmd += ["--chdir", WORK_DIR, "--clearenv", "--setenv", "PATH", SAFE_PATH, "--setenv", "HOME", WORK_DIR]
-    return [*cmd, "--setenv", "LANG", "C.UTF-8", "--", *python]
+    return [*cmd, "--setenv", "LANG", "C.UTF-8", "--", *_own_deadline(limits), *python]
+
+
+def _own_deadline(limits: Limits) -> list[str]:
+    """coreutils `timeout` inside the namespaces: a run outlives its wall clock by at most 2 s even if
+    its starter dies at the instant the parent-death signal is not armed yet (unshare arms it for its
+    child only after forking it)."""
+    timeout = shutil.which("timeout")
+    if not timeout or not timeout.startswith(("/usr/", "/bin/")):  # must be inside the minimal root
+        return []
+    return [timeout, "-s", "KILL", f"{limits.wall_s + 2:g}"]
 
 
 def _none_workdir(work: str, uid: int | None) -> int | None:
