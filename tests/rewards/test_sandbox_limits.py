@@ -45,12 +45,14 @@ print(sum(h and a for h, a in zip(held, alive)), flush=True)
 
 
 def _pss_bytes(pids):
+    """Anonymous + shared-memory Pss of `pids` (file pages such as libpython are the host's page cache)."""
     total = 0
     for pid in pids:
         try:
             with open(f"/proc/{pid}/smaps_rollup") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("Pss:")) * 1024
-        except (OSError, StopIteration):
+                fields = dict(line.split()[:2] for line in f if line.startswith("Pss_"))
+            total += (int(fields.get("Pss_Anon:", 0)) + int(fields.get("Pss_Shmem:", 0))) * 1024
+        except (OSError, ValueError):
             pass
     return total
 
