@@ -73,6 +73,23 @@ def test_a_venv_anywhere_runs_code_items(where):
         shutil.rmtree(top, ignore_errors=True)
 
 
+def test_a_venv_reached_through_a_symlink_runs_code_items():
+    top = tempfile.mkdtemp(prefix="prorl-venv-test-", dir="/var/tmp")
+    links = tempfile.mkdtemp(prefix="prorl-venv-link-", dir=host_places()[0])
+    try:
+        os.chmod(top, 0o755)
+        os.chmod(links, 0o755)
+        subprocess.run([BASE_PYTHON, "-m", "venv", "--without-pip", f"{top}/venv"], check=True, timeout=120)
+        link = os.path.join(links, "venv")
+        os.symlink(f"{top}/venv", link)
+        out = _probe(os.path.join(link, "bin", "python"), "import sys; print(sys.prefix)")
+        assert out.pop("self_test") == {"code": "ok"}
+        assert out == {b: [0, link, ""] for b in BACKENDS}
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+        shutil.rmtree(links, ignore_errors=True)
+
+
 def test_user_site_packages_are_visible():
     top = tempfile.mkdtemp(prefix="prorl-usersite-test-", dir="/var/tmp")
     try:

@@ -99,6 +99,24 @@ def _read(path: str) -> str:
         return f.read()
 
 
+def _v2_parent(mount_root: str, mount_point: str, path: str) -> tuple[str, set[str], str]:
+    """The v2 cgroup sandboxes go in and the wanted controllers it gives them, or why there is none."""
+    here = _under(mount_root, mount_point, path)
+    if here is None:
+        return "", set(), f"this process's cgroup {path} is outside the mounted hierarchy"
+    # a cgroup that holds processes cannot give its children controllers: the own one only if it is the root
+    parent = here if here == os.path.normpath(mount_point) else os.path.dirname(here)
+    try:
+        enabled = set(_read(os.path.join(parent, "cgroup.subtree_control")).split()) & set(CONTROLLERS)
+    except OSError as exc:
+        return "", set(), f"cannot read {parent}/cgroup.subtree_control ({exc.strerror})"
+    if not _writable(parent):
+        return "", set(), f"{parent} is not writable by uid {os.geteuid()}"
+    if not enabled:
+        return "", set(), f"{parent}/cgroup.subtree_control enables none of {', '.join(CONTROLLERS)}"
+    return parent, enabled, ""
+
+
 def find(proc_cgroup: str, mountinfo: str) -> Setup:
     """Where sandbox cgroups can go, from the text of /proc/self/cgroup and /proc/self/mountinfo."""
     own, mounts = _own(proc_cgroup), _mounts(mountinfo)
@@ -106,23 +124,9 @@ def find(proc_cgroup: str, mountinfo: str) -> Setup:
     reasons = []
     v2 = [m for m in mounts if m[2] == "cgroup2"]
     if v2 and "" in own:
-        here = _under(v2[0][0], v2[0][1], own[""])
-        if here:
-            # the own cgroup only when it is the root (it holds this process), else its parent
-            candidates = [here] if here == os.path.normpath(v2[0][1]) else [os.path.dirname(here)]
-            for cand in candidates:
-                try:
-                    enabled = set(_read(os.path.join(cand, "cgroup.subtree_control")).split())
-                except OSError:
-                    continue
-                if not _writable(cand):
-                    reasons.append(f"{cand} is not writable by uid {os.geteuid()}")
-                    continue
-                for c in CONTROLLERS:
-                    if c in enabled:
-                        parents[c] = ("v2", cand)
-                if not enabled & set(CONTROLLERS):
-                    reasons.append(f"{cand}/cgroup.subtree_control enables none of {', '.join(CONTROLLERS)}")
+        parent, enabled, why = _v2_parent(v2[0][0], v2[0][1], own[""])
+        parents.update({c: ("v2", parent) for c in enabled})
+        reasons += [why] if why else []
     for c in CONTROLLERS:
         if c in parents:
             continue
@@ -173,12 +177,12 @@ class Cgroup:
         self.setup = setup
         name = f"{_PREFIX}{os.getpid()}-{next(_counter)}"
         self.dirs: dict[tuple[str, str], str] = {}  # (version, parent) -> created directory
-        for version, parent in dict.fromkeys(setup.parents.values()):
-            _remove_stale(parent)
-            d = os.path.join(parent, name)
-            os.mkdir(d)
-            self.dirs[version, parent] = d
         try:
+            for version, parent in dict.fromkeys(setup.parents.values()):
+                _remove_stale(parent)
+                d = os.path.join(parent, name)
+                os.mkdir(d)
+                self.dirs[version, parent] = d
             for c, key in setup.parents.items():
                 d, v2 = self.dirs[key], key[0] == "v2"
                 if c == "memory":

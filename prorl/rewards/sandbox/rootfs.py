@@ -109,7 +109,8 @@ def python_paths() -> tuple[str, ...]:
 
     def needed(p: str) -> bool:  # not already visible through a bind of a parent on the same file system
         dev, real = os.stat(p).st_dev, os.path.realpath(p)
-        if any(_inside(real, q) and os.stat(q).st_dev == dev for q in covered):
+        in_system = any(_inside(p, d) for d in SYSTEM_DIRS)  # /lib/x86_64-linux-gnu, via the /lib symlink
+        if in_system and any(_inside(real, q) and os.stat(q).st_dev == dev for q in covered):
             return False
         return not any(q != p and _inside(p, q) and os.stat(q).st_dev == dev for q in paths)
 
