@@ -428,6 +428,7 @@ def test_private_directories_of_killed_runs_are_removed(tmp_path):
     unlocked.mkdir()
     user = subprocess.Popen(["sleep", "30"], env=dict(os.environ, TMPDIR=str(unlocked)))
     try:
+        assert tempdirs.remove_stale("prorl-sbx-", str(tmp_path), min_age_s=600) == []  # all too young
         assert tempdirs.remove_stale("prorl-sbx-", str(tmp_path)) == [str(stale)]
         assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(live), unlocked.name])
     finally:

@@ -266,8 +266,9 @@ def _read(path: str, limit: int) -> bytes:
 
 @functools.cache
 def _remove_stale_dirs() -> None:
-    """Once per process: private directories of runs whose process was SIGKILLed."""
-    tempdirs.remove_stale(TMP_PREFIX)
+    """Once per process: private directories of runs whose process was SIGKILLed (those younger than
+    10 minutes are kept: older versions made them without a lock)."""
+    tempdirs.remove_stale(TMP_PREFIX, min_age_s=600)
 
 
 def run_python(

@@ -15,6 +15,7 @@ import os
 import shutil
 import stat
 import tempfile
+import time
 
 
 def make_locked(prefix: str, parent: str | None = None) -> tuple[str, int]:
@@ -31,8 +32,11 @@ def make_locked(prefix: str, parent: str | None = None) -> tuple[str, int]:
     return path, fd
 
 
-def remove_stale(prefix: str, parent: str | None = None) -> list[str]:
-    """Delete this user's `<parent>/<prefix>*` directories whose lock nobody holds; returns them."""
+def remove_stale(prefix: str, parent: str | None = None, min_age_s: float = 0.0) -> list[str]:
+    """Delete this user's `<parent>/<prefix>*` directories whose lock nobody holds; returns them.
+
+    min_age_s: keep directories modified more recently (for short-lived ones that older versions made
+    without a lock and use as neither TMPDIR nor anything else a scan could see)."""
     parent = parent or tempfile.gettempdir()
     removed, in_use = [], None
     try:
@@ -43,7 +47,11 @@ def remove_stale(prefix: str, parent: str | None = None) -> list[str]:
         path = os.path.join(parent, name)
         try:
             st = os.lstat(path)
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            if (
+                not stat.S_ISDIR(st.st_mode)
+                or st.st_uid != os.geteuid()
+                or time.time() - st.st_mtime < min_age_s
+            ):
                 continue
             fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError:
