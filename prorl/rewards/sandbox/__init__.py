@@ -41,6 +41,7 @@ import functools
 import logging
 import os
 import resource
+import select
 import shlex
 import shutil
 import signal
@@ -58,6 +59,7 @@ BACKENDS = ("unshare", "bwrap", "none")
 UID_BASE = 1_000_000_000
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 TMP_PREFIX = "prorl-sbx-"
+SETUP_TIMEOUT_S = 30.0  # a sandbox that has not started Python by then is broken
 # tasks a backend runs beside Python: unshare + sh + timeout, bwrap × 2 + timeout
 _HELPERS = {"unshare": 3, "bwrap": 3, "none": 0}
 # Runs inside, as `python -I -c _BOOT <status fd> <user sites> <script> <code dir> args...`: says that
@@ -77,7 +79,7 @@ class SandboxError(RuntimeError):
 
 @dataclass(frozen=True)
 class Limits:
-    wall_s: float = 5.0  # whole run, start-up included
+    wall_s: float = 5.0  # the run, from when Python runs inside (set-up and interpreter start excluded)
     cpu_s: int = 6  # CPU seconds per process
     memory_bytes: int = 1 << 30  # the whole run (cgroup) and the address space of each process
     cpu_cores: float = 1.0  # CPU time per wall-clock time of the whole run (cgroup)
@@ -220,13 +222,13 @@ def _bwrap_command(code_dir: str, python: list[str], limits: Limits) -> list[str
 
 
 def _own_deadline(limits: Limits) -> list[str]:
-    """coreutils `timeout` inside the namespaces: a run outlives its wall clock by at most 2 s even if
+    """coreutils `timeout` inside the namespaces: a run outlives its wall clock by at most 10 s even if
     its starter dies at the instant the parent-death signal is not armed yet (unshare arms it for its
     child only after forking it)."""
     timeout = shutil.which("timeout")
     if not timeout or not timeout.startswith(("/usr/", "/bin/")):  # must be inside the minimal root
         return []
-    return [timeout, "-s", "KILL", f"{limits.wall_s + 2:g}"]
+    return [timeout, "-s", "KILL", f"{limits.wall_s + 10:g}"]
 
 
 def _none_workdir(work: str, uid: int | None) -> int | None:
@@ -257,6 +259,15 @@ def _kill_uid(uid: int) -> None:
         if not found:
             return
         time.sleep(0.01)
+
+
+def _python_started(fd: int, timeout_s: float) -> bool:
+    """Wait until Python inside reports (True), or the sandbox ends or hangs before it does (False)."""
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout_s)
+        return bool(ready) and os.read(fd, 1) == b"1"
+    finally:
+        os.close(fd)
 
 
 def _read(path: str, limit: int) -> bytes:
@@ -302,8 +313,7 @@ def run_python(
                 f.write(content.encode() if isinstance(content, str) else content)
             os.chmod(path, 0o644)
         os.chmod(code_dir, 0o755)
-        status_path = os.path.join(outer, "started")
-        status = os.open(status_path, os.O_WRONLY | os.O_CREAT, 0o600)
+        started_r, status = os.pipe()  # Python writes one byte to `status` when it runs inside
         inner = code_dir if name == "none" else CODE_DIR
         sites = os.pathsep.join(rootfs.user_sites())
         python = [sys.executable, "-I", "-c", _BOOT, str(status), sites, f"{inner}/{script}", inner, *args]
@@ -323,6 +333,7 @@ def run_python(
                 cgroup = cgroups.Cgroup(setup, limits.memory_bytes, pids, limits.cpu_cores)
         except (rootfs.LayoutError, OSError) as exc:
             os.close(status)
+            os.close(started_r)
             raise SandboxError(f"cannot set up the `{name}` sandbox: {exc}") from exc
         out_path, err_path = os.path.join(outer, "stdout"), os.path.join(outer, "stderr")
         start = time.monotonic()
@@ -341,12 +352,18 @@ def run_python(
                     preexec_fn=_preexec(limits, drop_in_preexec, cgroup),
                 )
             except (OSError, subprocess.SubprocessError) as exc:
+                os.close(started_r)
                 raise SandboxError(f"cannot start the `{name}` sandbox ({argv[0]}): {exc}") from exc
             finally:
                 os.close(status)
+            started = _python_started(started_r, SETUP_TIMEOUT_S)
             timed_out = False
             try:
-                returncode = proc.wait(timeout=limits.wall_s)
+                if started:  # the wall clock is the code's: the sandbox's own set-up is not counted
+                    start = time.monotonic()
+                    returncode = proc.wait(timeout=limits.wall_s)
+                else:  # set-up failed (it is exiting) or hangs
+                    returncode = proc.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
                 timed_out, returncode = True, None
             finally:
@@ -359,8 +376,8 @@ def run_python(
                     _kill_uid(drop_in_preexec)
         wall = time.monotonic() - start
         stderr = _read(err_path, limits.output_bytes)
-        if os.path.getsize(status_path) == 0:
-            what = f"within {limits.wall_s:g} s" if timed_out else f"(exit code {returncode})"
+        if not started:
+            what = f"within {SETUP_TIMEOUT_S:g} s" if timed_out else f"(exit code {returncode})"
             detail = stderr.decode(errors="replace").strip()[-2000:] or "no error output"
             raise SandboxError(f"the `{name}` sandbox did not start Python {what}: {detail}")
         return Result(
