@@ -2,8 +2,8 @@
 
 Python only (a block tagged with another language scores 0). All tests run in ONE sandboxed
 interpreter (`_code_harness.py`), each with fresh module globals and its own stdin/stdout; a compile
-error, or the whole run exceeding the 5 s limit (start-up included; `extra["time_limit_s"]` overrides
-it per problem), scores 0. Outputs are compared
+error, or the whole run exceeding the 5 s limit (counted once Python runs in the sandbox;
+`extra["time_limit_s"]` overrides it per problem), scores 0. Outputs are compared
 here, outside the sandbox, so expected outputs are never visible to the code.
 
 Test formats accepted as the ground truth (a dict/list, or its JSON string; `extra["fn_name"]` also

@@ -15,7 +15,13 @@ sent with every item by reference (module + name, as pickle does), so user-regis
 be module-level functions of modules the workers can import; the pool checks this when it scores.
 
 Talk is over a socketpair with multiprocessing's Connection framing (pickle). A worker that dies is
-seen as EOF on its connection.
+seen as EOF on its connection. A worker that dies during start-up (or does not start in time) is
+started again; after MAX_START_FAILURES failures in a row the pool raises, naming the last one.
+
+Each worker has a private TMPDIR `prorl-reward-worker-*` (its code sandboxes' directories go there),
+locked for as long as the worker lives (`sandbox.tempdirs`); the pool removes it when it kills the
+worker, a worker whose pool vanished removes its own, and a new pool removes those that nobody holds
+(left by a run SIGKILLed with its workers), never a live run's.
 """
 
 from __future__ import annotations
@@ -29,7 +35,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from collections import deque
@@ -39,10 +44,13 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import prorl.rewards as rewards
+from prorl.rewards.sandbox import tempdirs
 
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 120.0
+MAX_START_FAILURES = 3  # workers in a row that die or hang during start-up before the pool gives up
+TMP_PREFIX = "prorl-reward-worker-"
 
 
 @dataclass
@@ -80,18 +88,26 @@ class _Worker:
             "from prorl.rewards.pool import _worker_main; _worker_main(int(sys.argv[2]))"
         )
         # a temporary directory of its own, removed when the worker is killed: a code sandbox killed
-        # with its worker cannot clean up after itself
-        self.tmpdir = tempfile.mkdtemp(prefix="prorl-reward-worker-")
+        # with its worker cannot clean up after itself. The worker inherits the directory's lock.
+        self.tmpdir, lock = tempdirs.make_locked(TMP_PREFIX)
         os.chmod(self.tmpdir, 0o711)  # the sandbox's unprivileged uid must reach its directory inside
         env = dict(
             os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=self.tmpdir
         )
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", code, json.dumps(sys.path), str(child_sock.fileno())],
-            pass_fds=(child_sock.fileno(),),
-            env=env,
-            stdin=subprocess.DEVNULL,
-        )
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", code, json.dumps(sys.path), str(child_sock.fileno())],
+                pass_fds=(child_sock.fileno(), lock),
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+        except BaseException:
+            parent_sock.close()
+            child_sock.close()
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            raise
+        finally:
+            os.close(lock)
         child_sock.close()
         self.conn = Connection(parent_sock.detach())
         self.conn.send({"preload": list(preload)})
@@ -111,12 +127,20 @@ class _Worker:
 
 
 def _worker_main(fd: int) -> None:
-    """Worker loop: init, say ready, then score items until the parent closes the connection."""
+    """Worker: init, say ready, then score items until the pool closes the connection or vanishes."""
     # Ctrl-C / SIGTERM go to the whole process group: the trainer decides when to stop, and still needs
     # its verifiers to finish the step. A worker ends when its connection closes (or by SIGKILL).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    conn = Connection(fd)
+    try:
+        _serve(Connection(fd))
+    except (EOFError, OSError):  # the pool is gone (a pool that closes kills its workers first)
+        tmpdir = os.environ.get("TMPDIR", "")
+        if os.path.basename(tmpdir).startswith(TMP_PREFIX):
+            shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+def _serve(conn: Connection) -> None:
     init = conn.recv()
     try:
         for key in init["preload"]:
@@ -126,11 +150,7 @@ def _worker_main(fd: int) -> None:
         return
     conn.send(("ready",))
     while True:
-        try:
-            task = conn.recv()
-        except (EOFError, OSError):
-            return
-        data_source, entry, response, ground_truth, extra = task
+        data_source, entry, response, ground_truth, extra = conn.recv()
         try:
             extra = dict(extra or {})
             extra.setdefault("data_source", data_source)
@@ -140,9 +160,10 @@ def _worker_main(fd: int) -> None:
                 pickle.dumps(info)
             except Exception:  # noqa: BLE001 - extras are best-effort
                 info = {k: repr(v) for k, v in info.items()}
-            conn.send(("ok", value, info))
+            reply = ("ok", value, info)
         except Exception as exc:  # noqa: BLE001 - any verifier error scores 0 and is counted
-            conn.send(("error", f"{type(exc).__name__}: {exc}", {}))
+            reply = ("error", f"{type(exc).__name__}: {exc}", {})
+        conn.send(reply)
 
 
 class RewardPool:
@@ -159,9 +180,15 @@ class RewardPool:
             raise ValueError("num_workers must be >= 1")
         self.timeout_s = float(timeout_s)
         self.preload = tuple(preload)
-        self.workers = [_Worker(self.preload) for _ in range(num_workers)]
         self.replaced = 0  # workers killed or lost and started again, over the pool's life
+        self._start_failures = 0  # workers in a row that died or hung during start-up
         self._executor: ThreadPoolExecutor | None = None
+        self.workers: list[_Worker] = []
+        stale = tempdirs.remove_stale(TMP_PREFIX)
+        if stale:
+            log.info("removed %d reward-worker directories of runs that were killed", len(stale))
+        for _ in range(num_workers):
+            self.workers.append(self._start())
 
     # -- public API -------------------------------------------------------------------------------
     def score_batch(
@@ -253,7 +280,8 @@ class RewardPool:
                     remaining -= 1
                     self._replace(w)
                 elif not w.ready and now >= w.started + STARTUP_TIMEOUT_S:
-                    raise RuntimeError(f"a reward worker did not start within {STARTUP_TIMEOUT_S:g} s")
+                    self._start_failed(f"did not start within {STARTUP_TIMEOUT_S:g} s")
+                    self._replace(w)
         return result
 
     def score_batch_async(self, *args, **kwargs) -> Future:
@@ -292,15 +320,16 @@ class RewardPool:
             code = w.proc.wait()
             if w.item is None:
                 if not w.ready:
-                    raise RuntimeError(f"a reward worker exited during start-up (exit code {code})") from None
+                    self._start_failed(f"exited during start-up ({_exit_text(code)})")
                 self._replace(w)
                 return 0
             i = w.item
-            result.errored[i], result.errors[i] = True, f"worker died (exit code {code})"
+            result.errored[i], result.errors[i] = True, f"worker died ({_exit_text(code)})"
             self._replace(w)
             return 1
         if msg[0] == "ready":
             w.ready = True
+            self._start_failures = 0
             return 0
         if msg[0] == "init_error":
             raise RuntimeError(f"a reward worker failed to start:\n{msg[1]}")
@@ -315,5 +344,33 @@ class RewardPool:
 
     def _replace(self, w: _Worker) -> None:
         w.kill()
-        self.workers[self.workers.index(w)] = _Worker(self.preload)
+        self.workers[self.workers.index(w)] = self._start()
         self.replaced += 1
+
+    def _start(self) -> _Worker:
+        while True:
+            try:
+                return _Worker(self.preload)
+            except OSError as exc:  # fork/exec failed (no memory, process limit): retried like a death
+                self._start_failed(f"could not be spawned ({exc})")
+                time.sleep(0.1 * self._start_failures)
+
+    def _start_failed(self, why: str) -> None:
+        """Count a worker that failed to start; raise once MAX_START_FAILURES happened in a row."""
+        self._start_failures += 1
+        n = self._start_failures
+        if n >= MAX_START_FAILURES:
+            raise RuntimeError(
+                f"reward workers failed to start {n} times in a row; the last one {why} "
+                "(its own output, if any, is above)"
+            )
+        log.warning("a reward worker %s; starting another (failure %d of %d)", why, n, MAX_START_FAILURES)
+
+
+def _exit_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"

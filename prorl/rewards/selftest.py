@@ -3,7 +3,9 @@
 A verifier that silently scores everything 0 (a missing dependency swallowed somewhere, a sandbox that
 cannot start on this host, math-verify called from a thread) wastes a whole run, so the trainer calls
 `self_test(data_sources, pool)` before step 0 and stops with this module's message if any built-in
-verifier does not give the right answer 1 and the wrong answer 0, or times out, or errors.
+verifier does not give the right answer 1 and the wrong answer 0, or times out, or errors. The message
+carries the underlying error (a sandbox that cannot start names what failed) and, for a wrong score,
+the verifier's own diagnostics (e.g. the code run's stderr).
 """
 
 from __future__ import annotations
@@ -38,6 +40,15 @@ SAMPLES: dict[str, tuple] = {
 }
 
 
+_DIAGNOSTICS = ("timed_out", "crashed", "compile_error", "stderr")
+
+
+def _diagnostics(info: dict | None) -> str:
+    """What a verifier reported about a wrong score (a code run's stderr, compile error, timeout)."""
+    shown = [f"{k}: {str(info[k]).strip()[-500:]}" for k in _DIAGNOSTICS if (info or {}).get(k)]
+    return f" ({'; '.join(shown)})" if shown else ""
+
+
 def self_test(data_sources, pool=None) -> dict[str, str]:
     """Check the verifier behind each data source (once per verifier). Returns {key: "ok" | "skipped:
     no sample"}; raises RuntimeError naming every verifier that misbehaved and how."""
@@ -52,23 +63,24 @@ def self_test(data_sources, pool=None) -> dict[str, str]:
     if pool is not None:
         res = pool.score_batch(sources, responses, truths, extras)
         outcomes = [
-            (s, "timeout" if t else f"error: {e}" if err else None)
-            for s, t, err, e in zip(res.scores, res.timed_out, res.errored, res.errors)
+            (s, "timeout" if t else f"error: {e}" if err else None, info)
+            for s, t, err, e, info in zip(res.scores, res.timed_out, res.errored, res.errors, res.extras)
         ]
     else:
-        from prorl.rewards import score
+        from prorl.rewards import score_with_info
 
         outcomes = []
         for item in items:
             try:
-                outcomes.append((score(*item), None))
+                value, info = score_with_info(*item)
+                outcomes.append((value, None, info))
             except Exception as exc:  # noqa: BLE001 - reported below
-                outcomes.append((0.0, f"error: {type(exc).__name__}: {exc}"))
+                outcomes.append((0.0, f"error: {type(exc).__name__}: {exc}", {}))
     for j, key in enumerate(todo):
-        (right, right_problem), (wrong, wrong_problem) = outcomes[2 * j], outcomes[2 * j + 1]
-        problems = [p for p in (right_problem, wrong_problem) if p]
+        (right, right_problem, right_info), (wrong, wrong_problem, _) = outcomes[2 * j], outcomes[2 * j + 1]
+        problems = list(dict.fromkeys(p for p in (right_problem, wrong_problem) if p))
         if right != 1.0:
-            problems.append(f"known-right answer scored {right}")
+            problems.append(f"known-right answer scored {right}{_diagnostics(right_info)}")
         if wrong != 0.0:
             problems.append(f"known-wrong answer scored {wrong}")
         if problems:

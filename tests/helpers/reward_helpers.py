@@ -34,3 +34,7 @@ def counting(response, ground_truth, extra):
     with open(ground_truth["log"], "a") as f:
         f.write(response + "\n")
     return 1.0 if response == "yes" else 0.0
+
+
+def zero_with_stderr(response, ground_truth, extra):
+    return {"score": 0.0, "stderr": "Traceback: boom"}

@@ -1,10 +1,12 @@
 """The code verifier: extraction, test formats, partial credit, limits (the sandbox has its own suite)."""
 
 import json
+import os
 
 import pytest
+from sandbox_helpers import planted_dirs
 
-from prorl.rewards import score, score_with_info
+from prorl.rewards import sandbox, score, score_with_info
 from prorl.rewards.coding import TIME_LIMIT_S, load_tests, stdout_matches, value_matches
 
 STDIO = {"inputs": ["1 2\n", "3 4\n", "10 -5\n"], "outputs": ["3\n", "7\n", "5\n"]}
@@ -98,6 +100,26 @@ def test_code_cannot_see_expected_outputs():
     code = "import sys, os\nprint(open(os.path.join(sys.argv[1], 'tests.json')).read())"
     value, info = score_with_info("code", reply(code), STDIO)
     assert value == 0.0 and info["passed"] == 0
+
+
+def test_code_cannot_read_the_dataset_on_the_host(monkeypatch):
+    # reward hacking seen in a run: the solution found the (world-readable) dataset file outside the home
+    # directory and printed the expected outputs, computing nothing
+    if sandbox.backend() == "none":
+        pytest.skip("the `none` backend does not hide the host's files (no namespaces here)")
+    with planted_dirs() as dirs:
+        data = os.path.join(dirs[0], "train.jsonl")
+        with open(data, "w") as f:
+            f.write(json.dumps(STDIO) + "\n")
+        os.chmod(data, 0o644)
+        cheat = (
+            f"import json\nrow = json.loads(open({data!r}).readline())\n"
+            "print(row['outputs'][row['inputs'].index(input() + '\\n')])"
+        )
+        value, info = score_with_info("code", reply(cheat), STDIO)
+        assert value == 0.0 and info["passed"] == 0
+        monkeypatch.setattr(sandbox, "backend", lambda: "none")  # where the file is visible, the cheat works
+        assert score("code", reply(cheat), STDIO) == 1.0
 
 
 def test_output_comparison():

@@ -1,4 +1,8 @@
+import json
 import os
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -7,7 +11,9 @@ import uuid
 import pytest
 
 import prorl.rewards as rewards
-from prorl.rewards.pool import RewardPool
+from prorl.rewards import sandbox
+from prorl.rewards.pool import MAX_START_FAILURES, RewardPool
+from prorl.rewards.sandbox import rootfs
 from prorl.rewards.selftest import self_test
 
 
@@ -78,6 +84,7 @@ def test_caller_errors_raise(registered, pool):
 
 
 def test_math_in_a_thread_without_pool():
+    pytest.importorskip("math_verify")
     out = []
     t = threading.Thread(target=lambda: out.append(rewards.score("math", "\\boxed{\\frac{2}{4}}", "0.5")))
     t.start()
@@ -142,6 +149,23 @@ def test_self_test_names_broken_verifiers(registered):
     assert self_test(["half"]) == {"half": "skipped: no sample"}
 
 
+def test_self_test_reports_the_sandbox_error(monkeypatch):
+    # the interpreter cannot start inside the sandbox (what a venv under /tmp used to hit): the message
+    # carries the sandbox's own error, not only "known-right answer scored 0.0"
+    sandbox.backend(), rootfs.python_paths()  # detected with the real interpreter first
+    monkeypatch.setattr(sandbox.sys, "executable", "/nonexistent/bin/python3")
+    with pytest.raises(RuntimeError, match=r"code: error: SandboxError: .*/nonexistent/bin/python3"):
+        self_test(["code"])
+
+
+def test_self_test_shows_a_verifier_s_diagnostics(registered):
+    rewards.register("code", "reward_helpers:zero_with_stderr")
+    with pytest.raises(
+        RuntimeError, match=r"code: known-right answer scored 0.0 \(stderr: Traceback: boom\)"
+    ):
+        self_test(["code"])
+
+
 def test_identical_items_are_verified_once(registered, pool, tmp_path):
     rewards.register("count", "reward_helpers:counting")
     log = str(tmp_path / "calls.txt")
@@ -156,3 +180,105 @@ def test_identical_items_are_verified_once(registered, pool, tmp_path):
     # "yes" with extra None, "yes" with extra {"k": 1}, "no", "maybe": four distinct items
     assert calls == ["maybe", "no", "yes", "yes"]
     assert len(res.extras) == 7 and res.extras[0] is not res.extras[2]
+
+
+# -- workers that fail to start; directories of killed runs ------------------------------------------
+
+_DIE_AT_START = """
+import os
+path = os.environ.get("PRORL_TEST_DIE_AT_START")
+if path and os.path.exists(path):
+    left = int(open(path).read() or 0)
+    if left > 0:
+        open(path, "w").write(str(left - 1))
+        os._exit(9)
+"""
+
+
+@pytest.fixture
+def die_at_start(tmp_path, monkeypatch):
+    """A file holding how many reward workers still to start will die during start-up (a sitecustomize
+    on the workers' PYTHONPATH reads it)."""
+    (tmp_path / "sitecustomize.py").write_text(_DIE_AT_START)
+    counter = tmp_path / "deaths"
+    counter.write_text("0")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("PRORL_TEST_DIE_AT_START", str(counter))
+    return counter
+
+
+def test_worker_dying_while_its_replacement_starts_is_retried(registered, die_at_start):
+    with RewardPool(num_workers=1, timeout_s=5, preload=()) as p:
+        assert p.score_batch(["half"], [""], [None]).scores == [0.5]
+        die_at_start.write_text(str(MAX_START_FAILURES - 1))  # the next replacements die, but not too often
+        res = p.score_batch(["crash", "half", "half"], ["", "", "x"], [None] * 3)
+        assert res.errored == [True, False, False] and res.scores == [0.0, 0.5, 0.5]
+        assert die_at_start.read_text() == "0" and p.replaced == MAX_START_FAILURES
+
+
+def test_workers_that_keep_dying_at_start_give_a_clear_error(registered, die_at_start):
+    die_at_start.write_text("100")
+    with RewardPool(num_workers=1, timeout_s=5, preload=()) as p:
+        with pytest.raises(
+            RuntimeError, match=rf"failed to start {MAX_START_FAILURES} times in a row.*exit code 9"
+        ):
+            p.score_batch(["half"], [""], [None])
+    assert int(die_at_start.read_text()) == 100 - MAX_START_FAILURES
+
+
+_RUN = (
+    "import json, time\n"
+    "from prorl.rewards.pool import RewardPool\n"
+    "p = RewardPool(num_workers=2, preload=())\n"
+    "print(json.dumps([[w.proc.pid, w.tmpdir] for w in p.workers]), flush=True)\n"
+    "time.sleep(120)\n"
+)
+
+
+def _gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _wait(condition, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return condition()
+
+
+def test_dirs_of_killed_runs_are_removed_at_start_and_live_ones_kept(registered, tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this test's pools and runs keep to tmp_path
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    runs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RUN], stdout=subprocess.PIPE, env=env, start_new_session=True
+        )
+        for _ in range(2)
+    ]
+    killed, alive = runs
+    try:
+        (killed_workers, alive_workers) = [json.loads(r.stdout.readline()) for r in runs]
+        os.killpg(killed.pid, signal.SIGKILL)  # the run and its workers, as the OOM killer or scancel would
+        killed.wait()
+        assert _wait(lambda: all(_gone(pid) for pid, _ in killed_workers))
+        assert all(os.path.isdir(d) for _, d in killed_workers)  # left behind
+
+        with RewardPool(num_workers=1, timeout_s=5, preload=()) as p:
+            assert [os.path.exists(d) for _, d in killed_workers] == [False, False]
+            assert [os.path.isdir(d) for _, d in alive_workers] == [True, True]  # another live run's
+            assert p.score_batch(["half"], [""], [None]).scores == [0.5]
+
+        # the trainer alone is killed: its workers see their pool vanish and remove their own directories
+        alive.kill()
+        alive.wait()
+        assert _wait(lambda: not any(os.path.exists(d) for _, d in alive_workers))
+    finally:
+        for r in runs:
+            if r.poll() is None:
+                os.killpg(r.pid, signal.SIGKILL)
+            r.wait()
+            r.stdout.close()

@@ -1,0 +1,400 @@
+"""Run untrusted Python (model-written code) in an OS-level sandbox, like a contest judge.
+
+A run sees a minimal root (`rootfs`): read-only system directories and the Python installation
+(wherever it lives: a venv under /tmp, conda under /opt, a user site), its own files read-only at
+/sandbox/code, private size-limited tmpfs scratch (/tmp, /var/tmp, /dev/shm), empty /run and /var; no
+other host file, socket or writable directory. Limits apply to the run as a whole through a cgroup
+(`cgroups`: memory.max, pids.max, cpu.max; v2, or v1 on older hosts) where this process can create
+one, and always per process through rlimits (CPU seconds, address space, file size, open files,
+processes of the uid, no core dumps). The environment is emptied (PATH, HOME, LANG); stdout/stderr go
+to size-limited files; on the wall clock the whole run is SIGKILLed; it dies with its starter.
+
+Backends, picked once per process by trying each in turn (override with PRORL_SANDBOX=unshare|bwrap|none):
+`unshare` (root: the default) util-linux `unshare` gives mount, PID, network, IPC, UTS and cgroup
+namespaces, a sh script builds the root with `mount` + `pivot_root` (the host's tree is detached),
+`setpriv` drops to a uid of its own (1e9 + the scorer's pid) with no capabilities and no_new_privs;
+as non-root it adds a user namespace and the code is its uid 0 (the caller outside), every capability
+dropped. `bwrap` (non-root: the default) bubblewrap builds the same root in the same namespaces; the
+code keeps the caller's uid, no capabilities. `none` (nothing else works; logged): no namespaces.
+
+What each guarantees (tests/rewards/test_sandbox*.py check it on the backends a machine has):
+
+    mode                      host files  host writes  network, host sockets  whole-run limits
+    unshare, root             none        none         none                   cgroup, else rlimits (1)
+    bwrap / unshare, user     none        none         none                   delegated cgroup, else (1)(2)
+    bwrap run as root         none        none         none                   cgroup, else (1)(3)
+    none                      readable    world-wr.    reachable              cgroup, else (1)(2)
+
+"host files: none" means nothing outside the minimal root (datasets, checkpoints, home directories,
+/run's sockets); "host writes: none": every writable place is a private tmpfs, gone after the run.
+(1) rlimits only: memory per process (`memory_bytes` × up to `nproc` processes), CPU seconds per
+process and the wall clock; a warning is logged when a controller is missing. (2) RLIMIT_NPROC counts
+every process of the calling user. (3) no process limit: uid 0 is exempt from RLIMIT_NPROC.
+Not protected against by any mode: kernel exploits (no seccomp filter: a VM is the answer for hostile
+code), side channels, what the system directories themselves hold (keep data out of /usr).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import resource
+import select
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from prorl.rewards.sandbox import cgroups, rootfs, tempdirs
+from prorl.rewards.sandbox.rootfs import CODE_DIR, WORK_DIR
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("unshare", "bwrap", "none")
+UID_BASE = 1_000_000_000
+SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
+TMP_PREFIX = "prorl-sbx-"
+SETUP_TIMEOUT_S = 30.0  # a sandbox that has not started Python by then is broken
+# tasks a backend runs beside Python: unshare + sh + timeout, bwrap × 2 + timeout
+_HELPERS = {"unshare": 3, "bwrap": 3, "none": 0}
+# Runs inside, as `python -I -c _BOOT <status fd> <user sites> <script> <code dir> args...`: says that
+# Python started (what tells a broken sandbox from failing code), adds the user site, runs the script.
+_BOOT = (
+    "import os, runpy, site, sys\n"
+    "os.write(int(sys.argv[1]), b'1'); os.close(int(sys.argv[1]))\n"
+    "for d in filter(None, sys.argv[2].split(os.pathsep)): site.addsitedir(d)\n"
+    "sys.argv = sys.argv[3:]\n"
+    "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+)
+
+
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (not the code in it); the message says what failed."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    wall_s: float = 5.0  # the run, from when Python runs inside (set-up and interpreter start excluded)
+    cpu_s: int = 6  # CPU seconds per process
+    memory_bytes: int = 1 << 30  # the whole run (cgroup) and the address space of each process
+    cpu_cores: float = 1.0  # CPU time per wall-clock time of the whole run (cgroup)
+    file_bytes: int = 32 << 20  # largest file a process may write
+    tmpfs_bytes: int = 64 << 20  # size of each private tmpfs (namespace backends)
+    nproc: int = 64  # processes + threads (the run's cgroup, and RLIMIT_NPROC of the uid)
+    nofile: int = 256
+    output_bytes: int = 16 << 20  # stdout / stderr read back at most
+
+
+@dataclass
+class Result:
+    returncode: int | None  # None when killed on the wall clock
+    stdout: bytes
+    stderr: bytes
+    timed_out: bool
+    wall_s: float
+    backend: str
+    cgroup: str = "none"  # the controllers that limited the whole run, e.g. "memory,pids,cpu"
+    oom_kills: int = 0  # processes killed for the run's memory limit
+
+
+# -- backends -------------------------------------------------------------------------------------------
+
+
+def _unshare_flags() -> list[str]:
+    flags = ["--mount", "--net", "--pid", "--ipc", "--uts", "--cgroup", "--fork", "--kill-child"]
+    flags += ["--propagation", "private"]
+    if os.geteuid() != 0:
+        flags = ["--user", "--map-root-user", *flags]
+    return flags
+
+
+def _candidates() -> list[str]:
+    root = os.geteuid() == 0
+    order = ["unshare", "bwrap"] if root else ["bwrap", "unshare"]
+    have = {"unshare": shutil.which("unshare") and shutil.which("setpriv"), "bwrap": shutil.which("bwrap")}
+    return [b for b in order if have[b]]
+
+
+def _works(name: str) -> str | None:
+    """None if a trivial run on backend `name` succeeds, else why not."""
+    try:
+        res = run_python({"main.py": "print('ok')"}, "main.py", limits=Limits(wall_s=60), backend_name=name)
+    except (SandboxError, OSError) as exc:
+        return str(exc)
+    return None if res.returncode == 0 and res.stdout == b"ok\n" else f"exit code {res.returncode}"
+
+
+@functools.cache
+def backend() -> str:
+    """The sandbox backend of this process (cached): PRORL_SANDBOX, else the strongest that works."""
+    forced = os.environ.get("PRORL_SANDBOX", "").strip()
+    if forced:
+        if forced not in BACKENDS:
+            raise ValueError(f"PRORL_SANDBOX must be one of {BACKENDS}, got {forced!r}")
+        return forced
+    failures = []
+    for name in _candidates():
+        why = _works(name)
+        if why is None:
+            if failures:
+                log.warning("code sandbox: using `%s`; %s", name, "; ".join(failures))
+            break
+        failures.append(f"`{name}` does not work here: {why}")
+    else:
+        name = "none"
+        log.warning(
+            "code sandbox: no namespaces (%s); untrusted code sees the host's files and network and runs "
+            "with rlimits, a private directory and a process-group kill only. Install bubblewrap or allow "
+            "user namespaces.",
+            "; ".join(failures) or "neither util-linux unshare+setpriv nor bubblewrap is installed",
+        )
+    cg = cgroups.setup()
+    if cg.missing:
+        log.warning(
+            "code sandbox: no cgroup for %s (%s): those limits are per process (memory: address space × "
+            "up to nproc processes; CPU: seconds per process and the wall clock), not for the run as a whole",
+            ", ".join(cg.missing),
+            cg.reason,
+        )
+    return name
+
+
+def describe() -> dict[str, str]:
+    """What this process's sandbox enforces: backend and cgroup controllers (with the reason if some lack)."""
+    cg = cgroups.setup()
+    return {"backend": backend(), "cgroup": cg.describe(), "cgroup_missing_reason": cg.reason}
+
+
+# -- one run ----------------------------------------------------------------------------------------------
+
+
+def _preexec(limits: Limits, uid: int | None, cgroup: cgroups.Cgroup | None):
+    starter = os.getpid()
+
+    def fn():
+        if cgroup is not None:  # first, while still allowed to write cgroup.procs
+            cgroup.join()
+        if uid is not None:  # only on the `none` backend: drop to the sandbox uid here
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG, after setuid
+        if os.getppid() != starter:  # it died before the signal was armed
+            os._exit(1)
+        for res, value in (
+            (resource.RLIMIT_CPU, limits.cpu_s),
+            (resource.RLIMIT_AS, limits.memory_bytes),
+            (resource.RLIMIT_FSIZE, limits.file_bytes),
+            (resource.RLIMIT_NPROC, limits.nproc),
+            (resource.RLIMIT_NOFILE, limits.nofile),
+            (resource.RLIMIT_CORE, 0),
+        ):
+            resource.setrlimit(res, (value, value))
+
+    return fn
+
+
+def _unshare_command(outer: str, code_dir: str, python: list[str], limits: Limits, uid: int | None):
+    os.mkdir(os.path.join(outer, "root"))  # the new root's mount point (on the host, an empty directory)
+    sh = rootfs.shell_script(rootfs.plan(code_dir, limits.tmpfs_bytes), os.path.join(outer, "root"), uid)
+    env = ["env", "-i", f"PATH={SAFE_PATH}", f"HOME={WORK_DIR}", "LANG=C.UTF-8"]
+    drop = ["setpriv", "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all"]
+    if uid is not None:
+        drop[1:1] = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    # not exec: sh stays the namespace's init (pid 1) and keeps the parent-death signal that
+    # `--kill-child` gave it, which a uid change would clear; when it dies, the kernel kills every
+    # process in the namespace
+    run = [*_own_deadline(limits), *drop, *env, *python]
+    sh.append(f"cd {WORK_DIR} && " + " ".join(shlex.quote(a) for a in run))
+    return [shutil.which("unshare") or "unshare", *_unshare_flags(), "sh", "-c", "\n".join(sh)]
+
+
+def _bwrap_command(code_dir: str, python: list[str], limits: Limits) -> list[str]:
+    cmd = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
+    cmd += ["--cap-drop", "ALL", *rootfs.bwrap_args(rootfs.plan(code_dir, limits.tmpfs_bytes))]
+    cmd += ["--chdir", WORK_DIR, "--clearenv", "--setenv", "PATH", SAFE_PATH, "--setenv", "HOME", WORK_DIR]
+    return [*cmd, "--setenv", "LANG", "C.UTF-8", "--", *_own_deadline(limits), *python]
+
+
+def _own_deadline(limits: Limits) -> list[str]:
+    """coreutils `timeout` inside the namespaces: a run outlives its wall clock by at most 10 s even if
+    its starter dies at the instant the parent-death signal is not armed yet (unshare arms it for its
+    child only after forking it)."""
+    timeout = shutil.which("timeout")
+    if not timeout or not timeout.startswith(("/usr/", "/bin/")):  # must be inside the minimal root
+        return []
+    return [timeout, "-s", "KILL", f"{limits.wall_s + 10:g}"]
+
+
+def _none_workdir(work: str, uid: int | None) -> int | None:
+    """The `none` backend's working directory; returns the uid to drop to (as root), if any."""
+    os.mkdir(work, 0o700)
+    if uid is None:
+        return None
+    if any(rootfs.hidden_from_others(p) for p in (sys.executable, os.path.realpath(sys.executable))):
+        log.warning("code sandbox `none`: the interpreter is hidden from other users: code runs as root")
+        return None
+    os.chown(work, uid, uid)
+    return uid
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of `uid` (the `none` backend as root: catches daemons that left the group)."""
+    for _ in range(3):
+        found = False
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                if os.stat(f"/proc/{pid}").st_uid == uid:
+                    os.kill(int(pid), signal.SIGKILL)
+                    found = True
+            except OSError:
+                pass
+        if not found:
+            return
+        time.sleep(0.01)
+
+
+def _python_started(fd: int, timeout_s: float) -> bool:
+    """Wait until Python inside reports (True), or the sandbox ends or hangs before it does (False)."""
+    try:
+        ready, _, _ = select.select([fd], [], [], timeout_s)
+        return bool(ready) and os.read(fd, 1) == b"1"
+    finally:
+        os.close(fd)
+
+
+def _read(path: str, limit: int) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(limit)
+
+
+@functools.cache
+def _remove_stale_dirs() -> None:
+    """Once per process: private directories of runs whose process was SIGKILLed (those younger than
+    10 minutes are kept: older versions made them without a lock)."""
+    tempdirs.remove_stale(TMP_PREFIX, min_age_s=600)
+
+
+def run_python(
+    files: dict[str, str | bytes],
+    script: str,
+    args: list[str] | None = None,
+    limits: Limits | None = None,
+    backend_name: str | None = None,
+) -> Result:
+    """Run `python -I <dir>/<script> <dir> *args` in a sandbox, `<dir>` holding `files` (read-only).
+
+    The working directory is a private, writable, size-limited one. Never raises for what the code does;
+    raises SandboxError when the sandbox itself cannot be set up or cannot start Python."""
+    limits = limits or Limits()
+    args = list(args or [])
+    name = backend_name or backend()
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    root = os.geteuid() == 0
+    uid = UID_BASE + os.getpid() if root else None
+    _remove_stale_dirs()
+    outer, lock = tempdirs.make_locked(TMP_PREFIX)
+    cgroup = None
+    try:
+        os.chmod(outer, 0o711)
+        code_dir = os.path.join(outer, "code")
+        os.mkdir(code_dir, 0o755)
+        for fname, content in files.items():
+            path = os.path.join(code_dir, fname)
+            with open(path, "wb") as f:
+                f.write(content.encode() if isinstance(content, str) else content)
+            os.chmod(path, 0o644)
+        os.chmod(code_dir, 0o755)
+        started_r, status = os.pipe()  # Python writes one byte to `status` when it runs inside
+        inner = code_dir if name == "none" else CODE_DIR
+        sites = os.pathsep.join(rootfs.user_sites())
+        python = [sys.executable, "-I", "-c", _BOOT, str(status), sites, f"{inner}/{script}", inner, *args]
+        drop_in_preexec = None
+        cwd = outer
+        try:
+            if name == "unshare":
+                argv = _unshare_command(outer, code_dir, python, limits, uid)
+            elif name == "bwrap":
+                argv = _bwrap_command(code_dir, python, limits)
+            else:
+                argv, cwd = python, os.path.join(outer, "work")
+                drop_in_preexec = _none_workdir(cwd, uid)
+            setup = cgroups.setup()
+            if setup.parents:
+                pids = limits.nproc + _HELPERS[name]
+                cgroup = cgroups.Cgroup(setup, limits.memory_bytes, pids, limits.cpu_cores)
+        except (rootfs.LayoutError, OSError) as exc:
+            os.close(status)
+            os.close(started_r)
+            raise SandboxError(f"cannot set up the `{name}` sandbox: {exc}") from exc
+        out_path, err_path = os.path.join(outer, "stdout"), os.path.join(outer, "stderr")
+        start = time.monotonic()
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=err,
+                    cwd=cwd,
+                    env={"PATH": SAFE_PATH + ":/usr/sbin:/sbin"},
+                    start_new_session=True,
+                    close_fds=True,
+                    pass_fds=(status,),
+                    preexec_fn=_preexec(limits, drop_in_preexec, cgroup),
+                )
+            except (OSError, subprocess.SubprocessError) as exc:
+                os.close(started_r)
+                raise SandboxError(f"cannot start the `{name}` sandbox ({argv[0]}): {exc}") from exc
+            finally:
+                os.close(status)
+            started = _python_started(started_r, SETUP_TIMEOUT_S)
+            timed_out = False
+            try:
+                if started:  # the wall clock is the code's: the sandbox's own set-up is not counted
+                    start = time.monotonic()
+                    returncode = proc.wait(timeout=limits.wall_s)
+                else:  # set-up failed (it is exiting) or hangs
+                    returncode = proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                timed_out, returncode = True, None
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                proc.wait()
+                if drop_in_preexec is not None:
+                    _kill_uid(drop_in_preexec)
+        wall = time.monotonic() - start
+        stderr = _read(err_path, limits.output_bytes)
+        if not started:
+            what = f"within {SETUP_TIMEOUT_S:g} s" if timed_out else f"(exit code {returncode})"
+            detail = stderr.decode(errors="replace").strip()[-2000:] or "no error output"
+            raise SandboxError(f"the `{name}` sandbox did not start Python {what}: {detail}")
+        return Result(
+            returncode,
+            _read(out_path, limits.output_bytes),
+            stderr,
+            timed_out,
+            wall,
+            name,
+            ",".join(setup.parents) or "none",
+            cgroup.oom_kills() if cgroup else 0,
+        )
+    finally:
+        if cgroup is not None:
+            cgroup.remove()
+        shutil.rmtree(outer, ignore_errors=True)
+        os.close(lock)
+
+
+__all__ = ["BACKENDS", "Limits", "Result", "SandboxError", "backend", "describe", "run_python"]

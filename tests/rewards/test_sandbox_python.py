@@ -1,0 +1,106 @@
+"""The sandbox works wherever Python lives: a venv under /tmp, /var/tmp, the home directory or elsewhere,
+and a user-site install (its packages are importable inside). Each case starts a fresh interpreter
+from that place and runs the sandbox on every backend this machine has, then the code verifier's
+self-test (which picks the default backend itself)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+from sandbox_helpers import ISOLATING, REPO, host_places, why_not
+
+BASE_PYTHON = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+BACKENDS = [b for b in (*ISOLATING, "none") if why_not(b) is None]
+
+# runs in the interpreter under test: every backend, then the self-test; prints one JSON object
+_PROBE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from prorl.rewards import sandbox
+from prorl.rewards.selftest import self_test
+code = sys.argv[3]
+out = {}
+for backend in json.loads(sys.argv[2]):
+    try:
+        res = sandbox.run_python({"main.py": code}, "main.py", backend_name=backend)
+        out[backend] = [res.returncode, res.stdout.decode().strip(), res.stderr.decode()[-500:]]
+    except sandbox.SandboxError as exc:
+        out[backend] = [None, "", str(exc)]
+try:
+    out["self_test"] = self_test(["code"])
+except RuntimeError as exc:
+    out["self_test"] = str(exc)
+print(json.dumps(out))
+"""
+
+
+def _probe(python, code, env=None):
+    proc = subprocess.run(
+        [python, "-c", _PROBE, REPO, json.dumps(BACKENDS), code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ, **(env or {})),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def _places():
+    home = os.path.expanduser("~")
+    return {"tmp": "/tmp", "var-tmp": "/var/tmp", "home": home, "elsewhere": None}
+
+
+@pytest.mark.parametrize("where", list(_places()))
+def test_a_venv_anywhere_runs_code_items(where):
+    parent = _places()[where] or host_places()[0]
+    if not os.access(parent, os.W_OK):
+        pytest.skip(f"{parent} is not writable here")
+    top = tempfile.mkdtemp(prefix="prorl-venv-test-", dir=parent)
+    try:
+        os.chmod(top, 0o755)
+        venv = os.path.join(top, "venv")
+        subprocess.run([BASE_PYTHON, "-m", "venv", "--without-pip", venv], check=True, timeout=120)
+        python = os.path.join(venv, "bin", "python")
+        out = _probe(python, "import sys; print(sys.prefix)")
+        assert out.pop("self_test") == {"code": "ok"}
+        assert out == {b: [0, venv, ""] for b in BACKENDS}
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_a_venv_reached_through_a_symlink_runs_code_items():
+    top = tempfile.mkdtemp(prefix="prorl-venv-test-", dir="/var/tmp")
+    links = tempfile.mkdtemp(prefix="prorl-venv-link-", dir=host_places()[0])
+    try:
+        os.chmod(top, 0o755)
+        os.chmod(links, 0o755)
+        subprocess.run([BASE_PYTHON, "-m", "venv", "--without-pip", f"{top}/venv"], check=True, timeout=120)
+        link = os.path.join(links, "venv")
+        os.symlink(f"{top}/venv", link)
+        out = _probe(os.path.join(link, "bin", "python"), "import sys; print(sys.prefix)")
+        assert out.pop("self_test") == {"code": "ok"}
+        assert out == {b: [0, link, ""] for b in BACKENDS}
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+        shutil.rmtree(links, ignore_errors=True)
+
+
+def test_user_site_packages_are_visible():
+    top = tempfile.mkdtemp(prefix="prorl-usersite-test-", dir="/var/tmp")
+    try:
+        env = {"PYTHONUSERBASE": top}
+        where = [BASE_PYTHON, "-c", "import site; print(site.getusersitepackages())"]
+        site_dir = subprocess.run(where, capture_output=True, text=True, env=dict(os.environ, **env)).stdout
+        os.makedirs(site_dir.strip())
+        with open(os.path.join(site_dir.strip(), "prorl_usersite_probe.py"), "w") as f:
+            f.write("VALUE = 'from the user site'\n")
+        out = _probe(BASE_PYTHON, "import prorl_usersite_probe as p; print(p.VALUE)", env)
+        assert out.pop("self_test") == {"code": "ok"}
+        assert out == {b: [0, "from the user site", ""] for b in BACKENDS}
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
