@@ -14,7 +14,10 @@
 #          trl==1.16.0 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19
 #      and carried with the device tool's `carry: [".whl"]`; prorl editable without the native CPU
 #      build (PRORL_TARGET_DEVICE=none; the Triton backend needs no build) and without fetching anything.
-#   2. tests (tests/gpu: compiled Triton kernels vs float64 references, no host sync, determinism, native
+#   2. the prorl_v2_1.5b preset in miniature on cuda:0 (NCCL, one rank): the preset file with the size-only
+#      overrides of tests/helpers/preset_helpers.py, a bf16 checkpoint with an untied head, FSDP2 bf16 mixed
+#      precision + activation checkpointing, micro-batches, dynamic sampling, resets, a checkpoint; then
+#      tests (tests/gpu: compiled Triton kernels vs float64 references, no host sync, determinism, native
 #      sampler vs transformers, the trainer step on CUDA) and attention (tests/engine/test_attention.py:
 #      SDPA and FlexAttention forward and backward on CUDA).
 #   3. the embedded default end to end on cuda:0, 60 of its 150 steps: `torchrun --nproc_per_node=1 prorl/train.py`.
@@ -75,6 +78,17 @@ PRORL_TARGET_DEVICE=none "$PY" -m pip install -q --no-index --no-build-isolation
 "$PY" -c "import prorl, prorl.engine, prorl.kernels, prorl.trainer; print('prorl imports ok')" || exit 1
 "$PY" -m pip list 2>/dev/null | grep -iE "^(liger-kernel|trl|datasets|accelerate|pyarrow|omegaconf|math-verify) " || true
 
+preset_args() {  # writes the miniature's checkpoint and data, prints its overrides
+    PYTHONPATH="tests/helpers${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c '
+import sys, preset_helpers as h
+d = sys.argv[1]
+ckpt = h.write_bf16_untied_checkpoint(d + "/ckpt")
+print(" ".join(h.preset_overrides(ckpt, *h.write_data(d))))' "$1"
+}
+rm -rf runs/gpu-preset && mkdir -p runs/gpu-preset
+step preset 120 env PYTHONPATH="tests/helpers${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m torch.distributed.run --standalone \
+    --nproc_per_node=1 prorl/train.py --config prorl_v2_1.5b $(preset_args runs/gpu-preset) \
+    trainer.total_steps=6 trainer.save_every=3 output_dir=runs/gpu-preset/run
 step tests 150 "$PY" -m pytest -q -rs -s -p no:cacheprovider --junitxml="$OUT_DIR/junit.xml" tests/gpu
 step attention 60 "$PY" -m pytest -q -rs -p no:cacheprovider tests/engine/test_attention.py
 
@@ -96,7 +110,7 @@ step advantages 40 "$PY" -m benchmarks advantages --device cuda --timeout 15 --o
 step train_step 100 "$PY" -m benchmarks train_step --gpu --timeout 30 --out "$R/train_step.csv"
 
 echo "=== pack results at +$(($(date +%s) - T0)) s"
-tar czf "$OUT_DIR/results.tgz" benchmarks/results/gpu $(ls -d runs/gpu-default/{config.yaml,metrics.jsonl,summary.txt,training_curves.png} 2>/dev/null)
+tar czf "$OUT_DIR/results.tgz" benchmarks/results/gpu $(ls -d runs/gpu-{default,preset/run}/{config.yaml,metrics.jsonl,summary.txt,training_curves.png} 2>/dev/null)
 echo "=== done in $(($(date +%s) - T0)) s"
 exec 1>&- 2>&-
 wait "$TEE_PID"  # the log is complete before the command returns
