@@ -37,7 +37,7 @@ KL_CLAMPS = ("log-ratio", "output", "none")
 IS_MODES = ("none", "tis", "icepop")
 RATIO_LOG_CLAMP = 20.0  # |logp - old_logp| bound before exp (kernels/csrc/ppo_loss.cpp and the triton kernel)
 
-# Slots of the statistics vector a backend returns (sums unless marked max). The native kernel
+# Slots of the statistics vector a backend returns: sums, except the maxima in MAX_SLOTS. The native kernel
 # (kernels/csrc/ppo_loss.cpp, enum Slot) and the triton kernel (kernels/ppo_loss_triton.py) write them in
 # this order.
 STATS = tuple(
@@ -52,7 +52,7 @@ MAX_SLOTS = (STATS.index("ratio_max"), STATS.index("is_max"))
 # --------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PPOOptions:
     """The scalar options of one call, in one object that backends read (a triton kernel: as constexprs)."""
 

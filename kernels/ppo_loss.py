@@ -277,7 +277,7 @@ def _torch_forward(logp, tok, aggregation, opts, need_grad):
         grad = scale * g_pg
 
     ratio_v = ratio * vf
-    stats = torch.stack(
+    stats = torch.stack(  # in the slot order of _ppo_common.STATS
         [
             pg_sum,
             kl_sum,
@@ -362,4 +362,5 @@ def _triton_forward(logp, tok, aggregation, opts, need_grad, with_means=False):
     return ppo_loss_triton.ppo_forward(logp, tok, aggregation, opts, need_grad, with_means)
 
 
+# backend name -> forward (module docstring, "Backends"); linear_ppo_loss runs them on each row block
 FORWARDS = {"torch": _torch_forward, "native": _native_forward, "triton": _triton_forward}
