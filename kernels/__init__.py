@@ -3,17 +3,30 @@
     from prorl.kernels import linear_logprob_entropy, ppo_loss, linear_ppo_loss
     from prorl.kernels import group_advantages, batch_whiten
 
-Each op runs on one of three backends, chosen by the device of its inputs (see `_backend.py`).
+Each op runs on one of three backends, chosen by the device of its inputs (see `_backend.py`). The option
+tuples list the values each string option accepts (a trainer's config can check against them):
+
+    AGG_MODES, KL_ESTIMATORS, KL_CLAMPS, IS_MODES   ppo_loss / linear_ppo_loss: agg, kl_estimator, kl_clamp,
+                                                    is_mode
+    ADVANTAGE_MODES, WHITEN_WEIGHTINGS              group_advantages: mode, weighting (batch_whiten too)
 """
 
 from ._backend import native_available
 from ._backend import resolve as resolve_backend
-from .advantages import batch_whiten, group_advantages, group_advantages_reference
-from .linear_logprob_entropy import linear_logprob_entropy, linear_logprob_entropy_reference
+from ._ppo_common import AGG_MODES, IS_MODES, KL_CLAMPS, KL_ESTIMATORS
+from .advantages import ADVANTAGE_MODES, WHITEN_WEIGHTINGS, batch_whiten, group_advantages
+from .linear_logprob_entropy import linear_logprob_entropy
 from .linear_ppo_loss import linear_ppo_loss
-from .ppo_loss import ppo_loss, ppo_loss_reference
+from .ppo_loss import ppo_loss
+from .reference import group_advantages_reference, linear_logprob_entropy_reference, ppo_loss_reference
 
 __all__ = [
+    "ADVANTAGE_MODES",
+    "AGG_MODES",
+    "IS_MODES",
+    "KL_CLAMPS",
+    "KL_ESTIMATORS",
+    "WHITEN_WEIGHTINGS",
     "batch_whiten",
     "group_advantages",
     "group_advantages_reference",

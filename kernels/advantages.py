@@ -41,10 +41,18 @@ import warnings
 
 import torch
 
-__all__ = ["batch_whiten", "group_advantages", "group_advantages_reference"]
+from .reference import group_advantages_reference
 
-MODES = ("reinforce++-baseline", "grpo", "dr-grpo")
-WEIGHTINGS = ("token", "sequence")
+__all__ = [
+    "ADVANTAGE_MODES",
+    "WHITEN_WEIGHTINGS",
+    "batch_whiten",
+    "group_advantages",
+    "group_advantages_reference",
+]
+
+ADVANTAGE_MODES = ("reinforce++-baseline", "grpo", "dr-grpo")  # group_advantages(mode=)
+WHITEN_WEIGHTINGS = ("token", "sequence")  # group_advantages(weighting=), batch_whiten(weighting=)
 
 
 def group_advantages(
@@ -82,10 +90,10 @@ def group_advantages(
     Returns:
         adv [B] in the rewards' dtype (float32 for integer rewards), or (adv, metrics).
     """
-    if mode not in MODES:
-        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
+    if mode not in ADVANTAGE_MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(ADVANTAGE_MODES)}")
+    if weighting not in WHITEN_WEIGHTINGS:
+        raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WHITEN_WEIGHTINGS)}")
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be [B], got shape {tuple(rewards.shape)}")
     if group_index.shape != rewards.shape or group_index.dtype.is_floating_point or group_index.is_complex():
@@ -165,8 +173,8 @@ def batch_whiten(
     Returns:
         whitened values, values' shape and dtype (float32 for integer values), 0 where mask == 0.
     """
-    if weighting not in WEIGHTINGS:
-        raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
+    if weighting not in WHITEN_WEIGHTINGS:
+        raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WHITEN_WEIGHTINGS)}")
     if mask.shape != values.shape:
         raise ValueError(f"mask {tuple(mask.shape)} must have values' shape {tuple(values.shape)}")
     out_dtype = values.dtype if values.is_floating_point() else torch.float32
@@ -220,38 +228,3 @@ def _group_ids(group_index, num_groups):
         if group_index.min() < 0 or group_index.max() >= num_groups:
             raise IndexError(f"group_index must lie in [0, num_groups={num_groups})")
     return group_index.long(), int(num_groups)
-
-
-def group_advantages_reference(
-    rewards,
-    group_index,
-    *,
-    mode="reinforce++-baseline",
-    std_unbiased=False,
-    eps=1e-6,
-    lengths=None,
-    weighting="token",
-    whiten_eps=1e-8,
-):
-    """Per-group Python loop in float64 (for tests and benchmarks); finite rewards only, single process."""
-    r = rewards.double().tolist()
-    ids = group_index.tolist()
-    lens = (
-        [1.0] * len(r) if lengths is None or weighting == "sequence" else [float(n) for n in lengths.tolist()]
-    )
-    centred, adv = [0.0] * len(r), [0.0] * len(r)
-    for g in set(ids):
-        members = [i for i, k in enumerate(ids) if k == g]
-        mu = sum(r[i] for i in members) / len(members)
-        dev = [r[i] - mu for i in members]
-        ddof = 1 if std_unbiased and len(members) > 1 else 0
-        std = (sum(d * d for d in dev) / (len(members) - ddof)) ** 0.5
-        for i, d in zip(members, dev):
-            centred[i] = d
-            adv[i] = d / (std + eps) if mode == "grpo" else d
-    if mode == "reinforce++-baseline":
-        w = sum(lens)
-        mu = sum(n * c for n, c in zip(lens, centred)) / w
-        var = sum(n * (c - mu) ** 2 for n, c in zip(lens, centred)) / w
-        adv = [(c - mu) / max(var, whiten_eps) ** 0.5 for c in centred]
-    return torch.tensor(adv, dtype=torch.float64)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from . import _backend
+from .reference import linear_logprob_entropy_reference
 
 __all__ = ["linear_logprob_entropy", "linear_logprob_entropy_reference"]
 
@@ -115,7 +116,7 @@ class _LinearLogprobEntropy(torch.autograd.Function):
             logp, ent, lse, ez = torch.ops.prorl.lle_forward(hidden, weight, safe_labels, inv_t, chunk_bytes)
         else:
             logp, ent, lse, ez = _chunked_forward(
-                hidden, weight, safe_labels, inv_t, chunk_bytes, _tile_ops(backend)
+                hidden, weight, safe_labels, inv_t, chunk_bytes, tile_ops(backend)
             )
         zero = torch.zeros((), dtype=torch.float32, device=hidden.device)
         logp = torch.where(valid, logp, zero)
@@ -149,7 +150,7 @@ class _LinearLogprobEntropy(torch.autograd.Function):
                 g_ent,
                 ctx.inv_t,
                 ctx.chunk_bytes,
-                _tile_ops(ctx.backend),
+                tile_ops(ctx.backend),
                 need_h,
                 need_w,
             )
@@ -169,7 +170,7 @@ def tile_shape(n_rows: int, n_cols: int, chunk_bytes: int) -> tuple[int, int]:
     return rows, cols
 
 
-def _mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [M, K] @ b[K, N] with an fp32 result; low-precision CUDA inputs multiply natively (fp32 out)."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         return torch.mm(a, b)
@@ -198,7 +199,7 @@ def _chunked_forward(hidden, weight, labels, inv_t, chunk_bytes, ops):
         h = h_all[r0:r1]
         for c0 in range(0, v, cols):
             c1 = min(v, c0 + cols)
-            x = _mm_f32(h, weight[c0:c1].t())  # [rows, cols] fp32 logits tile (before 1/T)
+            x = mm_f32(h, weight[c0:c1].t())  # [rows, cols] fp32 logits tile (before 1/T)
             ops.update_stats(x, labels[r0:r1], c0, inv_t, m[r0:r1], s[r0:r1], b[r0:r1], zy[r0:r1])
     log_s = torch.log(s)
     lse = m + log_s
@@ -232,14 +233,14 @@ def _chunked_backward(hidden, weight, labels, lse, ez, g_lp, g_ent, inv_t, chunk
         for c0 in range(0, v, cols):
             c1 = min(v, c0 + cols)
             w = weight[c0:c1]
-            x = _mm_f32(h, w.t())
+            x = mm_f32(h, w.t())
             # in place: x becomes dL/dx for this tile, [rows, cols] fp32
             ops.tile_grad(x, labels[r0:r1], c0, inv_t, lse[r0:r1], ez[r0:r1], g_lp[r0:r1], g_ent[r0:r1])
             dx = x.to(hidden.dtype) if low_cuda else x
             if need_h:
-                gh[r0:r1] += _mm_f32(dx, w if low_cuda else w.float())
+                gh[r0:r1] += mm_f32(dx, w if low_cuda else w.float())
             if need_w:
-                gw_tile = _mm_f32(dx.t(), h)
+                gw_tile = mm_f32(dx.t(), h)
                 if one_pass:
                     gw[c0:c1].copy_(gw_tile)
                 else:
@@ -252,7 +253,7 @@ def _chunked_backward(hidden, weight, labels, lse, ez, g_lp, g_ent, inv_t, chunk
 
 
 # --------------------------------------------------------------------------------------------------
-# Tile kernels of the torch backend (the triton backend provides the same two functions)
+# Tile ops: the elementwise half of the chunked plan, one object per backend with the same two functions
 # --------------------------------------------------------------------------------------------------
 
 
@@ -288,29 +289,29 @@ class _TorchTileOps:
         z.scatter_add_(1, idx, torch.where(inside, g_lp, torch.zeros_like(g_lp))[:, None])
 
 
-def _tile_ops(backend: str):
+class _NativeTileOps:
+    """The tile ops of softmax_tiles.h, for linear_ppo_loss's native backend (this op's native backend runs
+    its whole chunked plan in C++)."""
+
+    @staticmethod
+    def update_stats(x, labels, c0, inv_t, m, s, b, zy):
+        torch.ops.prorl.tile_update_stats(x, labels, c0, inv_t, m, s, b, zy)
+
+    @staticmethod
+    def tile_grad(x, labels, c0, inv_t, lse, ez, g_lp, g_ent):
+        torch.ops.prorl.tile_grad(x, labels, c0, inv_t, lse, ez, g_lp, g_ent)
+
+
+def tile_ops(backend: str):
+    """The tile ops of `backend`: update_stats(x, labels, c0, inv_t, m, s, b, zy) merges a raw-logits tile
+    into the running row statistics (the torch one overwrites x, the others only read it), tile_grad(x,
+    labels, c0, inv_t, lse, ez, g_lp, g_ent) overwrites it with dL/dx."""
     if backend == "torch":
         return _TorchTileOps
+    if backend == "native":
+        return _NativeTileOps
     if backend == "triton":
         from . import linear_logprob_entropy_triton
 
         return linear_logprob_entropy_triton.TritonTileOps
     raise ValueError(f"backend {backend!r} has no tile ops")
-
-
-# --------------------------------------------------------------------------------------------------
-# Plain float64 reference (what every backend is tested against)
-# --------------------------------------------------------------------------------------------------
-
-
-def linear_logprob_entropy_reference(hidden, weight, labels, temperature=1.0, ignore_index=-100):
-    """Unfused float64 reference: full [N, V] logits, log_softmax, gather, entropy; differentiable."""
-    h = hidden.reshape(-1, hidden.shape[-1]).double()
-    z = (h @ weight.double().t()) / temperature
-    logprobs = torch.log_softmax(z, dim=-1)
-    y = labels.reshape(-1)
-    valid = y != ignore_index
-    lp = logprobs.gather(1, torch.where(valid, y, 0)[:, None]).squeeze(1)
-    ent = -(logprobs.exp() * logprobs).sum(-1)
-    zero = torch.zeros((), dtype=torch.float64)
-    return torch.where(valid, lp, zero).view(labels.shape), torch.where(valid, ent, zero).view(labels.shape)

@@ -29,7 +29,7 @@ import triton.language as tl
 __all__ = ["TritonTileOps", "tile_grad", "update_stats"]
 
 # Widest column block of one program. 4096 fp32 = 16 KiB of registers per program with 8 warps (16 per
-# thread), the size Liger's cross-entropy uses; not tuned here (no GPU on the machine this was written on).
+# thread), the size Liger's cross-entropy uses; not tuned.
 _MAX_BLOCK_V_GPU = 4096
 # Under the interpreter a small block makes tiny test vocabularies span several blocks (exercising the
 # loop and the masked last block); larger blocks would only be faster, not different.

@@ -34,10 +34,10 @@ should not be small: the default budget is
 room for 256 rows on the CPU (156 MiB at V = 152K; dW traffic ~1/32 of the GEMM time at D = 896 on two
 cores) and 1 GiB on CUDA. Elementwise work is O(N V): two passes over each block.
 
-The chunked plan's pieces come from linear_logprob_entropy (`_mm_f32`, the tile ops of the triton and torch
-backends); the native backend's tile ops are torch.ops.prorl.tile_update_stats / tile_grad
-(kernels/csrc/softmax_tiles.h). Layouts, options and metrics are those of `ppo_loss`, plus `entropy_mean`
-(over valid tokens) and `entropy_loss` (entropy aggregated like the loss).
+The chunked plan's pieces come from linear_logprob_entropy (`mm_f32` and each backend's `tile_ops`; the
+native ones are kernels/csrc/softmax_tiles.h), the per-token loss from ppo_loss's backends (`FORWARDS`).
+Layouts, options and metrics are those of `ppo_loss` (kernels/_ppo_common.py), plus `entropy_mean` (over
+valid tokens) and `entropy_loss` (entropy aggregated like the loss).
 """
 
 from __future__ import annotations
@@ -45,19 +45,19 @@ from __future__ import annotations
 import torch
 
 from . import _backend
-from .linear_logprob_entropy import _mm_f32, _tile_ops
-from .ppo_loss import (
-    _FORWARDS,
-    _STATS,
-    _Aggregation,
-    _aggregation,
-    _check_options,
-    _combine_stats,
-    _flatten,
-    _metrics,
-    _Options,
-    _scale,
+from ._ppo_common import (
+    STATS,
+    Aggregation,
+    PPOOptions,
+    aggregation_weights,
+    check_normalizer,
+    combine_stats,
+    flatten_inputs,
+    metrics_from_stats,
+    token_scale,
 )
+from .linear_logprob_entropy import mm_f32, tile_ops
+from .ppo_loss import FORWARDS
 
 __all__ = ["linear_ppo_loss"]
 
@@ -110,9 +110,11 @@ def linear_ppo_loss(
         (loss, metrics): 0-d fp32 loss (gradients flow to hidden and weight) and ppo_loss's metrics plus
         entropy_mean and entropy_loss, all detached device tensors.
     """
-    _check_options(
-        eps_low, eps_high, dual_clip, kl_estimator, kl_clamp, kl_clamp_value, is_mode, is_bounds, agg
-    )
+    opts = PPOOptions.of(
+        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, ref_logp=ref_logp, kl_coef=kl_coef,
+        kl_estimator=kl_estimator, kl_clamp=kl_clamp, kl_clamp_value=kl_clamp_value, is_weights=is_weights,
+        is_mode=is_mode, is_bounds=is_bounds, agg=agg,
+    )  # fmt: skip
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(
             f"need hidden [..., D] and weight [V, D], got {tuple(hidden.shape)}, {tuple(weight.shape)}"
@@ -127,8 +129,7 @@ def linear_ppo_loss(
         )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if isinstance(normalizer, (int, float)) and not normalizer > 0:
-        raise ValueError(f"normalizer must be > 0, got {normalizer}")
+    check_normalizer(normalizer)
     if old_logp.shape != labels.shape:
         raise ValueError(f"old_logp {tuple(old_logp.shape)} must have labels' shape {tuple(labels.shape)}")
     y = labels.reshape(-1).long()
@@ -138,7 +139,7 @@ def linear_ppo_loss(
             raise IndexError(
                 f"labels must lie in [0, {weight.shape[0]}) or equal ignore_index={ignore_index}"
             )
-    tok = _flatten(
+    tok = flatten_inputs(
         old_logp,
         old_logp,
         advantages,
@@ -149,22 +150,9 @@ def linear_ppo_loss(
         need_seq=agg.startswith("seq-"),
     )
     tok["valid"] = tok["valid"] & keep
-    aggregation = _aggregation(tok, agg, normalizer, torch.float32)
+    aggregation = aggregation_weights(tok, agg, normalizer, torch.float32)
     if aggregation.denom is None:  # a call-local token count, resolved now: every row block needs the total
-        aggregation = _Aggregation(aggregation.weight, tok["valid"].sum().to(torch.float32))
-    opts = _Options.of(
-        eps_low,
-        eps_high,
-        dual_clip,
-        ref_logp,
-        kl_coef,
-        kl_estimator,
-        kl_clamp,
-        kl_clamp_value,
-        is_weights,
-        is_mode,
-        is_bounds,
-    )
+        aggregation = Aggregation(aggregation.weight, tok["valid"].sum().to(torch.float32))
     h = hidden.reshape(-1, hidden.shape[-1])
     name = _backend.resolve(h.device, backend)
     if chunk_bytes is None:
@@ -172,8 +160,8 @@ def linear_ppo_loss(
     safe_y = torch.where(keep, y, torch.zeros_like(y))
     settings = (float(entropy_coef), 1.0 / float(temperature), name, int(chunk_bytes))
     loss, stats, ent = _LinearPPOLoss.apply(h, weight, safe_y, tok, aggregation, opts, settings)
-    metrics = _metrics(stats, opts)
-    metrics["entropy_mean"] = ent[1] / stats[_STATS.index("n")].clamp_min(1.0)
+    metrics = metrics_from_stats(stats, opts)
+    metrics["entropy_mean"] = ent[1] / stats[STATS.index("n")].clamp_min(1.0)
     metrics["entropy_loss"] = ent[0]
     return loss, metrics
 
@@ -203,18 +191,6 @@ class _LinearPPOLoss(torch.autograd.Function):
         return (gh if ctx.need[0] else None), (gw if ctx.need[1] else None), None, None, None, None, None
 
 
-class _NativeTileOps:
-    """The tile ops of softmax_tiles.h (same contract as the triton ones: update_stats reads x only)."""
-
-    @staticmethod
-    def update_stats(x, labels, c0, inv_t, m, s, b, zy):
-        torch.ops.prorl.tile_update_stats(x, labels, c0, inv_t, m, s, b, zy)
-
-    @staticmethod
-    def tile_grad(x, labels, c0, inv_t, lse, ez, g_lp, g_ent):
-        torch.ops.prorl.tile_grad(x, labels, c0, inv_t, lse, ez, g_lp, g_ent)
-
-
 def _mm_into(out, a, b):
     """out [M, N] fp32 = a @ b: fp32 operands straight into `out`; bf16/fp16 CUDA ones multiply natively."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
@@ -223,7 +199,7 @@ def _mm_into(out, a, b):
     try:
         torch.mm(a, b, out_dtype=torch.float32, out=out)  # CUDA, torch >= 2.8 (bf16 ran on an H200)
     except (RuntimeError, TypeError):
-        out.copy_(_mm_f32(a, b))
+        out.copy_(mm_f32(a, b))
 
 
 def _fused_forward(hidden, weight, labels, tok, aggregation, opts, settings, need_h, need_w):
@@ -233,7 +209,7 @@ def _fused_forward(hidden, weight, labels, tok, aggregation, opts, settings, nee
     v = weight.shape[0]
     dev = hidden.device
     f32 = dict(dtype=torch.float32, device=dev)
-    ops = _NativeTileOps if backend == "native" else _tile_ops(backend)
+    ops = tile_ops(backend)
     copy_before_stats = backend == "torch"  # its update_stats overwrites the tile: give it a copy
     need_grad = need_h or need_w
     low_cuda = hidden.is_cuda and hidden.dtype != torch.float32
@@ -242,7 +218,7 @@ def _fused_forward(hidden, weight, labels, tok, aggregation, opts, settings, nee
     rows = max(1, min(n, chunk_bytes // (4 * v)))
 
     loss = torch.zeros((), **f32)
-    stats = torch.zeros(len(_STATS), **f32)
+    stats = torch.zeros(len(STATS), **f32)
     ent = torch.zeros(2, **f32)  # sum_t s_t H_t, sum over valid tokens of H_t
     gh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_h else None
     # fp32 dW: the first row block's GEMM writes it (beta = 0) and the others add to it, so it is never
@@ -268,12 +244,12 @@ def _fused_forward(hidden, weight, labels, tok, aggregation, opts, settings, nee
         part = {k: (t[r0:r1] if torch.is_tensor(t) and k != "padded_shape" else t) for k, t in tok.items()}
         part["padded_shape"] = None  # rows of the block are tokens; the aggregation weights are already set
         weights = aggregation.weight[r0:r1] if aggregation.weight is not None else None
-        block_agg = _Aggregation(weights, aggregation.denom)
-        block_loss, block_stats, g_lp, g_scale = _FORWARDS[backend](logp, part, block_agg, opts, need_grad)
+        block_agg = Aggregation(weights, aggregation.denom)
+        block_loss, block_stats, g_lp, g_scale = FORWARDS[backend](logp, part, block_agg, opts, need_grad)
         if g_scale is not None:  # not reached: the denominator is always resolved above
             g_lp = g_lp * g_scale
         valid = part["valid"]
-        scale = _scale(part, block_agg, torch.float32) if entropy_coef != 0.0 else None
+        scale = token_scale(part, block_agg, torch.float32) if entropy_coef != 0.0 else None
         ent_terms = torch.stack(
             [
                 (scale * entropy).sum() if scale is not None else loss.new_zeros(()),
@@ -282,7 +258,7 @@ def _fused_forward(hidden, weight, labels, tok, aggregation, opts, settings, nee
         )
         ent += ent_terms
         loss += block_loss if scale is None else block_loss - entropy_coef * ent_terms[0]
-        stats = _combine_stats(stats, block_stats)
+        stats = combine_stats(stats, block_stats)
         if not need_grad:
             continue
 
@@ -300,7 +276,7 @@ def _fused_forward(hidden, weight, labels, tok, aggregation, opts, settings, nee
             gw.addmm_(dx.t(), h)
         elif need_w:  # bf16/fp16 products, fp32 results, added tile by tile (bf16 ran on an H200)
             for c0 in range(0, v, w_cols):
-                gw[c0 : c0 + w_cols] += _mm_f32(dx[:, c0 : c0 + w_cols].t(), h)
+                gw[c0 : c0 + w_cols] += mm_f32(dx[:, c0 : c0 + w_cols].t(), h)
     if gw is not None:
         gw = gw.to(weight.dtype)
     empty = torch.empty(0, **f32)

@@ -46,12 +46,13 @@ The loss is linear in the per-token terms, so its gradient is known in the forwa
 The forward pass stores it (4 bytes per token) and the backward pass is one multiply by the upstream
 gradient: one elementwise launch (on triton also the cast to logp's dtype, and for a token-mean without a
 normaliser the 1 / count that the one-launch forward learns only at its end).
-`ppo_loss_reference` is the same math written the way verl and TRL write it, in float64, differentiated by
-autograd; the tests hold every backend to it.
+`ppo_loss_reference` (kernels/reference.py) is the same math written the way verl and TRL write it, in
+float64, differentiated by autograd; the tests hold every backend to it.
 
-Backends. Layout checks are shared torch code; a backend supplies one function, (logp, per-token inputs,
-aggregation, options) -> (loss, statistics vector of sums, gradient, gradient scale or None), registered in
-`_FORWARDS` (dloss/dlogp = gradient * scale; only triton returns a scale, see below). The
+Backends. The option checks, layouts, aggregation weights and statistics slots are shared torch code
+(kernels/_ppo_common.py, also used by linear_ppo_loss); a backend supplies one function, (logp, per-token
+inputs, aggregation, options) -> (loss, statistics vector of sums, gradient, gradient scale or None),
+registered in `FORWARDS` (dloss/dlogp = gradient * scale; only triton returns a scale, see below). The
 aggregation reaches it as s_t = m_t u_t / D with u_t per token (only seq-mean-token-mean has one; else 1)
 and D a number, a 0-d tensor, or "count the valid tokens" (token-mean without a normaliser), so that the
 kernels compute s_t in their own pass:
@@ -59,10 +60,10 @@ kernels compute s_t in their own pass:
     triton  (CUDA)  ONE launch: each program writes its block's partial sums to a workspace; the last
                     program to finish (an atomic completion counter) reduces them in a fixed order
                     (deterministic) into the loss, the statistics and the metric means. Backward: ONE
-                    launch. No host sync either way. Interpreter-verified only (kernels/
-                    ppo_loss_triton.py). Around it only allocations and views, for bool masks and padded
-                    [B] advantages (read in place); a numeric mask (`!= 0`), the seq-mean weights and a
-                    normaliser tensor of another dtype each cost one small torch op before the launch.
+                    launch. No host sync either way (kernels/ppo_loss_triton.py). Around it only
+                    allocations and views, for bool masks and padded [B] advantages (read in place); a
+                    numeric mask (`!= 0`), the seq-mean weights and a normaliser tensor of another dtype
+                    each cost one small torch op before the launch.
     torch           a dozen elementwise passes (the readable version of the same math)
 
 Layouts. Padded: every per-token input [B, T], advantages [B] (one per sequence) or [B, T]. Packed: every
@@ -89,27 +90,21 @@ Means are over this call's valid tokens: to combine calls weight them by num_tok
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
 from . import _backend
+from ._ppo_common import (
+    RATIO_LOG_CLAMP,
+    PPOOptions,
+    aggregation_weights,
+    check_normalizer,
+    flatten_inputs,
+    metrics_from_stats,
+    token_scale,
+)
+from .reference import ppo_loss_reference
 
-__all__ = ["ppo_loss", "ppo_loss_reference"]
-
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-KL_CLAMPS = ("log-ratio", "output", "none")
-IS_MODES = ("none", "tis", "icepop")
-RATIO_LOG_CLAMP = 20.0
-
-# Slots of the statistics vector a backend returns (sums unless marked max).
-# Slot order is shared with kernels/csrc/ppo_loss.cpp and kernels/ppo_loss_triton.py.
-_STATS = (
-    "pg kl n clip_low clip_high clip dual old_minus_new ratio ratio_max kl_sum is_sum is_max is_modified"
-).split()
-_MAX_SLOTS = (_STATS.index("ratio_max"), _STATS.index("is_max"))
+__all__ = ["FORWARDS", "ppo_loss", "ppo_loss_reference"]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -166,13 +161,14 @@ def ppo_loss(
         (loss, metrics): a 0-d fp32 (fp64 for fp64 input) differentiable loss and a dict of detached 0-d
         tensors (module docstring).
     """
-    _check_options(
-        eps_low, eps_high, dual_clip, kl_estimator, kl_clamp, kl_clamp_value, is_mode, is_bounds, agg
-    )
-    if isinstance(normalizer, (int, float)) and not normalizer > 0:
-        raise ValueError(f"normalizer must be > 0, got {normalizer}")
+    opts = PPOOptions.of(
+        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, ref_logp=ref_logp, kl_coef=kl_coef,
+        kl_estimator=kl_estimator, kl_clamp=kl_clamp, kl_clamp_value=kl_clamp_value, is_weights=is_weights,
+        is_mode=is_mode, is_bounds=is_bounds, agg=agg,
+    )  # fmt: skip
+    check_normalizer(normalizer)
     name = _backend.resolve(logp.device, backend)
-    tok = _flatten(
+    tok = flatten_inputs(
         logp,
         old_logp,
         advantages,
@@ -184,75 +180,15 @@ def ppo_loss(
         row_advantages=name == "triton",  # it reads [B] advantages of a padded batch in place
     )
     cdt = torch.float64 if logp.dtype == torch.float64 else torch.float32
-    aggregation = _aggregation(tok, agg, normalizer, cdt)
-    opts = _Options.of(
-        eps_low,
-        eps_high,
-        dual_clip,
-        ref_logp,
-        kl_coef,
-        kl_estimator,
-        kl_clamp,
-        kl_clamp_value,
-        is_weights,
-        is_mode,
-        is_bounds,
-    )
+    aggregation = aggregation_weights(tok, agg, normalizer, cdt)
     loss, stats = _PPOLoss.apply(logp, tok, aggregation, opts, name)
-    return loss, _metrics(stats, opts)
-
-
-@dataclass(frozen=True)
-class _Options:
-    """The scalar options, in one object that backends read (a triton kernel: as constexprs)."""
-
-    eps_low: float
-    eps_high: float
-    dual_clip: float | None
-    has_ref: bool
-    kl_coef: float
-    kl_estimator: str
-    kl_clamp: str
-    kl_clamp_value: float
-    has_is: bool
-    is_mode: str
-    is_bounds: tuple[float, float]
-
-    @classmethod
-    def of(
-        cls,
-        eps_low,
-        eps_high,
-        dual_clip,
-        ref_logp,
-        kl_coef,
-        kl_estimator,
-        kl_clamp,
-        kl_clamp_value,
-        is_weights,
-        is_mode,
-        is_bounds,
-    ) -> _Options:
-        """The options of one call, from the public arguments (after `_check_options`)."""
-        return cls(
-            eps_low=float(eps_low),
-            eps_high=float(eps_high),
-            dual_clip=dual_clip,
-            has_ref=ref_logp is not None,
-            kl_coef=float(kl_coef),
-            kl_estimator=kl_estimator,
-            kl_clamp=kl_clamp,
-            kl_clamp_value=float(kl_clamp_value),
-            has_is=is_weights is not None,
-            is_mode=is_mode,
-            is_bounds=tuple(is_bounds),
-        )
+    return loss, metrics_from_stats(stats, opts)
 
 
 class _PPOLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logp, tok, aggregation, opts, backend):
-        forward = _FORWARDS[backend]
+        forward = FORWARDS[backend]
         kw = {"with_means": True} if backend == "triton" else {}  # the kernel also writes the metric means
         loss, stats, grad, grad_scale = forward(
             logp.reshape(-1), tok, aggregation, opts, need_grad=ctx.needs_input_grad[0], **kw
@@ -279,178 +215,15 @@ class _PPOLoss(torch.autograd.Function):
 
 
 # --------------------------------------------------------------------------------------------------
-# Layout and aggregation weights (shared by every backend)
-# --------------------------------------------------------------------------------------------------
-
-
-def _check_options(
-    eps_low, eps_high, dual_clip, kl_estimator, kl_clamp, kl_clamp_value, is_mode, is_bounds, agg
-):
-    if not (0.0 <= eps_low < 1.0 and eps_high >= 0.0):
-        raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-    choices = {
-        "kl_estimator": (kl_estimator, KL_ESTIMATORS),
-        "kl_clamp": (kl_clamp, KL_CLAMPS),
-        "is_mode": (is_mode, IS_MODES),
-        "agg": (agg, AGG_MODES),
-    }
-    for what, (value, allowed) in choices.items():
-        if value not in allowed:
-            raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
-    if not kl_clamp_value > 0:
-        raise ValueError(f"kl_clamp_value must be > 0, got {kl_clamp_value}")
-    lo, hi = is_bounds
-    if not 0.0 <= lo <= hi:
-        raise ValueError(f"is_bounds must satisfy 0 <= lo <= hi, got {is_bounds}")
-
-
-def _flatten(
-    logp, old_logp, advantages, mask, ref_logp, is_weights, cu_seqlens, need_seq, row_advantages=False
-):
-    """Check shapes and return the per-token inputs flattened to [N], plus the sequence layout.
-
-    row_advantages: a padded batch's [B] advantages stay [B] (tok["adv_row_len"] = T, the backend reads
-    advantage offs // T) instead of being broadcast to a [N] copy; tok["adv_row_len"] is 0 otherwise."""
-    if not logp.is_floating_point():
-        raise TypeError(f"logp must be floating point, got {logp.dtype}")
-    if logp.dim() not in (1, 2):
-        raise ValueError(f"logp must be [B, T] (padded) or [N] (packed), got shape {tuple(logp.shape)}")
-    named = {"old_logp": old_logp, "mask": mask, "ref_logp": ref_logp, "is_weights": is_weights}
-    for name, t in named.items():
-        if t is None:
-            continue
-        if t.shape != logp.shape:
-            raise ValueError(f"{name} {tuple(t.shape)} must have logp's shape {tuple(logp.shape)}")
-        if t.device != logp.device:
-            raise ValueError(f"{name} is on {t.device}, logp on {logp.device}")
-        if name != "mask" and not t.is_floating_point():
-            raise TypeError(f"{name} must be floating point, got {t.dtype}")
-    if not advantages.is_floating_point():
-        raise TypeError(f"advantages must be floating point, got {advantages.dtype}")
-    if advantages.device != logp.device:
-        raise ValueError(f"advantages is on {advantages.device}, logp on {logp.device}")
-    dev = logp.device
-    n = logp.numel()
-    valid = mask.reshape(-1) if mask.dtype == torch.bool else mask.reshape(-1) != 0
-    seq, num_seqs, adv_row_len = None, None, 0
-    if logp.dim() == 2:
-        b, t = logp.shape
-        if cu_seqlens is not None:
-            raise ValueError("cu_seqlens is for packed [N] inputs; padded [B, T] rows are the sequences")
-        if advantages.shape == (b,) and row_advantages:
-            adv, adv_row_len = advantages, t
-        elif advantages.shape == (b,):
-            adv = advantages[:, None].expand(b, t).reshape(-1)
-        elif advantages.shape == (b, t):
-            adv = advantages.reshape(-1)
-        else:
-            raise ValueError(f"advantages {tuple(advantages.shape)} must be [B]={b} or [B, T]=({b}, {t})")
-        num_seqs = b
-        if need_seq:
-            seq = torch.arange(b, device=dev)[:, None].expand(b, t).reshape(-1)
-    else:
-        if cu_seqlens is not None:
-            if (
-                cu_seqlens.dim() != 1
-                or cu_seqlens.numel() < 1
-                or cu_seqlens.dtype not in (torch.int32, torch.int64)
-            ):
-                raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor [S + 1]")
-            num_seqs = cu_seqlens.numel() - 1
-            pos = torch.arange(n, device=dev, dtype=cu_seqlens.dtype)
-            seq = torch.searchsorted(cu_seqlens.to(dev), pos, right=True) - 1  # [N], -1 or S: outside
-            inside = (seq >= 0) & (seq < num_seqs)
-            valid = valid & inside
-            seq = seq.clamp(0, max(num_seqs - 1, 0))
-        elif need_seq:
-            raise ValueError("the seq-mean aggregations of a packed batch need cu_seqlens")
-        if advantages.shape == (n,):
-            adv = advantages
-        elif cu_seqlens is not None and advantages.shape == (num_seqs,):
-            adv = advantages[seq] if num_seqs > 0 else advantages.new_zeros(n)
-        else:
-            raise ValueError(
-                f"packed advantages {tuple(advantages.shape)} must be [N]={n}, or [S] with cu_seqlens"
-            )
-    flat = lambda x: None if x is None else x.reshape(-1)
-    return {
-        "valid": valid,
-        "old": flat(old_logp),
-        "adv": adv,
-        "adv_row_len": adv_row_len,
-        "ref": flat(ref_logp),
-        "isw": flat(is_weights),
-        "seq": seq,
-        "num_seqs": num_seqs,
-        "padded_shape": tuple(logp.shape) if logp.dim() == 2 else None,
-    }
-
-
-@dataclass(frozen=True)
-class _Aggregation:
-    """s_t = m_t u_t / D (module docstring), in the form the kernels take it.
-
-    weight: [N] u_t in the compute dtype, 0 on masked tokens; None means u_t = 1.
-    denom:  D as a Python number > 0, a 0-d tensor on the device (a value <= 0 reads as 1), or None: the
-            number of valid tokens of this call (at least 1), counted by the backend.
-    """
-
-    weight: torch.Tensor | None
-    denom: float | torch.Tensor | None
-
-
-def _aggregation(tok, agg, normalizer, cdt) -> _Aggregation:
-    """The aggregation of `agg`. No host sync: counts stay on the device, and a Python-number denominator
-    stays a Python scalar (no host-to-device copy)."""
-    weight, denom = None, normalizer
-    if agg == "seq-mean-token-mean" or (agg == "seq-mean-token-sum" and normalizer is None):
-        m = tok["valid"].to(cdt)
-        per_seq = _seq_sum(m, tok)  # [S] valid tokens per sequence
-        if agg == "seq-mean-token-mean":
-            weight = m / per_seq.clamp_min(1.0)[tok["seq"]]
-        if normalizer is None:
-            denom = (per_seq > 0).sum()  # sequences with a valid token; 0 reads as 1: loss 0, not 0/0
-    if normalizer is None and agg == "constant":
-        if tok["padded_shape"] is None:
-            raise ValueError("agg='constant' on a packed batch needs a normalizer (e.g. S * max_len)")
-        denom = float(math.prod(tok["padded_shape"]))
-    if torch.is_tensor(denom):
-        denom = denom.to(device=tok["valid"].device, dtype=cdt)
-    elif denom is not None:
-        denom = float(denom)
-    return _Aggregation(weight, denom)
-
-
-def _scale(tok, aggregation, cdt):
-    """s_t [N] in `cdt` (0 on masked tokens), materialised: what the torch backend multiplies by."""
-    m = aggregation.weight if aggregation.weight is not None else tok["valid"].to(cdt)
-    denom = aggregation.denom
-    if denom is None:
-        denom = tok["valid"].sum().to(cdt)
-    if torch.is_tensor(denom):
-        return m / torch.where(denom > 0, denom, torch.ones_like(denom))
-    return m * (1.0 / denom)
-
-
-def _seq_sum(x, tok):
-    """Per-sequence sums of a per-token [N] tensor -> [S]."""
-    if tok["padded_shape"] is not None:
-        return x.view(tok["padded_shape"]).sum(-1)
-    return x.new_zeros(max(tok["num_seqs"], 1)).index_add_(0, tok["seq"], x)  # S = 0: one empty slot
-
-
-# --------------------------------------------------------------------------------------------------
 # Backends: per-token terms, the weighted sum, the closed-form gradient and the statistics
 # --------------------------------------------------------------------------------------------------
 
 
 def _torch_forward(logp, tok, aggregation, opts, need_grad):
-    """Returns (loss 0-d, stats [len(_STATS)] sums and maxima, grad [N] or None, grad_scale) in the compute
+    """Returns (loss 0-d, stats [len(STATS)] sums and maxima, grad [N] or None, grad_scale) in the compute
     dtype; dloss/dlogp = grad * grad_scale, or grad itself when grad_scale is None (always, here)."""
     cdt = torch.float64 if logp.dtype == torch.float64 else torch.float32
-    scale = _scale(tok, aggregation, cdt)
+    scale = token_scale(tok, aggregation, cdt)
     valid = tok["valid"]
     zero = torch.zeros((), dtype=cdt, device=logp.device)
     clean = lambda x: torch.where(valid, x.to(cdt), zero)  # masked tokens may hold NaN/inf: never read them
@@ -504,7 +277,7 @@ def _torch_forward(logp, tok, aggregation, opts, need_grad):
         grad = scale * g_pg
 
     ratio_v = ratio * vf
-    stats = torch.stack(
+    stats = torch.stack(  # in the slot order of _ppo_common.STATS
         [
             pg_sum,
             kl_sum,
@@ -573,10 +346,10 @@ def _native_forward(logp, tok, aggregation, opts, need_grad):
         opts.eps_high,
         opts.dual_clip or 0.0,  # 0: off
         opts.kl_coef,
-        KL_ESTIMATORS.index(opts.kl_estimator),
-        KL_CLAMPS.index(opts.kl_clamp),
+        opts.kl_estimator_code,
+        opts.kl_clamp_code,
         opts.kl_clamp_value,
-        IS_MODES.index(opts.is_mode),
+        opts.is_mode_code,
         *opts.is_bounds,
         need_grad,
     )
@@ -589,165 +362,5 @@ def _triton_forward(logp, tok, aggregation, opts, need_grad, with_means=False):
     return ppo_loss_triton.ppo_forward(logp, tok, aggregation, opts, need_grad, with_means)
 
 
-_FORWARDS = {"torch": _torch_forward, "native": _native_forward, "triton": _triton_forward}
-
-
-def _metrics(stats, opts):
-    """The metrics dict from a statistics vector of sums: two tensor ops, the rest are views (no syncs).
-    A [2, len(_STATS)] `stats` (the triton kernel's) holds the per-token means in row 1: views only."""
-    if stats.dim() == 2:
-        stats, per_token = stats[0], stats[1]
-    else:
-        per_token = stats / stats[_STATS.index("n")].clamp_min(1.0)
-    s = dict(zip(_STATS, stats.unbind()))
-    mean = dict(zip(_STATS, per_token.unbind()))
-    out = {
-        "pg_loss": s["pg"],
-        "kl_loss": s["kl"],
-        "num_tokens": s["n"],
-        "clipfrac_low": mean["clip_low"],
-        "clipfrac_high": mean["clip_high"],
-        "clipfrac": mean["clip"],
-        "dualclip_frac": mean["dual"],
-        "approx_kl": mean["old_minus_new"],
-        "kl_mean": mean["kl_sum"],
-        "ratio_mean": mean["ratio"],
-        "ratio_max": s["ratio_max"],
-    }
-    if opts.has_is:
-        out.update(is_mean=mean["is_sum"], is_max=s["is_max"], is_frac_modified=mean["is_modified"])
-    return out
-
-
-def _combine_stats(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Statistics of two disjoint token sets from each one's (sums add, maxima take the max)."""
-    out = a + b
-    idx = list(_MAX_SLOTS)
-    out[idx] = torch.maximum(a[idx], b[idx])
-    return out
-
-
-# --------------------------------------------------------------------------------------------------
-# Plain float64 reference (what every backend is tested against)
-# --------------------------------------------------------------------------------------------------
-
-
-def ppo_loss_reference(
-    logp,
-    old_logp,
-    advantages,
-    mask,
-    *,
-    eps_low=0.2,
-    eps_high=0.28,
-    dual_clip=None,
-    ref_logp=None,
-    kl_coef=0.0,
-    kl_estimator="k2",
-    kl_clamp="log-ratio",
-    kl_clamp_value=10.0,
-    is_weights=None,
-    is_mode="none",
-    is_bounds=(0.5, 5.0),
-    agg="token-mean",
-    normalizer=None,
-    cu_seqlens=None,
-):
-    """Unfused float64 reference, one sequence at a time, differentiated by autograd w.r.t. `logp`.
-
-    Same arguments as `ppo_loss`; masked tokens must hold finite values. Returns (loss, metrics) with
-    pg_loss, kl_loss, num_tokens, clipfrac_low, clipfrac_high, dualclip_frac, approx_kl, kl_mean, ratio_mean.
-    """
-    f64 = lambda x: None if x is None else x.double()
-    padded_numel = logp.numel()
-    if logp.dim() == 2:  # padded: the same as packed with one sequence per row
-        b, t = logp.shape
-        cu_seqlens = torch.arange(b + 1) * t
-        logp, old_logp, mask, ref_logp, is_weights, advantages = (
-            None if x is None else x.reshape(-1) if x.dim() == 2 else x
-            for x in (logp, old_logp, mask, ref_logp, is_weights, advantages)
-        )
-    n = logp.shape[0]
-    bounds = [0, n] if cu_seqlens is None else cu_seqlens.tolist()
-    per_seq_adv = advantages.shape[0] != n
-    rows = []  # per sequence j: (logp, old, adv, mask, ref, isw), each [T_j]
-    for j in range(len(bounds) - 1):
-        a, b = bounds[j], bounds[j + 1]
-        adv = advantages[j].expand(b - a) if per_seq_adv else advantages[a:b]
-        rows.append([None if x is None else x[a:b] for x in (logp, old_logp, mask, ref_logp, is_weights)])
-        rows[-1].insert(2, adv)
-    lo, hi = 1 - eps_low, 1 + eps_high
-    seq_pg, seq_kl, counts, tot = (
-        [],
-        [],
-        [],
-        {"low": 0.0, "high": 0.0, "dual": 0.0, "akl": 0.0, "kl": 0.0, "ratio": 0.0},
-    )
-    for lp, old, adv, m, ref, isw in rows:
-        lp, old, adv, ref, isw, m = f64(lp), f64(old), f64(adv), f64(ref), f64(isw), (m != 0).double()
-        ratio = torch.exp(torch.clamp(lp - old, -RATIO_LOG_CLAMP, RATIO_LOG_CLAMP))
-        pg = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, lo, hi))
-        if dual_clip is not None:
-            capped = torch.minimum(pg, -dual_clip * adv)
-            tot["dual"] += float((((adv < 0) & (pg > -dual_clip * adv)).double() * m).sum())
-            pg = torch.where(adv < 0, capped, pg)
-        if isw is not None:
-            w = isw.detach()
-            if is_mode == "tis":
-                w = torch.clamp(w, max=is_bounds[1])
-            elif is_mode == "icepop":
-                w = w * ((w >= is_bounds[0]) & (w <= is_bounds[1])).double()
-            pg = pg * w
-        kl = torch.zeros_like(lp)
-        if ref_logp is not None:
-            d = lp - ref
-            if kl_clamp == "log-ratio":
-                d = torch.clamp(d, -kl_clamp_value, kl_clamp_value)
-            if kl_estimator == "k1":
-                kl = d
-            elif kl_estimator == "k2":
-                kl = 0.5 * d**2
-            else:
-                kl = torch.exp(-d) - 1 + d
-            if kl_clamp == "output":
-                kl = torch.clamp(kl, -kl_clamp_value, kl_clamp_value)
-        seq_pg.append((pg * m).sum())
-        seq_kl.append((kl * m).sum())
-        counts.append(float(m.sum()))
-        with torch.no_grad():
-            tot["low"] += float((((adv < 0) & (ratio < lo)).double() * m).sum())
-            tot["high"] += float((((adv > 0) & (ratio > hi)).double() * m).sum())
-            tot["akl"] += float(((old - lp) * m).sum())
-            tot["kl"] += float((kl * m).sum())
-            tot["ratio"] += float((ratio * m).sum())
-    n_tok = sum(counts)
-    n_seq = sum(c > 0 for c in counts)
-    if normalizer is not None:
-        denom = float(normalizer)
-    else:
-        denom = {"token-mean": n_tok, "constant": float(padded_numel)}.get(agg, n_seq)
-    denom = denom if denom > 0 else 1.0
-    if agg == "seq-mean-token-mean":
-        pg_l = sum(p / max(c, 1.0) for p, c in zip(seq_pg, counts)) / denom
-        kl_l = sum(k / max(c, 1.0) for k, c in zip(seq_kl, counts)) / denom
-    else:
-        pg_l, kl_l = sum(seq_pg) / denom, sum(seq_kl) / denom
-    if not torch.is_tensor(pg_l):  # no sequence at all: keep a graph to differentiate
-        pg_l = pg_l + 0.0 * logp.double().sum()
-    loss = pg_l + kl_coef * kl_l
-    nn = max(n_tok, 1.0)
-    metrics = {"pg_loss": pg_l.detach(), "kl_loss": torch.as_tensor(kl_l).detach(), "num_tokens": n_tok}
-    metrics.update(
-        {
-            f"{k}": tot[v] / nn
-            for k, v in (
-                ("clipfrac_low", "low"),
-                ("clipfrac_high", "high"),
-                ("dualclip_frac", "dual"),
-                ("approx_kl", "akl"),
-                ("kl_mean", "kl"),
-                ("ratio_mean", "ratio"),
-            )
-        }
-    )
-    return loss, metrics
+# backend name -> forward (module docstring, "Backends"); linear_ppo_loss runs them on each row block
+FORWARDS = {"torch": _torch_forward, "native": _native_forward, "triton": _triton_forward}

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import torch
 
-from ..ppo_loss import RATIO_LOG_CLAMP, ppo_loss
+from .._ppo_common import RATIO_LOG_CLAMP
+from ..ppo_loss import ppo_loss
 
 __all__ = ["verl_policy_loss"]
 

@@ -28,7 +28,8 @@
 namespace prorl {
 namespace {
 
-// Must match _STATS in kernels/ppo_loss.py.
+// Must match STATS in kernels/_ppo_common.py; the option codes are positions in its KL_ESTIMATORS, KL_CLAMPS
+// and IS_MODES.
 enum Slot : int {
   kPg, kKl, kN, kClipLow, kClipHigh, kClip, kDual, kOldMinusNew, kRatio, kRatioMax, kKlSum, kIsSum, kIsMax,
   kIsModified, kNumStats
@@ -36,7 +37,7 @@ enum Slot : int {
 enum KlEstimator : int64_t { kK1 = 0, kK2 = 1, kK3 = 2 };
 enum KlClamp : int64_t { kClampLogRatio = 0, kClampOutput = 1, kClampNone = 2 };
 enum IsMode : int64_t { kIsAsGiven = 0, kIsTis = 1, kIsIcepop = 2 };
-constexpr double kRatioLogClamp = 20.0;  // RATIO_LOG_CLAMP in ppo_loss.py
+constexpr double kRatioLogClamp = 20.0;  // RATIO_LOG_CLAMP in kernels/_ppo_common.py
 
 inline float exp_t(float x) { return fast_exp(x); }
 inline double exp_t(double x) { return std::exp(std::min(x, 700.0)); }  // finite, like fast_exp

@@ -2,7 +2,7 @@
 
 The reference is a plain, unfused float64 torch computation (full logits, log_softmax, gather, entropy
 from the probabilities) differentiated by autograd: independent of the chunked code under test. The
-Triton backend has its own test module (it needs TRITON_INTERPRET=1 before triton is imported).
+Triton backend has its own test module.
 """
 
 import math
@@ -12,13 +12,9 @@ import torch
 from prorl.kernels import linear_logprob_entropy, linear_logprob_entropy_reference, native_available
 from prorl.kernels.linear_logprob_entropy import tile_shape
 
-BACKENDS = [
-    "torch",
-    pytest.param(
-        "native",
-        marks=pytest.mark.skipif(not native_available(), reason="native library not built (see pip output)"),
-    ),
-]
+# the triton backend: test_linear_logprob_entropy_triton.py (tiny shapes for the interpreter, the tile kernels
+# on their own)
+pytestmark = pytest.mark.backends("torch", "native")
 
 
 def _case(n, d, v, dtype, seed=0, scale=2.0, ignore=()):
@@ -52,7 +48,6 @@ def _assert_close_fp32(got, ref, rtol=2e-5, atol=2e-5):
         torch.testing.assert_close(a.double(), b, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "n,d,v,chunk_bytes",
     [
@@ -68,7 +63,6 @@ def test_matches_float64_reference(backend, n, d, v, chunk_bytes):
     _assert_close_fp32(got, _reference(h, w, y, g_lp, g_ent))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("temperature", [0.6, 1.3])
 def test_temperature(backend, temperature):
     h, w, y, g_lp, g_ent = _case(40, 16, 500, torch.float32, seed=1)
@@ -86,7 +80,6 @@ def test_temperature(backend, temperature):
     _assert_close_fp32(got, _reference(h, w, y, g_lp, g_ent, temperature))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_ignored_rows_are_zero_with_zero_gradient(backend):
     h, w, y, g_lp, g_ent = _case(12, 8, 300, torch.float32, ignore=(2, 5, 11))
     lp, ent, gh, gw = _run(linear_logprob_entropy, h, w, y, g_lp, g_ent, backend=backend)
@@ -101,7 +94,6 @@ def test_ignored_rows_are_zero_with_zero_gradient(backend):
     torch.testing.assert_close(gw, gw_valid, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_all_rows_ignored_gives_zeros_not_nan(backend):
     h, w, y, g_lp, g_ent = _case(6, 8, 100, torch.float32, ignore=range(6))
     lp, ent, gh, gw = _run(linear_logprob_entropy, h, w, y, g_lp, g_ent, backend=backend)
@@ -109,7 +101,6 @@ def test_all_rows_ignored_gives_zeros_not_nan(backend):
         assert torch.all(t == 0), t
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_only_one_output_used(backend):
     """Backward with an upstream gradient for logp only (entropy unused) and vice versa."""
     h, w, y, g_lp, g_ent = _case(20, 12, 400, torch.float32, seed=3)
@@ -124,7 +115,6 @@ def test_only_one_output_used(backend):
         torch.testing.assert_close(ww.grad.double(), ref[3], rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_extreme_logits_no_nan(backend):
     """Peaked distributions where most probabilities underflow to 0 in fp32 (the 0 * -inf trap)."""
     h, w, y, g_lp, g_ent = _case(16, 8, 256, torch.float32, scale=60.0)
@@ -136,7 +126,6 @@ def test_extreme_logits_no_nan(backend):
     torch.testing.assert_close(got[0].double(), ref[0], rtol=1e-5, atol=1e-3)  # logp (|z| ~ 1e3)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_low_precision_inputs(backend, dtype):
     """bf16/fp16 inputs: fp32 outputs; error no worse than a small multiple of plain torch's own.
@@ -162,7 +151,6 @@ def test_low_precision_inputs(backend, dtype):
         assert err <= 2 * base_err + 1e-6, f"{name}: error {err:.3g} vs plain {dtype} torch {base_err:.3g}"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_leading_dims_and_return_entropy_false(backend):
     h, w, y, _, _ = _case(12, 8, 64, torch.float32)
     lp, ent = linear_logprob_entropy(h.view(3, 4, 8), w, y.view(3, 4), backend=backend, return_entropy=False)
@@ -171,7 +159,6 @@ def test_leading_dims_and_return_entropy_false(backend):
     torch.testing.assert_close(lp.reshape(-1).double(), ref_lp, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_same_rows_same_result(backend):
     """Recomputing the same batch gives bit-identical log-probs (old_logp vs logp on-policy: ratio 1).
 

@@ -8,7 +8,6 @@ native (when built), triton (CPU tensors under the interpreter; tiny shapes).
 """
 
 import math
-import os
 
 import pytest
 import torch
@@ -16,26 +15,10 @@ from prorl.kernels import (
     linear_logprob_entropy,
     linear_logprob_entropy_reference,
     linear_ppo_loss,
-    native_available,
     ppo_loss,
     ppo_loss_reference,
 )
-from prorl.kernels._backend import triton_available
 
-BACKENDS = [
-    "torch",
-    pytest.param(
-        "native",
-        marks=pytest.mark.skipif(not native_available(), reason="native library not built (see pip output)"),
-    ),
-    pytest.param(
-        "triton",
-        marks=pytest.mark.skipif(
-            not (triton_available() and os.environ.get("TRITON_INTERPRET") == "1"),
-            reason="triton on CPU tensors needs triton installed and TRITON_INTERPRET=1",
-        ),
-    ),
-]
 LOSS_OPTIONS = dict(ref_logp=None, kl_coef=0.2, kl_estimator="k3", dual_clip=1.5, eps_high=0.28)
 
 
@@ -93,7 +76,6 @@ def _compare(got, want):
         torch.testing.assert_close(got[3][k].double(), want_k, rtol=1e-4, atol=2e-6, msg=k)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("rows", [None, 3])  # one block of all 40 rows; 14 blocks, the last of 1 row
 def test_packed_token_mean_matches_reference(backend, rows):
     h, w, y, old, ref, mask, _ = _case()
@@ -106,7 +88,6 @@ def test_packed_token_mean_matches_reference(backend, rows):
     assert got[3]["clipfrac_low"] > 0 and got[3]["clipfrac_high"] > 0 and got[3]["dualclip_frac"] > 0
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_padded_seq_mean_with_is_weights(backend):
     h, w, y, old, ref, mask, isw = _case(shape=(3, 7), seed=2)
     adv = torch.tensor([1.0, -0.5, 0.8])
@@ -118,7 +99,6 @@ def test_padded_seq_mean_with_is_weights(backend):
     assert 0 < got[3]["is_frac_modified"] < 1
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_entropy_bonus(backend):
     h, w, y, old, _, mask, _ = _case(seed=3)
     adv = torch.randn(y.shape, generator=torch.Generator().manual_seed(4))
@@ -131,7 +111,6 @@ def test_entropy_bonus(backend):
     )
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_equals_the_unfused_composition(backend):
     """Same math as linear_logprob_entropy followed by ppo_loss, in one op (same backend, fp32)."""
     h, w, y, old, ref, mask, _ = _case(seed=5)
@@ -147,7 +126,6 @@ def test_equals_the_unfused_composition(backend):
     torch.testing.assert_close(got[2], ww.grad, rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_inputs(backend):
     """bf16 hidden/weight: fp32 arithmetic, compared with float64 on the same (rounded) inputs."""
     h, w, y, old, ref, mask, _ = _case(seed=7)
@@ -163,7 +141,6 @@ def test_bf16_inputs(backend):
     torch.testing.assert_close(got[2].double(), want[2], rtol=8e-3, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_all_masked_gives_zero_loss_and_grads(backend):
     h, w, y, old, ref, mask, _ = _case(seed=9)
     adv = torch.ones(y.shape)
@@ -174,7 +151,6 @@ def test_all_masked_gives_zero_loss_and_grads(backend):
     assert all(torch.isfinite(t).all() for t in m.values())
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_upstream_scale_frozen_head_and_no_grad(backend):
     h, w, y, old, _, mask, _ = _case(seed=10)
     adv = torch.randn(y.shape, generator=torch.Generator().manual_seed(11))

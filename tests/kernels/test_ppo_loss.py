@@ -8,27 +8,10 @@ cases here skip — they would need the tensors on the GPU).
 """
 
 import math
-import os
 
 import pytest
 import torch
-from prorl.kernels import native_available, ppo_loss, ppo_loss_reference
-from prorl.kernels._backend import triton_available
-
-BACKENDS = [
-    "torch",
-    pytest.param(
-        "native",
-        marks=pytest.mark.skipif(not native_available(), reason="native library not built (see pip output)"),
-    ),
-    pytest.param(
-        "triton",
-        marks=pytest.mark.skipif(
-            not (triton_available() and os.environ.get("TRITON_INTERPRET") == "1"),
-            reason="triton on CPU tensors needs triton installed and TRITON_INTERPRET=1",
-        ),
-    ),
-]
+from prorl.kernels import ppo_loss, ppo_loss_reference
 
 
 def _one_token(r, a, **kw):
@@ -58,7 +41,6 @@ PG_VECTORS = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("r,a,kw,expected,has_grad", PG_VECTORS)
 def test_recipe_policy_vectors(r, a, kw, expected, has_grad, backend):
     loss, grad, metrics = _one_token(r, a, backend=backend, **kw)
@@ -78,7 +60,6 @@ def _agg_batch():
     return zeros, adv, mask
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "agg,expected", [("token-mean", 1 / 3), ("seq-mean-token-mean", 0.5), ("seq-mean-token-sum", 1.0)]
 )
@@ -133,7 +114,6 @@ KL_VECTORS = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("logp,ref,expected", KL_VECTORS)
 def test_recipe_kl_vectors(logp, ref, expected, backend):
     for est, value in zip(("k1", "k2", "k3"), expected):
@@ -157,7 +137,6 @@ def test_recipe_kl_vectors(logp, ref, expected, backend):
         assert lp.grad.item() == pytest.approx({"k1": 1.0, "k2": d, "k3": 1 - math.exp(-d)}[est], abs=1e-12)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("clamp,expected", [("log-ratio", 50.0), ("output", 10.0)])
 def test_recipe_kl_clamp_rows(clamp, expected, backend):
     """(logp, ref) = (-0.1, -12.0), k2: 50 with the log-ratio clamped to 10, 10 with the output clamped."""
@@ -179,7 +158,6 @@ def test_recipe_kl_clamp_rows(clamp, expected, backend):
     assert lp.grad.item() == 0.0  # the clamp is active: no gradient
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_is_modes_by_hand(backend):
     """r = 1, A = -1 (per-token loss 1) so the loss is the mean corrected weight."""
     w = torch.tensor([0.3, 1.0, 6.0], dtype=torch.float64)
@@ -262,7 +240,6 @@ def _compare(got, ref, dtype=torch.float64):
         )
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("options", OPTION_SETS)
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"])
 def test_against_reference_padded(options, agg, backend):
@@ -291,7 +268,6 @@ def test_against_reference_padded(options, agg, backend):
         assert 0 < m["is_frac_modified"] < 1
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("options", OPTION_SETS[:3] + OPTION_SETS[5:6])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_padded_and_packed_agree(options, agg, backend):
@@ -326,7 +302,6 @@ def test_padded_and_packed_agree(options, agg, backend):
         _compare(got_pack, want)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_packed_tokens_outside_cu_seqlens_are_masked(backend):
     logp, old, _, _, _, _ = _random_padded(b=1, t=10, seed=2, empty_row=False)
     logp, old = logp[0], old[0]
@@ -357,7 +332,6 @@ def test_packed_tokens_outside_cu_seqlens_are_masked(backend):
     torch.testing.assert_close(got[1][2:8], want[1])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_low_precision_inputs(dtype, backend):
     """fp32/bf16 log-probs are computed in fp32: compared with float64 on the same (rounded) inputs."""
@@ -386,7 +360,6 @@ def test_low_precision_inputs(dtype, backend):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"])
 def test_all_masked_gives_zero_loss_and_grad(agg, backend):
     logp, old, ref, mask, adv, isw = _random_padded(seed=4)
@@ -411,7 +384,6 @@ def test_all_masked_gives_zero_loss_and_grad(agg, backend):
         assert torch.isfinite(v).all() and v.item() == 0.0, k
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_masked_garbage_is_ignored(backend):
     logp, old, ref, mask, adv, isw = _random_padded(seed=5)
     kw = dict(kl_coef=0.1, is_mode="icepop", backend=backend)
@@ -430,7 +402,6 @@ def test_masked_garbage_is_ignored(backend):
     assert torch.equal(clean[0], dirty[0]) and torch.equal(clean[1], dirty[1])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
 def test_normalizer_number_or_tensor(backend):
     logp, old, _, mask, adv, _ = _random_padded(seed=6)
     n = mask.sum()

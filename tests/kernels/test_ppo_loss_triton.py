@@ -1,27 +1,22 @@
 """The Triton ppo_loss backend's launch structure, under the Triton interpreter (CPU tensors, tiny shapes).
 
-The issue asks for ONE forward and ONE backward launch on CUDA with no host sync. Here every Triton launch
+On CUDA the op is ONE forward and ONE backward launch with no host sync. Here every Triton launch
 is counted, and every torch op the call runs outside those launches is recorded (a TorchDispatchMode):
 the forward must be exactly one `_forward_kernel` launch and the backward one `_backward_kernel` launch,
 with nothing but allocations and views around them. Values are held to `ppo_loss_reference` (float64,
 autograd). The interpreter runs a grid's programs one after another, so these tests exercise the
 completion counter, the last-program reduction and the counter reset, but not truly concurrent programs
-(no GPU here: see kernels/ppo_loss_triton.py). test_ppo_loss.py runs every other case on this backend too.
+(tests/gpu/test_cuda_paths.py does). test_ppo_loss.py runs every other case on this backend too.
 """
 
 import contextlib
-import os
 
 import pytest
 import torch
 from prorl.kernels import ppo_loss, ppo_loss_reference
-from prorl.kernels._backend import triton_available
 from torch.utils._python_dispatch import TorchDispatchMode
 
-pytestmark = pytest.mark.skipif(
-    not (triton_available() and os.environ.get("TRITON_INTERPRET") == "1"),
-    reason="triton on CPU tensors needs triton installed and TRITON_INTERPRET=1",
-)
+pytestmark = pytest.mark.usefixtures("triton_interpreted")
 
 # ops that allocate or view, never compute (no kernel launch on CUDA, or a metadata-only one)
 NO_LAUNCH = {"empty", "view", "detach", "select", "unbind", "alias", "_reshape_alias", "as_strided", "expand"}
