@@ -412,6 +412,7 @@ def config_changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:
     out: dict[str, tuple] = {}
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key), new.get(key)
+        a, b = (list(v) if isinstance(v, tuple) else v for v in (a, b))  # a tuple comes back from JSON a list
         if isinstance(a, dict) and isinstance(b, dict):
             out.update(config_changes(a, b, f"{prefix}{key}."))
         elif a != b and f"{prefix}{key}" != "output_dir":

@@ -61,7 +61,7 @@ def _write_rows(path: str, rows: list[dict]) -> None:
 
 
 def start_wandb(cfg):
-    """A W&B run for `trainer.wandb_project` (rank 0). WANDB_MODE=offline keeps it on disk."""
+    """A W&B run for `logging.wandb_project` (rank 0). WANDB_MODE=offline keeps it on disk."""
     try:
         import wandb
     except ImportError as exc:
