@@ -57,7 +57,7 @@ def _padded_attention_backend(length: int):
     return PaddedSDPA()
 
 
-def padded_logprobs(self, model, batch, temperature, grad: bool, entropy: bool = False):
+def padded_logprobs(self, model, batch, grad: bool, entropy: bool = False):
     """Trainer.logprobs on right-padded [S, Lmax] input (bound to a Trainer with types.MethodType). Needs
     plain packing (share_prompts off: a shared-prompt layout has no padded equivalent)."""
     import prorl.trainer
@@ -78,7 +78,11 @@ def padded_logprobs(self, model, batch, temperature, grad: bool, entropy: bool =
         with torch.set_grad_enabled(grad):
             hidden = model(pid.view(-1), cu_seqlens=pcu).index_select(0, padded_row[batch.hidden_rows])
             return prorl.trainer.linear_logprob_entropy(
-                hidden, model.lm_head_weight, batch.labels, temperature=temperature, return_entropy=entropy
+                hidden,
+                model.lm_head_weight,
+                batch.labels,
+                temperature=self.logprob_temperature,
+                return_entropy=entropy,
             )
     finally:
         model.attention = saved
@@ -165,7 +169,7 @@ def apply_ablations(trainer, flags: list[str], model_path: str, tokenizer) -> No
     if "compile" in flags:  # the native sampler's decode step under torch.compile (rollout.compile)
         from prorl.engine.rollout import NativeGenerator
 
-        trainer.generator = NativeGenerator(trainer.sampler_model, compile=True)
+        trainer.generator = trainer.sampler.generator = NativeGenerator(trainer.sampler_model, compile=True)
     if "noshare" in flags:
         trainer.share = False  # every response packed with its own copy of the prompt
     if "nofused" in flags:
@@ -177,7 +181,7 @@ def apply_ablations(trainer, flags: list[str], model_path: str, tokenizer) -> No
         trainer.logprobs = types.MethodType(padded_logprobs, trainer)
     if "hfgen" in flags:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        trainer.generator = HFGenerator(trainer.policy, model_path, pad)
+        trainer.generator = trainer.sampler.generator = HFGenerator(trainer.policy, model_path, pad)
 
 
 # --------------------------------------------------------------------------------------------------

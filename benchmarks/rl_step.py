@@ -210,13 +210,13 @@ def prorl_overrides(w: dict, path: str, gpu: bool, gen: str = "vllm") -> list[st
         "algorithm.eps_high=0.28",
         "algorithm.kl_coef=1e-4",
         "algorithm.agg=token-mean",
-        "algorithm.reset_interval=0",
-        "algorithm.reset_kl_spike_factor=0",
+        "algorithm.reset.interval=0",
+        "algorithm.reset.kl_spike_factor=0",
         "reward.length_penalty=false",
         "reward.num_workers=1",
         f"optim.lr={w['lr']}",
         "optim.weight_decay=0.0",
-        "optim.grad_clip=1.0",
+        "optim.max_grad_norm=1.0",
         "data.max_prompt_tokens=64",
         *backend,
     ]
@@ -245,7 +245,7 @@ def run_prorl(
     with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
         trainer = Trainer(cfg, path, tok, train, val, pool)
         if w["no_stop"]:
-            trainer.stop_ids = []
+            trainer.sampler.stop_ids = []
         apply_ablations(trainer, provider.split("-")[1:], path, tok)
         for _ in range(warmup + reps):
             memory.start()

@@ -10,11 +10,12 @@ What goes where. Models (`nn.Module`) and optimizers (a torch optimizer, or an o
 `.optimizer` and its state under `state_dict()["optimizer"]`, like engine.optim.Optimizer) go through
 DCP's sharded path: each rank writes only its shards (FSDP2 DTensors), names are the clean parameter
 names (`get_model_state_dict` / `get_optimizer_state_dict`), so DCP can reshard a checkpoint into
-another world size (DCP's feature; not tested here). Everything else - anything with
-`state_dict`/`load_state_dict`, or a plain dict - is pickled whole from rank 0 into `objects.pt` and
+another world size (tests/preset reads a 2-rank checkpoint into one process). Everything else - anything
+with `state_dict`/`load_state_dict`, or a plain dict - is pickled whole from rank 0 into `objects.pt` and
 restored exactly, whatever its structure (lists that grew, new keys): such state must be the same on
-every rank. The RNG states (python, numpy, torch CPU, CUDA) of every rank go to `rng/rank_XXXXX.pt`
-and are restored on load (when the world size is unchanged).
+every rank (`state_dict` is called on every rank, so it may gather per-rank parts itself). The RNG states
+(python, numpy, torch CPU, CUDA) of every rank go to `rng/rank_XXXXX.pt` and are restored on load (when
+the world size is unchanged).
 
 Layout and commit protocol:
 
@@ -396,6 +397,8 @@ class Checkpointer:
         info = parallel.dist_info()
         dcp_state, objects, models = _split(state)
         state_dicts = {k: v.state_dict() for k, v in dcp_state.items()}
+        # on every rank: an object's state_dict may be a collective (gathering per-rank parts)
+        saved_objects = {k: v if isinstance(v, dict) else v.state_dict() for k, v in objects.items()}
         self._check_space(_tensor_bytes(state_dicts))
 
         final, tmp = self.step_dir(step), self.step_dir(step) + ".tmp"
@@ -412,7 +415,6 @@ class Checkpointer:
             _torch_save_file(rng_state(), os.path.join(tmp, RNG_DIR, f"rank_{info.rank:05d}.pt"))
             if not info.is_main:
                 return
-            saved_objects = {k: v if isinstance(v, dict) else v.state_dict() for k, v in objects.items()}
             _torch_save_file(saved_objects, os.path.join(tmp, OBJECTS))
             meta = {
                 "format": FORMAT_VERSION,

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+SCHEDULES = ("constant", "cosine")
+
 
 @dataclass(frozen=True)
 class OptimizerConfig:
@@ -34,7 +36,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.01
     max_grad_norm: float | None = 1.0  # None or <= 0: no clipping (the norm is still computed and reported)
-    schedule: str = "constant"  # "constant" | "cosine"
+    schedule: str = "constant"  # one of SCHEDULES
     warmup_steps: int = 0
     total_steps: int | None = None  # required by "cosine"
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
@@ -76,7 +78,7 @@ class Optimizer:
     """AdamW + schedule + clipping + non-finite skip for one model. See the module docstring."""
 
     def __init__(self, model: nn.Module, cfg: OptimizerConfig):
-        if cfg.schedule not in ("constant", "cosine"):
+        if cfg.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {cfg.schedule!r}; choose 'constant' or 'cosine'")
         if cfg.schedule == "cosine" and not cfg.total_steps:
             raise ValueError("the cosine schedule needs total_steps")

@@ -498,20 +498,20 @@ def all_reduce(value: Any, op: str = "sum", group=None, *, what: str | None = No
     return out.to(value.device)
 
 
-def all_reduce_sum(value: Any, group=None) -> Any:
-    return all_reduce(value, "sum", group)
+def all_reduce_sum(value: Any, group=None, *, what: str | None = None) -> Any:
+    return all_reduce(value, "sum", group, what=what)
 
 
-def all_reduce_mean(value: Any, group=None) -> Any:
-    return all_reduce(value, "mean", group)
+def all_reduce_mean(value: Any, group=None, *, what: str | None = None) -> Any:
+    return all_reduce(value, "mean", group, what=what)
 
 
-def all_reduce_max(value: Any, group=None) -> Any:
-    return all_reduce(value, "max", group)
+def all_reduce_max(value: Any, group=None, *, what: str | None = None) -> Any:
+    return all_reduce(value, "max", group, what=what)
 
 
-def all_reduce_min(value: Any, group=None) -> Any:
-    return all_reduce(value, "min", group)
+def all_reduce_min(value: Any, group=None, *, what: str | None = None) -> Any:
+    return all_reduce(value, "min", group, what=what)
 
 
 def barrier() -> None:

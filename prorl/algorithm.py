@@ -125,13 +125,16 @@ def group_pass_stats(raw_rewards: torch.Tensor, group_index: torch.Tensor, num_g
 class ReferenceResetPolicy:
     """Decides when pi_ref <- current policy: every `interval` steps, on a KL spike, or on stalled validation.
 
-    KL spike: this step's mean KL > kl_spike_factor x the median of the last `window` steps' KL.
+    KL spike: this step's mean KL > kl_spike_factor x the median of the last `window` steps' KL, and at
+    least `kl_floor` (a spike of noise near 0 is no reason to reset).
     Stall: no validation improvement for `patience` evaluations (0 = off). The optimizer is reset too
-    only if `reset_optimizer` (v1 behaviour); the caller does the actual copy. Checkpointed whole.
+    only if `reset_optimizer` (v1 behaviour); the caller does the actual copy. Its state (not its
+    settings) is checkpointed.
     """
 
     interval: int = 300
     kl_spike_factor: float = 5.0
+    kl_floor: float = 0.0
     window: int = 20
     patience: int = 0
     reset_optimizer: bool = False
@@ -154,7 +157,7 @@ class ReferenceResetPolicy:
             reason = "interval"
         elif self.kl_spike_factor > 0 and len(self.kl_history) >= self.window:
             median = statistics.median(self.kl_history[-self.window :])
-            if median > 0 and mean_kl > self.kl_spike_factor * median:
+            if median > 0 and mean_kl > self.kl_spike_factor * median and mean_kl >= self.kl_floor:
                 reason = "kl_spike"
         if reason is None and self.patience > 0 and self.evals_since_best >= self.patience:
             reason = "stall"
@@ -166,14 +169,19 @@ class ReferenceResetPolicy:
         self.kl_history.clear()  # KL to the new reference restarts from 0
         self.evals_since_best = 0
 
+    STATE = ("kl_history", "best_val", "evals_since_best", "last_reset_step", "num_resets")
+
     def state_dict(self) -> dict:
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in self.__dict__.items()}
+        """What the decisions so far left behind; the settings come from this run's config (a resume may
+        change them)."""
+        return {k: (list(v) if isinstance(v, list) else v) for k, v in vars(self).items() if k in self.STATE}
 
     def load_state_dict(self, state: dict) -> None:
         for k, v in state.items():
-            if not hasattr(self, k):
+            if k in self.STATE:
+                setattr(self, k, list(v) if isinstance(v, list) else v)
+            elif not hasattr(self, k):  # a setting saved by an older version is ignored
                 raise KeyError(f"unknown ReferenceResetPolicy state key {k!r}")
-            setattr(self, k, list(v) if isinstance(v, list) else v)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -3,18 +3,32 @@
     cfg = load_config("prorl_v2_1.5b", ["trainer.total_steps=10", "rollout.n=8"])
 
 Built on OmegaConf structured configs: a key that no dataclass declares, or a value of the wrong type,
-is rejected with a message naming the key (`ConfigError`). Presets live in `prorl/configs/<name>.yaml`
-and hold only what differs from the dataclass defaults; `--config FILE` takes any YAML of the same shape.
+is rejected with a message naming the key (and the key it was renamed to, or the nearest one). The
+dataclass defaults are the ProRL v2 recipe's (RECIPE.md); presets in `prorl/configs/<name>.yaml` hold only
+what differs from them: `default` is the embedded default (the tiny reasoner on the CPU), `prorl_v2_1.5b`
+the published recipe on GPUs; `--config FILE` takes any YAML of the same shape. Each field's help text is
+its `metadata["help"]` (`reference()` lists them: `python -m prorl.train --help`).
+
+The allowed values of every choice come from the component that implements it (the kernels' modes, the
+attention and rollout backends, the optimizer's schedules): one source per choice.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
+
+from prorl.engine.optim import SCHEDULES, OptimizerConfig
+from prorl.kernels.advantages import MODES as ADVANTAGE_MODES
+from prorl.kernels.advantages import WEIGHTINGS
+from prorl.kernels.ppo_loss import AGG_MODES, IS_MODES, KL_CLAMPS, KL_ESTIMATORS
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -23,162 +37,223 @@ class ConfigError(ValueError):
     """A bad config file, key or value; the message names it."""
 
 
+def _f(default: Any = MISSING, help: str = "", choices: tuple | None = None, **kw):  # noqa: A002
+    """A dataclass field with its help text (and allowed values) as metadata."""
+    meta = {"help": help, "choices": choices}
+    if callable(default) and not isinstance(default, (str, int, float, bool, type(None))):
+        return field(default_factory=default, metadata=meta, **kw)
+    return field(default=default, metadata=meta, **kw)
+
+
 @dataclass
 class ModelConfig:
-    path: str = MISSING  # Hugging Face-format directory (config.json + *.safetensors + tokenizer)
-    dtype: str = "float32"  # float32 | bfloat16
-    attention: str = "auto"  # auto | sdpa | flex | flash
-    fsdp: bool = False  # shard policy and reference with FSDP2 (under torchrun); replicate when False
-    activation_checkpointing: bool = False
-    compile: bool = False
-    # FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer state in host memory (on CUDA
-    # the process group then pairs NCCL with gloo for the CPU tensors)
-    cpu_offload: bool = False
+    path: str = _f(help="Hugging Face-format directory (config.json, *.safetensors, tokenizer); builtin:NAME")
+    dtype: str = _f(
+        "float32", "compute dtype (bf16: over fp32 master weights under FSDP)", ("float32", "bfloat16")
+    )
+    attention: str = _f("auto", "attention backend (auto: flash-attn for bf16 on CUDA, else SDPA)")
+    fsdp: bool = _f(False, "shard policy and reference with FSDP2 (under torchrun; one rank is enough)")
+    activation_checkpointing: bool = _f(False, "recompute each block's activations in backward")
+    compile: bool = _f(False, "torch.compile each decoder block")
+    cpu_offload: bool = _f(
+        False, "FSDP2 CPUOffloadPolicy (needs CUDA; the process group pairs NCCL with gloo)"
+    )
 
 
 @dataclass
 class DataConfig:
-    train_files: list[str] = field(default_factory=list)  # verl parquet / JSONL; empty: built-in task
-    val_files: list[str] = field(default_factory=list)
-    builtin_task: str = "digit_sums"  # used when train_files is empty
-    train_size: int = 0  # built-in task size; 0: the whole split (digit_sums) or the generator default
-    val_size: int = 200  # 0: the whole split
-    prompt_key: str = "prompt"
-    max_prompt_tokens: int = 1024
-    shuffle: bool = True
+    train_files: list[str] = _f(
+        list, "verl-schema parquet / JSONL files, 'path' or 'path:weight'; empty: builtin"
+    )
+    val_files: list[str] = _f(list, "held-out files; empty: the builtin task's held-out split, or none")
+    builtin_task: str = _f("digit_sums", "generated task used when train_files is empty")
+    train_size: int = _f(0, "builtin task size (0: the whole split or the generator's default)")
+    val_size: int = _f(200, "builtin held-out size (0: the whole split)")
+    prompt_key: str = _f("prompt", "the row field holding the prompt (chat messages or a string)")
+    max_prompt_tokens: int = _f(1024, "prompts longer than this are dropped and counted, never truncated")
+    shuffle: bool = _f(True, "reshuffle the training prompts every epoch")
 
 
 @dataclass
 class RolloutConfig:
-    # native | vllm | auto (engine.rollout.resolve_backend: native on CPU, where it measured fastest;
-    # vllm on CUDA when installed)
-    backend: str = "auto"
-    # native sampler: torch.compile its decode step (dynamic shapes; ~25 s once per process on a 2-core
-    # CPU, then ~1.3-2x faster decoding of small models: benchmarks/rollout.py)
-    compile: bool = False
-    n: int = 16  # responses per prompt
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_response_tokens: int = 8192
-    # step -> max response tokens (context-length schedule); empty: constant
-    max_response_schedule: dict[int, int] = field(default_factory=dict)
-    gpu_memory_utilization: float = 0.5
-    tensor_parallel_size: int = 1
+    backend: str = _f("auto", "sampler (auto: native on the CPU, vLLM on CUDA when installed)")
+    compile: bool = _f(False, "native sampler: torch.compile its decode step (~25 s once, then faster)")
+    n: int = _f(16, "responses per prompt (a group)")
+    temperature: float = _f(1.0, "sampling temperature; the trainer divides logits by it too (0: greedy)")
+    top_p: float = _f(1.0, "nucleus sampling")
+    top_k: int = _f(-1, "top-k sampling (-1: off)")
+    max_response_tokens: int = _f(8192, "response budget (RECIPE §1: 8192 in v2)")
+    max_response_schedule: dict[int, int] = _f(dict, "step -> response budget (a context-length schedule)")
+    gpu_memory_utilization: float = _f(0.5, "vLLM: fraction of GPU memory for weights and KV cache")
+    tensor_parallel_size: int = _f(1, "vLLM tensor parallelism (one process only; not under torchrun)")
 
 
 @dataclass
 class RewardConfig:
-    # modules imported at start (and by every reward worker) that call prorl.rewards.register(...):
-    # how users add verifiers without editing the package
-    plugins: list[str] = field(default_factory=list)
-    num_workers: int = 2
-    timeout_s: float = 10.0
-    c_stop: float = 0.0  # reward multiplier of responses cut at the length limit
-    # cosine length penalty (RECIPE §5): on for k_on steps, off for k_off, repeating
-    length_penalty: bool = True
-    length_k_on: int = 100
-    length_k_off: int = 500
-    length_lam: float = 0.5
-    length_eta_min: float = -1.0
-    length_eta_max: float = 0.0
-    wrong_eta_min: float | None = None
-    wrong_eta_max: float | None = None
+    plugins: list[str] = _f(list, "modules that call prorl.rewards.register(...) (imported by every worker)")
+    num_workers: int = _f(2, "verifier processes")
+    timeout_s: float = _f(10.0, "per-item verifier timeout (a timed-out item scores 0)")
+    c_stop: float = _f(0.0, "reward multiplier of responses cut at the length limit (stop-properly)")
+    length_penalty: bool = _f(True, "the scheduled cosine length term (RECIPE §5)")
+    length_k_on: int = _f(100, "steps with the length term on ...")
+    length_k_off: int = _f(500, "... then off, repeating")
+    length_lam: float = _f(0.5, "weight of the length term")
+    length_eta_min: float = _f(-1.0, "cosine term at the response budget")
+    length_eta_max: float = _f(0.0, "cosine term at length 0")
+    wrong_eta_min: float | None = _f(None, "wrong answers' eta_min (None: as correct ones)")
+    wrong_eta_max: float | None = _f(None, "wrong answers' eta_max (None: as correct ones)")
+    overlong_buffer_len: int = _f(0, "DAPO's overlong buffer: linear penalty over the last N tokens (0: off)")
+    overlong_penalty: float = _f(1.0, "DAPO's overlong penalty at the budget")
+
+
+@dataclass
+class ResetConfig:
+    interval: int = _f(300, "reset the reference every N completed steps (0: never on schedule)")
+    kl_spike_factor: float = _f(5.0, "... or when a step's KL exceeds this x the median of the window")
+    kl_floor: float = _f(1e-4, "... and that KL is at least this (no resets on spikes of noise at ~0)")
+    window: int = _f(20, "steps in the KL median")
+    patience: int = _f(0, "... or after this many validations without improvement (0: off)")
+    reset_optimizer: bool = _f(False, "also reset AdamW's moments (ProRL v1); v2 keeps them")
 
 
 @dataclass
 class AlgorithmConfig:
-    advantage: str = "reinforce++-baseline"  # reinforce++-baseline | grpo | dr-grpo
-    whiten_weighting: str = "token"  # token | sequence
-    grpo_std_unbiased: bool = False
-    eps_low: float = 0.2
-    eps_high: float = 0.28
-    dual_clip: float | None = None
-    kl_coef: float = 1e-4
-    kl_estimator: str = "k2"  # k1 | k2 | k3
-    kl_clamp: str = "log-ratio"  # log-ratio | output
-    entropy_coef: float = 0.0
-    agg: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum | constant
-    is_mode: str = "none"  # none | tis | icepop (sampler vs trainer log-prob correction)
-    is_low: float = 0.5
-    is_high: float = 5.0
-    # dynamic sampling (RECIPE §6)
-    dynamic_sampling: bool = True
-    oversample: float = 1.5
-    max_rounds: int = 10
-    # reference reset (RECIPE §7)
-    reset_interval: int = 300
-    reset_kl_spike_factor: float = 5.0
-    reset_window: int = 20
-    reset_patience: int = 0
-    reset_optimizer: bool = False
+    advantage: str = _f("reinforce++-baseline", "advantage estimator", ADVANTAGE_MODES)
+    whiten_weighting: str = _f("token", "global whitening weights", WEIGHTINGS)
+    grpo_std_unbiased: bool = _f(False, "GRPO: unbiased group std (verl, OpenRLHF)")
+    eps_low: float = _f(0.2, "PPO clip below 1")
+    eps_high: float = _f(0.28, "PPO clip above 1 (clip-higher)")
+    dual_clip: float | None = _f(None, "dual-clip c > 1 for A < 0 (None: off; verl's default is 3)")
+    kl_coef: float = _f(1e-4, "beta of the KL penalty in the loss")
+    kl_estimator: str = _f("k2", "KL estimator", KL_ESTIMATORS)
+    kl_clamp: str = _f(
+        "log-ratio", "clamp the log-ratio (v2) or the estimator's output (OpenRLHF)", KL_CLAMPS
+    )
+    entropy_coef: float = _f(0.0, "entropy bonus")
+    agg: str = _f("token-mean", "loss aggregation over the global mini-batch", AGG_MODES)
+    is_mode: str = _f(
+        "none", "sampler-vs-trainer importance correction (tis: truncate, icepop: mask)", IS_MODES
+    )
+    is_low: float = _f(0.5, "icepop lower bound")
+    is_high: float = _f(5.0, "tis / icepop upper bound")
+    dynamic_sampling: bool = _f(True, "drop groups whose raw rewards are all equal; refill (RECIPE §6)")
+    oversample: float = _f(1.5, "refill rounds sample this x the shortfall")
+    max_rounds: int = _f(10, "sampling rounds per step at most")
+    reset: ResetConfig = _f(ResetConfig, "reference-policy resets (RECIPE §7)")
 
 
-@dataclass
-class OptimConfig:
+@dataclass(frozen=True)
+class OptimConfig(OptimizerConfig):
+    """engine.optim.OptimizerConfig itself (AdamW, schedule, clipping), with the recipe's defaults;
+    `total_steps` (0/None) is the trainer's: total_steps x mini_batches optimizer steps."""
+
     lr: float = 2e-6
-    weight_decay: float = 0.01
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    grad_clip: float = 1.0
-    warmup_steps: int = 0
-    schedule: str = "constant"  # constant | cosine
     min_lr_ratio: float = 0.1
 
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 3000
-    prompts_per_step: int = 256
-    mini_batches: int = 4  # optimizer updates per RL step
-    micro_batch_tokens: int = (
-        16384  # tokens per forward/backward (a longer sequence goes alone); <=0: no limit
+    total_steps: int = _f(3000, "RL steps")
+    prompts_per_step: int = _f(256, "prompts per step, all ranks together (a multiple of the world size)")
+    mini_batches: int = _f(4, "optimizer updates per RL step")
+    micro_batch_tokens: int = _f(
+        16384, "tokens per forward/backward (a longer sequence goes alone; <=0: no limit)"
     )
-    # with mini_batches=1 old_logp = logp.detach() exactly and its no-grad pass is skipped; true forces it
-    recompute_old_logp: bool = False
-    # each prompt through the model once per group, its n responses attending to it (prorl/packing.py)
-    share_prompts: bool = True
-    save_every: int = 50  # 0: no checkpoints (the final HF export is always written)
-    keep_last: int = 2
-    val_every: int = 25
-    val_temperature: float = 0.0  # 0: greedy
-    val_top_p: float = 0.95  # with val_temperature > 0 (the papers' evaluation: T 0.6, top-p 0.95)
-    val_samples: int = 1
-    log_every: int = 1
-    max_consecutive_skips: int = 5
-    deterministic: bool = False
-    # collective timeout of the process group; 0: sized from this config (`collective_timeout_s`)
-    collective_timeout_s: float = 0.0
-    # a rank that has waited this long in one collective says so, naming it (0: never)
-    wait_warning_s: float = 300.0
-    tensorboard: bool = True
-    wandb_project: str | None = None
+    recompute_old_logp: bool = _f(False, "with one mini-batch old_logp = logp.detach(); true recomputes it")
+    share_prompts: bool = _f(True, "each prompt through the model once per group (prorl/packing.py)")
+    save_every: int = _f(50, "checkpoint every N steps (0: none; the final HF export is always written)")
+    keep_last: int = _f(2, "complete checkpoints kept")
+    val_every: int = _f(25, "validate every N steps (0: never during training)")
+    val_before_train: bool = _f(True, "validate once before the first step")
+    val_temperature: float = _f(0.0, "validation sampling temperature (0: greedy)")
+    val_top_p: float = _f(0.95, "validation top-p, with val_temperature > 0 (the papers: T 0.6, top-p 0.95)")
+    val_samples: int = _f(1, "samples per validation prompt")
+    max_consecutive_skips: int = _f(
+        5, "stop after this many skipped steps in a row (no group / non-finite grads)"
+    )
+    deterministic: bool = _f(
+        False, "deterministic kernels and per-request seeds (bit-identical resume on CPU)"
+    )
+    collective_timeout_s: float = _f(0.0, "collective timeout (0: sized from this config)")
+    wait_warning_s: float = _f(300.0, "a rank waiting this long in one collective says so (0: never)")
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = _f(True, "write TensorBoard events (needs the tensorboard package)")
+    wandb_project: str | None = _f(None, "log to this W&B project (needs wandb)")
+    log_every: int = _f(1, "a summary line every N steps")
 
 
 @dataclass
 class Config:
-    output_dir: str = ""  # empty: runs/<timestamp>, chosen at start (see resolve_output_dir)
-    seed: int = 1
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    reward: RewardConfig = field(default_factory=RewardConfig)
-    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    output_dir: str = _f("", "run directory (empty: runs/<timestamp>); re-running on it resumes")
+    seed: int = _f(1, "run seed")
+    model: ModelConfig = _f(ModelConfig)
+    data: DataConfig = _f(DataConfig)
+    rollout: RolloutConfig = _f(RolloutConfig)
+    reward: RewardConfig = _f(RewardConfig)
+    algorithm: AlgorithmConfig = _f(AlgorithmConfig)
+    optim: OptimConfig = _f(OptimConfig)
+    trainer: TrainerConfig = _f(TrainerConfig)
+    logging: LoggingConfig = _f(LoggingConfig)
 
 
-_CHOICES = {
-    "model.dtype": ("float32", "bfloat16"),
-    "model.attention": ("auto", "sdpa", "flex", "flash"),
-    "rollout.backend": ("auto", "native", "vllm"),
-    "algorithm.advantage": ("reinforce++-baseline", "grpo", "dr-grpo"),
-    "algorithm.whiten_weighting": ("token", "sequence"),
-    "algorithm.kl_estimator": ("k1", "k2", "k3"),
-    "algorithm.kl_clamp": ("log-ratio", "output"),
-    "algorithm.agg": ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"),
-    "algorithm.is_mode": ("none", "tis", "icepop"),
-    "optim.schedule": ("constant", "cosine"),
+def _engine_choices() -> dict[str, tuple]:
+    from prorl.engine.attention import BACKENDS as ATTENTION
+    from prorl.engine.rollout import BACKENDS as ROLLOUT
+
+    return {
+        "model.attention": ("auto", *ATTENTION),
+        "rollout.backend": ("auto", *ROLLOUT),
+        "optim.schedule": SCHEDULES,
+    }
+
+
+# keys that moved: old dotted name -> new (an old key in a file or an override is named with its new one)
+RENAMED = {
+    "optim.grad_clip": "optim.max_grad_norm",
+    "trainer.tensorboard": "logging.tensorboard",
+    "trainer.wandb_project": "logging.wandb_project",
+    "trainer.log_every": "logging.log_every",
+    **{f"algorithm.reset_{k}": f"algorithm.reset.{k}" for k in ("interval", "window", "patience")},
+    "algorithm.reset_kl_spike_factor": "algorithm.reset.kl_spike_factor",
+    "algorithm.reset_optimizer": "algorithm.reset.reset_optimizer",
 }
+
+
+def fields(cls=Config, prefix: str = ""):
+    """(dotted key, dataclass field) of every leaf setting, in declaration order."""
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None) or f.name in _SECTIONS:
+            yield from fields(_SECTIONS.get(f.name) or f.type, f"{prefix}{f.name}.")
+        else:
+            yield f"{prefix}{f.name}", f
+
+
+_SECTIONS = {"model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "reward": RewardConfig,
+             "algorithm": AlgorithmConfig, "reset": ResetConfig, "optim": OptimConfig,
+             "trainer": TrainerConfig, "logging": LoggingConfig}  # fmt: skip
+
+
+def choices() -> dict[str, tuple]:
+    out = {key: f.metadata.get("choices") for key, f in fields() if f.metadata.get("choices")}
+    return out | _engine_choices()
+
+
+def reference() -> str:
+    """Every key with its default and help text (the configuration reference)."""
+    defaults = to_dict(Config(model=ModelConfig(path="<required>")))
+    lines, allowed = [], choices()
+    for key, f in fields():
+        value = defaults
+        for part in key.split("."):
+            value = value[part]
+        text = f.metadata.get("help", "") if f.metadata else ""
+        if key in allowed:
+            text += f" [{' | '.join(map(str, allowed[key]))}]"
+        lines.append(f"  {key} = {value!r}  {text}".rstrip())
+    return "\n".join(lines)
 
 
 def preset_path(name: str) -> str:
@@ -189,16 +264,32 @@ def preset_path(name: str) -> str:
     return path
 
 
+def _normalise_overrides(overrides: list[str]) -> list[str]:
+    """key=value strings, with a bare value for a list-typed key taken as a one-element list
+    (`data.train_files=/d/train.parquet`)."""
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"overrides must look like key=value, got {bad}")
+    lists = {key for key, f in fields() if str(f.type).startswith("list")}
+    out = []
+    for o in overrides:
+        key, value = o.split("=", 1)
+        if RENAMED.get(key):
+            raise ConfigError(f"config key {key!r} is now {RENAMED[key]!r}")
+        if key in lists and value and not value.lstrip().startswith("["):
+            value = f"[{value}]"
+        out.append(f"{key}={value}")
+    return out
+
+
 def load_config(preset: str | None = "default", overrides: list[str] | None = None) -> Config:
     """Defaults <- preset or YAML file <- dotted overrides ("a.b=c"); validated. Returns a typed Config."""
     cfg = OmegaConf.structured(Config)
+    overrides = _normalise_overrides(list(overrides or []))
     try:
         if preset:
             cfg = OmegaConf.merge(cfg, OmegaConf.load(preset_path(preset)))
-        bad = [o for o in overrides or [] if "=" not in o]
-        if bad:
-            raise ConfigError(f"overrides must look like key=value, got {bad}")
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(list(overrides or [])))
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
         OmegaConf.resolve(cfg)
         obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
@@ -211,68 +302,65 @@ def _explain(exc: OmegaConfBaseException) -> str:
     key = getattr(exc, "full_key", None)
     msg = str(exc).splitlines()[0]
     if "not in struct" in msg or "Key '" in msg and "not" in msg:
-        return f"unknown config key {key!r}: {msg}"
+        if key in RENAMED:
+            return f"config key {key!r} is now {RENAMED[key]!r}"
+        near = difflib.get_close_matches(str(key), [k for k, _ in fields()], n=1, cutoff=0.6)
+        return f"unknown config key {key!r}" + (f" (did you mean {near[0]!r}?)" if near else "") + f": {msg}"
     if "missing mandatory value" in msg.lower():
         return f"{key} is required (set it in the config file or as {key}=...)"
     return f"bad config value for {key!r}: {msg}" if key else msg
 
 
+def _get(cfg: Config, dotted: str):
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def validate(cfg: Config) -> None:
     """Value checks that types alone cannot express."""
-    for dotted, allowed in _CHOICES.items():
-        section, key = dotted.split(".")
-        value = getattr(getattr(cfg, section), key)
+    for dotted, allowed in choices().items():
+        value = _get(cfg, dotted)
         if value not in allowed:
-            raise ConfigError(f"{dotted}={value!r} is not one of {', '.join(allowed)}")
+            raise ConfigError(f"{dotted}={value!r} is not one of {', '.join(map(str, allowed))}")
+    a, t, r = cfg.algorithm, cfg.trainer, cfg.rollout
+    finite = all(
+        math.isfinite(x) for x in (r.temperature, r.top_p, a.kl_coef, a.eps_low, a.eps_high, cfg.optim.lr)
+    )
     checks = [
-        (cfg.rollout.n >= 1, "rollout.n must be >= 1"),
-        (cfg.rollout.temperature >= 0, "rollout.temperature must be >= 0"),
-        (0 < cfg.rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
-        (cfg.rollout.max_response_tokens >= 1, "rollout.max_response_tokens must be >= 1"),
-        (cfg.algorithm.eps_low >= 0 and cfg.algorithm.eps_high >= 0, "algorithm.eps_low/high must be >= 0"),
-        (cfg.algorithm.dual_clip is None or cfg.algorithm.dual_clip > 1, "algorithm.dual_clip must be > 1"),
-        (cfg.algorithm.kl_coef >= 0, "algorithm.kl_coef must be >= 0"),
-        (cfg.algorithm.max_rounds >= 1, "algorithm.max_rounds must be >= 1"),
-        (cfg.algorithm.oversample >= 1, "algorithm.oversample must be >= 1"),
+        (finite, "rollout.temperature/top_p, algorithm.kl_coef/eps_low/eps_high and optim.lr must be finite"),
+        (r.n >= 1, "rollout.n must be >= 1"),
+        (r.n >= 2 or not a.dynamic_sampling, "rollout.n=1 leaves every group all-equal: dynamic sampling "
+         "would drop them all (set rollout.n >= 2, or algorithm.dynamic_sampling=false)"),
+        (r.temperature >= 0, "rollout.temperature must be >= 0"),
+        (0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]"),
+        (r.max_response_tokens >= 1, "rollout.max_response_tokens must be >= 1"),
+        (a.eps_low >= 0 and a.eps_high >= 0, "algorithm.eps_low/high must be >= 0"),
+        (a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip must be > 1"),
+        (a.kl_coef >= 0, "algorithm.kl_coef must be >= 0"),
+        (a.max_rounds >= 1, "algorithm.max_rounds must be >= 1"),
+        (a.oversample >= 1, "algorithm.oversample must be >= 1"),
+        (0 <= a.is_low <= a.is_high, "algorithm.is_low must be in [0, is_high]"),
         (cfg.optim.lr > 0, "optim.lr must be > 0"),
         (len(cfg.optim.betas) == 2, "optim.betas must have two values"),
-        (cfg.trainer.total_steps >= 0, "trainer.total_steps must be >= 0"),
-        (cfg.trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
-        (cfg.trainer.mini_batches >= 1, "trainer.mini_batches must be >= 1"),
-        (
-            cfg.trainer.prompts_per_step % cfg.trainer.mini_batches == 0,
-            "trainer.prompts_per_step must be a multiple of trainer.mini_batches",
-        ),
+        (t.total_steps >= 0, "trainer.total_steps must be >= 0"),
+        (t.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
+        (t.mini_batches >= 1, "trainer.mini_batches must be >= 1"),
+        (t.prompts_per_step % t.mini_batches == 0, "trainer.prompts_per_step must be a multiple of "
+         "trainer.mini_batches"),
+        (t.save_every >= 0 and t.val_every >= 0, "trainer.save_every and trainer.val_every must be >= 0"),
+        (t.keep_last >= 1, "trainer.keep_last must be >= 1"),
+        (t.val_samples >= 1, "trainer.val_samples must be >= 1"),
         (cfg.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
+        (cfg.reward.num_workers >= 1, "reward.num_workers must be >= 1"),
         (cfg.seed >= 0, "seed must be >= 0"),
-        (
-            cfg.trainer.collective_timeout_s >= 0,
-            "trainer.collective_timeout_s must be >= 0 (0: from the config)",
-        ),
-        (cfg.trainer.wait_warning_s >= 0, "trainer.wait_warning_s must be >= 0 (0: never warn)"),
-    ]
+        (t.collective_timeout_s >= 0, "trainer.collective_timeout_s must be >= 0 (0: from the config)"),
+        (t.wait_warning_s >= 0, "trainer.wait_warning_s must be >= 0 (0: never warn)"),
+    ]  # fmt: skip
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
-
-
-def collective_timeout_s(cfg: Config, world: int | None = None) -> float:
-    """The process group's collective timeout: `trainer.collective_timeout_s`, or when that is 0 one sized
-    from the config. The longest legitimate wait in one collective is a sampling round of another rank:
-    generating up to the longest response budget, then verifying the round's samples, at worst every one
-    at `reward.timeout_s` (sampling rounds are collective: trainer.collect). Hence 600 s (engine start,
-    checkpoint writes) + 0.1 s per response token + ceil(round samples / reward workers) x reward.timeout_s,
-    with a round of ceil(prompts per rank x oversample) prompts x rollout.n samples."""
-    if cfg.trainer.collective_timeout_s > 0:
-        return cfg.trainer.collective_timeout_s
-    import math
-
-    world = world or int(os.environ.get("WORLD_SIZE", "1"))
-    r = cfg.rollout
-    max_new = max([r.max_response_tokens, *r.max_response_schedule.values()])
-    prompts = math.ceil(max(cfg.trainer.prompts_per_step // world, 1) * cfg.algorithm.oversample)
-    verify = math.ceil(prompts * r.n / max(cfg.reward.num_workers, 1)) * cfg.reward.timeout_s
-    return 600.0 + 0.1 * max_new + verify
 
 
 def check_world(cfg: Config, world: int) -> None:
@@ -284,6 +372,68 @@ def check_world(cfg: Config, world: int) -> None:
             f"prompts_per_step / world prompts (use {pps - pps % world or world} or "
             f"{pps + world - pps % world})"
         )
+
+
+def collective_timeout_s(cfg: Config, world: int | None = None) -> float:
+    """The process group's collective timeout: `trainer.collective_timeout_s`, or when that is 0 one sized
+    from the config. The longest legitimate wait in one collective is a sampling round of another rank:
+    generating up to the longest response budget, then verifying the round's samples, at worst every one
+    at `reward.timeout_s` (sampling rounds are collective: prorl/sampling.py). Hence 600 s (engine start,
+    checkpoint writes) + 0.1 s per response token + ceil(round samples / reward workers) x reward.timeout_s,
+    with a round of ceil(prompts per rank x oversample) prompts x rollout.n samples."""
+    if cfg.trainer.collective_timeout_s > 0:
+        return cfg.trainer.collective_timeout_s
+    world = world or int(os.environ.get("WORLD_SIZE", "1"))
+    r = cfg.rollout
+    max_new = max([r.max_response_tokens, *r.max_response_schedule.values()])
+    prompts = math.ceil(max(cfg.trainer.prompts_per_step // world, 1) * cfg.algorithm.oversample)
+    verify = math.ceil(prompts * r.n / max(cfg.reward.num_workers, 1)) * cfg.reward.timeout_s
+    return 600.0 + 0.1 * max_new + verify
+
+
+# -- resuming ----------------------------------------------------------------------------------------------
+
+# Settings that fix what a resumed run trains on and how its batch is built: changing them between a
+# checkpoint and its resume would silently make a different run, so resuming refuses. Anything else (log
+# and eval intervals, total steps, learning rate, timeouts, worker counts) is allowed and reported.
+INCOMPATIBLE_ON_RESUME = (
+    "seed",
+    "model.path",
+    "model.dtype",
+    "data.",
+    "rollout.n",
+    "trainer.prompts_per_step",
+    "trainer.mini_batches",
+)
+
+
+def config_changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:
+    """Dotted keys whose values differ between two config dicts -> (old, new)."""
+    out: dict[str, tuple] = {}
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        a, b = (list(v) if isinstance(v, tuple) else v for v in (a, b))  # a tuple comes back from JSON a list
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.update(config_changes(a, b, f"{prefix}{key}."))
+        elif a != b and f"{prefix}{key}" != "output_dir":
+            out[f"{prefix}{key}"] = (a, b)
+    return out
+
+
+def resume_conflicts(saved: dict, cfg: Config) -> tuple[list[str], dict[str, tuple]]:
+    """(keys that forbid resuming, every changed key -> (saved, now)) between a checkpoint's config dict
+    and this run's."""
+    changed = config_changes(saved, to_dict(cfg))
+    return sorted(k for k in changed if k.startswith(INCOMPATIBLE_ON_RESUME)), changed
+
+
+# -- output ------------------------------------------------------------------------------------------------
+
+
+def non_default(cfg: Config) -> dict[str, tuple]:
+    """Keys whose values differ from the dataclass defaults (the recipe's) -> (default, value)."""
+    defaults = to_dict(Config(model=ModelConfig(path=cfg.model.path)))
+    return config_changes(defaults, to_dict(cfg))
 
 
 def resolve_output_dir(cfg: Config) -> str:

@@ -79,7 +79,7 @@ class LoadReport:
 # -- files -----------------------------------------------------------------------------------------------
 
 
-def _parse_row(row: Any, where: str, check_data_source: bool) -> Example:
+def _parse_row(row: Any, where: str, check_data_source: bool, prompt_key: str = "prompt") -> Example:
     def bad(field_name: str, problem: str) -> DataError:
         return DataError(f"{where}: field '{field_name}' {problem}")
 
@@ -98,18 +98,19 @@ def _parse_row(row: Any, where: str, check_data_source: bool) -> Example:
         except UnknownDataSourceError as exc:
             raise bad("data_source", f"has no verifier: {exc}") from None
 
-    prompt = row.get("prompt")
+    prompt = row.get(prompt_key)
     if prompt is None:
-        raise bad("prompt", "is missing")
+        others = ", ".join(sorted(k for k in row if k != prompt_key))
+        raise bad(prompt_key, f"is missing (the row has: {others}; data.prompt_key names the prompt's field)")
     if isinstance(prompt, str):
         prompt = [{"role": "user", "content": prompt}]
     if not isinstance(prompt, list) or not prompt:
-        raise bad("prompt", "must be a non-empty list of chat messages or a string")
+        raise bad(prompt_key, "must be a non-empty list of chat messages or a string")
     for i, msg in enumerate(prompt):
         if not (
             isinstance(msg, dict) and isinstance(msg.get("role"), str) and isinstance(msg.get("content"), str)
         ):
-            raise bad(f"prompt[{i}]", f"must be {{'role': str, 'content': str}}, got {msg!r:.200}")
+            raise bad(f"{prompt_key}[{i}]", f"must be {{'role': str, 'content': str}}, got {msg!r:.200}")
     prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
 
     reward_model = row.get("reward_model")
@@ -165,7 +166,12 @@ def _read_rows(path: str):
 
 
 def load_file(
-    path: str, *, check_data_source: bool = True, skip_bad: bool = False, report: LoadReport | None = None
+    path: str,
+    *,
+    check_data_source: bool = True,
+    skip_bad: bool = False,
+    report: LoadReport | None = None,
+    prompt_key: str = "prompt",
 ) -> list[Example]:
     """Every row of `path` as an Example. Raises DataError on the first bad row unless `skip_bad`
     (then bad rows are dropped and counted in `report`)."""
@@ -177,7 +183,7 @@ def load_file(
         try:
             if isinstance(row, DataError):
                 raise row
-            out.append(_parse_row(row, f"{path}: row {i}", check_data_source))
+            out.append(_parse_row(row, f"{path}: row {i}", check_data_source, prompt_key))
             report.rows += 1
         except DataError as exc:
             if not skip_bad:
@@ -271,6 +277,7 @@ def load_mixture(
     check_data_source: bool = True,
     skip_bad: bool = False,
     report: LoadReport | None = None,
+    prompt_key: str = "prompt",
 ) -> list[Example]:
     """Examples of several files given as `path` or `path:weight` specs (see "Mixing files" above).
 
@@ -284,7 +291,9 @@ def load_mixture(
             f"data files {unweighted} have no ':weight' while others do; give every file a weight or none"
         )
     loaded = [
-        load_file(path, check_data_source=check_data_source, skip_bad=skip_bad, report=report)
+        load_file(
+            path, check_data_source=check_data_source, skip_bad=skip_bad, report=report, prompt_key=prompt_key
+        )
         for path, _ in parsed
     ]
     if unweighted and n is None:

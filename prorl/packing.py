@@ -11,6 +11,18 @@ responses that read it (the `index_select` of the keys does that sum). Tested ag
 Outputs live in response-token space: entry t of a [R] tensor is the t-th response token of the step
 (group-major, response-major, in order); `hidden_rows` says which packed position predicts it (the prompt's
 last token for the first response token).
+
+The step's side: `StepBatch` flattens the kept groups once (per response and per response token), and the
+planner cuts it into passes:
+
+    batch = StepBatch.of(groups, n, device)
+    for mini in plan_update(batch, mini_batches=M, budget=B, share=True, agg=..., max_new=T, even=fsdp):
+        for micro in mini.passes:      # None: a dummy pass (under FSDP every rank runs as many passes)
+            ... micro.packed, batch.slice(micro) ...
+
+A pass holds whole groups, or runs of one group's responses when a group alone exceeds the token budget
+(`split_groups`), packed up to `budget` tokens (`token_budget_chunks`); each mini-batch carries the GLOBAL
+loss normaliser of its aggregation (every rank's tokens or sequences: one all-reduce).
 """
 
 from __future__ import annotations
@@ -122,3 +134,135 @@ def split_groups(
                 start = j
         units.append((g, start, len(lrs)))
     return units
+
+
+# -- the step's batch and its passes -------------------------------------------------------------------
+
+
+@dataclass
+class StepBatch:
+    """One step's kept groups flattened once. S responses (group-major), R response tokens.
+
+    groups: the groups (prompt and response ids); rewards [S] fp32 (shaped, what is trained on; NaN
+    for groups not shaped yet, e.g. a carry-over whose log-probs are taken before the next step);
+    lengths [S] (host); resp_cu [S+1] (host) and cu [S+1] int32 (device): response offsets in [R];
+    sampler_logp [R] fp32: the sampler's log-probs; stored_old [R] fp32: pi_old of carried-over groups
+    (NaN for groups sampled this step), carried [R] bool; mask [R] bool (all valid)."""
+
+    groups: list
+    n: int
+    rewards: torch.Tensor
+    lengths: list[int]
+    resp_cu: list[int]
+    cu: torch.Tensor
+    sampler_logp: torch.Tensor
+    stored_old: torch.Tensor
+    carried: torch.Tensor
+    mask: torch.Tensor
+
+    @classmethod
+    def of(cls, groups: list, n: int, device) -> StepBatch:
+        import itertools
+
+        lengths = [len(t) for g in groups for t in g.responses]
+        resp_cu = [0, *itertools.accumulate(lengths)]
+
+        def tokens(values):  # [R] fp32 from per-response lists
+            return torch.tensor([x for v in values for x in v], dtype=torch.float32, device=device)
+
+        nan = float("nan")
+        stored_old = tokens(
+            g.old_logps[j] if g.old_logps is not None else [nan] * len(t)
+            for g in groups
+            for j, t in enumerate(g.responses)
+        )
+        return cls(
+            groups=groups,
+            n=n,
+            rewards=torch.tensor(
+                [r for g in groups for r in (g.shaped if g.shaped is not None else [nan] * len(g.responses))],
+                dtype=torch.float32,
+                device=device,
+            ),
+            lengths=lengths,
+            resp_cu=resp_cu,
+            cu=torch.tensor(resp_cu, dtype=torch.int32, device=device),
+            sampler_logp=tokens(lp for g in groups for lp in g.sampler_logps),
+            stored_old=stored_old,
+            carried=~torch.isnan(stored_old),
+            mask=torch.ones(resp_cu[-1], dtype=torch.bool, device=device),
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.rewards.device
+
+    def per_token(self, values: torch.Tensor) -> torch.Tensor:
+        """[S] per-response values -> [R], each repeated over its response's tokens."""
+        return torch.repeat_interleave(
+            values, torch.tensor(self.lengths, dtype=torch.long, device=self.device)
+        )
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward: its packed input and its response tokens' range [lo, hi) in the step's [R]."""
+
+    packed: PackedBatch
+    lo: int
+    hi: int
+
+
+@dataclass
+class MiniBatch:
+    """One optimizer step: its passes and the global loss normaliser of its aggregation (0-d)."""
+
+    normalizer: torch.Tensor
+    passes: list[MicroBatch | None]
+
+
+def plan_passes(batch: StepBatch, g0: int, g1: int, *, budget: int, share: bool, even: bool):
+    """Groups g0..g1 of `batch` as passes of at most `budget` tokens (module docstring). `even` (FSDP:
+    every forward all-gathers, every backward reduce-scatters): the list is padded with None - dummy
+    passes - up to the largest count over ranks (one all-reduce)."""
+    from prorl.algorithm import token_budget_chunks
+    from prorl.engine.parallel import all_reduce
+
+    groups, n = batch.groups, batch.n
+    lp = [len(g.prompt_ids) for g in groups[g0:g1]]
+    lr = [[len(t) for t in g.responses] for g in groups[g0:g1]]
+    units = split_groups(lp, lr, budget, share)
+    sizes = [unit_tokens(lp[g], lr[g][a:b], share) for g, a, b in units]
+    passes: list[MicroBatch | None] = []
+    for c0, c1 in token_budget_chunks(sizes, budget):
+        chunk = [(g0 + g, a, b) for g, a, b in units[c0:c1]]
+        entries = [(groups[g].prompt_ids, groups[g].responses[a:b]) for g, a, b in chunk]
+        (g_first, a_first, _), (g_last, _, b_last) = chunk[0], chunk[-1]
+        lo, hi = batch.resp_cu[g_first * n + a_first], batch.resp_cu[g_last * n + b_last]
+        passes.append(MicroBatch(pack(entries, share, batch.device), lo, hi))
+    if even:
+        most = int(all_reduce(torch.tensor(len(passes), device=batch.device), "max", what="the pass counts"))
+        passes += [None] * (most - len(passes))
+    return passes
+
+
+def plan_update(
+    batch: StepBatch, *, mini_batches: int, budget: int, share: bool, agg: str, max_new: int, even: bool
+) -> list[MiniBatch]:
+    """The update's M mini-batches (each rank's groups split in M consecutive runs, so mini-batch m is the
+    m-th run of every rank), each with its passes and its global loss normaliser."""
+    from prorl.algorithm import loss_normalizer
+    from prorl.engine.parallel import all_reduce
+
+    groups, n = batch.groups, batch.n
+    per = max(-(-len(groups) // mini_batches), 1)
+    out = []
+    for m in range(mini_batches):
+        g0, g1 = min(m * per, len(groups)), min((m + 1) * per, len(groups))
+        lo, hi = batch.resp_cu[g0 * n], batch.resp_cu[g1 * n]
+        local = loss_normalizer(agg, batch.mask[lo:hi], batch.cu[g0 * n : g1 * n + 1] - lo, max_new)
+        normalizer = all_reduce(local, what=f"mini-batch {m}'s loss normaliser").float()
+        out.append(MiniBatch(normalizer, []))
+        if float(normalizer) > 0:  # else no response token in this mini-batch on any rank: nothing to do
+            out[-1].passes = plan_passes(batch, g0, g1, budget=budget, share=share, even=even)
+    return out

@@ -61,18 +61,18 @@ def _write_rows(path: str, rows: list[dict]) -> None:
 
 
 def start_wandb(cfg):
-    """A W&B run for `trainer.wandb_project` (rank 0). WANDB_MODE=offline keeps it on disk."""
+    """A W&B run for `logging.wandb_project` (rank 0). WANDB_MODE=offline keeps it on disk."""
     try:
         import wandb
     except ImportError as exc:
         raise ImportError(
-            f"trainer.wandb_project={cfg.trainer.wandb_project!r} needs the wandb package: pip install wandb "
-            "(or unset trainer.wandb_project)"
+            f"logging.wandb_project={cfg.logging.wandb_project!r} needs the wandb package: pip install wandb "
+            "(or unset logging.wandb_project)"
         ) from exc
     from prorl.config import to_dict
 
     return wandb.init(
-        project=cfg.trainer.wandb_project,
+        project=cfg.logging.wandb_project,
         config=to_dict(cfg),
         dir=cfg.output_dir,
         name=os.path.basename(os.path.normpath(cfg.output_dir)),
@@ -91,14 +91,19 @@ class Reporter:
         self.val_history: list[tuple[int, float]] = []
         if rank == 0:
             os.makedirs(self.dir, exist_ok=True)
-            if cfg.trainer.tensorboard:
+            if cfg.logging.tensorboard:
                 try:
                     from torch.utils.tensorboard import SummaryWriter
 
                     self.tb = SummaryWriter(os.path.join(self.dir, "tensorboard"))
                 except ImportError:
-                    self.tb = None  # tensorboard not installed: JSONL only
-            if cfg.trainer.wandb_project:
+                    self.tb = None
+                    print(
+                        "prorl: warning: logging.tensorboard=true but tensorboard is not installed (pip "
+                        "install tensorboard): metrics go to metrics.jsonl only",
+                        flush=True,
+                    )
+            if cfg.logging.wandb_project:
                 self.wandb = start_wandb(cfg)
             if sys.stdout.isatty():  # a live progress bar for people; plain summary lines for log files
                 from tqdm import tqdm
@@ -139,29 +144,31 @@ class Reporter:
         """A validation row outside a training step (the one before RL)."""
         self.val_history.append((step, metrics["val/accuracy"]))
         if self.rank == 0:
-            row = {"step": step, **metrics}
-            if seconds is not None:
-                row["timing_s/val"] = seconds
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            self._write(
+                {"step": step, **metrics, **({"timing_s/val": seconds} if seconds is not None else {})}
+            )
+
+    def _write(self, row: dict) -> None:
+        """One row to metrics.jsonl, TensorBoard and W&B (rank 0)."""
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self.tb is not None:
+            for k, v in row.items():
+                if isinstance(v, (int, float)) and k != "step":
+                    self.tb.add_scalar(k, v, row["step"])
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in row.items() if k != "step"}, step=row["step"])
 
     def log(self, metrics: dict) -> None:
         if "val/accuracy" in metrics:
             self.val_history.append((metrics["step"], metrics["val/accuracy"]))
         if self.rank != 0:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
-        if self.tb is not None:
-            for k, v in metrics.items():
-                if isinstance(v, (int, float)) and k != "step":
-                    self.tb.add_scalar(k, v, metrics["step"])
-        if self.wandb is not None:
-            self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+        self._write(metrics)
         if self.bar is not None:
             self.bar.n = metrics["step"]
             self.bar.refresh()
-        if metrics["step"] % max(self.cfg.trainer.log_every, 1) == 0 or "val/accuracy" in metrics:
+        if metrics["step"] % max(self.cfg.logging.log_every, 1) == 0 or "val/accuracy" in metrics:
             parts = [f"step {metrics['step']:>5}"]
             for key, short, fmt in SUMMARY_KEYS:
                 if key in metrics:

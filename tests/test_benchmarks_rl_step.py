@@ -72,7 +72,7 @@ def test_ablations_compute_what_prorl_computes(trainer):
     from prorl.packing import pack
 
     tr, tok, path = trainer
-    prompts = tr.train_prompts[:2]
+    prompts = tr.sampler.prompts[:2]
     # transformers.generate: its sampled-token log-probs are the policy's (same weights, same distribution)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, stop_token_ids=tr.stop_ids, seed=1)
     samples = HFGenerator(tr.policy, path, tok.pad_token_id).generate(prompts, params).samples
@@ -80,11 +80,11 @@ def test_ablations_compute_what_prorl_computes(trainer):
     # sequences of unequal length, so that padding is real
     seqs = [(prompts[s.prompt_index], s.token_ids[: 3 + i]) for i, s in enumerate(samples)]
     batch = pack([(p, [t]) for p, t in seqs], share=False)
-    logp, ent = tr.logprobs(tr.policy, batch, 1.0, grad=False, entropy=True)
+    logp, ent = tr.logprobs(tr.policy, batch, grad=False, entropy=True)
     sampler = torch.tensor([x for (_, t), s in zip(seqs, samples) for x in s.logprobs[: len(t)]])
     torch.testing.assert_close(logp, sampler, atol=1e-4, rtol=0)
     # padded [S, Lmax] batch: the same values at the real tokens
-    logp_pad, ent_pad = padded_logprobs(tr, tr.policy, batch, 1.0, grad=False, entropy=True)
+    logp_pad, ent_pad = padded_logprobs(tr, tr.policy, batch, grad=False, entropy=True)
     torch.testing.assert_close(logp_pad, logp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent_pad, ent, atol=1e-5, rtol=0)
     ids, cu = batch.ids, batch.cu_seqlens

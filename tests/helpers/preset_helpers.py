@@ -62,7 +62,7 @@ def preset_overrides(checkpoint: str, train: str, val: str) -> list[str]:
         "trainer.prompts_per_step=16",
         "trainer.micro_batch_tokens=120",  # a group (~230 tokens) spans micro-batches; counts differ by rank
         "algorithm.max_rounds=3",
-        "algorithm.reset_interval=2",
+        "algorithm.reset.interval=2",
         "reward.length_k_on=2",
         "reward.length_k_off=2",
         "trainer.val_samples=2",

@@ -80,14 +80,14 @@ def _preset_steps(rank, world, ckpt, train, val, steps):
             return dummy(model, grad)
 
         trainer.dummy_pass = counting_dummy
-        collect = trainer.collect
+        collect = trainer.sampler.collect
 
-        def recording_collect(need, max_new, acc):
-            kept = collect(need, max_new, acc)
+        def recording_collect(need, max_new, step, acc):
+            kept = collect(need, max_new, step, acc)
             out["kept"].append(len(kept))
             return kept
 
-        trainer.collect = recording_collect
+        trainer.sampler.collect = recording_collect
         for _ in range(steps):
             m = trainer.step()
             row = {"metrics": m}
@@ -142,6 +142,7 @@ def test_preset_on_two_ranks(preset, tmp_path):
 
 def _update_on(rank, world, ckpt, train, val, groups_by_rank, extra=()):
     from prorl.metrics import StepAccumulator, step_metrics
+    from prorl.packing import StepBatch
     from prorl.rewards.pool import RewardPool
 
     with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
@@ -157,19 +158,21 @@ def _update_on(rank, world, ckpt, train, val, groups_by_rank, extra=()):
         sgd.step = recording_step
         trainer.optimizer.optimizer = sgd
         acc = StepAccumulator()
-        trainer.update(copy.deepcopy(groups_by_rank[rank]), 40, acc)
+        groups = copy.deepcopy(groups_by_rank[rank])
+        trainer.update(StepBatch.of(groups, trainer.cfg.rollout.n, trainer.device), 40, acc)
         return {"grads": grads, "metrics": step_metrics(acc.reduce()), "policy": full(trainer.policy)}
 
 
 def _sample_groups(rank, world, ckpt, train, val):
     from prorl.rewards.pool import RewardPool
+    from prorl.sampling import shape_rewards
 
     with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
         trainer = make_trainer(ckpt, train, val, [], pool)
-        groups = trainer.rollout(list(range(16)), seed=3, max_new=40)
+        groups = trainer.sampler.rollout(list(range(16)), seed=3, max_new=40)
         for g in groups:
             g.raw = [float(i % 3 == 0) for i in range(len(g.responses))]
-        trainer.shape(groups, 40)
+        shape_rewards(groups, trainer.cfg.reward, 0, 40)
         return groups
 
 

@@ -93,11 +93,26 @@ def test_reset_policy_interval_spike_stall_and_state():
     assert q.should_reset(1, 0.0) is None
     q.observe_validation(0.5)
     assert q.should_reset(2, 0.0) == "stall"
-    r = ReferenceResetPolicy()
+    r = ReferenceResetPolicy(interval=300, kl_spike_factor=5.0, window=20)
     r.load_state_dict(p.state_dict())
     assert r == p
+    # the state carries no settings: a resumed run's own config decides them
+    s = ReferenceResetPolicy(interval=50)
+    s.load_state_dict(p.state_dict())
+    assert s.interval == 50 and s.num_resets == p.num_resets and s.kl_history == p.kl_history
+    s.load_state_dict({**p.state_dict(), "interval": 300})  # an older checkpoint's saved setting: ignored
+    assert s.interval == 50
     with pytest.raises(KeyError):
         r.load_state_dict({"bogus": 1})
+
+
+def test_kl_spike_needs_the_floor():
+    """A 'spike' of noise near zero (KL ~1e-10 after a reset) is no reason to reset."""
+    p = ReferenceResetPolicy(interval=0, kl_spike_factor=5.0, window=3, kl_floor=1e-4)
+    for step in range(1, 4):
+        assert p.should_reset(step, 1e-10) is None
+    assert p.should_reset(4, 1e-8) is None  # 100x the median, but below the floor
+    assert p.should_reset(5, 1e-3) == "kl_spike"
 
 
 def test_importance_weights_are_raw():

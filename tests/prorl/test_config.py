@@ -10,7 +10,7 @@ def test_preset_and_overrides():
     assert cfg.trainer.total_steps == 10 and cfg.rollout.n == 8
     # the published recipe's numbers (RECIPE.md)
     a = cfg.algorithm
-    assert (a.eps_low, a.eps_high, a.kl_coef, a.kl_estimator, a.reset_interval) == (
+    assert (a.eps_low, a.eps_high, a.kl_coef, a.kl_estimator, a.reset.interval) == (
         0.2,
         0.28,
         1e-4,

@@ -85,6 +85,6 @@ def test_wandb_without_the_package_fails_with_the_install_hint(tmp_path, monkeyp
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_wandb)
-    cfg = load_config("default", [f"output_dir={tmp_path}", "trainer.wandb_project=demo"])
+    cfg = load_config("default", [f"output_dir={tmp_path}", "logging.wandb_project=demo"])
     with pytest.raises(ImportError, match="pip install wandb"):
         Reporter(cfg, rank=0)

@@ -37,7 +37,7 @@ OVERRIDES = [
     f"trainer.total_steps={TOTAL}",
     "optim.schedule=cosine",  # the schedule's position must survive too
     "optim.warmup_steps=2",
-    "algorithm.reset_interval=2",  # reference resets after steps 2 and 4: pi_ref must be restored
+    "algorithm.reset.interval=2",  # reference resets after steps 2 and 4: pi_ref must be restored
     "reward.length_k_on=2",  # the length penalty switches on and off within the run
     "reward.length_k_off=2",
 ]

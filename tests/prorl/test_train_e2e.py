@@ -40,7 +40,7 @@ def test_two_process_run_improves_and_shows_every_component(tmp_path):
         "data.val_size=60",
         "rollout.n=8",
         "optim.lr=1e-4",
-        "algorithm.reset_interval=3",
+        "algorithm.reset.interval=3",
         "reward.length_k_on=2",
         "reward.length_k_off=2",
     ]

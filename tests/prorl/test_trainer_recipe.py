@@ -25,8 +25,10 @@ import prorl.trainer as trainer_module
 from prorl.config import ConfigError, check_world, load_config
 from prorl.data import builtin
 from prorl.metrics import StepAccumulator, step_metrics
+from prorl.packing import StepBatch
 from prorl.rewards.pool import RewardPool
-from prorl.trainer import Group, Trainer
+from prorl.sampling import Group, shape_rewards
+from prorl.trainer import Trainer
 
 TINY_REASONER = str(Path(__file__).resolve().parents[2] / "prorl" / "assets" / "tiny-reasoner")
 BASE = [
@@ -67,8 +69,13 @@ class LossSpy:
         return out
 
 
+def update(trainer, groups, acc=None):
+    batch = StepBatch.of(groups, trainer.cfg.rollout.n, trainer.device)
+    return trainer.update(batch, 24, acc or StepAccumulator())
+
+
 def sampled(trainer, k=3):
-    groups = trainer.rollout(list(range(k)), seed=7, max_new=24)
+    groups = trainer.sampler.rollout(list(range(k)), seed=7, max_new=24)
     for g in groups:
         g.raw = [float(i % 2) for i in range(len(g.responses))]  # mixed: every group carries signal
         g.shaped = list(g.raw)
@@ -89,17 +96,17 @@ def per_token_logprobs(model, groups, temperature=1.0):
 def test_carried_groups_are_trained_against_the_policy_that_sampled_them(setup, monkeypatch):
     trainer = make(setup, ["optim.lr=3e-3"])
     groups = sampled(trainer, k=3)
-    trainer.carry = copy.deepcopy(groups[2:])  # this step's surplus, sampled by the current policy
+    trainer.sampler.carry = copy.deepcopy(groups[2:])  # this step's surplus, sampled by the current policy
     behaviour = copy.deepcopy(trainer.policy)
-    trainer.carry_old_logprobs(trainer.logprob_temperature)
-    trainer.update(groups[:2], 24, StepAccumulator())  # the policy moves
-    carried = trainer.collect(1, 24, StepAccumulator())  # the carry is used first, nothing sampled
+    trainer.carry_old_logprobs()
+    update(trainer, groups[:2])  # the policy moves
+    carried = trainer.sampler.collect(1, 24, 1, StepAccumulator())  # the carry is used first, nothing sampled
     assert carried[0].old_logps is not None and carried[0].responses == groups[2].responses
 
     want_old = per_token_logprobs(behaviour, carried)
     now = per_token_logprobs(trainer.policy, carried)  # before this update moves the policy again
     spy = LossSpy(monkeypatch)
-    trainer.update(carried, 24, StepAccumulator())
+    update(trainer, carried)
     (logp, old, *_), _, _ = spy.calls[0]
     torch.testing.assert_close(old.float(), want_old, rtol=0, atol=1e-5)
     torch.testing.assert_close(logp.detach().float(), now, rtol=0, atol=1e-5)
@@ -111,9 +118,9 @@ def test_a_carried_group_is_never_carried_twice(setup):
     groups = sampled(trainer, k=3)
     for g in groups[:2]:
         g.old_logps = [[0.0] * len(t) for t in g.responses]
-    trainer.carry = groups[:2]  # more carried groups than this step needs
-    kept = trainer.collect(1, 24, acc := StepAccumulator())
-    assert kept == groups[:1] and trainer.carry == []
+    trainer.sampler.carry = groups[:2]  # more carried groups than this step needs
+    kept = trainer.sampler.collect(1, 24, 0, acc := StepAccumulator())
+    assert kept == groups[:1] and trainer.sampler.carry == []
     s, _, _ = acc.reduce()
     assert s["groups_dropped"] == 1 and s["groups_carried"] == 2
 
@@ -143,7 +150,7 @@ def test_importance_weights_are_bounded_once_at_the_configured_bounds(
             i += len(t)
     spy = LossSpy(monkeypatch)
     acc = StepAccumulator()
-    trainer.update(groups, 24, acc)
+    update(trainer, groups, acc)
     metrics = step_metrics(acc.reduce())
     (logp, old, adv, mask), kwargs, (loss, _) = spy.calls[0]
     w = kwargs["is_weights"]
@@ -197,7 +204,7 @@ def test_rewards_metric_is_the_shaped_reward(setup):
     g = Group(
         0, [1, 2], [[3], [4], [5], [6]], [[0.0]] * 4, [False, True, False, True], raw=[1.0, 1.0, 0.0, 0.0]
     )
-    term = trainer.shape([g], 24)
+    term = shape_rewards([g], trainer.cfg.reward, 0, 24)
     acc = StepAccumulator()
     trainer._record_batch(acc, [g], term)
     got = step_metrics(acc.reduce())
@@ -210,14 +217,14 @@ def test_rewards_metric_is_the_shaped_reward(setup):
 
 
 def test_rollout_seeds_are_distinct_within_a_step(setup):
-    trainer = make(setup)
+    sampler = make(setup).sampler
     seeds = set()
     for world in (1, 2, 64, 65, 300):
-        trainer.world = world
+        sampler.world = world
         step_seeds = {0: set()}
         for rank in range(world):
-            trainer.rank = rank
-            step_seeds[0] |= {trainer.rollout_seed(r) for r in range(10)}
+            sampler.rank = rank
+            step_seeds[0] |= {sampler.seed(5, r) for r in range(10)}
         assert len(step_seeds[0]) == 10 * world, world
         seeds |= step_seeds[0]
     assert all(0 <= s < 2**32 for s in seeds)

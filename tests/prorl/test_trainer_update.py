@@ -19,7 +19,9 @@ from transformers import PreTrainedTokenizerFast
 from prorl.config import load_config
 from prorl.data import builtin
 from prorl.metrics import StepAccumulator, step_metrics
+from prorl.packing import StepBatch
 from prorl.rewards.pool import RewardPool
+from prorl.sampling import shape_rewards
 from prorl.trainer import Trainer
 
 TINY_REASONER = str(Path(__file__).resolve().parents[2] / "prorl" / "assets" / "tiny-reasoner")
@@ -56,7 +58,7 @@ def make(setup, overrides):
 def run_update(trainer, groups, max_new=24):
     """trainer.update on a copy of `groups`; returns the step's metrics."""
     acc = StepAccumulator()
-    trainer.update(copy.deepcopy(groups), max_new, acc)
+    trainer.update(StepBatch.of(copy.deepcopy(groups), trainer.cfg.rollout.n, trainer.device), max_new, acc)
     return step_metrics(acc.reduce())
 
 
@@ -85,8 +87,8 @@ def updated(setup, overrides, groups, max_new=24):
 
 def sampled_groups(setup, overrides):
     trainer = make(setup, overrides)
-    groups = trainer.collect(2, 24, StepAccumulator())
-    trainer.shape(groups, 24)
+    groups = trainer.sampler.collect(2, 24, 0, StepAccumulator())
+    shape_rewards(groups, trainer.cfg.reward, 0, 24)
     assert sum(len(t) for g in groups for t in g.responses) > 0
     for g in groups:  # mixed rewards in every group: non-zero advantages, a gradient far from round-off
         g.shaped = [float(i % 2) for i in range(len(g.responses))]

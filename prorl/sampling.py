@@ -1,0 +1,210 @@
+"""Sampling one rank's share of a step: prompts in data order -> groups of n responses -> raw verifier
+scores -> dynamic sampling (RECIPE §6) -> reward shaping (RECIPE §5).
+
+    sampler = GroupSampler(cfg, tokenizer, examples, generator, pool, stop_ids, rank=r, world=w)
+    groups = sampler.collect(need, max_new, step, acc)         # kept groups, raw rewards, carry-over
+    term = shape_rewards(groups, cfg.reward, step, max_new)    # Group.shaped; returns the length term
+
+A `Group` is one prompt's n responses as they travel through a step. Sampling rounds are collective: every
+rank runs the same rounds (one all-reduce per round agrees whether any rank still lacks groups), so no rank
+waits in a collective for longer than one round of another's sampling. The carry-over (kept groups beyond
+this step's need) is this object's state, with the data position: `state_dict` / `load_state_dict`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import random
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from prorl import algorithm
+from prorl.data import encode_prompts
+from prorl.engine.parallel import all_reduce, watchdog
+from prorl.engine.rollout import SamplingParams
+from prorl.metrics import StepAccumulator
+
+
+@dataclass
+class Group:
+    """One prompt's n responses, as they travel through a step."""
+
+    example_index: int
+    prompt_ids: list[int]
+    responses: list[list[int]]
+    sampler_logps: list[list[float]]
+    truncated: list[bool]
+    raw: list[float] | None = None  # verifier scores
+    shaped: list[float] | None = None  # the rewards trained on
+    # carried-over groups only: the trainer's log-probs under the policy that sampled them (pi_old)
+    old_logps: list[list[float]] | None = None
+
+
+class GroupSampler:
+    """Groups of `rollout.n` responses from `generator`, verified by `pool`, for one rank (see module doc).
+
+    Training prompts are encoded once; those over `data.max_prompt_tokens` are dropped and counted
+    (`filtered`), never truncated. Each rank walks its own shuffled order of all prompts (seeded by rank).
+    """
+
+    def __init__(self, cfg, tokenizer, examples, generator, pool, stop_ids, *, rank: int = 0, world: int = 1):
+        self.cfg, self.tokenizer, self.examples, self.stop_ids = cfg, tokenizer, examples, list(stop_ids)
+        self.generator, self.pool, self.rank, self.world = generator, pool, rank, world
+        self.prompts, self.kept, self.filtered = encode_prompts(
+            examples, tokenizer, cfg.data.max_prompt_tokens
+        )
+        if not self.kept:
+            raise ValueError(f"no training prompt fits data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+        self.data_rng = random.Random(cfg.seed * 1000 + rank)
+        self.data_order: list[int] = []
+        self.carry: list[Group] = []  # kept groups beyond this step's need, used first next step
+        self.reward_time = 0.0  # seconds spent verifying since the last reset of this counter
+
+    # -- data -------------------------------------------------------------------------------------------
+    def next_examples(self, k: int) -> list[int]:
+        """Positions in `kept` of the next k prompts (reshuffled at each epoch boundary)."""
+        out = []
+        while len(out) < k:
+            if not self.data_order:
+                self.data_order = list(range(len(self.kept)))
+                if self.cfg.data.shuffle:
+                    self.data_rng.shuffle(self.data_order)
+            out.append(self.data_order.pop())
+        return out
+
+    def seed(self, step: int, round_: int) -> int:
+        """The sampling seed of one round (the samplers take 32 bits): a hash of (seed, step) plus
+        round x world + rank, so that within a step every round of every rank draws its own stream,
+        whatever the number of ranks."""
+        base = int(np.random.SeedSequence([self.cfg.seed, step]).generate_state(1)[0])
+        return (base + round_ * self.world + self.rank) % 2**32
+
+    # -- sampling and verification ---------------------------------------------------------------------
+    def rollout(self, example_indices: list[int], seed: int, max_new: int) -> list[Group]:
+        r = self.cfg.rollout
+        prompts = [self.prompts[i] for i in example_indices]
+        params = SamplingParams(
+            n=r.n,
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=max_new,
+            stop_token_ids=self.stop_ids,
+            seed=seed,
+        )
+        out = self.generator.generate(prompts, params).by_prompt()
+        return [
+            Group(
+                ex,
+                prompts[p],
+                [s.token_ids for s in out[p]],
+                [s.logprobs for s in out[p]],
+                [s.finish_reason == "length" for s in out[p]],
+            )
+            for p, ex in enumerate(example_indices)
+        ]
+
+    def verify(self, groups: list[Group], acc: StepAccumulator) -> None:
+        """Raw verifier scores of every response (`Group.raw`), from the reward pool."""
+        t0 = time.perf_counter()
+        exs = [self.examples[self.kept[g.example_index]] for g in groups for _ in g.responses]
+        texts = [self.tokenizer.decode(t, skip_special_tokens=True) for g in groups for t in g.responses]
+        res = self.pool.score_batch(
+            [e.data_source for e in exs], texts, [e.ground_truth for e in exs], [e.extra for e in exs]
+        )
+        i = 0
+        for g in groups:
+            g.raw = res.scores[i : i + len(g.responses)]
+            i += len(g.responses)
+        acc.sum("samples_seen", len(texts))
+        acc.sum("samples_timeout", sum(res.timed_out))
+        acc.sum("samples_error", sum(res.errored))
+        self.reward_time += time.perf_counter() - t0
+
+    def collect(self, need: int, max_new: int, step: int, acc: StepAccumulator) -> list[Group]:
+        """Dynamic sampling (RECIPE §6): keep groups whose RAW rewards differ, refill until `need` groups.
+
+        Before each round the ranks agree (one all-reduce) whether any of them still lacks groups, and
+        every rank then samples as many prompts as the largest shortfall asks for (oversampled after the
+        first round). Kept groups beyond `need` - a rank that was already full keeps sampling with the
+        others - are carried into the next step, at most `need` of them (the rest are dropped and
+        counted), and are used first there; the trainer records their log-probs under the policy that
+        sampled them before this step's update. A carried group is never carried twice."""
+        a = self.cfg.algorithm
+        kept, self.carry = list(self.carry), []  # carried groups first: they are one update old already
+        acc.sum("groups_carried", len(kept))
+        rounds = 0
+        while rounds < (a.max_rounds if a.dynamic_sampling else 1):
+            with watchdog().phase(f"step {step + 1}, sampling round {rounds}"):
+                most = int(all_reduce(float(need - len(kept)), "max", what="the ranks' shortfall of groups"))
+                if most <= 0:
+                    break
+                k = most if rounds == 0 or not a.dynamic_sampling else math.ceil(most * a.oversample)
+                groups = self.rollout(self.next_examples(k), self.seed(step, rounds), max_new)
+                self.verify(groups, acc)
+            rounds += 1
+            for g in groups:
+                correct = sum(r >= 1.0 for r in g.raw)
+                acc.sum("groups_seen", 1)
+                acc.sum("groups_all_correct", correct == len(g.raw))
+                acc.sum("groups_all_wrong", correct == 0)
+                acc.sum("samples_correct", correct)
+                if not a.dynamic_sampling or max(g.raw) > min(g.raw):
+                    kept.append(g)
+        acc.max("rounds", rounds)
+        kept, leftover = kept[:need], kept[need:]
+        self.carry = [g for g in leftover if g.old_logps is None][:need]
+        acc.sum("groups_kept", len(kept))
+        acc.sum("groups_dropped", len(leftover) - len(self.carry))
+        return kept
+
+    # -- checkpointed state ----------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {
+            "data_order": list(self.data_order),
+            "data_rng": self.data_rng.getstate(),
+            "carry": [dataclasses.asdict(g) for g in self.carry],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.data_order = list(state["data_order"])
+        self.data_rng.setstate(state["data_rng"])
+        self.carry = [Group(**g) for g in state["carry"]]
+
+
+def shape_rewards(groups: list[Group], rc, step: int, max_new: int) -> torch.Tensor:
+    """RECIPE §5 on the raw scores: stop-properly, then DAPO's overlong buffer when configured, then the
+    cosine length term while its schedule is on. Sets `Group.shaped`; returns the length terms added [S]."""
+    raw = torch.tensor([r for g in groups for r in g.raw], dtype=torch.float32)
+    trunc = torch.tensor([t for g in groups for t in g.truncated], dtype=torch.bool)
+    lengths = torch.tensor([len(t) for g in groups for t in g.responses], dtype=torch.long)
+    shaped = algorithm.stop_properly(raw, trunc, rc.c_stop)
+    term = torch.zeros_like(shaped)
+    if rc.overlong_buffer_len > 0:
+        term = algorithm.overlong_buffer_penalty(
+            lengths, max_new, rc.overlong_buffer_len, rc.overlong_penalty
+        )
+        shaped = shaped + term
+    if rc.length_penalty and algorithm.length_penalty_on(step, rc.length_k_on, rc.length_k_off):
+        shaped, cosine = algorithm.cosine_length_shaping(
+            shaped,
+            lengths,
+            trunc,
+            raw >= 1.0,
+            max_len=max_new,
+            lam=rc.length_lam,
+            eta_min=rc.length_eta_min,
+            eta_max=rc.length_eta_max,
+            wrong_eta_min=rc.wrong_eta_min,
+            wrong_eta_max=rc.wrong_eta_max,
+        )
+        term = term + cosine
+    i = 0
+    for g in groups:
+        g.shaped = shaped[i : i + len(g.responses)].tolist()
+        i += len(g.responses)
+    return term
