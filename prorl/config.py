@@ -26,9 +26,14 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from prorl.engine.optim import SCHEDULES, OptimizerConfig
-from prorl.kernels.advantages import MODES as ADVANTAGE_MODES
-from prorl.kernels.advantages import WEIGHTINGS
-from prorl.kernels.ppo_loss import AGG_MODES, IS_MODES, KL_CLAMPS, KL_ESTIMATORS
+from prorl.kernels import (
+    ADVANTAGE_MODES,
+    AGG_MODES,
+    IS_MODES,
+    KL_CLAMPS,
+    KL_ESTIMATORS,
+    WHITEN_WEIGHTINGS,
+)
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -119,7 +124,7 @@ class ResetConfig:
 @dataclass
 class AlgorithmConfig:
     advantage: str = _f("reinforce++-baseline", "advantage estimator", ADVANTAGE_MODES)
-    whiten_weighting: str = _f("token", "global whitening weights", WEIGHTINGS)
+    whiten_weighting: str = _f("token", "global whitening weights", WHITEN_WEIGHTINGS)
     grpo_std_unbiased: bool = _f(False, "GRPO: unbiased group std (verl, OpenRLHF)")
     eps_low: float = _f(0.2, "PPO clip below 1")
     eps_high: float = _f(0.28, "PPO clip above 1 (clip-higher)")
