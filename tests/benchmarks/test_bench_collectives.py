@@ -4,14 +4,10 @@ nccl-tests conventions (bus-bandwidth factors, their table format). Never assert
 from __future__ import annotations
 
 import csv
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import collectives, harness  # noqa: E402
+from benchmarks import collectives, harness
 
 # nccl-tests' table (all_reduce_perf -b 1K -e 4K -f 4 -g 2; spacing narrowed), out-of-place then in-place
 NCCL_TESTS_TABLE = """\
