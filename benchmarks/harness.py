@@ -55,6 +55,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from benchmarks.report.readme import View
 
 MODES = ("forward", "backward", "full")
 COLUMNS = ("name", "provider", "mode", "shape", "metric", "unit", "p50", "p20", "p80", "device", "versions")
@@ -125,9 +129,8 @@ def quantile(xs: Sequence[float], q: float) -> float:
 
 def row(metric: str, unit: str, values: Sequence[float], **fields) -> dict:
     """A row of `metric` with the p50/p20/p80 of `values`, plus `fields` (mode, shape, note, ...)."""
-    return dict(
-        metric=metric, unit=unit, **{f"p{p}": quantile(values, p / 100) for p in (50, 20, 80)}, **fields
-    )
+    q = {f"p{p}": quantile(values, p / 100) for p in (50, 20, 80)}
+    return dict(metric=metric, unit=unit, **q, **fields)
 
 
 def single_row(metric: str, unit: str, value: float, **fields) -> dict:
@@ -246,7 +249,8 @@ def peak_extra_memory_mb(step: Step, device) -> float | None:
     del out
     if peak is None:
         print("harness: /proc/self/clear_refs not writable; no CPU memory measurement", file=sys.stderr)
-    return peak and peak[1]
+        return None
+    return peak[1]
 
 
 def device_name(device) -> str:
@@ -538,8 +542,8 @@ class Benchmark:
     providers: the default ones (a function of the parsed options, or a sequence, which --providers
     must then be a subset of unless `known_providers` says otherwise). shapes: the shape dicts.
     derive(rows, args): rows computed from the measured ones (e.g. tokens/s), appended to the CSV too.
-    The summary is the README's table of the run (`view`: a benchmarks.report.readme.View, default the
-    README's), then `notes` (or `notes(args)`). plot(csv, rows, args): draws the CSV, returns the PNG paths.
+    The summary is the README's table of the run (`view`, default the README's view), then `notes` (or
+    `notes(args)`). plot(csv, rows, args): draws the CSV, returns the PNG paths.
     """
 
     name: str
@@ -552,10 +556,10 @@ class Benchmark:
     warmup: tuple[int, int] = (1, 1)  # untimed calls: default, --quick
     threads: int | None = None  # default: every core
     derive: Callable[[list[dict], argparse.Namespace], list[dict]] | None = None
-    view: object = None
+    view: View | None = None
     notes: Sequence[str] | Callable[[argparse.Namespace], list[str]] = ()
     plot: Callable[[Path, list[dict], argparse.Namespace], list[Path]] | None = None
-    measure: str = "benchmarks.harness:measure_step"
+    measure: str = "benchmarks.harness:measure_step"  # worker_main's measure of one case
 
     def parser(self) -> argparse.ArgumentParser:
         doc = importlib.import_module(f"benchmarks.{self.name}").__doc__.split("\n")[0]

@@ -3,28 +3,21 @@ into a temp CSV, and the ablation swaps checked against prorl's own path. Never 
 
 from __future__ import annotations
 
-import csv
 import math
 
 import pytest
 import torch
 
-from benchmarks import harness, rl_step
+from benchmarks import rl_step
 
 
-def test_rl_step_prorl_and_trl_one_step(tmp_path, capsys):
+def test_rl_step_prorl_and_trl_one_step(tmp_path, run_main):
     pytest.importorskip("trl", reason="TRL is not installed (pip install trl)")
     pytest.importorskip("datasets", reason="TRL's GRPOTrainer needs datasets")
     out = tmp_path / "rl_step.csv"
     args = ["--providers", "prorl,trl", "--models", "tiny", "--prompts", "2", "--n", "2", "--max-new", "8"]
     args += ["--warmup", "0", "--reps", "1", "--threads", "1", "--out", str(out), "--no-plot"]
-    assert rl_step.main(args) == 0
-    assert "speed-up vs trl" in capsys.readouterr().out  # the summary table was printed
-
-    with open(out, newline="") as f:
-        reader = csv.DictReader(f)
-        assert tuple(reader.fieldnames) == harness.COLUMNS
-        rows = list(reader)
+    rows = run_main(rl_step.main, args, out, "speed-up vs trl")
     by = {(r["provider"], r["mode"], r["metric"]): r for r in rows}
     for provider in ("prorl", "trl"):
         for phase in ("gen", "reward", "old_logp", "update", "other", "step"):
