@@ -1,5 +1,6 @@
 """prorl benchmarks: `python -m benchmarks <name> [--quick]` (run from the repository root).
 
-`harness.py` times providers x modes x shapes in fresh worker processes and appends long-format rows to
-`benchmarks/results/<name>.csv`; each benchmark script defines its providers; `plot.py` draws the CSV.
+`harness.py` runs each provider of a benchmark in a fresh worker process and appends long-format rows to
+`benchmarks/results/<name>.csv`; each benchmark module defines its providers; `plot.py` draws the CSVs,
+`report/readme.py` writes the README's tables from them; `gpu/` holds the scripts for a GPU machine.
 """

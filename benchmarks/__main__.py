@@ -1,7 +1,9 @@
 """`python -m benchmarks <name> [args...]` runs benchmarks/<name>.py's `main(args)`; `--list` lists them.
 
-A benchmark is any module in this folder with a top-level `main` function, except the harness itself.
-Listing reads each module's docstring without importing it (no torch import just to list).
+A benchmark is any module in this folder with a top-level `main` (a function, or `main = BENCHMARK.main`),
+except the harness itself;
+`COMMANDS` adds the commands whose modules live in a sub-folder. Listing reads each module's docstring
+without importing it (no torch import just to list).
 """
 
 from __future__ import annotations
@@ -13,18 +15,24 @@ from pathlib import Path
 
 _HERE = Path(__file__).resolve().parent
 _NOT_BENCHMARKS = {"__init__", "__main__", "harness"}
+COMMANDS = {"readme": "benchmarks.report.readme", "gpu_profile_step": "benchmarks.gpu.profile_step"}
 
 
-def available() -> dict[str, str]:
-    """name -> first docstring line, for every module here that defines `main`."""
+def available() -> dict[str, tuple[str, str]]:
+    """name -> (module, first docstring line), for every module here that defines `main` and COMMANDS."""
+    modules = {p.stem: f"benchmarks.{p.stem}" for p in sorted(_HERE.glob("*.py"))}
     found = {}
-    for path in sorted(_HERE.glob("*.py")):
-        if path.stem in _NOT_BENCHMARKS or path.stem.startswith("_"):
+    for name, module in {**modules, **COMMANDS}.items():
+        if name in _NOT_BENCHMARKS or name.startswith("_"):
             continue
-        tree = ast.parse(path.read_text())
-        if any(isinstance(n, ast.FunctionDef) and n.name == "main" for n in tree.body):
-            found[path.stem] = (ast.get_docstring(tree) or "").strip().split("\n")[0]
-    return found
+        tree = ast.parse((_HERE.parent / (module.replace(".", "/") + ".py")).read_text())
+        names = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
+        names += [
+            t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)
+        ]
+        if "main" in names:
+            found[name] = (module, (ast.get_docstring(tree) or "").strip().split("\n")[0])
+    return dict(sorted(found.items()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -32,14 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     names = available()
     if not argv or argv[0] in ("-h", "--help", "--list"):
         print("usage: python -m benchmarks <name> [--quick] [--threads N] [--out CSV] [...]\n")
-        for name, doc in names.items():
+        for name, (_, doc) in names.items():
             print(f"  {name:<26} {doc}")
         return 0 if argv else 2
     name, rest = argv[0], argv[1:]
     if name not in names:
         print(f"unknown benchmark {name!r}; one of: {', '.join(names)}", file=sys.stderr)
         return 2
-    return importlib.import_module(f"benchmarks.{name}").main(rest) or 0
+    return importlib.import_module(names[name][0]).main(rest) or 0
 
 
 if __name__ == "__main__":

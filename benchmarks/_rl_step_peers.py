@@ -1,34 +1,23 @@
-"""The pieces of rl_step.py that are not prorl's own code path: TRL's GRPOTrainer instrumented per phase,
-and the three ablations that swap one prorl piece for the conventional one.
+"""The pieces of rl_step.py that are not prorl's own code path: TRL's GRPOTrainer instrumented per phase
+(`TRLPhases`, `run_trl`), and the three ablations that swap one prorl piece for the conventional one:
+`naive_lle` (nofused), `padded_logprobs` (nopack), `HFGenerator` (hfgen).
 
-Everything here is applied inside the benchmark's worker process (monkeypatches on one Trainer object
-or on `prorl.trainer`'s module globals); nothing in prorl changes.
-
-- `naive_logprob_entropy`: `nofused`, the [N, V] logits -> log_softmax path (the benchmark of the op,
-  benchmarks/linear_logprob_entropy.py, owns the function).
-- `padded_logprobs`: `nopack`, every sequence right-padded to the longest one of the batch and run as
-  one [S, Lmax] batch (one batched SDPA call, pad tokens through every layer and the LM head), as a
-  padded trainer does; the real tokens' values are gathered back in packed order.
-- `HFGenerator`: `hfgen`, `transformers.generate` on a Qwen2ForCausalLM holding the policy's weights
-  (copied in before every call: ~2 ms at these sizes), sampled-token log-probs from `output_scores`,
-  with the generation settings TRL uses (dynamic cache, top_k=0, top_p=1).
-- `TRLPhases` + `run_trl`: TRL's GRPOTrainer.train() for warmup + reps optimizer steps, timed by
-  wrapping its methods on the instance (TRL's own `profiling_context` only reports to W&B / MLflow).
+`rl_step.prorl_trainer` applies the ablations inside the benchmark's worker process (swaps on one
+Trainer object or on `prorl.trainer`'s module globals); nothing in prorl changes.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
-import types
 
 import torch
 
+from benchmarks.harness import dist_version
 from benchmarks.linear_logprob_entropy import naive_logprob_entropy
 
-# --------------------------------------------------------------------------------------------------
-# Ablations of prorl's Trainer
-# --------------------------------------------------------------------------------------------------
+# --- Ablations of prorl's Trainer -----------------------------------------------------------------
 
 
 def naive_lle(hidden, weight, labels, temperature=1.0, ignore_index=-100, return_entropy=True):
@@ -57,19 +46,20 @@ def _padded_attention_backend(length: int):
     return PaddedSDPA()
 
 
-def padded_logprobs(self, model, batch, grad: bool, entropy: bool = False):
-    """Trainer.logprobs on right-padded [S, Lmax] input (bound to a Trainer with types.MethodType). Needs
-    plain packing (share_prompts off: a shared-prompt layout has no padded equivalent)."""
-    import prorl.trainer
+def padded_logprobs(model, batch, temperature, grad: bool, entropy: bool = False, lle=None):
+    """Trainer.logprobs as a padded trainer computes it: every sequence right-padded to the longest one
+    of the batch and run as one [S, Lmax] batch (one batched SDPA call, pad tokens through every layer
+    and the LM head); the real tokens' values, from `lle` (default the fused op), in packed order.
+    Needs plain packing (share_prompts off: a shared-prompt layout has no padded equivalent)."""
+    from prorl.kernels import linear_logprob_entropy
 
     if batch.kv_index is not None:
         raise ValueError("padded_logprobs needs trainer.share = False (plain packing)")
     lengths = batch.cu_seqlens.diff().long()
-    s, lmax = lengths.numel(), int(lengths.max())
-    valid = torch.arange(lmax, device=lengths.device)[None, :] < lengths[:, None]  # [S, Lmax], row-major
-    pid = torch.zeros(s, lmax, dtype=batch.ids.dtype, device=lengths.device)
+    s, lmax, dev = lengths.numel(), int(lengths.max()), lengths.device
+    valid = torch.arange(lmax, device=dev)[None, :] < lengths[:, None]  # [S, Lmax], row-major
+    pid = torch.zeros(s, lmax, dtype=batch.ids.dtype, device=dev)
     pid[valid] = batch.ids
-    dev = lengths.device
     pcu = (torch.arange(s + 1, device=dev) * lmax).to(torch.int32)
     padded_row = torch.arange(s * lmax, device=dev).view(s, lmax)[valid]  # packed token -> row in [S * Lmax]
     saved = model.attention
@@ -77,30 +67,27 @@ def padded_logprobs(self, model, batch, grad: bool, entropy: bool = False):
     try:
         with torch.set_grad_enabled(grad):
             hidden = model(pid.view(-1), cu_seqlens=pcu).index_select(0, padded_row[batch.hidden_rows])
-            return prorl.trainer.linear_logprob_entropy(
-                hidden,
-                model.lm_head_weight,
-                batch.labels,
-                temperature=self.logprob_temperature,
-                return_entropy=entropy,
+            return (lle or linear_logprob_entropy)(
+                hidden, model.lm_head_weight, batch.labels, temperature=temperature, return_entropy=entropy
             )
     finally:
         model.attention = saved
 
 
 class HFGenerator:
-    """`Generator` interface over `transformers.generate`, weights copied from the policy before each call."""
+    """`Generator` interface over `transformers.generate` on a Qwen2ForCausalLM holding the policy's
+    weights (copied in before every call: ~2 ms at these sizes); sampled-token log-probs from
+    `output_scores`; the generation settings TRL uses (dynamic cache, top_k=0, top_p=1)."""
 
     def __init__(self, policy, model_path: str, pad_token_id: int):
         import transformers
         from prorl.engine.model.hf_io import hf_name
 
         self.policy, self.pad = policy, pad_token_id
-        weight = next(policy.parameters())  # the policy's dtype and device (CPU: fp32, as before)
-        self.hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=weight.dtype).eval()
-        if weight.device.type != "cpu":
-            self.hf = self.hf.to(weight.device)
+        weight = next(policy.parameters())  # the policy's dtype and device
         self.device = weight.device
+        self.hf = transformers.AutoModelForCausalLM.from_pretrained(model_path, dtype=weight.dtype)
+        self.hf = self.hf.to(self.device).eval()
         hf_state = self.hf.state_dict()  # detached tensors sharing the model's storage
         ours = policy.state_dict(keep_vars=True)  # the live parameters
         missing = [k for k in ours if hf_name(k) not in hf_state]
@@ -126,21 +113,15 @@ class HFGenerator:
             x = prompt_token_ids[p]
             ids[r, width - len(x) :] = torch.tensor(x)
             mask[r, width - len(x) :] = 1
-        if self.device.type != "cpu":
-            ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = ids.to(self.device), mask.to(self.device)
         torch.manual_seed(params.seed)
+        sampling = dict(
+            do_sample=params.temperature > 0, temperature=params.temperature or None, top_p=params.top_p
+        )
+        sampling.update(top_k=0 if params.top_k < 0 else params.top_k, max_new_tokens=params.max_new_tokens)
+        stop = dict(eos_token_id=list(params.stop_token_ids) or None, pad_token_id=self.pad)
         out = self.hf.generate(
-            ids,
-            attention_mask=mask,
-            do_sample=params.temperature > 0,
-            temperature=params.temperature if params.temperature > 0 else None,
-            top_k=0 if params.top_k < 0 else params.top_k,
-            top_p=params.top_p,
-            max_new_tokens=params.max_new_tokens,
-            eos_token_id=list(params.stop_token_ids) or None,
-            pad_token_id=self.pad,
-            output_scores=True,
-            return_dict_in_generate=True,
+            ids, attention_mask=mask, **sampling, **stop, output_scores=True, return_dict_in_generate=True
         )
         new = out.sequences[:, width:]  # [B, T]
         scores = torch.stack(out.scores, dim=1).float()  # [B, T, V] temperature-scaled logits
@@ -160,33 +141,7 @@ class HFGenerator:
         pass  # weights are copied from the policy at every generate()
 
 
-def apply_ablations(trainer, flags: list[str], model_path: str, tokenizer) -> None:
-    """Swap the pieces named in `flags` (nofused, nopack, noshare, hfgen; compile switches one on)."""
-    known = {"nofused", "nopack", "noshare", "hfgen", "compile"}
-    unknown = set(flags) - known
-    if unknown:
-        raise ValueError(f"unknown prorl variant(s) {sorted(unknown)}; known: {sorted(known)}")
-    if "compile" in flags:  # the native sampler's decode step under torch.compile (rollout.compile)
-        from prorl.engine.rollout import NativeGenerator
-
-        trainer.generator = trainer.sampler.generator = NativeGenerator(trainer.sampler_model, compile=True)
-    if "noshare" in flags:
-        trainer.share = False  # every response packed with its own copy of the prompt
-    if "nofused" in flags:
-        import prorl.trainer
-
-        prorl.trainer.linear_logprob_entropy = naive_lle  # the module global Trainer.logprobs calls
-    if "nopack" in flags:
-        trainer.share = False  # one sequence per prompt + response, each padded to the longest
-        trainer.logprobs = types.MethodType(padded_logprobs, trainer)
-    if "hfgen" in flags:
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        trainer.generator = trainer.sampler.generator = HFGenerator(trainer.policy, model_path, pad)
-
-
-# --------------------------------------------------------------------------------------------------
-# TRL
-# --------------------------------------------------------------------------------------------------
+# --- TRL ------------------------------------------------------------------------------------------
 
 
 def math_reward(completions, ground_truth, **kwargs) -> list[float]:
@@ -201,7 +156,8 @@ _PHASES = ("gen", "reward", "old_logp", "update")
 
 
 class TRLPhases:
-    """Per-optimizer-step phase times of a GRPOTrainer, from wrappers on its instance methods.
+    """Per-optimizer-step phase times of a GRPOTrainer, from wrappers on its instance methods (TRL's own
+    `profiling_context` reports only to W&B / MLflow).
 
     gen = `_generate` (prompt tokenisation, `generate`, decoding); reward = `_calculate_rewards`;
     old_logp = `_get_per_token_logps_and_entropies` under no_grad (the reference model's pass, and the
@@ -218,7 +174,7 @@ class TRLPhases:
 
     @staticmethod
     def _fresh() -> dict:
-        return dict.fromkeys((*_PHASES, "tokens", "_prepare", "_ts_end"), 0.0)
+        return dict.fromkeys((*_PHASES, "tokens", "_prepare", "_ts_end", "_gs"), 0.0)
 
     def _timed(self, fn, key, when=None):
         def wrapper(*args, **kwargs):
@@ -235,7 +191,6 @@ class TRLPhases:
     def instrument(self, trainer) -> None:
         from transformers import TrainerCallback
 
-        self._cur["_gs"] = 0.0
         trainer._generate = self._timed(trainer._generate, "gen")
         trainer._calculate_rewards = self._timed(trainer._calculate_rewards, "reward")
         trainer._get_per_token_logps_and_entropies = self._timed(
@@ -267,24 +222,20 @@ class TRLPhases:
                 t = time.perf_counter()
                 cur = phases._cur
                 cur["update"] += t - cur["_ts_end"]
-                rss, extra = phases.memory.stop()
+                rss, extra = phases.memory.stop() or (math.nan, math.nan)
                 rec = {k: cur[k] for k in (*_PHASES, "tokens")}
                 rec.update(step=t - phases._t_end, peak_rss=rss, peak_extra_memory=extra)
                 phases.records.append(rec)
                 phases._cur = phases._fresh()
-                phases._cur["_gs"] = 0.0
                 phases.memory.start()  # untimed: the next step's interval starts after it
                 phases._t_end = time.perf_counter()
 
         trainer.add_callback(_Clock())
 
 
-def run_trl(
-    work: dict, model_path: str, warmup: int, reps: int, memory, gpu: bool, gen: str = "vllm"
-) -> tuple[list[dict], str]:
+def run_trl(work: dict, model_path: str, steps: int, memory, gpu: bool, gen: str = "vllm") -> tuple:
     """TRL's GRPOTrainer on the same model, prompts and settings; returns (per-step records, note). On
     `gpu`, `gen` = "vllm" (colocated vLLM) or "native" (transformers.generate on CUDA, use_vllm=False)."""
-    import importlib.metadata
     import shutil
     import tempfile
 
@@ -299,42 +250,20 @@ def run_trl(
     ds = Dataset.from_list([{"prompt": e.prompt, "ground_truth": e.ground_truth} for e in examples])
     p, n = work["prompts"], work["n"]
     dtype = torch.bfloat16 if gpu else torch.float32
-    kwargs = dict(
-        output_dir=(out_dir := tempfile.mkdtemp(prefix="rl_step_trl_")),
-        per_device_train_batch_size=p * n,  # completions per optimizer step = P prompts x n
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
-        num_iterations=1,
-        num_generations=n,
-        max_completion_length=work["max_new"],
-        temperature=1.0,
-        top_p=1.0,
-        top_k=0,
-        loss_type="dapo",  # token-level loss
-        epsilon=0.2,
-        epsilon_high=0.28,
-        beta=1e-4,
-        learning_rate=work["lr"],
-        lr_scheduler_type="constant",
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        # TRL defaults to activation checkpointing (an extra forward in backward); prorl does not
-        # checkpoint here, so TRL must not either: equal work
-        gradient_checkpointing=False,
-        max_steps=warmup + reps,
-        bf16=gpu,
-        use_cpu=not gpu,
-        model_init_kwargs={"dtype": dtype},
-        logging_steps=10**6,
-        save_strategy="no",
-        report_to="none",
-        disable_tqdm=True,
-        dataloader_num_workers=0,
-        seed=0,
-        log_completions=False,
-    )
+    out_dir = tempfile.mkdtemp(prefix="rl_step_trl_")
+    # one optimizer step per generation of P prompts x n completions, one update each
+    kwargs = dict(per_device_train_batch_size=p * n, gradient_accumulation_steps=1, max_steps=steps)
+    kwargs.update(steps_per_generation=1, num_iterations=1, num_generations=n, seed=0)
+    kwargs.update(max_completion_length=work["max_new"], temperature=1.0, top_p=1.0, top_k=0)
+    kwargs.update(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=1e-4)  # token-level loss
+    kwargs.update(learning_rate=work["lr"], lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0)
+    # TRL defaults to activation checkpointing (an extra forward in backward); prorl does not
+    # checkpoint here, so TRL must not either: equal work
+    kwargs.update(gradient_checkpointing=False, bf16=gpu, use_cpu=not gpu, model_init_kwargs={"dtype": dtype})
+    kwargs.update(output_dir=out_dir, logging_steps=10**6, save_strategy="no", report_to="none")
+    kwargs.update(disable_tqdm=True, dataloader_num_workers=0, log_completions=False)
     use_vllm = gpu and gen == "vllm"
-    if use_vllm:  # UNVERIFIED: colocated vLLM (TRL's recipe for one GPU)
+    if use_vllm:  # colocated vLLM (TRL's recipe for one GPU)
         for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
             os.environ.setdefault(k, v)
         os.environ.setdefault("MASTER_PORT", "29517")
@@ -352,7 +281,7 @@ def run_trl(
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     note = (
-        f"trl={importlib.metadata.version('trl')} transformers={importlib.metadata.version('transformers')} "
+        f"trl={dist_version('trl')} transformers={dist_version('transformers')} "
         f"loss=dapo kl=k3 old_logp={'recomputed' if use_vllm else 'skipped (on-policy)'} "
         f"gen={'vllm-colocate' if use_vllm else 'transformers.generate'} reward=in-process"
         + (" dtype=bfloat16" if gpu else "")

@@ -5,12 +5,10 @@
 The op: one advantage per response from its scalar reward and its group (the n responses to one prompt),
 for G groups of n = 16 responses (B = G n), float32 rewards in {0, 1}, response lengths uniform in
 [1, 1024] tokens, groups contiguous and in order. Two algorithms (the `shape` column names it):
-
 - `reinforce++-baseline` (ProRL v2): reward minus its group mean, then whitened over the whole batch with
   token weights (each response weighs its length);
 - `grpo` (ProRL v1): (reward - group mean) / (group std + 1e-6), the UNBIASED std as verl computes it
   (our op with std_unbiased=True).
-
 Only mode `forward` exists (nothing to differentiate); rows are time and peak extra memory.
 
 Providers:
@@ -23,13 +21,10 @@ Providers:
   tensor, which weighs each response by its length the same way; the per-response form is cheaper and
   is what is timed). Its group ids arrive as a Python list (verl's are a numpy array of uid strings),
   built outside the timed call.
-
-Timing on this shared 2-core machine is noisy: compare ratios within one invocation (harness.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections import defaultdict
 
@@ -126,58 +121,23 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     raise ValueError(f"unknown provider {provider!r}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n")[0])
+def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"G in {QUICK_GROUPS}, 2 reps (seconds)")
-    harness.add_standard_args(p, NAME, reps="default 10, --quick 2", warmup=1, device=True)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--groups", default=None, help=f"comma-separated group counts G (default {GROUPS})")
     p.add_argument("--n", type=int, default=N_PER_GROUP, help="responses per group")
-    p.add_argument("--algos", default=",".join(ALGOS), help="comma-separated subset of the algorithms")
-    args = p.parse_args(argv)
+    p.add_argument("--algos", type=harness.subset_of(ALGOS), default=",".join(ALGOS), help="comma-separated")
 
-    harness.check_device(p, args)
+
+def _shapes(args) -> list[dict]:
     groups = (
-        [int(x) for x in args.groups.split(",")]
-        if args.groups
-        else list(QUICK_GROUPS if args.quick else GROUPS)
+        [int(x) for x in args.groups.split(",")] if args.groups else QUICK_GROUPS if args.quick else GROUPS
     )
-    algos = args.algos.split(",")
-    unknown = [a for a in algos if a not in ALGOS]
-    if unknown:
-        p.error(f"unknown algorithms {unknown}; choose from {ALGOS}")
-    shapes = [make_shape(g, args.n, a) for g in groups for a in algos]
-    providers = args.providers.split(",") if args.providers else list(PROVIDERS)
-    rows, errors = harness.run_benchmark(
-        NAME,
-        "benchmarks.advantages",
-        providers,
-        ["forward"],
-        shapes,
-        device=args.device,
-        threads=args.threads,
-        warmup=args.warmup,
-        reps=args.reps or (2 if args.quick else 10),
-        out=args.out,
-        timeout=args.timeout,
-    )
-    print(harness.summary_table(rows, floor=None, reference="python-loop"))
-    times = {(r["shape"], r["provider"]): r["p50"] for r in rows if r["metric"] == "time"}
-    print("\nspeed-up over python-loop (p50 ratio, this invocation):")
-    for shape in dict.fromkeys(s for s, _ in times):
-        loop = times.get((shape, "python-loop"))
-        if not loop:  # the loop ran out of time on this shape
-            continue
-        ours = [
-            f"{p} {loop / times[(shape, p)]:.0f}x"
-            for p in providers
-            if p != "python-loop" and (shape, p) in times
-        ]
-        if ours:
-            print(f"  {shape}: {', '.join(ours)}")
-    for e in errors:
-        print(f"error: {e}", file=sys.stderr)
-    return 1 if errors and not rows else 0
+    return [make_shape(g, args.n, a) for g in groups for a in args.algos]
 
+
+BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, modes=("forward",), reps=(10, 2))
+main = BENCHMARK.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -14,12 +14,10 @@ elements; time is per call, the slowest rank's, averaged over `--iters` calls af
 (with a barrier before each timed batch); algbw = size / time; busbw = algbw x 2(n-1)/n for all-reduce
 and x (n-1)/n for all-gather and reduce-scatter, the per-link bandwidth a ring needs, comparable
 across rank counts. p50/p20/p80 are over `--reps` batches. Sizes: 1 KiB to 64 MiB by 4x (`--quick`:
-1 KiB, 32 KiB, 1 MiB, 8 MiB).
-
-When nccl-tests' binaries (`all_reduce_perf`, `all_gather_perf`, `reduce_scatter_perf`) are on PATH
-and CUDA is present, the parent also runs each single-process over `--ranks` GPUs (`-g N`, same sizes)
-and records their out-of-place time / algbw / busbw under provider `nccl-tests` (UNVERIFIED: no GPU
-or nccl-tests when this was written; the parser reads their standard table).
+1 KiB, 32 KiB, 1 MiB, 8 MiB). When nccl-tests' binaries (`all_reduce_perf`, `all_gather_perf`,
+`reduce_scatter_perf`) are on PATH and CUDA is present, the parent also runs each single-process over
+`--ranks` GPUs (`-g N`, same sizes) and records their out-of-place time / algbw / busbw (their standard
+table) under provider `nccl-tests`.
 
 Rows (harness.COLUMNS): provider `torch-gloo` / `torch-nccl` / `nccl-tests`, mode = the op, shape =
 "<size> B world=<n>", metrics `time` (us), `algbw` and `busbw` (GB/s, 1e9 bytes). Plot:
@@ -41,7 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import harness
+from benchmarks import harness, plot
+from benchmarks.report import readme
+from benchmarks.report.readme import View
 
 NAME = "collectives"
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
@@ -60,33 +60,13 @@ def bus_factor(op: str, world: int) -> float:
 
 
 def _rows_for(provider, op, size, world, times_s: list[float]) -> list[dict]:
-    """time (us), algbw, busbw rows (GB/s); rate quantiles come from the opposite time quantiles."""
-    q = {k: harness.quantile(times_s, f) for k, f in (("p50", 0.5), ("p20", 0.2), ("p80", 0.8))}
-    shape = f"{size} B world={world}"
-    rows = [
-        dict(
-            provider=provider,
-            mode=op,
-            shape=shape,
-            metric="time",
-            unit="us",
-            **{k: v * 1e6 for k, v in q.items()},
-        )
-    ]
-    alg = {"p50": size / q["p50"] / 1e9, "p20": size / q["p80"] / 1e9, "p80": size / q["p20"] / 1e9}
-    rows.append(dict(provider=provider, mode=op, shape=shape, metric="algbw", unit="GB/s", **alg))
-    f = bus_factor(op, world)
-    rows.append(
-        dict(
-            provider=provider,
-            mode=op,
-            shape=shape,
-            metric="busbw",
-            unit="GB/s",
-            **{k: v * f for k, v in alg.items()},
-        )
+    """time (us), algbw and busbw (GB/s) rows; rate quantiles come from the opposite time quantiles."""
+    t = harness.row(
+        "time", "us", [x * 1e6 for x in times_s], provider=provider, mode=op, shape=f"{size} B world={world}"
     )
-    return rows
+    alg = harness.rate_row(t, size / 1e9, "algbw", "GB/s", seconds_per_unit=1e-6)
+    f = bus_factor(op, world)
+    return [t, alg, dict(alg, metric="busbw", **{k: alg[k] * f for k in ("p50", "p20", "p80")})]
 
 
 def rank_main(args) -> dict | None:
@@ -103,14 +83,12 @@ def rank_main(args) -> dict | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda") if cuda else torch.device("cpu")
 
-    def sync():
-        if cuda:
-            torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     # torch 2.13 renamed reduce_scatter_tensor (deprecated there) to reduce_scatter_single
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     rows = []
-    for op in args.ops.split(","):
+    for op in args.ops:
         for size in [int(s) for s in args.sizes.split(",")]:
             numel = size // 4
             piece = max(numel // world, 1)
@@ -120,11 +98,9 @@ def rank_main(args) -> dict | None:
             elif op == "all_gather":
                 inp, out = torch.ones(piece, device=device), torch.empty(piece * world, device=device)
                 call = lambda inp=inp, out=out: dist.all_gather_into_tensor(out, inp)
-            elif op == "reduce_scatter":
+            else:  # reduce_scatter
                 inp, out = torch.ones(piece * world, device=device), torch.empty(piece, device=device)
                 call = lambda inp=inp, out=out: reduce_scatter(out, inp)
-            else:
-                raise ValueError(f"unknown op {op!r}; one of {OPS}")
             size_eff = (numel if op == "all_reduce" else piece * world) * 4
             iters = max(1, min(args.iters, int(args.budget_bytes // max(size_eff, 1))))
             for _ in range(args.warmup):
@@ -158,14 +134,9 @@ def parse_nccl_tests(text: str, op: str, world: int) -> list[dict]:
         parts = line.split()
         if len(parts) < 8 or not parts[0].isdigit() or not re.fullmatch(r"[\d.]+", parts[5]):
             continue
-        size, t_us, algbw, busbw = int(parts[0]), float(parts[5]), float(parts[6]), float(parts[7])
-        shape = f"{size} B world={world}"
-        for metric, unit, v in (("time", "us", t_us), ("algbw", "GB/s", algbw), ("busbw", "GB/s", busbw)):
-            rows.append(
-                dict(
-                    provider="nccl-tests", mode=op, shape=shape, metric=metric, unit=unit, p50=v, p20=v, p80=v
-                )
-            )
+        case = dict(provider="nccl-tests", mode=op, shape=f"{int(parts[0])} B world={world}")
+        for metric, unit, v in zip(("time", "algbw", "busbw"), ("us", "GB/s", "GB/s"), parts[5:8]):
+            rows.append(harness.single_row(metric, unit, float(v), **case))
     return rows
 
 
@@ -184,43 +155,12 @@ def run_nccl_tests(ops, sizes, nproc) -> tuple[list[dict], list[str]]:
     return rows, errors
 
 
-def plot(rows: list[dict], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    fig, ax = plt.subplots(figsize=(6, 4.5))
-    for provider in dict.fromkeys(r["provider"] for r in rows):
-        for op in OPS:
-            pts = sorted(
-                (int(r["shape"].split()[0]), r["p50"])
-                for r in rows
-                if r["provider"] == provider and r["mode"] == op and r["metric"] == "busbw"
-            )
-            if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{op} ({provider})")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("size (bytes, nccl-tests convention)")
-    ax.set_ylabel("bus bandwidth (GB/s, p50)")
-    ax.legend(fontsize=7)
-    world = rows[0]["shape"].split("world=")[1] if rows else "?"
-    ax.set_title(f"collectives, {world} ranks - {rows[0].get('device', '')}", fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
-
-
 def _args(argv):
     p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="sizes 1 KiB, 32 KiB, 1 MiB, 8 MiB; 3 reps")
     p.add_argument("--ranks", type=int, default=2, help="processes (torchrun --nproc_per_node)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--ops", default=",".join(OPS))
+    p.add_argument("--ops", type=harness.subset_of(OPS), default=",".join(OPS), help="comma-separated")
     p.add_argument("--sizes", default=None, help="comma-separated bytes (default 1 KiB .. 64 MiB by 4x)")
     p.add_argument("--iters", type=int, default=20, help="calls per timed batch (fewer for large sizes)")
     p.add_argument("--budget-bytes", type=float, default=2e9, help="cap on iters x size per timed batch")
@@ -237,7 +177,8 @@ def _args(argv):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _args(argv)
     if "LOCAL_RANK" in os.environ:  # under torchrun: be a rank
         measured = rank_main(args)
         if measured is None:
@@ -249,79 +190,41 @@ def main(argv: list[str] | None = None) -> int:
         return _finish(args, measured, [])
     with tempfile.TemporaryDirectory() as tmp:
         result = os.path.join(tmp, "rows.json")
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={args.ranks}",
-        ]
-        cmd += [
-            "-m",
-            "benchmarks.collectives",
-            *(argv if argv is not None else sys.argv[1:]),
-            "--result",
-            result,
-        ]
-        env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(harness.REPO_ROOT), env.get("PYTHONPATH", "")) if p
-        )
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd = [*torchrun, f"--nproc_per_node={args.ranks}"]
+        cmd += ["-m", "benchmarks.collectives", *argv, "--result", result]
         print(f"{NAME}: {' '.join(cmd[1:-2])}", flush=True)
-        rc = subprocess.run(cmd, cwd=harness.REPO_ROOT, env=env).returncode
+        rc = subprocess.run(cmd, cwd=harness.REPO_ROOT, env=harness.subprocess_env(args.threads)).returncode
         if rc != 0 or not os.path.exists(result):
             print(f"{NAME}: torchrun exited with {rc}", file=sys.stderr)
             return 1
-        measured = _load(result)
+        with open(result) as f:
+            measured = json.load(f)
     errors = []
     import torch
 
     if torch.cuda.is_available() and not args.cpu:
-        nt_rows, errors = run_nccl_tests(
-            args.ops.split(","), [int(s) for s in args.sizes.split(",")], args.ranks
-        )
-        for r in nt_rows:
-            r["device"] = measured["device"]
-        measured["rows"] += nt_rows
+        sizes = [int(s) for s in args.sizes.split(",")]
+        nt_rows, errors = run_nccl_tests(args.ops, sizes, args.ranks)
+        measured["rows"] += [dict(r, device=measured["device"]) for r in nt_rows]
     return _finish(args, measured, errors)
 
 
-def _load(path: str) -> dict:
-    with open(path) as f:
-        return json.load(f)
+VIEW = View("busbw", ("time", "algbw"), (("nccl-tests", "multiple"),), higher_is_better=True)  # the console's
 
 
 def _finish(args, measured: dict, errors: list[str]) -> int:
     out = Path(args.out) if args.out else harness.RESULTS_DIR / f"{NAME}.csv"
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    versions = measured["versions"]
-    rows = [
-        dict(
-            r,
-            name=NAME,
-            device=measured["device"],
-            versions=versions,
-            git_rev=harness.git_rev(),
-            timestamp=stamp,
-        )
-        for r in measured["rows"]
-    ]
+    common = dict(name=NAME, device=measured["device"], versions=measured["versions"])
+    common.update(git_rev=harness.git_rev(), timestamp=harness.utc_now())
+    rows = [dict(r, **common) for r in measured["rows"]]
     harness.append_csv(out, rows)
-    by = {(r["provider"], r["mode"], r["shape"], r["metric"]): r for r in rows}
-    print(
-        f"\n{'provider':<12} {'op':<15} {'size B':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"
-    )
-    for (provider, op, shape, metric), r in by.items():
-        if metric == "time":
-            alg, bus = by[(provider, op, shape, "algbw")], by[(provider, op, shape, "busbw")]
-            print(
-                f"{provider:<12} {op:<15} {shape.split()[0]:>10} {r['p50']:>10.1f} {alg['p50']:>11.3f} "
-                f"{bus['p50']:>11.3f}"
-            )
+    print(readme.summary(NAME, rows, VIEW))
     if rows and not args.no_plot:
-        png = plot(rows, out.with_suffix(".png"))
-        if png:
-            print(f"plot: {png}")
+        try:
+            print(f"plot: {plot.bandwidth(rows, out.with_suffix('.png'), list(OPS))}")
+        except ImportError as exc:
+            print(f"no plot: {exc}", file=sys.stderr)
     for e in errors:
         print(f"error: {e}", file=sys.stderr)
     return 0 if rows else 1

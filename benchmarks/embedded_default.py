@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
-from benchmarks import harness
+from benchmarks import harness, plot
+from benchmarks.report import readme
 
 NAME = "embedded_default"
 
@@ -40,7 +41,7 @@ def control_curve(path: Path, start_accuracy: float) -> list[tuple[float, float]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.splitlines()[0])
     ap.add_argument("--run", required=True, type=Path, help="run directory of the embedded default")
     ap.add_argument("--control", required=True, type=Path, help="warmstart.jsonl of the SFT control")
     ap.add_argument("--out", type=Path, default=harness.RESULTS_DIR / f"{NAME}.csv")
@@ -48,54 +49,25 @@ def main(argv=None) -> int:
 
     rl = rl_curve(args.run)
     control = control_curve(args.control, rl[0][1])
-    stamp = time.strftime("%Y-%m-%dT%H:%M:%S")
-    device = harness.device_name(__import__("torch").device("cpu"))
+    common = dict(name=NAME, mode="greedy-200-heldout", shape="digit_sums", git_rev=harness.git_rev())
+    common.update(device=harness.device_name(SimpleNamespace(type="cpu")), timestamp=harness.utc_now())
     rows = []
     for provider, curve in (("prorl-rl", rl), ("sft-control", control)):
         last = [a for _, a in curve[-3:]]
+        case = dict(common, provider=provider)
+        case["versions"] = "OMP_NUM_THREADS=1 2 procs" if provider == "prorl-rl" else "1 proc"
         for metric, unit, value in (
             ("accuracy_before", "fraction", curve[0][1]),
             ("accuracy_after_mean_last3", "fraction", sum(last) / len(last)),
             ("accuracy_max", "fraction", max(a for _, a in curve)),
             ("wall_time", "s", curve[-1][0]),
         ):
-            rows.append(
-                dict(
-                    name=NAME,
-                    provider=provider,
-                    mode="greedy-200-heldout",
-                    shape="digit_sums",
-                    metric=metric,
-                    unit=unit,
-                    p50=value,
-                    p20=value,
-                    p80=value,
-                    device=device,
-                    versions="OMP_NUM_THREADS=1 2 procs" if provider == "prorl-rl" else "1 proc",
-                    git_rev=harness.git_rev(),
-                    timestamp=stamp,
-                )
-            )
+            rows.append(harness.single_row(metric, unit, value, **case))
     harness.append_csv(args.out, rows)
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6))
-    ax.plot([t / 60 for t, _ in rl], [a for _, a in rl], "o-", label="RL (prorl, embedded default)")
-    ax.plot([t / 60 for t, _ in control], [a for _, a in control], "s--", label="further SFT (control)")
-    ax.set_xlabel("minutes of training after the warm-start")
-    ax.set_ylabel("held-out greedy accuracy (200)")
-    ax.set_ylim(0, 1.05)
-    ax.legend(loc="center right")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    png = args.out.with_suffix(".png")
-    fig.savefig(png, dpi=100)
-    for r in rows:
-        print(f"{r['provider']:12s} {r['metric']:28s} {r['p50']:.3f} {r['unit']}")
+    curves = {"RL (prorl, embedded default)": rl, "further SFT (control)": control}
+    xlabel, ylabel = "minutes of training after the warm-start", "held-out greedy accuracy (200)"
+    png = plot.curves(curves, args.out.with_suffix(".png"), xlabel, ylabel)
+    print(readme.summary(NAME, rows))
     print(f"wrote {args.out} and {png}")
     return 0
 

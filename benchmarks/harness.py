@@ -1,38 +1,33 @@
 """The shared benchmark harness: providers x modes x shapes -> time, throughput and peak extra memory.
 
-A benchmark script defines `build(provider, mode, shape, device) -> Step | None` (None: the provider
-has no such mode) and calls `run_benchmark`. Each provider runs in its own fresh worker process (same
-interpreter, `OMP_NUM_THREADS` and `torch.set_num_threads` both set to `threads`), so no provider
-inherits another's allocator state, compiled-graph caches or freed-but-still-resident memory.
+A benchmark module defines `build(provider, mode, shape, device) -> Step | None` (None: the provider
+has no such mode) and a `Benchmark`, whose `main` is its command line. Each provider runs in its own
+fresh worker process (same interpreter, `OMP_NUM_THREADS` and `torch.set_num_threads` both `threads`),
+so no provider inherits another's allocator state, compiled-graph caches or resident freed memory.
 
 What is measured, per (provider, shape, mode):
-
 - time (ms): `warmup` untimed calls (they also absorb torch.compile and Triton JIT), then `reps` timed
   calls; p50/p20/p80 over the reps (linear interpolation). Each call is `step.prepare()` (untimed: e.g.
   clear `.grad`, or run the forward for mode `backward`) then `step.run()` timed with
   `time.perf_counter`, with `torch.cuda.synchronize()` on both sides on CUDA.
 - gflops (CPU) / tflops and peak_fraction (% of `peak_tflops`, CUDA): `step.flops` / time per rep, the
   same nominal FLOP count for every provider of a mode ("effective" throughput).
-- peak_extra_memory (MB = 2**20 bytes), one call after the timed ones. The baseline is taken after the
-  inputs exist and after `step.prepare()` (so for mode `backward` it excludes what the forward saved):
-  * CUDA: `torch.cuda.max_memory_allocated()` after `reset_peak_memory_stats()`, minus
-    `memory_allocated()` before the call (what the caching allocator handed out, not what it reserved).
-  * CPU: the kernel's resident-set high-water mark. Before the call: `gc.collect()`, glibc
-    `malloc_trim(0)` (returns freed heap pages, so memory left cached by earlier calls cannot hide the
-    call's own use), then reset the high-water mark VmHWM to the current resident set by writing 5 to
-    /proc/self/clear_refs (Linux >= 4.0) and take it as the baseline. After the call: VmHWM - baseline.
-    The mark is exact (kept by the kernel, not sampled); it counts every resident page, so it includes
-    allocator rounding and first-touch of thread stacks.
-    Where clear_refs cannot be written no memory row is written (a warning is printed).
-  Memory is one call, so p20 = p50 = p80.
+- peak_extra_memory (MB = 2**20 bytes) of one call after the timed ones (`PeakMemory`), above a
+  baseline taken after the inputs exist and after `step.prepare()` (for mode `backward` it excludes
+  what the forward saved). CUDA: `max_memory_allocated()` after `reset_peak_memory_stats()` minus
+  `memory_allocated()` before (what the caching allocator handed out, not what it reserved). CPU: the
+  kernel's resident-set high-water mark VmHWM, reset to the current resident set (5 written to
+  /proc/self/clear_refs, Linux >= 4.0) after `gc.collect()` and glibc `malloc_trim(0)` (so memory left
+  cached by earlier calls cannot hide the call's own use). The mark is exact (kept by the kernel, not
+  sampled) and counts every resident page, allocator rounding and thread-stack first-touch included.
+  Where clear_refs cannot be written no memory row is written. One call: p20 = p50 = p80.
 
 Rows are appended to the CSV with the columns in `COLUMNS` (one row per metric; DESIGN.md "Public
 names"). `device` is the CPU model (/proc/cpuinfo) or the GPU name; `versions` lists torch, triton,
 liger-kernel, the thread settings and any note of the provider; `git_rev` is the short commit with
 `+dirty` when tracked files differ from it; one `timestamp` (UTC, ISO 8601) per invocation; `command`
-is the invocation that produced the row (`command_line()`: the writing process's sys.argv, i.e. the
-parent's, since rows are written by the parent, never by a provider's worker). CSVs written before the
-`command` column existed get it on the next append, empty (= not recorded) for their old rows.
+is the invocation that produced the row (`command_line()` of the parent, which writes every row). CSVs
+written before the `command` column existed get it on the next append, empty for their old rows.
 
 Timing on shared machines varies (MACHINE-NOTES: up to 30x with 2 threads on 2 busy cores): providers
 run one after another, so compare ratios within one invocation and look at the p20-p80 spread.
@@ -40,16 +35,19 @@ run one after another, so compare ratios within one invocation and look at the p
 
 from __future__ import annotations
 
+import argparse
 import csv
 import ctypes
 import datetime
 import gc
+import hashlib
 import importlib
 import importlib.metadata
 import json
 import os
 import platform
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -57,32 +55,19 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from benchmarks.report.readme import View
 
 MODES = ("forward", "backward", "full")
-COLUMNS = (
-    "name",
-    "provider",
-    "mode",
-    "shape",
-    "metric",
-    "unit",
-    "p50",
-    "p20",
-    "p80",
-    "device",
-    "versions",
-    "git_rev",
-    "timestamp",
-    "command",
-)
+COLUMNS = ("name", "provider", "mode", "shape", "metric", "unit", "p50", "p20", "p80", "device", "versions")
+COLUMNS += ("git_rev", "timestamp", "command")
 COLUMNS_BEFORE_COMMAND = COLUMNS[:-1]  # older CSVs: append_csv adds the column (empty = not recorded)
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 H200_BF16_DENSE_TFLOPS = 989.0
-
-
-def _noop() -> None:
-    return None
+CHECKPOINT_DIR = os.path.join(tempfile.gettempdir(), "prorl-bench")  # random_checkpoint's default folder
 
 
 @dataclass
@@ -90,10 +75,33 @@ class Step:
     """One measurable call: `prepare()` untimed, then `run()` timed. `flops` = nominal FLOPs of `run`."""
 
     run: Callable[[], object]
-    prepare: Callable[[], None] = _noop
+    prepare: Callable[[], None] = lambda: None
     flops: float = 0.0
     measure_memory: bool = True
     note: str = ""  # appended to the `versions` column, e.g. "liger_path=chunk_forward"
+
+
+def autograd_step(mode: str, forward, leaves, grads, flops: float = 0.0, note: str = "") -> Step:
+    """The Step of mode forward | backward | full of `forward()` -> a tuple of outputs, differentiated
+    with `grads` (one per output); `leaves` get their `.grad` cleared before every call."""
+    import torch
+
+    saved = {}
+
+    def clear_grads():
+        for t in leaves:
+            t.grad = None
+
+    def prepare_backward():
+        clear_grads()
+        saved["outs"] = forward()
+
+    backward = lambda outs: torch.autograd.backward(outs, grads[: len(outs)])
+    if mode == "forward":
+        return Step(run=forward, prepare=clear_grads, flops=flops, note=note)
+    if mode == "full":
+        return Step(run=lambda: backward(forward()), prepare=clear_grads, flops=flops, note=note)
+    return Step(run=lambda: backward(saved.pop("outs")), prepare=prepare_backward, flops=flops, note=note)
 
 
 @dataclass
@@ -107,9 +115,7 @@ class Result:
     versions: str = ""
 
 
-# --------------------------------------------------------------------------------------------------
-# Measurement (runs inside the worker process)
-# --------------------------------------------------------------------------------------------------
+# --- Rows -----------------------------------------------------------------------------------------
 
 
 def quantile(xs: Sequence[float], q: float) -> float:
@@ -121,79 +127,130 @@ def quantile(xs: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        import torch
+def row(metric: str, unit: str, values: Sequence[float], **fields) -> dict:
+    """A row of `metric` with the p50/p20/p80 of `values`, plus `fields` (mode, shape, note, ...)."""
+    q = {f"p{p}": quantile(values, p / 100) for p in (50, 20, 80)}
+    return dict(metric=metric, unit=unit, **q, **fields)
 
-        torch.cuda.synchronize(device)
+
+def single_row(metric: str, unit: str, value: float, **fields) -> dict:
+    """A row of one value (p20 = p50 = p80)."""
+    return dict(metric=metric, unit=unit, p50=value, p20=value, p80=value, **fields)
+
+
+def rate_row(time_row: dict, amount: float, metric: str, unit: str, seconds_per_unit: float = 1e-3) -> dict:
+    """`amount` per second from a time row: its p20 is the rate at the p80 time and vice versa."""
+    rate = lambda t: amount / (time_row[t] * seconds_per_unit)
+    return dict(time_row, metric=metric, unit=unit, p50=rate("p50"), p20=rate("p80"), p80=rate("p20"))
+
+
+def read_csv(path: Path) -> list[dict]:
+    """All rows of a results CSV, p50/p20/p80 as floats (rows without them skipped), `command` ""
+    where the CSV predates it."""
+    rows = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            r = {k: (v or "") for k, v in r.items() if k is not None}
+            try:
+                r.update({k: float(r[k]) for k in ("p50", "p20", "p80")})
+            except (KeyError, ValueError):
+                continue  # a row without numbers (a truncated line)
+            rows.append(dict(r, command=r.get("command", "")))
+    return rows
+
+
+def newest(rows: Sequence[dict]) -> dict[tuple, dict]:
+    """(device, shape, mode, provider, metric) -> the newest row (by timestamp; ties: the later one)."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["device"], r["shape"], r["mode"], r["provider"], r["metric"])
+        if key not in out or r["timestamp"] >= out[key]["timestamp"]:
+            out[key] = r
+    return out
+
+
+# --- Measurement (runs inside the worker process) -------------------------------------------------
 
 
 def time_step(step: Step, device, warmup: int, reps: int) -> list[float]:
     """Seconds per `step.run()` for `reps` calls, after `warmup` untimed calls."""
+    import torch
+
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         step.prepare()
-        out = step.run()
-        del out
+        step.run()
     times = []
     for _ in range(reps):
         step.prepare()
-        _sync(device)
+        sync()
         t0 = time.perf_counter()
         out = step.run()
-        _sync(device)
+        sync()
         times.append(time.perf_counter() - t0)
         del out
     return times
 
 
-def _proc_status_mb(key: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024.0  # kB -> MB
-    raise KeyError(key)
+class PeakMemory:
+    """Peak memory (MB) between `start()` and `stop()` (module docstring): CUDA max_memory_allocated,
+    else the resident-set high-water mark. `stop()` returns (peak, peak - baseline), or None on a CPU
+    where the mark cannot be reset."""
 
+    def __init__(self, device):
+        self.device = device
 
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc: freed heap pages may stay resident, the baseline is then higher
+    @staticmethod
+    def _vm_hwm_mb() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024.0  # kB
 
+    def start(self) -> None:
+        import torch
 
-def _reset_rss_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            self.base = torch.cuda.memory_allocated(self.device) / 2**20
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass  # not glibc: freed heap pages may stay resident, the baseline is then higher
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM := VmRSS
+            self.base = self._vm_hwm_mb()
+        except OSError:
+            self.base = None
+
+    def stop(self) -> tuple[float, float] | None:
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) / 2**20
+        elif self.base is None:
+            return None
+        else:
+            peak = self._vm_hwm_mb()
+        return peak, peak - self.base
 
 
 def peak_extra_memory_mb(step: Step, device) -> float | None:
-    """Peak memory above the post-`prepare` baseline during one `step.run()` (see module docstring)."""
-    import torch
-
+    """Peak memory above the post-`prepare` baseline during one `step.run()` (module docstring)."""
     step.prepare()
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-        base = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        out = step.run()
-        torch.cuda.synchronize(device)
-        del out
-        return (torch.cuda.max_memory_allocated(device) - base) / 2**20
-    _malloc_trim()
-    if not _reset_rss_peak():
+    memory = PeakMemory(device)
+    memory.start()
+    out = step.run()
+    peak = memory.stop()
+    del out
+    if peak is None:
         print("harness: /proc/self/clear_refs not writable; no CPU memory measurement", file=sys.stderr)
         return None
-    base = _proc_status_mb("VmHWM")  # = VmRSS right after the reset
-    out = step.run()
-    peak = _proc_status_mb("VmHWM")
-    del out
-    return peak - base
+    return peak[1]
 
 
 def device_name(device) -> str:
@@ -203,23 +260,23 @@ def device_name(device) -> str:
         return torch.cuda.get_device_name(device)
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def dist_version(dist: str, absent: str | None = "absent") -> str | None:
+    """The installed version of the distribution `dist`, else `absent`."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return absent
 
 
 def versions_string(threads: int) -> str:
     import torch
 
-    parts = [f"torch={torch.__version__}"]
-    for dist in ("triton", "liger-kernel"):
-        try:
-            parts.append(f"{dist}={importlib.metadata.version(dist)}")
-        except importlib.metadata.PackageNotFoundError:
-            parts.append(f"{dist}=absent")
+    parts = [f"torch={torch.__version__}"] + [f"{d}={dist_version(d)}" for d in ("triton", "liger-kernel")]
     parts.append(f"threads={torch.get_num_threads()}")
     parts.append(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     if "OMP_WAIT_POLICY" in os.environ:
@@ -227,88 +284,106 @@ def versions_string(threads: int) -> str:
     return " ".join(parts)
 
 
-def _metric_rows(step: Step, times: list[float], device, peak_tflops: float) -> list[dict]:
-    def row(metric, unit, values):
-        return dict(
-            metric=metric,
-            unit=unit,
-            p50=quantile(values, 0.5),
-            p20=quantile(values, 0.2),
-            p80=quantile(values, 0.8),
-        )
-
+def measure_step(spec: dict, provider: str, mode: str, shape: dict, device) -> list[dict] | None:
+    """The rows of one case of an op benchmark: its module's `build`, timed and its memory measured."""
+    step = importlib.import_module(spec["module"]).build(provider, mode, shape, device)
+    if step is None:
+        return None
+    times = time_step(step, device, spec["warmup"], spec["reps"])
     rows = [row("time", "ms", [t * 1e3 for t in times])]
-    if step.flops:
-        if device.type == "cuda":
-            tflops = [step.flops / t / 1e12 for t in times]
-            rows.append(row("tflops", "TFLOPS", tflops))
-            rows.append(row("peak_fraction", "%", [100.0 * x / peak_tflops for x in tflops]))
-        else:
-            rows.append(row("gflops", "GFLOPS", [step.flops / t / 1e9 for t in times]))
-    return rows
+    if step.flops and device.type == "cuda":
+        tflops = [step.flops / t / 1e12 for t in times]
+        rows.append(row("tflops", "TFLOPS", tflops))
+        rows.append(row("peak_fraction", "%", [100.0 * x / spec["peak_tflops"] for x in tflops]))
+    elif step.flops:
+        rows.append(row("gflops", "GFLOPS", [step.flops / t / 1e9 for t in times]))
+    mb = peak_extra_memory_mb(step, device) if step.measure_memory else None
+    if mb is not None:
+        rows.append(single_row("peak_extra_memory", "MB", mb))
+    return [dict(r, mode=mode, note=step.note) for r in rows]
 
 
 def worker_main(argv: Sequence[str]) -> None:
-    """Entry of the worker process: argv = [spec JSON, result path]. Measures one provider."""
+    """Entry of the worker process: argv = [spec JSON, result path]. Measures one provider.
+
+    Each (shape, mode) case is `spec["measure"]` ("module:function", default `measure_step`) called as
+    (spec, provider, mode, shape, device) -> rows (None: no such case); a failing case is recorded as an
+    error and the others still run. The result file is rewritten after every case, so a later crash
+    (an OOM kill) keeps what was measured."""
     import torch
 
     spec, result_path = json.loads(argv[0]), argv[1]
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
-    build = importlib.import_module(spec["module"]).build
-    res = Result(spec["provider"], device=device_name(device), versions=versions_string(spec["threads"]))
+    module, func = spec["measure"].split(":")
+    measure = getattr(importlib.import_module(module), func)
+    provider = spec["provider"]
+    res = Result(provider, device=device_name(device), versions=versions_string(spec["threads"]))
     for shape in spec["shapes"]:
         for mode in spec["modes"]:
-            tag = f"{spec['provider']} {mode} {shape['label']}"
+            tag = f"{provider} {mode} {shape['label']}"
             try:
-                step = build(spec["provider"], mode, shape, device)
-                if step is None:
+                rows = measure(spec, provider, mode, shape, device)
+                if rows is None:
                     continue
-                times = time_step(step, device, spec["warmup"], spec["reps"])
-                rows = _metric_rows(step, times, device, spec["peak_tflops"])
-                if step.measure_memory:
-                    mb = peak_extra_memory_mb(step, device)
-                    if mb is not None:
-                        rows.append(dict(metric="peak_extra_memory", unit="MB", p50=mb, p20=mb, p80=mb))
-                for r in rows:
-                    r.update(shape=shape["label"], mode=mode, note=step.note)
-                res.rows.extend(rows)
-                print(
-                    f"  {tag}: {rows[0]['p50']:.3f} ms (p20 {rows[0]['p20']:.3f}, p80 {rows[0]['p80']:.3f})",
-                    flush=True,
-                )
-            except Exception as exc:  # noqa: BLE001 - one failing mode must not lose the others
+                res.rows.extend(dict(r, shape=shape["label"]) for r in rows)
+                t = next(r for r in rows if r["mode"] == mode and r["metric"] == "time")
+                print(f"  {tag}: {t['p50']:.3f} ms (p20 {t['p20']:.3f}, p80 {t['p80']:.3f})", flush=True)
+            except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
                 res.errors.append(f"{tag}: {type(exc).__name__}: {exc}")
                 print(f"  {tag}: FAILED {type(exc).__name__}: {exc}", flush=True)
-            step = None
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            with open(result_path, "w") as f:  # after every case: a later crash (OOM kill) keeps these
+            with open(result_path, "w") as f:
                 json.dump(res.__dict__, f)
 
 
-# --------------------------------------------------------------------------------------------------
-# Orchestration (the parent process)
-# --------------------------------------------------------------------------------------------------
+def qwen2_shape(hidden: int, intermediate: int, layers: int, heads: int, **more) -> dict:
+    """`transformers.Qwen2Config` keywords of a model shape."""
+    shape = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers)
+    return dict(shape, num_attention_heads=heads, **more)
+
+
+def random_checkpoint(config: dict, *, std=None, tokenizer: Path | None = None, folder=CHECKPOINT_DIR) -> str:
+    """The directory of a random-weight Qwen2 checkpoint, built once per machine and config.
+
+    config: `transformers.Qwen2Config` keywords (default 2 KV heads, tied embeddings). Seed 0;
+    transformers' own init, or with `std` every parameter but the norms drawn from normal(0, std).
+    `tokenizer`: a checkpoint directory whose tokenizer files are copied in. The directory name hashes
+    all of these (a new shape, a new directory); it is written under a temporary name and renamed, so a
+    concurrent worker sees a whole checkpoint or none."""
+    config = dict(dict(num_key_value_heads=2, tie_word_embeddings=True), **config)
+    key = json.dumps([config, std, tokenizer and Path(tokenizer).name], sort_keys=True)
+    path = os.path.join(folder, f"qwen2-{hashlib.sha1(key.encode()).hexdigest()[:10]}")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config))
+    if std is not None:
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" not in name:
+                    p.normal_(0, std)
+    tmp = f"{path}.tmp{os.getpid()}"
+    model.save_pretrained(tmp)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja") if tokenizer else ():
+        shutil.copy(Path(tokenizer) / f, tmp)
+    os.replace(tmp, path)
+    return path
+
+
+# --- Orchestration (the parent process) -----------------------------------------------------------
 
 
 def git_rev() -> str:
+    git = lambda *a: subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     try:
-        rev = subprocess.run(
-            ["git", "rev-parse", "--short=12", "HEAD"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
+        rev = git("rev-parse", "--short=12", "HEAD").stdout.strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return rev + ("+dirty" if dirty else "")
@@ -321,50 +396,27 @@ def default_threads() -> int:
         return os.cpu_count() or 1
 
 
-def run_provider(
-    module: str,
-    provider: str,
-    modes: Sequence[str],
-    shapes: Sequence[dict],
-    *,
-    device: str,
-    threads: int,
-    warmup: int,
-    reps: int,
-    peak_tflops: float = H200_BF16_DENSE_TFLOPS,
-    timeout: float | None = None,
-    entry: str = "benchmarks.harness:worker_main",
-    extra: dict | None = None,
-) -> Result:
-    """Measure one provider in a fresh worker process (see module docstring).
+def utc_now() -> str:
+    """The invocation's timestamp: UTC, ISO 8601, whole seconds."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
-    `entry` ("module:function") is the worker's entry point, called with [spec JSON, result path]; a
-    benchmark that measures more than one timed call per case (rl_step.py: the phases of an RL step)
-    supplies its own and reads its own keys from `extra`, which is merged into the spec.
-    """
-    spec = dict(
-        module=module,
-        provider=provider,
-        modes=list(modes),
-        shapes=list(shapes),
-        device=device,
-        threads=threads,
-        warmup=warmup,
-        reps=reps,
-        peak_tflops=peak_tflops,
-        **(extra or {}),
-    )
+
+def subprocess_env(threads: int) -> dict:
+    """The environment of a child process: the thread count, and the repository root importable."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-    module_name, func = entry.split(":")
-    code = f"import sys; from {module_name} import {func}; {func}(sys.argv[1:])"
+    return env
+
+
+def run_provider(provider: str, spec: dict, timeout: float | None = None) -> Result:
+    """Measure one provider in a fresh worker process (`worker_main`); `spec` is passed to it as JSON."""
+    code = "import sys; from benchmarks.harness import worker_main; worker_main(sys.argv[1:])"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
+        argv = [sys.executable, "-c", code, json.dumps(dict(spec, provider=provider)), path]
         try:
-            proc = subprocess.run(
-                [sys.executable, "-c", code, json.dumps(spec), path], cwd=REPO_ROOT, env=env, timeout=timeout
-            )
-            rc = proc.returncode
+            env = subprocess_env(spec["threads"])
+            rc = subprocess.run(argv, cwd=REPO_ROOT, env=env, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = f"timeout after {timeout} s"
         if not os.path.exists(path):
@@ -400,18 +452,6 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     return shlex.join(prog + argv[1:])
 
 
-def _add_command_column(path: Path) -> None:
-    """Rewrite a CSV with the columns before `command` to COLUMNS, its rows' command empty."""
-    with open(path, newline="") as f:
-        old = list(csv.DictReader(f))
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS, restval="")
-        writer.writeheader()
-        writer.writerows(old)
-    os.replace(tmp, path)
-
-
 def append_csv(path: Path, rows: Sequence[dict]) -> None:
     """Append rows (dicts with COLUMNS keys) to `path`, writing the header when the file is new.
 
@@ -419,16 +459,22 @@ def append_csv(path: Path, rows: Sequence[dict]) -> None:
     is first rewritten with it (its old rows' command empty)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if path.exists() and path.stat().st_size > 0:
+    new = not path.exists() or path.stat().st_size == 0
+    if not new:
         with open(path, newline="") as f:
-            header = next(csv.reader(f), [])
-        if tuple(header) == COLUMNS_BEFORE_COMMAND:
-            _add_command_column(path)
-        elif tuple(header) != COLUMNS:
-            raise ValueError(f"{path} has columns {header}, expected {list(COLUMNS)}; use another --out")
-        new = False
-    else:
-        new = True
+            header = tuple(next(csv.reader(f), []))
+            old = list(csv.DictReader(f, fieldnames=header)) if header == COLUMNS_BEFORE_COMMAND else None
+        if old is not None:
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=COLUMNS, restval="")
+                writer.writeheader()
+                writer.writerows(old)
+            os.replace(tmp, path)
+        elif header != COLUMNS:
+            raise ValueError(
+                f"{path} has columns {list(header)}, expected {list(COLUMNS)}; use another --out"
+            )
     with open(path, "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         if new:
@@ -439,133 +485,140 @@ def append_csv(path: Path, rows: Sequence[dict]) -> None:
             writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
 
 
-def add_standard_args(parser, name: str, *, reps: str, warmup: int, device: bool = False) -> None:
-    """The options every op benchmark shares: --threads --providers --reps --warmup --timeout --out (and
-    --device cpu|cuda). `reps` describes the default in the help (the benchmark picks it when None)."""
-    if device:
-        parser.add_argument("--device", default="cpu", help="cpu | cuda")
-    parser.add_argument("--threads", type=int, default=None, help="torch/OMP threads (default: all cores)")
-    parser.add_argument("--providers", default=None, help="comma-separated subset of the providers")
-    parser.add_argument("--reps", type=int, default=None, help=f"timed calls ({reps})")
-    parser.add_argument("--warmup", type=int, default=warmup, help="untimed calls before timing")
-    parser.add_argument("--timeout", type=float, default=None, help="seconds per provider worker")
-    parser.add_argument(
-        "--out", default=None, help=f"CSV to append to (default benchmarks/results/{name}.csv)"
-    )
-
-
-def check_device(parser, args) -> None:
-    """Fail the command line early when --device cuda is asked for without a visible CUDA device."""
-    if getattr(args, "device", "cpu") == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            parser.error("--device cuda needs a visible CUDA device")
-
-
-def run_benchmark(
-    name: str,
-    module: str,
-    providers: Sequence[str],
-    modes: Sequence[str],
-    shapes: Sequence[dict],
-    *,
-    device: str = "cpu",
-    threads: int | None = None,
-    warmup: int = 1,
-    reps: int = 5,
-    out: Path | None = None,
-    peak_tflops: float = H200_BF16_DENSE_TFLOPS,
-    timeout: float | None = None,
-    entry: str = "benchmarks.harness:worker_main",
-    extra: dict | None = None,
-) -> tuple[list[dict], list[str]]:
+def run_benchmark(name: str, providers: Sequence[str], spec: dict, *, out=None, timeout=None) -> tuple:
     """Measure every provider (one worker each), append all rows to the CSV; return (rows, errors).
 
-    `shapes` are dicts with at least a `label` (the CSV `shape` column) and whatever `build` reads.
-    `entry` and `extra`: see `run_provider`.
+    spec: what the workers read: module (the benchmark's), modes, shapes (dicts with at least a `label`,
+    the CSV `shape` column, and whatever `build` reads), device, threads, warmup, reps, peak_tflops,
+    measure (`worker_main`), and any keys of the benchmark's own.
     """
-    threads = threads or default_threads()
+    defaults = dict(device="cpu", warmup=1, reps=5, measure="benchmarks.harness:measure_step")
+    spec = dict(defaults, peak_tflops=H200_BF16_DENSE_TFLOPS, **spec)
+    spec["threads"] = spec.get("threads") or default_threads()
     out = Path(out) if out else RESULTS_DIR / f"{name}.csv"
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    rev = git_rev()
+    stamp, rev = utc_now(), git_rev()
     print(
-        f"{name}: {len(providers)} providers x {list(modes)} x {len(shapes)} shapes on {device}, "
-        f"threads={threads}, warmup={warmup}, reps={reps} -> {out}",
+        f"{name}: {len(providers)} providers x {list(spec['modes'])} x {len(spec['shapes'])} shapes on "
+        f"{spec['device']}, threads={spec['threads']}, warmup={spec['warmup']}, reps={spec['reps']} -> {out}",
         flush=True,
     )
     rows, errors = [], []
     for provider in providers:
         print(f"[{provider}]", flush=True)
-        res = run_provider(
-            module,
-            provider,
-            modes,
-            shapes,
-            device=device,
-            threads=threads,
-            warmup=warmup,
-            reps=reps,
-            peak_tflops=peak_tflops,
-            timeout=timeout,
-            entry=entry,
-            extra=extra,
-        )
+        res = run_provider(provider, spec, timeout)
         errors.extend(res.errors)
         for r in res.rows:
             versions = res.versions + (f" note={r['note']}" if r.get("note") else "")
-            rows.append(
-                dict(
-                    r,
-                    name=name,
-                    provider=provider,
-                    device=res.device,
-                    versions=versions,
-                    git_rev=rev,
-                    timestamp=stamp,
-                )
-            )
+            common = dict(name=name, provider=provider, device=res.device, git_rev=rev, timestamp=stamp)
+            rows.append(dict(r, versions=versions, **common))
     append_csv(out, rows)
     return rows, errors
 
 
-# --------------------------------------------------------------------------------------------------
-# Summary table
-# --------------------------------------------------------------------------------------------------
+# --- The command line of a benchmark --------------------------------------------------------------
 
 
-def summary_table(rows: Sequence[dict], *, floor: str | None, reference: str = "naive") -> str:
-    """Plain-text table per (shape, mode): p50 time, ratios to `floor` and `reference`, rate, memory."""
-    by = {(r["shape"], r["mode"], r["provider"], r["metric"]): r for r in rows}
-    shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    providers = list(dict.fromkeys(r["provider"] for r in rows))
-    rate_metric = "tflops" if any(r["metric"] == "tflops" for r in rows) else "gflops"
-    head = (
-        f"{'provider':<18} {'time ms p50':>12} {'(p20-p80)':>20} {'x floor':>8} {'x ' + reference:>9} "
-        f"{rate_metric:>8} {'peak MB':>9} {'mem x ' + reference:>12}"
-    )
-    lines = []
-    for shape in shapes:
-        for mode in MODES:
-            present = [p for p in providers if (shape, mode, p, "time") in by]
-            if not present:
-                continue
-            lines += ["", f"== {mode}  {shape}", head, "-" * len(head)]
-            t_floor = by.get((shape, mode, floor, "time"))
-            t_ref = by.get((shape, mode, reference, "time"))
-            m_ref = by.get((shape, mode, reference, "peak_extra_memory"))
-            for p in present:
-                t = by[(shape, mode, p, "time")]
-                rate = by.get((shape, mode, p, rate_metric))
-                mem = by.get((shape, mode, p, "peak_extra_memory"))
-                spread = f"({t['p20']:.3f}-{t['p80']:.3f})"
-                x_floor = f"{t['p50'] / t_floor['p50']:.2f}" if t_floor else "-"
-                x_ref = f"{t['p50'] / t_ref['p50']:.2f}" if t_ref else "-"
-                rate_s = f"{rate['p50']:.1f}" if rate else "-"
-                mem_s = f"{mem['p50']:.1f}" if mem else "-"
-                mem_x = f"{mem['p50'] / m_ref['p50']:.3f}" if mem and m_ref and m_ref["p50"] > 0 else "-"
-                lines.append(
-                    f"{p:<18} {t['p50']:>12.3f} {spread:>20} {x_floor:>8} {x_ref:>9} {rate_s:>8} "
-                    f"{mem_s:>9} {mem_x:>12}"
-                )
-    return "\n".join(lines)
+def subset_of(choices: Sequence[str]) -> Callable[[str], list[str]]:
+    """An argparse `type`: a comma-separated subset of `choices`, as a list."""
+
+    def parse(text: str) -> list[str]:
+        unknown = [x for x in text.split(",") if x not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {tuple(choices)}")
+        return text.split(",")
+
+    return parse
+
+
+@dataclass
+class Benchmark:
+    """A benchmark's command line: `main(argv)` parses it, runs the providers in their workers, appends
+    the rows to the CSV, prints the summary and plots.
+
+    name: the benchmark's, that of its module benchmarks/<name>.py (its `build`, its docstring).
+    Options every benchmark has: --threads --providers --reps --warmup --timeout --out, --modes when there
+    is more than one mode, --no-plot and --plot-only when it plots; `options` adds --quick and its own.
+    The device is `cuda` when those give `--gpu` or `--device cuda`, else `cpu`.
+    providers: the default ones (a function of the parsed options, or a sequence, which --providers
+    must then be a subset of unless `known_providers` says otherwise). shapes: the shape dicts.
+    derive(rows, args): rows computed from the measured ones (e.g. tokens/s), appended to the CSV too.
+    The summary is the README's table of the run (`view`, default the README's view), then `notes` (or
+    `notes(args)`). plot(csv, rows, args): draws the CSV, returns the PNG paths.
+    """
+
+    name: str
+    providers: Sequence[str] | Callable[[argparse.Namespace], Sequence[str]]
+    shapes: Callable[[argparse.Namespace], list[dict]]
+    options: Callable[[argparse.ArgumentParser], None]
+    known_providers: Sequence[str] = ()
+    modes: Sequence[str] = ("full",)
+    reps: tuple[int, int] = (5, 2)  # timed calls: default, --quick
+    warmup: tuple[int, int] = (1, 1)  # untimed calls: default, --quick
+    threads: int | None = None  # default: every core
+    derive: Callable[[list[dict], argparse.Namespace], list[dict]] | None = None
+    view: View | None = None
+    notes: Sequence[str] | Callable[[argparse.Namespace], list[str]] = ()
+    plot: Callable[[Path, list[dict], argparse.Namespace], list[Path]] | None = None
+    measure: str = "benchmarks.harness:measure_step"  # worker_main's measure of one case
+
+    def parser(self) -> argparse.ArgumentParser:
+        doc = importlib.import_module(f"benchmarks.{self.name}").__doc__.split("\n")[0]
+        p = argparse.ArgumentParser(f"python -m benchmarks {self.name}", description=doc)
+        add = p.add_argument
+        self.options(p)
+        known = self.known_providers or ([] if callable(self.providers) else self.providers)
+        threads = f"torch/OMP threads (default {self.threads or 'all cores'})"
+        add("--threads", type=int, default=self.threads, help=threads)
+        add("--providers", type=subset_of(known) if known else lambda s: s.split(","), help="comma-separated")
+        if len(self.modes) > 1:
+            add("--modes", type=subset_of(self.modes), default=",".join(self.modes), help="comma-separated")
+        (r, qr), (w, qw) = self.reps, self.warmup
+        add("--reps", type=int, default=None, help=f"timed calls (default {r}, --quick {qr})")
+        add("--warmup", type=int, default=None, help=f"untimed calls first (default {w}, --quick {qw})")
+        add("--timeout", type=float, default=None, help="seconds per provider worker")
+        add("--out", default=None, help=f"CSV to append to (default benchmarks/results/{self.name}.csv)")
+        if self.plot:
+            add("--no-plot", action="store_true", help="write no PNG")
+            add("--plot-only", action="store_true", help="measure nothing: plot the CSV")
+        return p
+
+    def main(self, argv: Sequence[str] | None = None) -> int:
+        from benchmarks.report.readme import summary
+
+        p = self.parser()
+        args = p.parse_args(argv)
+        out = Path(args.out) if args.out else RESULTS_DIR / f"{self.name}.csv"
+        if getattr(args, "plot_only", False):
+            return self._plot(out, [], args)
+        gpu = getattr(args, "gpu", False)
+        device = "cuda" if gpu else getattr(args, "device", "cpu")
+        if device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                p.error(f"{'--gpu' if gpu else '--device cuda'} needs a visible CUDA device")
+        providers = args.providers or (self.providers(args) if callable(self.providers) else self.providers)
+        spec = dict(module=f"benchmarks.{self.name}", shapes=self.shapes(args), options=vars(args))
+        spec.update(device=device, modes=getattr(args, "modes", self.modes), measure=self.measure)
+        spec.update(threads=args.threads, reps=args.reps or self.reps[args.quick])
+        spec.update(warmup=self.warmup[args.quick] if args.warmup is None else args.warmup)
+        rows, errors = run_benchmark(self.name, providers, spec, out=out, timeout=args.timeout)
+        derived = self.derive(rows, args) if self.derive else []
+        if derived:
+            append_csv(out, derived)
+        print(summary(self.name, rows + derived, self.view))
+        for note in self.notes(args) if callable(self.notes) else self.notes:
+            print(f"note: {note}")
+        if rows and self.plot and not args.no_plot:
+            self._plot(out, rows + derived, args)
+        for e in errors:
+            print(f"error: {e}", file=sys.stderr)
+        return 1 if errors and not rows else 0
+
+    def _plot(self, out: Path, rows: list[dict], args) -> int:
+        try:
+            for png in self.plot(out, rows, args):
+                print(f"plot: {png}")
+        except ImportError as exc:  # matplotlib is optional; the CSV is written either way
+            print(f"no plot: {exc}", file=sys.stderr)
+        return 0

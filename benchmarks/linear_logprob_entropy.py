@@ -1,7 +1,7 @@
 """Benchmark of `prorl.kernels.linear_logprob_entropy` against unfused and fused peers.
 
     python -m benchmarks linear_logprob_entropy [--quick] [--threads N] [--providers a,b] [--out CSV]
-    python -m benchmarks linear_logprob_entropy --gpu   # H200 comparison: gpu_linear_logprob_entropy.sh
+    python -m benchmarks linear_logprob_entropy --gpu   # CUDA, bf16: benchmarks/gpu/linear_logprob_entropy.sh
 
 The op: per-token log p(label) and entropy of softmax(hidden [N, D] @ weight[V, D].T / T), fp32 outputs.
 Modes (harness.py): `forward` (the forward with autograd recording, as in training), `backward` (the
@@ -23,32 +23,23 @@ Providers (CPU, fp32):
   gradients chunk by chunk, so `forward`/`backward` alone mean nothing for it. Also no entropy.
 - `sgemm-floor`: just the op's matmuls at BLAS speed, one GEMM per product into preallocated outputs:
   forward Z = H W^T (2NDV); backward Z again, dH = dZ W, dW = dZ^T H (6NDV); full both (8NDV). No
-  exponentials, no memory row. `x floor` in the summary is time / this time.
+  exponentials, no memory row. `÷ sgemm-floor` in the summary is time / this time.
 GPU providers (`--gpu`, bf16): `prorl` (triton), `prorl-torch`, `naive`, `liger-flce` (Liger's Triton
 `liger_fused_linear_cross_entropy(reduction="none")`: per-token -logp only, no entropy, no temperature,
 default bf16 dW accumulation), `liger-flce-fp32acc` (the same with `accum_dtype=torch.float32`, as ours
-accumulates) and `gemm-floor` (the bf16 GEMMs). The `--gpu` path ran on an H200 (2026-11-30, shape 16384 x
-1536 x 151936, providers prorl, naive, liger-flce, gemm-floor: benchmarks/results/gpu); the other shape and
-providers have not run.
+accumulates) and `gemm-floor` (the bf16 GEMMs).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from benchmarks import harness
+from benchmarks.report.readme import View
 
 NAME = "linear_logprob_entropy"
-CPU_PROVIDERS = (
-    "prorl",
-    "prorl-torch",
-    "naive",
-    "naive-compile",
-    "liger-logp",
-    "liger-grpo-loss",
-    "sgemm-floor",
-)
+CPU_PROVIDERS = ("prorl", "prorl-torch", "naive", "naive-compile", "liger-logp", "liger-grpo-loss")
+CPU_PROVIDERS += ("sgemm-floor",)
 GPU_PROVIDERS = ("prorl", "prorl-torch", "naive", "liger-flce", "liger-flce-fp32acc", "gemm-floor")
 CPU_SHAPE = (2048, 896, 151936)  # Qwen2.5-0.5B LM head, one 2K-token micro-batch
 QUICK_SHAPE = (256, 128, 8192)
@@ -73,7 +64,7 @@ def make_shape(n: int, d: int, v: int, dtype: str, temperature: float) -> dict:
     return dict(N=n, D=d, V=v, dtype=dtype, temperature=temperature, label=f"N={n} D={d} V={v} {dtype}")
 
 
-def _inputs(shape: dict, device, requires_grad: bool = True):
+def inputs(shape: dict, device, requires_grad: bool = True):
     """hidden [N, D] ~ N(0, 1) (a normed hidden state), weight [V, D] ~ N(0, 0.02), labels, upstream grads."""
     import torch
 
@@ -88,40 +79,11 @@ def _inputs(shape: dict, device, requires_grad: bool = True):
     return hidden, weight, labels, g_lp, g_ent
 
 
-def _autograd_step(mode: str, forward, leaves, grads, flops: float, note: str = "") -> harness.Step:
-    """A Step for `forward()` -> tuple of outputs, differentiated with `grads` (one per output)."""
+def floor_step(mode: str, shape: dict, device, flops: float) -> harness.Step:
+    """The op's matmuls alone into preallocated outputs: forward Z; backward Z, dH, dW; full Z twice."""
     import torch
 
-    def clear_grads():
-        for t in leaves:
-            t.grad = None
-
-    if mode == "forward":
-        return harness.Step(run=forward, prepare=clear_grads, flops=flops, note=note)
-    if mode == "full":
-
-        def run_full():
-            outs = forward()
-            torch.autograd.backward(outs, grads[: len(outs)])
-
-        return harness.Step(run=run_full, prepare=clear_grads, flops=flops, note=note)
-    saved = {}
-
-    def prepare_backward():
-        clear_grads()
-        saved["outs"] = forward()
-
-    def run_backward():
-        outs = saved.pop("outs")
-        torch.autograd.backward(outs, grads[: len(outs)])
-
-    return harness.Step(run=run_backward, prepare=prepare_backward, flops=flops, note=note)
-
-
-def _floor_step(mode: str, shape: dict, device, flops: float) -> harness.Step:
-    import torch
-
-    h, w, _, _, _ = _inputs(shape, device, requires_grad=False)
+    h, w, _, _, _ = inputs(shape, device, requires_grad=False)
     z = torch.empty(shape["N"], shape["V"], dtype=h.dtype, device=device)  # [N, V], also used as dZ
     gh, gw = torch.empty_like(h), torch.empty_like(w)
 
@@ -132,12 +94,10 @@ def _floor_step(mode: str, shape: dict, device, flops: float) -> harness.Step:
         torch.mm(z, w, out=gh)
         torch.mm(z.t(), h, out=gw)
 
-    run = {
-        "forward": logits,
-        "backward": lambda: (logits(), grads()),
-        "full": lambda: (logits(), logits(), grads()),
-    }[mode]
-    return harness.Step(run=run, flops=flops, measure_memory=False, note="matmuls_only")
+    calls = {"forward": [logits], "backward": [logits, grads], "full": [logits, logits, grads]}[mode]
+    return harness.Step(
+        run=lambda: [f() for f in calls], flops=flops, measure_memory=False, note="matmuls_only"
+    )
 
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
@@ -147,45 +107,37 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     n, d, v, temp = shape["N"], shape["D"], shape["V"], shape["temperature"]
     flops = float(_FLOP_FACTOR[mode] * n * d * v)
     if provider in ("sgemm-floor", "gemm-floor"):
-        return _floor_step(mode, shape, device, flops)
+        return floor_step(mode, shape, device, flops)
     if provider == "liger-grpo-loss" and mode != "full":
         return None
-    h, w, y, g_lp, g_ent = _inputs(shape, device)
-
+    h, w, y, g_lp, g_ent = inputs(shape, device)
+    grads, note = (g_lp, g_ent), ""
     if provider in ("prorl", "prorl-torch"):
         from prorl.kernels import linear_logprob_entropy
 
         backend = "torch" if provider == "prorl-torch" else ("triton" if device.type == "cuda" else "native")
-        forward = lambda: linear_logprob_entropy(h, w, y, temp, backend=backend)
-        return _autograd_step(mode, forward, (h, w), (g_lp, g_ent), flops, note=f"prorl_backend={backend}")
-    if provider == "naive":
+        forward, note = (
+            lambda: linear_logprob_entropy(h, w, y, temp, backend=backend),
+            f"prorl_backend={backend}",
+        )
+    elif provider == "naive":
         forward = lambda: naive_logprob_entropy(h, w, y, temp)
-        return _autograd_step(mode, forward, (h, w), (g_lp, g_ent), flops)
-    if provider == "naive-compile":
+    elif provider == "naive-compile":
         compiled = torch.compile(naive_logprob_entropy, dynamic=False)
-        forward = lambda: compiled(h, w, y, temp)
-        return _autograd_step(mode, forward, (h, w), (g_lp, g_ent), flops, note="torch.compile")
-    if provider == "liger-logp":
+        forward, note = lambda: compiled(h, w, y, temp), "torch.compile"
+    elif provider == "liger-logp":
         from liger_kernel.chunked_loss.fused_linear_ppo import LigerFusedLinearPPOBase
 
         forward = lambda: (LigerFusedLinearPPOBase.chunk_forward(h[None], w, y[None], temperature=temp)[0],)
-        return _autograd_step(mode, forward, (h, w), (g_lp,), flops, note="logp_only")
-    if provider == "liger-grpo-loss":
+        note = "logp_only"
+    elif provider == "liger-grpo-loss":  # its forward computes the gradients; the backward only scales them
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
         loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, temperature=temp)
-        mask = torch.ones(1, n, device=device)
-        adv = torch.randn(1, device=device)
-
-        def clear_grads():
-            h.grad = w.grad = None
-
-        def run_loss():
-            loss, _ = loss_fn(h[None], w, y[None], mask, adv)
-            loss.backward()
-
-        return harness.Step(run=run_loss, prepare=clear_grads, flops=flops, note="grpo_loss_logp_only")
-    if provider in ("liger-flce", "liger-flce-fp32acc"):
+        mask, adv = torch.ones(1, n, device=device), torch.randn(1, device=device)
+        forward = lambda: (loss_fn(h[None], w, y[None], mask, adv)[0],)
+        grads, note = (torch.ones((), device=device),), "grpo_loss_logp_only"
+    elif provider in ("liger-flce", "liger-flce-fp32acc"):
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
         if temp != 1.0:
@@ -193,72 +145,54 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
         accum = torch.float32 if provider.endswith("fp32acc") else None
         # per-token cross entropy = -logp; the sign does not change the work
         forward = lambda: (liger_fused_linear_cross_entropy(h, w, y, reduction="none", accum_dtype=accum),)
-        return _autograd_step(mode, forward, (h, w), (g_lp,), flops, note="minus_logp_only")
-    raise ValueError(f"unknown provider {provider!r}")
+        note = "minus_logp_only"
+    else:
+        raise ValueError(f"unknown provider {provider!r}")
+    return harness.autograd_step(mode, forward, (h, w), grads, flops, note=note)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n")[0])
-    p.add_argument("--quick", action="store_true", help=f"tiny shape {QUICK_SHAPE}, 2 reps (seconds)")
-    p.add_argument("--gpu", action="store_true", help="CUDA, bf16, the H200 shapes and GPU providers")
-    harness.add_standard_args(p, NAME, reps="default 5, --quick 2", warmup=1)
-    p.add_argument("--modes", default=",".join(harness.MODES), help="comma-separated subset of the modes")
-    p.add_argument("--shape", default=None, help="N,D,V (overrides the default shapes)")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (GPU default) | float16")
-    p.add_argument("--temperature", type=float, default=1.0)
-    args = p.parse_args(argv)
-
-    device = "cuda" if args.gpu else "cpu"
-    if args.gpu:
-        import torch
-
-        if not torch.cuda.is_available():
-            p.error("--gpu needs a visible CUDA device (this torch sees none)")
+def _shapes(args) -> list[dict]:
     dtype = args.dtype or ("bfloat16" if args.gpu else "float32")
     if args.shape:
         dims = [tuple(int(x) for x in args.shape.split(","))]
-    elif args.quick:
-        dims = [QUICK_SHAPE]
     else:
-        dims = list(GPU_SHAPES) if args.gpu else [CPU_SHAPE]
-    shapes = [make_shape(n, d, v, dtype, args.temperature) for n, d, v in dims]
-    providers = (
-        args.providers.split(",") if args.providers else list(GPU_PROVIDERS if args.gpu else CPU_PROVIDERS)
-    )
-    modes = args.modes.split(",")
-    unknown = [m for m in modes if m not in harness.MODES]
-    if unknown:
-        p.error(f"unknown modes {unknown}; choose from {harness.MODES}")
-    reps = args.reps or (2 if args.quick else 5)
+        dims = [QUICK_SHAPE] if args.quick else list(GPU_SHAPES) if args.gpu else [CPU_SHAPE]
+    return [make_shape(n, d, v, dtype, args.temperature) for n, d, v in dims]
 
-    rows, errors = harness.run_benchmark(
-        NAME,
-        "benchmarks.linear_logprob_entropy",
-        providers,
-        modes,
-        shapes,
-        device=device,
-        threads=args.threads,
-        warmup=args.warmup,
-        reps=reps,
-        out=args.out,
-        timeout=args.timeout,
-    )
-    floor = "gemm-floor" if args.gpu else "sgemm-floor"
-    print(harness.summary_table(rows, floor=floor, reference="naive"))
-    print()
-    for s in shapes:
+
+def _options(p) -> None:
+    p.add_argument("--quick", action="store_true", help=f"tiny shape {QUICK_SHAPE}, 2 reps (seconds)")
+    p.add_argument("--gpu", action="store_true", help="CUDA, bf16, the H200 shapes and GPU providers")
+    p.add_argument("--shape", default=None, help="N,D,V (overrides the default shapes)")
+    p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (GPU default) | float16")
+    p.add_argument("--temperature", type=float, default=1.0)
+
+
+def _notes(args) -> list[str]:
+    notes = ["liger-* providers compute log-probs only (no entropy); liger-grpo-loss adds its loss math"]
+    for s in _shapes(args):
         size = 4 if s["dtype"] == "float32" else 2
-        grads_mb = (s["N"] + s["V"]) * s["D"] * size / 2**20
-        print(
-            f"note {s['label']}: backward/full peaks include dh and dW themselves, (N+V)*D*{size} B = "
-            f"{grads_mb:.1f} MB"
-        )
-    print("note: liger-* providers compute log-probs only (no entropy); liger-grpo-loss adds its loss math")
-    for e in errors:
-        print(f"error: {e}", file=sys.stderr)
-    return 1 if errors and not rows else 0
+        mb = (s["N"] + s["V"]) * s["D"] * size / 2**20
+        notes.append(f"{s['label']}: backward/full peaks include dh and dW, (N+V)*D*{size} B = {mb:.1f} MB")
+    return notes
 
+
+# the console's table: the README's columns, the throughput and both floors
+VIEW = View(
+    extras=("gflops", "tflops", "peak_fraction", "peak_extra_memory"),
+    ratios=(("naive", "speedup"), ("sgemm-floor", "multiple"), ("gemm-floor", "multiple")),
+)
+BENCHMARK = harness.Benchmark(
+    NAME,
+    lambda args: GPU_PROVIDERS if args.gpu else CPU_PROVIDERS,
+    _shapes,
+    _options,
+    known_providers=tuple(dict.fromkeys(CPU_PROVIDERS + GPU_PROVIDERS)),
+    modes=harness.MODES,
+    view=VIEW,
+    notes=_notes,
+)
+main = BENCHMARK.main
 
 if __name__ == "__main__":
     sys.exit(main())

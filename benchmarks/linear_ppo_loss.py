@@ -13,17 +13,15 @@ Providers (CPU, fp32):
 - `prorl-unfused`: linear_logprob_entropy (native, 8NDV: logits recomputed in backward) then ppo_loss.
 - `naive`: eager logits [N, V], log_softmax, gather, then the verl-style loss; autograd.
 - `sgemm-floor`: the three products alone, Z = H W^T, dH = Z W, dW = Z^T H, into preallocated buffers.
-Goal (issue 3): `prorl` within 1.2x of `sgemm-floor` on the CPU.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 
 from benchmarks import harness
-from benchmarks.linear_logprob_entropy import _inputs, make_shape
+from benchmarks.linear_logprob_entropy import VIEW, floor_step, inputs, make_shape
 from benchmarks.ppo_loss import BETA, EPS_HIGH, EPS_LOW, naive_ppo_loss
 
 NAME = "linear_ppo_loss"
@@ -36,21 +34,11 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     """The Step that measures `provider` on `shape` (mode `full` only)."""
     import torch
 
-    if mode != "full":
-        return None
     n, d, v = shape["N"], shape["D"], shape["V"]
     flops = float(6 * n * d * v)
-    h, w, y, _, _ = _inputs(shape, device, requires_grad=provider != "sgemm-floor")
     if provider == "sgemm-floor":
-        z = torch.empty(n, v, dtype=h.dtype, device=device)
-        gh, gw = torch.empty_like(h), torch.empty_like(w)
-
-        def products():
-            torch.mm(h, w.t(), out=z)
-            torch.mm(z, w, out=gh)
-            torch.mm(z.t(), h, out=gw)
-
-        return harness.Step(run=products, flops=flops, measure_memory=False, note="matmuls_only")
+        return floor_step("backward", shape, device, flops)  # Z, then dH and dW: the op's three products
+    h, w, y, _, _ = inputs(shape, device)
     g = torch.Generator(device=device).manual_seed(1)
     old = torch.randn(n, generator=g, device=device) * 0.3 - math.log(v)  # near logp ~ -log V: ratios ~ 1
     ref = old + torch.randn(n, generator=g, device=device) * 0.3
@@ -82,45 +70,28 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
         note = "eager_logits"
     else:
         raise ValueError(f"unknown provider {provider!r}")
-
-    def clear_grads():
-        h.grad = w.grad = None
-
-    return harness.Step(run=lambda: loss_fn().backward(), prepare=clear_grads, flops=flops, note=note)
+    one = (torch.ones((), device=device),)
+    return harness.autograd_step(mode, lambda: (loss_fn(),), (h, w), one, flops, note=note)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n")[0])
+def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"tiny shape {QUICK_SHAPE}, 2 reps (seconds)")
-    harness.add_standard_args(p, NAME, reps="default 5, --quick 2", warmup=1)
     p.add_argument("--shape", default=None, help=f"N,D,V (default {CPU_SHAPE})")
-    args = p.parse_args(argv)
 
+
+def _shapes(args) -> list[dict]:
     dims = (
         tuple(int(x) for x in args.shape.split(","))
         if args.shape
-        else (QUICK_SHAPE if args.quick else CPU_SHAPE)
+        else QUICK_SHAPE
+        if args.quick
+        else CPU_SHAPE
     )
-    shapes = [make_shape(*dims, "float32", 1.0)]
-    providers = args.providers.split(",") if args.providers else list(PROVIDERS)
-    rows, errors = harness.run_benchmark(
-        NAME,
-        "benchmarks.linear_ppo_loss",
-        providers,
-        ["full"],
-        shapes,
-        device="cpu",
-        threads=args.threads,
-        warmup=args.warmup,
-        reps=args.reps or (2 if args.quick else 5),
-        out=args.out,
-        timeout=args.timeout,
-    )
-    print(harness.summary_table(rows, floor="sgemm-floor", reference="naive"))
-    for e in errors:
-        print(f"error: {e}", file=sys.stderr)
-    return 1 if errors and not rows else 0
+    return [make_shape(*dims, "float32", 1.0)]
 
+
+BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, view=VIEW)
+main = BENCHMARK.main
 
 if __name__ == "__main__":
     sys.exit(main())

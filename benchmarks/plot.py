@@ -1,77 +1,81 @@
-"""Plots of a benchmark results CSV: time per provider per mode, and peak extra memory per provider.
+"""Plots of the benchmark results CSVs: the generic time and memory bars, and each benchmark's own figure.
 
     python -m benchmarks plot [linear_logprob_entropy | path/to/results.csv] [--outdir DIR]
 
-Reads the long-format CSV the harness appends to (columns in harness.COLUMNS). For every (device,
-shape, provider, mode, metric) only the newest row (by timestamp) is drawn, so re-runs replace older
-points. One panel per (device, shape); bars grouped by mode, one bar per provider, at the p50 with a
-p20-p80 whisker; time on a log axis (the matmul floor and the unfused baseline differ by orders of
+The command reads the long-format CSV the harness appends to (columns in harness.COLUMNS). For every
+(device, shape, provider, mode, metric) only the newest row (by timestamp) is drawn, so re-runs replace
+older points. One panel per (device, shape); bars grouped by mode, one bar per provider, at the p50 with
+a p20-p80 whisker; time on a log axis (the matmul floor and the unfused baseline differ by orders of
 magnitude). Writes <stem>_time.png and <stem>_memory.png next to the CSV (or into --outdir).
+
+The other functions draw one benchmark's figure and are called by that benchmark after its run:
+`rates` (rollout), `phases` and `scaling` (rl_step), `bandwidth` (collectives), `curves`
+(embedded_default).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 from pathlib import Path
 
-from benchmarks.harness import MODES, RESULTS_DIR
+from benchmarks.harness import MODES, RESULTS_DIR, newest, read_csv
 
 
 def load_latest(path: Path) -> list[dict]:
     """Rows of the CSV, newest per (device, shape, provider, mode, metric), numbers as floats."""
-    latest: dict[tuple, dict] = {}
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            key = (r["device"], r["shape"], r["provider"], r["mode"], r["metric"])
-            if key not in latest or r["timestamp"] >= latest[key]["timestamp"]:
-                latest[key] = r
-    rows = list(latest.values())
-    for r in rows:
-        for k in ("p50", "p20", "p80"):
-            r[k] = float(r[k])
-    return rows
+    return list(newest(read_csv(path)).values())
 
 
-def _colours() -> list[str]:
-    import matplotlib.pyplot as plt
-
-    return plt.rcParams["axes.prop_cycle"].by_key()["color"]
-
-
-def _bars(ax, rows: list[dict], metric: str, ylabel: str, log: bool) -> None:
-    # every provider of the panel keeps its slot and colour, so the time and memory figures line up
-    providers = list(dict.fromkeys(r["provider"] for r in rows))
-    modes = [m for m in MODES if any(r["mode"] == m and r["metric"] == metric for r in rows)]
-    by = {(r["provider"], r["mode"]): r for r in rows if r["metric"] == metric}
-    width = 0.8 / max(1, len(providers))
-    colours = _colours()
-    for i, provider in enumerate(providers):
-        xs, ys, lo, hi = [], [], [], []
-        for j, mode in enumerate(modes):
-            r = by.get((provider, mode))
-            if r is None:
-                continue
-            xs.append(j - 0.4 + width * (i + 0.5))
-            ys.append(r["p50"])
-            lo.append(max(0.0, r["p50"] - r["p20"]))
-            hi.append(max(0.0, r["p80"] - r["p50"]))
-        if xs:
-            ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=provider, color=colours[i % len(colours)])
-    ax.set_xticks(range(len(modes)), modes)
-    ax.set_ylabel(ylabel)
-    if log:
-        ax.set_yscale("log")
-    ax.grid(axis="y", alpha=0.3)
-
-
-def plot(csv_path: Path, outdir: Path | None = None) -> list[Path]:
-    """Draw the time and memory figures of `csv_path`; return the PNG paths written."""
+def _pyplot():
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def _save(fig, path: Path, dpi: int) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    _pyplot().close(fig)
+    return Path(path)
+
+
+def _threads(row: dict) -> str:
+    return next((v for v in row.get("versions", "").split() if v.startswith("threads=")), "")
+
+
+def _machine(row: dict) -> str:
+    return f"{row.get('device', '')}, {_threads(row)}, {row.get('timestamp', '')[:10]}"
+
+
+def _spread(r: dict) -> tuple[float, float]:
+    """The p20-p80 whisker of a bar at p50, as (below, above)."""
+    return max(0.0, r["p50"] - r["p20"]), max(0.0, r["p80"] - r["p50"])
+
+
+def _bars(ax, by: dict, groups: list, providers: list, reference: str | None = None) -> None:
+    """Bars at the p50 with p20-p80 whiskers of `by[(group, provider)]`: one x tick per group, one bar
+    (and colour) per provider; with `reference`, each bar's ratio to its bar of the same run above it."""
+    width = 0.8 / max(1, len(providers))
+    for i, provider in enumerate(providers):
+        shown = [(j, by[(g, provider)]) for j, g in enumerate(groups) if (g, provider) in by]
+        if not shown:
+            continue
+        xs = [j - 0.4 + width * (i + 0.5) for j, _ in shown]
+        err = list(zip(*(_spread(r) for _, r in shown)))
+        ax.bar(xs, [r["p50"] for _, r in shown], width, yerr=err, capsize=2, label=provider, color=f"C{i}")
+        for x, (j, r) in zip(xs, shown):
+            ref = by.get((groups[j], reference))
+            if ref is not None and ref is not r and ref["timestamp"] == r["timestamp"]:
+                ax.text(x, r["p80"] * 1.08, f"{r['p50'] / ref['p50']:.2f}x", ha="center", fontsize=7)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def plot(csv_path: Path, outdir: Path | None = None) -> list[Path]:
+    """Draw the time and memory figures of `csv_path`; return the PNG paths written."""
+    plt = _pyplot()
     rows = load_latest(csv_path)
     outdir = Path(outdir) if outdir else csv_path.parent
     outdir.mkdir(parents=True, exist_ok=True)
@@ -89,25 +93,139 @@ def plot(csv_path: Path, outdir: Path | None = None) -> list[Path]:
         fig, axes = plt.subplots(len(shown), 1, figsize=(11, 4.2 * len(shown)), squeeze=False)
         for ax, (device, shape) in zip(axes[:, 0], shown):
             panel_rows = [r for r in rows if r["device"] == device and r["shape"] == shape]
-            _bars(ax, panel_rows, metric, ylabel, log)
-            threads = next((v for v in panel_rows[0]["versions"].split() if v.startswith("threads=")), "")
-            ax.set_title(f"{panel_rows[0]['name']}  {shape}  ({device}, {threads})", fontsize=10)
+            # every provider of the panel keeps its slot and colour, so the time and memory figures line up
+            providers = list(dict.fromkeys(r["provider"] for r in panel_rows))
+            modes = [m for m in MODES if any(r["mode"] == m and r["metric"] == metric for r in panel_rows)]
+            _bars(
+                ax,
+                {(r["mode"], r["provider"]): r for r in panel_rows if r["metric"] == metric},
+                modes,
+                providers,
+            )
+            ax.set_xticks(range(len(modes)), modes)
+            ax.set_ylabel(ylabel)
+            ax.set_yscale("log" if log else "linear")
+            ax.set_title(
+                f"{panel_rows[0]['name']}  {shape}  ({device}, {_threads(panel_rows[0])})", fontsize=10
+            )
             ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
-        fig.tight_layout()
-        path = outdir / f"{csv_path.stem}_{suffix}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(_save(fig, outdir / f"{csv_path.stem}_{suffix}.png", 110))
     return written
+
+
+def rates(csv_path: Path, png: Path, shapes: list[str], providers: list[str], reference: str) -> Path:
+    """Tokens/s per shape and provider (the newest row of each, in the given orders), p50 bars with p20-p80
+    whiskers, and the ratio to `reference` above each bar where both rows come from the same run."""
+    plt = _pyplot()
+    rows = [r for r in load_latest(csv_path) if r["metric"] == "tokens_per_s"]
+    shapes = [s for s in shapes if any(r["shape"] == s for r in rows)]
+    providers = [p for p in providers if any(r["provider"] == p for r in rows)]
+    fig, ax = plt.subplots(figsize=(12, 4.8))
+    _bars(ax, {(r["shape"], r["provider"]): r for r in rows}, shapes, providers, reference)
+    ax.set_xticks(range(len(shapes)), [s.replace(" new", "\nnew") for s in shapes], fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel("generated tokens/s (p50, p20-p80)")
+    ratio = f"ratio = p50 / {reference} p50 of the same run"
+    ax.set_title(f"rollout: tokens/s, sampling T=1, no stop ({_threads(rows[0]) if rows else ''}; {ratio})")
+    ax.legend(fontsize=8)
+    return _save(fig, png, 110)
+
+
+def phases(rows: list[dict], png: Path, phase_names: list[str]) -> Path | None:
+    """One panel per shape: a stacked bar of the phases per provider (p50 ms), p20-p80 whisker on the step."""
+    shapes = list(dict.fromkeys(r["shape"] for r in rows if r["mode"] == "step" and r["metric"] == "time"))
+    if not shapes:
+        return None
+    plt = _pyplot()
+    by = {(r["shape"], r["provider"], r["mode"], r["metric"]): r for r in rows}
+    fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4.5), squeeze=False)
+    for ax, shape in zip(axes[0], shapes):
+        providers = [
+            p for p in dict.fromkeys(r["provider"] for r in rows) if (shape, p, "step", "time") in by
+        ]
+        shown = [ph for ph in phase_names if any((shape, p, ph, "time") in by for p in providers)]
+        for i, p in enumerate(providers):
+            bottom = 0.0
+            for j, phase in enumerate(shown):
+                v = by.get((shape, p, phase, "time"))
+                height = max(v["p50"], 0.0) if v else 0.0  # `other` can be a hair below 0
+                ax.bar(i, height, bottom=bottom, color=f"C{j}", label=phase if i == 0 else None)
+                bottom += height
+            t = by[(shape, p, "step", "time")]
+            ax.errorbar(i, t["p50"], yerr=[[x] for x in _spread(t)], color="k", capsize=3)
+        ax.set_xticks(range(len(providers)), providers, rotation=30, ha="right", fontsize=8)
+        ax.set_ylabel("ms per optimizer step (p50)")
+        ax.set_title(shape, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"RL step by phase - {_machine(rows[0])}", fontsize=8)
+    return _save(fig, png, 120)
+
+
+def scaling(rows: list[dict], shapes: list[dict], png: Path, keys: dict[str, str]) -> Path | None:
+    """Time per step against the work multiple, one line per quantity of `keys` (shape key -> legend)
+    doubled from `shapes[0]`, with the linear ideal."""
+    t = {r["shape"]: r for r in rows if r["mode"] == "step" and r["metric"] == "time"}
+    base = shapes[0]
+    if base["label"] not in t:
+        return None
+    plt = _pyplot()
+    t0 = t[base["label"]]["p50"]
+    fig, ax = plt.subplots(figsize=(5.5, 4.5))
+    for key, name in keys.items():
+        grown = [s for s in shapes[1:] if s["label"] in t and s[key] != base[key]]
+        pts = [(1.0, t0)] + [(s[key] / base[key], t[s["label"]]["p50"]) for s in grown]
+        ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=name)
+    ax.plot([1, 2, 4], [t0 * x for x in (1, 2, 4)], "k--", lw=1, label="linear in work")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel(f"work multiple (from {base['label']})")
+    ax.set_ylabel("ms per step (p50)")
+    ax.legend(fontsize=8)
+    ax.set_title(f"prorl step scaling - {_machine(rows[0])}", fontsize=8)
+    return _save(fig, png, 120)
+
+
+def bandwidth(rows: list[dict], png: Path, ops: list[str]) -> Path:
+    """Bus bandwidth against message size, one line per (op, provider)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for provider in dict.fromkeys(r["provider"] for r in rows):
+        for op in ops:
+            pts = sorted(
+                (int(r["shape"].split()[0]), r["p50"])
+                for r in rows
+                if r["provider"] == provider and r["mode"] == op and r["metric"] == "busbw"
+            )
+            if pts:
+                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{op} ({provider})")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("size (bytes, nccl-tests convention)")
+    ax.set_ylabel("bus bandwidth (GB/s, p50)")
+    ax.legend(fontsize=7)
+    world = rows[0]["shape"].split("world=")[1] if rows else "?"
+    ax.set_title(f"collectives, {world} ranks - {rows[0].get('device', '') if rows else ''}", fontsize=8)
+    return _save(fig, png, 120)
+
+
+def curves(lines: dict[str, list[tuple[float, float]]], png: Path, xlabel: str, ylabel: str) -> Path:
+    """(seconds, accuracy) curves against minutes, one marker style per line."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for (name, pts), style in zip(lines.items(), ("o-", "s--", "^:")):
+        ax.plot([t / 60 for t, _ in pts], [a for _, a in pts], style, label=name)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(0, 1.05)
+    ax.legend(loc="center right")
+    ax.grid(alpha=0.3)
+    return _save(fig, png, 100)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks plot", description=__doc__.split("\n")[0])
     p.add_argument(
-        "results",
-        nargs="?",
-        default="linear_logprob_entropy",
-        help="a benchmark name (benchmarks/results/<name>.csv) or a CSV path",
+        "results", nargs="?", default="linear_logprob_entropy", help="a benchmark name or a CSV path"
     )
     p.add_argument("--outdir", default=None, help="where to write the PNGs (default: next to the CSV)")
     args = p.parse_args(argv)

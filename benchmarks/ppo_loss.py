@@ -1,7 +1,7 @@
 """Benchmark of `prorl.kernels.ppo_loss` against the same loss in eager torch, as trainers write it.
 
     python -m benchmarks ppo_loss [--quick] [--threads N] [--sizes N1,N2] [--providers a,b] [--out CSV]
-    python -m benchmarks ppo_loss --device cuda        # ran on an H200: benchmarks/results/gpu
+    python -m benchmarks ppo_loss --device cuda
 
 The op: the ProRL v2 loss on padded [B, T] log-probs (T = 1024, or N when smaller; ~10% of each row
 masked), advantages [B]: PPO-Clip-Higher (0.2 / 0.28), k2 KL to a reference with the log-ratio clamped to
@@ -17,16 +17,13 @@ Providers:
 - `trl-style`: eager torch as TRL's GRPOTrainer._compute_loss writes it (loss_type="dapo", k3 KL without a
   clamp, clip fractions as masked means). Its KL estimator differs from the other three (k3, not k2),
   which changes one exp per token; a transcription of the formula, not the trl package.
-Goal (issue 3): on the CPU at N = 64K, prorl >= 3x faster than `naive` for forward + backward.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
 from benchmarks import harness
-from benchmarks.linear_logprob_entropy import _autograd_step
 
 NAME = "ppo_loss"
 PROVIDERS = ("prorl", "prorl-torch", "naive", "trl-style")
@@ -34,6 +31,7 @@ CPU_SIZES = (4096, 65536, 1048576)
 QUICK_SIZES = (2048,)
 ROW = 1024  # tokens per padded row
 EPS_LOW, EPS_HIGH, BETA = 0.2, 0.28, 1e-4
+NOTE = "trl-style uses TRL's k3 KL (no clamp); the others ProRL's k2 with a log-ratio clamp"
 
 
 def _masked_mean(x, mask):
@@ -104,57 +102,35 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
         backend = "torch" if provider == "prorl-torch" else ("triton" if device.type == "cuda" else "native")
         kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, ref_logp=ref, kl_coef=BETA, kl_estimator="k2")
         forward = lambda: (ppo_loss(logp, old, adv, mask, backend=backend, **kw)[0],)
-        return _autograd_step(mode, forward, (logp,), one, 0.0, note=f"prorl_backend={backend}")
+        return harness.autograd_step(mode, forward, (logp,), one, 0.0, note=f"prorl_backend={backend}")
     maskf, adv2 = mask.to(logp.dtype), adv[:, None]
     if provider == "naive":
         forward = lambda: (naive_ppo_loss(logp, old, adv2, maskf, ref)[0],)
-        return _autograd_step(mode, forward, (logp,), one, 0.0, note="verl_style_eager")
+        return harness.autograd_step(mode, forward, (logp,), one, 0.0, note="verl_style_eager")
     if provider == "trl-style":
         forward = lambda: (trl_style_loss(logp, old, adv2, maskf, ref)[0],)
-        return _autograd_step(mode, forward, (logp,), one, 0.0, note="trl_style_eager_k3")
+        return harness.autograd_step(mode, forward, (logp,), one, 0.0, note="trl_style_eager_k3")
     raise ValueError(f"unknown provider {provider!r}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n")[0])
+def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"N in {QUICK_SIZES}, 2 reps (seconds)")
-    harness.add_standard_args(p, NAME, reps="default 20, --quick 2", warmup=2, device=True)
-    p.add_argument("--modes", default=",".join(harness.MODES), help="comma-separated subset of the modes")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     p.add_argument("--sizes", default=None, help=f"comma-separated token counts N (default {CPU_SIZES})")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 (of the log-probs)")
-    args = p.parse_args(argv)
 
-    harness.check_device(p, args)
+
+def _shapes(args) -> list[dict]:
     sizes = (
-        [int(x) for x in args.sizes.split(",")]
-        if args.sizes
-        else list(QUICK_SIZES if args.quick else CPU_SIZES)
+        [int(x) for x in args.sizes.split(",")] if args.sizes else QUICK_SIZES if args.quick else CPU_SIZES
     )
-    shapes = [make_shape(n, args.dtype) for n in sizes]
-    providers = args.providers.split(",") if args.providers else list(PROVIDERS)
-    modes = args.modes.split(",")
-    unknown = [m for m in modes if m not in harness.MODES]
-    if unknown:
-        p.error(f"unknown modes {unknown}; choose from {harness.MODES}")
-    rows, errors = harness.run_benchmark(
-        NAME,
-        "benchmarks.ppo_loss",
-        providers,
-        modes,
-        shapes,
-        device=args.device,
-        threads=args.threads,
-        warmup=args.warmup,
-        reps=args.reps or (2 if args.quick else 20),
-        out=args.out,
-        timeout=args.timeout,
-    )
-    print(harness.summary_table(rows, floor=None, reference="naive"))
-    print("\nnote: trl-style uses TRL's k3 KL (no clamp); the others ProRL's k2 with a log-ratio clamp")
-    for e in errors:
-        print(f"error: {e}", file=sys.stderr)
-    return 1 if errors and not rows else 0
+    return [make_shape(n, args.dtype) for n in sizes]
 
+
+BENCHMARK = harness.Benchmark(
+    NAME, PROVIDERS, _shapes, _options, modes=harness.MODES, reps=(20, 2), warmup=(2, 2), notes=[NOTE]
+)
+main = BENCHMARK.main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,22 +17,17 @@ a wrong score, a timeout or an error is reported as an error, not a number):
   syntax error.
 
 Rows (harness.COLUMNS, mode `full` = the whole verification, shape = "<domain> batch=<B>"): `time` (ms
-per batch) and `throughput` (verifications/s) with p50/p20/p80 over the timed batches; `versions` names
-the worker count, the sandbox backend and math-verify's version. Measured one provider after another
-in this process (the pool's own workers are separate processes); on a shared machine compare ratios
-within one invocation (MACHINE-NOTES.md: timing on 2 busy cores varies severalfold).
+per batch) and `throughput` (verifications/s) with p50/p20/p80 over the timed batches; the note in
+`versions` names the worker count, the sandbox backend and math-verify's version. Each provider runs
+in its own harness worker process (the pool's workers are further processes); on a shared machine
+compare ratios within one invocation (MACHINE-NOTES.md: timing on 2 busy cores varies severalfold).
 """
 
 from __future__ import annotations
 
-import argparse
-import datetime
-import importlib.metadata
-import os
 import platform
 import sys
 import time
-from types import SimpleNamespace
 
 from benchmarks import harness
 
@@ -95,122 +90,65 @@ def _check(domain: str, scores: list[float], expected: list[float], timed_out=No
         )
 
 
-def measure(provider: str, domain: str, batch: int, workers: int, warmup: int, reps: int) -> list[float]:
+def timed_batches(provider: str, domain: str, batch: int, workers: int, warmup: int, reps: int) -> list:
     """Seconds per batch for `reps` timed batches, after `warmup` untimed ones (at least one for the pool)."""
     responses, truths, expected = workload(domain, batch)
-    sources = [domain] * batch
     if provider == "prorl":
         from prorl.rewards.pool import RewardPool
 
         with RewardPool(num_workers=workers, timeout_s=10.0, preload=(domain,)) as pool:
+            score_batch = lambda: pool.score_batch([domain] * batch, responses, truths)
             times = []
-            for rep in range(max(warmup, 1) + reps):
+            for _ in range(max(warmup, 1) + reps):
                 t0 = time.perf_counter()
-                res = pool.score_batch(sources, responses, truths)
-                elapsed = time.perf_counter() - t0
+                res = score_batch()
+                times.append(time.perf_counter() - t0)
                 _check(domain, res.scores, expected, res.timed_out, res.errored)
-                if rep >= max(warmup, 1):
-                    times.append(elapsed)
-            return times
+            return times[max(warmup, 1) :]
     if provider == "naive":
         from prorl.rewards import score
 
         score(domain, responses[0], truths[0])  # imports (math-verify ~1 s) outside the timing
         times = []
-        for rep in range(warmup + reps):
+        for _ in range(warmup + reps):
             t0 = time.perf_counter()
             scores = [score(domain, r, g) for r, g in zip(responses, truths)]
-            elapsed = time.perf_counter() - t0
+            times.append(time.perf_counter() - t0)
             _check(domain, scores, expected)
-            if rep >= warmup:
-                times.append(elapsed)
-        return times
+        return times[warmup:]
     raise ValueError(f"unknown provider {provider!r}; one of {PROVIDERS}")
 
 
-def versions_string(provider: str, workers: int) -> str:
+def measure(spec: dict, provider: str, mode: str, shape: dict, device) -> list[dict]:
+    """harness.worker_main's measure: the time and throughput rows of one provider on one workload."""
     from prorl.rewards import sandbox
 
-    parts = [f"python={platform.python_version()}"]
-    try:
-        parts.append(f"math-verify={importlib.metadata.version('math-verify')}")
-    except importlib.metadata.PackageNotFoundError:
-        parts.append("math-verify=absent")
-    parts.append(f"sandbox={sandbox.backend()}")
-    parts.append(f"workers={workers}" if provider == "prorl" else "workers=0 (in-process)")
-    parts.append(f"cores={harness.default_threads()}")
-    parts.append(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
-    return " ".join(parts)
+    workers, batch = spec["options"]["workers"], shape["batch"]
+    times = timed_batches(provider, shape["domain"], batch, workers, spec["warmup"], spec["reps"])
+    note = f"python={platform.python_version()} math-verify={harness.dist_version('math-verify')}"
+    note += f" sandbox={sandbox.backend()}"
+    note += f" workers={workers}" if provider == "prorl" else " workers=0 (in-process)"
+    rows = [harness.row("time", "ms", [t * 1e3 for t in times])]
+    rows.append(harness.row("throughput", "verifications/s", [batch / t for t in times]))
+    return [dict(r, mode=mode, note=note) for r in rows]
 
 
-def _rows(times: list[float], batch: int) -> list[dict]:
-    def row(metric, unit, values):
-        q = {f"p{p}": harness.quantile(values, p / 100) for p in (50, 20, 80)}
-        return dict(metric=metric, unit=unit, **q)
-
-    return [
-        row("time", "ms", [t * 1e3 for t in times]),
-        row("throughput", "verifications/s", [batch / t for t in times]),
-    ]
-
-
-def summary(rows: list[dict]) -> str:
-    rate = {(r["shape"], r["provider"]): r for r in rows if r["metric"] == "throughput"}
-    head = f"{'shape':<20} {'provider':<8} {'verif/s p50':>12} {'(p20-p80)':>18} {'x naive':>8}"
-    lines = [head, "-" * len(head)]
-    for (shape, provider), r in rate.items():
-        base = rate.get((shape, "naive"))
-        ratio = f"{r['p50'] / base['p50']:>8.2f}" if base else f"{'-':>8}"
-        spread = f"({r['p20']:.1f}-{r['p80']:.1f})"
-        lines.append(f"{shape:<20} {provider:<8} {r['p50']:>12.1f} {spread:>18} {ratio}")
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n")[0])
+def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"batches {QUICK_BATCH}, 2 reps (seconds)")
     p.add_argument("--workers", type=int, default=2, help="RewardPool worker processes")
-    p.add_argument("--domains", default=",".join(DOMAINS), help="comma-separated subset of math,code")
-    p.add_argument("--providers", default=",".join(PROVIDERS), help="comma-separated subset of the providers")
+    p.add_argument(
+        "--domains", type=harness.subset_of(DOMAINS), default=",".join(DOMAINS), help="comma-separated"
+    )
     p.add_argument("--batch", type=int, default=None, help="items per batch for every domain")
-    p.add_argument("--reps", type=int, default=None, help="timed batches (default 5, --quick 2)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed batches before timing")
-    p.add_argument("--out", default=None, help=f"CSV to append to (default benchmarks/results/{NAME}.csv)")
-    args = p.parse_args(argv)
 
-    domains, providers = args.domains.split(","), args.providers.split(",")
-    for given, known in ((domains, DOMAINS), (providers, PROVIDERS)):
-        if set(given) - set(known):
-            p.error(f"unknown {sorted(set(given) - set(known))}; choose from {known}")
-    reps = args.reps or (2 if args.quick else 5)
-    out = args.out or harness.RESULTS_DIR / f"{NAME}.csv"
-    stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    common = dict(name=NAME, mode="full", device=harness.device_name(SimpleNamespace(type="cpu")))
-    common |= dict(git_rev=harness.git_rev(), timestamp=stamp)
-    print(f"{NAME}: {providers} x {domains}, workers={args.workers}, reps={reps} -> {out}", flush=True)
-    rows, errors = [], []
-    for domain in domains:
-        batch = args.batch or (QUICK_BATCH if args.quick else BATCH)[domain]
-        for provider in providers:
-            try:
-                times = measure(provider, domain, batch, args.workers, args.warmup, reps)
-            except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
-                errors.append(f"{provider} {domain}: {type(exc).__name__}: {exc}")
-                print(f"  {provider} {domain}: FAILED {errors[-1]}", flush=True)
-                continue
-            versions = versions_string(provider, args.workers)
-            for r in _rows(times, batch):
-                rows.append(
-                    dict(r, provider=provider, shape=f"{domain} batch={batch}", versions=versions, **common)
-                )
-            rate = rows[-1]  # the throughput row
-            print(f"  {provider} {domain}: {rate['p50']:.1f} verifications/s (p50)", flush=True)
-    harness.append_csv(out, rows)
-    print(summary(rows))
-    for e in errors:
-        print(f"error: {e}", file=sys.stderr)
-    return 1 if errors else 0
 
+def _shapes(args) -> list[dict]:
+    batches = {d: args.batch or (QUICK_BATCH if args.quick else BATCH)[d] for d in args.domains}
+    return [dict(domain=d, batch=b, label=f"{d} batch={b}") for d, b in batches.items()]
+
+
+BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, measure="benchmarks.rewards:measure")
+main = BENCHMARK.main
 
 if __name__ == "__main__":
     sys.exit(main())

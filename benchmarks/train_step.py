@@ -2,16 +2,15 @@
 
     python -m benchmarks train_step [--quick] [--threads N] [--model small] [--seqs 16] [--lengths 64,512]
                                     [--providers a,b] [--reps R] [--warmup W] [--out CSV]
-    python -m benchmarks train_step --gpu     # H200: bf16, Qwen2-0.5B shape (see below)
+    python -m benchmarks train_step --gpu     # CUDA: bf16, Qwen2-0.5B shape (see below)
 
 One timed call = one training step's compute: forward, the loss, backward (parameter gradients are
-cleared untimed before each call; no optimizer step). Every provider runs on the same random weights (a
-Qwen2 built with `transformers` from a config, seed 0, saved once under --ckpt-dir, default
-$TMPDIR/prorl-bench-train_step/<model>-<hash of its config>) and the same batch: `seqs` sequences of
-random token ids whose lengths are drawn uniformly from [min, max] (Python `random`, seed 0). The loss is
-the mean next-token NLL over the REAL tokens (each sequence's last token has no target), so every
-provider gets the same gradient; the loss value, computed once untimed, is written in the `versions`
-note (`loss=...`) as a check that the providers compute the same thing.
+cleared untimed before each call; no optimizer step). Every provider runs on the same random weights
+(harness.random_checkpoint, under --ckpt-dir) and the same batch: `seqs` sequences of random token ids
+whose lengths are drawn uniformly from [min, max] (Python `random`, seed 0). The loss is the mean
+next-token NLL over the REAL tokens (each sequence's last token has no target), so every provider gets
+the same gradient; the loss value, computed once untimed, is written in the `versions` note
+(`loss=...`) as a check that the providers compute the same thing.
 
 Providers:
 - `prorl`: `prorl.engine.model.load_hf` -> Decoder on the packed [N] tokens with `cu_seqlens` (attention:
@@ -27,7 +26,7 @@ Providers:
   position_ids (`masking_utils.find_packed_sequence_indices`); with SDPA (CPU) it then builds a
   block-diagonal causal [1, 1, N, N] mask, so attention pays for all N^2 token pairs; with
   flash_attention_2 (CUDA) it calls the varlen kernel. No padding either way. Checked on the CPU: its
-  loss equals the padded one (tests/test_benchmarks_train_step.py).
+  loss equals the padded one (tests/benchmarks/test_bench_train_step.py).
 
 Rows (benchmarks/results/train_step.csv, one mode `full`): the harness's `time` (ms), `gflops` (CPU) or
 `tflops` and `peak_fraction` (CUDA), `peak_extra_memory` (MB, resident-set high-water mark above the
@@ -38,53 +37,27 @@ the LM head; the embedding lookup is not a matmul, the tied head is counted once
 FLOPs are not counted. So on CUDA `peak_fraction` (against harness.H200_BF16_DENSE_TFLOPS = 989, the
 H100/H200 dense bf16 peak) is the MFU; the CPU has no known peak and no MFU.
 
-Model shapes (`--model`): `small` (CPU default) = hidden 512, intermediate 1536, 4 layers, 8 heads / 2 KV
-heads (head_dim 64), vocab 32000, tied embeddings: 28.44M parameters in matmuls, 16.4M of them the head;
-`tiny` (--quick and tests) = hidden 64, intermediate 128, 2 layers, 4/2 heads, vocab 512; `qwen2-0.5b` =
-Qwen2-0.5B's shape (hidden 896, intermediate 4864, 24 layers, 14/2 heads, vocab 151936, tied). Batches:
-CPU 8 sequences of 64-512 tokens; --quick 4 of 16-64; --gpu 16 of 128-1024.
-
-Measured (2026-11-29, AMD EPYC, 2 threads, OMP_WAIT_POLICY=PASSIVE, small, 8 sequences = 2405 real tokens,
-39% padding; the 2 cores were shared with other benchmarks, so absolute numbers are low and noisy): p50
-prorl 9.4 s (257 tok/s, 721 MB), prorl-unfused 10.0 s (1428 MB), transformers-packed 10.8 s (1492 MB),
-transformers-padded 19.4 s (124 tok/s, 2313 MB); the four losses agreed to 1e-6. A one-rep probe on 16
-sequences (4940 tokens, quieter machine): prorl 9.8 s, transformers-padded 33.5 s.
-
-`--gpu`: device cuda, bf16 parameters and activations (the losses in fp32), the `qwen2-0.5b` shape. It
-ran on an H200 (2026-11-30) for prorl, prorl-unfused and transformers-padded; transformers-packed did not
-finish within that run's time. Timings on a shared 2-core CPU vary a lot:
-compare providers within one invocation, and look at the p20-p80 spread.
+Model shapes (`--model`, MODELS): `small` (CPU default; head_dim 64, 28.44M parameters in matmuls,
+16.4M of them the head), `tiny` (--quick and tests), `qwen2-0.5b` (Qwen2-0.5B's shape). `--gpu`: device
+cuda, bf16 parameters and activations (the losses in fp32), `qwen2-0.5b`. Batches: CPU 8 sequences of
+64-512 tokens; --quick 4 of 16-64; --gpu 16 of 128-1024.
 """
 
 from __future__ import annotations
 
-import argparse
-import hashlib
-import json
-import os
 import random
 import sys
-import tempfile
 
 from benchmarks import harness
+from benchmarks.report.readme import View
 
 NAME = "train_step"
 PROVIDERS = ("prorl", "prorl-unfused", "transformers-padded", "transformers-packed")
 REFERENCE = "transformers-padded"
-MODELS = {
-    "tiny": dict(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=512
-    ),
-    "small": dict(
-        hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, vocab_size=32000
-    ),
-    "qwen2-0.5b": dict(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        vocab_size=151936,
-    ),
+MODELS = {  # Qwen2, 2 KV heads, tied embeddings
+    "tiny": harness.qwen2_shape(64, 128, 2, 4, vocab_size=512),
+    "small": harness.qwen2_shape(512, 1536, 4, 8, vocab_size=32000),
+    "qwen2-0.5b": harness.qwen2_shape(896, 4864, 24, 14, vocab_size=151936),
 }
 CPU_BATCH = (8, 64, 512)  # sequences, min length, max length
 QUICK_BATCH = (4, 16, 64)
@@ -106,23 +79,8 @@ def padding_fraction(lengths: list[int]) -> float:
 
 
 def checkpoint_path(model: str, ckpt_dir: str) -> str:
-    """Build (once per config) and return the directory of a randomly initialised Qwen2 checkpoint."""
-    kwargs = dict(
-        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, **MODELS[model]
-    )
-    key = hashlib.sha1(json.dumps(kwargs, sort_keys=True).encode()).hexdigest()[:8]
-    path = os.path.join(ckpt_dir, f"{model}-{key}")
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    import torch
-    import transformers
-
-    torch.manual_seed(SEED)
-    hf = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kwargs))  # normal(0, 0.02) init
-    tmp = f"{path}.tmp{os.getpid()}"
-    hf.save_pretrained(tmp)
-    os.replace(tmp, path)  # atomic: a concurrent worker sees a whole checkpoint or none
-    return path
+    """The directory of the randomly initialised (normal(0, 0.02)) Qwen2 checkpoint of shape `model`."""
+    return harness.random_checkpoint(dict(MODELS[model], max_position_embeddings=4096), folder=ckpt_dir)
 
 
 def make_batch(lengths: list[int], vocab: int, device):
@@ -173,18 +131,14 @@ def matmul_params(model) -> int:
 
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
-    """The Step that measures `provider` on `shape` (mode `full` only)."""
+    """The Step that measures `provider` on `shape` (mode `full`)."""
     import torch
-
-    if mode != "full":
-        return None
     from prorl.engine.model import load_hf
 
     dtype = getattr(torch, shape["dtype"])
     path = checkpoint_path(shape["model"], shape["ckpt_dir"])
     if provider in ("prorl", "prorl-unfused"):
         model = load_hf(path, dtype=dtype, device=device)
-        p_matmul = matmul_params(model)
     else:
         import transformers
         from prorl.engine.attention import flash_attn_available
@@ -192,7 +146,6 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
         impl = "flash_attention_2" if device.type == "cuda" and flash_attn_available() else "sdpa"
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=impl)
         model.to(device)
-        p_matmul = matmul_params(model)
     model.train()  # no dropout in Qwen2; train mode as a trainer runs it
     b = make_batch(shape["lengths"], model.config.vocab_size, device)
     max_len = max(shape["lengths"])
@@ -239,117 +192,56 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     with torch.no_grad():
         loss = float(loss_fn())
     if provider.startswith("transformers"):
-        import importlib.metadata
-
-        note = f"transformers={importlib.metadata.version('transformers')} {note}"
+        note = f"transformers={harness.dist_version('transformers')} {note}"
 
     def clear_grads():
         model.zero_grad(set_to_none=True)
 
+    p_matmul = matmul_params(model)
     flops = 6.0 * p_matmul * sum(shape["lengths"])
     note = f"{note} loss={loss:.6f} matmul_params={p_matmul} tokens={sum(shape['lengths'])}"
     return harness.Step(run=lambda: loss_fn().backward(), prepare=clear_grads, flops=flops, note=note)
 
 
-def derived_rows(rows: list[dict], shapes: list[dict]) -> list[dict]:
+def derived_rows(rows: list[dict], args) -> list[dict]:
     """`tokens_per_s` (real tokens) and `padding_fraction` rows for every `time` row."""
-    by_label = {s["label"]: s for s in shapes}
+    by_label = {s["label"]: s for s in _shapes(args)}
     out = []
     for r in rows:
-        if r["metric"] != "time":
-            continue
-        lengths = by_label[r["shape"]]["lengths"]
-        n = sum(lengths)
-        rate = {q: n / (r[t] / 1e3) for q, t in (("p50", "p50"), ("p20", "p80"), ("p80", "p20"))}
-        out.append(dict(r, metric="tokens_per_s", unit="tok/s", **rate))
-        pad = 100 * padding_fraction(lengths) if r["provider"] == "transformers-padded" else 0.0
-        out.append(dict(r, metric="padding_fraction", unit="%", p50=pad, p20=pad, p80=pad))
+        if r["metric"] == "time":
+            lengths = by_label[r["shape"]]["lengths"]
+            pad = 100 * padding_fraction(lengths) if r["provider"] == "transformers-padded" else 0.0
+            out.append(harness.rate_row(r, sum(lengths), "tokens_per_s", "tok/s"))
+            out.append(dict(r, **harness.single_row("padding_fraction", "%", pad)))
     return out
 
 
-def summary(rows: list[dict]) -> str:
-    """Per shape: time, real tokens/s, speed-up over transformers-padded, memory, padding, rate/MFU."""
-    by = {(r["shape"], r["provider"], r["metric"]): r for r in rows}
-    cuda = any(r["metric"] == "peak_fraction" for r in rows)
-    rate_metric, rate_head = ("peak_fraction", "MFU %") if cuda else ("gflops", "GFLOPS")
-    head = (
-        f"{'provider':<20} {'ms p50':>10} {'(p20-p80)':>22} {'tok/s p50':>10} {'speedup':>8} "
-        f"{'peak MB':>9} {'pad %':>6} {rate_head:>8}"
-    )
-    lines = []
-    for shape in dict.fromkeys(r["shape"] for r in rows):
-        lines += ["", f"== full (fwd+loss+bwd)  {shape}", head, "-" * len(head)]
-        ref = by.get((shape, REFERENCE, "time"))
-        for p in dict.fromkeys(r["provider"] for r in rows):
-            t = by.get((shape, p, "time"))
-            if t is None:
-                continue
-
-            def get(metric, fmt, shape=shape, p=p):
-                r = by.get((shape, p, metric))
-                return format(r["p50"], fmt) if r else "-"
-
-            speedup = f"{ref['p50'] / t['p50']:.2f}" if ref else "-"
-            spread = f"({t['p20']:.1f}-{t['p80']:.1f})"
-            lines.append(
-                f"{p:<20} {t['p50']:>10.1f} {spread:>22} "
-                f"{get('tokens_per_s', '.0f'):>10} {speedup:>8} {get('peak_extra_memory', '.0f'):>9} "
-                f"{get('padding_fraction', '.1f'):>6} {get(rate_metric, '.1f'):>8}"
-            )
-    lines.append(f"speedup = {REFERENCE} time / provider time; tok/s counts real (unpadded) tokens")
-    return "\n".join(lines)
+VIEW = View(  # the console's table
+    extras=("tokens_per_s", "peak_extra_memory", "padding_fraction", "gflops", "peak_fraction"),
+    ratios=((REFERENCE, "speedup"),),
+)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n")[0])
+def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"model tiny, batch {QUICK_BATCH}, 2 reps")
     p.add_argument("--gpu", action="store_true", help=f"cuda, bf16, qwen2-0.5b, batch {GPU_BATCH}")
     p.add_argument("--model", choices=sorted(MODELS), default=None, help="model shape (default small)")
     p.add_argument("--seqs", type=int, default=None, help="sequences per batch")
     p.add_argument("--lengths", default=None, help="MIN,MAX sequence length")
-    p.add_argument("--threads", type=int, default=None, help="torch/OMP threads (default: all cores)")
-    p.add_argument("--providers", default=None, help=f"comma-separated, default {','.join(PROVIDERS)}")
-    p.add_argument("--reps", type=int, default=None, help="timed calls (default 5, --quick 2)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed calls before timing")
-    p.add_argument("--timeout", type=float, default=None, help="seconds per provider worker")
-    p.add_argument("--ckpt-dir", default=os.path.join(tempfile.gettempdir(), "prorl-bench-train_step"))
-    p.add_argument("--out", default=None, help=f"CSV to append to (default benchmarks/results/{NAME}.csv)")
-    args = p.parse_args(argv)
+    p.add_argument("--ckpt-dir", default=harness.CHECKPOINT_DIR, help="where the random checkpoints live")
 
+
+def _shapes(args) -> list[dict]:
     seqs, min_len, max_len = GPU_BATCH if args.gpu else QUICK_BATCH if args.quick else CPU_BATCH
     if args.lengths:
         min_len, max_len = (int(x) for x in args.lengths.split(","))
     model = args.model or ("qwen2-0.5b" if args.gpu else "tiny" if args.quick else "small")
-    os.makedirs(args.ckpt_dir, exist_ok=True)
-    shape = make_shape(
-        model, args.seqs or seqs, min_len, max_len, "bfloat16" if args.gpu else "float32", args.ckpt_dir
-    )
-    providers = args.providers.split(",") if args.providers else list(PROVIDERS)
-    unknown = [x for x in providers if x not in PROVIDERS]
-    if unknown:
-        p.error(f"unknown providers {unknown}; choose from {PROVIDERS}")
-    out = args.out or harness.RESULTS_DIR / f"{NAME}.csv"
-    rows, errors = harness.run_benchmark(
-        NAME,
-        "benchmarks.train_step",
-        providers,
-        ["full"],
-        [shape],
-        device="cuda" if args.gpu else "cpu",
-        threads=args.threads,
-        warmup=args.warmup,
-        reps=args.reps or (2 if args.quick else 5),
-        out=out,
-        peak_tflops=harness.H200_BF16_DENSE_TFLOPS,
-        timeout=args.timeout,
-    )
-    extra = derived_rows(rows, [shape])
-    harness.append_csv(out, extra)
-    print(summary(rows + extra))
-    for e in errors:
-        print(f"error: {e}", file=sys.stderr)
-    return 1 if errors and not rows else 0
+    dtype = "bfloat16" if args.gpu else "float32"
+    return [make_shape(model, args.seqs or seqs, min_len, max_len, dtype, args.ckpt_dir)]
 
+
+BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, derive=derived_rows, view=VIEW)
+main = BENCHMARK.main
 
 if __name__ == "__main__":
     sys.exit(main())

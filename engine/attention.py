@@ -42,7 +42,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 # shape, and bucketed RL batches bring new shapes every step: on an H200 (torch 2.11) a 3M-parameter
 # policy's RL step spent ~1.4 s of host time in _cudnn_attention_backward/forward per step; without cuDNN
 # the reference pass went from ~420 to ~40 ms and the update from ~840 to ~80 ms
-# (benchmarks/gpu_profile_step.py, the SDPA-family toggles).
+# (benchmarks/gpu/profile_step.py, the SDPA-family toggles).
 def cuda_sdpa_backends() -> list[SDPBackend]:
     """The SDPA kernels enabled right now (by default, or by a caller's own `sdpa_kernel` context), minus
     cuDNN's: what `SDPAAttention` allows on CUDA. Empty when cuDNN is the only one enabled."""
@@ -138,7 +138,7 @@ class SDPAAttention(AttentionBackend):
     def _padded_plan(bucket, lq, lk, start_q, start_k, device):
         """One padded SDPA call for the sequences in `bucket`: gather indices, mask, output rows; built
         with a few vectorised ops on `device` (a per-sequence loop of small host ops cost ~70 ms per RL
-        step on an H200 host, profiled with benchmarks/gpu_profile_step.py)."""
+        step on an H200 host, profiled with benchmarks/gpu/profile_step.py)."""
         as_t = lambda xs: torch.tensor(xs, dtype=torch.long).to(device, non_blocking=True)  # noqa: E731
         bq, bk = as_t([lq[i] for i in bucket]), as_t([lk[i] for i in bucket])
         sq, sk = as_t([start_q[i] for i in bucket]), as_t([start_k[i] for i in bucket])

@@ -3,33 +3,21 @@ into a temp CSV, and the ablation swaps checked against prorl's own path. Never 
 
 from __future__ import annotations
 
-import csv
 import math
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-# `benchmarks` is a folder at the repository root, not an installed package (see test_benchmarks_smoke.py)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import harness, rl_step  # noqa: E402
+from benchmarks import rl_step
 
 
-def test_rl_step_prorl_and_trl_one_step(tmp_path, capsys):
+def test_rl_step_prorl_and_trl_one_step(tmp_path, run_main):
     pytest.importorskip("trl", reason="TRL is not installed (pip install trl)")
     pytest.importorskip("datasets", reason="TRL's GRPOTrainer needs datasets")
     out = tmp_path / "rl_step.csv"
     args = ["--providers", "prorl,trl", "--models", "tiny", "--prompts", "2", "--n", "2", "--max-new", "8"]
     args += ["--warmup", "0", "--reps", "1", "--threads", "1", "--out", str(out), "--no-plot"]
-    assert rl_step.main(args) == 0
-    assert "x trl" in capsys.readouterr().out  # the summary table was printed
-
-    with open(out, newline="") as f:
-        reader = csv.DictReader(f)
-        assert tuple(reader.fieldnames) == harness.COLUMNS
-        rows = list(reader)
+    rows = run_main(rl_step.main, args, out, "speed-up vs trl")
     by = {(r["provider"], r["mode"], r["metric"]): r for r in rows}
     for provider in ("prorl", "trl"):
         for phase in ("gen", "reward", "old_logp", "update", "other", "step"):
@@ -53,15 +41,9 @@ def test_rl_step_prorl_and_trl_one_step(tmp_path, capsys):
 def trainer():
     from transformers import PreTrainedTokenizerFast
 
-    from prorl.config import load_config
-    from prorl.data import builtin
-    from prorl.trainer import Trainer
-
     path = rl_step.model_path("tiny")
-    cfg = load_config("default", rl_step.prorl_overrides(rl_step.work("tiny", 2, 2, 8), path, gpu=False))
-    tok = PreTrainedTokenizerFast.from_pretrained(path)
-    train, val = builtin("digit_sums", n=8, split="train"), builtin("digit_sums", n=2, split="val")
-    return Trainer(cfg, path, tok, train, val, reward_pool=None), tok, path
+    run = rl_step.prorl_trainer(rl_step.work("tiny", 2, 2, 8), path, gpu=False)  # no reward pool
+    return run.trainer, PreTrainedTokenizerFast.from_pretrained(path), path
 
 
 def test_ablations_compute_what_prorl_computes(trainer):
@@ -84,7 +66,7 @@ def test_ablations_compute_what_prorl_computes(trainer):
     sampler = torch.tensor([x for (_, t), s in zip(seqs, samples) for x in s.logprobs[: len(t)]])
     torch.testing.assert_close(logp, sampler, atol=1e-4, rtol=0)
     # padded [S, Lmax] batch: the same values at the real tokens
-    logp_pad, ent_pad = padded_logprobs(tr, tr.policy, batch, grad=False, entropy=True)
+    logp_pad, ent_pad = padded_logprobs(tr.policy, batch, 1.0, grad=False, entropy=True)
     torch.testing.assert_close(logp_pad, logp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent_pad, ent, atol=1e-5, rtol=0)
     ids, cu = batch.ids, batch.cu_seqlens

@@ -8,13 +8,8 @@
 # 989 TFLOPS, H200 bf16 dense), and peak extra CUDA memory; rows appended to
 # benchmarks/results/linear_logprob_entropy.csv, then the plots are redrawn.
 #
-# The benchmark it runs ran on an H200 on 2026-11-30 through benchmarks/gpu_check.sh (the first shape; providers
-# prorl, naive, liger-flce, gemm-floor); this script as a whole, the D=4096 shape and the other providers have
-# not. Written against the documented APIs of torch and liger-kernel 0.8.5
-# (the Liger calls were exercised on the CPU under TRITON_INTERPRET=1 at a tiny shape, nothing else).
-#
 # Usage, from the repository root on the GPU machine:
-#   bash benchmarks/gpu_linear_logprob_entropy.sh [extra args for `python -m benchmarks
+#   bash benchmarks/gpu/linear_logprob_entropy.sh [extra args for `python -m benchmarks
 #   linear_logprob_entropy`, e.g. --providers prorl,naive --reps 5]
 # Needs: a CUDA torch with triton. prorl is installed here if it is not importable (editable, no native
 # build, no dependencies fetched). liger-kernel is not in the lent H200 image and nothing can be
@@ -22,7 +17,7 @@
 # ignored folder named by LIGER_PATH=<folder holding liger_kernel/>; without it the liger providers
 # report an ImportError and the others still run.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY="${PYTHON:-python3}"
 
 if [[ -n "${LIGER_PATH:-}" ]]; then

@@ -5,7 +5,8 @@ from __future__ import annotations
 import csv
 import sys
 
-from benchmarks import harness, readme
+from benchmarks import harness
+from benchmarks.report import readme
 
 OLD = harness.COLUMNS_BEFORE_COMMAND
 

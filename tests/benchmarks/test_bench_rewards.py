@@ -3,15 +3,9 @@ speed; checks the plumbing (pool and in-process providers, score checks, DESIGN.
 
 from __future__ import annotations
 
-import csv
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` lives at the repository root
-
-from benchmarks import harness, rewards  # noqa: E402
+from benchmarks import rewards
 
 
 def test_workloads_score_as_stated():
@@ -24,16 +18,11 @@ def test_workloads_score_as_stated():
     assert len({rewards.math_case(i)[0] for i in range(40)}) == 40  # no repeated strings (parse cache)
 
 
-def test_rewards_benchmark_smoke(tmp_path, capsys):
+def test_rewards_benchmark_smoke(tmp_path, run_main):
     pytest.importorskip("math_verify")
     out = tmp_path / "rewards.csv"
     args = ["--batch", "2", "--reps", "1", "--warmup", "0", "--workers", "1", "--out", str(out)]
-    assert rewards.main(args) == 0
-    assert "x naive" in capsys.readouterr().out
-    with open(out, newline="") as f:
-        reader = csv.DictReader(f)
-        assert tuple(reader.fieldnames) == harness.COLUMNS
-        rows = list(reader)
+    rows = run_main(rewards.main, args, out, "speed-up vs naive")
     seen = {(r["provider"], r["shape"], r["metric"]) for r in rows}
     for provider in ("prorl", "naive"):
         for domain in ("math", "code"):

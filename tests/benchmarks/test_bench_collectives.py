@@ -3,15 +3,9 @@ nccl-tests conventions (bus-bandwidth factors, their table format). Never assert
 
 from __future__ import annotations
 
-import csv
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import collectives, harness  # noqa: E402
+from benchmarks import collectives
 
 # nccl-tests' table (all_reduce_perf -b 1K -e 4K -f 4 -g 2; spacing narrowed), out-of-place then in-place
 NCCL_TESTS_TABLE = """\
@@ -44,14 +38,10 @@ def test_parse_nccl_tests_reads_out_of_place_columns():
     }
 
 
-def test_collectives_two_gloo_ranks(tmp_path):
+def test_collectives_two_gloo_ranks(tmp_path, run_main):
     out = tmp_path / "collectives.csv"
     args = ["--sizes", "4096", "--reps", "2", "--iters", "3", "--warmup", "1", "--cpu", "--out", str(out)]
-    assert collectives.main(args + ["--no-plot"]) == 0
-    with open(out, newline="") as f:
-        reader = csv.DictReader(f)
-        assert tuple(reader.fieldnames) == harness.COLUMNS
-        rows = list(reader)
+    rows = run_main(collectives.main, args + ["--no-plot"], out, "busbw")
     by = {(r["mode"], r["metric"]): r for r in rows}
     for op in collectives.OPS:
         t, alg, bus = by[(op, "time")], by[(op, "algbw")], by[(op, "busbw")]

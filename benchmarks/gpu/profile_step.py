@@ -1,8 +1,8 @@
 """Where prorl's RL step spends its time on a GPU, and the fused ops' device-only times.
 
-    python -m benchmarks.gpu_profile_step [--model random] [--steps 6] [--prompts 16] [--n 8] [--max-new 128]
+    python -m benchmarks.gpu.profile_step [--model random] [--steps 6] [--prompts 16] [--n 8] [--max-new 128]
 
-1. The rl_step benchmark's prorl Trainer (benchmarks/rl_step.py settings, bf16, native sampler) on cuda:0:
+1. The rl_step benchmark's prorl Trainer (`rl_step.prorl_trainer`, bf16, native sampler) on cuda:0:
    per-step phase times and the number of Triton kernels compiled during each step (files added to the
    Triton cache), for `--steps` steps; then the same steps again with each SDPA kernel family switched
    off in turn (cuDNN, memory-efficient, flash), to find a per-shape cost in one of them.
@@ -25,21 +25,19 @@ def _triton_cache_files() -> int:
     return sum(len(files) for _, _, files in os.walk(root)) if os.path.isdir(root) else 0
 
 
-def _steps(trainer, k: int, label: str) -> None:
+def _steps(step, k: int, label: str, responses: int) -> None:
     import torch
 
     for i in range(k):
         before = _triton_cache_files()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        m = trainer.step()
+        m = step()
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3
-        phases = " ".join(
-            f"{p} {m.get(f'timing_s/{p}', 0.0) * 1e3:7.1f}" for p in ("gen", "reward", "old_logp", "update")
-        )
+        phases = " ".join(f"{p} {m[p] * 1e3:7.1f}" for p in ("gen", "reward", "old_logp", "update"))
         print(
-            f"{label:<14} step {i}: {wall:8.1f} ms | {phases} | resp len {m['response_length/mean']:.1f}"
+            f"{label:<14} step {i}: {wall:8.1f} ms | {phases} | resp len {m['tokens'] / responses:.1f}"
             f" | triton cache +{_triton_cache_files() - before}",
             flush=True,
         )
@@ -48,35 +46,24 @@ def _steps(trainer, k: int, label: str) -> None:
 def profile_trainer(args) -> None:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from transformers import PreTrainedTokenizerFast
+    from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks.rl_step import model_path, prorl_overrides, work
-    from prorl.config import load_config
-    from prorl.data import builtin
+    from benchmarks.rl_step import model_path, prorl_trainer, work
     from prorl.rewards.pool import RewardPool
-    from prorl.trainer import Trainer
 
-    w = work(args.model, args.prompts, args.n, args.max_new)
-    path = model_path(args.model)
-    cfg = load_config("default", prorl_overrides(w, path, gpu=True, gen="native"))
-    tok = PreTrainedTokenizerFast.from_pretrained(path)
-    train = builtin("digit_sums", seed=0, split="train")
-    val = builtin("digit_sums", n=4, seed=0, split="val")
+    w, path = work(args.model, args.prompts, args.n, args.max_new), model_path(args.model)
     all_backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]
     all_backends.append(SDPBackend.MATH)
     with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
-        trainer = Trainer(cfg, path, tok, train, val, pool)
-        attention = trainer.policy.attention_backend(trainer.device).name
-        print(f"model {args.model} ({path}); attention {attention}", flush=True)
-        _steps(trainer, args.steps, "default")
+        run = prorl_trainer(w, path, gpu=True, gen="native", pool=pool)
+        print(f"model {args.model} ({path}); attention {run.attention()}", flush=True)
+        _steps(run.step, args.steps, "default", args.prompts * args.n)
         for off in all_backends[:3]:
-            allowed = [b for b in all_backends if b != off]
-            with sdpa_kernel(allowed):
-                _steps(trainer, max(2, args.steps // 2), f"no {off.name.split('_')[0].lower()}")
-        from torch.profiler import ProfilerActivity, profile
-
+            with sdpa_kernel([b for b in all_backends if b != off]):
+                label = f"no {off.name.split('_')[0].lower()}"
+                _steps(run.step, max(2, args.steps // 2), label, args.prompts * args.n)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            trainer.step()
+            run.step()
             torch.cuda.synchronize()
         table = prof.key_averages()
         print(table.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
@@ -121,7 +108,9 @@ def ppo_loss_device_times() -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.gpu.profile_step", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--model", default="random", help="tiny | random | large (benchmarks/rl_step.py)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--prompts", type=int, default=16)

@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import argparse
 import ast
-import csv
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.harness import REPO_ROOT, RESULTS_DIR
+from benchmarks.harness import REPO_ROOT, RESULTS_DIR, newest, read_csv
 
 BEGIN = "<!-- perf:begin -->"
 END = "<!-- perf:end -->"
+GENERATED = "<!-- generated from benchmarks/results/*.csv by `python -m benchmarks readme`: do not edit -->"
 
 
 @dataclass(frozen=True)
@@ -55,13 +55,10 @@ class View:
     total: str = "step"
 
 
+RL_PHASES = ("gen", "sync", "reward", "old_logp", "update", "other")
 # in README order; benchmarks not named here get View() and follow in name order
 VIEWS: dict[str, View] = {
-    "rl_step": View(
-        extras=("tokens_per_s", "peak_memory"),
-        ratios=(("trl", "speedup"),),
-        phases=("gen", "sync", "reward", "old_logp", "update", "other"),
-    ),
+    "rl_step": View(extras=("tokens_per_s", "peak_memory"), ratios=(("trl", "speedup"),), phases=RL_PHASES),
     "train_step": View(
         extras=("tokens_per_s", "peak_extra_memory"), ratios=(("transformers-padded", "speedup"),)
     ),
@@ -91,61 +88,24 @@ LABELS = {
 }
 
 
-# --------------------------------------------------------------------------------------------------
-# Reading
-# --------------------------------------------------------------------------------------------------
-
-
-def read_rows(path: Path) -> list[dict]:
-    """All rows of a results CSV, p50/p20/p80 as floats; `command` "" where the CSV predates it."""
-    rows = []
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            r = {k: (v or "") for k, v in r.items() if k is not None}
-            try:
-                for k in ("p50", "p20", "p80"):
-                    r[k] = float(r[k])
-            except (KeyError, ValueError):
-                continue  # a row without numbers (a truncated line) is not shown
-            r.setdefault("command", "")
-            rows.append(r)
-    return rows
-
-
-def latest(rows: list[dict]) -> dict[tuple, dict]:
-    """(device, shape, mode, provider, metric) -> the newest row (ties: the later line)."""
-    out: dict[tuple, dict] = {}
-    for r in rows:
-        key = (r["device"], r["shape"], r["mode"], r["provider"], r["metric"])
-        if key not in out or r["timestamp"] >= out[key]["timestamp"]:
-            out[key] = r
-    return out
+# --- Reading --------------------------------------------------------------------------------------
 
 
 def threads_of(versions: str) -> str:
     words = versions.split()
-    for prefix in ("threads=", "OMP_NUM_THREADS="):
-        hit = next((w for w in words if w.startswith(prefix)), None)
-        if hit:
-            return hit
-    return "threads not recorded"
+    hits = [w for prefix in ("threads=", "OMP_NUM_THREADS=") for w in words if w.startswith(prefix)]
+    return (hits or ["threads not recorded"])[0]
 
 
 def descriptions() -> dict[str, str]:
     """Benchmark name -> the first line of its module docstring (read without importing it)."""
     found = {}
-    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
-        try:
-            doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-        except SyntaxError:
-            continue
-        found[path.stem] = doc.strip().split("\n")[0]
+    for path in sorted(Path(__file__).resolve().parents[1].glob("*.py")):  # the benchmarks' folder
+        found[path.stem] = (ast.get_docstring(ast.parse(path.read_text())) or "").strip().split("\n")[0]
     return found
 
 
-# --------------------------------------------------------------------------------------------------
-# Formatting
-# --------------------------------------------------------------------------------------------------
+# --- Formatting -----------------------------------------------------------------------------------
 
 
 def num(x: float) -> str:
@@ -194,7 +154,7 @@ def _ratio(view: View, kind: str, row: dict, base: dict | None) -> str:
 
 def render_device(name: str, view: View, device: str, rows: list[dict]) -> list[str]:
     """The table and run list of one benchmark on one machine (rows: all of its rows on that device)."""
-    new = latest(rows)
+    new = newest(rows)
     by_run = {(r["timestamp"], r["shape"], r["mode"], r["provider"], r["metric"]): r for r in rows}
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
@@ -294,6 +254,21 @@ def render_device(name: str, view: View, device: str, rows: list[dict]) -> list[
     return out
 
 
+def render(name: str, rows: list[dict], view: View | None = None) -> list[str]:
+    """`render_device` for every machine of `rows` (`view`: default the benchmark's in VIEWS)."""
+    view, out = view or VIEWS.get(name, View()), []
+    for device in dict.fromkeys(r["device"] for r in rows):
+        out += render_device(name, view, device, [r for r in rows if r["device"] == device])
+    return out
+
+
+def summary(name: str, rows: list[dict], view: View | None = None) -> str:
+    """One invocation's rows as the README shows them, for the console."""
+    from benchmarks.harness import command_line
+
+    return "\n".join(render(name, [dict(r, command=r.get("command") or command_line()) for r in rows], view))
+
+
 def pngs_of(names: list[str], results: Path) -> dict[str, list[Path]]:
     """Each PNG in `results` goes to the longest benchmark name its stem equals or starts with + '_'."""
     out: dict[str, list[Path]] = {n: [] for n in names}
@@ -323,7 +298,7 @@ def _png_link(name: str, png: Path, base: str) -> str:
 
 def _render_folder(results: Path, readme: Path) -> list[str]:
     """The tables and plot links of the CSVs and PNGs directly in `results`."""
-    found = {p.stem: read_rows(p) for p in sorted(results.glob("*.csv"))}
+    found = {p.stem: read_csv(p) for p in sorted(results.glob("*.csv"))}
     found = {n: rows for n, rows in found.items() if rows}
     order = [n for n in VIEWS if n in found] + sorted(n for n in found if n not in VIEWS)
     docs = descriptions()
@@ -331,11 +306,7 @@ def _render_folder(results: Path, readme: Path) -> list[str]:
     base = Path(os.path.relpath(results.resolve(), Path(readme).resolve().parent)).as_posix()
     out = []
     for name in order:
-        view = VIEWS.get(name, View())
-        devices = list(dict.fromkeys(r["device"] for r in found[name]))
-        body = []
-        for device in devices:
-            body += render_device(name, view, device, [r for r in found[name] if r["device"] == device])
+        body = render(name, found[name])
         if not body:
             continue
         if docs.get(name):
@@ -357,11 +328,7 @@ SUBFOLDERS = {
 def generate(results: Path = RESULTS_DIR, readme: Path = REPO_ROOT / "README.md") -> str:
     """The block between the markers (without them), from the CSVs in `results` and its SUBFOLDERS."""
     results = Path(results)
-    out = [
-        "",
-        "<!-- generated from benchmarks/results/*.csv by `python -m benchmarks readme`: do not edit -->",
-        "",
-    ]
+    out = ["", GENERATED, ""]
     body = _render_folder(results, readme)
     for sub, heading in SUBFOLDERS.items():
         lines = _render_folder(results / sub, readme) if (results / sub).is_dir() else []
@@ -381,9 +348,7 @@ def splice(text: str, block: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks readme", description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--check", action="store_true", help="exit 1 if the README's block is stale; write nothing"
-    )
+    p.add_argument("--check", action="store_true", help="exit 1 if the block is stale; write nothing")
     p.add_argument("--readme", default=str(REPO_ROOT / "README.md"))
     p.add_argument("--results", default=str(RESULTS_DIR), help="folder of the results CSVs and PNGs")
     args = p.parse_args(argv)
@@ -394,16 +359,14 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"{readme}: {exc}", file=sys.stderr)
         return 1
+    if args.check and new != text:
+        print(
+            f"{readme}: the performance tables are stale; run `python -m benchmarks readme`", file=sys.stderr
+        )
+        return 1
     if args.check:
-        if new != text:
-            print(
-                f"{readme}: the performance tables are stale; run `python -m benchmarks readme`",
-                file=sys.stderr,
-            )
-            return 1
         print(f"{readme}: the performance tables are up to date")
-        return 0
-    if new != text:
+    elif new != text:
         readme.write_text(new)
         print(f"{readme}: performance tables regenerated")
     else:

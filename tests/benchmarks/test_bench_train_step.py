@@ -2,30 +2,20 @@
 
 from __future__ import annotations
 
-import csv
 import re
-import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `benchmarks` is a folder at the root
-
-from benchmarks import harness, train_step  # noqa: E402
+from benchmarks import train_step
 
 ARGS = ["--quick", "--seqs", "3", "--lengths", "5,12", "--reps", "1", "--warmup", "0", "--threads", "1"]
 
 
-def test_train_step_benchmark_smoke(tmp_path, capsys):
+def test_train_step_benchmark_smoke(tmp_path, run_main):
     # Two providers through the worker processes (each worker costs seconds of imports).
     out = tmp_path / "train_step.csv"
     args = ARGS + ["--providers", "prorl,transformers-padded", "--ckpt-dir", str(tmp_path), "--out", str(out)]
-    assert train_step.main(args) == 0
-    assert "speedup" in capsys.readouterr().out
-    with open(out, newline="") as f:
-        reader = csv.DictReader(f)
-        assert tuple(reader.fieldnames) == harness.COLUMNS
-        rows = list(reader)
+    rows = run_main(train_step.main, args, out, "speed-up vs transformers-padded")
     seen = {(r["provider"], r["metric"]) for r in rows}
     for provider in ("prorl", "transformers-padded"):
         for metric in ("time", "gflops", "tokens_per_s", "padding_fraction"):

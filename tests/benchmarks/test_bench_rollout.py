@@ -3,16 +3,10 @@ one tiny generate step on CPU, and --device cuda refused without a GPU. Never as
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
-# `benchmarks` is a folder at the repository root, not an installed package (see test_benchmarks_smoke.py)
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from benchmarks import rollout  # noqa: E402
+from benchmarks import rollout
 
 
 def test_defaults_and_notes():

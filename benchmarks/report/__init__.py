@@ -1,0 +1,1 @@
+"""The README generator: `python -m benchmarks readme` (report/readme.py)."""
