@@ -427,6 +427,10 @@ def test_private_directories_of_killed_runs_are_removed(tmp_path):
     unlocked = tmp_path / "prorl-sbx-unlocked-but-in-use"  # by a run of a version that did not lock
     unlocked.mkdir()
     user = subprocess.Popen(["sleep", "30"], env=dict(os.environ, TMPDIR=str(unlocked)))
+    deadline = time.monotonic() + 10  # until exec: before it the child's environment is still ours
+    while f"TMPDIR={unlocked}".encode() not in open(f"/proc/{user.pid}/environ", "rb").read():
+        assert time.monotonic() < deadline, "the sleep process never showed its TMPDIR"
+        time.sleep(0.01)
     try:
         assert tempdirs.remove_stale("prorl-sbx-", str(tmp_path), min_age_s=600) == []  # all too young
         assert tempdirs.remove_stale("prorl-sbx-", str(tmp_path)) == [str(stale)]
