@@ -222,6 +222,28 @@ def curves(lines: dict[str, list[tuple[float, float]]], png: Path, xlabel: str, 
     return _save(fig, png, 100)
 
 
+def scheduling(tokens: dict, accuracy: dict, png: Path, window: int = 10) -> Path:
+    """Prompt scheduling: generated tokens per kept group (moving mean over `window` steps) and held-out
+    accuracy, against steps, one line per provider."""
+    plt = _pyplot()
+    fig, (ax_t, ax_a) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for name, pts in tokens.items():
+        ys = [y for _, y in pts]
+        smooth = [
+            sum(ys[max(0, i - window + 1) : i + 1]) / len(ys[max(0, i - window + 1) : i + 1])
+            for i in range(len(ys))
+        ]
+        ax_t.plot([s for s, _ in pts], smooth, lw=1.2, label=name)
+    for (name, pts), style in zip(accuracy.items(), ("o-", "s--", "^:")):
+        ax_a.plot([s for s, _ in pts], [a for _, a in pts], style, label=name)
+    ax_t.set(xlabel="step", ylabel=f"generated tokens per kept group ({window}-step mean)")
+    ax_a.set(xlabel="step", ylabel="held-out greedy accuracy", ylim=(0, 1.05))
+    for ax in (ax_t, ax_a):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    return _save(fig, png, 100)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks plot", description=__doc__.split("\n")[0])
     p.add_argument(

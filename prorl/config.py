@@ -34,6 +34,7 @@ from prorl.kernels import (
     KL_ESTIMATORS,
     WHITEN_WEIGHTINGS,
 )
+from prorl.scheduler import MODES as SCHEDULER_MODES
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -184,6 +185,17 @@ class TrainerConfig:
 
 
 @dataclass
+class SchedulerConfig:
+    mode: str = _f("none", "prompt scheduling before generation (prorl/scheduler.py)", SCHEDULER_MODES)
+    prior_alpha: float = _f(1.0, "Beta prior of a prompt's success probability: alpha ...")
+    prior_beta: float = _f(1.0, "... and beta")
+    discount: float = _f(0.95, "evidence kept per step since a prompt's last update (the policy moves)")
+    floor: float = _f(0.05, "added to every prompt's P(mixed group): no prompt's chance is ever zero")
+    reprobe_epochs: float = _f(2.0, "a prompt not probed for this many epochs is probed again first")
+    solved_threshold: float = _f(1.0, "exclude-solved: a group's mean reward at which its prompt leaves")
+
+
+@dataclass
 class LoggingConfig:
     tensorboard: bool = _f(True, "write TensorBoard events (needs the tensorboard package)")
     wandb_project: str | None = _f(None, "log to this W&B project (needs wandb)")
@@ -201,6 +213,7 @@ class Config:
     algorithm: AlgorithmConfig = _f(AlgorithmConfig)
     optim: OptimConfig = _f(OptimConfig)
     trainer: TrainerConfig = _f(TrainerConfig)
+    scheduler: SchedulerConfig = _f(SchedulerConfig)
     logging: LoggingConfig = _f(LoggingConfig)
 
 
@@ -238,7 +251,7 @@ def fields(cls=Config, prefix: str = ""):
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "reward": RewardConfig,
              "algorithm": AlgorithmConfig, "reset": ResetConfig, "optim": OptimConfig,
-             "trainer": TrainerConfig, "logging": LoggingConfig}  # fmt: skip
+             "trainer": TrainerConfig, "scheduler": SchedulerConfig, "logging": LoggingConfig}  # fmt: skip
 
 
 def choices() -> dict[str, tuple]:
@@ -329,7 +342,7 @@ def validate(cfg: Config) -> None:
         value = _get(cfg, dotted)
         if value not in allowed:
             raise ConfigError(f"{dotted}={value!r} is not one of {', '.join(map(str, allowed))}")
-    a, t, r = cfg.algorithm, cfg.trainer, cfg.rollout
+    a, t, r, sc = cfg.algorithm, cfg.trainer, cfg.rollout, cfg.scheduler
     finite = all(
         math.isfinite(x) for x in (r.temperature, r.top_p, a.kl_coef, a.eps_low, a.eps_high, cfg.optim.lr)
     )
@@ -360,6 +373,9 @@ def validate(cfg: Config) -> None:
         (cfg.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
         (cfg.reward.num_workers >= 1, "reward.num_workers must be >= 1"),
         (cfg.seed >= 0, "seed must be >= 0"),
+        (0 < sc.discount <= 1, "scheduler.discount must be in (0, 1]"),
+        (min(sc.prior_alpha, sc.prior_beta) > 0, "scheduler.prior_alpha and prior_beta must be > 0"),
+        (sc.floor > 0, "scheduler.floor must be > 0 (every prompt keeps a chance)"),
         (t.collective_timeout_s >= 0, "trainer.collective_timeout_s must be >= 0 (0: from the config)"),
         (t.wait_warning_s >= 0, "trainer.wait_warning_s must be >= 0 (0: never warn)"),
     ]  # fmt: skip

@@ -102,6 +102,11 @@ def step_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, fl
         "dynamic_sampling/pass_rate": mean("samples_correct", "samples_seen"),
         "dynamic_sampling/frac_all_correct": mean("groups_all_correct", "groups_seen"),
         "dynamic_sampling/frac_all_wrong": mean("groups_all_wrong", "groups_seen"),
+        "dynamic_sampling/kept_group_fraction": mean("groups_passed", "groups_seen"),
+        # every response token generated this step, kept or not, per group that passed the filter
+        "dynamic_sampling/gen_tokens_per_kept_group": mean("generated_tokens", "groups_passed"),
+        "dynamic_sampling/generated_tokens": s.get("generated_tokens", 0.0),
+        "dynamic_sampling/passed_groups": s.get("groups_passed", 0.0),
         "reward/timeout_frac": mean("samples_timeout", "samples_seen"),
         "reward/error_frac": mean("samples_error", "samples_seen"),
         # the trained batch
@@ -137,6 +142,7 @@ def step_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, fl
         "rollout/logprob_mismatch": mean("mismatch", "tokens"),
         "rollout/logprob_mismatch_max": finite(mx.get("mismatch")),
     }
+    out.update({k: v for k, v in mx.items() if k.startswith("scheduler/")})
     if "is_weight" in s:
         out["rollout/is_mean"] = mean("is_weight", "tokens")
         out["rollout/is_max"] = finite(mx.get("is_weight"))

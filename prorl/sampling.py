@@ -27,6 +27,7 @@ from prorl.data import encode_prompts
 from prorl.engine.parallel import all_reduce, watchdog
 from prorl.engine.rollout import SamplingParams
 from prorl.metrics import StepAccumulator
+from prorl.scheduler import PromptScheduler
 
 
 @dataclass
@@ -61,6 +62,10 @@ class GroupSampler:
             raise ValueError(f"no training prompt fits data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
         self.data_rng = random.Random(cfg.seed * 1000 + rank)
         self.data_order: list[int] = []
+        self.scheduler = None
+        if cfg.scheduler.mode != "none":
+            pps, n = cfg.trainer.prompts_per_step, cfg.rollout.n
+            self.scheduler = PromptScheduler(cfg.scheduler, len(self.kept), n, pps, cfg.seed)
         self.carry: list[Group] = []  # kept groups beyond this step's need, used first next step
         self.reward_time = 0.0  # seconds spent verifying since the last reset of this counter
 
@@ -144,7 +149,13 @@ class GroupSampler:
                 if most <= 0:
                     break
                 k = most if rounds == 0 or not a.dynamic_sampling else math.ceil(most * a.oversample)
-                groups = self.rollout(self.next_examples(k), self.seed(step, rounds), max_new)
+                if self.scheduler is None:
+                    chosen = self.next_examples(k)
+                else:
+                    chosen = self.scheduler.select(
+                        k, step=step, round_=rounds, rank=self.rank, world=self.world
+                    )
+                groups = self.rollout(chosen, self.seed(step, rounds), max_new)
                 self.verify(groups, acc)
             rounds += 1
             for g in groups:
@@ -153,14 +164,34 @@ class GroupSampler:
                 acc.sum("groups_all_correct", correct == len(g.raw))
                 acc.sum("groups_all_wrong", correct == 0)
                 acc.sum("samples_correct", correct)
+                acc.sum("generated_tokens", sum(len(t) for t in g.responses))
+                if self.scheduler is not None:
+                    self.scheduler.observe(g.example_index, g.raw)
                 if not a.dynamic_sampling or max(g.raw) > min(g.raw):
                     kept.append(g)
+                    acc.sum("groups_passed", 1)
         acc.max("rounds", rounds)
+        if self.scheduler is not None:
+            self._merge_records(step, acc)
         kept, leftover = kept[:need], kept[need:]
         self.carry = [g for g in leftover if g.old_logps is None][:need]
         acc.sum("groups_kept", len(kept))
         acc.sum("groups_dropped", len(leftover) - len(self.carry))
         return kept
+
+    def _merge_records(self, step: int, acc: StepAccumulator) -> None:
+        """Every rank's observations of this step into every rank's record (one all-gather), and the
+        record's counts as metrics (the same on every rank)."""
+        gathered = [self.scheduler.pending]
+        if self.world > 1:
+            import torch.distributed as dist
+
+            gathered = [None] * self.world
+            with watchdog().waiting("all-gather of the prompt records"):
+                dist.all_gather_object(gathered, self.scheduler.pending)
+        self.scheduler.merge(step, gathered)
+        for state, count in self.scheduler.counts(step + 1).items():
+            acc.max(f"scheduler/{state}", count)
 
     # -- checkpointed state ----------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -168,12 +199,15 @@ class GroupSampler:
             "data_order": list(self.data_order),
             "data_rng": self.data_rng.getstate(),
             "carry": [dataclasses.asdict(g) for g in self.carry],
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.data_order = list(state["data_order"])
         self.data_rng.setstate(state["data_rng"])
         self.carry = [Group(**g) for g in state["carry"]]
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
 
 
 def shape_rewards(groups: list[Group], rc, step: int, max_new: int) -> torch.Tensor:

@@ -74,6 +74,11 @@ VIEWS: dict[str, View] = {
     "embedded_default": View(
         primary="accuracy_after_mean_last3", extras=("accuracy_before", "accuracy_max", "wall_time")
     ),
+    "prompt_scheduling": View(
+        primary="gen_tokens_per_kept_group",
+        extras=("kept_group_fraction", "val_accuracy", "wall_time"),
+        ratios=(("dynamic-sampling", "multiple"),),
+    ),
 }
 
 LABELS = {
@@ -85,6 +90,9 @@ LABELS = {
     "accuracy_before": "accuracy before",
     "accuracy_max": "accuracy max",
     "wall_time": "wall time",
+    "gen_tokens_per_kept_group": "generated tokens per kept group",
+    "kept_group_fraction": "kept groups",
+    "val_accuracy": "held-out accuracy (mean of last 3)",
 }
 
 

@@ -40,6 +40,7 @@ OVERRIDES = [
     "algorithm.reset.interval=2",  # reference resets after steps 2 and 4: pi_ref must be restored
     "reward.length_k_on=2",  # the length penalty switches on and off within the run
     "reward.length_k_off=2",
+    "scheduler.mode=pass-rate",  # the per-prompt record must survive too
 ]
 SAVED_FILES = (MARKER, "meta.json", "objects.pt", ".metadata", "rng/rank_00000.pt", "rng/rank_00001.pt")
 

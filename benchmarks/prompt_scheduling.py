@@ -1,0 +1,102 @@
+"""Prompt scheduling on a prolonged run: generated tokens per kept group, kept fraction, accuracy, wall time.
+
+    OMP_NUM_THREADS=1 python -m benchmarks prompt_scheduling [--steps 300] [--providers ...]
+
+The embedded default (torchrun, 2 CPU processes) run long enough to be prolonged for it - most of its 800
+training prompts are solved within the first few dozen steps - with the same seed and step count for each
+provider: `dynamic-sampling` (scheduler.mode=none: prompts in shuffled epochs, all-equal groups dropped after
+generation), `pass-rate` (prorl/scheduler.py), `exclude-solved` (open-instruct's rule: a prompt whose
+group came back all correct leaves for good). Metrics over the whole run: `gen_tokens_per_kept_group`
+(every generated response token, kept or not, per group that passed dynamic sampling), `kept_group_fraction`,
+`wall_time` (the run's steps, validation excluded) and `val_accuracy` (greedy held-out accuracy, mean of the
+last three evaluations). Rows go to benchmarks/results/prompt_scheduling.csv; the plot shows generated
+tokens per kept group and held-out accuracy against steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+from benchmarks import harness, plot
+from benchmarks.report import readme
+
+NAME = "prompt_scheduling"
+PROVIDERS = {"dynamic-sampling": "none", "pass-rate": "pass-rate", "exclude-solved": "exclude-solved"}
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(provider: str, steps: int, val_every: int, out: Path, timeout: float) -> list[dict]:
+    """One training run of the embedded default with this provider's scheduler; its metrics rows."""
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "prorl/train.py",
+        f"output_dir={out}", f"trainer.total_steps={steps}", f"trainer.val_every={val_every}",
+        f"scheduler.mode={PROVIDERS[provider]}", "trainer.save_every=0", "algorithm.reset.interval=100",
+    ]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{provider}: exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def summary(rows: list[dict]) -> dict[str, float]:
+    steps = [r for r in rows if "dynamic_sampling/sampled_groups" in r]
+    vals = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
+    passed = sum(r["dynamic_sampling/passed_groups"] for r in steps)
+    generated = sum(r["dynamic_sampling/generated_tokens"] for r in steps)
+    sampled = sum(r["dynamic_sampling/sampled_groups"] for r in steps)
+    return {
+        "gen_tokens_per_kept_group": generated / max(passed, 1.0),
+        "kept_group_fraction": passed / max(sampled, 1.0),
+        "wall_time": sum(r.get("timing_s/step", 0.0) for r in steps),
+        "val_accuracy": sum(vals[-3:]) / max(len(vals[-3:]), 1),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300, help="RL steps per run")
+    ap.add_argument("--val-every", type=int, default=25)
+    ap.add_argument("--providers", type=harness.subset_of(tuple(PROVIDERS)), default=list(PROVIDERS))
+    ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    ap.add_argument("--quick", action="store_true", help="6 steps each: a smoke test, not a measurement")
+    ap.add_argument("--out", type=Path, default=harness.RESULTS_DIR / f"{NAME}.csv")
+    args = ap.parse_args(argv)
+    steps, val_every = (6, 3) if args.quick else (args.steps, args.val_every)
+    common = dict(
+        name=NAME, mode=f"{steps}-steps", shape="digit_sums embedded default", git_rev=harness.git_rev()
+    )
+    common.update(device=harness.device_name(SimpleNamespace(type="cpu")), timestamp=harness.utc_now())
+    common["versions"] = f"OMP_NUM_THREADS=1 2 procs; {harness.command_line(argv)}"
+    rows, curves, tokens = [], {}, {}
+    with tempfile.TemporaryDirectory(prefix="prorl-sched-") as tmp:
+        for provider in args.providers:
+            metrics = run(provider, steps, val_every, Path(tmp) / provider, args.timeout)
+            for metric, value in summary(metrics).items():
+                unit = {"wall_time": "s", "val_accuracy": "fraction", "kept_group_fraction": "fraction"}.get(
+                    metric, "tokens"
+                )
+                rows.append(harness.single_row(metric, unit, value, provider=provider, **common))
+            curves[provider] = [(r["step"], r["val/accuracy"]) for r in metrics if "val/accuracy" in r]
+            tokens[provider] = [
+                (r["step"], r["dynamic_sampling/gen_tokens_per_kept_group"])
+                for r in metrics
+                if "dynamic_sampling/gen_tokens_per_kept_group" in r
+            ]
+    if not args.quick:
+        harness.append_csv(args.out, rows)
+    png = plot.scheduling(tokens, curves, args.out.with_suffix(".png"))
+    print(readme.summary(NAME, rows))
+    print(f"wrote {'' if args.quick else str(args.out) + ' and '}{png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

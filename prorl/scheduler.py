@@ -1,0 +1,155 @@
+"""Pass-rate-aware prompt scheduling: spend generation on the prompts whose groups will carry a signal.
+
+Dynamic sampling (docs/recipe.md §6) drops a group whose raw rewards are all equal - after paying for its
+n responses. As the policy improves most prompts come back all-correct (or stay all-wrong), and most of a
+step's generation is thrown away. The scheduler decides BEFORE generation, from a per-prompt record:
+
+    record: Beta(alpha, beta) over the prompt's success probability p, from its verified rewards
+            (a group adds sum(rewards) to alpha and n - sum(rewards) to beta), discounted towards the
+            prior by `discount` per step since its last update, because the policy moves;
+    score:  P(a group of n is mixed) = 1 - E[p^n] - E[(1 - p)^n]
+                                     = 1 - B(alpha + n, beta) / B(alpha, beta)
+                                         - B(alpha, beta + n) / B(alpha, beta);
+    choice: unseen prompts first; then prompts not probed for `reprobe_epochs` epochs (oldest first), so
+            no prompt is dropped for good (each is probed again within reprobe_epochs + 1 epochs of its
+            last probe); then the rest drawn without replacement with weights score + `floor`.
+
+Dynamic sampling still filters after generation; the data-mix weights act through the examples' counts
+(prorl.data.mix). Under torchrun the record is global: every rank applies every rank's observations in
+the same order after each step's sampling (one all-gather), and every rank computes the same global choice
+from the same record and seed and takes its own slice, so no prompt goes to two ranks in one round.
+
+What it assumes, and when it can hurt: the Beta posterior treats a prompt's groups as draws of one p; the
+discount lets old evidence fade, but a prompt that becomes solvable late is only noticed when it is
+re-probed (bounded by `reprobe_epochs`), and the floor keeps every prompt's chance above zero. Steps then
+concentrate on fewer, harder prompts: the held-out accuracy is the check that this does not overfit them.
+
+`mode: exclude-solved` is open-instruct's rule, for comparison: a prompt whose group came back all
+correct is excluded for good; the others are drawn uniformly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+MODES = ("none", "pass-rate", "exclude-solved")
+STATES = ("unseen", "mixed", "solved", "unsolved")
+
+
+def mixed_probability(alpha: np.ndarray, beta: np.ndarray, n: int) -> np.ndarray:
+    """P(a group of n Bernoulli(p) draws holds both outcomes) for p ~ Beta(alpha, beta), elementwise."""
+    import torch
+
+    def betaln(a, b):  # log B(a, b) in float64
+        a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
+        return (torch.lgamma(a) + torch.lgamma(b) - torch.lgamma(a + b)).numpy()
+
+    log_b = betaln(alpha, beta)
+    all_right = np.exp(betaln(alpha + n, beta) - log_b)
+    all_wrong = np.exp(betaln(alpha, beta + n) - log_b)
+    return np.clip(1.0 - all_right - all_wrong, 0.0, 1.0)
+
+
+class PromptScheduler:
+    """The per-prompt record and the choice of each round's prompts (module docstring). `size` prompts,
+    indexed like `GroupSampler.kept`; `cfg` is the `scheduler` config section; `n` the group size."""
+
+    def __init__(self, cfg, size: int, n: int, prompts_per_step: int, seed: int):
+        self.cfg, self.size, self.n, self.seed = cfg, size, n, seed
+        self.epoch_steps = max(math.ceil(size / max(prompts_per_step, 1)), 1)
+        self.alpha = np.full(size, cfg.prior_alpha)
+        self.beta = np.full(size, cfg.prior_beta)
+        self.updated = np.zeros(size, dtype=np.int64)  # step of the last update
+        self.probed = np.full(size, -1, dtype=np.int64)  # step of the last probe; -1: never
+        self.excluded = np.zeros(size, dtype=bool)
+        self.taken: set[int] = set()  # chosen in this step's earlier rounds
+        self.pending: list[tuple[int, float, int]] = []  # this rank's observations since the last merge
+        self.reprobes = 0
+
+    # -- the record -------------------------------------------------------------------------------------
+    def decayed(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(alpha, beta) discounted towards the prior for the steps since each prompt's last update."""
+        w = self.cfg.discount ** np.maximum(step - self.updated, 0)
+        a0, b0 = self.cfg.prior_alpha, self.cfg.prior_beta
+        return a0 + w * (self.alpha - a0), b0 + w * (self.beta - b0)
+
+    def observe(self, prompt: int, rewards: list[float]) -> None:
+        """A verified group of this rank: merged into the record at the next `merge`."""
+        self.pending.append((prompt, float(sum(rewards)), len(rewards)))
+
+    def merge(self, step: int, gathered: list[list[tuple[int, float, int]]]) -> None:
+        """Apply every rank's observations (`gathered[r]` = rank r's `pending`), in rank order."""
+        alpha, beta = self.decayed(step)
+        for part in gathered:
+            for prompt, successes, trials in part:
+                alpha[prompt] += successes
+                beta[prompt] += trials - successes
+                self.updated[prompt] = step
+                if self.cfg.mode == "exclude-solved" and successes >= self.cfg.solved_threshold * trials:
+                    self.excluded[prompt] = True
+        self.alpha, self.beta, self.pending = alpha, beta, []
+
+    # -- the choice ------------------------------------------------------------------------------------
+    def select(self, k: int, *, step: int, round_: int, rank: int, world: int) -> list[int]:
+        """This rank's k prompts of the round: its slice of one global choice of k x world prompts."""
+        if round_ == 0:
+            self.taken, self.reprobes = set(), 0
+        rng = np.random.default_rng(np.random.SeedSequence([self.seed, step, round_, 7919]))
+        want = k * world
+        free = np.array([i for i in range(self.size) if i not in self.taken and not self.excluded[i]])
+        if free.size == 0:  # everything taken (tiny data) or excluded: fall back to every prompt
+            free = np.arange(self.size)
+        chosen: list[int] = []
+        unseen = free[self.probed[free] < 0]
+        chosen += rng.permutation(unseen)[:want].tolist()
+        if self.cfg.mode == "pass-rate" and len(chosen) < want:
+            rest = free[self.probed[free] >= 0]
+            stale = rest[step - self.probed[rest] >= self.cfg.reprobe_epochs * self.epoch_steps]
+            stale = stale[np.argsort(self.probed[stale], kind="stable")][: want - len(chosen)]
+            self.reprobes += len(stale)
+            chosen += stale.tolist()
+        left = np.setdiff1d(free, np.array(chosen, dtype=np.int64))
+        if len(chosen) < want and left.size:
+            weights = np.ones(left.size)
+            if self.cfg.mode == "pass-rate":
+                alpha, beta = self.decayed(step)
+                weights = mixed_probability(alpha[left], beta[left], self.n) + self.cfg.floor
+            take = min(want - len(chosen), left.size)
+            chosen += rng.choice(left, size=take, replace=False, p=weights / weights.sum()).tolist()
+        while len(chosen) < want:  # fewer prompts than the round needs: repeat, as epochs of the data would
+            chosen += rng.permutation(free)[: want - len(chosen)].tolist()
+        self.taken.update(chosen)
+        self.probed[np.array(chosen, dtype=np.int64)] = step
+        return chosen[rank * k : (rank + 1) * k]
+
+    # -- metrics and state ------------------------------------------------------------------------------
+    def counts(self, step: int) -> dict[str, int]:
+        """Prompts by state: unseen; mixed (P(mixed group) >= 0.5); else solved or unsolved by the mean."""
+        alpha, beta = self.decayed(step)
+        seen = self.probed >= 0
+        mixed = seen & (mixed_probability(alpha, beta, self.n) >= 0.5)
+        solved = seen & ~mixed & (alpha / (alpha + beta) >= 0.5)
+        return {
+            "unseen": int((~seen).sum()),
+            "mixed": int(mixed.sum()),
+            "solved": int(solved.sum()),
+            "unsolved": int((seen & ~mixed & ~solved).sum()),
+            "excluded": int(self.excluded.sum()),
+            "reprobes": self.reprobes,
+        }
+
+    def state_dict(self) -> dict:
+        keys = ("alpha", "beta", "updated", "probed", "excluded")
+        return {k: getattr(self, k).tolist() for k in keys} | {"pending": list(self.pending)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["alpha"]) != self.size:
+            raise ValueError(
+                f"the scheduler's record holds {len(state['alpha'])} prompts, this run {self.size}"
+            )
+        for k, dtype in (("alpha", float), ("beta", float), ("updated", np.int64), ("probed", np.int64)):
+            setattr(self, k, np.array(state[k], dtype=dtype))
+        self.excluded = np.array(state["excluded"], dtype=bool)
+        self.pending = [tuple(p) for p in state["pending"]]

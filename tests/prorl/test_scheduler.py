@@ -1,0 +1,117 @@
+"""prorl/scheduler.py: the Beta posterior's P(mixed group) against its closed form, the choice's
+guarantees (unseen first, no prompt twice in a step, disjoint identical slices on every rank, every prompt
+re-probed within the bound, excluded prompts never chosen), the merge and its discount, and the record
+being the same on every rank of a real 2-rank trainer."""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from dist_helpers import run_ranks
+
+from prorl.scheduler import PromptScheduler, mixed_probability
+
+
+def cfg(**kw):
+    base = dict(mode="pass-rate", prior_alpha=1.0, prior_beta=1.0, discount=0.9, floor=0.05)
+    return SimpleNamespace(**{**base, "reprobe_epochs": 2.0, "solved_threshold": 1.0, **kw})
+
+
+def moment(a: float, b: float, n: int) -> float:
+    """E[p^n] for p ~ Beta(a, b) = prod_{i<n} (a + i) / (a + b + i)."""
+    out = 1.0
+    for i in range(n):
+        out *= (a + i) / (a + b + i)
+    return out
+
+
+def test_mixed_probability_matches_the_moments():
+    for a, b, n in [(1, 1, 8), (3.5, 0.7, 16), (0.2, 9.0, 4), (40.0, 2.0, 8), (1e-3, 1e-3, 8)]:
+        want = 1 - moment(a, b, n) - moment(b, a, n)  # E[(1-p)^n] = E[q^n], q ~ Beta(b, a)
+        assert mixed_probability(np.array([a]), np.array([b]), n)[0] == pytest.approx(
+            want, rel=1e-9, abs=1e-12
+        )
+
+
+def test_merge_adds_counts_after_discounting_towards_the_prior():
+    s = PromptScheduler(cfg(discount=0.5), size=3, n=4, prompts_per_step=2, seed=0)
+    s.merge(0, [[(1, 3.0, 4)]])
+    assert s.alpha.tolist() == [1.0, 4.0, 1.0] and s.beta.tolist() == [1.0, 2.0, 1.0]
+    s.merge(2, [[(1, 0.0, 4)], [(2, 4.0, 4)]])  # two steps later: prompt 1's evidence is halved twice
+    assert s.alpha[1] == pytest.approx(1 + 0.25 * 3) and s.beta[1] == pytest.approx(1 + 0.25 * 1 + 4)
+    assert s.alpha[2] == 5.0 and s.beta[2] == 1.0
+
+
+def test_choice_guarantees():
+    size, k, world = 40, 3, 2
+    ranks = [PromptScheduler(cfg(), size, 8, prompts_per_step=k * world, seed=1) for _ in range(world)]
+    # step 0: unseen prompts first; rounds never repeat a prompt; the ranks' slices are disjoint
+    taken = []
+    for round_ in range(3):
+        parts = [s.select(k, step=0, round_=round_, rank=r, world=world) for r, s in enumerate(ranks)]
+        assert not set(parts[0]) & set(parts[1])
+        taken += parts[0] + parts[1]
+    assert len(taken) == len(set(taken)) == 18
+    assert all(ranks[0].probed[i] == 0 for i in taken) and np.array_equal(ranks[0].probed, ranks[1].probed)
+    # a record that calls every probed prompt hopeless still probes each one again within
+    # (reprobe_epochs + 1) epochs: the stale ones first, oldest first, a step's worth at a time
+    s = PromptScheduler(cfg(), size, 8, prompts_per_step=k, seed=2)
+    s.probed[:] = 0
+    s.alpha[:], s.beta[:] = 1e-3, 1e3
+    bound = int((2.0 + 1) * s.epoch_steps)
+    seen_at = {}
+    for step in range(1, 4 * bound):
+        for i in s.select(k, step=step, round_=0, rank=0, world=1):
+            seen_at.setdefault(i, []).append(step)
+    gaps = [b - a for steps in seen_at.values() for a, b in zip([0, *steps], steps)]
+    assert len(seen_at) == size and max(gaps) <= bound, (bound, max(gaps))
+
+
+def test_exclude_solved_never_chooses_a_solved_prompt_again():
+    s = PromptScheduler(cfg(mode="exclude-solved"), size=6, n=4, prompts_per_step=2, seed=0)
+    s.probed[:] = 0
+    s.merge(0, [[(2, 4.0, 4), (3, 3.0, 4)]])
+    assert s.excluded.tolist() == [False, False, True, False, False, False]
+    chosen = [i for step in range(1, 30) for i in s.select(2, step=step, round_=0, rank=0, world=1)]
+    assert 2 not in chosen and set(chosen) == {0, 1, 3, 4, 5}
+
+
+def _two_ranks(rank, world):
+    import os
+
+    from transformers import PreTrainedTokenizerFast
+
+    from prorl.config import load_config
+    from prorl.data import builtin
+    from prorl.rewards.pool import RewardPool
+    from prorl.trainer import Trainer
+
+    os.environ["RANK"] = str(rank)
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "prorl", "assets", "tiny-reasoner")
+    over = ["scheduler.mode=pass-rate", "trainer.prompts_per_step=8", "rollout.n=4", f"model.path={path}"]
+    cfg = load_config("default", over)
+    tok = PreTrainedTokenizerFast.from_pretrained(path)
+    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
+        trainer = Trainer(cfg, path, tok, builtin("digit_sums", n=40, split="train"), [], pool)
+        chosen = []
+        select = trainer.sampler.scheduler.select
+
+        def recording(k, **kw):
+            out = select(k, **kw)
+            chosen.append(out)
+            return out
+
+        trainer.sampler.scheduler.select = recording
+        for _ in range(3):
+            trainer.step()
+        return trainer.sampler.scheduler.state_dict(), chosen
+
+
+def test_the_record_is_global_under_torchrun(tmp_path):
+    res = run_ranks(_two_ranks, tmp_path, world=2, timeout_s=600)
+    assert res[0][0] == res[1][0], "the ranks' records differ"
+    for a, b in zip(res[0][1], res[1][1]):  # every round: the two ranks' prompts are disjoint
+        assert not set(a) & set(b)
+    assert sum(x > 1.0 for x in res[0][0]["alpha"]) > 0, "no observation reached the record"
+    assert torch.tensor(res[0][0]["probed"]).ge(0).sum() >= 3 * 8
