@@ -1,7 +1,7 @@
 """Build and packaging for prorl.
 
-One distribution, three import names (DESIGN.md): the folders `prorl/`, `engine/` and `kernels/` at the
-top of the repository are installed as `prorl`, `prorl.engine` and `prorl.kernels`.
+One distribution, three import names (docs/architecture.md): the folders `prorl/`, `engine/` and `kernels/`
+at the top of the repository are installed as `prorl`, `prorl.engine` and `prorl.kernels`.
 
 The native CPU backend of the fused ops is built by CMake, the way vLLM does it: the extension has no
 sources of its own, and `CMakeBuild.build_extension` runs CMake configure/build against the torch that is

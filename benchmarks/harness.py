@@ -22,14 +22,14 @@ What is measured, per (provider, shape, mode):
   sampled) and counts every resident page, allocator rounding and thread-stack first-touch included.
   Where clear_refs cannot be written no memory row is written. One call: p20 = p50 = p80.
 
-Rows are appended to the CSV with the columns in `COLUMNS` (one row per metric; DESIGN.md "Public
+Rows are appended to the CSV with the columns in `COLUMNS` (one row per metric; docs/architecture.md "Public
 names"). `device` is the CPU model (/proc/cpuinfo) or the GPU name; `versions` lists torch, triton,
 liger-kernel, the thread settings and any note of the provider; `git_rev` is the short commit with
 `+dirty` when tracked files differ from it; one `timestamp` (UTC, ISO 8601) per invocation; `command`
 is the invocation that produced the row (`command_line()` of the parent, which writes every row). CSVs
 written before the `command` column existed get it on the next append, empty for their old rows.
 
-Timing on shared machines varies (MACHINE-NOTES: up to 30x with 2 threads on 2 busy cores): providers
+Timing on shared machines varies (docs/notes.md: up to 30x with 2 threads on 2 busy cores): providers
 run one after another, so compare ratios within one invocation and look at the p20-p80 spread.
 """
 

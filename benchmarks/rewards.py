@@ -20,7 +20,7 @@ Rows (harness.COLUMNS, mode `full` = the whole verification, shape = "<domain> b
 per batch) and `throughput` (verifications/s) with p50/p20/p80 over the timed batches; the note in
 `versions` names the worker count, the sandbox backend and math-verify's version. Each provider runs
 in its own harness worker process (the pool's workers are further processes); on a shared machine
-compare ratios within one invocation (MACHINE-NOTES.md: timing on 2 busy cores varies severalfold).
+compare ratios within one invocation (docs/notes.md: timing on 2 busy cores varies severalfold).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Outcome advantages from per-response rewards: group baselines and global whitening (RECIPE.md §2).
+"""Outcome advantages from per-response rewards: group baselines and global whitening (docs/recipe.md §2).
 
     adv = group_advantages(rewards [B], group_index [B], mode="reinforce++-baseline", lengths=lengths)
     adv = batch_whiten(values, mask, process_group=torch.distributed.group.WORLD)

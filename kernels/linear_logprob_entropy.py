@@ -4,7 +4,7 @@
 
 is what an RL trainer needs from the LM head: log p(label) and the entropy H of the temperature-scaled
 distribution z = (hidden @ weight.T) / temperature, without materialising the [N, V] logits. The op
-streams over tiles of z, keeping per row in fp32 (KERNEL-NOTES.md):
+streams over tiles of z, keeping per row in fp32 (docs/ops.md):
 
     m = max z,   s = sum e^(z - m),   b = sum (z - m) e^(z - m),   z_y
     lse = m + log s,   logp = z_y - lse,   H = log s - b / s,   E_p[z] = m + b / s

@@ -3,7 +3,7 @@ the reference policy and an optional off-policy (sampler vs trainer) importance-
 
     loss, metrics = ppo_loss(logp, old_logp, advantages, mask, ref_logp=ref, kl_coef=1e-4, ...)
 
-Per valid token (RECIPE.md §3-§4; A = advantage, v = kl_clamp_value):
+Per valid token (docs/recipe.md §3-§4; A = advantage, v = kl_clamp_value):
 
     r   = exp(clamp(logp - old_logp, -20, 20))
     pg  = max(-A r, -A clamp(r, 1 - eps_low, 1 + eps_high))       PPO-Clip, clip-higher (eps_high > eps_low)
@@ -23,7 +23,7 @@ tokens of sequence j, D = `normalizer`):
     constant (Dr.GRPO)    s_t = m_t / D          D default: B*T for padded input; required when packed
 
 The normaliser must be GLOBAL: when a mini-batch is split over micro-batches and data-parallel ranks, each
-call sees only its share, and a local count makes the gradient scale depend on the split (KERNEL-NOTES.md).
+call sees only its share, and a local count makes the gradient scale depend on the split (docs/ops.md).
 Compute it once per mini-batch, before the first micro-batch, without a host sync:
 
     n = sum(mb.mask.sum() for mb in micro_batches).float()      # this rank's valid tokens (token-mean)
@@ -145,7 +145,7 @@ def ppo_loss(
         eps_low, eps_high: the clip range [1 - eps_low, 1 + eps_high] (v2: 0.2, 0.28).
         dual_clip: c > 1 caps the loss of A < 0 tokens at -c A; None (default) disables it.
         ref_logp: like logp, under the reference policy; None disables the KL term.
-        kl_coef: beta, the weight of the KL term (RECIPE.md default 1e-4 is the caller's to pass).
+        kl_coef: beta, the weight of the KL term (docs/recipe.md default 1e-4 is the caller's to pass).
         kl_estimator: "k1" | "k2" | "k3" on d = logp - ref_logp.
         kl_clamp: "log-ratio" clamps d to [-v, v] first; "output" clamps the estimate; "none".
         kl_clamp_value: v (10.0).

@@ -1,6 +1,6 @@
 """The algorithmic pieces of ProRL v2 that are not loss kernels, as small pure functions.
 
-What ProRL does differently from textbook GRPO (../shared/RECIPE.md):
+What ProRL does differently from textbook GRPO (docs/recipe.md):
 - advantages are REINFORCE++-baseline: centre on the group mean, then whiten over the whole global
   batch (token-weighted), instead of dividing by each group's own std (`prorl.kernels.group_advantages`);
 - PPO-Clip is asymmetric ("clip-higher", eps_low 0.2 / eps_high 0.28) so rare tokens can still grow;
@@ -11,7 +11,7 @@ What ProRL does differently from textbook GRPO (../shared/RECIPE.md):
 - a cosine length penalty that is switched on and off on a schedule (`length_penalty_on`,
   `cosine_length_eta`), and responses cut at the length limit get no reward (`stop_properly`).
 
-Everything here is a function of its arguments (or a small object with `state_dict`), so each RECIPE.md
+Everything here is a function of its arguments (or a small object with `state_dict`), so each docs/recipe.md
 worked number is a unit test, and resuming a run restores the exact same decisions.
 """
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 # --------------------------------------------------------------------------------------------------
-# Reward shaping (RECIPE §5)
+# Reward shaping (docs/recipe.md §5)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -87,7 +87,7 @@ def overlong_buffer_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int
 
 
 # --------------------------------------------------------------------------------------------------
-# Dynamic sampling (RECIPE §6)
+# Dynamic sampling (docs/recipe.md §6)
 # --------------------------------------------------------------------------------------------------
 
 
@@ -117,7 +117,7 @@ def group_pass_stats(raw_rewards: torch.Tensor, group_index: torch.Tensor, num_g
 
 
 # --------------------------------------------------------------------------------------------------
-# Reference-policy reset (RECIPE §7)
+# Reference-policy reset (docs/recipe.md §7)
 # --------------------------------------------------------------------------------------------------
 
 

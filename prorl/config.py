@@ -4,10 +4,11 @@
 
 Built on OmegaConf structured configs: a key that no dataclass declares, or a value of the wrong type,
 is rejected with a message naming the key (and the key it was renamed to, or the nearest one). The
-dataclass defaults are the ProRL v2 recipe's (RECIPE.md); presets in `prorl/configs/<name>.yaml` hold only
-what differs from them: `default` is the embedded default (the tiny reasoner on the CPU), `prorl_v2_1.5b`
-the published recipe on GPUs; `--config FILE` takes any YAML of the same shape. Each field's help text is
-its `metadata["help"]` (`reference()` lists them: `python -m prorl.train --help`).
+dataclass defaults are the ProRL v2 recipe's (docs/recipe.md; "recipe §N" in help texts is its section
+N); presets in `prorl/configs/<name>.yaml` hold only what differs from them: `default` is the embedded
+default (the tiny reasoner on the CPU), `prorl_v2_1.5b` the published recipe on GPUs; `--config FILE`
+takes any YAML of the same shape. Each field's help text is its `metadata["help"]` (`reference()` lists
+them: `python -m prorl.train --help`; docs/config.md is generated from it).
 
 The allowed values of every choice come from the component that implements it (the kernels' modes, the
 attention and rollout backends, the optimizer's schedules): one source per choice.
@@ -88,7 +89,7 @@ class RolloutConfig:
     temperature: float = _f(1.0, "sampling temperature; the trainer divides logits by it too (0: greedy)")
     top_p: float = _f(1.0, "nucleus sampling")
     top_k: int = _f(-1, "top-k sampling (-1: off)")
-    max_response_tokens: int = _f(8192, "response budget (RECIPE §1: 8192 in v2)")
+    max_response_tokens: int = _f(8192, "response budget (recipe §1: 8192 in v2)")
     max_response_schedule: dict[int, int] = _f(dict, "step -> response budget (a context-length schedule)")
     gpu_memory_utilization: float = _f(0.5, "vLLM: fraction of GPU memory for weights and KV cache")
     tensor_parallel_size: int = _f(1, "vLLM tensor parallelism (one process only; not under torchrun)")
@@ -100,7 +101,7 @@ class RewardConfig:
     num_workers: int = _f(2, "verifier processes")
     timeout_s: float = _f(10.0, "per-item verifier timeout (a timed-out item scores 0)")
     c_stop: float = _f(0.0, "reward multiplier of responses cut at the length limit (stop-properly)")
-    length_penalty: bool = _f(True, "the scheduled cosine length term (RECIPE §5)")
+    length_penalty: bool = _f(True, "the scheduled cosine length term (recipe §5)")
     length_k_on: int = _f(100, "steps with the length term on ...")
     length_k_off: int = _f(500, "... then off, repeating")
     length_lam: float = _f(0.5, "weight of the length term")
@@ -142,10 +143,10 @@ class AlgorithmConfig:
     )
     is_low: float = _f(0.5, "icepop lower bound")
     is_high: float = _f(5.0, "tis / icepop upper bound")
-    dynamic_sampling: bool = _f(True, "drop groups whose raw rewards are all equal; refill (RECIPE §6)")
+    dynamic_sampling: bool = _f(True, "drop groups whose raw rewards are all equal; refill (recipe §6)")
     oversample: float = _f(1.5, "refill rounds sample this x the shortfall")
     max_rounds: int = _f(10, "sampling rounds per step at most")
-    reset: ResetConfig = _f(ResetConfig, "reference-policy resets (RECIPE §7)")
+    reset: ResetConfig = _f(ResetConfig, "reference-policy resets (recipe §7)")
 
 
 @dataclass(frozen=True)
@@ -240,6 +241,20 @@ RENAMED = {
 }
 
 
+# help of the optimizer's keys (engine.optim.OptimizerConfig, whose fields carry none)
+OPTIM_HELP = {
+    "optim.lr": "AdamW learning rate (v1/v2: constant 2e-6)",
+    "optim.betas": "AdamW betas",
+    "optim.eps": "AdamW epsilon",
+    "optim.weight_decay": "decoupled weight decay (matrices only, not biases or norms)",
+    "optim.max_grad_norm": "clip the global gradient norm to this (<= 0: no clipping; the norm is logged)",
+    "optim.schedule": "learning-rate schedule after warmup",
+    "optim.warmup_steps": "optimizer steps of linear warmup",
+    "optim.total_steps": "the cosine schedule's length (0/None: trainer.total_steps x mini_batches)",
+    "optim.min_lr_ratio": "the cosine schedule's floor, as a fraction of lr",
+}
+
+
 def fields(cls=Config, prefix: str = ""):
     """(dotted key, dataclass field) of every leaf setting, in declaration order."""
     for f in dataclasses.fields(cls):
@@ -267,7 +282,7 @@ def reference() -> str:
         value = defaults
         for part in key.split("."):
             value = value[part]
-        text = f.metadata.get("help", "") if f.metadata else ""
+        text = (f.metadata.get("help") if f.metadata else None) or OPTIM_HELP.get(key, "")
         if key in allowed:
             text += f" [{' | '.join(map(str, allowed[key]))}]"
         lines.append(f"  {key} = {value!r}  {text}".rstrip())
@@ -472,3 +487,20 @@ def to_yaml(cfg: Config) -> str:
 
 def to_dict(cfg: Config) -> dict[str, Any]:
     return OmegaConf.to_container(OmegaConf.structured(cfg))  # type: ignore[return-value]
+
+
+def reference_markdown() -> str:
+    """docs/config.md: every key, its default and its help (`python -m prorl.config > docs/config.md`)."""
+    head = (
+        "# Configuration reference\n\n"
+        "Generated from the dataclasses in prorl/config.py by `python -m prorl.config > docs/config.md` "
+        "(a test checks it is current). Set a key in a YAML file given with `--config FILE` or on the "
+        "command line as `key=value`; the defaults below are the ProRL v2 recipe's (docs/recipe.md). "
+        "Presets: `default` (the embedded default, for the no-argument run) and `prorl_v2_1.5b` "
+        "(prorl/configs/).\n\n"
+    )
+    return head + "```\n" + reference() + "\n```\n"
+
+
+if __name__ == "__main__":
+    print(reference_markdown(), end="")

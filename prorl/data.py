@@ -15,7 +15,7 @@ error at load time naming the file, the row and the field, never a surprise hour
 
 Built-in task sets (no download; deterministic by seed):
 - `digit_sums`: sums of three single-digit numbers, answer in `\\boxed{}`, scored by the math
-  verifier; small enough for a ~0.5M-parameter model on a CPU (MACHINE-NOTES.md). The 1,000 possible
+  verifier; small enough for a ~0.5M-parameter model on a CPU (docs/notes.md). The 1,000 possible
   problems are split once, by a fixed permutation, into 800 train and 200 validation problems.
 - `reasoning_gym/<task>`: any Reasoning Gym generator; validation rows come from a different seed
   (for tasks with few distinct problems the two may overlap).
@@ -314,7 +314,7 @@ def encode_prompts(
     Returns (token id lists of the kept examples, their indices in `examples`, number filtered): an
     example whose prompt is longer than `max_prompt_tokens` is dropped and counted, never truncated.
     `tokenizer`: a transformers tokenizer with a chat template (load ours with
-    `PreTrainedTokenizerFast.from_pretrained(model_dir)`, MACHINE-NOTES.md).
+    `PreTrainedTokenizerFast.from_pretrained(model_dir)`, docs/notes.md).
     """
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(

@@ -4,7 +4,7 @@ pass@k, mean continuous score; a per-data-source table printed and written as JS
     python -m prorl.eval --model DIR --data aime24.parquet math500.jsonl [--k 16] [--out DIR]
     python -m prorl.eval --model prorl/assets/tiny-reasoner --builtin digit_sums --k 4
 
-What is computed (RECIPE.md §8), per data source and over all prompts:
+What is computed (docs/recipe.md §8), per data source and over all prompts:
 - `pass@1`: mean over prompts of c / k, where c of the k samples are correct;
 - `pass@j` for j = 2, 4, ... (powers of two) and k: mean over prompts of the unbiased estimator
   1 - C(k - c, j) / C(k, j) (Chen et al. 2021), the chance that j samples drawn without replacement from
@@ -180,7 +180,7 @@ def evaluate(
     start = time.time()
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if tokenizer is None:
-        from transformers import PreTrainedTokenizerFast  # not AutoTokenizer: MACHINE-NOTES.md
+        from transformers import PreTrainedTokenizerFast  # not AutoTokenizer: docs/notes.md
 
         tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
     if model is None:

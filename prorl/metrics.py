@@ -10,7 +10,7 @@ loop adds no host sync). `reduce` stacks every sum into one float64 vector and e
 keys (a rank without data for a key - no token in a micro-batch, no group kept - contributes 0 to a sum
 and nothing to an extremum).
 
-Names and meanings (RECIPE §9). A name that verl uses carries verl's meaning (verl 0.9.1,
+Names and meanings (docs/recipe.md §9). A name that verl uses carries verl's meaning (verl 0.9.1,
 `compute_policy_loss_vanilla` and `compute_data_metrics`): `actor/pg_clipfrac` is the fraction of response
 tokens whose ratio clip is active on either side, `actor/pg_clipfrac_lower` the fraction capped by the dual
 clip (0 without it), `actor/ppo_kl` the mean of old - new log-prob (log-ratio clamped at +-20),
@@ -82,7 +82,7 @@ def _as_tensor(value, device) -> torch.Tensor:
 
 
 def step_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, float]]) -> dict[str, float]:
-    """The step's metrics (RECIPE §9 names) from the global sums and extrema that the trainer registered."""
+    """The step's metrics (docs/recipe.md §9) from the global sums and extrema the trainer registered."""
     s, mx, mn = reduced
 
     def mean(num: str, den: str) -> float:

@@ -1,5 +1,5 @@
 """Sampling one rank's share of a step: prompts in data order -> groups of n responses -> raw verifier
-scores -> dynamic sampling (RECIPE §6) -> reward shaping (RECIPE §5).
+scores -> dynamic sampling (docs/recipe.md §6) -> reward shaping (docs/recipe.md §5).
 
     sampler = GroupSampler(cfg, tokenizer, examples, generator, pool, stop_ids, rank=r, world=w)
     groups = sampler.collect(need, max_new, step, acc)         # kept groups, raw rewards, carry-over
@@ -131,7 +131,7 @@ class GroupSampler:
         self.reward_time += time.perf_counter() - t0
 
     def collect(self, need: int, max_new: int, step: int, acc: StepAccumulator) -> list[Group]:
-        """Dynamic sampling (RECIPE §6): keep groups whose RAW rewards differ, refill until `need` groups.
+        """Dynamic sampling (docs/recipe.md §6): keep groups whose RAW rewards differ, refill to `need`.
 
         Before each round the ranks agree (one all-reduce) whether any of them still lacks groups, and
         every rank then samples as many prompts as the largest shortfall asks for (oversampled after the
@@ -211,8 +211,8 @@ class GroupSampler:
 
 
 def shape_rewards(groups: list[Group], rc, step: int, max_new: int) -> torch.Tensor:
-    """RECIPE §5 on the raw scores: stop-properly, then DAPO's overlong buffer when configured, then the
-    cosine length term while its schedule is on. Sets `Group.shaped`; returns the length terms added [S]."""
+    """docs/recipe.md §5 on the raw scores: stop-properly, then DAPO's overlong buffer when configured, then
+    the cosine length term while its schedule is on. Sets `Group.shaped`; returns the length terms [S]."""
     raw = torch.tensor([r for g in groups for r in g.raw], dtype=torch.float32)
     trunc = torch.tensor([t for g in groups for t in g.truncated], dtype=torch.bool)
     lengths = torch.tensor([len(t) for g in groups for t in g.responses], dtype=torch.long)

@@ -377,7 +377,7 @@ class Trainer:
         return timing
 
     def advantages(self, batch: StepBatch) -> torch.Tensor:
-        """Per-response advantages [S]: centred per group, whitened over every rank's tokens (RECIPE §2)."""
+        """Per-response advantages [S]: centred per group, whitened over all ranks (docs/recipe.md §2)."""
         a = self.cfg.algorithm
         return group_advantages(
             batch.rewards,

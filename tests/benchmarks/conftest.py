@@ -10,7 +10,7 @@ from benchmarks import harness
 @pytest.fixture
 def run_main(capsys):
     """run(main, args, out, printed) -> the rows `main(args)` appended to the CSV `out`, after checking
-    that it exited 0, printed `printed` (the summary) and wrote the DESIGN.md columns (harness.COLUMNS)."""
+    that it exited 0, printed `printed` (the summary) and wrote the CSV columns (harness.COLUMNS)."""
 
     def run(main, args, out, printed=""):
         assert main(args) == 0

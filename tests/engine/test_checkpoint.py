@@ -75,7 +75,7 @@ def test_resume_is_bit_identical(tmp_path, deterministic):
     model, counter, data = random_decoder(), Counter(), {"position": 0, "epoch": 0}
     opt = Optimizer(model, OPT)
     ckpt = Checkpointer(str(tmp_path / "ckpt"), keep_last=2)
-    reference = random_decoder(seed=3).requires_grad_(False)  # RECIPE §7: the reference policy too
+    reference = random_decoder(seed=3).requires_grad_(False)  # docs/recipe.md §7: the reference policy too
     state = {"reference": reference, "model": model, "optimizer": opt, "counter": counter, "data": data}
     assert ckpt.load(state) is None  # nothing yet
     for _ in range(2):

@@ -3,7 +3,7 @@
 The reference is independent of the code under test: the model is loaded with `load_hf` (not the
 sharded `materialize`), is not wrapped, and sees the whole batch in one process. Tolerance for fp32:
 atol = rtol = 1e-5 on every step's loss and every final weight. Measured here: 4.8e-7 (loss) and 3.9e-7
-(weights) after 3 steps, from the order of the gradient sums only (MACHINE-NOTES saw 4e-5). Adam's eps
+(weights) after 3 steps, from the order of the gradient sums only (docs/notes.md saw 4e-5). Adam's eps
 is 1e-6, not 1e-8: k_proj.bias has a zero gradient in exact arithmetic (softmax is shift-invariant), and
 with eps 1e-8 Adam's m/sqrt(v) turns its float noise into updates that differed by 6e-6.
 """

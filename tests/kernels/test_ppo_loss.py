@@ -1,6 +1,6 @@
-"""ppo_loss: the RECIPE.md §3-§4 vectors, and every option against the float64 autograd reference.
+"""ppo_loss: the docs/recipe.md §3-§4 vectors, and every option against the float64 autograd reference.
 
-The expected numbers come from RECIPE.md (worked by hand there) or from `ppo_loss_reference`, a plain
+The expected numbers come from docs/recipe.md (worked by hand there) or from `ppo_loss_reference`, a plain
 float64 per-sequence loop differentiated by autograd, independent of the op's closed-form gradient.
 Every backend runs every case: torch, native (when built) and triton (CPU tensors under the Triton
 interpreter, which tests/conftest.py switches on when there is no CUDA; on a CUDA machine the triton
@@ -28,7 +28,7 @@ def _one_token(r, a, **kw):
     return loss.item(), logp.grad.item(), metrics
 
 
-# RECIPE.md §3: (r, A, options, loss, whether the token gets a gradient)
+# docs/recipe.md §3: (r, A, options, loss, whether the token gets a gradient)
 PG_VECTORS = [
     (1.1, +1, {}, -1.10, True),
     (1.5, +1, {}, -1.28, False),
@@ -53,7 +53,7 @@ def test_recipe_policy_vectors(r, a, kw, expected, has_grad, backend):
 
 
 def _agg_batch():
-    """Token losses [1, 1] and [0, 0, 0, 0] (RECIPE.md §3): r = 1, so the loss is -A."""
+    """Token losses [1, 1] and [0, 0, 0, 0] (docs/recipe.md §3): r = 1, so the loss is -A."""
     mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.bool)
     adv = torch.tensor([-1.0, 0.0])
     zeros = torch.zeros(2, 4, dtype=torch.float64)
@@ -106,7 +106,7 @@ def test_recipe_aggregation_split_over_two_ranks():
     assert sum(parts).item() == pytest.approx(0.5, abs=1e-12)
 
 
-# RECIPE.md §4: (logp, ref) -> (k1, k2, k3) unclamped
+# docs/recipe.md §4: (logp, ref) -> (k1, k2, k3) unclamped
 KL_VECTORS = [
     (-1.0, -1.5, (0.5, 0.125, 0.1065)),
     (-2.0, -0.5, (-1.5, 1.125, 1.9817)),

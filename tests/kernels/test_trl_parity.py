@@ -9,7 +9,7 @@ float32 means). The last tests run the ADAPTERS.md snippet in a real GRPOTrainer
 prorl/assets), where TRL itself also computes the importance-sampling ratios (from a rollout function's
 sampler log-probs); its log-probs are float32 there (TRL's fused LM head), so the bounds are float32 ones.
 
-Mapping (KERNEL-NOTES.md): per_token_logps -> logp, old_per_token_logps -> old_logp, ref_per_token_logps ->
+Mapping (docs/ops.md): per_token_logps -> logp, old_per_token_logps -> old_logp, ref_per_token_logps ->
 ref_logp, completion_mask -> mask, epsilon / epsilon_high -> eps_low / eps_high, beta -> kl_coef with
 kl_estimator="k3" and no clamp; dapo -> agg="token-mean" with normalizer = num_items_in_batch /
 num_processes * gradient_accumulation_steps / steps_per_generation; grpo -> agg="seq-mean-token-mean" with

@@ -1,4 +1,4 @@
-"""prorl.algorithm against the worked numbers of RECIPE.md §5-§7."""
+"""prorl.algorithm against the worked numbers of docs/recipe.md §5-§7."""
 
 import math
 

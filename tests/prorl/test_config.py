@@ -8,7 +8,7 @@ from prorl.config import ConfigError, load_config, to_yaml
 def test_preset_and_overrides():
     cfg = load_config("prorl_v2_1.5b", ["model.path=/models/x", "trainer.total_steps=10", "rollout.n=8"])
     assert cfg.trainer.total_steps == 10 and cfg.rollout.n == 8
-    # the published recipe's numbers (RECIPE.md)
+    # the published recipe's numbers (docs/recipe.md)
     a = cfg.algorithm
     assert (a.eps_low, a.eps_high, a.kl_coef, a.kl_estimator, a.reset.interval) == (
         0.2,
@@ -47,3 +47,13 @@ def test_missing_preset_and_required_key():
         load_config("nope")
     with pytest.raises(ConfigError, match="model.path is required"):
         load_config("prorl_v2_1.5b")
+
+
+def test_the_configuration_reference_is_current():
+    """docs/config.md is generated from the dataclasses: `python -m prorl.config > docs/config.md`."""
+    from pathlib import Path
+
+    from prorl.config import reference_markdown
+
+    path = Path(__file__).resolve().parents[2] / "docs" / "config.md"
+    assert path.read_text() == reference_markdown(), "regenerate: python -m prorl.config > docs/config.md"

@@ -41,7 +41,7 @@ def test_pass_at_k_matches_enumeration():
         for c in range(n + 1):
             for k in range(1, n + 1):
                 assert pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(n, c, k), abs=1e-12), (n, c, k)
-    # pass@1 is the plain fraction correct (the "mean over k" of RECIPE.md)
+    # pass@1 is the plain fraction correct (the "mean over k" of docs/recipe.md)
     assert all(pass_at_k(16, c, 1) == pytest.approx(c / 16) for c in range(17))
 
 

@@ -1,4 +1,4 @@
-"""The trainer's algorithm and metrics as RECIPE.md states them, in-process on the shipped tiny reasoner.
+"""The trainer's algorithm and metrics as docs/recipe.md states them, in-process on the shipped tiny reasoner.
 
 - carried-over groups (dynamic sampling's surplus) are trained against the log-probs of the policy that
   sampled them, so their ratio is not 1 and clipping acts on them (§6);
@@ -7,7 +7,7 @@
 - rollout seeds are distinct for every round of every rank within a step.
 
 The independent references are plain forwards of the model (`recompute_logprobs`), `ppo_loss_reference`
-(float64, autograd) and RECIPE.md's worked numbers.
+(float64, autograd) and docs/recipe.md's worked numbers.
 """
 
 import copy
@@ -182,8 +182,8 @@ def test_importance_weights_are_bounded_once_at_the_configured_bounds(
 
 
 def test_clip_fraction_names_carry_verls_meanings():
-    """RECIPE §3 vectors: r=1.5, A=+1 clipped high; r=0.5, A=-1 clipped low; r=4, A=-1 unclipped but capped
-    by the dual clip c=3; r=1.1, A=+1 and r=0.7, A=+1 unclipped."""
+    """docs/recipe.md §3 vectors: r=1.5, A=+1 clipped high; r=0.5, A=-1 clipped low; r=4, A=-1 unclipped but
+    capped by the dual clip c=3; r=1.1, A=+1 and r=0.7, A=+1 unclipped."""
     r = torch.tensor([1.5, 0.5, 4.0, 1.1, 0.7], dtype=torch.float64)
     adv = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
     logp = torch.log(r)
@@ -199,7 +199,7 @@ def test_clip_fraction_names_carry_verls_meanings():
 
 
 def test_rewards_metric_is_the_shaped_reward(setup):
-    """RECIPE §5: raw [1, 1, 0, 0] with truncated [F, T, F, T] -> trained on [1, 0, 0, 0]."""
+    """docs/recipe.md §5: raw [1, 1, 0, 0] with truncated [F, T, F, T] -> trained on [1, 0, 0, 0]."""
     trainer = make(setup)
     g = Group(
         0, [1, 2], [[3], [4], [5], [6]], [[0.0]] * 4, [False, True, False, True], raw=[1.0, 1.0, 0.0, 0.0]
