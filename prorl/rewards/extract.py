@@ -49,6 +49,27 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+# the answer conventions of public math data (verl's data preprocessing and verifiers): GSM8K's "#### 72"
+# and DAPO-Math's "Answer: 72" line
+_HASHES = re.compile(r"####\s*([^\n]+)")
+_ANSWER_LINE = re.compile(r"(?i)\banswer\s*:\s*([^\n]+)")
+
+
+def final_answer(text: str) -> str | None:
+    """The final answer of a math response: the last `\\boxed{}`; else GSM8K's last `#### X`; else
+    DAPO-Math's last `Answer: X` line (so verl-format data scores whatever convention its prompt asks
+    for). Trailing `.` and `$` signs are dropped from the last two. None when there is no answer."""
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed
+    for pattern in (_HASHES, _ANSWER_LINE):
+        found = pattern.findall(text)
+        if found:
+            answer = found[-1].strip().strip("$").rstrip(".").strip()
+            return answer or None
+    return None
+
+
 def last_tag(text: str, tag: str = "answer") -> str | None:
     """Content of the last `<tag>...</tag>` in `text`, stripped; None when there is none."""
     found = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL)

@@ -1,7 +1,8 @@
-"""Math: the last `\\boxed{}` of the final answer, checked with math-verify against a LaTeX gold answer.
+"""Math: the final answer - the last `\\boxed{}`, else GSM8K's `#### X`, else DAPO-Math's `Answer: X` line
+(the conventions verl's data asks for) - checked with math-verify against a LaTeX gold answer.
 
-Binary reward. No `\\boxed{}` after `</think>` (or an unclosed `<think>`) scores 0: the format is part
-of the task. math-verify (HuggingFace) parses both sides to sympy and compares numerically and
+Binary reward. No answer after `</think>` (or an unclosed `<think>`) scores 0: the format is part of the
+task. math-verify (HuggingFace) parses both sides to sympy and compares numerically and
 symbolically, so `\\frac{1}{2}` = `0.5`, `\\frac{\\sqrt2}{2}` = `\\frac{1}{\\sqrt2}`, `\\{1,2\\}` =
 `\\{2,1\\}`, `1,000` = `1000`, `x=3` = `3`. Gold answers are LaTeX (`sqrt(2)/2` as plain text does
 not parse); a gold that already contains `\\boxed{}` is used as written, otherwise it is read as `$gold$`.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from prorl.rewards.extract import final_text, last_boxed
+from prorl.rewards.extract import final_answer, final_text
 
 try:
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
@@ -61,9 +62,10 @@ def is_equivalent(answer: str, gold: str) -> bool:
 
 
 def score(response: str, ground_truth: Any, extra: dict | None = None) -> dict:
-    """1.0 if the last boxed answer after `</think>` equals `ground_truth` (a LaTeX string, or a list
-    of acceptable ones), else 0.0."""
-    answer = last_boxed(final_text(response))
+    """1.0 if the final answer after `</think>` (the last boxed one, else GSM8K's `#### X`, else an
+    `Answer: X` line: extract.final_answer) equals `ground_truth` (a LaTeX string, or a list of
+    acceptable ones), else 0.0."""
+    answer = final_answer(final_text(response))
     if answer is None:
         return {"score": 0.0, "format_ok": False}
     golds = ground_truth if isinstance(ground_truth, (list, tuple)) else [ground_truth]
