@@ -149,6 +149,7 @@ def evaluate(
     num_workers: int = 2,
     timeout_s: float = 10.0,
     log=print,
+    partial_on_interrupt: bool = False,
 ) -> dict:
     """Generate k samples per example, score them, and summarise (module docstring).
 
@@ -164,6 +165,8 @@ def evaluate(
         kv_cache_gib, prompts_per_generate: a generate call takes at most `prompts_per_generate` prompts,
             fewer when their KV cache would pass `kv_cache_gib`; scoring overlaps the next call.
         log: called with progress lines (None: silent).
+        partial_on_interrupt: a KeyboardInterrupt during generation stops it and returns what was generated,
+            scored (`interrupted` True); else it propagates.
     Returns: {"settings", "by_source", "all", "samples" (per-sample records), "elapsed_s", ...}.
     """
     import torch
@@ -241,41 +244,48 @@ def evaluate(
     records: list[dict] = []
     pending = []  # (Future of BatchResult, records of that chunk)
     generated = 0
+    interrupted = False
     try:
-        for lo in range(0, len(prompts), chunk):
-            params = SamplingParams(
-                n=k,
-                temperature=temperature,
-                top_p=top_p,
-                max_new_tokens=max_new,
-                stop_token_ids=stops,
-                seed=seed + lo,
-            )
-            out = generator.generate(prompts[lo : lo + chunk], params)
-            chunk_records = []
-            for s in out.samples:
-                i = kept[lo + s.prompt_index]
-                chunk_records.append(
-                    dict(
-                        index=i,
-                        data_source=examples[i].data_source,
-                        sample=s.sample_index,
-                        finish_reason=s.finish_reason,
-                        response_tokens=len(s.token_ids),
-                        response=tokenizer.decode(s.token_ids, skip_special_tokens=True),
-                    )
+        try:
+            for lo in range(0, len(prompts), chunk):
+                params = SamplingParams(
+                    n=k,
+                    temperature=temperature,
+                    top_p=top_p,
+                    max_new_tokens=max_new,
+                    stop_token_ids=stops,
+                    seed=seed + lo,
                 )
-                generated += len(s.token_ids)
-            exs = [examples[r["index"]] for r in chunk_records]
-            future = pool.score_batch_async(
-                [e.data_source for e in exs],
-                [r["response"] for r in chunk_records],
-                [e.ground_truth for e in exs],
-                [e.extra for e in exs],
-            )
-            pending.append((future, chunk_records))
-            done, rate = min(lo + chunk, len(prompts)), generated / (time.time() - start)
-            log(f"eval: generated {done}/{len(prompts)} prompts, {rate:.0f} tok/s")
+                out = generator.generate(prompts[lo : lo + chunk], params)
+                chunk_records = []
+                for s in out.samples:
+                    i = kept[lo + s.prompt_index]
+                    chunk_records.append(
+                        dict(
+                            index=i,
+                            data_source=examples[i].data_source,
+                            sample=s.sample_index,
+                            finish_reason=s.finish_reason,
+                            response_tokens=len(s.token_ids),
+                            response=tokenizer.decode(s.token_ids, skip_special_tokens=True),
+                        )
+                    )
+                    generated += len(s.token_ids)
+                exs = [examples[r["index"]] for r in chunk_records]
+                future = pool.score_batch_async(
+                    [e.data_source for e in exs],
+                    [r["response"] for r in chunk_records],
+                    [e.ground_truth for e in exs],
+                    [e.extra for e in exs],
+                )
+                pending.append((future, chunk_records))
+                done, rate = min(lo + chunk, len(prompts)), generated / (time.time() - start)
+                log(f"eval: generated {done}/{len(prompts)} prompts, {rate:.0f} tok/s")
+        except KeyboardInterrupt:  # stop generating; what was generated is still scored and reported
+            if not partial_on_interrupt:
+                raise
+            interrupted = True
+            log(f"eval: stopped after {len(pending)} of {-(-len(prompts) // chunk)} generate calls")
         for future, chunk_records in pending:
             res = future.result()
             for r, s, t, e in zip(chunk_records, res.scores, res.timed_out, res.errored):
@@ -287,6 +297,7 @@ def evaluate(
         model.train(was_training)
 
     results = {"settings": settings, "n_examples": len(examples), "n_filtered": n_filtered}
+    results |= {"interrupted": interrupted, "n_evaluated": len({r["index"] for r in records})}
     results |= summarize(records, k, dict(filtered))
     results |= {"generated_tokens": generated, "elapsed_s": time.time() - start, "samples": records}
     return results
@@ -352,7 +363,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m prorl.eval", description=__doc__.split("\n")[0], allow_abbrev=False
     )
-    ap.add_argument("--model", required=True, help="Hugging Face-format model directory")
+    ap.add_argument(
+        "--model", required=True, help="Hugging Face-format model directory, or a training checkpoint step"
+    )
+    ap.add_argument(
+        "--plugins", nargs="*", default=[], help="modules that register verifiers (as reward.plugins)"
+    )
     ap.add_argument("--data", nargs="+", default=[], help="benchmark files (verl parquet / JSONL / JSON)")
     ap.add_argument("--builtin", default=None, help="a built-in task's validation split (digit_sums, ...)")
     ap.add_argument("--limit", type=int, default=None, help="at most this many examples per file / task")
@@ -378,8 +394,20 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not args.data and not args.builtin:
         ap.error("give --data FILE [FILE ...] and/or --builtin TASK")
-    if not os.path.isfile(os.path.join(args.model, "config.json")):
-        ap.error(f"--model {args.model!r} is not a Hugging Face model directory (no config.json)")
+    import importlib
+    import signal
+    import tempfile
+
+    from prorl.export import export_checkpoint, is_checkpoint
+
+    for module in args.plugins:  # user verifiers: each module calls prorl.rewards.register(...)
+        importlib.import_module(module)
+    model_dir, exported = args.model, None
+    if is_checkpoint(args.model):  # a training checkpoint: its policy, exported to a temporary directory
+        exported = tempfile.TemporaryDirectory(prefix="prorl-eval-")
+        model_dir = export_checkpoint(args.model, exported.name)
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        ap.error(f"--model {args.model!r} is neither a Hugging Face model directory nor a checkpoint step")
     examples = []
     try:
         for path in args.data:
@@ -392,8 +420,10 @@ def main(argv: list[str] | None = None) -> int:
     if not examples:
         ap.error("no examples to evaluate")
 
+    # SIGTERM (a scheduler's stop) like Ctrl-C: what was generated so far is scored and written
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     results = evaluate(
-        args.model,
+        model_dir,
         examples,
         args.k,
         temperature=args.temperature,
@@ -408,12 +438,18 @@ def main(argv: list[str] | None = None) -> int:
         prompts_per_generate=args.prompts_per_generate,
         num_workers=args.num_workers,
         timeout_s=args.timeout,
+        partial_on_interrupt=True,
     )
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out_dir = args.out or os.path.join("runs", f"eval-{stamp}")
     results["settings"]["data"] = list(args.data) + ([f"builtin:{args.builtin}"] if args.builtin else [])
+    results["settings"]["model"] = args.model
     paths = write_results(results, out_dir)
+    if exported is not None:
+        exported.cleanup()
     print(format_table(results))
+    if results.get("interrupted"):
+        print(f"prorl.eval: stopped early: {results['n_evaluated']} of {len(examples)} prompts evaluated")
     print(f"{results['generated_tokens']} tokens in {results['elapsed_s']:.1f} s; wrote {', '.join(paths)}")
     return 0
 

@@ -195,6 +195,10 @@ def run(cfg, preset: str | None, rank: int) -> int:
             reporter.say(
                 "prorl: warning: no data.val_files: nothing is validated (held-out accuracy not measured)"
             )
+        if not cfg.data.train_files and not cfg.model.path.startswith("builtin:"):
+            reporter.say(
+                f"prorl: warning: no data.train_files: training on the builtin task {cfg.data.builtin_task}"
+            )
     stop = lifecycle.StopRequest()
     with make_pool(cfg, train + val) as pool, contextlib.ExitStack() as stack:
         stop.install()  # after the reward workers were started with the signals ignored
@@ -327,7 +331,9 @@ def train_loop(cfg, trainer, ckpt, reporter, stop, rank: int, validate: bool) ->
         if not every:
             where = "not saved (trainer.save_every=0)"
         else:
-            where = f"checkpoint {ckpt.step_dir(saved_at)}" if saved_at else "nothing to save yet"
+            where = "nothing to save yet"
+            if saved_at:
+                where = f"checkpoint {ckpt.step_dir(saved_at)} (as a model: python -m prorl.export DIR OUT)"
         reporter.say(
             f"prorl: stopped by {stop.name} after step {trainer.step_count} of {total}; {where}; "
             "re-run the same command to resume"

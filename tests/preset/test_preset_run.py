@@ -12,6 +12,7 @@ run killed with SIGKILL after its first checkpoint and resumed, as a preempted c
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -113,6 +114,25 @@ def test_preset_killed_and_resumed_equals_uninterrupted(preset, tmp_path):
     policy = saved["model"]
     assert policy.lm_head_weight is not policy.embed_tokens.weight  # untied, and trained apart
     assert not torch.equal(policy.lm_head_weight, policy.embed_tokens.weight)
+
+    # any checkpoint step as a Hugging Face model (python -m prorl.export), and prorl.eval on a step
+    exported = tmp_path / "step4"
+    proc = run(
+        [sys.executable, "-m", "prorl.export", str(a / "checkpoints" / "step_00000004"), str(exported)]
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    from prorl.engine.model import load_hf
+
+    again = load_hf(str(exported), dtype=torch.float32)
+    for (name, p), q in zip(again.named_parameters(), saved["model"].parameters()):
+        assert torch.equal(p, q.to(torch.bfloat16).float()), name  # the run's dtype: bf16
+    step_eval = a / "eval4"
+    step4 = str(a / "checkpoints" / "step_00000004")
+    cmd = [sys.executable, "-m", "prorl.eval", "--model", step4, "--builtin", "digit_sums", "--limit", "4"]
+    cmd += ["--k", "1", "--max-tokens", "40", "--num-workers", "1", "--out", str(step_eval)]
+    proc = run(cmd)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads((step_eval / "results.json").read_text())["settings"]["model"].endswith("step_00000004")
 
     # the final exports of A and B are equal, and transformers reads them as what they are
     from safetensors.torch import load_file

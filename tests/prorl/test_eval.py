@@ -218,3 +218,34 @@ def test_unimplemented_backend_is_a_clear_error(tiny_model_dir, capsys):
     assert "not implemented yet" in capsys.readouterr().err
     with pytest.raises(NotImplementedError, match="native"):
         evaluate(tiny_model_dir, [], backend="vllm")
+
+
+def test_an_interrupted_evaluation_reports_what_it_scored(tmp_path):
+    """Ctrl-C / SIGTERM during generation (prorl.eval's main asks for partial results): the prompts already
+    generated are scored and summarised, the result says it was interrupted; without the request the
+    interrupt propagates (the trainer's validation must abort at once on a second signal)."""
+    from prorl.engine.model import load_hf
+    from prorl.engine.rollout import NativeGenerator
+    from transformers import PreTrainedTokenizerFast
+
+    path = str(
+        __import__("pathlib").Path(__file__).resolve().parents[2] / "prorl" / "assets" / "tiny-reasoner"
+    )
+    model, tok = load_hf(path), PreTrainedTokenizerFast.from_pretrained(path)
+    native = NativeGenerator(model)
+
+    class Interrupted:
+        calls = 0
+
+        def generate(self, prompts, params):
+            self.calls += 1
+            if self.calls == 2:
+                raise KeyboardInterrupt
+            return native.generate(prompts, params)
+
+    examples = data.builtin("digit_sums", n=6, split="val")
+    kw = dict(model=model, tokenizer=tok, max_tokens=40, prompts_per_generate=2, num_workers=1, log=None)
+    res = evaluate(None, examples, 2, generator=Interrupted(), partial_on_interrupt=True, **kw)
+    assert res["interrupted"] and res["n_evaluated"] == 2 and res["all"]["prompts"] == 2
+    with pytest.raises(KeyboardInterrupt):
+        evaluate(None, examples, 2, generator=Interrupted(), **kw)
