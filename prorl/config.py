@@ -117,7 +117,7 @@ class RewardConfig:
 class ResetConfig:
     interval: int = _f(300, "reset the reference every N completed steps (0: never on schedule)")
     kl_spike_factor: float = _f(5.0, "... or when a step's KL exceeds this x the median of the window")
-    kl_floor: float = _f(1e-4, "... and that KL is at least this (no resets on spikes of noise at ~0)")
+    kl_floor: float = _f(1e-6, "... and that KL is at least this (no resets on spikes of noise at ~0)")
     window: int = _f(20, "steps in the KL median")
     patience: int = _f(0, "... or after this many validations without improvement (0: off)")
     reset_optimizer: bool = _f(False, "also reset AdamW's moments (ProRL v1); v2 keeps them")

@@ -236,3 +236,16 @@ def test_prompts_per_step_must_split_evenly_over_ranks():
     check_world(cfg, 3)
     with pytest.raises(ConfigError, match="prompts_per_step=3 is not a multiple of the 2 ranks"):
         check_world(cfg, 2)
+
+
+def test_right_after_a_reset_the_kl_and_its_gradient_are_zero(setup, monkeypatch):
+    """docs/recipe.md §7: after pi_ref <- policy the first mini-batch's KL term is exactly 0, and so is its
+    gradient (one mini-batch: the reference pass and the update see the same passes)."""
+    trainer = make(setup, ["optim.lr=3e-3", "algorithm.kl_coef=1.0"])
+    update(trainer, sampled(trainer, k=2))  # the policy moves away from the reference
+    trainer.reset_reference()
+    spy = LossSpy(monkeypatch)
+    update(trainer, sampled(trainer, k=2))
+    for (logp, *_), kwargs, (_, metrics) in spy.calls:
+        assert float(metrics["kl_mean"]) == 0.0 and float(metrics["kl_loss"]) == 0.0
+        assert torch.equal(logp.detach().float(), kwargs["ref_logp"].float())
