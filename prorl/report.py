@@ -25,6 +25,7 @@ SUMMARY_KEYS = (
     ("timing_s/step", "s", "{:.2f}"),
 )
 # the phases of a step, stacked in the timing panel (timing_s/step is their sum plus bookkeeping)
+SCHEDULER_STATES = ("unseen", "mixed", "solved", "unsolved", "excluded", "reprobes")
 TIMING_KEYS = (
     "timing_s/gen",
     "timing_s/reward",
@@ -270,7 +271,29 @@ def summarize(run_dir: str) -> str:
             else f"wall time in steps {_duration(step_s)} (validation not timed)"
         )
         lines.append(timing + (f"; of the steps: {', '.join(parts)}" if parts else ""))
+    lines += _generation_lines(steps)
     return "\n".join(lines)
+
+
+def _generation_lines(steps: list[dict]) -> list[str]:
+    """Where generation went over the whole run (totals, not a mean of per-step ratios), and the prompt
+    scheduler's last counts."""
+    sampled = sum(r.get("dynamic_sampling/sampled_groups", 0.0) for r in steps)
+    passed = sum(r.get("dynamic_sampling/passed_groups", 0.0) for r in steps)
+    tokens = sum(r.get("dynamic_sampling/generated_tokens", 0.0) for r in steps)
+    lines = []
+    if sampled:
+        per_kept = (
+            f"{tokens / passed:.0f} generated response tokens per kept group" if passed else "none kept"
+        )
+        lines.append(f"generation: {passed / sampled:.1%} of {sampled:.0f} sampled groups kept; {per_kept}")
+    last = next((r for r in reversed(steps) if "scheduler/unseen" in r), None)
+    if last is not None:
+        states = ", ".join(
+            f"{k} {last[f'scheduler/{k}']:.0f}" for k in SCHEDULER_STATES if f"scheduler/{k}" in last
+        )
+        lines.append(f"prompts at step {last['step']}: {states}")
+    return lines
 
 
 def write_summary(run_dir: str) -> str:
@@ -281,8 +304,9 @@ def write_summary(run_dir: str) -> str:
 
 
 def plot_run(metrics_path: str, png_path: str, control: list[tuple[int, float]] | None = None) -> str:
-    """Reward, accuracy, entropy, KL, response length, clip fractions and time per phase against step;
-    reference resets as dashed lines, steps with the cosine length penalty on shaded."""
+    """Reward, accuracy, entropy, KL, response length, truncation, pass rate, clip fractions, grad norm,
+    time per phase, kept groups and (with the scheduler on) prompts by state against step; reference
+    resets as dashed lines, steps with the cosine length penalty on shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -304,9 +328,12 @@ def plot_run(metrics_path: str, png_path: str, control: list[tuple[int, float]] 
         ("clipfrac", "clipped token fraction"),
         ("actor/grad_norm", "grad norm (before clipping)"),
         ("timing", "seconds per step"),
+        ("dynamic_sampling/kept_group_fraction", "sampled groups kept (fraction)"),
     ]
-    cols = 5
-    fig, axes = plt.subplots(2, cols, figsize=(4 * cols, 6.4))
+    if any("scheduler/unseen" in r for r in steps):
+        panels.append(("scheduler", "prompts by state (scheduler)"))
+    cols = 4
+    fig, axes = plt.subplots(3, cols, figsize=(4 * cols, 9.6))
     axes = axes.ravel()
     for ax in axes[len(panels) :]:
         ax.axis("off")
@@ -333,6 +360,10 @@ def plot_run(metrics_path: str, png_path: str, control: list[tuple[int, float]] 
             ax.plot(x, [r.get("timing_s/step", float("nan")) for r in steps], "k-", lw=0.8, label="step")
             ax.set_ylim(0, 1.4 * max([r.get("timing_s/step", 0.0) for r in steps] + [1e-3]))  # legend room
             ax.legend(fontsize=7, loc="upper left", ncol=3)
+        elif key == "scheduler":
+            for state in SCHEDULER_STATES[:4]:
+                ax.plot(x, [r.get(f"scheduler/{state}", float("nan")) for r in steps], lw=1, label=state)
+            ax.legend(fontsize=8)
         else:
             ax.plot(x, [r.get(key, float("nan")) for r in steps], lw=1)
         for s in resets:

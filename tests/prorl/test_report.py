@@ -55,6 +55,32 @@ def test_summary_numbers(tmp_path):
     )
 
 
+def test_summary_counts_generation_over_the_run_and_the_scheduler_states(tmp_path):
+    write_run(tmp_path)
+    rows = read_metrics(str(tmp_path / "metrics.jsonl"))
+    for r in rows[1:]:  # steps 1..10: 8 groups sampled, step s keeps s // 2 + 1, 100 tokens per group
+        kept = r["step"] // 2 + 1
+        r.update(
+            {
+                "dynamic_sampling/sampled_groups": 8,
+                "dynamic_sampling/passed_groups": kept,
+                "dynamic_sampling/generated_tokens": 800,
+                "dynamic_sampling/kept_group_fraction": kept / 8,
+            }
+        )
+        r.update(
+            {f"scheduler/{k}": v for k, v in zip(("unseen", "mixed", "solved", "unsolved"), (4, 3, 2, 1))}
+        )
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lines = summarize(str(tmp_path)).splitlines()
+    # kept: 1+2+2+3+3+4+4+5+5+6 = 35 of 80; 8000 tokens / 35 = 228.6 (a mean of the per-step ratios: 283)
+    assert (
+        lines[5]
+        == "generation: 43.8% of 80 sampled groups kept; 229 generated response tokens per kept group"
+    )
+    assert lines[6] == "prompts at step 10: unseen 4, mixed 3, solved 2, unsolved 1"
+
+
 def test_command_line_regenerates_png_and_summary(tmp_path):
     write_run(tmp_path)
     proc = subprocess.run(
