@@ -218,7 +218,12 @@ class MiniBatch:
     """One optimizer step: its passes and the global loss normaliser of its aggregation (0-d)."""
 
     normalizer: torch.Tensor
-    passes: list[MicroBatch | None]
+    passes: list[MicroBatch | None]  # this rank's; may be empty where other ranks have tokens
+
+    @property
+    def empty(self) -> bool:
+        """No response token on any rank: every rank skips this optimizer step."""
+        return float(self.normalizer) <= 0
 
 
 def plan_passes(batch: StepBatch, g0: int, g1: int, *, budget: int, share: bool, even: bool):

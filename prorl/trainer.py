@@ -347,7 +347,7 @@ class Trainer:
         )
         norms = 0.0
         for m, mini in enumerate(minis):
-            if not mini.passes:  # no response token in this mini-batch on any rank
+            if mini.empty:  # no response token in this mini-batch on any rank (a rank with none still steps)
                 continue
             for micro in mini.passes:
                 if micro is None:

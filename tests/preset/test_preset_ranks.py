@@ -193,3 +193,43 @@ def test_an_update_on_two_ranks_equals_one_rank(preset, tmp_path):
         torch.testing.assert_close(two[0]["policy"][name], w, rtol=1e-5, atol=1e-7, msg=name)
     for key, value in one["metrics"].items():
         assert two[0]["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-7), key
+
+
+def _replicated_update(rank, world, ckpt, train, val, groups_by_rank):
+    from prorl.metrics import StepAccumulator, step_metrics
+    from prorl.packing import StepBatch
+    from prorl.rewards.pool import RewardPool
+
+    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
+        trainer = make_trainer(
+            ckpt, train, val, ["model.fsdp=false", "trainer.collective_timeout_s=120"], pool
+        )
+        assert not trainer.fsdp
+        steps = []
+        step = trainer.optimizer.step
+
+        def counting_step(*args, **kwargs):
+            steps.append(1)
+            return step(*args, **kwargs)
+
+        trainer.optimizer.step = counting_step
+        acc = StepAccumulator()
+        trainer.update(
+            StepBatch.of(copy.deepcopy(groups_by_rank[rank]), trainer.cfg.rollout.n, trainer.device), 40, acc
+        )
+        metrics = step_metrics(acc.reduce())
+        return {"steps": len(steps), "metrics": metrics, "policy": dict(trainer.policy.state_dict())}
+
+
+def test_replicated_ranks_step_together_when_one_has_no_group_in_a_mini_batch(preset, tmp_path):
+    """Without FSDP each rank runs only its own passes, but every optimizer step is a collective (the
+    gradient all-reduce): a rank whose share of a mini-batch is empty must still take part. Here rank 1
+    keeps 1 group, so its mini-batches 1-3 are empty while rank 0 has 2 groups in each (this deadlocked)."""
+    ckpt, train, val = preset
+    groups = run_ranks(_sample_groups, tmp_path, ckpt, train, val, world=1)[0]
+    by_rank = {0: groups[:8], 1: groups[8:9]}
+    res = run_ranks(_replicated_update, tmp_path, ckpt, train, val, by_rank, world=2, timeout_s=600)
+    assert res[0]["steps"] == res[1]["steps"] == 4
+    assert res[0]["metrics"]["actor/grad_norm"] == res[1]["metrics"]["actor/grad_norm"] > 0
+    for name, w in res[0]["policy"].items():  # replicas stay equal: the same summed gradient everywhere
+        assert torch.equal(w, res[1]["policy"][name]), name
