@@ -193,6 +193,9 @@ class SchedulerConfig:
     )
     discount: float = _f(0.95, "evidence kept per step since a prompt's last update (the policy moves)")
     reprobe_epochs: float = _f(2.0, "a prompt not probed for this many epochs is probed again first")
+    min_yield: float = _f(
+        0.1, "a refill round runs only if its prompts' expected fraction of mixed groups reaches this"
+    )
     solved_threshold: float = _f(1.0, "exclude-solved: a group's mean reward at which its prompt leaves")
 
 
@@ -390,6 +393,7 @@ def validate(cfg: Config) -> None:
         (cfg.seed >= 0, "seed must be >= 0"),
         (0 < sc.discount <= 1, "scheduler.discount must be in (0, 1]"),
         (sc.prior_strength > 0, "scheduler.prior_strength must be > 0"),
+        (0 <= sc.min_yield < 1, "scheduler.min_yield must be in [0, 1)"),
         (t.collective_timeout_s >= 0, "trainer.collective_timeout_s must be >= 0 (0: from the config)"),
         (t.wait_warning_s >= 0, "trainer.wait_warning_s must be >= 0 (0: never warn)"),
     ]  # fmt: skip

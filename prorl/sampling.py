@@ -155,6 +155,9 @@ class GroupSampler:
                     chosen = self.scheduler.select(
                         k, step=step, round_=rounds, rank=self.rank, world=self.world
                     )
+                    if not chosen:  # the scheduler expects too few mixed groups from a refill round
+                        acc.max("scheduler/rounds_skipped", a.max_rounds - rounds)
+                        break
                 groups = self.rollout(chosen, self.seed(step, rounds), max_new)
                 self.verify(groups, acc)
             rounds += 1
@@ -172,6 +175,7 @@ class GroupSampler:
                     acc.sum("groups_passed", 1)
         acc.max("rounds", rounds)
         if self.scheduler is not None:
+            acc.max("scheduler/rounds_skipped", 0)
             self._merge_records(step, acc)
         kept, leftover = kept[:need], kept[need:]
         self.carry = [g for g in leftover if g.old_logps is None][:need]

@@ -15,7 +15,10 @@ step's generation is thrown away. The scheduler decides BEFORE generation, from 
                 = 1 - B(alpha + n, beta) / B(alpha, beta) - B(alpha, beta + n) / B(alpha, beta);
     choice: unseen prompts first; then prompts not probed for `reprobe_epochs` epochs (oldest first), so
             no prompt is dropped for good (each is probed again within reprobe_epochs + 1 epochs of its
-            last probe); then the rest by score, highest first (ties in random order).
+            last probe); then the rest by score, highest first (ties in random order). A refill
+            round (dynamic sampling's second and later) runs only when its prompts' mean score - the
+            fraction of their groups expected to be kept - reaches `min_yield`: once the data is
+            solved, rounds that would keep almost nothing are not generated.
 
 Dynamic sampling still filters after generation; the data-mix weights act through the examples' counts
 (prorl.data.mix). Under torchrun the record is global: every rank applies every rank's observations in
@@ -135,9 +138,18 @@ class PromptScheduler:
             chosen += left[: want - len(chosen)].tolist()
         while len(chosen) < want:  # fewer prompts than the round needs: repeat, as epochs of the data would
             chosen += rng.permutation(free)[: want - len(chosen)].tolist()
+        refill = self.cfg.mode == "pass-rate" and round_ > 0
+        if refill and self.expected_mixed(chosen, step) < self.cfg.min_yield:
+            return []  # a refill round not worth its generation (the same decision on every rank)
         self.taken.update(chosen)
         self.probed[np.array(chosen, dtype=np.int64)] = step
         return chosen[rank * k : (rank + 1) * k]
+
+    def expected_mixed(self, prompts: list[int], step: int) -> float:
+        """The mean P(mixed group) of these prompts under the record: the expected fraction kept."""
+        alpha, beta = self.posterior(step)
+        idx = np.array(prompts, dtype=np.int64)
+        return float(mixed_probability(alpha[idx], beta[idx], self.n).mean()) if idx.size else 0.0
 
     # -- metrics and state ------------------------------------------------------------------------------
     def counts(self, step: int) -> dict[str, int]:

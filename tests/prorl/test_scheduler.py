@@ -14,7 +14,7 @@ from prorl.scheduler import PromptScheduler, mixed_probability
 
 
 def cfg(**kw):
-    base = dict(mode="pass-rate", prior_strength=2.0, discount=0.9)
+    base = dict(mode="pass-rate", prior_strength=2.0, discount=0.9, min_yield=0.0)
     return SimpleNamespace(**{**base, "reprobe_epochs": 2.0, "solved_threshold": 1.0, **kw})
 
 
@@ -92,6 +92,26 @@ def test_choice_guarantees():
             seen_at.setdefault(i, []).append(step)
     gaps = [b - a for steps in seen_at.values() for a, b in zip([0, *steps], steps)]
     assert len(seen_at) == size and max(gaps) <= bound, (bound, max(gaps))
+
+
+def test_a_refill_round_runs_only_when_it_is_expected_to_keep_enough():
+    def solved(min_yield):
+        s = PromptScheduler(cfg(min_yield=min_yield), size=20, n=8, prompts_per_step=4, seed=0)
+        s.probed[:] = 0
+        s.merge(0, [[(i, 8.0, 8) for i in range(20)]])  # every prompt 8 of 8: P(mixed) ~ 0.02 each
+        return s
+
+    s = solved(0.1)
+    assert s.expected_mixed(list(range(20)), 1) < 0.1
+    first = s.select(4, step=1, round_=0, rank=0, world=1)
+    assert len(first) == 4  # the first round always runs
+    probed = s.probed.copy()
+    assert s.select(4, step=1, round_=1, rank=0, world=1) == []
+    assert np.array_equal(s.probed, probed) and s.taken == set(first)  # a skipped round marks nothing
+    assert len(solved(0.0).select(4, step=1, round_=1, rank=0, world=1)) == 4
+    s = solved(0.1)
+    s.merge(1, [[(i, 4.0, 8) for i in range(20)]])  # now mixed: refills run
+    assert len(s.select(4, step=2, round_=1, rank=0, world=1)) == 4
 
 
 def test_exclude_solved_never_chooses_a_solved_prompt_again():
