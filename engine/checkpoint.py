@@ -277,6 +277,11 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def verify_checkpoint(path: str) -> Verdict:
+    """Checkpoint directory `path` against its manifest (engine/checkpoint_verify.py); collective."""
+    return verify(path, required=_REQUIRED, rng_dir=RNG_DIR, skip=_UNLISTED)
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     """What `load` restored."""
@@ -466,7 +471,7 @@ class Checkpointer:
         damaged = []
         for step in reversed(steps):
             path = self.step_dir(step)
-            verdict = self._verify(path)
+            verdict = verify_checkpoint(path)
             if not verdict.damage:
                 if damaged and parallel.dist_info().is_main:
                     logger.warning("resuming from the previous checkpoint %s", path)
@@ -481,9 +486,6 @@ class Checkpointer:
             )
         self._usable = (None, None)
         return None
-
-    def _verify(self, path: str) -> Verdict:
-        return verify(path, required=_REQUIRED, rng_dir=RNG_DIR, skip=_UNLISTED)
 
     def load(
         self,
@@ -515,7 +517,7 @@ class Checkpointer:
         else:
             if path.rstrip("/").endswith(".tmp") or not os.path.isfile(os.path.join(path, MARKER)):
                 raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
-            verdict = self._verify(path)
+            verdict = verify_checkpoint(path)
             if verdict.damage:
                 raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(verdict.damage))
         with open(os.path.join(path, META)) as f:

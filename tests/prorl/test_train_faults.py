@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 
 import pytest
 from train_helpers import (
@@ -189,6 +190,8 @@ def test_a_damaged_checkpoint_resumes_the_previous_one_and_all_damaged_exit_4(tm
     for meta in metas:
         assert f"{meta}: " in third.stderr, third.stderr[-3000:]
     assert "weights_only" not in third.stderr
+    export = run([sys.executable, "-m", "prorl.export", str(metas[-1].parent), str(tmp_path / "hf")])
+    assert export.returncode == 2 and f"is damaged: {metas[-1]}: " in export.stderr, export.stderr[-3000:]
 
 
 @pytest.mark.slow
