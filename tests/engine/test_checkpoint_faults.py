@@ -97,6 +97,23 @@ def test_a_missing_or_damaged_rng_file_is_named_and_the_rest_loads(tmp_path, cap
         assert warned and "no longer bit-identical" in warned[0], caplog.text
 
 
+def test_a_load_that_fails_anyway_is_a_checkpoint_error_naming_it(tmp_path, monkeypatch):
+    """Files that match their manifest but do not fit this run (a DCP planner's refusal, say) end as a
+    CheckpointError naming the checkpoint - train.py's exit 4 - not as a raw traceback (exit 1)."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt, _ = _two_checkpoints(tmp_path)
+
+    def refusing_load(state_dict, checkpoint_id, **kwargs):
+        raise RuntimeError("Size mismatch between saved torch.Size([4]) and current torch.Size([8])")
+
+    monkeypatch.setattr(dcp, "load", refusing_load)
+    with pytest.raises(
+        CheckpointError, match=r"loading checkpoint .*step_00000002 failed: RuntimeError: Size"
+    ):
+        Checkpointer(ckpt.directory).load({"model": random_decoder(), "data": {}})
+
+
 def test_a_checkpoint_saved_before_manifests_still_loads(tmp_path):
     """Format 1 (no manifest.json): the required files and a readable meta.json are checked, no more."""
     ckpt, _ = _two_checkpoints(tmp_path)
