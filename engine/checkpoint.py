@@ -68,7 +68,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import parallel
-from .checkpoint_verify import (  # noqa: F401 (model_identity, rng_state: this module's names too)
+from .checkpoint_verify import (
     MANIFEST,
     Verdict,
     hash_files,
