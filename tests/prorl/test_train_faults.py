@@ -7,6 +7,7 @@ and resuming with `model.fsdp` switched on or another number of ranks."""
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import sys
@@ -267,3 +268,24 @@ def test_prompts_longer_than_max_prompt_tokens_are_counted_per_file(tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"prorl: data: 6 of 6 prompts of {named} are longer than data.max_prompt_tokens=4" in proc.stdout
     assert "no training prompt fits data.max_prompt_tokens=4: all 6 are longer" in proc.stderr
+
+
+def test_steps_that_keep_no_group_are_skipped_and_a_stall_stops_cleanly(tmp_path):
+    """Every answer cut at 2 tokens scores 0, so dynamic sampling keeps no group on any rank: each such
+    step is counted and skipped (the run goes on and exports), and `trainer.max_consecutive_skips` of
+    them in a row stop both ranks together with exit 6 and the reason, never a traceback of prorl's."""
+    empty = [*TINY, "rollout.max_response_tokens=2", "algorithm.max_rounds=2", "trainer.save_every=0"]
+    res = run(train_command(tmp_path / "skips", [*empty, "trainer.total_steps=2"]))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = [json.loads(line) for line in open(tmp_path / "skips" / "metrics.jsonl")]
+    steps = [r for r in rows if "dynamic_sampling/kept_groups" in r]
+    assert [r["dynamic_sampling/kept_groups"] for r in steps] == [0.0, 0.0]
+    assert all(r["dynamic_sampling/rounds"] == 2 for r in steps)
+    assert (tmp_path / "skips" / "checkpoints" / "final" / "config.json").is_file()
+
+    stall = [*empty, "trainer.total_steps=10", "trainer.max_consecutive_skips=3"]
+    res = run(train_command(tmp_path / "stall", stall))
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and re.search(r"exitcode\s*: 6 ", out), out[-3000:]  # torchrun's report
+    assert "3 consecutive steps kept no group" in out, out[-3000:]
+    assert f'File "{ROOT}' not in out, out[-3000:]  # no traceback from prorl's code (torchrun prints its own)
