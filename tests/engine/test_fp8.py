@@ -58,7 +58,7 @@ def test_block_forward_and_gradients_track_float64_within_e4m3_bounds(recipe):
     model = random_decoder(0, BLOCK_CFG)
     ref_out, ref_grads = _forward_backward(model, torch.float64)
     bf16_out, bf16_grads = _forward_backward(model, torch.bfloat16)
-    converted = FP8Training("torchao", recipe).convert(copy.deepcopy(model))
+    converted = FP8Training("torchao", recipe, emulate=False).convert(copy.deepcopy(model))  # _scaled_mm
     assert [n for n, m in converted.named_modules() if isinstance(m, Float8Linear)] == [
         n for n in BLOCK_LINEARS if n.startswith("layers.0.")
     ]
@@ -70,6 +70,21 @@ def test_block_forward_and_gradients_track_float64_within_e4m3_bounds(recipe):
         assert 0.02 < _rel(grads[name], ref_grads[name]) < 0.20, name
     for name in ("embed_tokens.weight", "layers.0.input_layernorm.weight"):  # reached through FP8 GEMMs
         assert _rel(grads[name], ref_grads[name]) < 0.20, name
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_emulation_on_cpu_matches_the_real_fp8_gemm(recipe):
+    """CPU runs emulate (torch's CPU `_scaled_mm` is a slow reference kernel): the same quantisation, the
+    GEMM on dequantised operands. Against the real kernel: outputs and input gradients identical, weight
+    gradients within one bf16 ulp of their magnitude (a different accumulation order)."""
+    model = random_decoder(0, BLOCK_CFG)
+    emulated = FP8Training("torchao", recipe).convert(copy.deepcopy(model))
+    assert all(m.config.emulate for m in emulated.modules() if isinstance(m, Float8Linear))
+    real = FP8Training("torchao", recipe, emulate=False).convert(copy.deepcopy(model))
+    (out_e, grads_e), (out_r, grads_r) = (_forward_backward(m, torch.bfloat16) for m in (emulated, real))
+    assert torch.equal(out_e, out_r)
+    for name, g in grads_r.items():
+        assert float((grads_e[name] - g).abs().max()) <= 2**-7 * float(g.abs().max()), name
 
 
 def test_conversion_keeps_names_shapes_values_and_the_lm_head():
@@ -84,6 +99,18 @@ def test_conversion_keeps_names_shapes_values_and_the_lm_head():
     for name, value in before.items():
         assert after[name].dtype == value.dtype and torch.equal(after[name], value), name
     assert model_identity(model) == model_identity(random_decoder(0, cfg))  # checkpoints still match
+
+
+def test_state_dicts_of_fp8_all_gather_weights_are_plain():
+    """torchao's FP8 all-gather wraps each weight in a tensor subclass at conversion; what leaves the
+    trainer (full_state_dict, iter_full_tensors; here without a process group) is the plain weight."""
+    model = FP8Training("torchao", fsdp=True).convert(random_decoder())
+    assert type(model.layers[0].mlp.up_proj.weight).__name__ == "WeightWithDynamicFloat8CastTensor"
+    want = random_decoder().state_dict()
+    for state in (parallel.full_state_dict(model), dict(parallel.iter_full_tensors(model))):
+        assert list(state) == list(want)
+        for name, tensor in state.items():
+            assert type(tensor) is torch.Tensor and torch.equal(tensor, want[name]), name
 
 
 def test_none_is_a_no_op_and_recipes_are_checked():
@@ -118,7 +145,7 @@ def test_activation_checkpointing_and_compile_of_converted_blocks():
         loss.backward()
         return float(loss), {parallel.clean_name(n): p.grad.clone() for n, p in model.named_parameters()}
 
-    base = FP8Training("torchao").convert(random_decoder().to(torch.bfloat16))
+    base = FP8Training("torchao", emulate=False).convert(random_decoder().to(torch.bfloat16))
     want_loss, want = loss_and_grads(copy.deepcopy(base))
     ac = parallel.parallelize(copy.deepcopy(base), activation_checkpointing=True)
     loss, grads = loss_and_grads(ac)
@@ -140,7 +167,7 @@ def _fsdp_worker(rank, world, tmp):
         ("fp8", "torchao", False, False),
         ("fp8_all_gather_ac", "torchao", True, True),
     ):
-        fp8 = FP8Training(fp8_backend, fsdp=all_gather)
+        fp8 = FP8Training(fp8_backend, fsdp=all_gather, emulate=False)  # the real FP8 GEMMs
         model = parallel.parallelize(
             fp8.convert(random_decoder()), param_dtype=torch.bfloat16, activation_checkpointing=ac
         )
@@ -170,7 +197,7 @@ def _fsdp_worker(rank, world, tmp):
 
     # resume: a fresh converted model (and a fresh unconverted one: the identity is the same) reload it
     for name, backend in (("resumed_fp8", "torchao"), ("resumed_plain", "none")):
-        spec = FP8Training(backend, fsdp=True)
+        spec = FP8Training(backend, fsdp=True, emulate=False)
         fresh = parallel.parallelize(spec.convert(random_decoder(seed=9)), param_dtype=torch.bfloat16)
         fresh_opt = Optimizer(fresh, OPT)
         ckpt.load({"model": fresh, "optimizer": fresh_opt})
@@ -183,8 +210,8 @@ def _fsdp_worker(rank, world, tmp):
             fp8.after_optimizer_step(model)  # as the trainer does after every step: scales of the new weights
 
     # reference reset: an exact copy into a converted reference gives identical log-probs (KL exactly 0)
-    reference = parallel.parallelize(FP8Training("torchao", fsdp=True).convert(random_decoder(seed=5)),
-                                     param_dtype=torch.bfloat16)  # fmt: skip
+    spec = FP8Training("torchao", fsdp=True, emulate=False)
+    reference = parallel.parallelize(spec.convert(random_decoder(seed=5)), param_dtype=torch.bfloat16)
     parallel.copy_parameters_(reference, model)
     ids, cu, labels = packed_batch(7, rank_slice(rank, world))
     with torch.no_grad():
