@@ -311,11 +311,10 @@ def has_te_layers(model: nn.Module) -> bool:
     return any(type(m).__module__.startswith("transformer_engine") for m in model.modules())
 
 
-def has_fp8_layers(model: nn.Module) -> bool:
-    """Whether any module of `model` is an FP8 Linear (Transformer Engine or torchao)."""
-    return any(
-        type(m).__module__.startswith(("transformer_engine", "torchao.float8")) for m in model.modules()
-    )
+def fp8_layers(model: nn.Module) -> list[nn.Module]:
+    """The FP8 Linear modules of `model` (Transformer Engine or torchao)."""
+    prefixes = ("transformer_engine", "torchao.float8")
+    return [m for m in model.modules() if type(m).__module__.startswith(prefixes)]
 
 
 def te_checkpoint_fn():

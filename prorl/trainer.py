@@ -40,7 +40,7 @@ import torch.distributed as dist
 from prorl import algorithm, packing
 from prorl.config import Config, check_world
 from prorl.data import stop_token_ids
-from prorl.engine.fp8 import FP8Training
+from prorl.engine.fp8 import FP8Training, fp8_layers
 from prorl.engine.model import load_hf
 from prorl.engine.optim import Optimizer
 from prorl.engine.parallel import all_reduce, copy_parameters_, dist_info, iter_full_tensors, watchdog
@@ -146,6 +146,17 @@ class Trainer:
         reference = parallelize(self.fp8.convert(load(torch.float32)).requires_grad_(False).eval(), **opts)
         sampler_model = load(self.dtype).requires_grad_(False).eval() if self.backend == "native" else None
         return policy, reference, sampler_model
+
+    @property
+    def fp8_summary(self) -> str:
+        """One line on what runs in FP8 (model.fp8): the converted layers and where the GEMMs run."""
+        layers = fp8_layers(self.policy)
+        emulated = any(getattr(getattr(m, "config", None), "emulate", False) for m in layers)
+        gemm = "emulated FP8 GEMMs (CPU)" if emulated else "FP8 GEMMs"
+        return (
+            f"{self.fp8.backend} {self.fp8.recipe}: {len(layers)} Linear layers of the policy and the "
+            f"reference in {gemm}; LM head and sampler in {self.cfg.model.dtype}"
+        )
 
     def _build_generator(self):
         r = self.cfg.rollout
