@@ -4,6 +4,7 @@ model.fsdp=true` on the embedded task against the same run in bf16, 10 steps eac
 import json
 
 import pytest
+import torch
 from train_helpers import run, train_command
 
 pytest.importorskip("torchao.float8", reason="needs torchao: pip install 'prorl[fp8]'")
@@ -43,3 +44,54 @@ def test_fp8_run_learns_like_the_bf16_run(tmp_path):
     assert abs(fp8_val[-1] - bf16_val[-1]) <= 0.08
     # the trainer's log-probs are FP8, the sampler's bf16: their mismatch grows (measured 5.9e-4 vs 4.7e-4)
     assert fp8_mismatch > bf16_mismatch
+
+
+def _reset_worker(rank, world):
+    """In a world of one (gloo): an FP8 trainer's reference after a reset, its sampler, its KL."""
+    from prorl.engine.fp8 import fp8_layers
+    from test_trainer_recipe import TINY_REASONER, LossSpy, make, sampled, update
+    from transformers import PreTrainedTokenizerFast
+
+    from prorl.data import builtin
+    from prorl.rewards.pool import RewardPool
+
+    tok = PreTrainedTokenizerFast.from_pretrained(TINY_REASONER)
+    train, val = (
+        builtin("digit_sums", n=16, seed=0, split="train"),
+        builtin("digit_sums", n=4, seed=0, split="val"),
+    )
+    overrides = ["model.fp8=torchao", "model.fsdp=true", "model.dtype=bfloat16", "optim.lr=3e-3"]
+    with (
+        RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool,
+        pytest.MonkeyPatch.context() as mp,
+    ):
+        trainer = make((tok, train, val, pool), [*overrides, "algorithm.kl_coef=1.0"])
+        layers = [len(fp8_layers(m)) for m in (trainer.policy, trainer.reference, trainer.sampler_model)]
+        update(trainer, sampled(trainer, k=2))  # the policy moves away from the reference
+        # FP8 all-gather: after each optimizer step the weights' scales are those of the new weights
+        weight = trainer.policy.layers[0].mlp.up_proj.weight
+        amax = float(weight.full_tensor().abs().max())
+        precomputed = weight._local_tensor._precomputed_scale  # where torchao keeps it
+        scales = (float(precomputed), float(torch.finfo(torch.float8_e4m3fn).max / amax))
+        trainer.reset_reference()
+        spy = LossSpy(mp)
+        update(trainer, sampled(trainer, k=2))
+        kl = [(float(m["kl_mean"]), float(m["kl_loss"])) for _, _, (_, m) in spy.calls]
+        exact = [
+            torch.equal(logp.detach().float(), kw["ref_logp"].float()) for (logp, *_), kw, _ in spy.calls
+        ]
+        trainer.close()
+    return layers, kl, exact, scales
+
+
+@pytest.mark.slow
+def test_fp8_reference_is_converted_so_the_kl_is_exactly_zero_after_a_reset(tmp_path):
+    """docs/recipe.md §7 with FP8: the reference runs the policy's conversion, so right after a reset the
+    two compute the same log-probs bit for bit and the KL term is 0 (a bf16 reference would leave the
+    FP8 quantisation error as a KL that never vanishes); the native sampler's copy stays unconverted."""
+    from dist_helpers import run_ranks
+
+    layers, kl, exact, scales = run_ranks(_reset_worker, tmp_path, world=1)[0]
+    assert layers == [14, 14, 0]
+    assert scales[0] == pytest.approx(scales[1], rel=1e-6)
+    assert kl and all(k == (0.0, 0.0) for k in kl) and all(exact)
