@@ -132,29 +132,46 @@ def test_missing_torchao_names_the_extra(monkeypatch):
         FP8Training("torchao").convert(random_decoder())
 
 
-def test_activation_checkpointing_and_compile_of_converted_blocks():
-    """Single process: checkpointing recomputes the FP8 block exactly (dynamic scales, no state), and the
-    compiled converted block agrees with eager within FP8 rounding (inductor may fuse the scale
-    computation differently: 1% of an FP8 error budget of ~5%)."""
+def _loss_and_grads(model):
     ids, cu, labels = packed_batch(0)
+    hidden = model(ids, cu_seqlens=cu)
+    logp, _ = linear_logprob_entropy(hidden, model.lm_head_weight, labels, return_entropy=False)
+    loss = -logp.sum()
+    loss.backward()
+    return float(loss.detach()), {parallel.clean_name(n): p.grad.clone() for n, p in model.named_parameters()}
 
-    def loss_and_grads(model):
-        hidden = model(ids, cu_seqlens=cu)
-        logp, _ = linear_logprob_entropy(hidden, model.lm_head_weight, labels, return_entropy=False)
-        loss = -logp.sum()
-        loss.backward()
-        return float(loss), {parallel.clean_name(n): p.grad.clone() for n, p in model.named_parameters()}
 
+def test_activation_checkpointing_recomputes_converted_blocks_exactly():
+    """torchao keeps no FP8 state between calls (dynamic scales): torch's checkpoint recomputes the block
+    bit for bit."""
     base = FP8Training("torchao", emulate=False).convert(random_decoder().to(torch.bfloat16))
-    want_loss, want = loss_and_grads(copy.deepcopy(base))
-    ac = parallel.parallelize(copy.deepcopy(base), activation_checkpointing=True)
-    loss, grads = loss_and_grads(ac)
+    want_loss, want = _loss_and_grads(copy.deepcopy(base))
+    loss, grads = _loss_and_grads(parallel.parallelize(copy.deepcopy(base), activation_checkpointing=True))
     assert loss == want_loss and all(torch.equal(grads[k], want[k]) for k in want)
-    compiled = parallel.parallelize(copy.deepcopy(base), activation_checkpointing=True, compile=True)
-    loss, grads = loss_and_grads(compiled)
-    assert abs(loss - want_loss) < 0.01 * abs(want_loss)
-    for k in want:
-        assert _rel(grads[k].double(), want[k].double()) < 0.05, k
+
+
+@pytest.mark.slow
+def test_compiled_converted_blocks_match_eager():
+    """model.compile on converted blocks (the emulated GEMMs CPU runs use; ~12-30 s of inductor here):
+    graphs are compiled, and the compiled FP8 block is as close to the unconverted bf16 block as the
+    eager FP8 block is (inductor rounds and fuses differently, so the two FP8 runs differ from each
+    other by about their FP8 error: each error against bf16 must stay within 2x eager's + 1%).
+    With activation_checkpointing=True as well, dynamo captures no graph of the checkpointed block on
+    torch 2.13 (bf16 too): the block then runs eagerly."""
+    from torch._dynamo.utils import counters
+
+    bf16 = random_decoder().to(torch.bfloat16)
+    ref_loss, ref = _loss_and_grads(copy.deepcopy(bf16))
+    base = FP8Training("torchao").convert(bf16)
+    eager_loss, eager = _loss_and_grads(copy.deepcopy(base))
+    torch._dynamo.reset()
+    counters.clear()
+    loss, grads = _loss_and_grads(parallel.parallelize(copy.deepcopy(base), compile=True))
+    assert counters["stats"]["unique_graphs"] >= TINY_QWEN2.num_layers
+    assert abs(loss - ref_loss) <= 2 * abs(eager_loss - ref_loss) + 0.01 * abs(ref_loss)
+    for k in ref:
+        eager_err = _rel(eager[k].double(), ref[k].double())
+        assert _rel(grads[k].double(), ref[k].double()) < 2 * eager_err + 0.01, k
 
 
 def _fsdp_worker(rank, world, tmp):

@@ -162,3 +162,51 @@ def test_trainer_dummy_pass_meets_te_rules():
     from prorl.trainer import Trainer
 
     assert Trainer.DUMMY_TOKENS % FP8Training("te").token_multiple == 0 and Trainer.DUMMY_TOKENS >= 16
+
+
+def _bucketed(model):
+    """What `VLLMGenerator.update_weights` would send for `model`: its buckets of (HF name, tensor)."""
+    import types
+
+    from prorl.engine.rollout.vllm import VLLMGenerator
+
+    fake = types.SimpleNamespace(bucket_bytes=1 << 30)
+    items = parallel.iter_full_tensors(model, torch.bfloat16)
+    return [pair for bucket in VLLMGenerator._buckets(fake, items) for pair in bucket]
+
+
+def test_vllm_weight_push_sends_plain_tensors_only(te):
+    """TE layers (their `_extra_state`) and torchao's FP8 all-gather weights (a tensor subclass): the vLLM
+    push sends exactly the tensors of an unconverted model, plain bf16, under HF names."""
+    pytest.importorskip("torchao.float8")
+    want = [(f"model.{k}", v.to(torch.bfloat16)) for k, v in random_decoder().state_dict().items()]
+    for model in (
+        FP8Training("te").convert(random_decoder()),
+        FP8Training("torchao", fsdp=True).convert(random_decoder()),
+    ):
+        assert any(k.endswith("_extra_state") for k in model.state_dict()) or any(
+            type(p) is not nn.Parameter for p in model.parameters()
+        )
+        sent = _bucketed(model)
+        assert [k for k, _ in sent] == [k for k, _ in want]
+        for (name, tensor), (_, value) in zip(sent, want):
+            assert type(tensor) is torch.Tensor and tensor.dtype == torch.bfloat16, name
+            assert torch.equal(tensor, value), name
+
+
+def test_te_checkpoint_resumes_into_te_and_exports_into_a_plain_decoder(te, tmp_path, monkeypatch):
+    """A DCP checkpoint of a TE-converted model (with `_extra_state`): the same model identity as an
+    unconverted one; it reloads into a fresh converted model and into a plain Decoder (prorl.export's
+    path), with the same weights."""
+    from prorl.engine.checkpoint import Checkpointer, model_identity
+
+    model = FP8Training("te").convert(random_decoder(seed=1))
+    fresh_te = FP8Training("te").convert(random_decoder(seed=2))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the checkpoint runs on the CPU here
+    assert model_identity(model) == model_identity(random_decoder())
+    Checkpointer(str(tmp_path)).save(1, {"model": model})
+    want = parallel.full_state_dict(model)
+    for fresh in (fresh_te, random_decoder(seed=2)):
+        Checkpointer(str(tmp_path)).load({"model": fresh})
+        got = parallel.full_state_dict(fresh)
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
