@@ -92,7 +92,7 @@ class ModelState:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         parallel.reshard(self.model)
-        return get_model_state_dict(self.model)
+        return _plain(get_model_state_dict(self.model))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
@@ -119,7 +119,7 @@ class OptimizerState:
 
         fresh = not self.optimizer.state
         parallel.reshard(self.model)  # see ModelState
-        state = get_optimizer_state_dict(self.model, self.optimizer)
+        state = _plain(get_optimizer_state_dict(self.model, self.optimizer))
         if fresh:
             # get_optimizer_state_dict initialises an empty state with a zero-lr step (step count 1);
             # keep the optimizer itself untouched so that saving before the first step changes nothing
@@ -137,6 +137,21 @@ class OptimizerState:
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         if self.owner is not None:
             self.owner.load_state_dict({**state["rest"][0], "optimizer": self.optimizer.state_dict()})
+
+
+def _plain(state: Any) -> Any:
+    """`state` with torchao's FP8 all-gather weight wrappers (and what was computed from them, e.g. AdamW's
+    moments) replaced by the plain tensors they hold (engine/fp8.py `plain`): checkpoints pickle no tensor
+    subclass, so `prorl.export` and a run without FP8 read them without torchao."""
+    from .fp8 import plain
+
+    if isinstance(state, torch.Tensor):
+        return plain(state)
+    if isinstance(state, dict):
+        return {k: _plain(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_plain(v) for v in state)
+    return state
 
 
 def _is_optimizer(obj: Any) -> bool:

@@ -2,6 +2,7 @@
 model.fsdp=true` on the embedded task against the same run in bf16, 10 steps each (~30 s each here)."""
 
 import json
+import sys
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ OVERRIDES = [
 
 
 def _run(tmp_path, name, extra):
+    """(log, val accuracies, mean sampler/trainer log-prob mismatch, steps) of one run."""
     out = tmp_path / name
     proc = run(train_command(out, OVERRIDES + extra, nproc=1))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -35,7 +37,8 @@ def _run(tmp_path, name, extra):
 @pytest.mark.slow
 def test_fp8_run_learns_like_the_bf16_run(tmp_path):
     _, bf16_val, bf16_mismatch, bf16_steps = _run(tmp_path, "bf16", [])
-    log, fp8_val, fp8_mismatch, fp8_steps = _run(tmp_path, "fp8", ["model.fp8=torchao"])
+    fp8 = ["model.fp8=torchao", "trainer.save_every=10"]
+    log, fp8_val, fp8_mismatch, fp8_steps = _run(tmp_path, "fp8", fp8)
     assert "fp8: torchao tensorwise: 14 Linear layers of the policy and the reference" in log
     assert bf16_steps == fp8_steps == 10
     assert fp8_val[0] == bf16_val[0]  # the same start (validation samples with the bf16 sampler)
@@ -44,6 +47,24 @@ def test_fp8_run_learns_like_the_bf16_run(tmp_path):
     assert abs(fp8_val[-1] - bf16_val[-1]) <= 0.08
     # the trainer's log-probs are FP8, the sampler's bf16: their mismatch grows (measured 5.9e-4 vs 4.7e-4)
     assert fp8_mismatch > bf16_mismatch
+    # export: the run's final HF directory and `prorl.export` of its step-10 DCP checkpoint hold the same
+    # plain bf16 weights, loadable by transformers
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    ckpt = tmp_path / "fp8" / "checkpoints"
+    proc = run([sys.executable, "-m", "prorl.export", str(ckpt / "step_00000010"), str(tmp_path / "export")])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    final, exported = (load_file(str(d / "model.safetensors")) for d in (ckpt / "final", tmp_path / "export"))
+    assert list(final) == list(exported) and {t.dtype for t in exported.values()} == {torch.bfloat16}
+    assert all(torch.equal(final[k], exported[k]) for k in final)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.bfloat16)
+    assert torch.equal(hf.model.layers[0].mlp.up_proj.weight, exported["model.layers.0.mlp.up_proj.weight"])
+    # resume: the same command with more steps continues from the step-10 checkpoint of the FP8 layers
+    proc = run(train_command(tmp_path / "fp8", OVERRIDES + fp8 + ["trainer.total_steps=12"], nproc=1))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "fp8" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "critic/score/mean" in r][-3:] == [10, 11, 12]
 
 
 def _reset_worker(rank, world):
@@ -61,6 +82,7 @@ def _reset_worker(rank, world):
         builtin("digit_sums", n=4, seed=0, split="val"),
     )
     overrides = ["model.fp8=torchao", "model.fsdp=true", "model.dtype=bfloat16", "optim.lr=3e-3"]
+    overrides.append("trainer.micro_batch_tokens=64")  # several micro-batches per mini-batch
     with (
         RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool,
         pytest.MonkeyPatch.context() as mp,
@@ -86,12 +108,12 @@ def _reset_worker(rank, world):
 
 @pytest.mark.slow
 def test_fp8_reference_is_converted_so_the_kl_is_exactly_zero_after_a_reset(tmp_path):
-    """docs/recipe.md §7 with FP8: the reference runs the policy's conversion, so right after a reset the
-    two compute the same log-probs bit for bit and the KL term is 0 (a bf16 reference would leave the
-    FP8 quantisation error as a KL that never vanishes); the native sampler's copy stays unconverted."""
+    """docs/recipe.md §7 with FP8 and micro-batches: the reference runs the policy's conversion, so right
+    after a reset the two compute the same log-probs bit for bit and the KL term is 0 (a bf16 reference
+    would leave the FP8 quantisation error as a KL that never vanishes); the sampler stays unconverted."""
     from dist_helpers import run_ranks
 
     layers, kl, exact, scales = run_ranks(_reset_worker, tmp_path, world=1)[0]
     assert layers == [14, 14, 0]
     assert scales[0] == pytest.approx(scales[1], rel=1e-6)
-    assert kl and all(k == (0.0, 0.0) for k in kl) and all(exact)
+    assert len(kl) > 1 and all(k == (0.0, 0.0) for k in kl) and all(exact)  # in every micro-batch
