@@ -210,3 +210,21 @@ def test_te_checkpoint_resumes_into_te_and_exports_into_a_plain_decoder(te, tmp_
         Checkpointer(str(tmp_path)).load({"model": fresh})
         got = parallel.full_state_dict(fresh)
         assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_trainer_log_prob_passes_run_te_layers_in_fp8_on_padded_batches(te):
+    """`Trainer.logprobs` (every log-prob pass and the update's forward): under TE's autocast, on the
+    batch padded to TE's multiple; the log-probs are those of the same pass done by hand."""
+    import types
+
+    from prorl.trainer import Trainer
+
+    model = FP8Training("te").convert(random_decoder())
+    batch = packing.pack([([3, 4, 5], [[6, 7, 8], [9, 10]]), ([11, 12], [[13, 14, 15, 16]])], True)
+    trainer = types.SimpleNamespace(fp8=FP8Training("te"), logprob_temperature=1.0)
+    logp, _ = Trainer.logprobs(trainer, model, batch, grad=False)
+    assert te.fp8_gemms == len(BLOCK_LINEARS) and te.autocasts[0][0]
+    with torch.no_grad(), FP8Training("te").autocast():
+        hidden = packing.hidden_states(model, packing.padded(batch, 16))
+    want, _ = linear_logprob_entropy(hidden, model.lm_head_weight, batch.labels, return_entropy=False)
+    assert torch.equal(logp, want)
