@@ -61,14 +61,8 @@ from benchmarks import harness
 from benchmarks.report.readme import View
 
 NAME = "train_step"
-PROVIDERS = (
-    "prorl",
-    "prorl-unfused",
-    "transformers-padded",
-    "transformers-packed",
-    "prorl-fp8",
-    "prorl-fp8-te",
-)
+PROVIDERS = ("prorl", "prorl-unfused", "transformers-padded", "transformers-packed", "prorl-fp8")
+GPU_PROVIDERS = PROVIDERS + ("prorl-fp8-te",)  # Transformer Engine: CUDA sm_90+ only
 FP8_PROVIDERS = {"prorl-fp8": "torchao", "prorl-fp8-te": "te"}
 REFERENCE = "transformers-padded"
 MODELS = {  # Qwen2, 2 KV heads, tied embeddings
@@ -184,8 +178,9 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     if provider in FP8_PROVIDERS:
         from prorl.engine.fp8 import FP8Training, fp8_support
 
-        if provider == "prorl-fp8-te" and not fp8_support(device)[0]:
-            return None  # Transformer Engine: CUDA sm_90+ only
+        available, reason = fp8_support(device) if provider == "prorl-fp8-te" else (True, "")
+        if not available:
+            raise RuntimeError(f"{provider} needs Transformer Engine on a CUDA sm_90+ device: {reason}")
         fp8 = FP8Training(FP8_PROVIDERS[provider])
     if provider in ("prorl", "prorl-unfused") or fp8 is not None:
         model = load_hf(path, dtype=dtype, device=device)
@@ -299,7 +294,15 @@ def _shapes(args) -> list[dict]:
     return [make_shape(model, args.seqs or seqs, min_len, max_len, dtype, args.ckpt_dir)]
 
 
-BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, derive=derived_rows, view=VIEW)
+BENCHMARK = harness.Benchmark(
+    NAME,
+    lambda args: GPU_PROVIDERS if args.gpu else PROVIDERS,
+    _shapes,
+    _options,
+    derive=derived_rows,
+    view=VIEW,
+    known_providers=GPU_PROVIDERS,
+)
 main = BENCHMARK.main
 
 if __name__ == "__main__":
