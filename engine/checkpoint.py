@@ -24,6 +24,7 @@ Layout and commit protocol:
         objects.pt              rank 0's non-tensor state
         rng/rank_00000.pt       one per rank
         meta.json               step, config hash, model identity per model key, world size, keys
+        manifest.json           size and SHA-256 of every file above (engine/checkpoint_verify.py)
         COMPLETE
     step_00000150.tmp/      a save in progress or interrupted: never loaded; removed by the next save
 
@@ -36,8 +37,14 @@ before its files for the same reason.
 Checks. The constructor fails with a clear message if the directory cannot be created or written;
 `preflight` / `save` compare the estimated size of one save (all ranks' shards) with the free space.
 `meta.json` records a model identity (architecture + parameter names and shapes, hashed) per model key:
-loading a checkpoint of a different model raises `CheckpointError` naming both. A differing config hash
-is only reported (`CheckpointInfo.config_changed`, and a warning): the caller decides.
+loading a checkpoint of a different model raises `CheckpointError` naming both (replicated and FSDP2
+runs of one model are the same model: DCP reshards). A differing config hash is only reported
+(`CheckpointInfo.config_changed`, and a warning): the caller decides.
+
+Damage. Before a load every file is checked against `manifest.json` (sizes and checksums written at
+save). `load()` without a path takes the newest checkpoint that passes (`usable()`): a damaged newer one
+is skipped with a warning naming each damaged file; when all are damaged, `CheckpointError` names them.
+A missing or damaged RNG file only costs determinism: a warning names it and the rest is loaded.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ import hashlib
 import json
 import logging
 import os
-import random
+import pickle
 import re
 import shutil
 import time
@@ -61,6 +68,16 @@ import torch.distributed as dist
 from torch import nn
 
 from . import parallel
+from .checkpoint_verify import (
+    MANIFEST,
+    Verdict,
+    hash_files,
+    identity_matches,
+    model_identity,
+    restore_rng,
+    rng_state,
+    verify,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -68,8 +85,10 @@ MARKER = "COMPLETE"
 META = "meta.json"
 OBJECTS = "objects.pt"
 RNG_DIR = "rng"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest.json (sizes and SHA-256 of every file), identity without wrappers
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
+_UNLISTED = (MANIFEST, MARKER)  # the files a manifest does not list
+_REQUIRED = (META, OBJECTS, ".metadata")  # what a load cannot do without, whatever the world size
 
 
 class CheckpointError(RuntimeError):
@@ -212,52 +231,6 @@ def config_hash(config: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def model_identity(model: nn.Module) -> dict[str, Any]:
-    """{"hash", "summary"}: the architecture (class, config without init-only fields) and every
-    parameter's clean name and global shape. Dtypes are not part of it (a bf16 export of an fp32 model
-    is the same model)."""
-    config = getattr(model, "config", None)
-    if dataclasses.is_dataclass(config):
-        config = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("hf", "initializer_range")}
-    shapes = sorted((parallel.clean_name(n), list(p.shape)) for n, p in model.named_parameters())
-    identity = {"class": type(model).__name__, "config": config, "shapes": shapes}
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    summary = {
-        "class": type(model).__name__,
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "tensors": len(shapes),
-    }
-    if isinstance(config, dict):
-        keys = ("model_type", "num_layers", "hidden_size", "intermediate_size", "num_heads", "vocab_size")
-        summary.update({k: config[k] for k in keys if k in config})
-    return {"hash": digest, "summary": summary}
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states: python, numpy (if installed), torch CPU, CUDA (if initialised)."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    try:
-        import numpy
-
-        state["numpy"] = numpy.random.get_state()
-    except ImportError:
-        pass
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "numpy" in state:
-        import numpy
-
-        numpy.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 # ---------------------------------------------------------------------------------------------------
 # Files
 
@@ -327,6 +300,11 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def verify_checkpoint(path: str) -> Verdict:
+    """Checkpoint directory `path` against its manifest (engine/checkpoint_verify.py); collective."""
+    return verify(path, required=_REQUIRED, rng_dir=RNG_DIR, skip=_UNLISTED)
+
+
 @dataclass(frozen=True)
 class CheckpointInfo:
     """What `load` restored."""
@@ -354,6 +332,7 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.keep_last = keep_last
         self.min_free_bytes = min_free_bytes
+        self._usable: tuple[str | None, Verdict | None] | None = None  # usable()'s answer, once asked
         self._check_writable()
 
     # -- discovery ---------------------------------------------------------------------------------
@@ -418,6 +397,7 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         info = parallel.dist_info()
+        self._usable = None  # usable() looks again after a save
         dcp_state, objects, models = _split(state)
         state_dicts = {k: v.state_dict() for k, v in dcp_state.items()}
         # on every rank: an object's state_dict may be a collective (gathering per-rank parts)
@@ -453,6 +433,13 @@ class Checkpointer:
             _write_file(os.path.join(tmp, META), json.dumps(meta, indent=2, default=str).encode())
 
         _all_ranks_ok(write_small_files)  # also the barrier: every rank's files are on disk
+        # the size and SHA-256 of every file, written after them and before the marker: what load verifies
+        files = hash_files(tmp, skip=_UNLISTED)
+        unreadable = [f"{name}: {v['error']}" for name, v in files.items() if "error" in v]
+        if unreadable:  # the same dict on every rank: all raise
+            raise CheckpointError(f"checkpoint {tmp}: files unreadable right after writing: {unreadable}")
+        manifest = json.dumps({"files": files}, indent=1, sort_keys=True).encode()
+        _all_ranks_ok(lambda: _write_file(os.path.join(tmp, MANIFEST), manifest), main_only=True)
 
         def commit():
             if os.path.exists(final):  # the same step saved again: retire the old one marker-first
@@ -492,6 +479,37 @@ class Checkpointer:
 
     # -- load --------------------------------------------------------------------------------------
 
+    def usable(self) -> str | None:
+        """The newest complete checkpoint that passes `verify` (sizes and checksums of its manifest), or
+        None when there is no complete checkpoint. A damaged one is skipped with a warning naming each
+        damaged file; when every one is damaged, CheckpointError names them all. Collective under
+        torchrun (every rank gets rank 0's answer); the answer is kept for the next call and `load`."""
+        if self._usable is not None:
+            return self._usable[0]
+        steps = self.complete_steps()
+        if dist.is_initialized():  # every rank checks what rank 0 found
+            box = [steps]
+            dist.broadcast_object_list(box, src=0)
+            steps = box[0]
+        damaged = []
+        for step in reversed(steps):
+            path = self.step_dir(step)
+            verdict = verify_checkpoint(path)
+            if not verdict.damage:
+                if damaged and parallel.dist_info().is_main:
+                    logger.warning("resuming from the previous checkpoint %s", path)
+                self._usable = (path, verdict)
+                return path
+            damaged.append(f"{path}: " + "; ".join(verdict.damage))
+            if parallel.dist_info().is_main:
+                logger.warning("checkpoint %s is damaged, not loaded: %s", path, "; ".join(verdict.damage))
+        if damaged:
+            raise CheckpointError(
+                f"no usable checkpoint in {self.directory}: every one is damaged: " + " | ".join(damaged)
+            )
+        self._usable = (None, None)
+        return None
+
     def load(
         self,
         state: dict[str, Any],
@@ -500,12 +518,14 @@ class Checkpointer:
         step: int | None = None,
         config_hash: str | None = None,
     ) -> CheckpointInfo | None:
-        """Restore `state` in place from `path`, checkpoint `step`, or the latest complete one.
+        """Restore `state` in place from `path`, checkpoint `step`, or the newest usable one (`usable`:
+        a damaged newest checkpoint is skipped with a warning).
 
         Returns None when there is no complete checkpoint (and neither path nor step was given).
-        Raises CheckpointError: incomplete checkpoint, a model of another architecture, keys of
-        `state` missing from the checkpoint. A different `config_hash` is reported, not refused.
-        Collective under torchrun.
+        Raises CheckpointError, naming the checkpoint and file: incomplete or damaged checkpoint, a model
+        of another architecture, keys of `state` missing from the checkpoint, a failed load. A different
+        `config_hash` is reported, not refused; a missing or damaged RNG file is a warning naming it (the
+        run continues, no longer bit-identical). Collective under torchrun.
         """
         import torch.distributed.checkpoint as dcp
 
@@ -513,15 +533,16 @@ class Checkpointer:
         if path is None and step is not None:
             path = self.step_dir(step)
         if path is None:
-            path = self.latest()
-            if dist.is_initialized():  # every rank loads what rank 0 found
-                holder = [path]
-                dist.broadcast_object_list(holder, src=0)
-                path = holder[0]
+            path = self.usable()
             if path is None:
                 return None
-        if path.rstrip("/").endswith(".tmp") or not os.path.isfile(os.path.join(path, MARKER)):
-            raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+            verdict = self._usable[1]
+        else:
+            if path.rstrip("/").endswith(".tmp") or not os.path.isfile(os.path.join(path, MARKER)):
+                raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+            verdict = verify_checkpoint(path)
+            if verdict.damage:
+                raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(verdict.damage))
         with open(os.path.join(path, META)) as f:
             meta = json.load(f)
 
@@ -531,14 +552,14 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} has no {missing} (it holds {meta['keys']})")
         for key, model in models.items():
             saved, current = meta["models"].get(key), model_identity(model)
-            if saved is None or saved["hash"] != current["hash"]:
+            if saved is None or not identity_matches(saved["hash"], model):
                 raise CheckpointError(
                     f"checkpoint {path} holds a different model under {key!r}: saved "
                     f"{saved['summary'] if saved else 'no model'}, this run's {current['summary']} "
                     "(architecture or parameter shapes differ); refusing to load it"
                 )
         config_changed = config_hash is not None and meta.get("config_hash") != config_hash
-        if config_changed:
+        if config_changed and info.is_main:
             logger.warning(
                 "checkpoint %s was saved with config hash %s, this run's is %s",
                 path,
@@ -546,25 +567,22 @@ class Checkpointer:
                 config_hash,
             )
 
-        with _single_process_quiet():
-            dcp.load(dcp_state, checkpoint_id=path, no_dist=not dist.is_initialized())
-        saved_objects = torch.load(os.path.join(path, OBJECTS), weights_only=False)  # written by us
-        for key, obj in objects.items():
-            if isinstance(obj, dict):
-                obj.clear()
-                obj.update(saved_objects[key])
-            else:
-                obj.load_state_dict(saved_objects[key])
+        objects_file = os.path.join(path, OBJECTS)
+        try:
+            with _single_process_quiet():
+                dcp.load(dcp_state, checkpoint_id=path, no_dist=not dist.is_initialized())
+            saved_objects = torch.load(objects_file, weights_only=False)  # written by us
+            for key, obj in objects.items():
+                if isinstance(obj, dict):
+                    obj.clear()
+                    obj.update(saved_objects[key])
+                else:
+                    obj.load_state_dict(saved_objects[key])
+        except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as exc:
+            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            raise CheckpointError(f"loading checkpoint {path} failed: {type(exc).__name__}: {first}") from exc
         rng_file = os.path.join(path, RNG_DIR, f"rank_{info.rank:05d}.pt")
-        if meta["world_size"] == info.world_size and os.path.isfile(rng_file):
-            set_rng_state(torch.load(rng_file, weights_only=False))
-        else:
-            logger.warning(
-                "checkpoint %s was saved by %d ranks, this run has %d: RNG states not restored",
-                path,
-                meta["world_size"],
-                info.world_size,
-            )
+        restore_rng(path, rng_file, meta["world_size"], verdict.rng.get(rng_file))
         return CheckpointInfo(meta["step"], path, meta, config_changed)
 
 

@@ -53,7 +53,6 @@ reads. Checkpoint directories must be on a filesystem every node sees (each rank
 from __future__ import annotations
 
 import datetime
-import json
 import logging
 import os
 from collections import defaultdict
@@ -328,8 +327,9 @@ def meta_decoder(cfg: ModelConfig, attention=None, dtype: torch.dtype = torch.fl
 
 def hf_model_config(path: str) -> ModelConfig:
     """The ModelConfig of a Hugging Face checkpoint directory (its config.json)."""
-    with open(os.path.join(path, "config.json")) as f:
-        return ModelConfig.from_hf(json.load(f))
+    from .model.hf_io import read_config
+
+    return ModelConfig.from_hf(read_config(path))
 
 
 @torch.no_grad()

@@ -201,11 +201,14 @@ class TrainerConfig:
 @dataclass
 class SchedulerConfig:
     mode: str = _f("none", "prompt scheduling before generation (prorl/scheduler.py)", SCHEDULER_MODES)
-    prior_alpha: float = _f(1.0, "Beta prior of a prompt's success probability: alpha ...")
-    prior_beta: float = _f(1.0, "... and beta")
+    prior_strength: float = _f(
+        2.0, "pseudo-trials of a prompt's Beta prior, whose mean is the population's pass rate"
+    )
     discount: float = _f(0.95, "evidence kept per step since a prompt's last update (the policy moves)")
-    floor: float = _f(0.05, "added to every prompt's P(mixed group): no prompt's chance is ever zero")
     reprobe_epochs: float = _f(2.0, "a prompt not probed for this many epochs is probed again first")
+    min_yield: float = _f(
+        0.1, "a refill round runs only if its prompts' expected fraction of mixed groups reaches this"
+    )
     solved_threshold: float = _f(1.0, "exclude-solved: a group's mean reward at which its prompt leaves")
 
 
@@ -402,8 +405,8 @@ def validate(cfg: Config) -> None:
         (cfg.reward.num_workers >= 1, "reward.num_workers must be >= 1"),
         (cfg.seed >= 0, "seed must be >= 0"),
         (0 < sc.discount <= 1, "scheduler.discount must be in (0, 1]"),
-        (min(sc.prior_alpha, sc.prior_beta) > 0, "scheduler.prior_alpha and prior_beta must be > 0"),
-        (sc.floor > 0, "scheduler.floor must be > 0 (every prompt keeps a chance)"),
+        (sc.prior_strength > 0, "scheduler.prior_strength must be > 0"),
+        (0 <= sc.min_yield < 1, "scheduler.min_yield must be in [0, 1)"),
         (t.collective_timeout_s >= 0, "trainer.collective_timeout_s must be >= 0 (0: from the config)"),
         (t.wait_warning_s >= 0, "trainer.wait_warning_s must be >= 0 (0: never warn)"),
     ]  # fmt: skip

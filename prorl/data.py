@@ -9,9 +9,10 @@ One row, whatever the file format (verl's schema; what `prorl.rewards.score` rec
     extra_info               dict, optional                        [extra]
     ability                  str, optional (verl's domain tag)
 
-A row missing a field, with a wrong type, or with a data_source no verifier is registered for is an
-error at load time naming the file, the row and the field, never a surprise hours into a run
-(`skip_bad=True` drops such rows and counts them instead).
+A row missing a field, with a wrong type, an empty prompt or ground truth, a math ground truth that is
+not a string or number, a byte that is not UTF-8, or a data_source no verifier is registered for is an
+error at load time naming the file, the row and the field, never a surprise hours into a run - such a
+row can never score (`skip_bad=True` drops such rows and counts them instead). An empty file is an error.
 
 Built-in task sets (no download; deterministic by seed):
 - `digit_sums`: sums of three single-digit numbers, answer in `\\boxed{}`, scored by the math
@@ -31,7 +32,8 @@ is then shuffled so the domains interleave. A path that exists as given, or whos
 
 Tokenizing (`encode_prompts`): the model's chat template with the generation prompt, then the token
 ids without added special tokens; a prompt over `max_prompt_tokens` is FILTERED and counted, never
-truncated (a truncated problem statement is a different problem, and its reward is noise).
+truncated (a truncated problem statement is a different problem, and its reward is noise); the trainer
+prints the count per data file (`dropped_by_source`; `Example.source` is the file a row came from).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Example:
     ground_truth: Any
     extra: dict = field(default_factory=dict)
     ability: str | None = None
+    source: str | None = field(default=None, compare=False, repr=False)  # the data file it came from
 
     def to_row(self) -> dict:
         """The verl-schema row of this example (what `load_file` reads back)."""
@@ -90,11 +93,12 @@ def _parse_row(row: Any, where: str, check_data_source: bool, prompt_key: str = 
         raise bad(
             "data_source", "is missing" if data_source is None else f"must be a string, got {data_source!r}"
         )
+    verifier = None  # the registry key of the row's verifier, when checked
     if check_data_source:
         from prorl.rewards import UnknownDataSourceError, lookup  # light: verifiers load lazily
 
         try:
-            lookup(data_source)
+            verifier = lookup(data_source)[0]
         except UnknownDataSourceError as exc:
             raise bad("data_source", f"has no verifier: {exc}") from None
 
@@ -112,14 +116,29 @@ def _parse_row(row: Any, where: str, check_data_source: bool, prompt_key: str = 
         ):
             raise bad(f"{prompt_key}[{i}]", f"must be {{'role': str, 'content': str}}, got {msg!r:.200}")
     prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    if not any(m["content"].strip() for m in prompt):
+        raise bad(prompt_key, "has no text (every message's content is empty)")
 
     reward_model = row.get("reward_model")
+    truth_key = "reward_model.ground_truth"
     if reward_model is None and "ground_truth" in row:  # flat TRL-style column
-        reward_model = {"ground_truth": row["ground_truth"]}
+        reward_model, truth_key = {"ground_truth": row["ground_truth"]}, "ground_truth"
     if not isinstance(reward_model, dict):
         raise bad("reward_model", "is missing" if reward_model is None else "must be an object")
-    if reward_model.get("ground_truth") is None:
-        raise bad("reward_model.ground_truth", "is missing")
+    truth = reward_model.get("ground_truth")
+    if truth is None:
+        raise bad(truth_key, "is missing")
+    if (isinstance(truth, str) and not truth.strip()) or (isinstance(truth, (list, dict)) and not truth):
+        raise bad(truth_key, "is empty: no response can match it")
+    scalar = (str, int, float)
+    if verifier == "math" and not (
+        isinstance(truth, scalar) or (isinstance(truth, list) and all(isinstance(t, scalar) for t in truth))
+    ):
+        raise bad(
+            truth_key,
+            f"must be a string or number (or a list of them) for the math verifier, got "
+            f"{type(truth).__name__} {truth!r:.100}",
+        )
 
     extra = row.get("extra_info")
     if extra is None:
@@ -147,8 +166,13 @@ def _read_rows(path: str):
             raise ImportError("reading parquet needs pyarrow: pip install pyarrow") from exc
         yield from enumerate(pq.read_table(path).to_pylist())
     elif lower.endswith((".jsonl", ".jsonl.txt")):
-        with open(path, encoding="utf-8") as f:
-            for i, line in enumerate(f):
+        with open(path, "rb") as f:  # bytes: a non-UTF-8 byte is reported with its line and offset
+            for i, raw in enumerate(f):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    yield i, DataError(f"{path}: row {i} (line {i + 1}): {_not_utf8(raw, exc)} of the line")
+                    continue
                 if not line.strip():
                     continue
                 try:
@@ -156,13 +180,28 @@ def _read_rows(path: str):
                 except json.JSONDecodeError as exc:
                     yield i, DataError(f"{path}: row {i} (line {i + 1}): not valid JSON ({exc})")
     elif lower.endswith(".json"):
-        with open(path, encoding="utf-8") as f:
-            rows = json.load(f)
+        with open(path, "rb") as f:
+            blob = f.read()
+        try:
+            rows = json.loads(blob.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            line_start = blob.rfind(b"\n", 0, exc.start) + 1
+            line = blob.count(b"\n", 0, exc.start) + 1
+            where = _not_utf8(blob[line_start:], exc, exc.start - line_start)
+            raise DataError(f"{path}: line {line}: {where} of the line") from None
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}: not valid JSON ({exc})") from None
         if not isinstance(rows, list):
             raise DataError(f"{path}: a .json data file must hold a list of rows")
         yield from enumerate(rows)
     else:
         raise DataError(f"{path}: unknown data file type (use .parquet, .jsonl or .json)")
+
+
+def _not_utf8(line: bytes, exc: UnicodeDecodeError, offset: int | None = None) -> str:
+    """'not UTF-8: byte 0x.. at byte N' for a decode error at `offset` of `line` (default exc.start)."""
+    offset = exc.start if offset is None else offset
+    return f"not UTF-8 text: byte 0x{line[offset]:02x} at byte {offset}"
 
 
 def load_file(
@@ -178,12 +217,14 @@ def load_file(
     if not os.path.exists(path):
         raise FileNotFoundError(f"data file not found: {path}")
     report = report if report is not None else LoadReport()
-    out = []
+    out, seen = [], 0
     for i, row in _read_rows(path):
+        seen += 1
         try:
             if isinstance(row, DataError):
                 raise row
             out.append(_parse_row(row, f"{path}: row {i}", check_data_source, prompt_key))
+            out[-1].source = path
             report.rows += 1
         except DataError as exc:
             if not skip_bad:
@@ -191,6 +232,8 @@ def load_file(
             report.skipped += 1
             if len(report.errors) < 10:
                 report.errors.append(str(exc))
+    if not seen:
+        raise DataError(f"{path}: the file is empty (no rows)")
     return out
 
 
@@ -332,6 +375,16 @@ def encode_prompts(
     return [list(all_ids[i]) for i in kept], kept, len(examples) - len(kept)
 
 
+def dropped_by_source(examples: list[Example], kept: list[int]) -> dict[str, tuple[int, int]]:
+    """{data file (or "the builtin task"): (prompts dropped, prompts)} for the files that lost any, from
+    `encode_prompts`' kept indices; rows a weighted mixture repeats count once per repeat."""
+    kept_set, counts = set(kept), {}
+    for i, ex in enumerate(examples):
+        dropped, total = counts.get(ex.source or "the builtin task", (0, 0))
+        counts[ex.source or "the builtin task"] = (dropped + (i not in kept_set), total + 1)
+    return {src: c for src, c in counts.items() if c[0]}
+
+
 def stop_token_ids(tokenizer, model_path: str | None = None) -> list[int]:
     """End-of-turn ids a sample stops at: the tokenizer's eos, ChatML's <|im_end|> when in the vocabulary,
     and the `eos_token_id` (int or list) of the model's generation_config.json. The one definition the
@@ -434,6 +487,7 @@ __all__ = [
     "LoadReport",
     "builtin",
     "digit_sums",
+    "dropped_by_source",
     "encode_prompts",
     "load_file",
     "load_mixture",

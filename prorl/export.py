@@ -25,12 +25,15 @@ def export_checkpoint(checkpoint: str, out: str, *, dtype: str | None = None, ke
     import torch.distributed.checkpoint as dcp
     from transformers import PreTrainedTokenizerFast
 
-    from prorl.engine.checkpoint import MARKER, META, CheckpointError, ModelState
+    from prorl.engine.checkpoint import MARKER, META, CheckpointError, ModelState, verify_checkpoint
     from prorl.engine.model import load_hf, save_hf
     from prorl.train import resolve_model_path
 
     if not os.path.isfile(os.path.join(checkpoint, MARKER)):
         raise CheckpointError(f"{checkpoint} is not a complete checkpoint (no {MARKER} marker)")
+    damage = verify_checkpoint(checkpoint).damage  # sizes and checksums of the manifest written at save
+    if damage:
+        raise CheckpointError(f"checkpoint {checkpoint} is damaged: " + "; ".join(damage))
     with open(os.path.join(checkpoint, META)) as f:
         meta = json.load(f)
     if key not in meta.get("keys", []):

@@ -2,10 +2,12 @@
 stop requests agreed on by every rank, the output directory's lock, seeding, and telling a lost peer from
 a bug. Used by prorl/train.py; nothing here knows about RL.
 
-Exit codes (train.py): 0 done (or stopped cleanly by a signal), 2 config error, 3 reward self-test failed,
-4 checkpoint cannot be resumed, 5 output directory unusable, 6 training stalled (steps without a group to
-train on, or non-finite gradients, `trainer.max_consecutive_skips` times in a row), 7 another rank stopped
-answering (a collective timed out or lost its peer). In every case the last complete checkpoint is kept.
+Exit codes (train.py): 0 done (or stopped cleanly by a signal), 2 config error (a damaged model directory
+or data file included, named), 3 reward self-test failed, 4 checkpoint cannot be resumed (incompatible
+settings or model, or every checkpoint damaged: the files are named), 5 output directory unusable,
+6 training stalled (steps without a group to train on, or non-finite gradients,
+`trainer.max_consecutive_skips` times in a row), 7 another rank stopped answering (a collective timed out
+or lost its peer). In every case the last complete checkpoint is kept.
 """
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from prorl import algorithm
-from prorl.data import encode_prompts
+from prorl.config import ConfigError
+from prorl.data import dropped_by_source, encode_prompts
 from prorl.engine.parallel import all_reduce, watchdog
 from prorl.engine.rollout import SamplingParams
 from prorl.metrics import StepAccumulator
@@ -58,8 +59,16 @@ class GroupSampler:
         self.prompts, self.kept, self.filtered = encode_prompts(
             examples, tokenizer, cfg.data.max_prompt_tokens
         )
+        limit = f"data.max_prompt_tokens={cfg.data.max_prompt_tokens}"
+        dropped = dropped_by_source(examples, self.kept) if self.filtered else {}
+        if rank == 0:
+            for source, (n, total) in dropped.items():
+                print(f"prorl: data: {n} of {total} prompts of {source} are longer than {limit}: dropped")
         if not self.kept:
-            raise ValueError(f"no training prompt fits data.max_prompt_tokens={cfg.data.max_prompt_tokens}")
+            raise ConfigError(
+                f"no training prompt fits {limit}: "
+                + ("no training examples" if not examples else f"all {len(examples)} are longer")
+            )
         self.data_rng = random.Random(cfg.seed * 1000 + rank)
         self.data_order: list[int] = []
         self.scheduler = None
@@ -155,6 +164,9 @@ class GroupSampler:
                     chosen = self.scheduler.select(
                         k, step=step, round_=rounds, rank=self.rank, world=self.world
                     )
+                    if not chosen:  # the scheduler expects too few mixed groups from a refill round
+                        acc.max("scheduler/rounds_skipped", a.max_rounds - rounds)
+                        break
                 groups = self.rollout(chosen, self.seed(step, rounds), max_new)
                 self.verify(groups, acc)
             rounds += 1
@@ -172,6 +184,7 @@ class GroupSampler:
                     acc.sum("groups_passed", 1)
         acc.max("rounds", rounds)
         if self.scheduler is not None:
+            acc.max("scheduler/rounds_skipped", 0)
             self._merge_records(step, acc)
         kept, leftover = kept[:need], kept[need:]
         self.carry = [g for g in leftover if g.old_logps is None][:need]

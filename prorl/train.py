@@ -27,6 +27,11 @@ Lifecycle (prorl/lifecycle.py has the exit codes):
   code 7; the last complete checkpoint is untouched.
 - An unwritable output directory, or too little disk for one checkpoint: a clear error and exit code 5
   before the first step.
+- A damaged checkpoint (a file whose size or checksum differs from the manifest written at save, or is
+  missing): the previous complete one is resumed, with a warning naming the file; when every one is
+  damaged, exit code 4 naming the files. A missing RNG file: resumed with a warning naming it.
+- A broken model directory (config.json, a truncated safetensors file) or data file (not UTF-8, an empty
+  prompt or ground truth, an empty file): exit code 2 naming the file (and row and field).
 """
 
 from __future__ import annotations
@@ -56,6 +61,12 @@ def resolve_model_path(path: str) -> str:
             lifecycle.EXIT_CONFIG,
             f"model.path={path!r} is not a Hugging Face model directory (no config.json)",
         )
+    from prorl.engine.model.hf_io import check_hf_dir
+
+    try:  # a damaged config.json or weights file: named now, not as the library's error mid-setup
+        check_hf_dir(path)
+    except (ValueError, OSError) as exc:
+        raise Fatal(lifecycle.EXIT_CONFIG, f"model.path={path!r}: {exc}") from None
     return path
 
 
@@ -234,18 +245,17 @@ def make_pool(cfg, examples):
 
 
 def refuse_incompatible_resume(ckpt, cfg, rank: int) -> None:
-    """A checkpoint to resume whose settings that fix the run's data and batch differ: refuse (exit 4)
-    before the run's files are touched."""
+    """A checkpoint to resume whose settings that fix the run's data and batch differ, or no checkpoint
+    that is not damaged: refuse (exit 4) before the run's files are touched."""
     import json
 
     from prorl.config import resume_conflicts
-    from prorl.engine.checkpoint import META
+    from prorl.engine.checkpoint import META, CheckpointError
 
-    path = ckpt.latest()
-    if dist.is_initialized():
-        box = [path]
-        dist.broadcast_object_list(box, src=0)
-        path = box[0]
+    try:  # the newest checkpoint whose files match their manifest; a damaged newer one is named and skipped
+        path = ckpt.usable()
+    except CheckpointError as exc:
+        raise Fatal(lifecycle.EXIT_RESUME, f"cannot resume: {exc}" if rank == 0 else "") from None
     if path is None:
         return
     with open(os.path.join(path, META)) as f:

@@ -50,18 +50,73 @@ def _dtype_from_config(cfg: dict) -> torch.dtype | None:
     return None
 
 
+def _read_json(file: str, what: str) -> dict:
+    """A JSON object from `file`; ValueError naming the file when it is damaged (truncated, not text)."""
+    try:
+        with open(file, encoding="utf-8") as f:
+            value = json.load(f)
+    except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
+        raise ValueError(f"{file} is not valid JSON ({exc}): a truncated or damaged {what}?") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{file} must hold a JSON object ({what}), not {type(value).__name__}")
+    return value
+
+
+def read_config(path: str) -> dict:
+    """The config.json of checkpoint directory `path` as a dict (ValueError naming it when damaged)."""
+    return _read_json(os.path.join(path, "config.json"), "config.json")
+
+
+def check_safetensors(file: str) -> None:
+    """ValueError naming `file` unless its layout adds up: an 8-byte little-endian header length, a JSON
+    header, then exactly the tensor bytes the header describes. Catches truncated and zero-filled files
+    (the safetensors library's own error names neither the file nor the cause); reads the header only."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else 0
+        if n == 0 or n > size - 8:
+            raise ValueError(
+                f"{file} is not a whole safetensors file ({size} bytes, header length field {n}): "
+                "truncated, zero-filled or not safetensors"
+            )
+        try:
+            header = json.loads(f.read(n))
+            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError) as exc:
+            raise ValueError(f"{file}: damaged safetensors header ({type(exc).__name__}: {exc})") from None
+    if 8 + n + end != size:
+        raise ValueError(
+            f"{file} is {size} bytes but its header describes {8 + n + end}: truncated or damaged safetensors"
+        )
+
+
 def _tensor_files(path: str) -> dict[str, str]:
-    """Checkpoint tensor name -> safetensors file holding it."""
+    """Checkpoint tensor name -> safetensors file holding it; each file's layout checked."""
     index = os.path.join(path, INDEX_FILE)
     if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {name: os.path.join(path, file) for name, file in weight_map.items()}
+        weight_map = _read_json(index, INDEX_FILE).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no 'weight_map' object")
+        files = {name: os.path.join(path, file) for name, file in weight_map.items()}
+        for file in sorted(set(files.values())):
+            if not os.path.exists(file):
+                raise FileNotFoundError(f"{file} is named in {index} but missing")
+            check_safetensors(file)
+        return files
     single = os.path.join(path, SINGLE_FILE)
     if not os.path.exists(single):
         raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {path}")
+    check_safetensors(single)
     with safe_open(single, framework="pt") as f:
         return dict.fromkeys(f.keys(), single)
+
+
+def check_hf_dir(path: str) -> None:
+    """Fail now, naming the file, if `path` cannot be loaded: a damaged or unsupported config.json, a
+    missing, truncated or zero-filled safetensors file (headers only are read: cheap for any size)."""
+    ModelConfig.from_hf(read_config(path))
+    _tensor_files(path)
 
 
 def load_hf(
@@ -78,10 +133,10 @@ def load_hf(
         device: where the parameters go (default: cpu).
         attention: attention backend name or instance (default: per device, see engine/attention.py).
     Raises:
-        ValueError: unsupported architecture/options, or tensors that do not match the config.
+        ValueError: unsupported architecture/options, tensors that do not match the config, a damaged
+            config.json or safetensors file (named).
     """
-    with open(os.path.join(path, "config.json")) as f:
-        hf_cfg = json.load(f)
+    hf_cfg = read_config(path)
     cfg = ModelConfig.from_hf(hf_cfg)
     device = torch.device(device or "cpu")
     dtype = dtype or _dtype_from_config(hf_cfg)

@@ -2,6 +2,7 @@
 whose tensors do not match their config.json."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -142,3 +143,35 @@ def test_tied_checkpoint_with_a_stored_head_loads(hf_checkpoint, tmp_path):
     save_file(state, f"{path}/model.safetensors", metadata={"format": "pt"})
     model = load_hf(path)
     assert torch.equal(model.lm_head_weight, state["model.embed_tokens.weight"])
+
+
+def _truncate_file(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) * 2 // 3)
+
+
+def _zero_fill_file(path: str) -> None:
+    size = os.path.getsize(path)
+    with open(path, "wb") as f:
+        f.write(bytes(size))
+
+
+@pytest.mark.parametrize(
+    "file, damage, message",
+    [
+        ("model.safetensors", _truncate_file, "truncated or damaged safetensors"),
+        ("model.safetensors", _zero_fill_file, "truncated, zero-filled or not safetensors"),
+        ("model.safetensors", lambda p: open(p, "wb").close(), "truncated, zero-filled or not safetensors"),
+        ("config.json", _truncate_file, "is not valid JSON"),
+        ("config.json", _zero_fill_file, "is not valid JSON"),
+        ("config.json", lambda p: open(p, "w").write("[1, 2]"), "must hold a JSON object"),
+    ],
+)
+def test_a_damaged_file_is_named(hf_checkpoint, tmp_path, file, damage, message):
+    """The safetensors library's own errors ("HeaderTooLarge", "MetadataIncompleteBuffer") and json's
+    name neither the file nor the cause."""
+    path = _copy(hf_checkpoint("qwen2"), tmp_path / "ckpt")
+    damage(os.path.join(path, file))
+    with pytest.raises(ValueError, match=message) as err:
+        load_hf(path)
+    assert os.path.join(path, file) in str(err.value)

@@ -15,9 +15,19 @@ ROW = {
 
 
 def _jsonl(tmp_path, rows, name="d.jsonl"):
+    """One line per row: a dict as JSON, a str or bytes as is."""
     path = tmp_path / name
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    lines = [
+        r if isinstance(r, bytes) else (r if isinstance(r, str) else json.dumps(r)).encode() for r in rows
+    ]
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
     return str(path)
+
+
+# a JSONL line with a Latin-1 byte (0xe9, "é") after 7,000 characters: a buffered read's offset is not the
+# line's; the byte's position in its line, found independently of the loader
+NOT_UTF8 = json.dumps(dict(ROW, extra_info={"note": "x" * 7000})).encode().replace(b"x" * 10, b"caf\xe9 ", 1)
+NOT_UTF8_AT = NOT_UTF8.index(b"\xe9")
 
 
 def test_jsonl_verl_schema(tmp_path):
@@ -73,6 +83,19 @@ def test_trl_style_rows(tmp_path):
         (dict(ROW, extra_info=[1]), r"row 1: field 'extra_info' must be an object"),
         ("{not json", r"row 1 \(line 2\): not valid JSON"),
         ("[1, 2]", r"row 1: a row must be an object"),
+        (NOT_UTF8, rf"row 1 \(line 2\): not UTF-8 text: byte 0xe9 at byte {NOT_UTF8_AT} of the line"),
+        (dict(ROW, prompt=""), r"row 1: field 'prompt' has no text"),
+        (dict(ROW, prompt=[{"role": "user", "content": " \n"}]), r"row 1: field 'prompt' has no text"),
+        (dict(ROW, reward_model={"ground_truth": ""}), r"row 1: field 'reward_model.ground_truth' is empty"),
+        (dict(ROW, reward_model={"ground_truth": []}), r"row 1: field 'reward_model.ground_truth' is empty"),
+        (
+            {"data_source": "math", "prompt": "1+1?", "ground_truth": " "},
+            r"row 1: field 'ground_truth' is empty",
+        ),
+        (
+            dict(ROW, reward_model={"ground_truth": {"answer": "4"}}),
+            r"row 1: field 'reward_model.ground_truth' must be a string or number .*math verifier, got dict",
+        ),
     ],
 )
 def test_bad_rows_name_file_row_and_field(tmp_path, row, message):
@@ -82,11 +105,45 @@ def test_bad_rows_name_file_row_and_field(tmp_path, row, message):
     assert path in str(err.value)
 
 
+def test_a_non_utf8_byte_in_a_json_file_names_its_line_and_offset(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_bytes(b"[\n" + NOT_UTF8 + b"\n]\n")
+    with pytest.raises(data.DataError, match=rf"line 2: not UTF-8 text: byte 0xe9 at byte {NOT_UTF8_AT} "):
+        data.load_file(str(path))
+
+
+@pytest.mark.parametrize("text", ["", "\n\n  \n"])
+def test_an_empty_file_says_it_is_empty(tmp_path, text):
+    path = tmp_path / "d.jsonl"
+    path.write_text(text)
+    with pytest.raises(data.DataError, match="the file is empty") as err:
+        data.load_file(str(path))
+    assert str(path) in str(err.value)
+
+
+def test_a_math_ground_truth_may_be_a_number_or_a_list_of_answers(tmp_path):
+    path = _jsonl(
+        tmp_path,
+        [dict(ROW, reward_model={"ground_truth": 4}), dict(ROW, reward_model={"ground_truth": ["4", 4.0]})],
+    )
+    assert [ex.ground_truth for ex in data.load_file(path)] == [4, ["4", 4.0]]
+
+
+def test_dropped_prompts_are_counted_per_file(tmp_path):
+    a = _jsonl(tmp_path, [ROW, ROW, ROW], name="a.jsonl")
+    b = _jsonl(tmp_path, [ROW, ROW], name="b.jsonl")
+    exs = data.load_mixture([a, b])
+    assert [ex.source for ex in exs] == [a, a, a, b, b]
+    assert data.dropped_by_source(exs, kept=[0, 2, 3, 4]) == {a: (1, 3)}
+    assert data.dropped_by_source(exs, kept=[]) == {a: (3, 3), b: (2, 2)}
+    assert data.dropped_by_source(data.digit_sums(2), kept=[1]) == {"the builtin task": (1, 2)}
+
+
 def test_skip_bad_counts(tmp_path):
     report = data.LoadReport()
-    path = _jsonl(tmp_path, [ROW, dict(ROW, data_source=3), ROW, "{oops"])
+    path = _jsonl(tmp_path, [ROW, dict(ROW, data_source=3), ROW, "{oops", NOT_UTF8])
     exs = data.load_file(path, skip_bad=True, report=report)
-    assert len(exs) == 2 and report.rows == 2 and report.skipped == 2 and len(report.errors) == 2
+    assert len(exs) == 2 and report.rows == 2 and report.skipped == 3 and len(report.errors) == 3
 
 
 def test_unknown_file_type_and_missing_file(tmp_path):

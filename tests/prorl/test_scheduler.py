@@ -1,7 +1,7 @@
 """prorl/scheduler.py: the Beta posterior's P(mixed group) against its closed form, the choice's
 guarantees (unseen first, no prompt twice in a step, disjoint identical slices on every rank, every prompt
-re-probed within the bound, excluded prompts never chosen), the merge and its discount, and the record
-being the same on every rank of a real 2-rank trainer."""
+re-probed within the bound, excluded prompts never chosen, the most likely mixed first), the merge, its
+discount and the population prior, and the record being the same on every rank of a real 2-rank trainer."""
 
 from types import SimpleNamespace
 
@@ -14,7 +14,7 @@ from prorl.scheduler import PromptScheduler, mixed_probability
 
 
 def cfg(**kw):
-    base = dict(mode="pass-rate", prior_alpha=1.0, prior_beta=1.0, discount=0.9, floor=0.05)
+    base = dict(mode="pass-rate", prior_strength=2.0, discount=0.9, min_yield=0.0)
     return SimpleNamespace(**{**base, "reprobe_epochs": 2.0, "solved_threshold": 1.0, **kw})
 
 
@@ -34,13 +34,38 @@ def test_mixed_probability_matches_the_moments():
         )
 
 
-def test_merge_adds_counts_after_discounting_towards_the_prior():
+def test_merge_discounts_evidence_and_the_prior_follows_the_population():
     s = PromptScheduler(cfg(discount=0.5), size=3, n=4, prompts_per_step=2, seed=0)
+    assert s.prior(0) == (1.0, 1.0)  # no evidence: Beta(1, 1)
     s.merge(0, [[(1, 3.0, 4)]])
-    assert s.alpha.tolist() == [1.0, 4.0, 1.0] and s.beta.tolist() == [1.0, 2.0, 1.0]
-    s.merge(2, [[(1, 0.0, 4)], [(2, 4.0, 4)]])  # two steps later: prompt 1's evidence is halved twice
-    assert s.alpha[1] == pytest.approx(1 + 0.25 * 3) and s.beta[1] == pytest.approx(1 + 0.25 * 1 + 4)
-    assert s.alpha[2] == 5.0 and s.beta[2] == 1.0
+    # population 3 of 4: mean (3 + 1) / (4 + 2) = 2/3, strength 2
+    a0, b0 = s.prior(0)
+    assert (a0, b0) == pytest.approx((4 / 3, 2 / 3))
+    alpha, beta = s.posterior(0)
+    assert alpha.tolist() == pytest.approx([a0, a0 + 3, a0])
+    assert beta.tolist() == pytest.approx([b0, b0 + 1, b0])
+    s.merge(2, [[(1, 0.0, 4)], [(2, 4.0, 4)]])  # two steps later: old evidence is halved twice
+    # population: 0.25 * (3, 1) + (0, 4) + (4, 0) = (4.75, 4.25); mean 5.75 / 11
+    a0, b0 = s.prior(2)
+    assert a0 == pytest.approx(2 * 5.75 / 11) and b0 == pytest.approx(2 * 5.25 / 11)
+    alpha, beta = s.posterior(2)
+    assert alpha[1] == pytest.approx(a0 + 0.25 * 3) and beta[1] == pytest.approx(b0 + 0.25 * 1 + 4)
+    assert alpha[2] == pytest.approx(a0 + 4) and beta[2] == pytest.approx(b0)
+    alpha, beta = s.posterior(3)  # read one step later: every prompt's evidence and the prior decay
+    assert alpha[2] == pytest.approx(s.prior(3)[0] + 0.5 * 4)
+
+
+def test_the_choice_takes_the_prompts_most_likely_to_give_a_mixed_group():
+    s = PromptScheduler(cfg(discount=1.0), size=6, n=8, prompts_per_step=2, seed=0)
+    s.probed[:] = 0
+    # a mostly solved population; prompt 4 came back 4 of 8, prompt 1 0 of 8, the rest 8 of 8
+    s.merge(0, [[(0, 8.0, 8), (1, 0.0, 8), (2, 8.0, 8), (3, 8.0, 8), (4, 4.0, 8), (5, 8.0, 8)]])
+    alpha, beta = s.posterior(1)
+    p = mixed_probability(alpha, beta, 8)
+    want = [1 - moment(a, b, 8) - moment(b, a, 8) for a, b in zip(alpha, beta)]
+    assert p == pytest.approx(want, rel=1e-9)
+    assert p[4] > p[1] > max(p[[0, 2, 3, 5]])
+    assert s.select(2, step=1, round_=0, rank=0, world=1) == [4, 1]
 
 
 def test_choice_guarantees():
@@ -58,7 +83,8 @@ def test_choice_guarantees():
     # (reprobe_epochs + 1) epochs: the stale ones first, oldest first, a step's worth at a time
     s = PromptScheduler(cfg(), size, 8, prompts_per_step=k, seed=2)
     s.probed[:] = 0
-    s.alpha[:], s.beta[:] = 1e-3, 1e3
+    s.failures[:] = 1e3  # every prompt hopeless, the population too
+    s.population[:] = (0.0, 1e3 * size)
     bound = int((2.0 + 1) * s.epoch_steps)
     seen_at = {}
     for step in range(1, 4 * bound):
@@ -66,6 +92,26 @@ def test_choice_guarantees():
             seen_at.setdefault(i, []).append(step)
     gaps = [b - a for steps in seen_at.values() for a, b in zip([0, *steps], steps)]
     assert len(seen_at) == size and max(gaps) <= bound, (bound, max(gaps))
+
+
+def test_a_refill_round_runs_only_when_it_is_expected_to_keep_enough():
+    def solved(min_yield):
+        s = PromptScheduler(cfg(min_yield=min_yield), size=20, n=8, prompts_per_step=4, seed=0)
+        s.probed[:] = 0
+        s.merge(0, [[(i, 8.0, 8) for i in range(20)]])  # every prompt 8 of 8: P(mixed) ~ 0.02 each
+        return s
+
+    s = solved(0.1)
+    assert s.expected_mixed(list(range(20)), 1) < 0.1
+    first = s.select(4, step=1, round_=0, rank=0, world=1)
+    assert len(first) == 4  # the first round always runs
+    probed = s.probed.copy()
+    assert s.select(4, step=1, round_=1, rank=0, world=1) == []
+    assert np.array_equal(s.probed, probed) and s.taken == set(first)  # a skipped round marks nothing
+    assert len(solved(0.0).select(4, step=1, round_=1, rank=0, world=1)) == 4
+    s = solved(0.1)
+    s.merge(1, [[(i, 4.0, 8) for i in range(20)]])  # now mixed: refills run
+    assert len(s.select(4, step=2, round_=1, rank=0, world=1)) == 4
 
 
 def test_exclude_solved_never_chooses_a_solved_prompt_again():
@@ -113,5 +159,5 @@ def test_the_record_is_global_under_torchrun(tmp_path):
     assert res[0][0] == res[1][0], "the ranks' records differ"
     for a, b in zip(res[0][1], res[1][1]):  # every round: the two ranks' prompts are disjoint
         assert not set(a) & set(b)
-    assert sum(x > 1.0 for x in res[0][0]["alpha"]) > 0, "no observation reached the record"
+    assert sum(res[0][0]["population"]) > 0, "no observation reached the record"
     assert torch.tensor(res[0][0]["probed"]).ge(0).sum() >= 3 * 8

@@ -1,13 +1,29 @@
-"""Faults around `prorl/train.py` that must end with a clear message and nothing corrupted (issue 8): an
-unusable output directory (not writable, too little disk, in use by another run), Ctrl-C without
-torchrun, and torchrun itself killed (its workers must not train on unseen)."""
+"""Faults around `prorl/train.py` that must end with a clear message and nothing corrupted (issues 8, 20):
+an unusable output directory (not writable, too little disk, in use by another run), Ctrl-C without
+torchrun, torchrun itself killed (its workers must not train on unseen), damaged checkpoints (the previous
+one is resumed, or exit 4 naming the file), a damaged model directory or data file (exit 2 naming it),
+and resuming with `model.fsdp` switched on or another number of ranks."""
 
 import contextlib
+import json
 import os
+import re
+import shutil
 import signal
+import sys
 
 import pytest
-from train_helpers import TINY, complete_steps, launch, process_tree, run, train_command, wait_for, wait_gone
+from train_helpers import (
+    ROOT,
+    TINY,
+    complete_steps,
+    launch,
+    process_tree,
+    run,
+    train_command,
+    wait_for,
+    wait_gone,
+)
 
 LONG = [*TINY, "trainer.total_steps=200"]  # never reached: every test here stops the run early
 # train.py with a disk that has 1 KiB free (shutil.disk_usage replaced before prorl is imported)
@@ -126,3 +142,150 @@ def test_a_frozen_rank_is_named_and_ends_the_run_cleanly(tmp_path):
     assert "prorl: rank 0: the other ranks stopped answering" in text, text[-3000:]
     assert "exitcode: 7" in text or proc.returncode != 0, text[-3000:]
     assert complete_steps(out / "checkpoints")[: len(saved)] == saved
+
+
+# ---------------------------------------------------------------------------------------------------
+# Damaged checkpoints, model directories and data files (issue 20)
+
+
+def _truncate(path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def _zero_fill(path) -> None:
+    size = os.path.getsize(path)
+    with open(path, "wb") as f:
+        f.write(bytes(size))
+
+
+@pytest.mark.slow
+def test_a_damaged_checkpoint_resumes_the_previous_one_and_all_damaged_exit_4(tmp_path):
+    out = tmp_path / "run"
+    ckpts = out / "checkpoints"
+    first = run(train_command(out, [*TINY, "trainer.total_steps=2"], nproc=None))
+    assert first.returncode == 0 and complete_steps(ckpts) == [1, 2], first.stderr[-3000:]
+    shard, rng_file = (
+        ckpts / "step_00000002" / "__0_0.distcp",
+        ckpts / "step_00000001" / "rng" / "rank_00000.pt",
+    )
+    _zero_fill(shard)
+    os.remove(rng_file)  # only costs determinism: named, and the checkpoint still resumed
+
+    second = run(train_command(out, [*TINY, "trainer.total_steps=3"], nproc=None))
+    text = second.stdout + second.stderr
+    assert second.returncode == 0, text[-3000:]
+    assert f"{shard}: contents differ from the checksum" in second.stderr, text[-3000:]
+    assert f"RNG file {rng_file} is missing" in second.stderr, text[-3000:]
+    assert f"prorl: resumed from {ckpts / 'step_00000001'} (step 1)" in second.stdout, text[-3000:]
+    assert "Traceback" not in text
+    steps = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+    assert steps == [0, 1, 2, 3], steps  # step 2 trained again, logged once
+
+    metas = [ckpts / f"step_{s:08d}" / "meta.json" for s in complete_steps(ckpts)]
+    for meta in metas:
+        _truncate(meta)
+    third = run(train_command(out, [*TINY, "trainer.total_steps=4"], nproc=None))
+    assert third.returncode == 4, third.stderr[-3000:]
+    assert "cannot resume: no usable checkpoint" in third.stderr and "Traceback" not in third.stderr
+    for meta in metas:
+        assert f"{meta}: " in third.stderr, third.stderr[-3000:]
+    assert "weights_only" not in third.stderr
+    export = run([sys.executable, "-m", "prorl.export", str(metas[-1].parent), str(tmp_path / "hf")])
+    assert export.returncode == 2 and f"is damaged: {metas[-1]}: " in export.stderr, export.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_switching_fsdp_on_and_changing_the_number_of_ranks_resume(tmp_path):
+    """A run saved replicated is the same model under FSDP2 (DCP reshards), then on 2 ranks."""
+    out = tmp_path / "run"
+    first = run(train_command(out, [*TINY, "trainer.total_steps=1"], nproc=None))
+    assert first.returncode == 0, first.stderr[-3000:]
+    for nproc, total in ((1, 2), (2, 3)):
+        resumed = run(
+            train_command(out, [*TINY, f"trainer.total_steps={total}", "model.fsdp=true"], nproc=nproc)
+        )
+        text = resumed.stdout + resumed.stderr
+        assert resumed.returncode == 0, text[-3000:]
+        assert f"(step {total - 1})" in resumed.stdout and "prorl: resumed from" in resumed.stdout, text[
+            -3000:
+        ]
+    assert "saved by 1 ranks, this run has 2: RNG states not restored" in resumed.stderr
+
+
+def _model_copy(tmp_path, file, damage):
+    path = tmp_path / "model"
+    shutil.copytree(os.path.join(ROOT, "prorl", "assets", "tiny-reasoner"), path)
+    damage(path / file)
+    return [f"model.path={path}"], str(path / file)
+
+
+def _data_file(tmp_path, lines: list[bytes]):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    return [f"data.train_files=[{path}]"], str(path)
+
+
+ROW = json.dumps({"data_source": "math", "prompt": "1+1=", "ground_truth": "2"}).encode()
+BAD_INPUT = {  # case -> (overrides, the file the message names, what it says)
+    "truncated safetensors": (
+        lambda t: _model_copy(t, "model.safetensors", _truncate),
+        "truncated or damaged safetensors",
+    ),
+    "zero-filled safetensors": (
+        lambda t: _model_copy(t, "model.safetensors", _zero_fill),
+        "truncated, zero-filled or not safetensors",
+    ),
+    "truncated config.json": (lambda t: _model_copy(t, "config.json", _truncate), "is not valid JSON"),
+    "non-UTF-8 data": (
+        lambda t: _data_file(t, [ROW, ROW.replace(b"1+1", b"1\xff1")]),
+        "row 1 (line 2): not UTF-8",
+    ),
+    "empty data file": (lambda t: _data_file(t, []), "the file is empty"),
+    "a dict as a math ground truth": (
+        lambda t: _data_file(t, [ROW.replace(b'"2"', b'{"x": 2}')]),
+        "row 0: field 'ground_truth' must be a string or number",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_exits_2_naming_the_file(tmp_path, case):
+    make, expected = BAD_INPUT[case]
+    overrides, named = make(tmp_path)
+    cmd = train_command(tmp_path / "run", overrides, nproc=None)
+    cmd[2:2] = ["--config", "default"]  # the embedded default's sizes with a model.path of its own
+    proc = run(cmd, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert named in proc.stderr and expected in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "reward self-test" not in proc.stdout  # found before any work
+
+
+@pytest.mark.slow
+def test_prompts_longer_than_max_prompt_tokens_are_counted_per_file(tmp_path):
+    overrides, named = _data_file(tmp_path, [ROW] * 6)
+    proc = run(train_command(tmp_path / "run", [*overrides, "data.max_prompt_tokens=4"], nproc=None))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"prorl: data: 6 of 6 prompts of {named} are longer than data.max_prompt_tokens=4" in proc.stdout
+    assert "no training prompt fits data.max_prompt_tokens=4: all 6 are longer" in proc.stderr
+
+
+def test_steps_that_keep_no_group_are_skipped_and_a_stall_stops_cleanly(tmp_path):
+    """Every answer cut at 2 tokens scores 0, so dynamic sampling keeps no group on any rank: each such
+    step is counted and skipped (the run goes on and exports), and `trainer.max_consecutive_skips` of
+    them in a row stop both ranks together with exit 6 and the reason, never a traceback of prorl's."""
+    empty = [*TINY, "rollout.max_response_tokens=2", "algorithm.max_rounds=2", "trainer.save_every=0"]
+    res = run(train_command(tmp_path / "skips", [*empty, "trainer.total_steps=2"]))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    rows = [json.loads(line) for line in open(tmp_path / "skips" / "metrics.jsonl")]
+    steps = [r for r in rows if "dynamic_sampling/kept_groups" in r]
+    assert [r["dynamic_sampling/kept_groups"] for r in steps] == [0.0, 0.0]
+    assert all(r["dynamic_sampling/rounds"] == 2 for r in steps)
+    assert (tmp_path / "skips" / "checkpoints" / "final" / "config.json").is_file()
+
+    stall = [*empty, "trainer.total_steps=10", "trainer.max_consecutive_skips=3"]
+    res = run(train_command(tmp_path / "stall", stall))
+    out = res.stdout + res.stderr
+    assert res.returncode != 0 and re.search(r"exitcode\s*: 6 ", out), out[-3000:]  # torchrun's report
+    assert "3 consecutive steps kept no group" in out, out[-3000:]
+    assert f'File "{ROOT}' not in out, out[-3000:]  # no traceback from prorl's code (torchrun prints its own)

@@ -1,0 +1,295 @@
+"""What makes a checkpoint trustworthy before it is loaded: a manifest of its files, and model identity.
+
+The manifest (`manifest.json`, written by `engine.checkpoint.Checkpointer.save` after every other file of
+the save and before the commit marker) holds the size and SHA-256 of every file of the checkpoint.
+`verify` checks them before a load, so a truncated or zero-filled shard, a truncated `meta.json` or a
+missing `objects.pt` is named file by file instead of surfacing as a deserialisation traceback deep in
+DCP or pickle - and the checkpointer can fall back to the previous checkpoint. Hashing is split over the
+ranks (rank r takes every world-th file), so a save or a load pays about 1/world of the reading.
+Measured: hashlib's SHA-256 at 0.52 GB/s on one core of the 2-core Xeon these tests run on (256 MiB
+buffer); a 1.5B model's ~24 GB (fp32 policy, AdamW moments, reference) is ~46 s of hashing, ~6 s per
+rank on 8 ranks, beside a save that writes the same bytes.
+
+The per-rank RNG files (`rng/rank_XXXXX.pt`) are optional for a load: one that is missing or damaged
+costs the bit-exact continuation of the run, not the run; `verify` reports them apart (`rng`) so the
+caller warns, naming the file, and loads the rest.
+
+Model identity: the architecture (the model's own class, not the FSDP2 wrapper class `fully_shard`
+swaps in, and its config) with every parameter's clean name and global shape, hashed. Replicated and
+FSDP2 runs of one model have one identity, so switching `model.fsdp` resumes (DCP reshards);
+checkpoints saved before the wrapper was looked through hold the wrapper's class name, and
+`identity_matches` accepts that spelling too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pickle
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import parallel
+
+logger = logging.getLogger("prorl.engine.checkpoint")  # one logger for saving and loading
+
+MANIFEST = "manifest.json"
+_CHUNK = 8 * 2**20
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _files(directory: str, skip: tuple[str, ...]) -> list[str]:
+    """Paths of every file under `directory`, relative and sorted, but those named in `skip`."""
+    out = []
+    for root, _, names in os.walk(directory):
+        for name in names:
+            rel = os.path.relpath(os.path.join(root, name), directory)
+            if rel not in skip:
+                out.append(rel)
+    return sorted(out)
+
+
+def _gather(local: dict) -> dict:
+    """Merge every rank's dict (collective under torchrun)."""
+    if not dist.is_initialized():
+        return local
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, local)
+    return {k: v for part in parts for k, v in part.items()}
+
+
+def _shared_list(items: list[str]) -> list[str]:
+    """Rank 0's list on every rank: they share the filesystem, not necessarily its listing order."""
+    if not dist.is_initialized():
+        return items
+    box = [items]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def hash_files(directory: str, skip: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+    """{relative path: {"size", "sha256"}} of every file under `directory` but `skip`; collective, the
+    same dict on every rank. A file that cannot be read is recorded with its error and no hash."""
+    info = parallel.dist_info()
+    names = _shared_list(_files(directory, skip) if info.is_main else [])
+    local: dict[str, dict[str, Any]] = {}
+    for name in names[info.rank :: info.world_size]:
+        path = os.path.join(directory, name)
+        try:
+            local[name] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+        except OSError as exc:
+            local[name] = {"error": str(exc)}
+    return _gather(local)
+
+
+@dataclass
+class Verdict:
+    """What `verify` found: `damage` (files a load cannot do without, one line each naming the file),
+    `rng` (RNG files missing or damaged: path -> problem), `checked` (False: no manifest to check)."""
+
+    damage: list[str] = field(default_factory=list)
+    rng: dict[str, str] = field(default_factory=dict)
+    checked: bool = True
+
+
+def _is_rng(name: str, rng_dir: str) -> bool:
+    return name.startswith(rng_dir + os.sep)
+
+
+def verify(path: str, *, required: tuple[str, ...], rng_dir: str, skip: tuple[str, ...]) -> Verdict:
+    """Check checkpoint directory `path` against its manifest; collective, the same Verdict on every rank.
+
+    Without a manifest (saved by an older prorl) only the presence of `required` files and a readable
+    `meta.json` are checked. `skip`: files outside the manifest (the manifest itself, the commit marker).
+    """
+    verdict = Verdict()
+    manifest_path = os.path.join(path, MANIFEST)
+    manifest, problem = None, None
+    if parallel.dist_info().is_main:
+        try:
+            with open(manifest_path) as f:
+                manifest = json.load(f)["files"]
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            problem = f"{manifest_path}: unreadable ({type(exc).__name__}: {exc})"
+    if dist.is_initialized():
+        box = [(manifest, problem)]
+        dist.broadcast_object_list(box, src=0)
+        manifest, problem = box[0]
+    if problem:
+        verdict.damage.append(problem)
+        return verdict
+    if manifest is None:
+        verdict.checked = False
+        for name in required:
+            if not os.path.isfile(os.path.join(path, name)):
+                verdict.damage.append(f"{os.path.join(path, name)}: missing")
+        if not verdict.damage:
+            verdict.damage += _meta_problems(os.path.join(path, "meta.json"), manifest_path)
+        return verdict
+
+    found = hash_files(path, skip)
+    for name, want in sorted(manifest.items()):
+        full = os.path.join(path, name)
+        got = found.get(name)
+        if got is None:
+            what = "missing"
+        elif "error" in got:
+            what = f"unreadable ({got['error']})"
+        elif got["size"] != want["size"]:
+            what = f"{got['size']} bytes, {want['size']} when saved (truncated or overwritten)"
+        elif got["sha256"] != want["sha256"]:
+            what = "contents differ from the checksum written at save (overwritten, zero-filled or bit rot)"
+        else:
+            continue
+        if _is_rng(name, rng_dir):
+            verdict.rng[full] = f"is {what}" if what == "missing" else f"has {what}"
+        else:
+            verdict.damage.append(f"{full}: {what}")
+    for name in required:
+        if name not in manifest:
+            verdict.damage.append(f"{os.path.join(path, name)}: not in {MANIFEST}")
+    return verdict
+
+
+def _meta_problems(meta_path: str, manifest_path: str) -> list[str]:
+    """A checkpoint without a manifest: its meta.json must be readable and older than manifests."""
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        if not isinstance(meta, dict) or "keys" not in meta:
+            return [f"{meta_path}: not a checkpoint's meta.json (no 'keys')"]
+    except (OSError, ValueError) as exc:
+        return [f"{meta_path}: unreadable ({type(exc).__name__}: {exc})"]
+    if meta.get("format", 1) >= 2:  # saved with a manifest, which is gone
+        return [f"{manifest_path}: missing"]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------------
+# Model identity
+
+
+def model_class(model: nn.Module) -> type:
+    """The model's own class: FSDP2's `fully_shard` swaps in a subclass `FSDP<Name>` of FSDPModule."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return type(model)
+    cls = type(model)
+    if issubclass(cls, FSDPModule):
+        return next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+    return cls
+
+
+def _identity_hash(class_name: str, config: Any, shapes: list) -> str:
+    identity = {"class": class_name, "config": config, "shapes": shapes}
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _parts(model: nn.Module) -> tuple[Any, list]:
+    config = getattr(model, "config", None)
+    if dataclasses.is_dataclass(config):
+        config = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("hf", "initializer_range")}
+    shapes = sorted((parallel.clean_name(n), list(p.shape)) for n, p in model.named_parameters())
+    return config, shapes
+
+
+def model_identity(model: nn.Module) -> dict[str, Any]:
+    """{"hash", "summary"}: the architecture (the model's own class, config without init-only fields) and
+    every parameter's clean name and global shape. Dtypes and wrappers are not part of it (a bf16 export
+    of an fp32 model, or an FSDP2-sharded one, is the same model)."""
+    config, shapes = _parts(model)
+    name = model_class(model).__name__
+    summary = {
+        "class": name,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "tensors": len(shapes),
+    }
+    if isinstance(config, dict):
+        keys = ("model_type", "num_layers", "hidden_size", "intermediate_size", "num_heads", "vocab_size")
+        summary.update({k: config[k] for k in keys if k in config})
+    return {"hash": _identity_hash(name, config, shapes), "summary": summary}
+
+
+def identity_matches(saved_hash: str, model: nn.Module) -> bool:
+    """Whether a saved identity hash is `model`'s: this spelling, or that of checkpoints written before
+    wrappers were looked through (the FSDP2 class name `FSDP<Name>` in the identity)."""
+    config, shapes = _parts(model)
+    name = model_class(model).__name__
+    return saved_hash in {_identity_hash(n, config, shapes) for n in (name, f"FSDP{name}")}
+
+
+# ---------------------------------------------------------------------------------------------------
+# RNG states
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states: python, numpy (if installed), torch CPU, CUDA (if initialised)."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    try:
+        import numpy
+
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:
+        pass
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def restore_rng(path: str, rng_file: str, saved_world: int, problem: str | None) -> None:
+    """This rank's RNG states from `rng_file` of checkpoint `path`, when the world size is unchanged and
+    the file is whole (`problem`: what `verify` found wrong with it); else a warning that names the file
+    and says the run is no longer bit-identical to an uninterrupted one."""
+    info = parallel.dist_info()
+    if saved_world != info.world_size:
+        if info.is_main:
+            logger.warning(
+                "checkpoint %s was saved by %d ranks, this run has %d: RNG states not restored",
+                path,
+                saved_world,
+                info.world_size,
+            )
+        return
+    problem = problem or (None if os.path.isfile(rng_file) else "is missing")
+    if problem is None:
+        try:
+            set_rng_state(torch.load(rng_file, weights_only=False))  # written by us
+            return
+        except (OSError, RuntimeError, EOFError, KeyError, pickle.UnpicklingError) as exc:
+            problem = f"is unreadable ({type(exc).__name__})"
+    logger.warning(
+        "rank %d: RNG file %s %s: RNG states not restored, so the run resumes but is no longer "
+        "bit-identical to an uninterrupted one",
+        info.rank,
+        rng_file,
+        problem,
+    )

@@ -1,0 +1,180 @@
+"""Damaged checkpoints (issue 20): the newest of two is corrupted in each way a disk, a copy or a crash can
+leave it; the load falls back to the previous one with a warning naming the damaged file, and with every
+checkpoint damaged it refuses with a CheckpointError naming the files. A missing RNG file costs only
+determinism (a warning naming it). Replicated and FSDP2 runs of one model are the same model."""
+
+import json
+import logging
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_helpers import random_decoder, run_ranks
+from prorl.engine import parallel
+from prorl.engine.checkpoint import Checkpointer, CheckpointError, model_identity
+
+
+def _truncate(path):
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size // 2)
+
+
+def _zero_fill(path):
+    size = os.path.getsize(path)
+    with open(path, "wb") as f:
+        f.write(bytes(size))
+
+
+def _shard(step_dir, rank=0):
+    return os.path.join(step_dir, f"__{rank}_0.distcp")
+
+
+# (what is done to the newest checkpoint, the file the warning must name)
+CORRUPTIONS = {
+    "truncated shard": (lambda d: _truncate(_shard(d)), "__0_0.distcp"),
+    "zero-filled shard": (lambda d: _zero_fill(_shard(d)), "__0_0.distcp"),
+    "missing shard": (lambda d: os.remove(_shard(d)), "__0_0.distcp"),
+    "truncated meta.json": (lambda d: _truncate(os.path.join(d, "meta.json")), "meta.json"),
+    "truncated objects.pt": (lambda d: _truncate(os.path.join(d, "objects.pt")), "objects.pt"),
+    "missing objects.pt": (lambda d: os.remove(os.path.join(d, "objects.pt")), "objects.pt"),
+    "missing DCP .metadata": (lambda d: os.remove(os.path.join(d, ".metadata")), ".metadata"),
+    "missing manifest.json": (lambda d: os.remove(os.path.join(d, "manifest.json")), "manifest.json"),
+    "zero-filled manifest.json": (lambda d: _zero_fill(os.path.join(d, "manifest.json")), "manifest.json"),
+}
+
+
+def _two_checkpoints(tmp_path):
+    """Checkpoints 1 and 2 of a model whose weights and trainer state differ between them."""
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep_last=None)
+    model, data = random_decoder(seed=1), {"position": 1}
+    ckpt.save(1, {"model": model, "data": data})
+    first = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    data["position"] = 2
+    ckpt.save(2, {"model": model, "data": data})
+    return ckpt, first
+
+
+@pytest.mark.parametrize("case", list(CORRUPTIONS))
+def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog, case):
+    corrupt, name = CORRUPTIONS[case]
+    ckpt, first = _two_checkpoints(tmp_path)
+    corrupt(ckpt.step_dir(2))
+    model, data = random_decoder(seed=9), {}
+    with caplog.at_level(logging.WARNING, logger="prorl.engine.checkpoint"):
+        info = Checkpointer(ckpt.directory).load({"model": model, "data": data})
+    assert info.step == 1 and data == {"position": 1}
+    for key, tensor in model.state_dict().items():
+        assert torch.equal(tensor, first[key]), key
+    damaged = os.path.join(ckpt.step_dir(2), name)
+    assert any(damaged in r.getMessage() and "damaged" in r.getMessage() for r in caplog.records), caplog.text
+
+    with pytest.raises(CheckpointError, match="is damaged") as err:  # asked for by step: refused, named
+        Checkpointer(ckpt.directory).load({"model": model, "data": data}, step=2)
+    assert damaged in str(err.value)
+
+    corrupt(ckpt.step_dir(1))  # every checkpoint damaged: refused, each file named
+    with pytest.raises(CheckpointError, match="no usable checkpoint") as err:
+        Checkpointer(ckpt.directory).load({"model": model, "data": data})
+    assert damaged in str(err.value) and os.path.join(ckpt.step_dir(1), name) in str(err.value)
+
+
+def test_a_missing_or_damaged_rng_file_is_named_and_the_rest_loads(tmp_path, caplog):
+    ckpt, _ = _two_checkpoints(tmp_path)
+    rng_file = os.path.join(ckpt.step_dir(2), "rng", "rank_00000.pt")
+    for damage in (_zero_fill, os.remove):
+        damage(rng_file)
+        caplog.clear()
+        data = {}
+        with caplog.at_level(logging.WARNING, logger="prorl.engine.checkpoint"):
+            info = Checkpointer(ckpt.directory).load({"model": random_decoder(), "data": data})
+        assert info.step == 2 and data == {"position": 2}
+        warned = [r.getMessage() for r in caplog.records if rng_file in r.getMessage()]
+        assert warned and "no longer bit-identical" in warned[0], caplog.text
+
+
+def test_a_load_that_fails_anyway_is_a_checkpoint_error_naming_it(tmp_path, monkeypatch):
+    """Files that match their manifest but do not fit this run (a DCP planner's refusal, say) end as a
+    CheckpointError naming the checkpoint - train.py's exit 4 - not as a raw traceback (exit 1)."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt, _ = _two_checkpoints(tmp_path)
+
+    def refusing_load(state_dict, checkpoint_id, **kwargs):
+        raise RuntimeError("Size mismatch between saved torch.Size([4]) and current torch.Size([8])")
+
+    monkeypatch.setattr(dcp, "load", refusing_load)
+    with pytest.raises(
+        CheckpointError, match=r"loading checkpoint .*step_00000002 failed: RuntimeError: Size"
+    ):
+        Checkpointer(ckpt.directory).load({"model": random_decoder(), "data": {}})
+
+
+def test_a_checkpoint_saved_before_manifests_still_loads(tmp_path):
+    """Format 1 (no manifest.json): the required files and a readable meta.json are checked, no more."""
+    ckpt, _ = _two_checkpoints(tmp_path)
+    step_dir = ckpt.step_dir(2)
+    os.remove(os.path.join(step_dir, "manifest.json"))
+    meta = json.loads(open(os.path.join(step_dir, "meta.json")).read())
+    with open(os.path.join(step_dir, "meta.json"), "w") as f:
+        json.dump({**meta, "format": 1}, f)
+    data = {}
+    assert Checkpointer(ckpt.directory).load({"model": random_decoder(), "data": data}).step == 2
+    assert data == {"position": 2}
+
+
+def test_the_manifest_lists_every_file_with_its_size_and_checksum(tmp_path):
+    import hashlib
+
+    ckpt, _ = _two_checkpoints(tmp_path)
+    step_dir = ckpt.step_dir(2)
+    listed = json.loads(open(os.path.join(step_dir, "manifest.json")).read())["files"]
+    walk = [os.path.join(root, n) for root, _, names in os.walk(step_dir) for n in names]
+    on_disk = {os.path.relpath(p, step_dir) for p in walk}
+    assert set(listed) == on_disk - {"manifest.json", "COMPLETE"}
+    for name, entry in listed.items():
+        blob = open(os.path.join(step_dir, name), "rb").read()
+        assert entry == {"size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}, name
+
+
+# ---------------------------------------------------------------------------------------------------
+# Two ranks: a damaged shard of rank 1, and replicated <-> FSDP2
+
+
+def _fsdp_worker(rank, world, ckpt_dir):
+    from dist_helpers import TINY_QWEN2
+
+    def sharded():
+        model = parallel.parallelize(parallel.meta_decoder(TINY_QWEN2))
+        parallel.materialize(model, "cpu", seed=rank + 11)
+        return model
+
+    plain = random_decoder(seed=3)  # the same weights on both ranks: a replicated run
+    same_identity = model_identity(plain) == model_identity(sharded())
+    ckpt = Checkpointer(ckpt_dir, keep_last=None)
+    ckpt.save(1, {"model": plain})
+    model = sharded()
+    ckpt.save(2, {"model": model})
+    saved_2 = parallel.full_state_dict(model)
+    parallel.barrier()
+    if rank == 0:
+        _zero_fill(_shard(ckpt.step_dir(2), rank=1))
+    parallel.barrier()
+    fresh = sharded()  # model.fsdp switched on for a run saved replicated: the same model, resharded
+    info = Checkpointer(ckpt_dir).load({"model": fresh})
+    got = parallel.full_state_dict(fresh)
+    from_replicated = all(torch.equal(got[k], v) for k, v in plain.state_dict().items())
+    differs_from_2 = any(not torch.equal(got[k], v) for k, v in saved_2.items())
+    return same_identity, info.step, from_replicated, differs_from_2
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not dist.is_gloo_available(), reason="gloo backend unavailable")
+def test_fsdp2_a_damaged_shard_of_rank_1_falls_back_to_the_replicated_save(tmp_path):
+    results = run_ranks(_fsdp_worker, tmp_path, str(tmp_path / "ckpt"))
+    for rank in (0, 1):
+        assert results[rank] == (True, 1, True, True), (rank, results[rank])
