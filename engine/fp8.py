@@ -8,27 +8,27 @@ is otherwise unchanged, then `parallelize` applies checkpointing / compile / FSD
     model = fp8.convert(load_hf(path, dtype=torch.float32))   # fp32 masters stay fp32
     model = parallelize(model, param_dtype=torch.bfloat16, activation_checkpointing=True)
     with fp8.autocast():                                      # TE: its autocast; torchao: nothing
-        hidden = model(input_ids, cu_seqlens=fp8.pad(...))    # TE: N padded to fp8.token_multiple
+        hidden = model(ids, cu_seqlens=cu)                    # TE: N a multiple of fp8.token_multiple
     loss.backward()                                           # outside the autocast (TE's rule)
     optimizer.step(); fp8.after_optimizer_step(model)         # torchao FP8 all-gather: weight scales
 
 Backends:
 - torchao (`torchao.float8.convert_to_float8_training`, torchao 0.18): dynamic scaling, `tensorwise`
   (one scale per tensor, e4m3 forward, e5m2 gradients; FSDP2 all-gathers the weights in FP8) or `rowwise`
-  (a scale per row, e4m3 throughout, power-of-2 scales). Runs on the CPU too (`torch._scaled_mm` of torch
-  2.13's CPU build), which is where the tests run it. No global state: torch's activation checkpointing
-  and `torch.compile` compose with it.
+  (a scale per row, e4m3 throughout, power-of-2 scales). Runs on the CPU too: the tests run the real
+  `torch._scaled_mm` of torch 2.13's CPU build at small shapes, training runs emulate it (`emulate`
+  below). No global state: torch's activation checkpointing and `torch.compile` compose with it.
 - te (Transformer Engine >= 2.9, H100/H200): `te.pytorch.Linear` under `te.pytorch.autocast(enabled=,
   recipe=)` with `delayed` (DelayedScaling, HYBRID), `current` (Float8CurrentScaling, HYBRID) or `mxfp8`
   (MXFP8BlockScaling, Blackwell only: TE refuses it on sm_90). TE's FP8 GEMMs need the product of an
   input's leading dimensions to be a multiple of 8 and its last dimension a multiple of 16 (32 for
   MXFP8's 32-element blocks): only layers whose in and out features are multiples of `weight_multiple`
-  are converted, and the packed token count is padded to `token_multiple` with an ignored dummy sequence
-  (prorl/packing.py). Activation checkpointing uses `te.distributed.checkpoint`, which recomputes under
-  the FP8 state of the forward; `parallelize` also restores TE's parameter attributes after
-  `fully_shard` (which replaces every parameter by a DTensor), as TE's FSDP2 tests do. TE cannot be
-  imported without CUDA: the tests run this path against a stand-in that enforces these rules
-  (tests/helpers/te_standin.py).
+  are converted, and the trainer pads each packed batch to `token_multiple` tokens with an ignored dummy
+  sequence (prorl/packing.py `padded`). Activation checkpointing uses `te.distributed.checkpoint`,
+  which recomputes under the FP8 state of the forward; `parallelize` also restores TE's parameter
+  attributes after `fully_shard` (which replaces every parameter by a DTensor), as TE's FSDP2 tests do.
+  TE cannot be imported without CUDA: the tests run this path against a stand-in that enforces these
+  rules (tests/helpers/te_standin.py).
 
 What is not converted, and why: the embedding and the LM head (the fused log-prob op reads
 `lm_head_weight` in full precision: FP8 logits would cost accuracy exactly where the policy gradient and
@@ -45,7 +45,7 @@ Which models run in FP8 (decided in prorl/trainer.py, documented in docs/archite
   which differ between the two models: use `current` when exactness after a reset matters.)
 - the sampler samples in bf16: the native sampler under FSDP is an unconverted copy, vLLM gets plain
   weights. FP8 is a training-throughput tool; decode GEMMs of a few rows gain nothing from it. The
-  sampler/trainer log-prob mismatch this adds is logged every step (`rollout/logprob_diff` metrics) and
+  sampler/trainer log-prob mismatch this adds is logged every step (`rollout/logprob_mismatch`) and
   `algorithm.is_mode=tis|icepop` corrects for it.
 
 Weights stay plain. Converted layers keep the parameter names and shapes of `nn.Linear` (`weight`,
