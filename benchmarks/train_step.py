@@ -3,6 +3,7 @@
     python -m benchmarks train_step [--quick] [--threads N] [--model small] [--seqs 16] [--lengths 64,512]
                                     [--providers a,b] [--reps R] [--warmup W] [--out CSV]
     python -m benchmarks train_step --gpu     # CUDA: bf16, Qwen2-0.5B shape (see below)
+    python -m benchmarks train_step --gpu --model qwen2-1.5b --providers prorl,prorl-fp8,prorl-fp8-te
 
 One timed call = one training step's compute: forward, the loss, backward (parameter gradients are
 cleared untimed before each call; no optimizer step). Every provider runs on the same random weights
@@ -18,6 +19,13 @@ Providers:
   `prorl.kernels.linear_logprob_entropy` (native backend on the CPU, Triton on CUDA; no [N, V] logits).
 - `prorl-unfused`: the same decoder; loss via `Decoder.logits` -> fp32 log_softmax -> gather (the
   difference to `prorl` is the fused op's share).
+- `prorl-fp8`, `prorl-fp8-te`: `prorl` with the decoder blocks' Linear layers converted to FP8
+  (engine/fp8.py; torchao tensorwise / Transformer Engine current scaling under its autocast; the LM
+  head stays in the fused op), the batch padded to the backend's token multiple with an ignored dummy
+  sequence. `prorl-fp8-te` runs on sm_90+ with TE only (skipped elsewhere). On the CPU torchao's GEMMs
+  are emulated (the CPU `_scaled_mm` is a reference kernel): CPU rows check that the path runs and its
+  loss, not FP8 speed. The GPU rows to compare: `--gpu --model qwen2-1.5b` (the ProRL v2 model) and
+  `--gpu --model qwen2-7b-layer` (one Qwen2-7B layer, untied 152K head).
 - `transformers-padded`: `AutoModelForCausalLM` (SDPA; flash_attention_2 on CUDA when installed) on the
   right-padded [B, T_max] batch with `attention_mask`, logits -> fp32 log_softmax, NLL masked to the
   real tokens: what a trainer does without packing.
@@ -45,6 +53,7 @@ cuda, bf16 parameters and activations (the losses in fp32), `qwen2-0.5b`. Batche
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 
@@ -52,12 +61,20 @@ from benchmarks import harness
 from benchmarks.report.readme import View
 
 NAME = "train_step"
-PROVIDERS = ("prorl", "prorl-unfused", "transformers-padded", "transformers-packed")
+PROVIDERS = ("prorl", "prorl-unfused", "transformers-padded", "transformers-packed", "prorl-fp8")
+GPU_PROVIDERS = PROVIDERS + ("prorl-fp8-te",)  # Transformer Engine: CUDA sm_90+ only
+FP8_PROVIDERS = {"prorl-fp8": "torchao", "prorl-fp8-te": "te"}
 REFERENCE = "transformers-padded"
 MODELS = {  # Qwen2, 2 KV heads, tied embeddings
     "tiny": harness.qwen2_shape(64, 128, 2, 4, vocab_size=512),
     "small": harness.qwen2_shape(512, 1536, 4, 8, vocab_size=32000),
     "qwen2-0.5b": harness.qwen2_shape(896, 4864, 24, 14, vocab_size=151936),
+    # the ProRL v2 model (Nemotron-Research-Reasoning-Qwen-1.5B = DeepSeek-R1-Distill-Qwen-1.5B's shape)
+    "qwen2-1.5b": harness.qwen2_shape(1536, 8960, 28, 12, vocab_size=151936, tie_word_embeddings=False),
+    # one decoder layer of Qwen2-7B (28 heads, 4 KV heads): where FP8 GEMMs pay off most
+    "qwen2-7b-layer": harness.qwen2_shape(
+        3584, 18944, 1, 28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False
+    ),
 }
 CPU_BATCH = (8, 64, 512)  # sequences, min length, max length
 QUICK_BATCH = (4, 16, 64)
@@ -108,6 +125,26 @@ def make_batch(lengths: list[int], vocab: int, device):
     return {k: v.to(device) for k, v in b.items()}
 
 
+def pad_batch(b: dict, multiple: int) -> dict:
+    """The packed batch with a dummy sequence (labels -100) appended so that N is a multiple of `multiple`
+    (Transformer Engine's FP8 shapes); the padded rows count in no loss."""
+    import torch
+
+    pad = -b["ids"].numel() % multiple
+    if pad == 0:
+        return b
+    dev = b["ids"].device
+    zeros = torch.zeros(pad, dtype=b["ids"].dtype, device=dev)
+    last = (b["cu_seqlens"][-1] + pad).view(1).to(torch.int32)
+    return dict(
+        b,
+        ids=torch.cat([b["ids"], zeros]),
+        labels=torch.cat([b["labels"], torch.full_like(zeros, -100)]),
+        position_ids=torch.cat([b["position_ids"], torch.arange(pad, device=dev)]),
+        cu_seqlens=torch.cat([b["cu_seqlens"], last]),
+    )
+
+
 def nll_from_logits(logits, labels):
     """Mean NLL of `labels` (-100 ignored) under logits [..., V] (upcast to fp32) -> scalar."""
     import torch
@@ -137,8 +174,18 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
 
     dtype = getattr(torch, shape["dtype"])
     path = checkpoint_path(shape["model"], shape["ckpt_dir"])
-    if provider in ("prorl", "prorl-unfused"):
+    fp8 = None
+    if provider in FP8_PROVIDERS:
+        from prorl.engine.fp8 import FP8Training, fp8_support
+
+        available, reason = fp8_support(device) if provider == "prorl-fp8-te" else (True, "")
+        if not available:
+            raise RuntimeError(f"{provider} needs Transformer Engine on a CUDA sm_90+ device: {reason}")
+        fp8 = FP8Training(FP8_PROVIDERS[provider])
+    if provider in ("prorl", "prorl-unfused") or fp8 is not None:
         model = load_hf(path, dtype=dtype, device=device)
+        if fp8 is not None:
+            model = fp8.convert(model)
     else:
         import transformers
         from prorl.engine.attention import flash_attn_available
@@ -150,13 +197,17 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     b = make_batch(shape["lengths"], model.config.vocab_size, device)
     max_len = max(shape["lengths"])
 
-    if provider == "prorl":
+    if provider == "prorl" or fp8 is not None:
         from prorl.kernels import linear_logprob_entropy
 
         backend = "triton" if device.type == "cuda" else "native"
+        if fp8 is not None:
+            b = pad_batch(b, fp8.token_multiple)
+        autocast = fp8.autocast if fp8 is not None else contextlib.nullcontext
 
         def loss_fn():
-            hidden = model(b["ids"], b["position_ids"], b["cu_seqlens"], max_seqlen=max_len)  # [N, D]
+            with autocast():  # TE: FP8 forward; torchao: no context
+                hidden = model(b["ids"], b["position_ids"], b["cu_seqlens"], max_seqlen=max_len)  # [N, D]
             logp, _ = linear_logprob_entropy(
                 hidden, model.lm_head_weight, b["labels"], return_entropy=False, backend=backend
             )
@@ -164,6 +215,9 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
             return -(logp * valid).sum() / valid.sum()
 
         note = f"loss_backend={backend} attention={model.attention_backend(device).name}"
+        if fp8 is not None:
+            emulated = any(getattr(getattr(m, "config", None), "emulate", False) for m in model.modules())
+            note += f" fp8={fp8.backend}:{fp8.recipe}" + (" emulated_gemm" if emulated else "")
     elif provider == "prorl-unfused":
 
         def loss_fn():
@@ -240,7 +294,15 @@ def _shapes(args) -> list[dict]:
     return [make_shape(model, args.seqs or seqs, min_len, max_len, dtype, args.ckpt_dir)]
 
 
-BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, derive=derived_rows, view=VIEW)
+BENCHMARK = harness.Benchmark(
+    NAME,
+    lambda args: GPU_PROVIDERS if args.gpu else PROVIDERS,
+    _shapes,
+    _options,
+    derive=derived_rows,
+    view=VIEW,
+    known_providers=GPU_PROVIDERS,
+)
 main = BENCHMARK.main
 
 if __name__ == "__main__":

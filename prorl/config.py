@@ -26,6 +26,8 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from prorl.engine.fp8 import BACKENDS as FP8_BACKENDS
+from prorl.engine.fp8 import RECIPES as FP8_RECIPES
 from prorl.engine.optim import SCHEDULES, OptimizerConfig
 from prorl.kernels import (
     ADVANTAGE_MODES,
@@ -64,6 +66,17 @@ class ModelConfig:
     compile: bool = _f(False, "torch.compile each decoder block")
     cpu_offload: bool = _f(
         False, "FSDP2 CPUOffloadPolicy (needs CUDA; the process group pairs NCCL with gloo)"
+    )
+    fp8: str = _f(
+        "none",
+        "FP8 GEMMs in the decoder blocks of policy and reference (torchao: also on the CPU; te: Transformer "
+        "Engine on H100/H200); needs model.fsdp=true; the sampler stays bf16 (engine/fp8.py)",
+        FP8_BACKENDS,
+    )
+    fp8_recipe: str = _f(
+        "auto",
+        "FP8 scaling: torchao tensorwise|rowwise; te delayed|current|mxfp8 (auto: tensorwise / current)",
+        tuple(dict.fromkeys(r for rs in FP8_RECIPES.values() for r in rs)),
     )
 
 
@@ -400,6 +413,17 @@ def validate(cfg: Config) -> None:
     for ok, msg in checks:
         if not ok:
             raise ConfigError(msg)
+    m = cfg.model
+    if m.fp8_recipe not in FP8_RECIPES[m.fp8]:
+        raise ConfigError(
+            f"model.fp8_recipe={m.fp8_recipe!r} is not a recipe of model.fp8={m.fp8!r}: choose one of "
+            f"{', '.join(FP8_RECIPES[m.fp8])}"
+        )
+    if m.fp8 != "none" and not m.fsdp:
+        raise ConfigError(
+            f"model.fp8={m.fp8} needs model.fsdp=true (under torchrun; one process is enough): FP8 layers "
+            "train over fp32 master weights, and the sampler gets an unconverted bf16 copy"
+        )
 
 
 def check_world(cfg: Config, world: int) -> None:

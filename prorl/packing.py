@@ -27,6 +27,7 @@ loss normaliser of its aggregation (every rank's tokens or sequences: one all-re
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -102,8 +103,38 @@ def pack(entries: list[tuple[list[int], list[list[int]]]], share: bool, device=N
     )
 
 
-def hidden_states(model, batch: PackedBatch) -> torch.Tensor:
-    """The final-normed hidden states that predict the batch's response tokens: [R, D]."""
+def padded(batch: PackedBatch, multiple: int) -> PackedBatch:
+    """`batch` with a dummy sequence of token 0 appended so that its token count is a multiple of
+    `multiple` (Transformer Engine's FP8 GEMMs; engine/fp8.py). The dummy is a sequence of its own (it
+    attends to nothing else and nothing attends to it) and no response row reads it, so log-probs and
+    gradients are those of `batch`."""
+    n = batch.num_tokens
+    pad = -n % multiple
+    if pad == 0:
+        return batch
+    device = batch.ids.device
+    extra = torch.arange(n, n + pad, device=device)
+    ids = torch.cat([batch.ids, torch.zeros(pad, dtype=batch.ids.dtype, device=device)])
+    cu = batch.cu_seqlens
+    cu = torch.cat([cu, (cu[-1] + pad).view(1).to(cu.dtype)])
+    position_ids = cu_k = kv_index = None
+    if batch.position_ids is not None:
+        position_ids = torch.cat(
+            [batch.position_ids, torch.arange(pad, device=device).to(batch.position_ids.dtype)]
+        )
+    if batch.cu_seqlens_k is not None:
+        ck = batch.cu_seqlens_k
+        cu_k = torch.cat([ck, (ck[-1] + pad).view(1).to(ck.dtype)])
+        kv_index = torch.cat([batch.kv_index, extra.to(batch.kv_index.dtype)])
+    return dataclasses.replace(
+        batch, ids=ids, position_ids=position_ids, cu_seqlens=cu, cu_seqlens_k=cu_k, kv_index=kv_index
+    )
+
+
+def hidden_states(model, batch: PackedBatch, pad_multiple: int = 1) -> torch.Tensor:
+    """The final-normed hidden states that predict the batch's response tokens: [R, D]. pad_multiple:
+    run the model on `padded(batch, pad_multiple)` (the padding's rows are not returned)."""
+    batch = padded(batch, pad_multiple) if pad_multiple > 1 else batch
     hidden = model(
         batch.ids,
         batch.position_ids,

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from prorl import algorithm, packing
 from prorl.config import Config, check_world
 from prorl.data import stop_token_ids
+from prorl.engine.fp8 import FP8Training, fp8_layers
 from prorl.engine.model import load_hf
 from prorl.engine.optim import Optimizer
 from prorl.engine.parallel import all_reduce, copy_parameters_, dist_info, iter_full_tensors, watchdog
@@ -71,6 +72,12 @@ class Trainer:
         self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.backend = resolve_backend(cfg.rollout.backend, self.device)
         self.fsdp = cfg.model.fsdp and dist.is_available() and dist.is_initialized()
+        if cfg.model.fp8 != "none" and not self.fsdp:
+            raise RuntimeError(
+                f"model.fp8={cfg.model.fp8} needs FSDP2, which needs a process group: launch with torchrun "
+                "(--nproc_per_node=1 is fine)"
+            )
+        self.fp8 = FP8Training(cfg.model.fp8, cfg.model.fp8_recipe, fsdp=self.fsdp)
         self.policy, self.reference, self.sampler_model = self._build_models()
         # before any forward: FSDP2 leaves the root unsharded after one (engine.optim reshards anyway)
         total = max(cfg.trainer.total_steps * cfg.trainer.mini_batches, 1)
@@ -133,10 +140,23 @@ class Trainer:
             param_dtype=None if self.dtype == torch.float32 else self.dtype,
             cpu_offload=cfg.model.cpu_offload,
         )
-        policy = parallelize(load(torch.float32), **opts)
-        reference = parallelize(load(torch.float32).requires_grad_(False).eval(), **opts)
+        # FP8 (model.fp8): policy and reference get the same conversion, so that after a reset they compute
+        # identically and the KL is exactly zero; the sampler's copy stays unconverted (engine/fp8.py)
+        policy = parallelize(self.fp8.convert(load(torch.float32)), **opts)
+        reference = parallelize(self.fp8.convert(load(torch.float32)).requires_grad_(False).eval(), **opts)
         sampler_model = load(self.dtype).requires_grad_(False).eval() if self.backend == "native" else None
         return policy, reference, sampler_model
+
+    @property
+    def fp8_summary(self) -> str:
+        """One line on what runs in FP8 (model.fp8): the converted layers and where the GEMMs run."""
+        layers = fp8_layers(self.policy)
+        emulated = any(getattr(getattr(m, "config", None), "emulate", False) for m in layers)
+        gemm = "emulated FP8 GEMMs (CPU)" if emulated else "FP8 GEMMs"
+        return (
+            f"{self.fp8.backend} {self.fp8.recipe}: {len(layers)} Linear layers of the policy and the "
+            f"reference in {gemm}; LM head and sampler in {self.cfg.model.dtype}"
+        )
 
     def _build_generator(self):
         r = self.cfg.rollout
@@ -272,7 +292,8 @@ class Trainer:
     def logprobs(self, model, batch: packing.PackedBatch, grad: bool, entropy: bool = False):
         """Log-probs (and entropies) of the batch's response tokens, [R], from hidden states (fused op)."""
         with torch.set_grad_enabled(grad):
-            hidden = packing.hidden_states(model, batch)
+            with self.fp8.autocast():  # TE: FP8 forward; the backward runs outside (TE's rule)
+                hidden = packing.hidden_states(model, batch, pad_multiple=self.fp8.token_multiple)
             t = self.logprob_temperature
             return linear_logprob_entropy(
                 hidden, model.lm_head_weight, batch.labels, temperature=t, return_entropy=entropy
@@ -434,6 +455,7 @@ class Trainer:
                 p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
                 offset += p.numel()
         result = self.optimizer.step()
+        self.fp8.after_optimizer_step(self.policy)
         self.consecutive_skips = 0 if not result.skipped else self.consecutive_skips + 1
         if self.consecutive_skips >= self.cfg.trainer.max_consecutive_skips:
             raise TrainingStalled(

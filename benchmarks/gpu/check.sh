@@ -22,6 +22,14 @@
 #      sampler vs transformers, the trainer step on CUDA) and attention (tests/engine/test_attention.py:
 #      SDPA and FlexAttention forward and backward on CUDA).
 #   3. the embedded default end to end on cuda:0, 60 of its 150 steps: `torchrun --nproc_per_node=1 prorl/train.py`.
+#   3b. FP8 (engine/fp8.py) for real: tests/gpu/test_fp8_cuda.py (torchao's real FP8 GEMMs and Transformer
+#      Engine's Linear under its autocast, against float64; activation checkpointing with TE's checkpoint),
+#      then the embedded default with model.fp8=torchao and model.fp8=te (bf16, FSDP2, 30 steps each: compare
+#      their val/accuracy and rollout/logprob_mismatch with main_job's), then the train_step rows of
+#      prorl vs prorl-fp8 vs prorl-fp8-te at the 1.5B shape and one Qwen2-7B layer. torchao and
+#      transformer-engine must be in the image or carried in .whl/ (torchao's CUDA wheel for the image's
+#      torch); missing ones make their tests skip (pytest -rs says why) and their runs fail fast naming the
+#      extra to install.
 #   4. benchmarks on cuda: ppo_loss, advantages, linear_logprob_entropy (bf16, vs Liger), rollout (native
 #      sampler vs transformers.generate), train_step, rl_step (prorl vs TRL, native / transformers
 #      generation: vLLM is not in the image), then profile (benchmarks/gpu/profile_step.py: where a step's
@@ -97,6 +105,14 @@ rm -rf runs/gpu-default  # a warm machine keeps it from an earlier call: the job
 step main_job 150 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 prorl/train.py output_dir=runs/gpu-default \
     trainer.total_steps=60 trainer.val_every=30
 
+step fp8_tests 90 "$PY" -m pytest -q -rs -p no:cacheprovider tests/gpu/test_fp8_cuda.py
+for backend in torchao te; do
+    rm -rf "runs/gpu-fp8-$backend"
+    step "fp8_$backend" 100 "$PY" -m torch.distributed.run --standalone --nproc_per_node=1 prorl/train.py \
+        output_dir="runs/gpu-fp8-$backend" model.fp8="$backend" model.dtype=bfloat16 model.fsdp=true \
+        trainer.total_steps=30 trainer.val_every=15
+done
+
 R=benchmarks/results/gpu  # GPU rows in their own CSVs (and plots): the CPU tables and plots stay CPU-only
 mkdir -p "$R"
 step ppo_loss 45 "$PY" -m benchmarks ppo_loss --device cuda --reps 50 --warmup 5 --out "$R/ppo_loss.csv"
@@ -109,9 +125,13 @@ step rl_step 110 "$PY" -m benchmarks rl_step --gpu --gpu-gen native --models tin
 step profile 120 "$PY" -m benchmarks.gpu.profile_step --model random --steps 5
 step advantages 40 "$PY" -m benchmarks advantages --device cuda --timeout 15 --out "$R/advantages.csv"
 step train_step 100 "$PY" -m benchmarks train_step --gpu --timeout 30 --out "$R/train_step.csv"
+for model in qwen2-1.5b qwen2-7b-layer; do
+    step "train_step_fp8_$model" 90 "$PY" -m benchmarks train_step --gpu --model "$model" --seqs 8 --timeout 40 \
+        --providers prorl,prorl-fp8,prorl-fp8-te --out "$R/train_step.csv"
+done
 
 echo "=== pack results at +$(($(date +%s) - T0)) s"
-tar czf "$OUT_DIR/results.tgz" benchmarks/results/gpu $(ls -d runs/gpu-{default,preset/run}/{config.yaml,metrics.jsonl,summary.txt,training_curves.png} 2>/dev/null)
+tar czf "$OUT_DIR/results.tgz" benchmarks/results/gpu $(ls -d runs/gpu-{default,preset/run,fp8-torchao,fp8-te}/{config.yaml,metrics.jsonl,summary.txt,training_curves.png} 2>/dev/null)
 echo "=== done in $(($(date +%s) - T0)) s"
 exec 1>&- 2>&-
 wait "$TEE_PID"  # the log is complete before the command returns

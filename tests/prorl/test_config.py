@@ -57,3 +57,17 @@ def test_the_configuration_reference_is_current():
 
     path = Path(__file__).resolve().parents[2] / "docs" / "config.md"
     assert path.read_text() == reference_markdown(), "regenerate: python -m prorl.config > docs/config.md"
+
+
+def test_fp8_keys_are_validated():
+    cfg = load_config("default", ["model.fp8=torchao", "model.fsdp=true", "model.fp8_recipe=rowwise"])
+    assert (cfg.model.fp8, cfg.model.fp8_recipe) == ("torchao", "rowwise")
+    assert load_config("default", []).model.fp8 == "none"
+    for overrides, message in (
+        (["model.fp8=fp4", "model.fsdp=true"], "model.fp8='fp4' is not one of none, torchao, te"),
+        (["model.fp8=torchao", "model.fsdp=true", "model.fp8_recipe=delayed"], "not a recipe of model.fp8"),
+        (["model.fp8=te", "model.fsdp=true", "model.fp8_recipe=rowwise"], "not a recipe of model.fp8='te'"),
+        (["model.fp8=torchao"], "needs model.fsdp=true"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config("default", overrides)
