@@ -584,23 +584,3 @@ class Checkpointer:
         rng_file = os.path.join(path, RNG_DIR, f"rank_{info.rank:05d}.pt")
         restore_rng(path, rng_file, meta["world_size"], verdict.rng.get(rng_file))
         return CheckpointInfo(meta["step"], path, meta, config_changed)
-
-
-def export_hf(model: nn.Module, path: str, dtype: torch.dtype | None = None) -> None:
-    """Write a (possibly FSDP-sharded) Decoder as a Hugging Face directory; collective under torchrun.
-
-    Gathers the full weights to rank 0's CPU (`parallel.full_state_dict`), rebuilds a plain Decoder
-    there and writes it with `engine.model.save_hf` (config.json + safetensors). dtype: cast on export
-    (e.g. torch.bfloat16 for a half-size release); None keeps the master-weight dtype.
-    """
-    from .model import Decoder, save_hf
-
-    full = parallel.full_state_dict(model, cpu_offload=True)
-    if parallel.dist_info().is_main:
-        if dtype is not None:
-            full = {k: v.to(dtype) for k, v in full.items()}
-        with torch.device("meta"):
-            plain = Decoder(model.config)
-        plain.load_state_dict(full, strict=True, assign=True)
-        save_hf(plain, path)
-    parallel.barrier()

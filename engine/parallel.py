@@ -538,3 +538,23 @@ def barrier() -> None:
     """Wait for every rank (no-op in single-process mode)."""
     if dist.is_initialized():
         dist.barrier()
+
+
+def export_hf(model: nn.Module, path: str, dtype: torch.dtype | None = None) -> None:
+    """Write a (possibly FSDP-sharded) Decoder as a Hugging Face directory; collective under torchrun.
+
+    Gathers the full weights to rank 0's CPU (`full_state_dict`), rebuilds a plain Decoder
+    there and writes it with `engine.model.save_hf` (config.json + safetensors). dtype: cast on export
+    (e.g. torch.bfloat16 for a half-size release); None keeps the master-weight dtype.
+    """
+    from .model import Decoder, save_hf
+
+    full = full_state_dict(model, cpu_offload=True)
+    if dist_info().is_main:
+        if dtype is not None:
+            full = {k: v.to(dtype) for k, v in full.items()}
+        with torch.device("meta"):
+            plain = Decoder(model.config)
+        plain.load_state_dict(full, strict=True, assign=True)
+        save_hf(plain, path)
+    barrier()

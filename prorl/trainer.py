@@ -194,7 +194,7 @@ class Trainer:
 
     def export_hf(self, path: str) -> None:
         """The policy as a Hugging Face directory in `model.dtype` (collective under FSDP)."""
-        from prorl.engine.checkpoint import export_hf
+        from prorl.engine.parallel import export_hf
 
         export_hf(self.policy, path, dtype=self.dtype)
 

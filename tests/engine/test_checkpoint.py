@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 from dist_helpers import LENGTHS, TINY_QWEN2, random_decoder, run_ranks
 from prorl.engine import checkpoint, parallel
-from prorl.engine.checkpoint import Checkpointer, CheckpointError, export_hf
+from prorl.engine.checkpoint import Checkpointer, CheckpointError
 from prorl.engine.model import load_hf, save_hf
 from prorl.engine.optim import Optimizer, OptimizerConfig
+from prorl.engine.parallel import export_hf
 from prorl.kernels import linear_logprob_entropy
 
 OPT = OptimizerConfig(

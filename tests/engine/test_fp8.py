@@ -11,9 +11,10 @@ import pytest
 import torch
 from dist_helpers import TINY_QWEN2, packed_batch, random_decoder, rank_slice, run_ranks, train_step
 from prorl.engine import parallel
-from prorl.engine.checkpoint import Checkpointer, export_hf, model_identity
+from prorl.engine.checkpoint import Checkpointer, model_identity
 from prorl.engine.fp8 import FP8Training, resolve_recipe
 from prorl.engine.optim import Optimizer, OptimizerConfig
+from prorl.engine.parallel import export_hf
 from prorl.kernels import linear_logprob_entropy
 from torch import nn
 
