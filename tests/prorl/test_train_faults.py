@@ -280,7 +280,7 @@ def test_steps_that_keep_no_group_are_skipped_and_a_stall_stops_cleanly(tmp_path
     rows = [json.loads(line) for line in open(tmp_path / "skips" / "metrics.jsonl")]
     steps = [r for r in rows if "dynamic_sampling/kept_groups" in r]
     assert [r["dynamic_sampling/kept_groups"] for r in steps] == [0.0, 0.0]
-    assert all(r["dynamic_sampling/rounds"] == 2 for r in steps)
+    assert steps[0]["dynamic_sampling/rounds"] == 2  # later refills are skipped by the prompt scheduler
     assert (tmp_path / "skips" / "checkpoints" / "final" / "config.json").is_file()
 
     stall = [*empty, "trainer.total_steps=10", "trainer.max_consecutive_skips=3"]
