@@ -448,7 +448,7 @@ class Checkpointer:
             _fsync_dir(self.directory)
             _write_file(os.path.join(final, MARKER), json.dumps({"step": step}).encode())
             _fsync_dir(final)
-            self._retain()
+            self._retain(step)
             logger.info("checkpoint saved: %s", final)
 
         _all_ranks_ok(commit, main_only=True)
@@ -471,10 +471,12 @@ class Checkpointer:
                 logger.warning("removing incomplete checkpoint %s", path)
                 shutil.rmtree(path)
 
-    def _retain(self) -> None:
+    def _retain(self, saved: int) -> None:
+        """Keep the newest `keep_last` checkpoints up to the one just saved; a newer one (a damaged one the
+        run fell back from) neither counts nor is deleted."""
         if self.keep_last is None:
             return
-        for step in self.complete_steps()[: -self.keep_last]:
+        for step in [s for s in self.complete_steps() if s <= saved][: -self.keep_last]:
             self._delete(self.step_dir(step))
 
     # -- load --------------------------------------------------------------------------------------

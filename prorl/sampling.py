@@ -151,6 +151,8 @@ class GroupSampler:
         a = self.cfg.algorithm
         kept, self.carry = list(self.carry), []  # carried groups first: they are one update old already
         acc.sum("groups_carried", len(kept))
+        if self.scheduler is not None:
+            self.scheduler.new_step()
         rounds = 0
         while rounds < (a.max_rounds if a.dynamic_sampling else 1):
             with watchdog().phase(f"step {step + 1}, sampling round {rounds}"):
@@ -215,10 +217,13 @@ class GroupSampler:
             "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        self.data_order = list(state["data_order"])
-        self.data_rng.setstate(state["data_rng"])
-        self.carry = [Group(**g) for g in state["carry"]]
+    def load_state_dict(self, state: dict, record_only: bool = False) -> None:
+        """This rank's saved state; `record_only`: just the prompt record, the same on every rank (a run
+        resumed on another number of ranks starts a fresh pass over the data)."""
+        if not record_only:
+            self.data_order = list(state["data_order"])
+            self.data_rng.setstate(state["data_rng"])
+            self.carry = [Group(**g) for g in state["carry"]]
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
 

@@ -112,23 +112,28 @@ class PromptScheduler:
         self.pending = []
 
     # -- the choice ------------------------------------------------------------------------------------
+    def new_step(self) -> None:
+        """Before a step's first round (also when the carry-over leaves it none): nothing taken or counted."""
+        self.taken, self.reprobes = set(), 0
+
     def select(self, k: int, *, step: int, round_: int, rank: int, world: int) -> list[int]:
         """This rank's k prompts of the round: its slice of one global choice of k x world prompts."""
         if round_ == 0:
-            self.taken, self.reprobes = set(), 0
+            self.new_step()
         rng = np.random.default_rng(np.random.SeedSequence([self.seed, step, round_, 7919]))
         want = k * world
         free = np.array([i for i in range(self.size) if i not in self.taken and not self.excluded[i]])
         if free.size == 0:  # everything taken (tiny data) or excluded: fall back to every prompt
             free = np.arange(self.size)
         chosen: list[int] = []
+        stale_count = 0
         unseen = free[self.probed[free] < 0]
         chosen += rng.permutation(unseen)[:want].tolist()
         if self.cfg.mode == "pass-rate" and len(chosen) < want:
             rest = free[self.probed[free] >= 0]
             stale = rest[step - self.probed[rest] >= self.cfg.reprobe_epochs * self.epoch_steps]
             stale = stale[np.argsort(self.probed[stale], kind="stable")][: want - len(chosen)]
-            self.reprobes += len(stale)
+            stale_count = len(stale)
             chosen += stale.tolist()
         left = rng.permutation(np.setdiff1d(free, np.array(chosen, dtype=np.int64)))  # random tie order
         if len(chosen) < want and left.size:
@@ -141,6 +146,7 @@ class PromptScheduler:
         refill = self.cfg.mode == "pass-rate" and round_ > 0
         if refill and self.expected_mixed(chosen, step) < self.cfg.min_yield:
             return []  # a refill round not worth its generation (the same decision on every rank)
+        self.reprobes += stale_count
         self.taken.update(chosen)
         self.probed[np.array(chosen, dtype=np.int64)] = step
         return chosen[rank * k : (rank + 1) * k]
@@ -173,6 +179,8 @@ class PromptScheduler:
         return state | {"population_updated": self.population_updated, "pending": list(self.pending)}
 
     def load_state_dict(self, state: dict) -> None:
+        if "alpha" in state:  # saved before the population prior: Beta(1, 1) + evidence
+            state = _upgrade(state)
         if len(state["successes"]) != self.size:
             raise ValueError(
                 f"the scheduler's record holds {len(state['successes'])} prompts, this run {self.size}"
@@ -184,3 +192,14 @@ class PromptScheduler:
         self.population_updated = int(state["population_updated"])
         self.excluded = np.array(state["excluded"], dtype=bool)
         self.pending = [tuple(p) for p in state["pending"]]
+
+
+def _upgrade(state: dict) -> dict:
+    """A record saved as Beta(alpha, beta) over a Beta(1, 1) prior, as evidence (successes, failures)."""
+    successes = [max(a - 1.0, 0.0) for a in state["alpha"]]
+    failures = [max(b - 1.0, 0.0) for b in state["beta"]]
+    population = [sum(successes), sum(failures)]
+    updated = max(state["updated"], default=0)
+    rest = {k: v for k, v in state.items() if k not in ("alpha", "beta")}
+    return rest | {"successes": successes, "failures": failures, "population": population,
+                   "population_updated": updated}  # fmt: skip

@@ -264,7 +264,8 @@ class Trainer:
                 f"{self.empty_steps} consecutive steps kept no group: every sampled group's rewards were all "
                 f"equal (all right or all wrong) after {int(rounds)} rounds of dynamic sampling. The data is "
                 "too easy or too hard for the model, or rollout.max_response_tokens cuts every answer; raise "
-                "algorithm.max_rounds or trainer.max_consecutive_skips to wait longer"
+                "algorithm.max_rounds (scheduler.min_yield=0: no refill round skipped) or "
+                "trainer.max_consecutive_skips to wait longer"
             )
         return None
 
@@ -570,20 +571,21 @@ class Trainer:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`. On another number of ranks (the models and optimizer were resharded by
-        DCP) every rank starts a fresh pass over the data and the carry-over is dropped: per-rank data
-        positions cannot be mapped onto other ranks."""
+        DCP) every rank starts a fresh pass over the data and the carry-over is dropped (per-rank data
+        positions cannot be mapped onto other ranks); the prompt record, global, is kept."""
         ranks = [_upgrade(r) for r in state["ranks"]]
         self.step_count = state.get("step_count", ranks[0].get("step_count", 0))
         self.reset_policy.load_state_dict(state["reset_policy"])
-        if state["world"] == self.world:
-            local = ranks[self.rank]
-            self.sampler.load_state_dict(local["sampler"])
+        same_world = state["world"] == self.world
+        local = ranks[self.rank] if same_world else ranks[0]  # the prompt record is the same on every rank
+        self.sampler.load_state_dict(local["sampler"], record_only=not same_world)
+        if same_world:
             self.consecutive_skips, self.empty_steps = local["consecutive_skips"], local.get("empty_steps", 0)
         elif self.rank == 0:
             warnings.warn(
-                f"resuming a checkpoint of {state['world']} ranks on {self.world}: the models and the "
-                "optimizer are resharded, but each rank starts a fresh pass over the data and the "
-                "dynamic-sampling carry-over is dropped",
+                f"resuming a checkpoint of {state['world']} ranks on {self.world}: the models, the optimizer "
+                "and the prompt record are restored, but each rank starts a fresh pass over the data and "
+                "the dynamic-sampling carry-over is dropped",
                 RuntimeWarning,
                 stacklevel=2,
             )

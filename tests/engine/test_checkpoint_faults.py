@@ -83,6 +83,21 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     assert damaged in str(err.value) and os.path.join(ckpt.step_dir(1), name) in str(err.value)
 
 
+def test_a_damaged_newer_checkpoint_does_not_push_good_ones_out_of_keep_last(tmp_path):
+    """Saved at steps 1 and 3, step 3 damaged: the run resumes step 1 and saves step 2. keep_last=2 keeps
+    1 and 2 (the good ones up to the save); the damaged 3 neither counts nor is deleted by the save."""
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep_last=2)
+    model = random_decoder(seed=1)
+    ckpt.save(1, {"model": model})
+    ckpt.save(3, {"model": model})
+    _zero_fill(_shard(ckpt.step_dir(3)))
+    assert ckpt.load({"model": model}).step == 1
+    ckpt.save(2, {"model": model})
+    assert ckpt.complete_steps() == [1, 2, 3]
+    ckpt.save(4, {"model": model})
+    assert ckpt.complete_steps() == [3, 4]
+
+
 def test_a_missing_or_damaged_rng_file_is_named_and_the_rest_loads(tmp_path, caplog):
     ckpt, _ = _two_checkpoints(tmp_path)
     rng_file = os.path.join(ckpt.step_dir(2), "rng", "rank_00000.pt")

@@ -114,6 +114,26 @@ def test_a_refill_round_runs_only_when_it_is_expected_to_keep_enough():
     assert len(s.select(4, step=2, round_=1, rank=0, world=1)) == 4
 
 
+def test_a_skipped_refill_counts_no_reprobe_and_each_step_starts_afresh():
+    s = PromptScheduler(cfg(min_yield=0.5), size=12, n=8, prompts_per_step=2, seed=0)
+    s.probed[:] = 0
+    s.merge(0, [[(i, 8.0, 8) for i in range(12)]])  # all solved; every prompt stale by step 20
+    s.new_step()
+    assert len(s.select(2, step=20, round_=0, rank=0, world=1)) == 2 and s.reprobes == 2
+    assert s.select(2, step=20, round_=1, rank=0, world=1) == [] and s.reprobes == 2
+    s.new_step()
+    assert s.reprobes == 0 and s.taken == set()
+
+
+def test_a_record_saved_before_the_population_prior_loads_as_evidence():
+    s = PromptScheduler(cfg(), size=3, n=4, prompts_per_step=2, seed=0)
+    old = {"alpha": [1.0, 4.0, 1.0], "beta": [1.0, 2.0, 5.0], "updated": [0, 7, 9], "probed": [-1, 7, 9],
+           "excluded": [False, False, False], "pending": []}  # fmt: skip
+    s.load_state_dict(old)
+    assert s.successes.tolist() == [0.0, 3.0, 0.0] and s.failures.tolist() == [0.0, 1.0, 4.0]
+    assert s.population.tolist() == [3.0, 5.0] and s.population_updated == 9
+
+
 def test_exclude_solved_never_chooses_a_solved_prompt_again():
     s = PromptScheduler(cfg(mode="exclude-solved"), size=6, n=4, prompts_per_step=2, seed=0)
     s.probed[:] = 0

@@ -197,7 +197,8 @@ def test_a_damaged_checkpoint_resumes_the_previous_one_and_all_damaged_exit_4(tm
 
 @pytest.mark.slow
 def test_switching_fsdp_on_and_changing_the_number_of_ranks_resume(tmp_path):
-    """A run saved replicated is the same model under FSDP2 (DCP reshards), then on 2 ranks."""
+    """A run saved replicated is the same model under FSDP2 (DCP reshards), then on 2 ranks (the prompt
+    record kept)."""
     out = tmp_path / "run"
     first = run(train_command(out, [*TINY, "trainer.total_steps=1"], nproc=None))
     assert first.returncode == 0, first.stderr[-3000:]
@@ -211,6 +212,10 @@ def test_switching_fsdp_on_and_changing_the_number_of_ranks_resume(tmp_path):
             -3000:
         ]
     assert "saved by 1 ranks, this run has 2: RNG states not restored" in resumed.stderr
+    # the prompt record (global) survives the change of ranks: fewer prompts unseen after every step
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    unseen = [r["scheduler/unseen"] for r in rows if "scheduler/unseen" in r]
+    assert len(unseen) == 3 and unseen[0] > unseen[1] > unseen[2], unseen
 
 
 def _model_copy(tmp_path, file, damage):
