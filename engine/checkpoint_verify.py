@@ -5,10 +5,8 @@ the save and before the commit marker) holds the size and SHA-256 of every file 
 `verify` checks them before a load, so a truncated or zero-filled shard, a truncated `meta.json` or a
 missing `objects.pt` is named file by file instead of surfacing as a deserialisation traceback deep in
 DCP or pickle - and the checkpointer can fall back to the previous checkpoint. Hashing is split over the
-ranks (rank r takes every world-th file), so a save or a load pays about 1/world of the reading.
-Measured: hashlib's SHA-256 at 0.52 GB/s on one core of the 2-core Xeon these tests run on (256 MiB
-buffer); a 1.5B model's ~24 GB (fp32 policy, AdamW moments, reference) is ~46 s of hashing, ~6 s per
-rank on 8 ranks, beside a save that writes the same bytes.
+ranks (rank r takes every world-th file), so a save or a load pays about 1/world of the reading, at
+about a second per GB per core (docs/notes.md).
 
 The per-rank RNG files (`rng/rank_XXXXX.pt`) are optional for a load: one that is missing or damaged
 costs the bit-exact continuation of the run, not the run; `verify` reports them apart (`rng`) so the

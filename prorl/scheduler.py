@@ -113,13 +113,11 @@ class PromptScheduler:
 
     # -- the choice ------------------------------------------------------------------------------------
     def new_step(self) -> None:
-        """Before a step's first round (also when the carry-over leaves it none): nothing taken or counted."""
+        """Before each step's rounds (also a step the carry-over fills): nothing taken or counted yet."""
         self.taken, self.reprobes = set(), 0
 
     def select(self, k: int, *, step: int, round_: int, rank: int, world: int) -> list[int]:
         """This rank's k prompts of the round: its slice of one global choice of k x world prompts."""
-        if round_ == 0:
-            self.new_step()
         rng = np.random.default_rng(np.random.SeedSequence([self.seed, step, round_, 7919]))
         want = k * world
         free = np.array([i for i in range(self.size) if i not in self.taken and not self.excluded[i]])

@@ -8,7 +8,8 @@ resets. What a user running the preset on 8 GPUs relies on:
   collectives match;
 - after a reset the reference equals the policy bit for bit, in the sharded state checkpoints save;
 - every rank's sampler copy holds the same weights, the policy's in bf16;
-- an update split over 2 ranks gives the gradients and metrics of the same update on 1 rank.
+- an update split over 2 ranks gives the gradients and metrics of the same update on 1 rank;
+- with prompt scheduling on, the ranks keep one record and decide each refill round together.
 """
 
 import copy
@@ -233,3 +234,41 @@ def test_replicated_ranks_step_together_when_one_has_no_group_in_a_mini_batch(pr
     assert res[0]["metrics"]["actor/grad_norm"] == res[1]["metrics"]["actor/grad_norm"] > 0
     for name, w in res[0]["policy"].items():  # replicas stay equal: the same summed gradient everywhere
         assert torch.equal(w, res[1]["policy"][name]), name
+
+
+def _scheduled_steps(rank, world, ckpt, train, val, steps):
+    import os
+
+    from prorl.rewards.pool import RewardPool
+
+    os.environ["RANK"] = str(rank)
+    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
+        scheduled = ["scheduler.mode=pass-rate", "scheduler.min_yield=0.7"]
+        trainer = make_trainer(ckpt, train, val, scheduled, pool)
+        metrics = [trainer.step() for _ in range(steps)]
+        return {
+            "record": trainer.sampler.scheduler.state_dict(),
+            "metrics": metrics,
+            "policy": full(trainer.policy),
+            "sampler": {k: v.clone() for k, v in trainer.sampler_model.state_dict().items()},
+        }
+
+
+def test_prompt_scheduling_on_the_preset_keeps_the_ranks_together(preset, tmp_path):
+    """The prompt scheduler on the preset (FSDP2, uneven dynamic sampling, resets): every rank holds the
+    same record and weights, and refill rounds are run or skipped on every rank together."""
+    ckpt, train, val = preset
+    res = run_ranks(_scheduled_steps, tmp_path, ckpt, train, val, 3, world=2, timeout_s=600)
+    r0, r1 = res[0], res[1]
+    assert r0["record"] == r1["record"], "the ranks' prompt records differ"
+    assert sum(r0["record"]["population"]) > 0
+    for k in ("dynamic_sampling/rounds", "scheduler/rounds_skipped", "dynamic_sampling/sampled_groups"):
+        assert [m[k] for m in r0["metrics"]] == [m[k] for m in r1["metrics"]], k
+    # min_yield 0.7: step 1 (no evidence, P(mixed) = 7/9) runs its refills, later steps skip them
+    assert r0["metrics"][0]["dynamic_sampling/rounds"] > 1
+    assert any(m["scheduler/rounds_skipped"] > 0 for m in r0["metrics"][1:])
+    assert r0["metrics"][-1]["ref/num_resets"] >= 1
+    for name in r0["policy"]:
+        assert torch.equal(r0["policy"][name], r1["policy"][name]), name
+    for name in r0["sampler"]:
+        assert torch.equal(r0["sampler"][name], r1["sampler"][name]), name

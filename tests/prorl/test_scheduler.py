@@ -88,6 +88,7 @@ def test_choice_guarantees():
     bound = int((2.0 + 1) * s.epoch_steps)
     seen_at = {}
     for step in range(1, 4 * bound):
+        s.new_step()
         for i in s.select(k, step=step, round_=0, rank=0, world=1):
             seen_at.setdefault(i, []).append(step)
     gaps = [b - a for steps in seen_at.values() for a, b in zip([0, *steps], steps)]
@@ -139,7 +140,10 @@ def test_exclude_solved_never_chooses_a_solved_prompt_again():
     s.probed[:] = 0
     s.merge(0, [[(2, 4.0, 4), (3, 3.0, 4)]])
     assert s.excluded.tolist() == [False, False, True, False, False, False]
-    chosen = [i for step in range(1, 30) for i in s.select(2, step=step, round_=0, rank=0, world=1)]
+    chosen = []
+    for step in range(1, 30):
+        s.new_step()
+        chosen += s.select(2, step=step, round_=0, rank=0, world=1)
     assert 2 not in chosen and set(chosen) == {0, 1, 3, 4, 5}
 
 
