@@ -50,7 +50,7 @@ def test_linear_logprob_entropy_smoke(tmp_path, run_main):
     with open(out) as f:
         assert sum(line.startswith("name,") for line in f) == 1
 
-    pytest.importorskip("matplotlib")
+    pytest.importorskip("matplotlib", reason="the plots need matplotlib (the test extra)")
     from benchmarks import plot
 
     pngs = plot.plot(out, tmp_path)

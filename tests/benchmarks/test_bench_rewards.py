@@ -9,7 +9,7 @@ from benchmarks import rewards
 
 
 def test_workloads_score_as_stated():
-    pytest.importorskip("math_verify")
+    pytest.importorskip("math_verify", reason="the math verifier needs math-verify (a base dependency)")
     from prorl.rewards import score
 
     for i in range(10):  # every math template once
@@ -19,7 +19,7 @@ def test_workloads_score_as_stated():
 
 
 def test_rewards_benchmark_smoke(tmp_path, run_main):
-    pytest.importorskip("math_verify")
+    pytest.importorskip("math_verify", reason="the math verifier needs math-verify (a base dependency)")
     out = tmp_path / "rewards.csv"
     args = ["--batch", "2", "--reps", "1", "--warmup", "0", "--workers", "1", "--out", str(out)]
     rows = run_main(rewards.main, args, out, "speed-up vs naive")

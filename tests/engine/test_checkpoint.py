@@ -193,7 +193,7 @@ def test_disk_and_permission_checks(tmp_path, monkeypatch):
 
 
 def test_export_hf_loads_in_transformers(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers", reason="the export is loaded back by transformers")
     model = parallel.parallelize(random_decoder(), activation_checkpointing=True)  # wrapped names
     export_hf(model, str(tmp_path / "hf"))
     back = load_hf(str(tmp_path / "hf"))

@@ -178,7 +178,7 @@ def _bucketed(model):
 def test_vllm_weight_push_sends_plain_tensors_only(te):
     """TE layers (their `_extra_state`) and torchao's FP8 all-gather weights (a tensor subclass): the vLLM
     push sends exactly the tensors of an unconverted model, plain bf16, under HF names."""
-    pytest.importorskip("torchao.float8")
+    pytest.importorskip("torchao.float8", reason="needs torchao: pip install 'prorl[fp8]'")
     want = [(f"model.{k}", v.to(torch.bfloat16)) for k, v in random_decoder().state_dict().items()]
     for model in (
         FP8Training("te").convert(random_decoder()),

@@ -55,7 +55,7 @@ def _check_bounds(spec):
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_torchao_real_fp8_gemms_track_float64(recipe):
-    pytest.importorskip("torchao.float8")
+    pytest.importorskip("torchao.float8", reason="needs torchao: pip install 'prorl[fp8]'")
     _check_bounds(FP8Training("torchao", recipe, emulate=False))
 
 
