@@ -1,0 +1,36 @@
+"""The structural measurements of .ci/architecture.py: its cycle finder and import resolution."""
+
+import importlib.util
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+spec = importlib.util.spec_from_file_location("architecture", ROOT / ".ci/architecture.py")
+architecture = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(architecture)
+
+
+def test_cycle_finder_reports_each_cycle_once():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"f"}, "f": {"e"}, "g": set()}
+    assert sorted(architecture.cycles(graph)) == [["a", "b", "c"], ["e", "f"]]
+
+
+def test_function_level_imports_count_and_resolve():
+    import ast
+
+    src = (
+        "from . import ppo_loss\n"
+        "from prorl.kernels import _backend, ppo_loss as p\n"
+        "def f():\n    from prorl.engine.model import load_hf\n    import os\n"
+    )
+    modules = {"prorl.kernels", "prorl.kernels.ppo_loss", "prorl.kernels._backend", "prorl.engine.model"}
+    found = list(architecture.imports_of(ast.parse(src), "prorl.kernels.x", False, modules))
+    assert found == [
+        (["prorl.kernels.ppo_loss"], 1, False),
+        (["prorl.kernels._backend", "prorl.kernels.ppo_loss"], 2, False),
+        (["prorl.engine.model"], 4, True),
+    ]
+
+
+def test_library_imports_point_down_the_layers():
+    values, found = architecture.measure()
+    assert values["imports pointing up the layers"] == 0, found["imports pointing up the layers"]
