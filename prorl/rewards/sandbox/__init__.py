@@ -104,6 +104,7 @@ class Result:
     backend: str
     cgroup: str = "none"  # the controllers that limited the whole run, e.g. "memory,pids,cpu"
     oom_kills: int = 0  # processes killed for the run's memory limit
+    memory_peak_bytes: int | None = None  # the run's peak by its cgroup's accounting (tmpfs included)
 
 
 # -- backends -------------------------------------------------------------------------------------------
@@ -435,6 +436,7 @@ def run_python(
             name,
             ",".join(setup.parents) or "none",
             cgroup.oom_kills() if cgroup else 0,
+            cgroup.memory_peak() if cgroup else None,
         )
     finally:
         if cgroup is not None:
