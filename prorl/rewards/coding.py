@@ -162,9 +162,7 @@ def run_tests(
         return {"score": 0.0, **info, "compile_error": report["compile_error"]}
     match = stdout_matches if mode == "stdio" else value_matches
     passed = sum(
-        1
-        for r, want in zip(results, outputs)
-        if r.get("error") is None and match(r.get("out"), want)
+        1 for r, want in zip(results, outputs) if r.get("error") is None and match(r.get("out"), want)
     )
     info["passed"] = passed
     return {"score": passed / len(inputs), **info}
