@@ -83,16 +83,18 @@ def test_keyrings_do_not_carry_between_runs(backend):
 def test_no_user_namespace_by_unshare_clone_or_the_unshare_tool(backend):
     code = LIBC + (
         "import subprocess, threading\nout = dict()\n"
-        "out['unshare'] = libc.unshare(0x10000000)  # CLONE_NEWUSER\n"
+        "r = subprocess.run(['unshare', '-r', 'id', '-u'], capture_output=True, text=True)\n"
+        "out['tool'] = r.stdout.strip() or 'failed'\n"
         "pid = libc.syscall({clone}, 0x10000000 | 17, 0, 0, 0, 0)  # CLONE_NEWUSER | SIGCHLD\n"
         "if pid == 0:\n    os._exit(0)\n"
         "out['clone'] = -1 if pid < 0 else 'child'\n"
-        "args = (ctypes.c_uint64 * 11)(0x10000000, 0, 0, 0, 17)\n"
-        "out['clone3'] = (libc.syscall({clone3}, args, 88), ctypes.get_errno())\n"
-        "r = subprocess.run(['unshare', '-r', 'id', '-u'], capture_output=True, text=True)\n"
-        "out['tool'] = r.stdout.strip() or 'failed'\n"
+        "args = (ctypes.c_uint64 * 11)(0x10000000, 0, 0, 0, 17)  # struct clone_args\n"
+        "pid = libc.syscall({clone3}, args, 88)\n"
+        "if pid == 0:\n    os._exit(0)\n"
+        "out['clone3'] = (pid, ctypes.get_errno())\n"
         "t = threading.Thread(target=lambda: None)\nt.start()\nt.join()  # glibc falls back to clone\n"
-        "out['thread'] = 'ok'\nprint(out)\n"
+        "out['thread'] = 'ok'\n"
+        "out['unshare'] = libc.unshare(0x10000000)  # last: it would move this process\nprint(out)\n"
     ).format(clone=nr("clone"), clone3=nr("clone3"))
     res = run(code, backend)
     assert res.returncode == 0, res.stderr
