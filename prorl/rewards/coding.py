@@ -16,6 +16,10 @@ names the function):
   "functional"}, ...]` (also under a `tests` or `official_tests` key). Functional inputs are one JSON
   value per line.
 
+The harness's report is checked before use (`code_report`: bytes, weight, depth, types); a report the
+code forged or broke scores 0 with `invalid_report` saying why, and `score` never raises for anything
+the response's code does (only for a bad ground truth or a sandbox that cannot start).
+
 Comparison: stdout equal after stripping trailing spaces on each line and blank lines at the end;
 else token by token with numbers equal within 1e-6 (absolute or relative). Return values equal after
 turning tuples into lists, floats within 1e-6.

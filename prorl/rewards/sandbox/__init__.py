@@ -6,8 +6,13 @@ A run sees a minimal root (`rootfs`): read-only system directories and the Pytho
 other host file, socket or writable directory. Limits apply to the run as a whole through a cgroup
 (`cgroups`: memory.max, pids.max, cpu.max; v2, or v1 on older hosts) where this process can create
 one, and always per process through rlimits (CPU seconds, address space, file size, open files,
-processes of the uid, no core dumps). The environment is emptied (PATH, HOME, LANG); stdout/stderr go
-to size-limited files; on the wall clock the whole run is SIGKILLed; it dies with its starter.
+processes of the uid, no core dumps). The cgroup's memory counts the tmpfs files a run writes as well
+as every process's memory (`Result.memory_peak_bytes` is its own peak). A seccomp filter (`seccomp`),
+installed by the interpreter before any sandboxed code runs, denies keyrings, new user namespaces,
+mounts, ptrace and other kernel surface a judge never needs, on every backend. The environment is
+emptied (PATH, HOME, LANG); stdout/stderr go to size-limited files; on the wall clock the whole run is
+SIGKILLed; it dies with its starter. /proc inside shows no host path: the namespace's pid 1 is
+`timeout` (unshare) or bwrap reading its options from a file, and the run's files are a tmpfs copy.
 
 Backends, picked once per process by trying each in turn (override with PRORL_SANDBOX=unshare|bwrap|none):
 `unshare` (root: the default) util-linux `unshare` gives mount, PID, network, IPC, UTS and cgroup
@@ -19,19 +24,25 @@ code keeps the caller's uid, no capabilities. `none` (nothing else works; logged
 
 What each guarantees (tests/rewards/test_sandbox*.py check it on the backends a machine has):
 
-    mode                      host files  host writes  network, host sockets  whole-run limits
-    unshare, root             none        none         none                   cgroup, else rlimits (1)
-    bwrap / unshare, user     none        none         none                   delegated cgroup, else (1)(2)
-    bwrap run as root         none        none         none                   cgroup, else (1)(3)
-    none                      readable    world-wr.    reachable              cgroup, else (1)(2)
+    mode                   host files  host writes  network, sockets  signals   whole-run limits
+    unshare, root          none        none         none              own pids  cgroup, else rlimits (1)
+    bwrap / unshare, user  none        none         none              own pids  deleg. cgroup, else (1)(2)
+    bwrap run as root      none        none         none              own pids  cgroup, else (1)(3)
+    none                   readable    world-wr.    reachable         (4)       cgroup, else (1)(2)
+
+All modes: the seccomp filter (keyrings, user namespaces, ptrace, ...; none on architectures other
+than x86_64 and aarch64, with a warning), rlimits that the code cannot raise (4: `none` as root keeps
+the code root when the interpreter is hidden from other users, e.g. under /root: then it can raise
+them, and signal or write anything root can, including every process of the machine).
 
 "host files: none" means nothing outside the minimal root (datasets, checkpoints, home directories,
 /run's sockets); "host writes: none": every writable place is a private tmpfs, gone after the run.
 (1) rlimits only: memory per process (`memory_bytes` × up to `nproc` processes), CPU seconds per
 process and the wall clock; a warning is logged when a controller is missing. (2) RLIMIT_NPROC counts
 every process of the calling user. (3) no process limit: uid 0 is exempt from RLIMIT_NPROC.
-Not protected against by any mode: kernel exploits (no seccomp filter: a VM is the answer for hostile
-code), side channels, what the system directories themselves hold (keep data out of /usr).
+Not protected against by any mode: kernel exploits through the syscalls the filter allows (a VM is the
+answer for hostile code), side channels, what the system directories themselves hold (keep data out
+of /usr).
 """
 
 from __future__ import annotations
