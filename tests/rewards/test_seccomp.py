@@ -6,7 +6,9 @@ import re
 import struct
 
 import pytest
+from sandbox_helpers import run
 
+from prorl.rewards import sandbox
 from prorl.rewards.sandbox import seccomp
 
 HEADERS = {
@@ -78,3 +80,11 @@ def test_the_program_denies_what_it_says_and_allows_the_rest(machine):
 
 def test_unknown_architecture_has_no_program():
     assert seccomp.program("riscv64") is None
+
+
+def test_a_filter_the_kernel_refuses_stops_the_sandbox_naming_it(monkeypatch):
+    # fail closed: a run never goes ahead unfiltered because the filter could not be installed
+    bad = struct.pack("=HBBI", 0x07, 0, 0, 0)  # BPF_MISC|TAX, not allowed in a seccomp filter
+    monkeypatch.setattr(sandbox, "_filter_hex", lambda: bad.hex())
+    with pytest.raises(sandbox.SandboxError, match="seccomp filter: Invalid argument"):
+        run("print('ran')", sandbox.backend())

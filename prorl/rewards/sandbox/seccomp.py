@@ -134,5 +134,6 @@ def _seccomp(prog):
     for args in ((38, 1, 0, 0, 0), (22, 2, ctypes.byref(fprog), 0, 0)):  # NO_NEW_PRIVS, SECCOMP filter
         if libc.prctl(*args) != 0:
             e = ctypes.get_errno()
-            raise OSError(e, "cannot install the sandbox's seccomp filter: " + os.strerror(e))
+            why = os.strerror(e) + " (PRORL_SANDBOX_SECCOMP=0 runs without it)"
+            raise OSError(e, "cannot install the sandbox's seccomp filter: " + why)
 """
