@@ -16,6 +16,10 @@ names the function):
   "functional"}, ...]` (also under a `tests` or `official_tests` key). Functional inputs are one JSON
   value per line.
 
+The harness's report is checked before use (`code_report`: bytes, weight, depth, types); a report the
+code forged or broke scores 0 with `invalid_report` saying why, and `score` never raises for anything
+the response's code does (only for a bad ground truth or a sandbox that cannot start).
+
 Comparison: stdout equal after stripping trailing spaces on each line and blank lines at the end;
 else token by token with numbers equal within 1e-6 (absolute or relative). Return values equal after
 turning tuples into lists, floats within 1e-6.
@@ -28,7 +32,7 @@ import math
 import os
 from typing import Any
 
-from prorl.rewards import sandbox
+from prorl.rewards import code_report, sandbox
 from prorl.rewards.extract import final_text, last_code_block
 
 HARNESS = os.path.join(os.path.dirname(__file__), "_code_harness.py")
@@ -153,17 +157,16 @@ def run_tests(
     if res.timed_out:
         return {"score": 0.0, **info}
     try:
-        report = json.loads(res.stdout.decode("utf-8", errors="replace"))
-        results = report["results"]
-    except (ValueError, KeyError, TypeError):
-        return {"score": 0.0, **info, "crashed": True, "stderr": res.stderr.decode(errors="replace")[-500:]}
-    if report.get("compile_error"):
+        report = code_report.parse(res.stdout, len(inputs), mode, code_report.item_budget(outputs))
+    except code_report.InvalidReport as exc:
+        stderr = res.stderr.decode(errors="replace")[-500:]
+        return {"score": 0.0, **info, "crashed": True, "invalid_report": str(exc), "stderr": stderr}
+    results = report["results"]
+    if report["compile_error"]:
         return {"score": 0.0, **info, "compile_error": report["compile_error"]}
     match = stdout_matches if mode == "stdio" else value_matches
     passed = sum(
-        1
-        for r, want in zip(results, outputs)
-        if isinstance(r, dict) and r.get("error") is None and match(r.get("out"), want)
+        1 for r, want in zip(results, outputs) if r.get("error") is None and match(r.get("out"), want)
     )
     info["passed"] = passed
     return {"score": passed / len(inputs), **info}
@@ -174,6 +177,7 @@ def score(response: str, ground_truth: Any, extra: dict | None = None) -> dict:
     if block is None:
         return {"score": 0.0, "format_ok": False}
     lang, code = block
+    code = code.encode("utf-8", "replace").decode("utf-8")  # lone surrogates cannot be written to a file
     if lang not in PYTHON_TAGS:
         return {"score": 0.0, "format_ok": False, "language": lang}
     limit = float((extra or {}).get("time_limit_s") or TIME_LIMIT_S)

@@ -6,6 +6,12 @@ the parent keeps the clock. When an item outlives `timeout_s` its worker is SIGK
 when a worker dies its item is an error and the worker is replaced; either way the batch completes,
 the item scores 0 and is flagged, so the trainer logs `reward/timeout_frac` and `reward/error_frac`.
 
+What counts as an error: only failures of the verifier itself (it raised: a bug, a ground truth it
+cannot read, a sandbox that cannot start; or its worker died). What a response makes happen is never
+an error: the code verifier scores a crash, a timeout inside its sandbox or a forged, malformed,
+oversized or too-deep report 0 with the reason in the item's extras (`prorl.rewards.code_report`), so a
+policy cannot raise `reward/error_frac` at will and the metric stays a signal of the harness's health.
+
 Workers are fresh interpreters started with subprocess (fork+exec, like multiprocessing's "spawn"),
 never a bare fork of the trainer (which holds torch threads and CUDA state); unlike multiprocessing's
 spawn they do not re-import the trainer's `__main__`. They start with the parent's `sys.path`, import

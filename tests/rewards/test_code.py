@@ -96,12 +96,14 @@ def test_time_limit():
     assert score("code", reply(code), STDIO, {"time_limit_s": 1.0}) == 0.0
 
 
+@pytest.mark.tally("attacks")
 def test_code_cannot_see_expected_outputs():
     code = "import sys, os\nprint(open(os.path.join(sys.argv[1], 'tests.json')).read())"
     value, info = score_with_info("code", reply(code), STDIO)
     assert value == 0.0 and info["passed"] == 0
 
 
+@pytest.mark.tally("attacks")
 def test_code_cannot_read_the_dataset_on_the_host(monkeypatch):
     # reward hacking seen in a run: the solution found the (world-readable) dataset file outside the home
     # directory and printed the expected outputs, computing nothing

@@ -43,6 +43,7 @@ def test_runs_and_reads_its_files(backend):
     assert res.backend == backend
 
 
+@pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ALL)
 def test_infinite_loop_is_killed_on_the_wall_clock(backend):
     start = time.monotonic()
@@ -51,6 +52,7 @@ def test_infinite_loop_is_killed_on_the_wall_clock(backend):
     assert time.monotonic() - start < 3
 
 
+@pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ALL)
 def test_memory_bomb_fails_fast(backend):
     res = run("x = bytearray(8 << 30)\nprint('allocated')", backend)
@@ -58,6 +60,7 @@ def test_memory_bomb_fails_fast(backend):
     assert b"MemoryError" in res.stderr
 
 
+@pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ALL)
 def test_environment_secrets_are_not_visible(backend, monkeypatch):
     monkeypatch.setenv("PRORL_TEST_SECRET", "s3cret-value")
@@ -66,6 +69,7 @@ def test_environment_secrets_are_not_visible(backend, monkeypatch):
     assert set(eval(res.stdout.decode())) <= {"PATH", "HOME", "LANG", "PWD", "LC_CTYPE"}
 
 
+@pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ALL)
 def test_big_file_hits_the_file_size_limit(backend):
     limits = sandbox.Limits(wall_s=5.0, file_bytes=1 << 20)
@@ -78,6 +82,7 @@ def test_big_file_hits_the_file_size_limit(backend):
     assert res.returncode != 0  # SIGXFSZ (or EFBIG)
 
 
+@pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ISOLATING)
 def test_filling_the_disk_with_many_files_stays_in_a_small_tmpfs(backend):
     code = (
@@ -107,6 +112,7 @@ print(json.dumps(wrote))
 """
 
 
+@pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ISOLATING)
 def test_writes_to_world_writable_host_dirs_do_not_persist(backend):
     # /var/lock (= /run/lock, on the root disk here) and any other world-writable host directory
@@ -125,6 +131,7 @@ def test_writes_to_world_writable_host_dirs_do_not_persist(backend):
                     os.remove(p)
 
 
+@pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ISOLATING)
 def test_only_private_tmpfs_is_writable(backend):
     # every mount the code sees is read-only, except its private tmpfs (and the kernel's /proc, devices)
@@ -152,6 +159,7 @@ print(json.dumps(seen))
 """
 
 
+@pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ISOLATING)
 def test_host_files_are_not_readable(backend):
     # a dataset with the expected outputs, and another run's checkpoint, world-readable, outside home
@@ -173,6 +181,7 @@ def test_host_files_are_not_readable(backend):
         assert json.loads(res.stdout) == {p: None for p in secrets}
 
 
+@pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ISOLATING)
 def test_root_holds_only_the_minimal_tree(backend):
     code = "import json, os, sys\nprint(json.dumps({d: sorted(os.listdir(d)) for d in sys.argv[2:]}))"
@@ -186,6 +195,7 @@ def test_root_holds_only_the_minimal_tree(backend):
     assert seen["/var"] == ["tmp"] and seen["/run"] == []
 
 
+@pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ISOLATING)
 def test_cannot_remount_or_unmount(backend):
     # no capability is left to the code (as uid 0 of a user namespace, or bwrap run as root), and a
@@ -224,6 +234,7 @@ print(out)
 # -- network, sockets, processes ---------------------------------------------------------------------
 
 
+@pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ISOLATING)
 def test_network_is_unreachable(backend):
     server = socket.socket()
@@ -244,6 +255,7 @@ def test_network_is_unreachable(backend):
         server.close()
 
 
+@pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ISOLATING)
 def test_host_unix_sockets_are_unreachable(backend):
     # a 0666 socket on the host's file system (like /run/docker.sock), and one in the abstract namespace
@@ -285,6 +297,7 @@ for address in sys.argv[2:]:
                 s.close()
 
 
+@pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ISOLATING)
 def test_cannot_kill_the_parent(backend):
     # the host process whose pid the code knows, then its own parent (killing that may end the run)
@@ -308,6 +321,7 @@ def _nproc_bounded(backend):
     return "pids" in cgroups.setup().parents or not ROOT or backend == "unshare"
 
 
+@pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ALL)
 def test_fork_bomb_is_bounded_and_cleaned_up(backend):
     need(backend)
@@ -330,6 +344,7 @@ def test_fork_bomb_is_bounded_and_cleaned_up(backend):
     assert processes_with(marker) == []
 
 
+@pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ALL)
 def test_background_process_does_not_outlive_the_run(backend):
     need(backend)

@@ -57,6 +57,7 @@ def _pss_bytes(pids):
     return total
 
 
+@pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ALL)
 def test_many_processes_share_one_memory_limit(backend):
     need_cgroup("memory")
@@ -103,6 +104,7 @@ print(started, round((time.process_time() - c0) / (time.monotonic() - w0), 3))
 """
 
 
+@pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ALL)
 def test_many_threads_share_one_cpu_limit(backend):
     need_cgroup("cpu")

@@ -6,8 +6,13 @@ A run sees a minimal root (`rootfs`): read-only system directories and the Pytho
 other host file, socket or writable directory. Limits apply to the run as a whole through a cgroup
 (`cgroups`: memory.max, pids.max, cpu.max; v2, or v1 on older hosts) where this process can create
 one, and always per process through rlimits (CPU seconds, address space, file size, open files,
-processes of the uid, no core dumps). The environment is emptied (PATH, HOME, LANG); stdout/stderr go
-to size-limited files; on the wall clock the whole run is SIGKILLed; it dies with its starter.
+processes of the uid, no core dumps). The cgroup's memory counts the tmpfs files a run writes as well
+as every process's memory (`Result.memory_peak_bytes` is its own peak). A seccomp filter (`seccomp`),
+installed by the interpreter before any sandboxed code runs, denies keyrings, new user namespaces,
+mounts, ptrace and other kernel surface a judge never needs, on every backend. The environment is
+emptied (PATH, HOME, LANG); stdout/stderr go to size-limited files; on the wall clock the whole run is
+SIGKILLed; it dies with its starter. /proc inside shows no host path: the namespace's pid 1 is
+`timeout` (unshare) or bwrap reading its options from a file, and the run's files are a tmpfs copy.
 
 Backends, picked once per process by trying each in turn (override with PRORL_SANDBOX=unshare|bwrap|none):
 `unshare` (root: the default) util-linux `unshare` gives mount, PID, network, IPC, UTS and cgroup
@@ -19,19 +24,25 @@ code keeps the caller's uid, no capabilities. `none` (nothing else works; logged
 
 What each guarantees (tests/rewards/test_sandbox*.py check it on the backends a machine has):
 
-    mode                      host files  host writes  network, host sockets  whole-run limits
-    unshare, root             none        none         none                   cgroup, else rlimits (1)
-    bwrap / unshare, user     none        none         none                   delegated cgroup, else (1)(2)
-    bwrap run as root         none        none         none                   cgroup, else (1)(3)
-    none                      readable    world-wr.    reachable              cgroup, else (1)(2)
+    mode                   host files  host writes  network, sockets  signals   whole-run limits
+    unshare, root          none        none         none              own pids  cgroup, else rlimits (1)
+    bwrap / unshare, user  none        none         none              own pids  deleg. cgroup, else (1)(2)
+    bwrap run as root      none        none         none              own pids  cgroup, else (1)(3)
+    none                   readable    world-wr.    reachable         (4)       cgroup, else (1)(2)
+
+All modes: the seccomp filter (keyrings, user namespaces, ptrace, ...; none on architectures other
+than x86_64 and aarch64, with a warning), rlimits that the code cannot raise (4: `none` as root keeps
+the code root when the interpreter is hidden from other users, e.g. under /root: then it can raise
+them, and signal or write anything root can, including every process of the machine).
 
 "host files: none" means nothing outside the minimal root (datasets, checkpoints, home directories,
 /run's sockets); "host writes: none": every writable place is a private tmpfs, gone after the run.
 (1) rlimits only: memory per process (`memory_bytes` × up to `nproc` processes), CPU seconds per
 process and the wall clock; a warning is logged when a controller is missing. (2) RLIMIT_NPROC counts
 every process of the calling user. (3) no process limit: uid 0 is exempt from RLIMIT_NPROC.
-Not protected against by any mode: kernel exploits (no seccomp filter: a VM is the answer for hostile
-code), side channels, what the system directories themselves hold (keep data out of /usr).
+Not protected against by any mode: kernel exploits through the syscalls the filter allows (a VM is the
+answer for hostile code), side channels, what the system directories themselves hold (keep data out
+of /usr).
 """
 
 from __future__ import annotations
@@ -40,6 +51,7 @@ import ctypes
 import functools
 import logging
 import os
+import platform
 import resource
 import select
 import shlex
@@ -50,7 +62,7 @@ import sys
 import time
 from dataclasses import dataclass
 
-from prorl.rewards.sandbox import cgroups, rootfs, tempdirs
+from prorl.rewards.sandbox import cgroups, rootfs, seccomp, tempdirs
 from prorl.rewards.sandbox.rootfs import CODE_DIR, WORK_DIR
 
 log = logging.getLogger(__name__)
@@ -62,13 +74,16 @@ TMP_PREFIX = "prorl-sbx-"
 SETUP_TIMEOUT_S = 30.0  # a sandbox that has not started Python by then is broken
 # tasks a backend runs beside Python: unshare + sh + timeout, bwrap × 2 + timeout
 _HELPERS = {"unshare": 3, "bwrap": 3, "none": 0}
-# Runs inside, as `python -I -c _BOOT <status fd> <user sites> <script> <code dir> args...`: says that
-# Python started (what tells a broken sandbox from failing code), adds the user site, runs the script.
+# Runs inside, as `python -I -c _BOOT <status fd> <filter hex> <user sites> <script> <code dir> args...`:
+# installs the seccomp filter (before any sandboxed code), says that Python started (what tells a broken
+# sandbox from failing code), adds the user site, runs the script.
 _BOOT = (
     "import os, runpy, site, sys\n"
+    + seccomp.INSTALL
+    + "if sys.argv[2]:\n    _seccomp(bytes.fromhex(sys.argv[2]))\n"
     "os.write(int(sys.argv[1]), b'1'); os.close(int(sys.argv[1]))\n"
-    "for d in filter(None, sys.argv[2].split(os.pathsep)): site.addsitedir(d)\n"
-    "sys.argv = sys.argv[3:]\n"
+    "for d in filter(None, sys.argv[3].split(os.pathsep)): site.addsitedir(d)\n"
+    "sys.argv = sys.argv[4:]\n"
     "runpy.run_path(sys.argv[0], run_name='__main__')\n"
 )
 
@@ -100,6 +115,7 @@ class Result:
     backend: str
     cgroup: str = "none"  # the controllers that limited the whole run, e.g. "memory,pids,cpu"
     oom_kills: int = 0  # processes killed for the run's memory limit
+    memory_peak_bytes: int | None = None  # the run's peak by its cgroup's accounting (tmpfs included)
 
 
 # -- backends -------------------------------------------------------------------------------------------
@@ -164,10 +180,34 @@ def backend() -> str:
     return name
 
 
+@functools.cache
+def _filter_hex() -> str:
+    """The seccomp program every run installs, hex-encoded for the interpreter's argv ("" when none)."""
+    if not seccomp.wanted():
+        log.warning("code sandbox: the seccomp filter is turned off by PRORL_SANDBOX_SECCOMP=0")
+        return ""
+    prog = seccomp.program()
+    if prog is None:
+        log.warning(
+            "code sandbox: no seccomp filter for %s (written for %s): sandboxed code can use keyrings "
+            "and create user namespaces",
+            platform.machine(),
+            ", ".join(seccomp.AUDIT_ARCH),
+        )
+        return ""
+    return prog.hex()
+
+
 def describe() -> dict[str, str]:
-    """What this process's sandbox enforces: backend and cgroup controllers (with the reason if some lack)."""
+    """What this process's sandbox enforces: backend, seccomp filter, cgroup controllers (with the reason
+    if some lack)."""
     cg = cgroups.setup()
-    return {"backend": backend(), "cgroup": cg.describe(), "cgroup_missing_reason": cg.reason}
+    return {
+        "backend": backend(),
+        "seccomp": "on" if _filter_hex() else "off",
+        "cgroup": cg.describe(),
+        "cgroup_missing_reason": cg.reason,
+    }
 
 
 # -- one run ----------------------------------------------------------------------------------------------
@@ -206,19 +246,34 @@ def _unshare_command(outer: str, code_dir: str, python: list[str], limits: Limit
     drop = ["setpriv", "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all"]
     if uid is not None:
         drop[1:1] = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
-    # not exec: sh stays the namespace's init (pid 1) and keeps the parent-death signal that
-    # `--kill-child` gave it, which a uid change would clear; when it dies, the kernel kills every
-    # process in the namespace
-    run = [*_own_deadline(limits), *drop, *env, *python]
-    sh.append(f"cd {WORK_DIR} && " + " ".join(shlex.quote(a) for a in run))
+    # pid 1 of the namespace must keep the parent-death signal that `--kill-child` gave it (when pid 1
+    # dies the kernel kills every process in the namespace), which a uid change would clear: sh execs
+    # `timeout` (still root; exec keeps the signal), whose child drops privileges. That also replaces
+    # pid 1's command line, the mount script, by an innocuous one. Without `timeout`, sh stays pid 1.
+    deadline = _own_deadline(limits)
+    run = [*deadline, *drop, *env, *python]
+    sh.append(f"cd {WORK_DIR} && {'exec ' if deadline else ''}" + " ".join(shlex.quote(a) for a in run))
     return [shutil.which("unshare") or "unshare", *_unshare_flags(), "sh", "-c", "\n".join(sh)]
 
 
-def _bwrap_command(code_dir: str, python: list[str], limits: Limits) -> list[str]:
-    cmd = [shutil.which("bwrap") or "bwrap", "--unshare-all", "--die-with-parent", "--new-session"]
-    cmd += ["--cap-drop", "ALL", *rootfs.bwrap_args(rootfs.plan(code_dir, limits.tmpfs_bytes))]
-    cmd += ["--chdir", WORK_DIR, "--clearenv", "--setenv", "PATH", SAFE_PATH, "--setenv", "HOME", WORK_DIR]
-    return [*cmd, "--setenv", "LANG", "C.UTF-8", "--", *_own_deadline(limits), *python]
+def _bwrap_command(outer: str, code_dir: str, python: list[str], limits: Limits, fds: list[int]):
+    """bwrap's command line; its options go in a file it reads (`--args`), so that the command line of
+    the namespace's pid 1 (bwrap) does not spell out the host paths it mounts. Descriptors bwrap must
+    inherit are appended to `fds`."""
+
+    def open_fd(path: str) -> int:
+        fds.append(os.open(path, os.O_RDONLY))
+        return fds[-1]
+
+    opts = ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
+    opts += rootfs.bwrap_args(rootfs.plan(code_dir, limits.tmpfs_bytes), open_fd)
+    opts += ["--chdir", WORK_DIR, "--clearenv", "--setenv", "PATH", SAFE_PATH, "--setenv", "HOME", WORK_DIR]
+    opts += ["--setenv", "LANG", "C.UTF-8"]
+    path = os.path.join(outer, "bwrap-args")
+    with open(path, "wb") as f:
+        f.write(b"".join(a.encode() + b"\0" for a in opts))
+    args_fd = open_fd(path)
+    return [shutil.which("bwrap") or "bwrap", "--args", str(args_fd), "--", *_own_deadline(limits), *python]
 
 
 def _own_deadline(limits: Limits) -> list[str]:
@@ -316,14 +371,16 @@ def run_python(
         started_r, status = os.pipe()  # Python writes one byte to `status` when it runs inside
         inner = code_dir if name == "none" else CODE_DIR
         sites = os.pathsep.join(rootfs.user_sites())
-        python = [sys.executable, "-I", "-c", _BOOT, str(status), sites, f"{inner}/{script}", inner, *args]
+        python = [sys.executable, "-I", "-c", _BOOT, str(status), _filter_hex(), sites]
+        python += [f"{inner}/{script}", inner, *args]
         drop_in_preexec = None
         cwd = outer
+        inherit = [status]  # descriptors the sandbox's first process inherits
         try:
             if name == "unshare":
                 argv = _unshare_command(outer, code_dir, python, limits, uid)
             elif name == "bwrap":
-                argv = _bwrap_command(code_dir, python, limits)
+                argv = _bwrap_command(outer, code_dir, python, limits, inherit)
             else:
                 argv, cwd = python, os.path.join(outer, "work")
                 drop_in_preexec = _none_workdir(cwd, uid)
@@ -332,8 +389,8 @@ def run_python(
                 pids = limits.nproc + _HELPERS[name]
                 cgroup = cgroups.Cgroup(setup, limits.memory_bytes, pids, limits.cpu_cores)
         except (rootfs.LayoutError, OSError) as exc:
-            os.close(status)
-            os.close(started_r)
+            for fd in (*inherit, started_r):
+                os.close(fd)
             raise SandboxError(f"cannot set up the `{name}` sandbox: {exc}") from exc
         out_path, err_path = os.path.join(outer, "stdout"), os.path.join(outer, "stderr")
         start = time.monotonic()
@@ -348,14 +405,15 @@ def run_python(
                     env={"PATH": SAFE_PATH + ":/usr/sbin:/sbin"},
                     start_new_session=True,
                     close_fds=True,
-                    pass_fds=(status,),
+                    pass_fds=inherit,
                     preexec_fn=_preexec(limits, drop_in_preexec, cgroup),
                 )
             except (OSError, subprocess.SubprocessError) as exc:
                 os.close(started_r)
                 raise SandboxError(f"cannot start the `{name}` sandbox ({argv[0]}): {exc}") from exc
             finally:
-                os.close(status)
+                for fd in inherit:
+                    os.close(fd)
             started = _python_started(started_r, SETUP_TIMEOUT_S)
             timed_out = False
             try:
@@ -389,6 +447,7 @@ def run_python(
             name,
             ",".join(setup.parents) or "none",
             cgroup.oom_kills() if cgroup else 0,
+            cgroup.memory_peak() if cgroup else None,
         )
     finally:
         if cgroup is not None:

@@ -236,6 +236,19 @@ class Cgroup:
             pass
         return 0
 
+    def memory_peak(self) -> int | None:
+        """The most memory the run's cgroup held at once, by the kernel's own accounting (anonymous
+        memory and the tmpfs files of every process in it): v1 `memory.max_usage_in_bytes`, v2
+        `memory.peak` (Linux 5.19+). None without a memory cgroup or that file."""
+        key = self.setup.parents.get("memory")
+        if key is None or key not in self.dirs:
+            return None
+        name = "memory.peak" if key[0] == "v2" else "memory.max_usage_in_bytes"
+        try:
+            return int(_read(os.path.join(self.dirs[key], name)).split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
     def remove(self) -> None:
         """SIGKILL everything inside, wait until empty, remove the directories (a warning if it cannot)."""
         for d in self.dirs.values():

@@ -6,7 +6,8 @@ Visible inside, and nothing else of the host:
   installation wherever it lives: sys.prefix / base_prefix / exec_prefix, the directory of every hop on
   the executable's symlink chain, the directories of its shared libraries and those of lib-dynload (ldd),
   and the user site directory when this process uses one;
-- read-only at /sandbox/code: the run's own files;
+- read-only at /sandbox/code: a copy of the run's own files on a tmpfs of its own (so that
+  /proc/self/mountinfo names no host path that is not visible at the same place inside);
 - private and size-limited (tmpfs): /tmp (the working directory is /tmp/work), /var/tmp, /dev/shm;
 - a minimal /dev (null, zero, full, random, urandom), a /proc of the sandbox's own PID namespace,
   empty /run and /var (so /var/lock, /run/lock and the host's sockets do not exist).
@@ -44,7 +45,8 @@ class LayoutError(RuntimeError):
 
 @dataclass(frozen=True)
 class Mount:
-    kind: str  # "ro" (read-only bind of `source`), "symlink" (to `source`), "tmpfs", "dir", "proc", "dev"
+    kind: str  # "ro" (read-only bind of `source`), "copy" (of directory `source`, read-only), "symlink"
+    # (to `source`), "tmpfs", "dir", "proc", "dev"
     target: str
     source: str = ""
     size: int = 0  # tmpfs bytes
@@ -125,7 +127,11 @@ def plan(code_dir: str, tmpfs_bytes: int) -> list[Mount]:
             mounts.append(Mount("symlink", d, os.readlink(d)))
         elif os.path.isdir(d):
             mounts.append(Mount("ro", d, d))
-    mounts += [Mount("ro", f, os.path.realpath(f)) for f in ETC_FILES if os.path.exists(f)]
+    for f in ETC_FILES:  # a link to a file under /usr (zoneinfo) stays a link: no bind of a host path
+        real = os.path.realpath(f)
+        if os.path.exists(f):
+            under_usr = os.path.islink(f) and _inside(real, "/usr") and not os.path.islink("/usr")
+            mounts.append(Mount("symlink", f, real) if under_usr else Mount("ro", f, real))
     mounts += [Mount("proc", "/proc"), Mount("dev", "/dev")]
     mounts += [Mount("tmpfs", d, size=tmpfs_bytes) for d in SCRATCH]
     mounts.append(Mount("dir", "/run"))
@@ -136,8 +142,14 @@ def plan(code_dir: str, tmpfs_bytes: int) -> list[Mount]:
                 f"({', '.join(OWN_PATHS)}); install Python elsewhere"
             )
         mounts.append(Mount("ro", p, p))
-    mounts += [Mount("ro", CODE_DIR, code_dir), Mount("dir", WORK_DIR)]
+    mounts += [Mount("copy", CODE_DIR, code_dir, size=_copy_bytes(code_dir)), Mount("dir", WORK_DIR)]
     return mounts
+
+
+def _copy_bytes(directory: str) -> int:
+    """A tmpfs size that holds a copy of the files in `directory` (whole pages, plus room for inodes)."""
+    sizes = [os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)]
+    return sum(-(-n // 4096) * 4096 for n in sizes) + (64 << 10)
 
 
 def shell_script(mounts: list[Mount], new_root: str, work_owner: int | None) -> list[str]:
@@ -164,6 +176,10 @@ def shell_script(mounts: list[Mount], new_root: str, work_owner: int | None) -> 
             holder[0 if m.kind != "ro" or os.path.isdir(m.source) else 1].append(t)
         if m.kind == "ro":
             steps.append((f"mount --bind -o ro,nosuid,nodev {q(m.source)} {t}", None))
+            fresh[m.target] = None
+        elif m.kind == "copy":
+            steps.append((f"mount -t tmpfs -o size={m.size},mode=755,nosuid,nodev tmpfs {t}", None))
+            steps.append((f"cp -R {q(m.source)}/. {t}/ && mount -o remount,ro,nosuid,nodev tmpfs {t}", None))
             fresh[m.target] = None
         elif m.kind == "tmpfs":
             steps.append((f"mount -t tmpfs -o size={m.size},mode=1777,nosuid,nodev tmpfs {t}", m.target))
@@ -199,14 +215,21 @@ def shell_script(mounts: list[Mount], new_root: str, work_owner: int | None) -> 
     return sh
 
 
-def bwrap_args(mounts: list[Mount]) -> list[str]:
-    """bubblewrap options that build the same root."""
+def bwrap_args(mounts: list[Mount], open_fd) -> list[str]:
+    """bubblewrap options that build the same root; `open_fd(path)` opens a file whose content bwrap
+    copies in (the files of a "copy" mount) and returns its descriptor."""
     args = []
     for m in mounts:
         if m.kind == "symlink":
             args += ["--symlink", m.source, m.target]
         elif m.kind == "ro":
             args += ["--ro-bind", m.source, m.target]
+        elif m.kind == "copy":
+            args += ["--perms", "0755", "--size", str(m.size), "--tmpfs", m.target]
+            for name in sorted(os.listdir(m.source)):
+                fd = open_fd(os.path.join(m.source, name))
+                args += ["--perms", "0644", "--file", str(fd), f"{m.target}/{name}"]
+            args += ["--remount-ro", m.target]
         elif m.kind == "tmpfs":
             args += ["--perms", "1777", "--size", str(m.size), "--tmpfs", m.target]
         elif m.kind == "dir":
