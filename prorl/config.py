@@ -78,6 +78,12 @@ class ModelConfig:
         "FP8 scaling: torchao tensorwise|rowwise; te delayed|current|mxfp8 (auto: tensorwise / current)",
         tuple(dict.fromkeys(r for rs in FP8_RECIPES.values() for r in rs)),
     )
+    fp8_emulate: bool | str = _f(
+        "auto",
+        "torchao: quantise as FP8 but multiply in high precision (auto: on the CPU only; false: the real "
+        "torch._scaled_mm everywhere, slow on the CPU but what a GPU runs)",
+        ("auto", True, False),
+    )
 
 
 @dataclass

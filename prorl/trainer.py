@@ -77,7 +77,7 @@ class Trainer:
                 f"model.fp8={cfg.model.fp8} needs FSDP2, which needs a process group: launch with torchrun "
                 "(--nproc_per_node=1 is fine)"
             )
-        self.fp8 = FP8Training(cfg.model.fp8, cfg.model.fp8_recipe, fsdp=self.fsdp)
+        self.fp8 = FP8Training.of(cfg.model, fsdp=self.fsdp)
         self.policy, self.reference, self.sampler_model = self._build_models()
         # before any forward: FSDP2 leaves the root unsharded after one (engine.optim reshards anyway)
         total = max(cfg.trainer.total_steps * cfg.trainer.mini_batches, 1)
