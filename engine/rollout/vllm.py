@@ -394,10 +394,12 @@ class VLLMGenerator(Generator):
         """The same log-probs from prorl's Decoder `model` (the trainer's computation), fp32 [L-1]."""
         from prorl.kernels import linear_logprob_entropy
 
-        device = model.lm_head_weight.device
-        ids = torch.tensor(self.probe_ids, device=device)
-        labels = torch.cat([ids[1:], ids.new_full((1,), -100)])
-        logp, _ = linear_logprob_entropy(model(ids), model.lm_head_weight, labels, return_entropy=False)
+        ids = torch.tensor(self.probe_ids, device=model.lm_head_weight.device)
+        # the forward runs where the model computes, which is not where its weights are stored under FSDP2
+        # with CPU offload (shards on the CPU, inputs moved to the GPU): the labels go where hidden is
+        hidden = model(ids)
+        labels = torch.cat([ids[1:], ids.new_full((1,), -100)]).to(hidden.device)
+        logp, _ = linear_logprob_entropy(hidden, model.lm_head_weight, labels, return_entropy=False)
         from ..parallel import reshard
 
         reshard(model)  # FSDP2 leaves the root unsharded after a forward: back to the registered shards
