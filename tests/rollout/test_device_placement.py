@@ -6,10 +6,9 @@ tests/gpu/test_gpu_rules.py runs the real FSDP2 offload on a GPU."""
 
 import types
 
+import prorl.kernels
 import torch
 from torch import nn
-
-import prorl.kernels
 
 V, D = 11, 4
 
@@ -54,4 +53,3 @@ def test_weight_probe_builds_its_labels_where_the_model_computes(monkeypatch):
     engine = types.SimpleNamespace(probe_ids=[3, 1, 4, 1, 5, 9, 2, 6])  # what the probe reads of the engine
     logp = VLLMGenerator.reference_probe_logprobs(engine, OffloadedModel())
     assert calls == [{"meta"}] and logp.shape == (7,) and logp.device.type == "cpu"
-
