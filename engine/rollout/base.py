@@ -55,7 +55,13 @@ class Rollouts:
 
 class Generator:
     """Interface: `generate(prompt_token_ids, params) -> Rollouts`, `update_weights(named_tensors)`,
-    `close()` (release the engine; before the caller tears down its process group)."""
+    `close()` (release the engine; before the caller tears down its process group).
+
+    `schedules_batch`: the engine batches and schedules requests itself within its own KV-cache budget
+    (vLLM's continuous batching): callers hand it every prompt they have, not chunks sized to a KV cache;
+    its `generate` then also takes `progress=callable(done, total)`, called as requests finish."""
+
+    schedules_batch = False
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> Rollouts:
         raise NotImplementedError

@@ -207,6 +207,8 @@ class VLLMGenerator(Generator):
         **engine_kwargs: any other `vllm.LLM` / EngineArgs keyword.
     """
 
+    schedules_batch = True  # continuous batching within its KV cache: give it every prompt at once
+
     def __init__(
         self,
         model_path: str,
@@ -284,7 +286,9 @@ class VLLMGenerator(Generator):
         self._warned_truncation = False
 
     # ---------------------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> Rollouts:
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, progress=None) -> Rollouts:
+        """Samples of every prompt (module docstring). progress: called as (finished, total) requests
+        whenever a request finishes (one request per sample)."""
         if not prompt_token_ids or any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("generate: every prompt needs at least one token")
         if (
@@ -321,7 +325,9 @@ class VLLMGenerator(Generator):
                         detokenize=False,
                     )
                 )
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        outputs = self.llm.generate(
+            prompts, sampling, use_tqdm=_progress_bar(progress) if progress else False
+        )
         samples = []
         for r, out in enumerate(outputs):
             c = out.outputs[0]
@@ -476,6 +482,22 @@ class VLLMGenerator(Generator):
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()
+
+
+def _progress_bar(progress):
+    """A tqdm factory for `LLM.generate(use_tqdm=...)` that draws nothing and reports each update (vLLM
+    updates its bar once per finished request) to progress(done, total)."""
+    import io
+
+    from tqdm import tqdm
+
+    class Reporting(tqdm):
+        def update(self, n=1):
+            shown = super().update(n)
+            progress(self.n, self.total)  # (iterating a bar, as vLLM's "Adding requests", calls no update)
+            return shown
+
+    return lambda *args, **kwargs: Reporting(*args, **{**kwargs, "file": io.StringIO()})
 
 
 def _has_head_dtype(vllm) -> bool:
