@@ -110,7 +110,11 @@ class RolloutConfig:
     top_k: int = _f(-1, "top-k sampling (-1: off)")
     max_response_tokens: int = _f(8192, "response budget (recipe §1: 8192 in v2)")
     max_response_schedule: dict[int, int] = _f(dict, "step -> response budget (a context-length schedule)")
-    gpu_memory_utilization: float = _f(0.5, "vLLM: fraction of GPU memory for weights and KV cache")
+    gpu_memory_utilization: float | str = _f(
+        "auto",
+        "vLLM: fraction of GPU memory for its weights and KV cache (auto: what the colocated trainer leaves, "
+        "at most 0.9; prorl/rollout_budget.py)",
+    )
     tensor_parallel_size: int = _f(1, "vLLM tensor parallelism (one process only; not under torchrun)")
 
 
@@ -391,6 +395,8 @@ def validate(cfg: Config) -> None:
         (r.temperature >= 0, "rollout.temperature must be >= 0"),
         (0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]"),
         (r.max_response_tokens >= 1, "rollout.max_response_tokens must be >= 1"),
+        (r.gpu_memory_utilization == "auto" or isinstance(r.gpu_memory_utilization, float)
+         and 0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization must be auto or in (0, 1]"),
         (a.eps_low >= 0 and a.eps_high >= 0, "algorithm.eps_low/high must be >= 0"),
         (a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip must be > 1"),
         (a.kl_coef >= 0, "algorithm.kl_coef must be >= 0"),

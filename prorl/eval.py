@@ -137,8 +137,9 @@ def host_chunk_size(k: int, max_new: int, host_memory_gib: float | None = None) 
     as many as the host can hold the k samples of, at most `max_new` tokens each. host_memory_gib None: a
     quarter of the memory available now, shared by this node's ranks (torchrun's LOCAL_WORLD_SIZE)."""
     if host_memory_gib is None:
-        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        budget = available / 4 / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+        from prorl.engine.rollout.base import host_available_bytes
+
+        budget = host_available_bytes() / 4 / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
     else:
         budget = host_memory_gib * 2**30
     return max(1, int(budget // (k * max_new * HOST_BYTES_PER_TOKEN)))

@@ -37,7 +37,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from prorl import algorithm, packing
+from prorl import algorithm, packing, rollout_budget
 from prorl.config import Config, check_world
 from prorl.data import stop_token_ids
 from prorl.engine.fp8 import FP8Training, fp8_layers
@@ -171,7 +171,7 @@ class Trainer:
             deterministic=self.cfg.trainer.deterministic,
             sleep=self.device.type == "cuda",  # training and sampling share the GPU
             tensor_parallel_size=r.tensor_parallel_size,
-            gpu_memory_utilization=r.gpu_memory_utilization,
+            gpu_memory_utilization=rollout_budget.gpu_fraction(self.cfg, self.policy, self.backend),
             max_model_len=self.cfg.data.max_prompt_tokens
             + max([r.max_response_tokens, *r.max_response_schedule.values()]),
         )

@@ -13,7 +13,21 @@ quantity the trainer recomputes, so their difference measures sampler/trainer dr
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+
+
+def host_available_bytes() -> int:
+    """Memory the host can give now without swapping: /proc/meminfo's MemAvailable (free + reclaimable
+    page cache), else the free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass

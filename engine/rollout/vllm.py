@@ -247,6 +247,7 @@ class VLLMGenerator(Generator):
             dtype = str(dtype).removeprefix("torch.")
         if kv_cache_memory_bytes is not None:
             engine_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        engine_kwargs.setdefault("disable_log_stats", False)  # its counters give the preemptions
         if fp32_head and dtype not in ("float32", "auto") and _has_head_dtype(vllm):
             overrides = dict(engine_kwargs.get("hf_overrides") or {})
             engine_kwargs["hf_overrides"] = {"head_dtype": "float32", **overrides}
@@ -284,6 +285,7 @@ class VLLMGenerator(Generator):
         self.probe_ids = torch.randint(0, vocab, (PROBE_LENGTH,), generator=g).tolist()
         self._last_check: tuple[torch.Tensor, torch.Tensor] | None = None  # (engine, reference) probe
         self._warned_truncation = False
+        self.preemptions = 0  # requests vLLM preempted so far (KV cache full), `preempted_since_last`
 
     # ---------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, progress=None) -> Rollouts:
@@ -328,6 +330,15 @@ class VLLMGenerator(Generator):
         outputs = self.llm.generate(
             prompts, sampling, use_tqdm=_progress_bar(progress) if progress else False
         )
+        preempted = self.preempted_since_last()
+        if preempted:
+            warnings.warn(
+                f"VLLMGenerator: vLLM preempted {preempted} of {len(prompts)} requests in this call (its KV "
+                f"cache of {self.kv_capacity_tokens()} tokens was full; their KV is recomputed): a larger "
+                "gpu_memory_utilization or fewer concurrent samples avoids it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         samples = []
         for r, out in enumerate(outputs):
             c = out.outputs[0]
@@ -344,6 +355,23 @@ class VLLMGenerator(Generator):
                 )
             )
         return Rollouts(samples)
+
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the engine's KV cache holds (its blocks x block size; None where the engine did not say)."""
+        cache = self.llm.llm_engine.vllm_config.cache_config
+        blocks = getattr(cache, "num_gpu_blocks", None)
+        return blocks * cache.block_size if blocks else None
+
+    def preempted_since_last(self) -> int:
+        """Requests preempted since the last call (vLLM's `vllm:num_preemptions` counter, summed over its
+        engines); 0 where this vLLM keeps no such counter."""
+        try:
+            metrics = self.llm.get_metrics()
+        except Exception:  # no V1 metrics, stat logging off: the count is a diagnostic, never a failure
+            return 0
+        total = int(sum(m.value for m in metrics if m.name == "vllm:num_preemptions"))
+        new, self.preemptions = total - self.preemptions, total
+        return new
 
     # ---------------------------------------------------------------------------------------------
     def update_weights(self, named_tensors, *, reference=None) -> dict | None:
