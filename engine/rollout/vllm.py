@@ -358,7 +358,7 @@ class VLLMGenerator(Generator):
 
     def kv_capacity_tokens(self) -> int | None:
         """Tokens the engine's KV cache holds (its blocks x block size; None where the engine did not say)."""
-        cache = self.llm.llm_engine.vllm_config.cache_config
+        cache = getattr(getattr(self.llm.llm_engine, "vllm_config", None), "cache_config", None)
         blocks = getattr(cache, "num_gpu_blocks", None)
         return blocks * cache.block_size if blocks else None
 
