@@ -16,8 +16,12 @@ Backends:
 - torchao (`torchao.float8.convert_to_float8_training`, torchao 0.18): dynamic scaling, `tensorwise`
   (one scale per tensor, e4m3 forward, e5m2 gradients; FSDP2 all-gathers the weights in FP8) or `rowwise`
   (a scale per row, e4m3 throughout, power-of-2 scales). Runs on the CPU too: the tests run the real
-  `torch._scaled_mm` of torch 2.13's CPU build at small shapes, training runs emulate it (`emulate`
-  below). No global state: torch's activation checkpointing and `torch.compile` compose with it.
+  `torch._scaled_mm` of torch 2.13's CPU build at small shapes under CUDA's shape and dtype rules
+  (tests/helpers/scaled_mm_standin.py), training runs emulate it (`emulate` below, `model.fp8_emulate`).
+  CUDA's FP8 GEMM needs mat1's inner dim and both dims of mat2 divisible by 16: only such layers are
+  converted, and the trainer pads packed batches to `token_multiple` tokens (the weight-gradient GEMM has
+  the token count as its inner dim). No global state: torch's activation checkpointing and
+  `torch.compile` compose with it.
 - te (Transformer Engine >= 2.9, H100/H200): `te.pytorch.Linear` under `te.pytorch.autocast(enabled=,
   recipe=)` with `delayed` (DelayedScaling, HYBRID), `current` (Float8CurrentScaling, HYBRID) or `mxfp8`
   (MXFP8BlockScaling, Blackwell only: TE refuses it on sm_90). TE's FP8 GEMMs need the product of an
