@@ -24,7 +24,7 @@ sleeps while the policy trains and gets the weights pushed and checked after eac
 
 Cost. The log-prob passes pack each group's prompt once with its n responses attending to it (packing.py)
 and split the work into micro-batches of at most `trainer.micro_batch_tokens` tokens (gradient
-accumulation). With one mini-batch per step the old-policy pass is skipped: old_logp = logp.detach().
+accumulation). The old-policy pass skips the first mini-batch's groups: there old_logp = logp.detach().
 """
 
 from __future__ import annotations

@@ -117,14 +117,8 @@ class NativeGenerator(Generator):
         """Peak bytes of the KV cache of one `generate` call of `num_prompts` prompts x n samples, at most
         `seq_len` tokens each: K and V of every layer [rows, Hkv, seq_len, hd], allocated at once, plus up
         to 3/4 of it again while the rows are compacted (the new cache is built before the old one goes)."""
-        cfg = self.model.config
-        per_token = (
-            2
-            * cfg.num_layers
-            * cfg.num_kv_heads
-            * cfg.head_dim
-            * self.model.embed_tokens.weight.element_size()
-        )
+        cfg, elem = self.model.config, self.model.embed_tokens.weight.element_size()
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem  # K and V, every layer
         return int(1.75 * num_prompts * n * seq_len * per_token)
 
     def free_bytes(self) -> int:
