@@ -189,7 +189,7 @@ class TrainerConfig:
     micro_batch_tokens: int = _f(
         16384, "tokens per forward/backward (a longer sequence goes alone; <=0: no limit)"
     )
-    recompute_old_logp: bool = _f(False, "mini-batch 1's old_logp is logp.detach(); true recomputes it")
+    recompute_old_logp: bool = _f(False, "first mini-batch: old_logp = logp.detach(); true recomputes it")
     share_prompts: bool = _f(True, "each prompt through the model once per group (prorl/packing.py)")
     save_every: int = _f(50, "checkpoint every N steps (0: none; the final HF export is always written)")
     keep_last: int = _f(2, "complete checkpoints kept")
