@@ -32,7 +32,8 @@ from __future__ import annotations
 import torch
 
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz)
-_ORIGINAL = torch._scaled_mm
+# the kernel the checks wrap (also when this module is imported again after `install`)
+_ORIGINAL = getattr(torch._scaled_mm, "unchecked", torch._scaled_mm)
 
 
 class CudaRuleError(RuntimeError):
@@ -140,6 +141,9 @@ def checked_scaled_mm(
         out_dtype=out_dtype,
         use_fast_accum=use_fast_accum,
     )
+
+
+checked_scaled_mm.unchecked = _ORIGINAL
 
 
 def patch(monkeypatch) -> None:
