@@ -33,6 +33,10 @@ HEADROOM_BYTES = 3 * GiB  # CUDA context, NCCL communicators (created at the fir
 MAX_AUTO_FRACTION = 0.9
 
 
+def _size(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
 def round_prompts(cfg, world: int) -> int:
     """Prompts of one rank's largest sampling round (prorl/sampling.py `GroupSampler.collect`)."""
     need = max(cfg.trainer.prompts_per_step // world, 1)
@@ -53,8 +57,8 @@ def check_native(cfg, world: int, generator) -> str:
     prompts = round_prompts(cfg, world)
     need, free = generator.cache_bytes(prompts, cfg.rollout.n, seq_len), generator.free_bytes()
     line = (
-        f"native sampler: a sampling round's KV cache is {need / GiB:.1f} GiB ({sequences} sequences x "
-        f"{seq_len} tokens) of {free / GiB:.1f} GiB free"
+        f"native sampler: a sampling round's KV cache is {_size(need)} ({sequences} sequences x "
+        f"{seq_len} tokens) of {_size(free)} free"
     )
     if need > free:
         fit = max(int(prompts * free / need), 0)
