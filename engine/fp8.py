@@ -16,8 +16,12 @@ Backends:
 - torchao (`torchao.float8.convert_to_float8_training`, torchao 0.18): dynamic scaling, `tensorwise`
   (one scale per tensor, e4m3 forward, e5m2 gradients; FSDP2 all-gathers the weights in FP8) or `rowwise`
   (a scale per row, e4m3 throughout, power-of-2 scales). Runs on the CPU too: the tests run the real
-  `torch._scaled_mm` of torch 2.13's CPU build at small shapes, training runs emulate it (`emulate`
-  below). No global state: torch's activation checkpointing and `torch.compile` compose with it.
+  `torch._scaled_mm` of torch 2.13's CPU build at small shapes under CUDA's shape and dtype rules
+  (tests/helpers/scaled_mm_standin.py), training runs emulate it (`emulate` below, `model.fp8_emulate`).
+  CUDA's FP8 GEMM needs mat1's inner dim and both dims of mat2 divisible by 16: only such layers are
+  converted, and the trainer pads packed batches to `token_multiple` tokens (the weight-gradient GEMM has
+  the token count as its inner dim). No global state: torch's activation checkpointing and
+  `torch.compile` compose with it.
 - te (Transformer Engine >= 2.9, H100/H200): `te.pytorch.Linear` under `te.pytorch.autocast(enabled=,
   recipe=)` with `delayed` (DelayedScaling, HYBRID), `current` (Float8CurrentScaling, HYBRID) or `mxfp8`
   (MXFP8BlockScaling, Blackwell only: TE refuses it on sm_90). TE's FP8 GEMMs need the product of an
@@ -174,8 +178,9 @@ class FP8Training:
         recipe: "auto" (torchao: tensorwise; TE: current) or one of `RECIPES[backend]`.
         fsdp: the model will be sharded with FSDP2: torchao's tensorwise recipe then all-gathers the
             weights in FP8 (`enable_fsdp_float8_all_gather`, half the bytes of bf16).
-        emulate: torchao only: quantise as FP8 training does, then run the GEMM on the dequantised
-            operands in high precision instead of `torch._scaled_mm`. None: on CPU models. torch 2.13's CPU
+        emulate: torchao only (`model.fp8_emulate`): quantise as FP8 training does, then run the GEMM on
+            the dequantised operands in high precision instead of `torch._scaled_mm`. None or "auto": on
+            CPU models. torch 2.13's CPU
             `_scaled_mm` is a slow reference kernel (docs/notes.md: seconds for a GEMM bf16 does in a
             millisecond), and the emulation gives the same outputs and input gradients and weight
             gradients within one bf16 ulp (tests/engine/test_fp8.py), so CPU runs emulate and the tests
@@ -185,10 +190,20 @@ class FP8Training:
     backend: str = "none"
     recipe: str = "auto"
     fsdp: bool = False
-    emulate: bool | None = None
+    emulate: bool | str | None = None
 
     def __post_init__(self):
         self.recipe = resolve_recipe(self.backend, self.recipe)
+        if self.emulate == "auto":  # model.fp8_emulate
+            self.emulate = None
+        if self.emulate not in (None, True, False):
+            raise ValueError(f"FP8 emulate must be auto, true or false, got {self.emulate!r}")
+
+    @classmethod
+    def of(cls, model_config, fsdp: bool = False) -> FP8Training:
+        """From a model config's `fp8`, `fp8_recipe` and `fp8_emulate` (prorl.config.ModelConfig)."""
+        m = model_config
+        return cls(m.fp8, m.fp8_recipe, fsdp=fsdp, emulate=getattr(m, "fp8_emulate", None))
 
     @property
     def enabled(self) -> bool:
@@ -200,13 +215,18 @@ class FP8Training:
 
     @property
     def weight_multiple(self) -> int:
-        """Both dims of a converted layer's weight must be multiples of this (TE: 16, MXFP8: 32)."""
-        return {"te": 32 if self.recipe == "mxfp8" else 16}.get(self.backend, 1)
+        """Both dims of a converted layer's weight must be multiples of this (TE: 16, MXFP8: 32; torchao:
+        16, CUDA's `torch._scaled_mm` rule on mat2, which is the weight in the forward)."""
+        return {"te": 32 if self.recipe == "mxfp8" else 16, "torchao": 16}.get(self.backend, 1)
 
     @property
     def token_multiple(self) -> int:
-        """Packed token counts are padded to a multiple of this (TE's rule on the GEMM's leading dims;
-        16 rather than 8 so that the backward's transposed GEMMs, where N is the last dim, qualify too)."""
+        """Packed token counts are padded to a multiple of this. TE: its rule on the GEMM's leading dims,
+        16 rather than 8 so that the backward's transposed GEMMs, where N is the last dim, qualify too.
+        torchao: CUDA's `_scaled_mm` needs mat1's trailing dim and both dims of mat2 divisible by 16, and
+        the weight-gradient GEMM `grad_out.t() @ input` has the token count as its inner dim. Padding the
+        packed batch (at most 15 ignored tokens per pass) is cheaper than torchao's `pad_inner_dim`, which
+        copies both FP8 operands of every GEMM whose inner dim is not aligned (three GEMMs per Linear)."""
         return self.weight_multiple
 
     def linear_names(self, model: nn.Module) -> list[str]:

@@ -78,6 +78,12 @@ class ModelConfig:
         "FP8 scaling: torchao tensorwise|rowwise; te delayed|current|mxfp8 (auto: tensorwise / current)",
         tuple(dict.fromkeys(r for rs in FP8_RECIPES.values() for r in rs)),
     )
+    fp8_emulate: bool | str = _f(
+        "auto",
+        "torchao: quantise as FP8 but multiply in high precision (auto: on the CPU only; false: the real "
+        "torch._scaled_mm everywhere, slow on the CPU but what a GPU runs)",
+        ("auto", True, False),
+    )
 
 
 @dataclass
@@ -104,7 +110,11 @@ class RolloutConfig:
     top_k: int = _f(-1, "top-k sampling (-1: off)")
     max_response_tokens: int = _f(8192, "response budget (recipe §1: 8192 in v2)")
     max_response_schedule: dict[int, int] = _f(dict, "step -> response budget (a context-length schedule)")
-    gpu_memory_utilization: float = _f(0.5, "vLLM: fraction of GPU memory for weights and KV cache")
+    gpu_memory_utilization: float | str = _f(
+        "auto",
+        "vLLM: fraction of GPU memory for its weights and KV cache (auto: what the colocated trainer leaves, "
+        "at most 0.9; prorl/rollout_budget.py)",
+    )
     tensor_parallel_size: int = _f(1, "vLLM tensor parallelism (one process only; not under torchrun)")
 
 
@@ -179,7 +189,7 @@ class TrainerConfig:
     micro_batch_tokens: int = _f(
         16384, "tokens per forward/backward (a longer sequence goes alone; <=0: no limit)"
     )
-    recompute_old_logp: bool = _f(False, "with one mini-batch old_logp = logp.detach(); true recomputes it")
+    recompute_old_logp: bool = _f(False, "first mini-batch: old_logp = logp.detach(); true recomputes it")
     share_prompts: bool = _f(True, "each prompt through the model once per group (prorl/packing.py)")
     save_every: int = _f(50, "checkpoint every N steps (0: none; the final HF export is always written)")
     keep_last: int = _f(2, "complete checkpoints kept")
@@ -385,6 +395,8 @@ def validate(cfg: Config) -> None:
         (r.temperature >= 0, "rollout.temperature must be >= 0"),
         (0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]"),
         (r.max_response_tokens >= 1, "rollout.max_response_tokens must be >= 1"),
+        (r.gpu_memory_utilization == "auto" or isinstance(r.gpu_memory_utilization, float)
+         and 0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization must be auto or in (0, 1]"),
         (a.eps_low >= 0 and a.eps_high >= 0, "algorithm.eps_low/high must be >= 0"),
         (a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip must be > 1"),
         (a.kl_coef >= 0, "algorithm.kl_coef must be >= 0"),

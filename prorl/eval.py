@@ -126,6 +126,39 @@ def _chunk_size(model, k: int, seq_len: int, kv_cache_gib: float) -> int:
     return max(1, int(kv_cache_gib * 2**30 // (k * seq_len * per_token)))
 
 
+# Host memory per sampled token while a call's results are held: a finished vLLM request keeps the token
+# id, a {token: Logprob} dict and the Logprob (~650 bytes in CPython 3.11 by sys.getsizeof), plus the
+# Sample's own lists; rounded up.
+HOST_BYTES_PER_TOKEN = 1024
+
+
+def host_chunk_size(k: int, max_new: int, host_memory_gib: float | None = None) -> int:
+    """Prompts per generate call for an engine that schedules its own batch (vLLM, `schedules_batch`):
+    as many as the host can hold the k samples of, at most `max_new` tokens each. host_memory_gib None: a
+    quarter of the memory available now, shared by this node's ranks (torchrun's LOCAL_WORLD_SIZE)."""
+    if host_memory_gib is None:
+        from prorl.engine.rollout.base import host_available_bytes
+
+        budget = host_available_bytes() / 4 / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    else:
+        budget = host_memory_gib * 2**30
+    return max(1, int(budget // (k * max_new * HOST_BYTES_PER_TOKEN)))
+
+
+def _progress_log(log, total_prompts: int, start: float):
+    """A `progress(done, total)` callback (finished requests of one generate call) that logs every tenth."""
+    last = [-1]
+
+    def progress(done: int, total: int) -> None:
+        tenth = 10 * done // max(total, 1)
+        if tenth != last[0]:
+            last[0] = tenth
+            elapsed = time.time() - start
+            log(f"eval: {done}/{total} samples finished ({total_prompts} prompts, {elapsed:.0f} s)")
+
+    return progress
+
+
 def evaluate(
     model_path: str | None,
     examples: list[data.Example],
@@ -140,7 +173,8 @@ def evaluate(
     device: str | None = None,
     dtype: str | None = None,
     kv_cache_gib: float = 2.0,
-    prompts_per_generate: int = 64,
+    prompts_per_generate: int | None = None,
+    host_memory_gib: float | None = None,
     correct_threshold: float = 1.0,
     model=None,
     tokenizer=None,
@@ -162,8 +196,11 @@ def evaluate(
         generator: a `prorl.engine.rollout.Generator` to sample with (the trainer's, native or vLLM);
             default a `NativeGenerator` over `model`.
         dtype: "float32" | "bfloat16" | None (None: float32 on the CPU, the checkpoint's dtype on CUDA).
-        kv_cache_gib, prompts_per_generate: a generate call takes at most `prompts_per_generate` prompts,
-            fewer when their KV cache would pass `kv_cache_gib`; scoring overlaps the next call.
+        kv_cache_gib, prompts_per_generate: a generate call takes at most `prompts_per_generate` prompts
+            (None: 64), fewer when their KV cache would pass `kv_cache_gib`; scoring overlaps the next call.
+            A generator that schedules its own batch (vLLM: `schedules_batch`) manages its KV cache: it is
+            given every prompt the host can hold the samples of (`host_chunk_size`, `host_memory_gib`;
+            `prompts_per_generate` still caps it when given) and logs progress per finished request.
         log: called with progress lines (None: silent).
         partial_on_interrupt: a KeyboardInterrupt during generation stops it and returns what was generated,
             scored (`interrupted` True); else it propagates.
@@ -205,7 +242,11 @@ def evaluate(
     max_new = min(max_tokens, context - longest)
     if prompts and max_new < 1:
         raise ValueError(f"the longest prompt ({longest} tokens) fills the model's context ({context})")
-    chunk = min(prompts_per_generate, _chunk_size(model, k, longest + max_new, kv_cache_gib))
+    engine_batches = getattr(generator, "schedules_batch", False)
+    if engine_batches:
+        chunk = min(prompts_per_generate or len(prompts) or 1, host_chunk_size(k, max_new, host_memory_gib))
+    else:
+        chunk = min(prompts_per_generate or 64, _chunk_size(model, k, longest + max_new, kv_cache_gib))
     settings = dict(
         model=model_path,
         backend=backend,
@@ -256,7 +297,11 @@ def evaluate(
                     stop_token_ids=stops,
                     seed=seed + lo,
                 )
-                out = generator.generate(prompts[lo : lo + chunk], params)
+                batch = prompts[lo : lo + chunk]
+                if engine_batches:
+                    out = generator.generate(batch, params, progress=_progress_log(log, len(batch), start))
+                else:
+                    out = generator.generate(batch, params)
                 chunk_records = []
                 for s in out.samples:
                     i = kept[lo + s.prompt_index]

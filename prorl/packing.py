@@ -250,6 +250,7 @@ class MiniBatch:
 
     normalizer: torch.Tensor
     passes: list[MicroBatch | None]  # this rank's; may be empty where other ranks have tokens
+    groups: tuple[int, int] = (0, 0)  # this rank's groups [g0, g1) in it
 
     @property
     def empty(self) -> bool:
@@ -298,7 +299,7 @@ def plan_update(
         lo, hi = batch.resp_cu[g0 * n], batch.resp_cu[g1 * n]
         local = loss_normalizer(agg, batch.mask[lo:hi], batch.cu[g0 * n : g1 * n + 1] - lo, max_new)
         normalizer = all_reduce(local, what=f"mini-batch {m}'s loss normaliser").float()
-        out.append(MiniBatch(normalizer, []))
+        out.append(MiniBatch(normalizer, [], (g0, g1)))
         if float(normalizer) > 0:  # else no response token in this mini-batch on any rank: nothing to do
             out[-1].passes = plan_passes(batch, g0, g1, budget=budget, share=share, even=even)
     return out

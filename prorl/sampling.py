@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from prorl import algorithm
+from prorl import algorithm, rollout_budget
 from prorl.config import ConfigError
 from prorl.data import dropped_by_source, encode_prompts
 from prorl.engine.parallel import all_reduce, watchdog
@@ -76,6 +76,9 @@ class GroupSampler:
             pps, n = cfg.trainer.prompts_per_step, cfg.rollout.n
             self.scheduler = PromptScheduler(cfg.scheduler, len(self.kept), n, pps, cfg.seed)
         self.carry: list[Group] = []  # kept groups beyond this step's need, used first next step
+        budget = rollout_budget.report(cfg, world, generator)  # native: refuses a round that cannot fit
+        if rank == 0 and budget:
+            print(f"prorl: rollout: {budget}")
         self.reward_time = 0.0  # seconds spent verifying since the last reset of this counter
 
     # -- data -------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ sleeps while the policy trains and gets the weights pushed and checked after eac
 
 Cost. The log-prob passes pack each group's prompt once with its n responses attending to it (packing.py)
 and split the work into micro-batches of at most `trainer.micro_batch_tokens` tokens (gradient
-accumulation). With one mini-batch per step the old-policy pass is skipped: old_logp = logp.detach().
+accumulation). The old-policy pass skips the first mini-batch's groups: there old_logp = logp.detach().
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from prorl import algorithm, packing
+from prorl import algorithm, packing, rollout_budget
 from prorl.config import Config, check_world
 from prorl.data import stop_token_ids
 from prorl.engine.fp8 import FP8Training, fp8_layers
@@ -77,7 +77,7 @@ class Trainer:
                 f"model.fp8={cfg.model.fp8} needs FSDP2, which needs a process group: launch with torchrun "
                 "(--nproc_per_node=1 is fine)"
             )
-        self.fp8 = FP8Training(cfg.model.fp8, cfg.model.fp8_recipe, fsdp=self.fsdp)
+        self.fp8 = FP8Training.of(cfg.model, fsdp=self.fsdp)
         self.policy, self.reference, self.sampler_model = self._build_models()
         # before any forward: FSDP2 leaves the root unsharded after one (engine.optim reshards anyway)
         total = max(cfg.trainer.total_steps * cfg.trainer.mini_batches, 1)
@@ -171,7 +171,7 @@ class Trainer:
             deterministic=self.cfg.trainer.deterministic,
             sleep=self.device.type == "cuda",  # training and sampling share the GPU
             tensor_parallel_size=r.tensor_parallel_size,
-            gpu_memory_utilization=r.gpu_memory_utilization,
+            gpu_memory_utilization=rollout_budget.gpu_fraction(self.cfg, self.policy, self.backend),
             max_model_len=self.cfg.data.max_prompt_tokens
             + max([r.max_response_tokens, *r.max_response_schedule.values()]),
         )
@@ -313,12 +313,12 @@ class Trainer:
             ((logp.float().sum() + ent.float().sum()) * 0.0).backward()
 
     @torch.no_grad()
-    def response_logprobs(self, model, batch: StepBatch) -> torch.Tensor:
-        """Log-probs of every response token of the step under `model`, micro-batched: fp32 [R] (no grad)."""
+    def response_logprobs(self, model, batch: StepBatch, first_group: int = 0) -> torch.Tensor:
+        """Log-probs of the response tokens under `model`, micro-batched: fp32 [R], 0 before first_group."""
         model.eval()
         out = torch.zeros(batch.resp_cu[-1], dtype=torch.float32, device=self.device)
         plan = dict(budget=self.cfg.trainer.micro_batch_tokens, share=self.share, even=self.fsdp)
-        for micro in packing.plan_passes(batch, 0, len(batch.groups), **plan):
+        for micro in packing.plan_passes(batch, first_group, len(batch.groups), **plan):
             if micro is None:
                 self.dummy_pass(model, grad=False)
             else:
@@ -340,24 +340,15 @@ class Trainer:
     def update(self, batch: StepBatch, max_new: int, acc: StepAccumulator) -> dict[str, float]:
         """Advantages, reference (and old) log-probs, then M mini-batch updates, each micro-batched.
 
-        pi_old: for groups sampled this step, with one mini-batch the policy that is differentiated is the
-        one that sampled them and old_logp = logp.detach() exactly, so the no-grad pass is skipped (TRL and
-        verl do the same); with M > 1 the later mini-batches are off-policy and old_logp is recomputed.
+        pi_old: for groups sampled this step, the first mini-batch differentiates the policy that sampled
+        them and old_logp = logp.detach() exactly, so the no-grad pass skips them (TRL and verl do the same
+        with one mini-batch); the later mini-batches are off-policy and their old_logp is recomputed.
         Carried-over groups use the log-probs recorded before the previous step's update. A rank may hold
         no group: it still takes part in every collective. Returns the phase timings."""
         cfg, a, timing, t0 = self.cfg, self.cfg.algorithm, {}, self._clock()
         adv = self.advantages(batch)
         token_adv = batch.per_token(adv)
-        on_policy = cfg.trainer.mini_batches == 1 and not cfg.trainer.recompute_old_logp
-        old = None
-        if not on_policy:
-            old = torch.where(batch.carried, batch.stored_old, self.response_logprobs(self.policy, batch))
-        timing["timing_s/old_logp"], t0 = self._clock() - t0, self._clock()
-        with watchdog().phase(f"step {self.step_count + 1}, reference log-probs"):
-            ref = self.response_logprobs(self.reference, batch)
-        timing["timing_s/ref"], t0 = self._clock() - t0, self._clock()
-        self.policy.train()
-        t = cfg.trainer
+        t, old = cfg.trainer, None
         minis = packing.plan_update(
             batch,
             mini_batches=t.mini_batches,
@@ -367,6 +358,15 @@ class Trainer:
             max_new=max_new,
             even=self.fsdp,
         )
+        first = 0 if t.recompute_old_logp else minis[0].groups[1]  # mini-batch 0: logp.detach()
+        if t.mini_batches > 1 or t.recompute_old_logp:
+            fresh = self.response_logprobs(self.policy, batch, first)
+            old = torch.where(batch.carried, batch.stored_old, fresh)
+        timing["timing_s/old_logp"], t0 = self._clock() - t0, self._clock()
+        with watchdog().phase(f"step {self.step_count + 1}, reference log-probs"):
+            ref = self.response_logprobs(self.reference, batch)
+        timing["timing_s/ref"], t0 = self._clock() - t0, self._clock()
+        self.policy.train()
         norms = 0.0
         for m, mini in enumerate(minis):
             if mini.empty:  # no response token in this mini-batch on any rank (a rank with none still steps)
@@ -377,7 +377,7 @@ class Trainer:
                     continue
                 logp, ent = self.logprobs(self.policy, micro.packed, grad=True, entropy=True)
                 s, e = micro.lo, micro.hi
-                if old is None:
+                if old is None or (m == 0 and first):
                     old_mb = torch.where(batch.carried[s:e], batch.stored_old[s:e], logp.detach().float())
                 else:
                     old_mb = old[s:e]

@@ -13,7 +13,21 @@ quantity the trainer recomputes, so their difference measures sampler/trainer dr
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+
+
+def host_available_bytes() -> int:
+    """Memory the host can give now without swapping: /proc/meminfo's MemAvailable (free + reclaimable
+    page cache), else the free physical pages."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass
@@ -55,7 +69,13 @@ class Rollouts:
 
 class Generator:
     """Interface: `generate(prompt_token_ids, params) -> Rollouts`, `update_weights(named_tensors)`,
-    `close()` (release the engine; before the caller tears down its process group)."""
+    `close()` (release the engine; before the caller tears down its process group).
+
+    `schedules_batch`: the engine batches and schedules requests itself within its own KV-cache budget
+    (vLLM's continuous batching): callers hand it every prompt they have, not chunks sized to a KV cache;
+    its `generate` then also takes `progress=callable(done, total)`, called as requests finish."""
+
+    schedules_batch = False
 
     def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> Rollouts:
         raise NotImplementedError

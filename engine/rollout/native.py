@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from ..attention import make_context
 from ..model.decoder import Decoder
 from ..model.rope import apply_rope, rope_cos_sin
-from .base import Generator, Rollouts, Sample, SamplingParams
+from .base import Generator, Rollouts, Sample, SamplingParams, host_available_bytes
 
 _MASK32 = 0xFFFFFFFF
 
@@ -112,6 +112,21 @@ class NativeGenerator(Generator):
             if name not in params:
                 raise KeyError(f"update_weights: the model has no parameter {name!r}")
             params[name].copy_(value)
+
+    def cache_bytes(self, num_prompts: int, n: int, seq_len: int) -> int:
+        """Peak bytes of the KV cache of one `generate` call of `num_prompts` prompts x n samples, at most
+        `seq_len` tokens each: K and V of every layer [rows, Hkv, seq_len, hd], allocated at once, plus up
+        to 3/4 of it again while the rows are compacted (the new cache is built before the old one goes)."""
+        cfg, elem = self.model.config, self.model.embed_tokens.weight.element_size()
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem  # K and V, every layer
+        return int(1.75 * num_prompts * n * seq_len * per_token)
+
+    def free_bytes(self) -> int:
+        """Memory free now where the cache would go: the GPU's (cudaMemGetInfo), or the host's available."""
+        device = self.model.embed_tokens.weight.device
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[0]
+        return host_available_bytes()
 
     # ---------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -207,6 +207,8 @@ class VLLMGenerator(Generator):
         **engine_kwargs: any other `vllm.LLM` / EngineArgs keyword.
     """
 
+    schedules_batch = True  # continuous batching within its KV cache: give it every prompt at once
+
     def __init__(
         self,
         model_path: str,
@@ -245,6 +247,7 @@ class VLLMGenerator(Generator):
             dtype = str(dtype).removeprefix("torch.")
         if kv_cache_memory_bytes is not None:
             engine_kwargs["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        engine_kwargs.setdefault("disable_log_stats", False)  # its counters give the preemptions
         if fp32_head and dtype not in ("float32", "auto") and _has_head_dtype(vllm):
             overrides = dict(engine_kwargs.get("hf_overrides") or {})
             engine_kwargs["hf_overrides"] = {"head_dtype": "float32", **overrides}
@@ -282,9 +285,12 @@ class VLLMGenerator(Generator):
         self.probe_ids = torch.randint(0, vocab, (PROBE_LENGTH,), generator=g).tolist()
         self._last_check: tuple[torch.Tensor, torch.Tensor] | None = None  # (engine, reference) probe
         self._warned_truncation = False
+        self.preemptions = 0  # requests vLLM preempted so far (KV cache full), `preempted_since_last`
 
     # ---------------------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> Rollouts:
+    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, progress=None) -> Rollouts:
+        """Samples of every prompt (module docstring). progress: called as (finished, total) requests
+        whenever a request finishes (one request per sample)."""
         if not prompt_token_ids or any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("generate: every prompt needs at least one token")
         if (
@@ -321,7 +327,18 @@ class VLLMGenerator(Generator):
                         detokenize=False,
                     )
                 )
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        outputs = self.llm.generate(
+            prompts, sampling, use_tqdm=_progress_bar(progress) if progress else False
+        )
+        preempted = self.preempted_since_last()
+        if preempted:
+            warnings.warn(
+                f"VLLMGenerator: vLLM preempted {preempted} of {len(prompts)} requests in this call (its KV "
+                f"cache of {self.kv_capacity_tokens()} tokens was full; their KV is recomputed): a larger "
+                "gpu_memory_utilization or fewer concurrent samples avoids it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         samples = []
         for r, out in enumerate(outputs):
             c = out.outputs[0]
@@ -338,6 +355,23 @@ class VLLMGenerator(Generator):
                 )
             )
         return Rollouts(samples)
+
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the engine's KV cache holds (its blocks x block size; None where the engine did not say)."""
+        cache = getattr(getattr(self.llm.llm_engine, "vllm_config", None), "cache_config", None)
+        blocks = getattr(cache, "num_gpu_blocks", None)
+        return blocks * cache.block_size if blocks else None
+
+    def preempted_since_last(self) -> int:
+        """Requests preempted since the last call (vLLM's `vllm:num_preemptions` counter, summed over its
+        engines); 0 where this vLLM keeps no such counter."""
+        try:
+            metrics = self.llm.get_metrics()
+        except Exception:  # no V1 metrics, stat logging off: the count is a diagnostic, never a failure
+            return 0
+        total = int(sum(m.value for m in metrics if m.name == "vllm:num_preemptions"))
+        new, self.preemptions = total - self.preemptions, total
+        return new
 
     # ---------------------------------------------------------------------------------------------
     def update_weights(self, named_tensors, *, reference=None) -> dict | None:
@@ -394,10 +428,12 @@ class VLLMGenerator(Generator):
         """The same log-probs from prorl's Decoder `model` (the trainer's computation), fp32 [L-1]."""
         from prorl.kernels import linear_logprob_entropy
 
-        device = model.lm_head_weight.device
-        ids = torch.tensor(self.probe_ids, device=device)
-        labels = torch.cat([ids[1:], ids.new_full((1,), -100)])
-        logp, _ = linear_logprob_entropy(model(ids), model.lm_head_weight, labels, return_entropy=False)
+        ids = torch.tensor(self.probe_ids, device=model.lm_head_weight.device)
+        # the forward runs where the model computes, which is not where its weights are stored under FSDP2
+        # with CPU offload (shards on the CPU, inputs moved to the GPU): the labels go where hidden is
+        hidden = model(ids)
+        labels = torch.cat([ids[1:], ids.new_full((1,), -100)]).to(hidden.device)
+        logp, _ = linear_logprob_entropy(hidden, model.lm_head_weight, labels, return_entropy=False)
         from ..parallel import reshard
 
         reshard(model)  # FSDP2 leaves the root unsharded after a forward: back to the registered shards
@@ -474,6 +510,22 @@ class VLLMGenerator(Generator):
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if core is not None:
             core.shutdown()
+
+
+def _progress_bar(progress):
+    """A tqdm factory for `LLM.generate(use_tqdm=...)` that draws nothing and reports each update (vLLM
+    updates its bar once per finished request) to progress(done, total)."""
+    import io
+
+    from tqdm import tqdm
+
+    class Reporting(tqdm):
+        def update(self, n=1):
+            shown = super().update(n)
+            progress(self.n, self.total)  # (iterating a bar, as vLLM's "Adding requests", calls no update)
+            return shown
+
+    return lambda *args, **kwargs: Reporting(*args, **{**kwargs, "file": io.StringIO()})
 
 
 def _has_head_dtype(vllm) -> bool:

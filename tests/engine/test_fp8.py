@@ -8,6 +8,7 @@ import copy
 import dataclasses
 
 import pytest
+import scaled_mm_standin
 import torch
 from dist_helpers import TINY_QWEN2, packed_batch, random_decoder, rank_slice, run_ranks, train_step
 from prorl.engine import parallel
@@ -33,6 +34,12 @@ BLOCK_CFG = dataclasses.replace(
     TINY_QWEN2, hidden_size=128, intermediate_size=256, num_heads=8, num_kv_heads=4, head_dim=16, num_layers=1
 )
 OPT = OptimizerConfig(lr=1e-3)
+
+
+@pytest.fixture(autouse=True)
+def cuda_scaled_mm_rules(monkeypatch):
+    """Every `torch._scaled_mm` call here must be one CUDA accepts (tests/helpers/scaled_mm_standin.py)."""
+    scaled_mm_standin.patch(monkeypatch)
 
 
 def _forward_backward(model, dtype):
@@ -178,6 +185,7 @@ def test_compiled_converted_blocks_match_eager():
 def _fsdp_worker(rank, world, tmp):
     """FSDP2 over gloo: bf16 against FP8 (all-gather in FP8 and not, with checkpointing); then a DCP
     checkpoint of the FP8 run, its resume into fresh models, a reset's exact copy, export and push."""
+    scaled_mm_standin.install()  # a spawned process: the test's monkeypatch does not reach it
     out = {}
     models = {}
     for name, fp8_backend, all_gather, ac in (
@@ -191,10 +199,9 @@ def _fsdp_worker(rank, world, tmp):
         )
         opt = Optimizer(model, OPT)
         losses = []
-        for step in range(3):
-            losses.append(
-                float(parallel.all_reduce_sum(train_step(model, opt, step, rank_slice(rank, world))))
-            )
+        for step in range(3):  # each rank's batch padded to 16 tokens, as the trainer pads (CUDA's rule)
+            loss = train_step(model, opt, step, rank_slice(rank, world), pad_multiple=fp8.token_multiple)
+            losses.append(float(parallel.all_reduce_sum(loss)))
             fp8.after_optimizer_step(model)
         out[name] = losses
         models[name] = (model, opt, fp8)
@@ -222,7 +229,7 @@ def _fsdp_worker(rank, world, tmp):
         again = parallel.full_state_dict(fresh, cpu_offload=True)
         out[name] = all(torch.equal(again[k], full[k]) for k in full) and set(again) == set(full)
         if backend == "torchao":
-            next_loss = [float(parallel.all_reduce_sum(train_step(m, o, 3, rank_slice(rank, world))))
+            next_loss = [float(parallel.all_reduce_sum(train_step(m, o, 3, rank_slice(rank, world), 16)))
                          for m, o in ((model, opt), (fresh, fresh_opt))]  # fmt: skip
             out["next_losses"] = next_loss
             fp8.after_optimizer_step(model)  # as the trainer does after every step: scales of the new weights

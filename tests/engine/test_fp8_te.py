@@ -6,6 +6,7 @@ import dataclasses
 import sys
 
 import pytest
+import scaled_mm_standin
 import te_standin
 import torch
 from dist_helpers import TINY_QWEN2, packed_batch, random_decoder, run_ranks
@@ -23,6 +24,12 @@ BLOCK_LINEARS = [
     for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
     + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 ]
+
+
+@pytest.fixture(autouse=True)
+def cuda_scaled_mm_rules(monkeypatch):
+    """TE runs its own GEMMs; a `torch._scaled_mm` call from here must still be one CUDA accepts."""
+    scaled_mm_standin.patch(monkeypatch)
 
 
 @pytest.fixture

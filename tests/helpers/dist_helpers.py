@@ -41,15 +41,21 @@ def random_decoder(seed: int = 0, cfg: ModelConfig = TINY_QWEN2) -> Decoder:
     return model
 
 
-def packed_batch(step: int, seqs: slice | None = None, vocab: int = TINY_QWEN2.vocab_size):
+def packed_batch(
+    step: int, seqs: slice | None = None, vocab: int = TINY_QWEN2.vocab_size, pad_multiple: int = 1
+):
     """(input_ids [N], cu_seqlens [B+1] int32, labels [N]) of sequences `seqs` of step's global batch.
 
-    labels[i] = the next token of the same sequence, -100 at each sequence's last token.
+    labels[i] = the next token of the same sequence, -100 at each sequence's last token. pad_multiple:
+    a sequence of token 0 with labels -100 is appended to make N a multiple of it (FP8 GEMMs on CUDA).
     """
     gen = torch.Generator().manual_seed(1000 + step)
     ids = [torch.randint(0, vocab, (n,), generator=gen) for n in LENGTHS]
     ids = ids[seqs] if seqs is not None else ids
+    pad = -sum(len(s) for s in ids) % pad_multiple
     labels = [torch.cat([s[1:], torch.tensor([-100])]) for s in ids]
+    if pad:
+        ids, labels = ids + [torch.zeros(pad, dtype=torch.long)], labels + [torch.full((pad,), -100)]
     cu = torch.tensor([0, *torch.tensor([len(s) for s in ids]).cumsum(0).tolist()], dtype=torch.int32)
     return torch.cat(ids), cu, torch.cat(labels)
 
@@ -58,10 +64,10 @@ def global_token_count(step: int) -> int:
     return sum(n - 1 for n in LENGTHS)
 
 
-def train_step(model, optimizer, step: int, seqs: slice | None = None) -> torch.Tensor:
+def train_step(model, optimizer, step: int, seqs: slice | None = None, pad_multiple: int = 1) -> torch.Tensor:
     """One optimizer step; loss = -sum(logp of this rank's tokens) / GLOBAL token count (the kernels'
     normalizer convention), so the per-rank losses sum to the single-process loss. Returns the loss."""
-    ids, cu, labels = packed_batch(step, seqs)
+    ids, cu, labels = packed_batch(step, seqs, pad_multiple=pad_multiple)
     hidden = model(ids, cu_seqlens=cu)
     logp, _ = linear_logprob_entropy(hidden, model.lm_head_weight, labels, return_entropy=False)
     loss = -logp.float().sum() / global_token_count(step)

