@@ -151,6 +151,7 @@ def run_step(step: Step, logs: str, left_s: float, say: Callable) -> Row:
         proc = subprocess.Popen(
             step.cmd, cwd=ROOT, env=step_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
+        _RUNNING.append(proc)
         try:
             rc = proc.wait(timeout=limit)
             timed_out = False
@@ -158,6 +159,8 @@ def run_step(step: Step, logs: str, left_s: float, say: Callable) -> Row:
             timed_out = True
             _kill_group(proc)
             rc = proc.returncode
+        finally:
+            _RUNNING.remove(proc)
     seconds = time.monotonic() - t0
     if timed_out:
         status, note = "TIMEOUT", f"ran past its {limit:.0f} s limit"
@@ -171,6 +174,16 @@ def run_step(step: Step, logs: str, left_s: float, say: Callable) -> Row:
             for line in f.read().splitlines()[-TAIL_LINES:]:
                 say(f"    | {line[:300]}")
     return Row(step.name, status, seconds, note)
+
+
+_RUNNING: list[subprocess.Popen] = []  # the step running now (its own session: killed as a group)
+
+
+def _stop(signum, frame) -> None:
+    """SIGTERM / SIGINT of the runner (the device tool's limit, ^C): the running step's processes go too."""
+    for proc in list(_RUNNING):
+        _kill_group(proc)
+    raise SystemExit(128 + signum)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -240,8 +253,6 @@ def no_gpu(why: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    from benchmarks.gpu.plan import install_steps, plan
-
     t0 = time.monotonic()
     end = t0 + float(os.environ.get("GPU_CHECK_DEADLINE", DEADLINE_S))
     python = os.environ.get("PYTHON", sys.executable)
@@ -255,6 +266,17 @@ def main(argv: list[str]) -> int:
         )
     results = results_dir(argv)
     os.makedirs(results, exist_ok=True)
+    previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _run(results, env, python, end, t0)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _run(results: str, env: dict, python: str, end: float, t0: float) -> int:
+    from benchmarks.gpu.plan import install_steps, plan
+
     say = Output(os.path.join(results, "gpu_check.log"))
     say("=== machine:", json.dumps(env))
     smi = [
@@ -262,7 +284,8 @@ def main(argv: list[str]) -> int:
         "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
         "--format=csv,noheader",
     ]
-    say(subprocess.run(smi, capture_output=True, text=True, check=False).stdout.strip())
+    if shutil.which("nvidia-smi"):
+        say(subprocess.run(smi, capture_output=True, text=True, check=False).stdout.strip())
     installed = run_steps(install_steps(python), results, end, say)
     if any(r.status != "ok" for r in installed):
         say("gpu_check: the install failed (logs/install.log): nothing else can run")

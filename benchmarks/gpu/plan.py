@@ -70,9 +70,10 @@ def plan(python: str, env: dict, results: str) -> list[Step]:
         Step("attention", 60, _pytest(python, results, "attention", "tests/engine/test_attention.py",
                                       "-k", "cuda or flex_eager or flash_matches"),
              "SDPA and FlexAttention forward and backward on CUDA (flash-attn: not installable here)"),
-        Step("main_job", 70, [python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                              "prorl/train.py", f"output_dir={RUNS}/default", "trainer.total_steps=30",
-                              "trainer.val_every=30", "trainer.save_every=0"],
+        # a warm machine keeps an earlier call's run directory: start afresh
+        Step("main_job", 70, ["bash", "-c", f"rm -rf {RUNS}/default && exec {python} -m torch.distributed.run"
+                              f" --standalone --nproc_per_node=1 prorl/train.py output_dir={RUNS}/default"
+                              " trainer.total_steps=30 trainer.val_every=30 trainer.save_every=0"],
              "the embedded default on cuda:0, 30 of its 150 steps (accuracy before/after)"),
         Step("ppo_loss", 45, [*bench, "ppo_loss", "--device", "cuda", "--reps", "20", "--warmup", "3",
                               "--out", f"{results}/ppo_loss.csv"], "ppo_loss rows on CUDA"),

@@ -69,7 +69,7 @@ def launch(out: str, overrides: list[str], log_path: str) -> float:
     print(text[-4000:], flush=True)
     if rc != 0:
         raise CheckFailed(f"train.py exited {rc} after {seconds:.0f} s (log {log_path})")
-    return seconds
+    return round(seconds, 1)
 
 
 def rows(run_dir: str) -> list[dict]:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import types
 
 from benchmarks.gpu import check, plan
 
@@ -92,3 +93,31 @@ def test_the_plan_names_files_that_exist_and_says_why_it_skips(tmp_path):
     install = plan.install_steps(sys.executable)
     assert install[0].name == "install" and "--no-index" in install[0].cmd[-1]
     json.dumps([vars(s) for s in steps])  # the plan is plain data
+
+
+def test_main_runs_install_then_plan_and_writes_the_summary(tmp_path, monkeypatch):
+    """The whole runner on a pretend GPU machine: the probe's answer, the install and the plan replaced."""
+    monkeypatch.setattr(check, "glob", types.SimpleNamespace(glob=lambda pattern: ["/dev/nvidia0"]))
+    monkeypatch.setattr(check, "PROBE", "import json; print(json.dumps({'cuda': True, 'torch': 'pretend'}))")
+    monkeypatch.setattr(
+        plan, "install_steps", lambda python: [check.Step("install", 10, _py("print(1)"), "i")]
+    )
+    steps = [check.Step("good", 10, _py("print('fine')"), "g"), check.Step("bad", 10, _py("exit(4)"), "b")]
+    monkeypatch.setattr(plan, "plan", lambda python, env, results: steps)
+    out = tmp_path / "out"
+    assert check.main([str(out)]) == 1
+    saved = json.loads((out / "gpu_check_summary.json").read_text())
+    assert saved["machine"]["torch"] == "pretend"
+    assert [(r["name"], r["status"]) for r in saved["rows"]] == [
+        ("install", "ok"),
+        ("good", "ok"),
+        ("bad", "FAIL"),
+    ]
+    assert "| bad | FAIL |" in (out / "gpu_check_summary.md").read_text()
+    assert "=== summary" in (out / "gpu_check.log").read_text()
+    steps.pop()
+    assert check.main([str(tmp_path / "again")]) == 0
+    failing_install = [check.Step("install", 10, _py("exit(1)"), "i")]
+    monkeypatch.setattr(plan, "install_steps", lambda python: failing_install)
+    assert check.main([str(tmp_path / "third")]) == 1
+    assert not (tmp_path / "third" / "logs" / "good.log").exists()  # nothing runs after a failed install
