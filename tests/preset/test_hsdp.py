@@ -7,7 +7,8 @@ shards, against plain FSDP2 over the same 4 ranks. What a user moving from one n
 - a 2 x 2 run that stopped after its step-1 checkpoint resumes from it (DCP of the 2-D-sharded model
   and optimizer, the prompt scheduler's record, the samples carried over) and continues as the
   uninterrupted 1-D run did;
-- the 2-D mesh is row-major (each shard group is consecutive ranks: one node's, under torchrun).
+- the 2-D mesh is row-major (each shard group is consecutive ranks: one node's, under torchrun), and
+  the disk-space check before a save counts a replicated shard once, as DCP writes it.
 
 Each rank runs `prorl.train.main`, the command line's own code, three times in one process: 1-D for 2
 steps; 2 x 2 for 1 step (saved); 2 x 2 resumed to 2 steps.
@@ -63,17 +64,25 @@ def _runs(rank, world, tmp, ckpt, train, val):
 
 
 def _mesh_layout():
-    """This rank's place in the 2 x 2 mesh, its shard group, and the error for 3 replicas of 4 ranks."""
-    from prorl.engine.parallel import data_parallel_mesh
+    """This rank's place in the 2 x 2 mesh, its shard group, the error for 3 replicas of 4 ranks, and the
+    bytes a checkpoint's disk-space check expects from all ranks, 1-D and 2 x 2 (DCP writes a replicated
+    shard once)."""
+    from dist_helpers import random_decoder
+    from prorl.engine import checkpoint, parallel
 
-    mesh = data_parallel_mesh(2)
+    mesh = parallel.data_parallel_mesh(2)
     try:
-        data_parallel_mesh(3)
+        parallel.data_parallel_mesh(3)
         error = None
     except ValueError as exc:
         error = str(exc)
-    shard = mesh["dp_shard"]
-    return mesh.mesh_dim_names, mesh.get_coordinate(), shard.mesh.tolist(), error
+    save_bytes = {}
+    for replicate in (1, 2):
+        model = parallel.parallelize(random_decoder(), dp_replicate=replicate)
+        save_bytes[replicate] = parallel.all_reduce_sum(float(checkpoint._tensor_bytes(model.state_dict())))
+    unsharded = sum(v.numel() * v.element_size() for v in random_decoder().state_dict().values())
+    layout = mesh.mesh_dim_names, mesh.get_coordinate(), mesh["dp_shard"].mesh.tolist(), error
+    return layout, save_bytes, unsharded
 
 
 def step_rows(run_dir) -> dict[int, dict]:
@@ -104,7 +113,8 @@ def test_two_by_two_hsdp_equals_flat_fsdp2_and_resumes(preset, tmp_path):
     ckpt, train, val = preset
     res = run_ranks(_runs, tmp_path, str(tmp_path), ckpt, train, val, world=4, init=False, timeout_s=600)
     # row-major: shard groups are consecutive ranks, as torchrun numbers one node's processes
-    for rank, (_, layout) in res.items():
+    for rank, (_, (layout, save_bytes, unsharded)) in res.items():
+        assert save_bytes == {1: unsharded, 2: unsharded}, (save_bytes, unsharded)
         names, coordinate, shard_group, error = layout
         assert names == ("dp_replicate", "dp_shard") and list(coordinate) == [rank // 2, rank % 2], layout
         assert shard_group == [2 * (rank // 2), 2 * (rank // 2) + 1], layout
