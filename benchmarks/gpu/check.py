@@ -45,6 +45,8 @@ SITE = "/tmp/prorl-gpu-site"  # carried wheels are installed here (the image's s
 RUNS = "/tmp/prorl-gpu-runs"  # the preset runs' output directories (checkpoints stay off RESULTS_DIR)
 TAIL_LINES = 25  # of a failed step's log, printed under its end line
 
+# torch's own answer, before anything is installed: [version, CUDA build, a device is usable]
+CUDA_PROBE = "import json, torch; print(json.dumps([torch.__version__, torch.version.cuda, torch.cuda.is_available()]))"  # noqa: E501
 PROBE = r"""
 import importlib, importlib.util, json, sys
 out = {"python": sys.version.split()[0]}
@@ -114,17 +116,12 @@ def results_dir(argv: list[str]) -> str:
     )
 
 
-def step_env(extra_path: str | None = None) -> dict:
+def step_env() -> dict:
     """The environment of every step: offline, unbuffered, carried wheels and the test helpers importable."""
-    paths = [
-        p
-        for p in (SITE if os.path.isdir(SITE) else None, os.path.join(ROOT, "tests/helpers"), extra_path)
-        if p
-    ]
     old = os.environ.get("PYTHONPATH")
     return dict(
         os.environ,
-        PYTHONPATH=os.pathsep.join([*paths, *([old] if old else [])]),
+        PYTHONPATH=os.pathsep.join([SITE, os.path.join(ROOT, "tests/helpers"), *([old] if old else [])]),
         PYTHONUNBUFFERED="1",
         HF_HUB_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
@@ -258,27 +255,26 @@ def main(argv: list[str]) -> int:
     python = os.environ.get("PYTHON", sys.executable)
     if not glob.glob("/dev/nvidia[0-9]*") and shutil.which("nvidia-smi") is None:
         return no_gpu("no /dev/nvidia*, no nvidia-smi")  # at once: not even torch is imported
-    probe = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    env = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else {"cuda": False}
-    if not env.get("cuda"):
-        return no_gpu(
-            f"torch {env.get('torch', '?')} (CUDA build {env.get('cuda_version')}) sees no CUDA device"
-        )
+    probe = subprocess.run([python, "-c", CUDA_PROBE], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    torch_version, cuda_build, cuda = (
+        json.loads(probe.stdout) if probe.returncode == 0 else ("?", None, False)
+    )
+    if not cuda:
+        return no_gpu(f"torch {torch_version} (CUDA build {cuda_build}) sees no CUDA device")
     results = results_dir(argv)
     os.makedirs(results, exist_ok=True)
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return _run(results, env, python, end, t0)
+        return _run(results, python, end, t0)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 
 
-def _run(results: str, env: dict, python: str, end: float, t0: float) -> int:
+def _run(results: str, python: str, end: float, t0: float) -> int:
     from benchmarks.gpu.plan import install_steps, plan
 
     say = Output(os.path.join(results, "gpu_check.log"))
-    say("=== machine:", json.dumps(env))
     smi = [
         "nvidia-smi",
         "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
@@ -290,6 +286,10 @@ def _run(results: str, env: dict, python: str, end: float, t0: float) -> int:
     if any(r.status != "ok" for r in installed):
         say("gpu_check: the install failed (logs/install.log): nothing else can run")
         return 1
+    # what the steps will see, carried wheels included: versions, and what is missing (then skipped)
+    probe = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, cwd=ROOT, env=step_env())
+    env = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else {"cuda": True}
+    say("=== machine:", json.dumps(env))
     steps = select(
         plan(python, env, results), os.environ.get("GPU_CHECK_ONLY", ""), os.environ.get("GPU_CHECK_SKIP", "")
     )

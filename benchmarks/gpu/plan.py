@@ -24,14 +24,16 @@ def install_steps(python: str) -> list[Step]:
     wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
     pip = f"{python} -m pip install -q --no-index --no-deps --no-build-isolation"
     script = [
-        "set -e",
         f"{pip} --no-compile --upgrade --target {SITE} {' '.join(wheels)}" if wheels else "true",
         f"PRORL_TARGET_DEVICE=none {pip} -e .",
         f"{python} -c 'import prorl.trainer, prorl.kernels; print(\"prorl imports ok\")'",
     ]
     return [
         Step(
-            "install", 120, ["bash", "-c", "\n".join(script)], f"{len(wheels)} carried wheels, prorl editable"
+            "install",
+            120,
+            ["bash", "-c", " && ".join(script)],
+            f"{len(wheels)} carried wheels, prorl editable",
         )
     ]
 
@@ -50,6 +52,10 @@ def plan(python: str, env: dict, results: str) -> list[Step]:
     )
     preset = [python, "benchmarks/gpu/preset_check.py", "--results", results, "--runs", RUNS]
     bench = [python, "-m", "benchmarks"]
+    named = {GPU_RULES, "tests/gpu/test_fp8_cuda.py", "tests/gpu/test_cuda_paths.py"}
+    others = sorted(
+        set(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests/gpu/test_*.py"))) - named
+    )
     no_vllm = "" if env.get("vllm") else "; vLLM's own batching: not installable here (CUDA vLLM)"
     steps = [
         Step("gpu_rules", 90, _pytest(python, results, "gpu_rules", GPU_RULES),
@@ -66,6 +72,8 @@ def plan(python: str, env: dict, results: str) -> list[Step]:
              "the preset with model.cpu_offload=true (FSDP2 CPUOffloadPolicy; NCCL + gloo)"),
         Step("cuda_paths", 110, _pytest(python, results, "cuda_paths", "tests/gpu/test_cuda_paths.py"),
              "compiled Triton kernels vs float64, no host sync, sampler vs transformers, trainer on CUDA"),
+        Step("gpu_other", 60, _pytest(python, results, "gpu_other", *others),
+             "the other files of tests/gpu", None if others else "no other file in tests/gpu"),
         # only the CUDA cases: test_flex_compiled_matches_reference compiles for the CPU (~40 s cold)
         Step("attention", 60, _pytest(python, results, "attention", "tests/engine/test_attention.py",
                                       "-k", "cuda or flex_eager or flash_matches"),

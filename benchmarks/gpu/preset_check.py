@@ -119,7 +119,7 @@ def run(variant: str, results: str, runs: str) -> dict:
         )
         vals = [r["val/accuracy"] for r in rows(out) if "val/accuracy" in r]
         check(len(vals) >= 2, f"validation ran {len(vals)} times, expected before training and at step 2")
-        numbers["val_accuracy"] = vals
+        numbers["val_accuracy"] = [round(v, 4) for v in vals]
         from safetensors.torch import load_file
 
         final = load_file(os.path.join(out, "checkpoints", "final", "model.safetensors"))

@@ -2,6 +2,7 @@
 check.py) reports each step's outcome, cuts limits to the budget and fails the run when a step fails.
 The GPU steps themselves run only on a GPU machine; here their commands are replaced by small ones."""
 
+import glob
 import json
 import os
 import subprocess
@@ -82,7 +83,10 @@ def test_the_plan_names_files_that_exist_and_says_why_it_skips(tmp_path):
         for arg in step.cmd:
             if arg.startswith(("tests/", "benchmarks/", "prorl/")) and arg.endswith((".py", ".sh")):
                 assert os.path.exists(os.path.join(ROOT, arg)) or arg == plan.GPU_RULES, (step.name, arg)
-        assert step.skip is None or step.name == "gpu_rules", (step.name, step.skip)
+        assert step.skip is None or step.name in ("gpu_rules", "gpu_other"), (step.name, step.skip)
+    covered = {a for s in steps for a in s.cmd if a.startswith("tests/gpu/")}
+    on_disk = {os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests/gpu/test_*.py"))}
+    assert on_disk <= covered, on_disk - covered  # every GPU test file runs
     bare = plan.plan(
         sys.executable, {"cuda": True, "torchao": None, "torchao_error": "No module"}, str(tmp_path)
     )
@@ -98,6 +102,7 @@ def test_the_plan_names_files_that_exist_and_says_why_it_skips(tmp_path):
 def test_main_runs_install_then_plan_and_writes_the_summary(tmp_path, monkeypatch):
     """The whole runner on a pretend GPU machine: the probe's answer, the install and the plan replaced."""
     monkeypatch.setattr(check, "glob", types.SimpleNamespace(glob=lambda pattern: ["/dev/nvidia0"]))
+    monkeypatch.setattr(check, "CUDA_PROBE", 'print(\'["pretend", "13.0", true]\')')
     monkeypatch.setattr(check, "PROBE", "import json; print(json.dumps({'cuda': True, 'torch': 'pretend'}))")
     monkeypatch.setattr(
         plan, "install_steps", lambda python: [check.Step("install", 10, _py("print(1)"), "i")]
