@@ -11,7 +11,7 @@ time, 2 when the machine has no CUDA device (checked first: nothing runs).
 
 Wheels (pure-Python packages the image lacks: the config's omegaconf, the math verifier, torchao for
 FP8) are carried in `.whl/` (ignored by git through .git/info/exclude; the device tool's
-`carry: [".whl"]`), made on a machine with network for the image's Python 3.12:
+`carry: [".whl"]`; these five are 3.9 MB), made on a machine with network for the image's Python 3.12:
 
     pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl omegaconf==2.4.0 \\

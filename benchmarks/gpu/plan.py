@@ -4,7 +4,7 @@ Order: first the paths that pass on the CPU but can crash on a GPU (CUDA's FP8 G
 CPU offload, the sampler and validation on CUDA), then the CUDA tests of the kernels and attention, then
 the embedded default, then benchmark rows while the budget lasts. Limits are ceilings, sized from the
 H200 runs of 2026-11-30 (benchmarks/results/gpu/gpu_check_run*.log: tests/gpu with attention took 83 s,
-the embedded default's 60 steps 44 s, a torchrun start-up about 15 s); the budget cuts the last ones.
+the embedded default's 60 steps 44 s); the budget cuts the last ones.
 """
 
 from __future__ import annotations
@@ -14,9 +14,8 @@ import os
 
 from benchmarks.gpu.check import ROOT, RUNS, SITE, Step
 
-GPU_RULES = (
-    "tests/gpu/test_gpu_rules.py"  # the GPU's rules: FP8 shapes, device placement, validation batching
-)
+# the GPU's rules enforced: FP8 shapes, device placement, validation batching (may not exist yet)
+GPU_RULES = "tests/gpu/test_gpu_rules.py"
 
 
 def install_steps(python: str) -> list[Step]:
