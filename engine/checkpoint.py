@@ -286,9 +286,15 @@ def _single_process_quiet():
 
 
 def _tensor_bytes(obj: Any) -> int:
+    """This rank's share of what DCP writes: a shard replicated over a mesh dim (HSDP) is written once, so
+    it counts only on the ranks at coordinate 0 of every replicated dim."""
     if isinstance(obj, torch.Tensor):
-        local = obj.to_local() if hasattr(obj, "to_local") else obj
-        return local.numel() * local.element_size()
+        if hasattr(obj, "to_local"):
+            coordinate = obj.device_mesh.get_coordinate() or []
+            if any(c and p.is_replicate() for c, p in zip(coordinate, obj.placements)):
+                return 0
+            obj = obj.to_local()
+        return obj.numel() * obj.element_size()
     if isinstance(obj, dict):
         return sum(_tensor_bytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):

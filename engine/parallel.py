@@ -48,6 +48,9 @@ e.g. 2 nodes of 8 GPUs with the c10d rendezvous (ranks assigned on arrival):
 or with static ranks: `--nnodes=2 --node_rank=$NODE_RANK --master_addr=$HEAD_NODE --master_port=29500`.
 torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, which `init_distributed`
 reads. Checkpoint directories must be on a filesystem every node sees (each rank writes its shards).
+Across nodes, `parallelize(dp_replicate=NODES)` shards within each node and replicates across nodes
+(HSDP, `data_parallel_mesh`); everything else data-parallel (the batch split, the global token count,
+metrics, checkpoints) runs over all ranks of the default group in both layouts.
 """
 
 from __future__ import annotations
@@ -158,10 +161,46 @@ def destroy_distributed() -> None:
 # The parallel plan
 
 
+def data_parallel_mesh(replicate: int = 1):
+    """The DeviceMesh FSDP2 shards over. replicate == 1: 1-D ("dp_shard",) over all ranks. replicate > 1:
+    HSDP, 2-D ("dp_replicate", "dp_shard") of shape (replicate, world // replicate), row-major: each shard
+    group is consecutive ranks. torchrun numbers a node's processes consecutively, so with replicate = the
+    number of nodes each node holds a full copy sharded over its GPUs: all-gathers and reduce-scatters stay
+    in the node, only each shard's gradient all-reduce crosses nodes (torchtitan's
+    `data_parallel_replicate_degree`). Cached: a new 2-D mesh opens new communicators (NCCL buffers on
+    every GPU), and policy and reference share one.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if replicate < 1 or world % replicate:
+        raise ValueError(
+            f"dp_replicate={replicate} must be >= 1 and divide the {world} ranks (the number of nodes, "
+            "or 1 for plain FSDP2)"
+        )
+    device_type = dist_info().device.type
+    key = (dist.group.WORLD, device_type, replicate)
+    if _MESH and _MESH[0][0] == key:
+        return _MESH[0][1]
+    if replicate == 1:
+        mesh = init_device_mesh(device_type, (world,), mesh_dim_names=("dp_shard",))
+    else:
+        shape = (replicate, world // replicate)
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard"))
+        if dist.get_rank() == 0:
+            logger.info("HSDP: %d replicas x %d shards (FSDP2 over a 2-D mesh)", *shape)
+    _MESH[:] = [(key, mesh)]
+    return mesh
+
+
+_MESH: list = []  # [((default group, device type, replicate), mesh)]: the last mesh built
+
+
 def parallelize(
     model: Decoder,
     *,
     mesh=None,
+    dp_replicate: int = 1,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = torch.float32,
     activation_checkpointing: bool = False,
@@ -174,7 +213,9 @@ def parallelize(
     Call it on a model built on the meta device (then `materialize`), or on a materialised one.
 
     Args:
-        mesh: 1-D DeviceMesh to shard over; None = all ranks of the default group.
+        mesh: DeviceMesh to shard over (1-D FSDP2, or 2-D (replicate, shard) HSDP); None =
+            `data_parallel_mesh(dp_replicate)` over all ranks of the default group.
+        dp_replicate: HSDP's number of replicas (1: plain FSDP2); with a process group only.
         param_dtype: compute dtype of the all-gathered parameters (bf16 for mixed precision); None =
             the parameters' own dtype. Master weights and optimizer state keep the model's dtype.
         reduce_dtype: dtype of the gradient reduce-scatter (fp32 recommended with bf16 params).
@@ -211,6 +252,8 @@ def parallelize(
             model.layers.register_module(name, block)
 
     if not dist.is_initialized():
+        if dp_replicate != 1:
+            raise ValueError(f"dp_replicate={dp_replicate} is HSDP over ranks: run under torchrun")
         if cpu_offload:
             raise ValueError("cpu_offload is an FSDP2 policy: run under torchrun (a world of 1 is fine)")
         own = {p.dtype for p in model.parameters()}
@@ -229,10 +272,7 @@ def parallelize(
             "(torch 2.13 fails with 'Cannot access accelerator device' without one)"
         )
 
-    if mesh is None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(dist_info().device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    mesh = mesh if mesh is not None else data_parallel_mesh(dp_replicate)
     offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     # Blocks: keep inputs as given - cos/sin arrive in fp32 (the decoder applies RoPE in fp32) and the
     # hidden states are already in param_dtype, produced by the (root-owned) embedding.

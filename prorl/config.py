@@ -67,6 +67,9 @@ class ModelConfig:
     cpu_offload: bool = _f(
         False, "FSDP2 CPUOffloadPolicy (needs CUDA; the process group pairs NCCL with gloo)"
     )
+    dp_replicate: int = _f(
+        1, "HSDP: model copies, each FSDP2-sharded over world / dp_replicate ranks (the nodes; 1: one copy)"
+    )
     fp8: str = _f(
         "none",
         "FP8 GEMMs in the decoder blocks of policy and reference (torchao: also on the CPU; te: Transformer "
@@ -431,6 +434,11 @@ def validate(cfg: Config) -> None:
             f"model.fp8_recipe={m.fp8_recipe!r} is not a recipe of model.fp8={m.fp8!r}: choose one of "
             f"{', '.join(FP8_RECIPES[m.fp8])}"
         )
+    if m.dp_replicate < 1 or (m.dp_replicate > 1 and not m.fsdp):
+        raise ConfigError(
+            f"model.dp_replicate={m.dp_replicate}: must be >= 1, and above 1 needs model.fsdp=true (HSDP: "
+            "FSDP2 within each of dp_replicate groups of ranks, replicated across them)"
+        )
     if m.fp8 != "none" and not m.fsdp:
         raise ConfigError(
             f"model.fp8={m.fp8} needs model.fsdp=true (under torchrun; one process is enough): FP8 layers "
@@ -439,7 +447,16 @@ def validate(cfg: Config) -> None:
 
 
 def check_world(cfg: Config, world: int) -> None:
-    """Checks that need the number of ranks: each rank trains prompts_per_step / world prompts."""
+    """Checks that need the number of ranks: each rank trains prompts_per_step / world prompts; HSDP's
+    replicas split the ranks evenly."""
+    rep = cfg.model.dp_replicate
+    if world % rep:
+        divisors = [d for d in range(1, world + 1) if world % d == 0]
+        raise ConfigError(
+            f"model.dp_replicate={rep} does not divide the {world} ranks: HSDP keeps dp_replicate copies of "
+            f"the model, each sharded over world / dp_replicate ranks (set it to the number of nodes; "
+            f"divisors of {world}: {', '.join(map(str, divisors))})"
+        )
     pps = cfg.trainer.prompts_per_step
     if pps % world:
         raise ConfigError(

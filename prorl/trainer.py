@@ -113,9 +113,7 @@ class Trainer:
         the same fp32 values, so that after a reset it equals the policy exactly and computes identically;
         the native sampler gets an unsharded copy in `model.dtype`, synced after every update."""
         cfg, attention = self.cfg, None if self.cfg.model.attention == "auto" else self.cfg.model.attention
-
-        def load(dtype):
-            return load_hf(self.model_path, dtype=dtype, device=self.device, attention=attention)
+        load = lambda dtype: load_hf(self.model_path, dtype=dtype, device=self.device, attention=attention)
 
         if not self.fsdp:
             if self.dtype != torch.float32 and self.rank == 0:
@@ -139,6 +137,7 @@ class Trainer:
             compile=cfg.model.compile,
             param_dtype=None if self.dtype == torch.float32 else self.dtype,
             cpu_offload=cfg.model.cpu_offload,
+            dp_replicate=cfg.model.dp_replicate,  # HSDP across nodes (engine.parallel.data_parallel_mesh)
         )
         # FP8 (model.fp8): policy and reference get the same conversion, so that after a reset they compute
         # identically and the KL is exactly zero; the sampler's copy stays unconverted (engine/fp8.py)

@@ -113,6 +113,8 @@ def test_single_process_mode_is_plain():
     assert parallel.all_reduce_sum(3) == 3.0
     with pytest.raises(ValueError, match="torchrun"):
         parallel.parallelize(random_decoder(), param_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="dp_replicate=2 is HSDP over ranks: run under torchrun"):
+        parallel.parallelize(random_decoder(), dp_replicate=2)
 
 
 def test_checkpointing_and_full_state_dict_keep_names_and_numbers():

@@ -71,3 +71,26 @@ def test_fp8_keys_are_validated():
     ):
         with pytest.raises(ConfigError, match=message):
             load_config("default", overrides)
+
+
+def test_dp_replicate_is_validated_naming_the_key(capsys):
+    from prorl import train
+    from prorl.config import check_world
+
+    cfg = load_config("default", ["model.fsdp=true", "model.dp_replicate=2", "trainer.prompts_per_step=12"])
+    check_world(cfg, 2)
+    check_world(cfg, 4)
+    with pytest.raises(
+        ConfigError, match=r"model.dp_replicate=2 does not divide the 3 ranks.*divisors of 3: 1, 3"
+    ):
+        check_world(cfg, 3)
+    for overrides, message in (
+        (["model.fsdp=true", "model.dp_replicate=0"], "model.dp_replicate=0: must be >= 1"),
+        (["model.fsdp=true", "model.dp_replicate=-2"], "model.dp_replicate=-2: must be >= 1"),
+        (["model.dp_replicate=2"], "model.dp_replicate=2: .*needs model.fsdp=true"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            load_config("default", overrides)
+    # the command line: one process is a world of 1, which 2 replicas cannot split
+    assert train.main(["model.fsdp=true", "model.dp_replicate=2"]) == train.lifecycle.EXIT_CONFIG
+    assert "config error: model.dp_replicate=2 does not divide the 1 ranks" in capsys.readouterr().err
