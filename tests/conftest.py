@@ -2,6 +2,7 @@
 
 import os
 
+import tally
 import torch
 
 # Triton kernels run on the CPU only under its interpreter, which must be switched on before triton is
@@ -9,3 +10,17 @@ import torch
 # compiler is used.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+
+# The reliability report (tests/helpers/tally.py): cases marked @pytest.mark.tally(kind), counted per kind.
+def pytest_collection_finish(session):
+    tally.collection_finish(session)
+
+
+def pytest_runtest_logreport(report):
+    tally.runtest_logreport(report)
+
+
+def pytest_sessionfinish(session):
+    tally.sessionfinish(session)
