@@ -8,10 +8,13 @@ resume, 5 output directory, 6 stalled, 7 peer lost) reach the shell only inside 
 summary: torchrun itself exits 1 whenever a worker fails. Slurm, Kubernetes and CI read the process's
 exit status, so this launcher returns the code the failed workers returned (`exit_status`):
 
-- the code of the first failure (torchelastic's error-file timestamp, then the lowest rank), preferring
-  any code over 7: a rank that saw its peer vanish reports 7, the peer's own code is the cause;
-- a worker killed by signal N gives 128 + N (the shell's convention: 137 for SIGKILL, e.g. the OOM
-  killer); the launcher itself stopped by signal N gives 128 + N as well;
+- the code of the first failure (its time, to the second, then the lowest rank), ranked by what
+  causes rather than follows a failure: a code the worker returned itself; then a death by a signal
+  other than SIGTERM (SIGKILL: the OOM killer, say); then 7 (the rank saw its peer vanish: the peer's
+  code is the cause); last SIGTERM (what the agent sends the other workers once one has failed - the
+  trainer itself exits 0 on SIGTERM);
+- a worker killed by signal N gives 128 + N (the shell's convention: 137 for SIGKILL); the launcher
+  itself stopped by signal N gives 128 + N as well;
 - 0 when every worker returned 0 (a run stopped by SIGTERM that saved its checkpoint included).
 
 On several nodes each node's launcher reports its own workers: the node whose rank failed first returns
@@ -20,6 +23,7 @@ the cause, the others what their ranks saw (often 7, or a signal from the shutdo
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from prorl.lifecycle import EXIT_PEER_LOST
@@ -30,8 +34,14 @@ def exit_status(failures: dict[int, tuple[int, float]]) -> int:
     negative code is death by that signal). See the module docstring for the rule."""
     if not failures:
         return 0
-    order = sorted(failures, key=lambda r: (failures[r][0] == EXIT_PEER_LOST, failures[r][1], r))
-    code = failures[order[0]][0]
+
+    def rank(code: int) -> int:  # 0 causes ... 3 follows
+        if code == -signal.SIGTERM:
+            return 3
+        return 2 if code == EXIT_PEER_LOST else 1 if code < 0 else 0
+
+    first = min(failures, key=lambda r: (rank(failures[r][0]), failures[r][1], r))
+    code = failures[first][0]
     return 128 - code if code < 0 else code
 
 

@@ -62,9 +62,11 @@ def resolve_model_path(path: str) -> str:
             f"model.path={path!r} is not a Hugging Face model directory (no config.json)",
         )
     from prorl.engine.model.hf_io import check_hf_dir
+    from prorl.tokenizer import check_tokenizer
 
-    try:  # a damaged config.json or weights file: named now, not as the library's error mid-setup
+    try:  # a damaged config.json or weights file, no tokenizer or another model's: named now
         check_hf_dir(path)
+        check_tokenizer(path)
     except (ValueError, OSError) as exc:
         raise Fatal(lifecycle.EXIT_CONFIG, f"model.path={path!r}: {exc}") from None
     return path
@@ -78,7 +80,9 @@ def load_examples(cfg, split: str):
     files = cfg.data.train_files if split == "train" else cfg.data.val_files
     if files:  # "path" or "path:weight" (weighted mixing, see prorl.data)
         try:
-            return data.load_mixture(list(files), seed=cfg.seed, prompt_key=cfg.data.prompt_key)
+            return data.load_mixture(
+                list(files), seed=cfg.seed, prompt_key=cfg.data.prompt_key, max_row_bytes=cfg.data.max_row_bytes
+            )
         except (data.DataError, FileNotFoundError) as exc:
             raise Fatal(lifecycle.EXIT_CONFIG, f"data.{split}_files: {exc}") from None
     if split == "val" and cfg.data.train_files:
