@@ -26,7 +26,7 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from prorl.config_checks import read_yaml, repeated_overrides, size_problems
+from prorl.config_checks import read_yaml, size_problems
 from prorl.engine.fp8 import BACKENDS as FP8_BACKENDS
 from prorl.engine.fp8 import RECIPES as FP8_RECIPES
 from prorl.engine.optim import SCHEDULES, OptimizerConfig
@@ -330,8 +330,6 @@ def _normalise_overrides(overrides: list[str]) -> list[str]:
         if key in lists and value and not value.lstrip().startswith("["):
             value = f"[{value}]"
         out.append(f"{key}={value}")
-    if repeated_overrides(out):
-        raise ConfigError(repeated_overrides(out))
     return out
 
 

@@ -4,9 +4,10 @@
   taken silently as "no config": a truncated or wrong file would run the defaults), YAML that does not
   parse, a key given twice in one mapping and bytes that are not UTF-8 are errors naming the file and
   the line. A UTF-8 byte-order mark and CRLF line ends are accepted.
-- A dotted key given twice on the command line with different values is an error naming it and both
-  values, not "the last wins": a script that appends an override to a base command would otherwise win
-  or lose by position, unseen (Hydra refuses repeated overrides too). The same value twice is accepted.
+- A dotted key given twice on the command line with different values: the last wins, with a warning
+  (prorl/train.py, rank 0) naming the key and both values. Not an error: appending an override to a base
+  command is how this project's own CI and tests shorten a run, and how wrapper scripts pass "$@"; not
+  silent either, since a mistyped repeat would otherwise go unseen. The same value twice says nothing.
 - Sizes and counts that must be positive (`size_problems`): a zero or negative one is named, instead
   of surfacing as an empty validation set, a loop that never ends or an error deep in a component.
 
@@ -37,7 +38,9 @@ def read_yaml(path: str) -> DictConfig:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ValueError(f"config file {path}: not valid YAML{where}: {problem}") from None
     if cfg is None or (isinstance(cfg, DictConfig) and not cfg and not _has_mapping(text)):
-        raise ValueError(f"config file {path} is empty: give its sections (model:, data:, ...) or leave it out")
+        raise ValueError(
+            f"config file {path} is empty: give its sections (model:, data:, ...) or leave it out"
+        )
     if not isinstance(cfg, DictConfig):
         raise ValueError(
             f"config file {path} must be a mapping of sections (model:, data:, trainer:, ...), got a "
@@ -60,8 +63,8 @@ def repeated_overrides(overrides: list[str]) -> str | None:
     twice = {k: v for k, v in seen.items() if len(set(v)) > 1}  # the same value again says nothing new
     if not twice:
         return None
-    shown = "; ".join(f"{k} = {' then '.join(map(repr, v))}" for k, v in twice.items())
-    return f"config keys given more than once on the command line: {shown}: give each key once"
+    shown = "; ".join(f"{k} = {' then '.join(map(repr, v))} ({v[-1]!r} is used)" for k, v in twice.items())
+    return f"config keys given more than once on the command line, the last wins: {shown}"
 
 
 # (dotted key, smallest allowed value): sizes and counts no other check covers

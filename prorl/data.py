@@ -122,7 +122,9 @@ def _parse_row(row: Any, where: str, check_data_source: bool, prompt_key: str = 
         raise bad(prompt_key, "must be a non-empty list of chat messages or a string")
     for i, msg in enumerate(prompt):
         if isinstance(msg, dict) and "content" not in msg:
-            raise bad(f"{prompt_key}[{i}]", f"has no 'content' (a message is {{'role', 'content'}}): {msg!r:.200}")
+            raise bad(
+                f"{prompt_key}[{i}]", f"has no 'content' (a message is {{'role', 'content'}}): {msg!r:.200}"
+            )
         if not (
             isinstance(msg, dict) and isinstance(msg.get("role"), str) and isinstance(msg.get("content"), str)
         ):

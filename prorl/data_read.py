@@ -119,7 +119,9 @@ def _json_rows(path: str):
         where = not_utf8(blob[line_start:], exc, exc.start - line_start)
         raise DataError(f"{path}: line {line}: {where} of the line") from None
     except _DuplicateKey as exc:
-        raise DataError(f"{path}: key {exc.key!r} appears twice in one object (which one is meant?)") from None
+        raise DataError(
+            f"{path}: key {exc.key!r} appears twice in one object (which one is meant?)"
+        ) from None
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(rows, list):
@@ -144,8 +146,11 @@ def _parquet_rows(path: str, limit: int):
                 continue
             for j in range(batch.num_rows):
                 one = batch.slice(j, 1)  # a view: its nbytes are the bytes of this row's values
-                yield i, DataError(f"{path}: row {i}: {_too_big(one.nbytes, limit)}") if one.nbytes > limit else (
-                    one.to_pylist()[0]
+                yield (
+                    i,
+                    DataError(f"{path}: row {i}: {_too_big(one.nbytes, limit)}")
+                    if one.nbytes > limit
+                    else (one.to_pylist()[0]),
                 )
                 i += 1
     except (pa.ArrowInvalid, OSError) as exc:  # not parquet (a CSV named .parquet), truncated, damaged

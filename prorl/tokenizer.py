@@ -28,8 +28,8 @@ def load_tokenizer(path: str):
 
     if not os.path.isfile(os.path.join(path, TOKENIZER_FILE)):
         raise ValueError(
-            f"{path} has no {TOKENIZER_FILE}: prorl needs the model's fast tokenizer beside its weights "
-            "(save it with tokenizer.save_pretrained(DIR))"
+            f"{os.path.join(path, TOKENIZER_FILE)} is missing: prorl needs the model's fast tokenizer beside "
+            "its weights (save it with tokenizer.save_pretrained(DIR))"
         )
     return PreTrainedTokenizerFast.from_pretrained(path)
 
@@ -37,17 +37,18 @@ def load_tokenizer(path: str):
 def vocab_problem(n_tokens: int, vocab_size: int, first_ids: list[tuple[int, str]]) -> str | None:
     """Why a tokenizer of `n_tokens` does not fit a model with `vocab_size` embedding rows, or None.
     `first_ids`: (id, token) of the first ids past the model's rows, for the message."""
+    rows = f"{vocab_size} embedding rows (config.json vocab_size)"
     if n_tokens > vocab_size:
         shown = ", ".join(f"{i} {t!r}" for i, t in first_ids)
         return (
-            f"the tokenizer has {n_tokens} tokens but the model only {vocab_size} embedding rows (config.json "
-            f"vocab_size): ids {vocab_size}..{n_tokens - 1} ({shown}) have no row; use the model's own tokenizer"
+            f"the tokenizer has {n_tokens} tokens but the model only {rows}: ids "
+            f"{vocab_size}..{n_tokens - 1} ({shown}) have no row; use the model's own tokenizer"
         )
     if vocab_size > MAX_PADDING * n_tokens:
         return (
-            f"the model has {vocab_size} embedding rows (config.json vocab_size) for a tokenizer of {n_tokens} "
-            f"tokens: {vocab_size / n_tokens:.0f}x, while real models pad by under 1%; this tokenizer is not "
-            "the model's (the unused rows would cost LM-head time on every token)"
+            f"the model has {rows} for a tokenizer of {n_tokens} tokens: {vocab_size / n_tokens:.0f}x, while "
+            "real models pad by under 1%; this tokenizer is not the model's (the unused rows would cost "
+            "LM-head time on every token)"
         )
     return None
 
@@ -55,7 +56,8 @@ def vocab_problem(n_tokens: int, vocab_size: int, first_ids: list[tuple[int, str
 def check_tokenizer(path: str) -> None:
     """ValueError naming `path` unless it holds a tokenizer that fits its model's vocabulary."""
     tokenizer = load_tokenizer(path)
-    with open(os.path.join(path, "config.json")) as f:  # already checked readable (check_hf_dir)
+    config = os.path.join(path, "config.json")
+    with open(config) as f:  # already checked readable (check_hf_dir)
         vocab_size = json.load(f).get("vocab_size")
     if not isinstance(vocab_size, int):
         return
@@ -63,4 +65,4 @@ def check_tokenizer(path: str) -> None:
     past = list(range(vocab_size, min(n, vocab_size + 3)))
     problem = vocab_problem(n, vocab_size, list(zip(past, tokenizer.convert_ids_to_tokens(past))))
     if problem:
-        raise ValueError(f"{path}: {problem}")
+        raise ValueError(f"{config} and {TOKENIZER_FILE} do not fit: {problem}")

@@ -81,7 +81,10 @@ def load_examples(cfg, split: str):
     if files:  # "path" or "path:weight" (weighted mixing, see prorl.data)
         try:
             return data.load_mixture(
-                list(files), seed=cfg.seed, prompt_key=cfg.data.prompt_key, max_row_bytes=cfg.data.max_row_bytes
+                list(files),
+                seed=cfg.seed,
+                prompt_key=cfg.data.prompt_key,
+                max_row_bytes=cfg.data.max_row_bytes,
             )
         except (data.DataError, FileNotFoundError) as exc:
             raise Fatal(lifecycle.EXIT_CONFIG, f"data.{split}_files: {exc}") from None
@@ -96,6 +99,7 @@ def parse_config(argv: list[str] | None):
     default applies to the no-argument run (and runs that only resize it), the recipe's defaults when a
     model is given (`model.path=`)."""
     from prorl.config import load_config, reference
+    from prorl.config_checks import repeated_overrides
 
     ap = argparse.ArgumentParser(
         description="ProRL v2 trainer",
@@ -107,6 +111,8 @@ def parse_config(argv: list[str] | None):
     ap.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=10")
     args = ap.parse_args(argv)
+    if (repeated := repeated_overrides(args.overrides)) and os.environ.get("RANK", "0") == "0":
+        print(f"prorl: warning: {repeated}", file=sys.stderr)
     preset = args.config
     if preset is None:
         own_model = any(o.startswith("model.path=") for o in args.overrides)

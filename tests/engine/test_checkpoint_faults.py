@@ -47,7 +47,9 @@ def _entry(manifest, name, value):
 
 def _unlisted_zero_filled_shard(step_dir):
     """The shard dropped from the manifest, then zero-filled: nothing of the manifest names it any more."""
-    _edit_manifest(step_dir, lambda m: {"files": {k: v for k, v in m["files"].items() if k != "__0_0.distcp"}})
+    _edit_manifest(
+        step_dir, lambda m: {"files": {k: v for k, v in m["files"].items() if k != "__0_0.distcp"}}
+    )
     _zero_fill(_shard(step_dir))
 
 
@@ -62,19 +64,29 @@ CORRUPTIONS = {
     "missing DCP .metadata": (lambda d: os.remove(os.path.join(d, ".metadata")), ".metadata"),
     "missing manifest.json": (lambda d: os.remove(os.path.join(d, "manifest.json")), "manifest.json"),
     "zero-filled manifest.json": (lambda d: _zero_fill(os.path.join(d, "manifest.json")), "manifest.json"),
-    "manifest files a list": (lambda d: _edit_manifest(d, lambda m: {"files": list(m["files"])}), "manifest.json"),
+    "manifest files a list": (
+        lambda d: _edit_manifest(d, lambda m: {"files": list(m["files"])}),
+        "manifest.json",
+    ),
     "manifest a JSON list": (lambda d: _edit_manifest(d, lambda m: [m]), "manifest.json"),
     "manifest entry without size": (
         lambda d: _edit_manifest(d, lambda m: _entry(m, "meta.json", {"sha256": "0" * 64})),
         "manifest.json",
     ),
-    "manifest null entry": (lambda d: _edit_manifest(d, lambda m: _entry(m, "objects.pt", None)), "manifest.json"),
+    "manifest null entry": (
+        lambda d: _edit_manifest(d, lambda m: _entry(m, "objects.pt", None)),
+        "manifest.json",
+    ),
     "manifest size a string": (
-        lambda d: _edit_manifest(d, lambda m: _entry(m, "objects.pt", {**m["files"]["objects.pt"], "size": "9"})),
+        lambda d: _edit_manifest(
+            d, lambda m: _entry(m, "objects.pt", {**m["files"]["objects.pt"], "size": "9"})
+        ),
         "manifest.json",
     ),
     "manifest path outside the checkpoint": (
-        lambda d: _edit_manifest(d, lambda m: _entry(m, "../step_00000001/meta.json", m["files"]["meta.json"])),
+        lambda d: _edit_manifest(
+            d, lambda m: _entry(m, "../step_00000001/meta.json", m["files"]["meta.json"])
+        ),
         "manifest.json",
     ),
     "shard unlisted and zero-filled": (_unlisted_zero_filled_shard, "__0_0.distcp"),
@@ -237,7 +249,9 @@ def test_fsdp2_a_damaged_shard_of_rank_1_falls_back_to_the_replicated_save(tmp_p
 
 
 @pytest.mark.tally("faults")
-@pytest.mark.parametrize("case", ["manifest files a list", "manifest entry without size", "manifest null entry"])
+@pytest.mark.parametrize(
+    "case", ["manifest files a list", "manifest entry without size", "manifest null entry"]
+)
 def test_a_resume_with_every_manifest_damaged_exits_4_naming_them(tmp_path, case):
     """What train.py runs before anything of the run is touched: exit 4 naming each manifest, no traceback
     (these three raised AttributeError, KeyError and TypeError there)."""

@@ -25,8 +25,9 @@ import sys
 
 KINDS = ("attacks", "faults", "bad_inputs")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-REPORT = os.path.join(ROOT, "tests", "reliability_report.json")
-PARTIAL = os.path.join(ROOT, "tests", "reliability_report.partial.json")
+# PRORL_RELIABILITY_REPORT: another path (tests/test_tally.py runs a session of its own)
+REPORT = os.environ.get("PRORL_RELIABILITY_REPORT") or os.path.join(ROOT, "tests", "reliability_report.json")
+PARTIAL = REPORT.removesuffix(".json") + ".partial.json"
 
 # kind -> regexes over README.md, each with the groups (tried, held)
 PHRASES = {
@@ -48,21 +49,23 @@ def kind_of(item) -> str | None:
     if marker is None:
         return None
     if len(marker.args) != 1 or marker.args[0] not in KINDS:
-        raise pytest.UsageError(f"{item.nodeid}: use @pytest.mark.tally(kind), kind one of {', '.join(KINDS)}")
+        raise pytest.UsageError(
+            f"{item.nodeid}: use @pytest.mark.tally(kind), kind one of {', '.join(KINDS)}"
+        )
     return marker.args[0]
 
 
-# -- pytest hooks (tests/conftest.py forwards to these) -------------------------------------------------
+# -- pytest hooks (tests/conftest.py imports them; `-p tally` loads them as a plugin) ---------------------
 
 
-def collection_finish(session) -> None:
+def pytest_collection_finish(session) -> None:
     """The marked cases among the items that will run (after -k / -m deselection)."""
     _kinds.clear()
     _outcomes.clear()
     _kinds.update({item.nodeid: kind for item in session.items if (kind := kind_of(item)) is not None})
 
 
-def runtest_logreport(report) -> None:
+def pytest_runtest_logreport(report) -> None:
     """A case failed if any phase failed; skipped if set-up or the call skipped; else passed."""
     if report.nodeid not in _kinds:
         return
@@ -108,7 +111,7 @@ def summarise(kinds: dict[str, str], outcomes: dict[str, str]) -> dict:
     return out
 
 
-def sessionfinish(session) -> None:
+def pytest_sessionfinish(session) -> None:
     if not _kinds or hasattr(session.config, "workerinput"):  # nothing marked ran; an xdist worker
         return
     complete = _complete(session)
@@ -153,7 +156,9 @@ def differences(text: str, report: dict) -> list[str]:
             problems.append(f"{kind}: no figure found in README.md (patterns {PHRASES[kind]})")
         for pair in stated:
             if pair != want:
-                problems.append(f"{kind}: README.md says {pair[0]} / {pair[1]}, the report {want[0]} / {want[1]}")
+                problems.append(
+                    f"{kind}: README.md says {pair[0]} / {pair[1]}, the report {want[0]} / {want[1]}"
+                )
     return problems
 
 

@@ -37,25 +37,52 @@ def _parquet(tmp_path, rows) -> str:
     return path
 
 
+def _row(truth: bytes, more: bytes = b"") -> bytes:
+    """A JSONL row with `truth` as its raw JSON ground truth (Python's json reads NaN and Infinity)."""
+    return b'{"data_source": "math", "prompt": "x", ' + more + b'"ground_truth": ' + truth + b"}"
+
+
+UNKNOWN_ROLE = dict(ROW, prompt=[{"role": "narrator", "content": "hi"}])
+NO_CONTENT = dict(ROW, prompt=[{"role": "user", "text": "1+1="}])
 # case -> (file name, its bytes, what the DataError says after the file's path)
 BAD_FILES = {
-    "Infinity ground truth (JSONL)": ("d.jsonl", _lines(ROW, b'{"data_source": "math", "prompt": "x", '
-                                       b'"ground_truth": Infinity}'), "row 1: field 'ground_truth' is inf"),
-    "NaN in a list of answers": ("d.jsonl", _lines(ROW, b'{"data_source": "math", "prompt": "x", '
-                                 b'"ground_truth": ["2", NaN]}'), "row 1: field 'ground_truth' is ['2', nan]"),
-    "unknown role": ("d.jsonl", _lines(ROW, dict(ROW, prompt=[{"role": "narrator", "content": "hi"}])),
-                     "row 1: field 'prompt[0].role' is 'narrator', not one of system, user, assistant, tool"),
-    "message without content": ("d.jsonl", _lines(dict(ROW, prompt=[{"role": "user", "text": "1+1="}])),
-                                "row 0: field 'prompt[0]' has no 'content'"),
-    "duplicate key (JSONL)": ("d.jsonl", _lines(ROW, b'{"data_source": "math", "prompt": "x", "ground_truth": '
-                              b'"1", "ground_truth": "2"}'), "row 1 (line 2): key 'ground_truth' appears twice"),
-    "duplicate key (.json)": ("d.json", b'[{"data_source": "math", "data_source": "code", "prompt": "x"}]',
-                              "key 'data_source' appears twice"),
-    "truncated last line": ("d.jsonl", _lines(ROW) + json.dumps(ROW).encode()[:30],
-                            "row 1 (line 2): not valid JSON"),
-    "CSV named .parquet": ("d.parquet", b"data_source,prompt,ground_truth\nmath,1+1=,2\n",
-                           "not a readable parquet file"),
-}  # fmt: skip
+    "Infinity ground truth (JSONL)": (
+        "d.jsonl",
+        _lines(ROW, _row(b"Infinity")),
+        "row 1: field 'ground_truth' is inf",
+    ),
+    "NaN in a list of answers": (
+        "d.jsonl",
+        _lines(ROW, _row(b'["2", NaN]')),
+        "field 'ground_truth' is ['2', nan]",
+    ),
+    "unknown role": (
+        "d.jsonl",
+        _lines(ROW, UNKNOWN_ROLE),
+        "row 1: field 'prompt[0].role' is 'narrator', not one of system, user, assistant, tool",
+    ),
+    "message without content": ("d.jsonl", _lines(NO_CONTENT), "row 0: field 'prompt[0]' has no 'content'"),
+    "duplicate key (JSONL)": (
+        "d.jsonl",
+        _lines(ROW, _row(b'"2"', more=b'"ground_truth": "1", ')),
+        "row 1 (line 2): key 'ground_truth' appears twice",
+    ),
+    "duplicate key (.json)": (
+        "d.json",
+        b'[{"data_source": "math", "data_source": "code", "prompt": "x"}]',
+        "key 'data_source' appears twice",
+    ),
+    "truncated last line": (
+        "d.jsonl",
+        _lines(ROW) + json.dumps(ROW).encode()[:30],
+        "row 1 (line 2): not valid JSON",
+    ),
+    "CSV named .parquet": (
+        "d.parquet",
+        b"data_source,prompt,ground_truth\nmath,1+1=,2\n",
+        "not a readable parquet file",
+    ),
+}
 
 
 @pytest.mark.tally("bad_inputs")
@@ -102,7 +129,9 @@ def test_an_over_long_jsonl_row_is_refused_with_memory_bounded(tmp_path):
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert f"{path}: row 1 (line 2): {len(json.dumps(big)) + 1:,} bytes or more" in str(err.value), str(err.value)
+    assert f"{path}: row 1 (line 2): {len(json.dumps(big)) + 1:,} bytes or more" in str(err.value), str(
+        err.value
+    )
     assert "data.max_row_bytes=1,048,576" in str(err.value)
     assert peak < 4 * MiB, peak
     kept = data.load_file(path, max_row_bytes=MiB, skip_bad=True)  # the rows after it are read as usual
@@ -161,10 +190,14 @@ def test_a_config_file_with_a_bom_or_crlf_is_read(tmp_path, case):
 
 
 @pytest.mark.tally("bad_inputs")
-def test_a_key_given_twice_on_the_command_line_is_an_error_naming_it():
-    with pytest.raises(ConfigError, match=r"more than once on the command line: trainer.total_steps = '3' then '5'"):
-        load_config("default", ["trainer.total_steps=3", "rollout.n=4", "trainer.total_steps=5"])
-    assert load_config("default", ["rollout.n=4", "rollout.n=4"]).rollout.n == 4  # the same value: no doubt
+def test_a_key_given_twice_on_the_command_line_is_named_and_the_last_wins(capsys):
+    from prorl.train import parse_config
+
+    cfg, _, _ = parse_config(["trainer.total_steps=3", "rollout.n=4", "trainer.total_steps=5", "rollout.n=4"])
+    assert cfg.trainer.total_steps == 5 and cfg.rollout.n == 4
+    err = capsys.readouterr().err
+    assert "prorl: warning: config keys given more than once on the command line, the last wins: " in err
+    assert "trainer.total_steps = '3' then '5' ('5' is used)" in err and "rollout.n" not in err, err
 
 
 def _model_dir(tmp_path, vocab_size=None, drop=None) -> str:
@@ -182,10 +215,10 @@ def _model_dir(tmp_path, vocab_size=None, drop=None) -> str:
 @pytest.mark.parametrize(
     "case, kw, message",
     [
-        ("no tokenizer.json", {"drop": "tokenizer.json"}, "has no tokenizer.json"),
+        ("no tokenizer.json", {"drop": "tokenizer.json"}, "tokenizer.json is missing"),
         # the shipped tokenizer has 100 tokens (ids 0..99: 98 characters, '<unk>' is 99)
-        ("vocab smaller than the tokenizer", {"vocab_size": 98}, "ids 98..99 (98 '~', 99 '<unk>') have no row"),
-        ("vocab 480x the tokenizer", {"vocab_size": 48000}, "48000 embedding rows (config.json vocab_size) for a "
+        ("vocab below the tokenizer", {"vocab_size": 98}, "ids 98..99 (98 '~', 99 '<unk>') have no row"),
+        ("vocab 480x the tokenizer", {"vocab_size": 48000}, "embedding rows (config.json vocab_size) for a "
          "tokenizer of 100 tokens: 480x"),
     ],
 )  # fmt: skip
