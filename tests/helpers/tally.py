@@ -80,7 +80,8 @@ def pytest_runtest_logreport(report) -> None:
 
 def _complete(session) -> bool:
     """Whether every tally case of the suite was selected and the session was not cut short: no paths
-    other than the configured test paths, no -k, no -m other than `tally`, no --deselect, no -x stop."""
+    other than the configured test paths, no -k, no -m other than `tally`, no --deselect or --lf, no -x
+    stop."""
     config = session.config
     opt, root, here = config.option, str(config.rootpath), str(config.invocation_params.dir)
     whole = {os.path.normpath(os.path.join(root, p)) for p in config.getini("testpaths")} | {root}
@@ -90,6 +91,7 @@ def _complete(session) -> bool:
         and not getattr(opt, "keyword", "")
         and getattr(opt, "markexpr", "") in ("", "tally")
         and not getattr(opt, "deselect", None)
+        and not getattr(opt, "lf", False)  # --last-failed runs only some
         and not session.shouldstop
         and not session.shouldfail
     )
@@ -112,8 +114,8 @@ def summarise(kinds: dict[str, str], outcomes: dict[str, str]) -> dict:
 
 
 def pytest_sessionfinish(session) -> None:
-    if not _kinds or hasattr(session.config, "workerinput"):  # nothing marked ran; an xdist worker
-        return
+    if not _kinds or hasattr(session.config, "workerinput") or session.config.option.collectonly:
+        return  # nothing marked was selected; an xdist worker; nothing ran
     complete = _complete(session)
     report = {
         "complete": complete,
