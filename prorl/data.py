@@ -11,10 +11,10 @@ One row, whatever the file format (verl's schema; what `prorl.rewards.score` rec
 
 A row missing a field, with a wrong type, an empty prompt or ground truth, a NaN or infinite ground truth,
 a math ground truth that is not a string or number, a chat role no template knows, a byte that is not
-UTF-8, or a data_source no verifier is registered for is an
-error at load time naming the file, the row and the field, never a surprise hours into a run - such a
-row can never score (`skip_bad=True` drops such rows and counts them instead). An empty file is an error;
-so are over-long rows and duplicate keys (prorl/data_read.py reads the files).
+UTF-8, or a data_source no verifier is registered for is an error at load time naming the file, the row
+and the field, never a surprise hours into a run - such a row can never score (`skip_bad=True` drops such
+rows and counts them instead). An empty file is an error; so are rows over `max_row_bytes` and duplicate
+keys (prorl/data_read.py reads the files).
 
 Built-in task sets (no download; deterministic by seed):
 - `digit_sums`: sums of three single-digit numbers, answer in `\\boxed{}`, scored by the math
