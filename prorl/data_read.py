@@ -8,7 +8,8 @@ may hold is checked there (`_parse_row`); here is what a file may hold:
   line by line with a bounded `readline`, and the rest of an over-long line is skipped in bounded
   chunks; parquet is read in record batches and each row's Arrow size (`slice(i, 1).nbytes`, the bytes
   of its values) is checked before it becomes Python objects. One 50 MB prompt row once drove a process
-  to 17.4 GB (tokenized, templated and sampled from); a .json file is one document and is read whole;
+  to 17.4 GB (tokenized, templated and sampled from). A .json file is one document, read whole: its
+  over-long rows are refused after parsing, before they go further (use JSONL for large files);
 - a JSON object with a key twice (json keeps the last silently) names the key;
 - a UTF-8 byte-order mark at the start of a JSONL file is skipped (Windows tools write one); CRLF line
   ends are whitespace to JSON;
@@ -67,7 +68,7 @@ def read_rows(path: str, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES):
     elif lower.endswith((".jsonl", ".jsonl.txt")):
         yield from _jsonl_rows(path, max_row_bytes)
     elif lower.endswith(".json"):
-        yield from _json_rows(path)
+        yield from _json_rows(path, max_row_bytes)
     else:
         raise DataError(f"{path}: unknown data file type (use .parquet, .jsonl or .json)")
 
@@ -108,7 +109,7 @@ def _json_line(raw: bytes, where: str, last: bool):
         return DataError(f"{where}: not valid JSON ({exc}){cut}")
 
 
-def _json_rows(path: str):
+def _json_rows(path: str, limit: int):
     with open(path, "rb") as f:
         blob = f.read()
     try:
@@ -126,7 +127,9 @@ def _json_rows(path: str):
         raise DataError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(rows, list):
         raise DataError(f"{path}: a .json data file must hold a list of rows")
-    yield from enumerate(rows)
+    for i, row in enumerate(rows):  # the file is in memory already; an over-long row goes no further
+        size = len(json.dumps(row, ensure_ascii=False).encode())
+        yield i, DataError(f"{path}: row {i}: {_too_big(size, limit)}") if size > limit else row
 
 
 def _parquet_rows(path: str, limit: int):

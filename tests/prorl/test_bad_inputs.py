@@ -139,6 +139,15 @@ def test_an_over_long_jsonl_row_is_refused_with_memory_bounded(tmp_path):
 
 
 @pytest.mark.tally("bad_inputs")
+def test_an_over_long_row_of_a_json_file_is_refused(tmp_path):
+    big = dict(ROW, prompt="é" * MiB)  # 2 MiB of UTF-8
+    path = _write(tmp_path, "d.json", json.dumps([ROW, big], ensure_ascii=False).encode())
+    with pytest.raises(data.DataError, match=r"row 1: 2,097,2\d\d bytes or more, over data.max_row_bytes"):
+        data.load_file(path, max_row_bytes=MiB)
+    assert len(data.load_file(path, max_row_bytes=4 * MiB)) == 2
+
+
+@pytest.mark.tally("bad_inputs")
 def test_an_over_long_parquet_row_is_refused_before_it_becomes_python_objects(tmp_path):
     row = dict(ROW, prompt="1+1=")
     path = _parquet(tmp_path, [row, dict(row, prompt="x" * (2 * MiB)), row])
