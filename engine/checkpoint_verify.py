@@ -28,6 +28,7 @@ import logging
 import os
 import pickle
 import random
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,11 +121,14 @@ def verify(path: str, *, required: tuple[str, ...], rng_dir: str, skip: tuple[st
     manifest, problem = None, None
     if parallel.dist_info().is_main:
         try:
-            with open(manifest_path) as f:
-                manifest = json.load(f)["files"]
+            with open(manifest_path, "rb") as f:
+                manifest = json.loads(f.read().decode("utf-8"))
+            problem = manifest_problem(manifest)
+            manifest = None if problem else manifest["files"]
+            problem = f"{manifest_path}: {problem}" if problem else None
         except FileNotFoundError:
             pass
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             problem = f"{manifest_path}: unreadable ({type(exc).__name__}: {exc})"
     if dist.is_initialized():
         box = [(manifest, problem)]
@@ -160,10 +164,40 @@ def verify(path: str, *, required: tuple[str, ...], rng_dir: str, skip: tuple[st
             verdict.rng[full] = f"is {what}" if what == "missing" else f"has {what}"
         else:
             verdict.damage.append(f"{full}: {what}")
+    for name in sorted(set(found) - set(manifest)):  # every file is covered: DCP or pickle would read it
+        what = f"not listed in {MANIFEST} (added or replaced after the save, or the manifest was edited)"
+        if _is_rng(name, rng_dir):
+            verdict.rng[os.path.join(path, name)] = f"is {what}"
+        else:
+            verdict.damage.append(f"{os.path.join(path, name)}: {what}")
     for name in required:
         if name not in manifest:
             verdict.damage.append(f"{os.path.join(path, name)}: not in {MANIFEST}")
     return verdict
+
+
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def manifest_problem(manifest: Any) -> str | None:
+    """What makes a parsed manifest unusable, or None: it must be {"files": {relative path: {"size": int
+    >= 0, "sha256": 64 hex digits}}}, the paths inside the checkpoint directory. Checked before any use, so
+    a damaged or edited manifest is a named damage (fall back, or exit 4), never a TypeError mid-resume."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        got = type(manifest.get("files") if isinstance(manifest, dict) else manifest).__name__
+        return f"not a manifest: 'files' must be an object of file entries, got {got}"
+    for name, entry in manifest["files"].items():
+        norm = os.path.normpath(name)
+        if os.path.isabs(name) or norm != name or norm.startswith(".." + os.sep) or norm == "..":
+            return f"entry {name!r}: not a relative path inside the checkpoint"
+        if not isinstance(entry, dict):
+            return f"entry {name!r}: must be an object with 'size' and 'sha256', got {type(entry).__name__}"
+        size, sha = entry.get("size"), entry.get("sha256")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            return f"entry {name!r}: 'size' must be a byte count (an integer >= 0), got {size!r:.60}"
+        if not isinstance(sha, str) or not _SHA256.match(sha):
+            return f"entry {name!r}: 'sha256' must be 64 hexadecimal digits, got {sha!r:.80}"
+    return None
 
 
 def _meta_problems(meta_path: str, manifest_path: str) -> list[str]:

@@ -26,6 +26,7 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from prorl.config_checks import read_yaml, size_problems
 from prorl.engine.fp8 import BACKENDS as FP8_BACKENDS
 from prorl.engine.fp8 import RECIPES as FP8_RECIPES
 from prorl.engine.optim import SCHEDULES, OptimizerConfig
@@ -100,6 +101,7 @@ class DataConfig:
     val_size: int = _f(200, "builtin held-out size (0: the whole split)")
     prompt_key: str = _f("prompt", "the row field holding the prompt (chat messages or a string)")
     max_prompt_tokens: int = _f(1024, "prompts longer than this are dropped and counted, never truncated")
+    max_row_bytes: int = _f(16 * 2**20, "a data row larger than this is an error, found before it is read")
     shuffle: bool = _f(True, "reshuffle the training prompts every epoch")
 
 
@@ -350,12 +352,14 @@ def load_config(preset: str | None = "default", overrides: list[str] | None = No
     overrides = _normalise_overrides(list(overrides or []))
     try:
         if preset:
-            cfg = OmegaConf.merge(cfg, OmegaConf.load(preset_path(preset)))
+            cfg = OmegaConf.merge(cfg, read_yaml(preset_path(preset)))
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
         OmegaConf.resolve(cfg)
         obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc)) from None
+    except ValueError as exc:  # the config file (prorl/config_checks.py)
+        raise ConfigError(str(exc)) from None
     validate(obj)
     return obj
 
@@ -425,7 +429,7 @@ def validate(cfg: Config) -> None:
         (t.collective_timeout_s >= 0, "trainer.collective_timeout_s must be >= 0 (0: from the config)"),
         (t.wait_warning_s >= 0, "trainer.wait_warning_s must be >= 0 (0: never warn)"),
     ]  # fmt: skip
-    for ok, msg in checks:
+    for ok, msg in checks + [(False, p) for p in size_problems(cfg)]:
         if not ok:
             raise ConfigError(msg)
     m = cfg.model

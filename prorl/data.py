@@ -9,10 +9,12 @@ One row, whatever the file format (verl's schema; what `prorl.rewards.score` rec
     extra_info               dict, optional                        [extra]
     ability                  str, optional (verl's domain tag)
 
-A row missing a field, with a wrong type, an empty prompt or ground truth, a math ground truth that is
-not a string or number, a byte that is not UTF-8, or a data_source no verifier is registered for is an
-error at load time naming the file, the row and the field, never a surprise hours into a run - such a
-row can never score (`skip_bad=True` drops such rows and counts them instead). An empty file is an error.
+A row missing a field, with a wrong type, an empty prompt or ground truth, a NaN or infinite ground truth,
+a math ground truth that is not a string or number, a chat role no template knows, a byte that is not
+UTF-8, or a data_source no verifier is registered for is an error at load time naming the file, the row
+and the field, never a surprise hours into a run - such a row can never score (`skip_bad=True` drops such
+rows and counts them instead). An empty file is an error; so are rows over `max_row_bytes` and duplicate
+keys (prorl/data_read.py reads the files).
 
 Built-in task sets (no download; deterministic by seed):
 - `digit_sums`: sums of three single-digit numbers, answer in `\\boxed{}`, scored by the math
@@ -45,6 +47,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from prorl.data_read import DEFAULT_MAX_ROW_BYTES, DataError, read_rows
+
 
 @dataclass
 class Example:
@@ -68,10 +72,6 @@ class Example:
         return row
 
 
-class DataError(ValueError):
-    """A row that cannot be used; the message names file, row and field."""
-
-
 @dataclass
 class LoadReport:
     rows: int = 0
@@ -80,6 +80,16 @@ class LoadReport:
 
 
 # -- files -----------------------------------------------------------------------------------------------
+
+
+ROLES = ("system", "user", "assistant", "tool")  # the chat roles of prompts (transformers' templates)
+
+
+def _non_finite(value: Any) -> bool:
+    """A NaN or infinite float, alone or in a list (parquet and Python's json both produce them)."""
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    return isinstance(value, list) and any(_non_finite(v) for v in value)
 
 
 def _parse_row(row: Any, where: str, check_data_source: bool, prompt_key: str = "prompt") -> Example:
@@ -111,10 +121,19 @@ def _parse_row(row: Any, where: str, check_data_source: bool, prompt_key: str = 
     if not isinstance(prompt, list) or not prompt:
         raise bad(prompt_key, "must be a non-empty list of chat messages or a string")
     for i, msg in enumerate(prompt):
+        if isinstance(msg, dict) and "content" not in msg:
+            raise bad(
+                f"{prompt_key}[{i}]", f"has no 'content' (a message is {{'role', 'content'}}): {msg!r:.200}"
+            )
         if not (
             isinstance(msg, dict) and isinstance(msg.get("role"), str) and isinstance(msg.get("content"), str)
         ):
             raise bad(f"{prompt_key}[{i}]", f"must be {{'role': str, 'content': str}}, got {msg!r:.200}")
+        if msg["role"] not in ROLES:
+            raise bad(
+                f"{prompt_key}[{i}].role",
+                f"is {msg['role']!r:.60}, not one of {', '.join(ROLES)} (what chat templates know)",
+            )
     prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
     if not any(m["content"].strip() for m in prompt):
         raise bad(prompt_key, "has no text (every message's content is empty)")
@@ -130,6 +149,8 @@ def _parse_row(row: Any, where: str, check_data_source: bool, prompt_key: str = 
         raise bad(truth_key, "is missing")
     if (isinstance(truth, str) and not truth.strip()) or (isinstance(truth, (list, dict)) and not truth):
         raise bad(truth_key, "is empty: no response can match it")
+    if _non_finite(truth):
+        raise bad(truth_key, f"is {truth!r:.60}: not a finite number, so no answer can equal it")
     scalar = (str, int, float)
     if verifier == "math" and not (
         isinstance(truth, scalar) or (isinstance(truth, list) and all(isinstance(t, scalar) for t in truth))
@@ -156,54 +177,6 @@ def _parse_row(row: Any, where: str, check_data_source: bool, prompt_key: str = 
     return Example(prompt, data_source, reward_model["ground_truth"], extra, ability)
 
 
-def _read_rows(path: str):
-    """(row number from 0, row) pairs of a .parquet, .jsonl or .json file."""
-    lower = path.lower()
-    if lower.endswith(".parquet"):
-        try:
-            import pyarrow.parquet as pq
-        except ImportError as exc:
-            raise ImportError("reading parquet needs pyarrow: pip install pyarrow") from exc
-        yield from enumerate(pq.read_table(path).to_pylist())
-    elif lower.endswith((".jsonl", ".jsonl.txt")):
-        with open(path, "rb") as f:  # bytes: a non-UTF-8 byte is reported with its line and offset
-            for i, raw in enumerate(f):
-                try:
-                    line = raw.decode("utf-8")
-                except UnicodeDecodeError as exc:
-                    yield i, DataError(f"{path}: row {i} (line {i + 1}): {_not_utf8(raw, exc)} of the line")
-                    continue
-                if not line.strip():
-                    continue
-                try:
-                    yield i, json.loads(line)
-                except json.JSONDecodeError as exc:
-                    yield i, DataError(f"{path}: row {i} (line {i + 1}): not valid JSON ({exc})")
-    elif lower.endswith(".json"):
-        with open(path, "rb") as f:
-            blob = f.read()
-        try:
-            rows = json.loads(blob.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            line_start = blob.rfind(b"\n", 0, exc.start) + 1
-            line = blob.count(b"\n", 0, exc.start) + 1
-            where = _not_utf8(blob[line_start:], exc, exc.start - line_start)
-            raise DataError(f"{path}: line {line}: {where} of the line") from None
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}: not valid JSON ({exc})") from None
-        if not isinstance(rows, list):
-            raise DataError(f"{path}: a .json data file must hold a list of rows")
-        yield from enumerate(rows)
-    else:
-        raise DataError(f"{path}: unknown data file type (use .parquet, .jsonl or .json)")
-
-
-def _not_utf8(line: bytes, exc: UnicodeDecodeError, offset: int | None = None) -> str:
-    """'not UTF-8: byte 0x.. at byte N' for a decode error at `offset` of `line` (default exc.start)."""
-    offset = exc.start if offset is None else offset
-    return f"not UTF-8 text: byte 0x{line[offset]:02x} at byte {offset}"
-
-
 def load_file(
     path: str,
     *,
@@ -211,14 +184,16 @@ def load_file(
     skip_bad: bool = False,
     report: LoadReport | None = None,
     prompt_key: str = "prompt",
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
 ) -> list[Example]:
     """Every row of `path` as an Example. Raises DataError on the first bad row unless `skip_bad`
-    (then bad rows are dropped and counted in `report`)."""
+    (then bad rows are dropped and counted in `report`). A row over `max_row_bytes` is a bad row, refused
+    before it is read into memory (prorl/data_read.py)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"data file not found: {path}")
     report = report if report is not None else LoadReport()
     out, seen = [], 0
-    for i, row in _read_rows(path):
+    for i, row in read_rows(path, max_row_bytes):
         seen += 1
         try:
             if isinstance(row, DataError):
@@ -321,6 +296,7 @@ def load_mixture(
     skip_bad: bool = False,
     report: LoadReport | None = None,
     prompt_key: str = "prompt",
+    max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
 ) -> list[Example]:
     """Examples of several files given as `path` or `path:weight` specs (see "Mixing files" above).
 
@@ -335,7 +311,12 @@ def load_mixture(
         )
     loaded = [
         load_file(
-            path, check_data_source=check_data_source, skip_bad=skip_bad, report=report, prompt_key=prompt_key
+            path,
+            check_data_source=check_data_source,
+            skip_bad=skip_bad,
+            report=report,
+            prompt_key=prompt_key,
+            max_row_bytes=max_row_bytes,
         )
         for path, _ in parsed
     ]

@@ -7,7 +7,8 @@ or data file included, named), 3 reward self-test failed, 4 checkpoint cannot be
 settings or model, or every checkpoint damaged: the files are named), 5 output directory unusable,
 6 training stalled (steps without a group to train on, or non-finite gradients,
 `trainer.max_consecutive_skips` times in a row), 7 another rank stopped answering (a collective timed out
-or lost its peer). In every case the last complete checkpoint is kept.
+or lost its peer). In every case the last complete checkpoint is kept. Under torchrun the shell sees 1
+for any of them; `python -m prorl.launch` (prorl/launch.py) returns the code itself.
 """
 
 from __future__ import annotations

@@ -62,9 +62,11 @@ def resolve_model_path(path: str) -> str:
             f"model.path={path!r} is not a Hugging Face model directory (no config.json)",
         )
     from prorl.engine.model.hf_io import check_hf_dir
+    from prorl.tokenizer import check_tokenizer
 
-    try:  # a damaged config.json or weights file: named now, not as the library's error mid-setup
+    try:  # a damaged config.json or weights file, no tokenizer or another model's: named now
         check_hf_dir(path)
+        check_tokenizer(path)
     except (ValueError, OSError) as exc:
         raise Fatal(lifecycle.EXIT_CONFIG, f"model.path={path!r}: {exc}") from None
     return path
@@ -78,7 +80,12 @@ def load_examples(cfg, split: str):
     files = cfg.data.train_files if split == "train" else cfg.data.val_files
     if files:  # "path" or "path:weight" (weighted mixing, see prorl.data)
         try:
-            return data.load_mixture(list(files), seed=cfg.seed, prompt_key=cfg.data.prompt_key)
+            return data.load_mixture(
+                list(files),
+                seed=cfg.seed,
+                prompt_key=cfg.data.prompt_key,
+                max_row_bytes=cfg.data.max_row_bytes,
+            )
         except (data.DataError, FileNotFoundError) as exc:
             raise Fatal(lifecycle.EXIT_CONFIG, f"data.{split}_files: {exc}") from None
     if split == "val" and cfg.data.train_files:
@@ -92,6 +99,7 @@ def parse_config(argv: list[str] | None):
     default applies to the no-argument run (and runs that only resize it), the recipe's defaults when a
     model is given (`model.path=`)."""
     from prorl.config import load_config, reference
+    from prorl.config_checks import repeated_overrides
 
     ap = argparse.ArgumentParser(
         description="ProRL v2 trainer",
@@ -103,6 +111,8 @@ def parse_config(argv: list[str] | None):
     ap.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=10")
     args = ap.parse_args(argv)
+    if (repeated := repeated_overrides(args.overrides)) and os.environ.get("RANK", "0") == "0":
+        print(f"prorl: warning: {repeated}", file=sys.stderr)
     preset = args.config
     if preset is None:
         own_model = any(o.startswith("model.path=") for o in args.overrides)

@@ -31,6 +31,28 @@ def _shard(step_dir, rank=0):
     return os.path.join(step_dir, f"__{rank}_0.distcp")
 
 
+def _edit_manifest(step_dir, edit):
+    """Rewrite manifest.json as `edit(parsed manifest)` returns it."""
+    path = os.path.join(step_dir, "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    with open(path, "w") as f:
+        json.dump(edit(manifest), f)
+
+
+def _entry(manifest, name, value):
+    manifest["files"][name] = value
+    return manifest
+
+
+def _unlisted_zero_filled_shard(step_dir):
+    """The shard dropped from the manifest, then zero-filled: nothing of the manifest names it any more."""
+    _edit_manifest(
+        step_dir, lambda m: {"files": {k: v for k, v in m["files"].items() if k != "__0_0.distcp"}}
+    )
+    _zero_fill(_shard(step_dir))
+
+
 # (what is done to the newest checkpoint, the file the warning must name)
 CORRUPTIONS = {
     "truncated shard": (lambda d: _truncate(_shard(d)), "__0_0.distcp"),
@@ -42,6 +64,32 @@ CORRUPTIONS = {
     "missing DCP .metadata": (lambda d: os.remove(os.path.join(d, ".metadata")), ".metadata"),
     "missing manifest.json": (lambda d: os.remove(os.path.join(d, "manifest.json")), "manifest.json"),
     "zero-filled manifest.json": (lambda d: _zero_fill(os.path.join(d, "manifest.json")), "manifest.json"),
+    "manifest files a list": (
+        lambda d: _edit_manifest(d, lambda m: {"files": list(m["files"])}),
+        "manifest.json",
+    ),
+    "manifest a JSON list": (lambda d: _edit_manifest(d, lambda m: [m]), "manifest.json"),
+    "manifest entry without size": (
+        lambda d: _edit_manifest(d, lambda m: _entry(m, "meta.json", {"sha256": "0" * 64})),
+        "manifest.json",
+    ),
+    "manifest null entry": (
+        lambda d: _edit_manifest(d, lambda m: _entry(m, "objects.pt", None)),
+        "manifest.json",
+    ),
+    "manifest size a string": (
+        lambda d: _edit_manifest(
+            d, lambda m: _entry(m, "objects.pt", {**m["files"]["objects.pt"], "size": "9"})
+        ),
+        "manifest.json",
+    ),
+    "manifest path outside the checkpoint": (
+        lambda d: _edit_manifest(
+            d, lambda m: _entry(m, "../step_00000001/meta.json", m["files"]["meta.json"])
+        ),
+        "manifest.json",
+    ),
+    "shard unlisted and zero-filled": (_unlisted_zero_filled_shard, "__0_0.distcp"),
 }
 
 
@@ -59,6 +107,7 @@ def _two_checkpoints(tmp_path):
     return ckpt, first
 
 
+@pytest.mark.tally("faults")
 @pytest.mark.parametrize("case", list(CORRUPTIONS))
 def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog, case):
     corrupt, name = CORRUPTIONS[case]
@@ -83,6 +132,7 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     assert damaged in str(err.value) and os.path.join(ckpt.step_dir(1), name) in str(err.value)
 
 
+@pytest.mark.tally("faults")
 def test_a_damaged_newer_checkpoint_does_not_push_good_ones_out_of_keep_last(tmp_path):
     """Saved at steps 1 and 3, step 3 damaged: the run resumes step 1 and saves step 2. keep_last=2 keeps
     1 and 2 (the good ones up to the save); the damaged 3 neither counts nor is deleted by the save."""
@@ -98,6 +148,7 @@ def test_a_damaged_newer_checkpoint_does_not_push_good_ones_out_of_keep_last(tmp
     assert ckpt.complete_steps() == [3, 4]
 
 
+@pytest.mark.tally("faults")
 def test_a_missing_or_damaged_rng_file_is_named_and_the_rest_loads(tmp_path, caplog):
     ckpt, _ = _two_checkpoints(tmp_path)
     rng_file = os.path.join(ckpt.step_dir(2), "rng", "rank_00000.pt")
@@ -112,6 +163,7 @@ def test_a_missing_or_damaged_rng_file_is_named_and_the_rest_loads(tmp_path, cap
         assert warned and "no longer bit-identical" in warned[0], caplog.text
 
 
+@pytest.mark.tally("faults")
 def test_a_load_that_fails_anyway_is_a_checkpoint_error_naming_it(tmp_path, monkeypatch):
     """Files that match their manifest but do not fit this run (a DCP planner's refusal, say) end as a
     CheckpointError naming the checkpoint - train.py's exit 4 - not as a raw traceback (exit 1)."""
@@ -188,8 +240,30 @@ def _fsdp_worker(rank, world, ckpt_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.tally("faults")
 @pytest.mark.skipif(not dist.is_gloo_available(), reason="gloo backend unavailable")
 def test_fsdp2_a_damaged_shard_of_rank_1_falls_back_to_the_replicated_save(tmp_path):
     results = run_ranks(_fsdp_worker, tmp_path, str(tmp_path / "ckpt"))
     for rank in (0, 1):
         assert results[rank] == (True, 1, True, True), (rank, results[rank])
+
+
+@pytest.mark.tally("faults")
+@pytest.mark.parametrize(
+    "case", ["manifest files a list", "manifest entry without size", "manifest null entry"]
+)
+def test_a_resume_with_every_manifest_damaged_exits_4_naming_them(tmp_path, case):
+    """What train.py runs before anything of the run is touched: exit 4 naming each manifest, no traceback
+    (these three raised AttributeError, KeyError and TypeError there)."""
+    from prorl.config import load_config
+    from prorl.lifecycle import EXIT_RESUME, Fatal
+    from prorl.train import refuse_incompatible_resume
+
+    ckpt, _ = _two_checkpoints(tmp_path)
+    for step in (1, 2):
+        CORRUPTIONS[case][0](ckpt.step_dir(step))
+    with pytest.raises(Fatal) as err:
+        refuse_incompatible_resume(Checkpointer(ckpt.directory), load_config("default"), rank=0)
+    assert err.value.code == EXIT_RESUME
+    for step in (1, 2):
+        assert os.path.join(ckpt.step_dir(step), "manifest.json") in str(err.value), str(err.value)

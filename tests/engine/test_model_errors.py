@@ -35,6 +35,7 @@ def _edit_config(path: str, **changes) -> None:
         json.dump(cfg, f)
 
 
+@pytest.mark.tally("bad_inputs")
 @pytest.mark.parametrize(
     "changes",
     [
@@ -50,6 +51,7 @@ def test_unknown_architecture_names_the_supported_ones(changes):
         assert supported in str(err.value)
 
 
+@pytest.mark.tally("bad_inputs")
 def test_unknown_architecture_from_a_directory(hf_checkpoint, tmp_path):
     path = _copy(hf_checkpoint("qwen2"), tmp_path / "ckpt")
     _edit_config(path, model_type="phi3", architectures=["Phi3ForCausalLM"])
@@ -57,6 +59,7 @@ def test_unknown_architecture_from_a_directory(hf_checkpoint, tmp_path):
         load_hf(path)
 
 
+@pytest.mark.tally("bad_inputs")
 @pytest.mark.parametrize(
     "changes, message",
     [
@@ -94,6 +97,7 @@ def test_v4_style_rope_fields_are_read():
     assert ModelConfig.from_hf(written) == cfg
 
 
+@pytest.mark.tally("bad_inputs")
 def test_missing_tensor(hf_checkpoint, tmp_path):
     path = _copy(hf_checkpoint("qwen2"), tmp_path / "ckpt")
     state = load_file(f"{path}/model.safetensors")
@@ -105,6 +109,7 @@ def test_missing_tensor(hf_checkpoint, tmp_path):
         load_hf(path)
 
 
+@pytest.mark.tally("bad_inputs")
 def test_unexpected_tensors_when_config_has_fewer_layers(hf_checkpoint, tmp_path):
     path = _copy(hf_checkpoint("llama"), tmp_path / "ckpt")
     _edit_config(path, num_hidden_layers=1)
@@ -112,6 +117,7 @@ def test_unexpected_tensors_when_config_has_fewer_layers(hf_checkpoint, tmp_path
         load_hf(path)
 
 
+@pytest.mark.tally("bad_inputs")
 def test_untied_config_needs_lm_head(hf_checkpoint, tmp_path):
     path = _copy(hf_checkpoint("qwen2"), tmp_path / "ckpt")  # tied: no lm_head.weight stored
     _edit_config(path, tie_word_embeddings=False)
@@ -119,6 +125,7 @@ def test_untied_config_needs_lm_head(hf_checkpoint, tmp_path):
         load_hf(path)
 
 
+@pytest.mark.tally("bad_inputs")
 def test_wrong_shape(hf_checkpoint, tmp_path):
     path = _copy(hf_checkpoint("qwen3"), tmp_path / "ckpt")
     _edit_config(path, intermediate_size=96)
@@ -129,6 +136,7 @@ def test_wrong_shape(hf_checkpoint, tmp_path):
         load_hf(path)
 
 
+@pytest.mark.tally("bad_inputs")
 def test_missing_weights_file(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN2))
     with pytest.raises(FileNotFoundError, match="model.safetensors"):
@@ -156,6 +164,7 @@ def _zero_fill_file(path: str) -> None:
         f.write(bytes(size))
 
 
+@pytest.mark.tally("bad_inputs")
 @pytest.mark.parametrize(
     "file, damage, message",
     [

@@ -76,6 +76,7 @@ def preset(tmp_path_factory):
     return ckpt, train, val
 
 
+@pytest.mark.tally("faults")
 def test_preset_killed_and_resumed_equals_uninterrupted(preset, tmp_path):
     import subprocess
 

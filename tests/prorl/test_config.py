@@ -26,6 +26,7 @@ def test_preset_and_overrides():
     assert "kl_coef: 0.0001" in to_yaml(cfg)
 
 
+@pytest.mark.tally("bad_inputs")
 @pytest.mark.parametrize(
     "override,message",
     [
@@ -42,6 +43,7 @@ def test_bad_overrides_fail_with_their_key(override, message):
         load_config("default", [override])
 
 
+@pytest.mark.tally("bad_inputs")
 def test_missing_preset_and_required_key():
     with pytest.raises(ConfigError, match="presets: default"):
         load_config("nope")

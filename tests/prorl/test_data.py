@@ -70,6 +70,7 @@ def test_trl_style_rows(tmp_path):
     assert ex.prompt == [{"role": "user", "content": "1+1?"}] and ex.ground_truth == "2" and ex.extra == {}
 
 
+@pytest.mark.tally("bad_inputs")
 @pytest.mark.parametrize(
     "row, message",
     [
@@ -105,6 +106,7 @@ def test_bad_rows_name_file_row_and_field(tmp_path, row, message):
     assert path in str(err.value)
 
 
+@pytest.mark.tally("bad_inputs")
 def test_a_non_utf8_byte_in_a_json_file_names_its_line_and_offset(tmp_path):
     path = tmp_path / "d.json"
     path.write_bytes(b"[\n" + NOT_UTF8 + b"\n]\n")
@@ -112,6 +114,7 @@ def test_a_non_utf8_byte_in_a_json_file_names_its_line_and_offset(tmp_path):
         data.load_file(str(path))
 
 
+@pytest.mark.tally("bad_inputs")
 @pytest.mark.parametrize("text", ["", "\n\n  \n"])
 def test_an_empty_file_says_it_is_empty(tmp_path, text):
     path = tmp_path / "d.jsonl"
@@ -146,6 +149,7 @@ def test_skip_bad_counts(tmp_path):
     assert len(exs) == 2 and report.rows == 2 and report.skipped == 3 and len(report.errors) == 3
 
 
+@pytest.mark.tally("bad_inputs")
 def test_unknown_file_type_and_missing_file(tmp_path):
     (tmp_path / "d.csv").write_text("x")
     with pytest.raises(data.DataError, match="unknown data file type"):

@@ -55,6 +55,7 @@ def test_mix_repeats_and_subsamples_without_early_duplicates():
     assert [ex.prompt[0]["content"][0] for ex in out] != sorted(ex.prompt[0]["content"][0] for ex in out)
 
 
+@pytest.mark.tally("bad_inputs")
 def test_mix_rejects_bad_sources():
     with pytest.raises(ValueError, match="no sources"):
         data.mix([])
@@ -107,6 +108,7 @@ def test_encode_prompts_applies_template_and_filters(tokenizer):
     )
 
 
+@pytest.mark.tally("bad_inputs")
 def test_encode_prompts_needs_a_chat_template(tokenizer):
     no_template = copy.copy(tokenizer)
     no_template.chat_template = None

@@ -213,6 +213,7 @@ def test_api_with_loaded_model_and_pool(tiny_model_dir, eval_verifier):
     assert [(s["index"], s["sample"]) for s in res["samples"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
 
 
+@pytest.mark.tally("bad_inputs")
 def test_unimplemented_backend_is_a_clear_error(tiny_model_dir, capsys):
     assert main(["--model", tiny_model_dir, "--builtin", "digit_sums", "--backend", "vllm"]) == 2
     assert "not implemented yet" in capsys.readouterr().err

@@ -31,6 +31,7 @@ def test_without_config_a_users_model_gets_the_recipe_defaults():
     )
 
 
+@pytest.mark.tally("bad_inputs")
 def test_renamed_and_misspelt_keys_are_named():
     with pytest.raises(ConfigError, match="'algorithm.reset_interval' is now 'algorithm.reset.interval'"):
         load_config("default", ["algorithm.reset_interval=3"])
@@ -43,6 +44,7 @@ def test_a_bare_value_for_a_list_key_is_a_one_element_list():
     assert cfg.data.train_files == ["/d/train.parquet"]
 
 
+@pytest.mark.tally("bad_inputs")
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -70,6 +72,7 @@ def test_reference_lists_every_key_with_its_help():
     assert "[reinforce++-baseline | grpo | dr-grpo]" in text  # the kernels' own modes
 
 
+@pytest.mark.tally("bad_inputs")
 def test_prompt_key_names_the_prompt_field(tmp_path):
     path = tmp_path / "q.jsonl"
     path.write_text(

@@ -65,6 +65,7 @@ def step_rows(run_dir) -> dict[int, dict]:
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows}
 
 
+@pytest.mark.tally("faults")
 @pytest.mark.slow
 def test_killed_and_resumed_run_equals_uninterrupted_run(tmp_path):
     seed = int(os.environ.get("PRORL_TEST_SEED", time.time_ns() % 10**6))

@@ -16,6 +16,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ENV = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
 
 
+@pytest.mark.tally("bad_inputs")
 def test_config_error_fails_fast_with_its_message():
     proc = subprocess.run(
         [sys.executable, "prorl/train.py", "trainer.bogus=1"],
@@ -110,6 +111,7 @@ def test_fsdp_policy_matches_replicated(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
 
 
+@pytest.mark.tally("bad_inputs")
 @pytest.mark.slow
 def test_resume_refuses_incompatible_config_and_reports_harmless_changes(tmp_path):
     out = tmp_path / "run"

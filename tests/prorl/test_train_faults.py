@@ -35,6 +35,7 @@ DISK_FULL = (
 )
 
 
+@pytest.mark.tally("faults")
 @pytest.mark.parametrize("case", ["file_in_the_way", "read_only", "disk_full"])
 def test_unusable_output_dir_fails_before_training(tmp_path, case):
     expected = "is not writable"
@@ -59,6 +60,7 @@ def test_unusable_output_dir_fails_before_training(tmp_path, case):
         assert "reward self-test" not in proc.stdout  # nothing was loaded or started
 
 
+@pytest.mark.tally("faults")
 @pytest.mark.slow
 def test_ctrl_c_finishes_the_step_and_a_second_run_on_the_dir_is_refused(tmp_path):
     """One process, no torchrun: a terminal's Ctrl-C reaches its whole process group, reward workers
@@ -83,6 +85,7 @@ def test_ctrl_c_finishes_the_step_and_a_second_run_on_the_dir_is_refused(tmp_pat
     assert not wait_gone(tree, timeout=10), "a reward worker is left behind"
 
 
+@pytest.mark.tally("faults")
 @pytest.mark.slow
 def test_workers_of_a_killed_torchrun_stop_after_their_step(tmp_path):
     """`kill -9` of torchrun alone: its workers live in sessions of their own and would train on, unseen;
@@ -120,6 +123,7 @@ def _rank_worker(tree, rank: int) -> int:
     raise AssertionError(f"no worker for rank {rank} in {tree}")
 
 
+@pytest.mark.tally("faults")
 @pytest.mark.slow
 def test_a_frozen_rank_is_named_and_ends_the_run_cleanly(tmp_path):
     """SIGSTOP of one rank's trainer: the other says what it waits for (trainer.wait_warning_s), then ends
@@ -159,6 +163,7 @@ def _zero_fill(path) -> None:
         f.write(bytes(size))
 
 
+@pytest.mark.tally("faults")
 @pytest.mark.slow
 def test_a_damaged_checkpoint_resumes_the_previous_one_and_all_damaged_exit_4(tmp_path):
     out = tmp_path / "run"
@@ -225,6 +230,11 @@ def _model_copy(tmp_path, file, damage):
     return [f"model.path={path}"], str(path / file)
 
 
+def _set_vocab(config_json, vocab_size: int) -> None:
+    cfg = json.loads(config_json.read_text())
+    config_json.write_text(json.dumps({**cfg, "vocab_size": vocab_size}))
+
+
 def _data_file(tmp_path, lines: list[bytes]):
     path = tmp_path / "train.jsonl"
     path.write_bytes(b"".join(line + b"\n" for line in lines))
@@ -242,6 +252,11 @@ BAD_INPUT = {  # case -> (overrides, the file the message names, what it says)
         "truncated, zero-filled or not safetensors",
     ),
     "truncated config.json": (lambda t: _model_copy(t, "config.json", _truncate), "is not valid JSON"),
+    "no tokenizer.json": (lambda t: _model_copy(t, "tokenizer.json", os.remove), "is missing"),
+    "vocab smaller than the tokenizer": (  # 98 rows for the 100 tokens of the shipped tokenizer
+        lambda t: _model_copy(t, "config.json", lambda p: _set_vocab(p, 98)),
+        "ids 98..99 (98 '~', 99 '<unk>') have no row",
+    ),
     "non-UTF-8 data": (
         lambda t: _data_file(t, [ROW, ROW.replace(b"1+1", b"1\xff1")]),
         "row 1 (line 2): not UTF-8",
@@ -254,6 +269,7 @@ BAD_INPUT = {  # case -> (overrides, the file the message names, what it says)
 }
 
 
+@pytest.mark.tally("bad_inputs")
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_exits_2_naming_the_file(tmp_path, case):
     make, expected = BAD_INPUT[case]
@@ -266,6 +282,7 @@ def test_bad_input_exits_2_naming_the_file(tmp_path, case):
     assert "Traceback" not in proc.stderr and "reward self-test" not in proc.stdout  # found before any work
 
 
+@pytest.mark.tally("bad_inputs")
 @pytest.mark.slow
 def test_prompts_longer_than_max_prompt_tokens_are_counted_per_file(tmp_path):
     overrides, named = _data_file(tmp_path, [ROW] * 6)
@@ -275,6 +292,7 @@ def test_prompts_longer_than_max_prompt_tokens_are_counted_per_file(tmp_path):
     assert "no training prompt fits data.max_prompt_tokens=4: all 6 are longer" in proc.stderr
 
 
+@pytest.mark.tally("faults")
 def test_steps_that_keep_no_group_are_skipped_and_a_stall_stops_cleanly(tmp_path):
     """Every answer cut at 2 tokens scores 0, so dynamic sampling keeps no group on any rank: each such
     step is counted and skipped (the run goes on and exports), and `trainer.max_consecutive_skips` of

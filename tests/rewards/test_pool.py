@@ -37,6 +37,7 @@ def pool():
         yield p
 
 
+@pytest.mark.tally("faults")
 def test_batch_with_hangs_and_crashes_completes(registered, pool):
     sources = ["half", "hang", "echo", "crash", "raise", "range", "echo", "half"]
     responses = ["", "", "a", "", "", "", "a", ""]
@@ -56,6 +57,7 @@ def test_batch_with_hangs_and_crashes_completes(registered, pool):
     assert again.scores == [0.5] * 4 and not any(again.errored + again.timed_out)
 
 
+@pytest.mark.tally("faults")
 def test_all_hang_still_completes(registered, pool):
     res = pool.score_batch(["hang"] * 3, [""] * 3, [None] * 3)
     assert res.timed_out == [True] * 3 and res.scores == [0.0] * 3
@@ -104,6 +106,7 @@ def _processes_with(marker):
     return found
 
 
+@pytest.mark.tally("faults")
 def test_pool_timeout_kills_the_code_sandbox_too(pool):
     # the worker is SIGKILLed on the pool's timeout while its sandbox runs: the sandbox must die with it
     marker = f"prorl-pool-{uuid.uuid4().hex}"
@@ -139,6 +142,7 @@ def test_self_test_with_pool():
         assert self_test(["openai/gsm8k", "codeforces"], p) == {"math": "ok", "code": "ok"}
 
 
+@pytest.mark.tally("faults")
 def test_self_test_names_broken_verifiers(registered):
     rewards.register("math", "reward_helpers:constant_half")
     rewards.register("stem", "reward_helpers:raises")
@@ -149,6 +153,7 @@ def test_self_test_names_broken_verifiers(registered):
     assert self_test(["half"]) == {"half": "skipped: no sample"}
 
 
+@pytest.mark.tally("faults")
 def test_self_test_reports_the_sandbox_error(monkeypatch):
     # the interpreter cannot start inside the sandbox (what a venv under /tmp used to hit): the message
     # carries the sandbox's own error, not only "known-right answer scored 0.0"
@@ -207,6 +212,7 @@ def die_at_start(tmp_path, monkeypatch):
     return counter
 
 
+@pytest.mark.tally("faults")
 def test_worker_dying_while_its_replacement_starts_is_retried(registered, die_at_start):
     with RewardPool(num_workers=1, timeout_s=5, preload=()) as p:
         assert p.score_batch(["half"], [""], [None]).scores == [0.5]
@@ -216,6 +222,7 @@ def test_worker_dying_while_its_replacement_starts_is_retried(registered, die_at
         assert die_at_start.read_text() == "0" and p.replaced == MAX_START_FAILURES
 
 
+@pytest.mark.tally("faults")
 def test_workers_that_keep_dying_at_start_give_a_clear_error(registered, die_at_start):
     die_at_start.write_text("100")
     with RewardPool(num_workers=1, timeout_s=5, preload=()) as p:
@@ -250,6 +257,7 @@ def _wait(condition, timeout=20.0):
     return condition()
 
 
+@pytest.mark.tally("faults")
 def test_dirs_of_killed_runs_are_removed_at_start_and_live_ones_kept(registered, tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this test's pools and runs keep to tmp_path
     env = dict(os.environ, TMPDIR=str(tmp_path))
