@@ -43,7 +43,12 @@ TARGETS = {  # name: (limit, the measurement's key in measure())
     "max lines over 100 chars in one file": 10,
 }
 # Targets enforced by --check today; the rest are reported until the trainer's redesign meets them.
-CHECKED = {"imports pointing up the layers", "files over 600 lines"}
+CHECKED = {
+    "imports pointing up the layers",
+    "files over 600 lines",
+    "import cycles",
+    "function-level imports of own modules",
+}
 
 
 def module_name(path: Path) -> str:

@@ -78,6 +78,7 @@ from .checkpoint_verify import (
     rng_state,
     verify,
 )
+from .fp8 import plain
 
 logger = logging.getLogger(__name__)
 
@@ -170,8 +171,6 @@ def _plain(state: Any) -> Any:
     """`state` with torchao's FP8 all-gather weight wrappers (and what was computed from them, e.g. AdamW's
     moments) replaced by the plain tensors they hold (engine/fp8.py `plain`): checkpoints pickle no tensor
     subclass, so `prorl.export` and a run without FP8 read them without torchao."""
-    from .fp8 import plain
-
     if isinstance(state, torch.Tensor):
         return plain(state)
     if isinstance(state, dict):

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .parallel import reshard
+
 SCHEDULES = ("constant", "cosine")
 
 
@@ -85,7 +87,6 @@ class Optimizer:
         self.cfg = cfg
         # the registered (sharded) parameters: after a forward FSDP2 leaves the root and the last block
         # unsharded, and their .parameters() are then temporaries it frees on resharding
-        from .parallel import reshard
 
         reshard(model)
         self.params = [p for p in model.parameters() if p.requires_grad]

@@ -66,7 +66,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .model import Decoder, ModelConfig
+from . import fp8
+from .model import Decoder, ModelConfig, save_hf
+from .model.hf_io import _tensor_files, hf_name, read_config
 from .watchdog import Watchdog, null_watchdog
 
 logger = logging.getLogger(__name__)
@@ -231,8 +233,6 @@ def parallelize(
     Raises:
         ValueError: mixed precision or CPU offload asked for without a process group.
     """
-    from . import fp8
-
     if grad_reduce not in ("sum", "mean"):
         raise ValueError(f"grad_reduce must be 'sum' or 'mean', got {grad_reduce!r}")
     te_layers = fp8.has_te_layers(model)
@@ -367,8 +367,6 @@ def meta_decoder(cfg: ModelConfig, attention=None, dtype: torch.dtype = torch.fl
 
 def hf_model_config(path: str) -> ModelConfig:
     """The ModelConfig of a Hugging Face checkpoint directory (its config.json)."""
-    from .model.hf_io import read_config
-
     return ModelConfig.from_hf(read_config(path))
 
 
@@ -394,8 +392,6 @@ def materialize(
         return model
 
     from safetensors import safe_open
-
-    from .model.hf_io import _tensor_files, hf_name
 
     saved = hf_model_config(hf_path)
     if saved != model.config:
@@ -442,8 +438,6 @@ def full_state_dict(model: nn.Module, *, cpu_offload: bool = False) -> dict[str,
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    from . import fp8
-
     if not dist.is_initialized():
         state = {clean_name(k): v.detach() for k, v in model.state_dict().items()}
         state = {k: v.cpu() for k, v in state.items()} if cpu_offload else state
@@ -462,8 +456,6 @@ def iter_full_tensors(model: nn.Module, dtype: torch.dtype | None = None):
     traffic and half the peak memory. A collective under FSDP2: every rank iterates in the same order.
     For weight pushes (the sampler's copy, a vLLM engine), where memory allows one full tensor at a time."""
     from torch.distributed.tensor import DTensor
-
-    from . import fp8
 
     reshard(model)  # the registered (sharded) parameters, not FSDP's temporary full copies
     for name, tensor in model.state_dict().items():
@@ -587,8 +579,6 @@ def export_hf(model: nn.Module, path: str, dtype: torch.dtype | None = None) -> 
     there and writes it with `engine.model.save_hf` (config.json + safetensors). dtype: cast on export
     (e.g. torch.bfloat16 for a half-size release); None keeps the master-weight dtype.
     """
-    from .model import Decoder, save_hf
-
     full = full_state_dict(model, cpu_offload=True)
     if dist_info().is_main:
         if dtype is not None:

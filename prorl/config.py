@@ -27,9 +27,11 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from prorl.config_checks import read_yaml, size_problems
+from prorl.engine.attention import BACKENDS as ATTENTION
 from prorl.engine.fp8 import BACKENDS as FP8_BACKENDS
 from prorl.engine.fp8 import RECIPES as FP8_RECIPES
 from prorl.engine.optim import SCHEDULES, OptimizerConfig
+from prorl.engine.rollout import BACKENDS as ROLLOUT
 from prorl.kernels import (
     ADVANTAGE_MODES,
     AGG_MODES,
@@ -250,9 +252,6 @@ class Config:
 
 
 def _engine_choices() -> dict[str, tuple]:
-    from prorl.engine.attention import BACKENDS as ATTENTION
-    from prorl.engine.rollout import BACKENDS as ROLLOUT
-
     return {
         "model.attention": ("auto", *ATTENTION),
         "rollout.backend": ("auto", *ROLLOUT),

@@ -48,6 +48,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from prorl.data_read import DEFAULT_MAX_ROW_BYTES, DataError, read_rows
+from prorl.rewards import UnknownDataSourceError, lookup  # light: verifiers load lazily
+from prorl.rewards.logic import dataset as logic_dataset
 
 
 @dataclass
@@ -105,8 +107,6 @@ def _parse_row(row: Any, where: str, check_data_source: bool, prompt_key: str = 
         )
     verifier = None  # the registry key of the row's verifier, when checked
     if check_data_source:
-        from prorl.rewards import UnknownDataSourceError, lookup  # light: verifiers load lazily
-
         try:
             verifier = lookup(data_source)[0]
         except UnknownDataSourceError as exc:
@@ -429,11 +429,9 @@ def reasoning_gym_tasks(
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     from reasoning_gym.utils import SYSTEM_PROMPTS  # imports reasoning_gym (~5 s), only when used
 
-    from prorl.rewards.logic import dataset
-
     split_seed = seed if split == "train" else seed + 1_000_003
     config = dict(config or {})
-    ds = dataset(task, split_seed, n, json.dumps(config, sort_keys=True))
+    ds = logic_dataset(task, split_seed, n, json.dumps(config, sort_keys=True))
     out = []
     for i in range(n):
         entry = ds[i]

@@ -44,7 +44,12 @@ import time
 from collections import defaultdict
 
 from prorl import data
-from prorl.rewards import builtin_keys
+from prorl.engine.model import load_hf
+from prorl.engine.rollout import NativeGenerator, SamplingParams
+from prorl.engine.rollout.base import host_available_bytes
+from prorl.export import export_checkpoint, is_checkpoint
+from prorl.rewards import builtin_keys, lookup
+from prorl.rewards.pool import RewardPool
 
 CONTINUOUS_KEYS = ("reasoning_gym", "ifeval")  # verifier keys whose headline metric is mean_score
 BACKENDS = ("native", "vllm")
@@ -70,8 +75,6 @@ def pass_ks(k: int) -> list[int]:
 
 
 def primary_metric(data_source: str) -> str:
-    from prorl.rewards import lookup
-
     return "mean_score" if lookup(data_source)[0] in CONTINUOUS_KEYS else "pass@1"
 
 
@@ -137,8 +140,6 @@ def host_chunk_size(k: int, max_new: int, host_memory_gib: float | None = None) 
     as many as the host can hold the k samples of, at most `max_new` tokens each. host_memory_gib None: a
     quarter of the memory available now, shared by this node's ranks (torchrun's LOCAL_WORLD_SIZE)."""
     if host_memory_gib is None:
-        from prorl.engine.rollout.base import host_available_bytes
-
         budget = host_available_bytes() / 4 / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
     else:
         budget = host_memory_gib * 2**30
@@ -208,8 +209,6 @@ def evaluate(
     """
     import torch
 
-    from prorl.engine.rollout import NativeGenerator, SamplingParams
-
     if backend != "native":
         raise NotImplementedError(
             f"eval backend {backend!r} is not implemented yet; use backend='native' (prorl's own generator)"
@@ -224,8 +223,6 @@ def evaluate(
 
         tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
     if model is None:
-        from prorl.engine.model import load_hf
-
         torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[dtype]
         if torch_dtype is None and torch.device(device).type == "cpu":
             torch_dtype = torch.float32
@@ -273,8 +270,6 @@ def evaluate(
     generator = generator or NativeGenerator(model)
     own_pool = pool is None
     if own_pool:
-        from prorl.rewards.pool import RewardPool
-
         pool = RewardPool(
             num_workers=num_workers,
             timeout_s=timeout_s,
@@ -442,8 +437,6 @@ def main(argv: list[str] | None = None) -> int:
     import importlib
     import signal
     import tempfile
-
-    from prorl.export import export_checkpoint, is_checkpoint
 
     for module in args.plugins:  # user verifiers: each module calls prorl.rewards.register(...)
         importlib.import_module(module)

@@ -18,16 +18,17 @@ import os
 import sys
 
 import torch
+import torch.distributed.checkpoint as dcp
+
+from prorl.engine.checkpoint import MARKER, META, CheckpointError, ModelState, verify_checkpoint
+from prorl.engine.model import load_hf, save_hf
+from prorl.lifecycle import Fatal
+from prorl.model_dir import resolve_model_path
 
 
 def export_checkpoint(checkpoint: str, out: str, *, dtype: str | None = None, key: str = "model") -> str:
     """Write checkpoint `checkpoint`'s `key` model to `out` as a Hugging Face directory; returns `out`."""
-    import torch.distributed.checkpoint as dcp
     from transformers import PreTrainedTokenizerFast
-
-    from prorl.engine.checkpoint import MARKER, META, CheckpointError, ModelState, verify_checkpoint
-    from prorl.engine.model import load_hf, save_hf
-    from prorl.train import resolve_model_path
 
     if not os.path.isfile(os.path.join(checkpoint, MARKER)):
         raise CheckpointError(f"{checkpoint} is not a complete checkpoint (no {MARKER} marker)")
@@ -49,8 +50,6 @@ def export_checkpoint(checkpoint: str, out: str, *, dtype: str | None = None, ke
 
 
 def is_checkpoint(path: str) -> bool:
-    from prorl.engine.checkpoint import MARKER, META
-
     return os.path.isfile(os.path.join(path, META)) and os.path.isfile(os.path.join(path, MARKER))
 
 
@@ -61,9 +60,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: the run's")
     ap.add_argument("--key", choices=("model", "reference"), default="model")
     args = ap.parse_args(argv)
-    from prorl.engine.checkpoint import CheckpointError
-    from prorl.lifecycle import Fatal
-
     try:
         out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, key=args.key)
         print(f"prorl.export: wrote {out}")

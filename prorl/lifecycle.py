@@ -21,6 +21,9 @@ import time
 import torch
 import torch.distributed as dist
 
+from prorl.engine import parallel
+from prorl.engine.checkpoint import CheckpointError
+
 EXIT_CONFIG, EXIT_SELF_TEST, EXIT_RESUME, EXIT_OUTPUT_DIR, EXIT_STALLED, EXIT_PEER_LOST = 2, 3, 4, 5, 6, 7
 
 
@@ -35,9 +38,6 @@ class Fatal(Exception):
 def on_every_rank(code: int, fn, *args):
     """fn(*args) on every rank; if it fails with an OSError or CheckpointError anywhere, every rank raises
     Fatal (the failing rank with its own message) instead of the others waiting in the next collective."""
-    from prorl.engine import parallel
-    from prorl.engine.checkpoint import CheckpointError
-
     error, result = None, None
     try:
         result = fn(*args)
@@ -94,8 +94,6 @@ class StopRequest:
             raise KeyboardInterrupt
 
     def requested(self) -> bool:
-        from prorl.engine import parallel
-
         if self.reason is None and self.parent is not None and os.getppid() != self.parent:
             self.reason = "the loss of torchrun (its agent process died)"
         return parallel.all_reduce_max(1.0 if self.reason is not None else 0.0, what="the stop request") > 0

@@ -32,7 +32,9 @@ from dataclasses import dataclass
 
 import torch
 
+from prorl.algorithm import loss_normalizer, token_budget_chunks
 from prorl.engine.attention import shared_prefix_layout
+from prorl.engine.parallel import all_reduce
 
 
 @dataclass
@@ -262,9 +264,6 @@ def plan_passes(batch: StepBatch, g0: int, g1: int, *, budget: int, share: bool,
     """Groups g0..g1 of `batch` as passes of at most `budget` tokens (module docstring). `even` (FSDP:
     every forward all-gathers, every backward reduce-scatters): the list is padded with None - dummy
     passes - up to the largest count over ranks (one all-reduce)."""
-    from prorl.algorithm import token_budget_chunks
-    from prorl.engine.parallel import all_reduce
-
     groups, n = batch.groups, batch.n
     lp = [len(g.prompt_ids) for g in groups[g0:g1]]
     lr = [[len(t) for t in g.responses] for g in groups[g0:g1]]
@@ -288,9 +287,6 @@ def plan_update(
 ) -> list[MiniBatch]:
     """The update's M mini-batches (each rank's groups split in M consecutive runs, so mini-batch m is the
     m-th run of every rank), each with its passes and its global loss normaliser."""
-    from prorl.algorithm import loss_normalizer
-    from prorl.engine.parallel import all_reduce
-
     groups, n = batch.groups, batch.n
     per = max(-(-len(groups) // mini_batches), 1)
     out = []

@@ -15,6 +15,8 @@ import json
 import os
 import sys
 
+from prorl.config import to_dict
+
 SUMMARY_KEYS = (
     ("critic/score/mean", "score", "{:.3f}"),
     ("val/accuracy", "val", "{:.3f}"),
@@ -70,7 +72,6 @@ def start_wandb(cfg):
             f"logging.wandb_project={cfg.logging.wandb_project!r} needs the wandb package: pip install wandb "
             "(or unset logging.wandb_project)"
         ) from exc
-    from prorl.config import to_dict
 
     return wandb.init(
         project=cfg.logging.wandb_project,

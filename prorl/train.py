@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import importlib
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -47,36 +48,38 @@ import time
 import torch
 import torch.distributed as dist
 
-from prorl import lifecycle
+from prorl import data, lifecycle
+from prorl.config import (
+    ConfigError,
+    check_world,
+    collective_timeout_s,
+    config_changes,
+    load_config,
+    non_default,
+    reference,
+    resolve_output_dir,
+    resume_conflicts,
+    to_dict,
+    to_yaml,
+)
+from prorl.config_checks import repeated_overrides
+from prorl.engine import parallel
+from prorl.engine.checkpoint import META, Checkpointer, CheckpointError, config_hash
+from prorl.engine.parallel import dist_info
+from prorl.engine.rollout import resolve_backend
+from prorl.engine.watchdog import Watchdog
 from prorl.lifecycle import Fatal, on_every_rank
-
-ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
-
-
-def resolve_model_path(path: str) -> str:
-    if path.startswith("builtin:"):
-        path = os.path.join(ASSETS, path.split(":", 1)[1])
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise Fatal(
-            lifecycle.EXIT_CONFIG,
-            f"model.path={path!r} is not a Hugging Face model directory (no config.json)",
-        )
-    from prorl.engine.model.hf_io import check_hf_dir
-    from prorl.tokenizer import check_tokenizer
-
-    try:  # a damaged config.json or weights file, no tokenizer or another model's: named now
-        check_hf_dir(path)
-        check_tokenizer(path)
-    except (ValueError, OSError) as exc:
-        raise Fatal(lifecycle.EXIT_CONFIG, f"model.path={path!r}: {exc}") from None
-    return path
+from prorl.model_dir import resolve_model_path
+from prorl.report import Reporter
+from prorl.rewards import builtin_keys
+from prorl.rewards.pool import RewardPool
+from prorl.rewards.selftest import self_test
+from prorl.trainer import Trainer, TrainingStalled
 
 
 def load_examples(cfg, split: str):
     """The training or held-out examples: the data files, or the builtin task's split. With training files
     but no validation files there is no held-out set (the builtin task's would say nothing about them)."""
-    from prorl import data
-
     files = cfg.data.train_files if split == "train" else cfg.data.val_files
     if files:  # "path" or "path:weight" (weighted mixing, see prorl.data)
         try:
@@ -98,9 +101,6 @@ def parse_config(argv: list[str] | None):
     """(config, preset name) from the command line; raises ConfigError. Without --config the embedded
     default applies to the no-argument run (and runs that only resize it), the recipe's defaults when a
     model is given (`model.path=`)."""
-    from prorl.config import load_config, reference
-    from prorl.config_checks import repeated_overrides
-
     ap = argparse.ArgumentParser(
         description="ProRL v2 trainer",
         allow_abbrev=False,
@@ -121,10 +121,6 @@ def parse_config(argv: list[str] | None):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from prorl.config import ConfigError, check_world, collective_timeout_s, to_yaml
-    from prorl.engine import parallel
-    from prorl.engine.watchdog import Watchdog
-
     try:
         cfg, preset, print_only = parse_config(argv)
         if print_only:
@@ -169,10 +165,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def check_sampler(cfg) -> None:
     """A vLLM sampler that is not installed is found now, not after the models are loaded."""
-    from prorl.config import ConfigError
-    from prorl.engine.parallel import dist_info
-    from prorl.engine.rollout import resolve_backend
-
     device = "cuda" if torch.cuda.is_available() else dist_info().device
     if resolve_backend(cfg.rollout.backend, device) == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError(
@@ -184,11 +176,6 @@ def check_sampler(cfg) -> None:
 def run(cfg, preset: str | None, rank: int) -> int:
     """Set up (output directory, data, verifiers, trainer), resume or validate, train, report."""
     from transformers import PreTrainedTokenizerFast
-
-    from prorl.config import non_default, resolve_output_dir, to_yaml
-    from prorl.engine.checkpoint import Checkpointer
-    from prorl.report import Reporter
-    from prorl.trainer import Trainer
 
     lifecycle.seed_everything(cfg.seed + rank, cfg.trainer.deterministic)
     if rank == 0:
@@ -234,11 +221,6 @@ def make_pool(cfg, examples):
     """The reward workers (started with SIGINT / SIGTERM ignored: lifecycle.ignoring_stop_signals), after
     the start-up self-test of every verifier the data needs (a verifier that silently scores 0 would waste
     the whole run: exit code 3)."""
-    from prorl.engine.parallel import dist_info
-    from prorl.rewards import builtin_keys
-    from prorl.rewards.pool import RewardPool
-    from prorl.rewards.selftest import self_test
-
     sources = tuple(sorted({e.data_source for e in examples}))
     kw = dict(
         num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, preload=builtin_keys(sources)
@@ -257,11 +239,6 @@ def make_pool(cfg, examples):
 def refuse_incompatible_resume(ckpt, cfg, rank: int) -> None:
     """A checkpoint to resume whose settings that fix the run's data and batch differ, or no checkpoint
     that is not damaged: refuse (exit 4) before the run's files are touched."""
-    import json
-
-    from prorl.config import resume_conflicts
-    from prorl.engine.checkpoint import META, CheckpointError
-
     try:  # the newest checkpoint whose files match their manifest; a damaged newer one is named and skipped
         path = ckpt.usable()
     except CheckpointError as exc:
@@ -284,10 +261,6 @@ def refuse_incompatible_resume(ckpt, cfg, rank: int) -> None:
 
 def train_loop(cfg, trainer, ckpt, reporter, stop, rank: int, validate: bool) -> int:
     """Resume or validate first, then train to trainer.total_steps, saving and validating on schedule."""
-    from prorl.config import config_changes, to_dict, to_yaml
-    from prorl.engine.checkpoint import CheckpointError, config_hash
-    from prorl.trainer import TrainingStalled
-
     chash = config_hash(to_yaml(cfg))  # changed settings are reported on resume
     state = {
         "model": trainer.policy,

@@ -40,11 +40,13 @@ import torch.distributed as dist
 from prorl import algorithm, packing, rollout_budget
 from prorl.config import Config, check_world
 from prorl.data import stop_token_ids
+from prorl.engine import parallel
 from prorl.engine.fp8 import FP8Training, fp8_layers
 from prorl.engine.model import load_hf
 from prorl.engine.optim import Optimizer
 from prorl.engine.parallel import all_reduce, copy_parameters_, dist_info, iter_full_tensors, watchdog
 from prorl.engine.rollout import build_generator, resolve_backend
+from prorl.eval import evaluate, summarize
 from prorl.kernels import group_advantages, linear_logprob_entropy, ppo_loss
 from prorl.metrics import StepAccumulator, step_metrics
 from prorl.packing import MicroBatch, StepBatch
@@ -130,8 +132,6 @@ class Trainer:
                 policy.compile()
                 reference.compile()
             return policy, reference, policy if self.backend == "native" else None
-        from prorl.engine.parallel import parallelize
-
         opts = dict(
             activation_checkpointing=cfg.model.activation_checkpointing,
             compile=cfg.model.compile,
@@ -141,8 +141,9 @@ class Trainer:
         )
         # FP8 (model.fp8): policy and reference get the same conversion, so that after a reset they compute
         # identically and the KL is exactly zero; the sampler's copy stays unconverted (engine/fp8.py)
-        policy = parallelize(self.fp8.convert(load(torch.float32)), **opts)
-        reference = parallelize(self.fp8.convert(load(torch.float32)).requires_grad_(False).eval(), **opts)
+        policy = parallel.parallelize(self.fp8.convert(load(torch.float32)), **opts)
+        frozen = self.fp8.convert(load(torch.float32)).requires_grad_(False).eval()
+        reference = parallel.parallelize(frozen, **opts)
         sampler_model = load(self.dtype).requires_grad_(False).eval() if self.backend == "native" else None
         return policy, reference, sampler_model
 
@@ -193,9 +194,7 @@ class Trainer:
 
     def export_hf(self, path: str) -> None:
         """The policy as a Hugging Face directory in `model.dtype` (collective under FSDP)."""
-        from prorl.engine.parallel import export_hf
-
-        export_hf(self.policy, path, dtype=self.dtype)
+        parallel.export_hf(self.policy, path, dtype=self.dtype)
 
     def close(self) -> None:
         """Release the sampler (a vLLM engine) before the process group goes."""
@@ -515,8 +514,6 @@ class Trainer:
         Returns `val/accuracy` (mean verifier score over every sample; for binary verifiers the mean
         pass@1), `val/pass@j`, and per data source `val-core/<source>/reward/mean@k` (verl's name) and
         `val-core/<source>/pass@j`. Collective: every rank calls it."""
-        from prorl.eval import evaluate, summarize
-
         cfg, k = self.cfg, self.cfg.trainer.val_samples
         mine = list(range(self.rank, len(self.val_examples), self.world))
         results = evaluate(

@@ -28,7 +28,7 @@ import time
 import torch
 
 from prorl.data import digit_sums, stop_token_ids
-from prorl.engine.model import Decoder, ModelConfig, save_hf
+from prorl.engine.model import Decoder, ModelConfig, load_hf, save_hf
 from prorl.engine.optim import Optimizer, OptimizerConfig
 from prorl.engine.rollout import NativeGenerator, SamplingParams
 from prorl.kernels import linear_logprob_entropy
@@ -135,8 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     if args.init:
         from transformers import PreTrainedTokenizerFast
-
-        from prorl.engine.model import load_hf
 
         tokenizer = PreTrainedTokenizerFast.from_pretrained(args.init)
         model = load_hf(args.init)

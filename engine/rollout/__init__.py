@@ -13,7 +13,11 @@ import torch
 
 from .base import Generator, Rollouts, Sample, SamplingParams
 from .native import NativeGenerator
-from .vllm import StaleWeightsError, VLLMGenerator  # vllm itself is imported only when one is built
+from .vllm import (  # vllm itself is imported only when one is built
+    StaleWeightsError,
+    VLLMGenerator,
+    torchrun_engine_kwargs,
+)
 
 BACKENDS = ("native", "vllm")
 
@@ -69,7 +73,6 @@ def build_generator(
         return NativeGenerator(model, compile=compile)
     if backend != "vllm":
         raise ValueError(f"rollout backend must be one of {BACKENDS}, got {backend!r}")
-    from .vllm import torchrun_engine_kwargs
 
     return VLLMGenerator(
         model_path,

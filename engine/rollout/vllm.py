@@ -69,7 +69,9 @@ import warnings
 from collections.abc import Iterable, Iterator
 
 import torch
+from prorl.kernels import linear_logprob_entropy
 
+from ..parallel import reshard
 from .base import Generator, Rollouts, Sample, SamplingParams
 from .native import _mix32
 
@@ -426,15 +428,12 @@ class VLLMGenerator(Generator):
     @torch.no_grad()
     def reference_probe_logprobs(self, model) -> torch.Tensor:
         """The same log-probs from prorl's Decoder `model` (the trainer's computation), fp32 [L-1]."""
-        from prorl.kernels import linear_logprob_entropy
-
         ids = torch.tensor(self.probe_ids, device=model.lm_head_weight.device)
         # the forward runs where the model computes, which is not where its weights are stored under FSDP2
         # with CPU offload (shards on the CPU, inputs moved to the GPU): the labels go where hidden is
         hidden = model(ids)
         labels = torch.cat([ids[1:], ids.new_full((1,), -100)]).to(hidden.device)
         logp, _ = linear_logprob_entropy(hidden, model.lm_head_weight, labels, return_entropy=False)
-        from ..parallel import reshard
 
         reshard(model)  # FSDP2 leaves the root unsharded after a forward: back to the registered shards
         return logp[:-1].float().cpu()

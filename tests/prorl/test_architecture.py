@@ -34,3 +34,11 @@ def test_function_level_imports_count_and_resolve():
 def test_library_imports_point_down_the_layers():
     values, found = architecture.measure()
     assert values["imports pointing up the layers"] == 0, found["imports pointing up the layers"]
+
+
+def test_library_has_no_import_cycle_and_few_function_level_imports():
+    """Counting imports inside functions: the library never imports its command line (export used to
+    import prorl.train, closing trainer -> eval -> export -> train -> trainer)."""
+    values, found = architecture.measure()
+    assert values["import cycles"] == 0, found["import cycles"]
+    assert values["function-level imports of own modules"] <= 20
