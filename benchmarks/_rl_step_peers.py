@@ -47,14 +47,14 @@ def _padded_attention_backend(length: int):
 
 
 def padded_logprobs(model, batch, temperature, grad: bool, entropy: bool = False, lle=None):
-    """Trainer.logprobs as a padded trainer computes it: every sequence right-padded to the longest one
+    """Updater.logprobs as a padded trainer computes it: every sequence right-padded to the longest one
     of the batch and run as one [S, Lmax] batch (one batched SDPA call, pad tokens through every layer
     and the LM head); the real tokens' values, from `lle` (default the fused op), in packed order.
     Needs plain packing (share_prompts off: a shared-prompt layout has no padded equivalent)."""
     from prorl.kernels import linear_logprob_entropy
 
     if batch.kv_index is not None:
-        raise ValueError("padded_logprobs needs trainer.share = False (plain packing)")
+        raise ValueError("padded_logprobs needs trainer.updater.share = False (plain packing)")
     lengths = batch.cu_seqlens.diff().long()
     s, lmax, dev = lengths.numel(), int(lengths.max()), lengths.device
     valid = torch.arange(lmax, device=dev)[None, :] < lengths[:, None]  # [S, Lmax], row-major

@@ -135,6 +135,7 @@ def prorl_trainer(w: dict, path: str, *, gpu: bool, gen: str = "vllm", flags=(),
     from transformers import PreTrainedTokenizerFast
 
     import prorl.trainer
+    import prorl.update
     from benchmarks._rl_step_peers import HFGenerator, naive_lle, padded_logprobs
     from prorl.config import load_config
     from prorl.data import builtin
@@ -150,23 +151,24 @@ def prorl_trainer(w: dict, path: str, *, gpu: bool, gen: str = "vllm", flags=(),
     if w["no_stop"]:
         trainer.sampler.stop_ids = []
     if "compile" in flags:  # the native sampler's decode step under torch.compile (rollout.compile)
-        trainer.generator = trainer.sampler.generator = NativeGenerator(trainer.sampler_model, compile=True)
+        models = trainer.models
+        models.generator = trainer.sampler.generator = NativeGenerator(models.sampler_model, compile=True)
     if "noshare" in flags or "nopack" in flags:
-        trainer.share = False  # every response packed with its own copy of the prompt
+        trainer.updater.share = False  # every response packed with its own copy of the prompt
     if "nofused" in flags:
-        prorl.trainer.linear_logprob_entropy = naive_lle  # the module global Trainer.logprobs calls
+        prorl.update.linear_logprob_entropy = naive_lle  # the module global Updater.logprobs calls
     if "nopack" in flags:  # one sequence per prompt + response, each padded to the longest
         lle = naive_lle if "nofused" in flags else None
-        t = trainer.logprob_temperature
-        trainer.logprobs = lambda model, batch, grad, entropy=False: padded_logprobs(
+        t = trainer.updater.logprob_temperature
+        trainer.updater.logprobs = lambda model, batch, grad, entropy=False: padded_logprobs(
             model, batch, t, grad, entropy, lle
         )
     if "hfgen" in flags:
-        trainer.generator = trainer.sampler.generator = HFGenerator(
+        trainer.models.generator = trainer.sampler.generator = HFGenerator(
             trainer.policy, path, tok.pad_token_id or 0
         )
     names = dict(VLLMGenerator="vllm", NativeGenerator="native", HFGenerator="transformers.generate")
-    sampler = names.get(type(trainer.generator).__name__, type(trainer.generator).__name__)
+    sampler = names.get(type(trainer.models.generator).__name__, type(trainer.models.generator).__name__)
 
     def step() -> dict:
         m = trainer.step()

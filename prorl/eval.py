@@ -43,8 +43,12 @@ import sys
 import time
 from collections import defaultdict
 
+import torch.distributed as dist
+
 from prorl import data
+from prorl.config import Config
 from prorl.engine.model import load_hf
+from prorl.engine.parallel import dist_info, watchdog
 from prorl.engine.rollout import NativeGenerator, SamplingParams
 from prorl.engine.rollout.base import host_available_bytes
 from prorl.export import export_checkpoint, is_checkpoint
@@ -344,6 +348,47 @@ def evaluate(
 
 
 # -- output ------------------------------------------------------------------------------------------------
+
+
+def validate(cfg: Config, examples: list, model, tokenizer, pool, generator, log=None) -> dict[str, float]:
+    """The trainer's held-out evaluation: `evaluate` on this rank's share of `examples` with the trainer's
+    sampler (`generator` over `model`; `trainer.val_samples` per prompt at `trainer.val_temperature` /
+    `val_top_p`), the per-sample records gathered from every rank and summarised together.
+
+    Returns `val/accuracy` (mean verifier score over every sample; for binary verifiers the mean pass@1),
+    `val/pass@j`, and per data source `val-core/<source>/reward/mean@k` (verl's name) and
+    `val-core/<source>/pass@j`. Collective: every rank calls it."""
+    info, k, t = dist_info(), cfg.trainer.val_samples, cfg.trainer
+    mine = list(range(info.rank, len(examples), info.world_size))
+    results = evaluate(
+        None,
+        [examples[i] for i in mine],
+        k,
+        temperature=t.val_temperature,
+        top_p=t.val_top_p if t.val_temperature > 0 else 1.0,
+        max_tokens=cfg.rollout.max_response_tokens,
+        max_prompt_tokens=cfg.data.max_prompt_tokens,
+        seed=cfg.seed,
+        model=model,
+        tokenizer=tokenizer,
+        pool=pool,
+        generator=generator,
+        log=log,
+    )
+    fields = "data_source score correct timed_out errored finish_reason response_tokens".split()
+    records = [{"index": mine[r["index"]], **{f: r[f] for f in fields}} for r in results["samples"]]
+    if info.world_size > 1:
+        gathered = [None] * info.world_size
+        with watchdog().waiting("all-gather of the validation records"):
+            dist.all_gather_object(gathered, records)
+        records = [r for part in gathered for r in part]
+    summary = summarize(records, k)
+    out = {"val/accuracy": summary["all"]["mean_score"] or 0.0}
+    out.update({f"val/{m}": v for m, v in summary["all"].items() if m.startswith("pass@")})
+    for source, m in summary["by_source"].items():
+        out[f"val-core/{source}/reward/mean@{k}"] = m["mean_score"] or 0.0
+        out.update({f"val-core/{source}/{j}": v for j, v in m.items() if j.startswith("pass@")})
+    return out
 
 
 def table_rows(results: dict) -> list[dict]:

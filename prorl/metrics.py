@@ -148,3 +148,50 @@ def step_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, fl
         out["rollout/is_max"] = finite(mx.get("is_weight"))
         out["rollout/is_frac_modified"] = mean("is_modified", "tokens")
     return out
+
+
+def record_loss(acc: StepAccumulator, m: dict, ent_sum, old_logp, sampler_logp) -> None:
+    """One micro-batch's loss metrics: ppo_loss's `m` (means over its tokens) weighted back to sums, the
+    entropy sum, and the sampler-vs-trainer gap |old_logp - sampler_logp| over its tokens [T]."""
+    n_tok = m["num_tokens"].double()
+    acc.sum("tokens", n_tok)
+    acc.sum("pg_loss", m["pg_loss"])
+    acc.sum("kl_loss", m["kl_loss"])
+    acc.sum("entropy", ent_sum.detach())
+    for key, name in (
+        ("clipfrac", "clip_any"),
+        ("dualclip_frac", "clip_dual"),
+        ("clipfrac_high", "clip_high"),
+        ("clipfrac_low", "clip_low"),
+        ("approx_kl", "old_minus_new"),
+        ("kl_mean", "kl"),
+    ):
+        acc.sum(name, m[key].double() * n_tok)
+    gap = (old_logp - sampler_logp).abs()
+    acc.sum("mismatch", gap.sum())
+    acc.max("mismatch", gap.max() if gap.numel() else -math.inf)
+    if "is_mean" in m:
+        acc.sum("is_weight", m["is_mean"].double() * n_tok)
+        acc.sum("is_modified", m["is_frac_modified"].double() * n_tok)
+        acc.max("is_weight", m["is_max"])
+
+
+def record_batch(acc: StepAccumulator, groups: list, term: torch.Tensor) -> None:
+    """Per-sample statistics of the groups trained on (prorl.sampling.Group: scores, rewards, lengths);
+    `term` [S]: the length-shaping term of each sample."""
+
+    def values(per_sample):
+        return torch.tensor(list(per_sample), dtype=torch.float64)
+
+    acc.sum("samples", sum(len(g.raw) for g in groups))
+    acc.sum("truncated", values(t for g in groups for t in g.truncated).sum())
+    acc.sum("length_term", term.double().sum())
+    for name, v in (
+        ("score", values(r for g in groups for r in g.raw)),
+        ("reward", values(r for g in groups for r in g.shaped)),
+        ("response_length", values(len(t) for g in groups for t in g.responses)),
+        ("prompt_length", values(len(g.prompt_ids) for g in groups for _ in g.responses)),
+    ):
+        acc.sum(name, v.sum())
+        acc.max(name, v.max() if v.numel() else -math.inf)
+        acc.min(name, v.min() if v.numel() else math.inf)

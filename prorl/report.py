@@ -194,7 +194,7 @@ class Reporter:
         """Export the final policy (HF format), the curves and the summary; returns the closing text
         (rank 0). Every rank calls it: gathering a sharded policy for the export is a collective."""
         out = os.path.join(self.dir, "checkpoints", "final")
-        trainer.export_hf(out)
+        trainer.models.export_hf(out)
         if self.rank != 0:
             return None
         trainer.tokenizer.save_pretrained(out)

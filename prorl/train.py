@@ -211,9 +211,9 @@ def run(cfg, preset: str | None, rank: int) -> int:
     with make_pool(cfg, train + val) as pool, contextlib.ExitStack() as stack:
         stop.install()  # after the reward workers were started with the signals ignored
         trainer = Trainer(cfg, model_path, tokenizer, train, val, pool)
-        if trainer.fp8.enabled:
-            reporter.say(f"prorl: fp8: {trainer.fp8_summary}")
-        stack.callback(trainer.close)  # the sampler's engine goes before the process group
+        if trainer.models.fp8.enabled:
+            reporter.say(f"prorl: fp8: {trainer.models.fp8_summary}")
+        stack.callback(trainer.models.close)  # the sampler's engine goes before the process group
         return train_loop(cfg, trainer, ckpt, reporter, stop, rank, bool(val))
 
 

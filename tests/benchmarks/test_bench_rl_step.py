@@ -62,7 +62,7 @@ def test_ablations_compute_what_prorl_computes(trainer):
     # sequences of unequal length, so that padding is real
     seqs = [(prompts[s.prompt_index], s.token_ids[: 3 + i]) for i, s in enumerate(samples)]
     batch = pack([(p, [t]) for p, t in seqs], share=False)
-    logp, ent = tr.logprobs(tr.policy, batch, grad=False, entropy=True)
+    logp, ent = tr.updater.logprobs(tr.policy, batch, grad=False, entropy=True)
     sampler = torch.tensor([x for (_, t), s in zip(seqs, samples) for x in s.logprobs[: len(t)]])
     torch.testing.assert_close(logp, sampler, atol=1e-4, rtol=0)
     # padded [S, Lmax] batch: the same values at the real tokens

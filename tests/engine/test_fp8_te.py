@@ -166,9 +166,9 @@ def test_fsdp2_keeps_te_parameter_attributes_and_drops_extra_state(tmp_path):
 
 
 def test_trainer_dummy_pass_meets_te_rules():
-    from prorl.trainer import Trainer
+    from prorl.update import Updater
 
-    assert Trainer.DUMMY_TOKENS % FP8Training("te").token_multiple == 0 and Trainer.DUMMY_TOKENS >= 16
+    assert Updater.DUMMY_TOKENS % FP8Training("te").token_multiple == 0 and Updater.DUMMY_TOKENS >= 16
 
 
 def _bucketed(model):
@@ -224,16 +224,16 @@ def test_te_checkpoint_resumes_into_te_and_exports_into_a_plain_decoder(te, tmp_
 
 
 def test_trainer_log_prob_passes_run_te_layers_in_fp8_on_padded_batches(te):
-    """`Trainer.logprobs` (every log-prob pass and the update's forward): under TE's autocast, on the
+    """`Updater.logprobs` (every log-prob pass and the update's forward): under TE's autocast, on the
     batch padded to TE's multiple; the log-probs are those of the same pass done by hand."""
     import types
 
-    from prorl.trainer import Trainer
+    from prorl.update import Updater
 
     model = FP8Training("te").convert(random_decoder())
     batch = packing.pack([([3, 4, 5], [[6, 7, 8], [9, 10]]), ([11, 12], [[13, 14, 15, 16]])], True)
     trainer = types.SimpleNamespace(fp8=FP8Training("te"), logprob_temperature=1.0)
-    logp, _ = Trainer.logprobs(trainer, model, batch, grad=False)
+    logp, _ = Updater.logprobs(trainer, model, batch, grad=False)
     assert te.fp8_gemms == len(BLOCK_LINEARS) and te.autocasts[0][0]
     with torch.no_grad(), FP8Training("te").autocast():
         hidden = packing.hidden_states(model, packing.padded(batch, 16))

@@ -65,7 +65,7 @@ def _preset_steps(rank, world, ckpt, train, val, steps):
 
     with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
         trainer = make_trainer(ckpt, train, val, [], pool)
-        assert trainer.fsdp and trainer.sampler_model is not None
+        assert trainer.models.fsdp and trainer.models.sampler_model is not None
         out = {
             "master_dtypes": {p.dtype for p in trainer.policy.parameters()},
             "reference_dtypes": {p.dtype for p in trainer.reference.parameters()},
@@ -74,13 +74,13 @@ def _preset_steps(rank, world, ckpt, train, val, steps):
             "dummy": 0,
             "steps": [],
         }
-        dummy = trainer.dummy_pass
+        dummy = trainer.updater.dummy_pass
 
         def counting_dummy(model, grad):
             out["dummy"] += 1
             return dummy(model, grad)
 
-        trainer.dummy_pass = counting_dummy
+        trainer.updater.dummy_pass = counting_dummy
         collect = trainer.sampler.collect
 
         def recording_collect(need, max_new, step, acc):
@@ -98,7 +98,7 @@ def _preset_steps(rank, world, ckpt, train, val, steps):
             if len(out["steps"]) == 0:
                 row["after_first"] = full(trainer.policy)
             out["steps"].append(row)
-        out["sampler"] = {k: v.clone() for k, v in trainer.sampler_model.state_dict().items()}
+        out["sampler"] = {k: v.clone() for k, v in trainer.models.sampler_model.state_dict().items()}
         out["policy"] = full(trainer.policy)
     return out
 
@@ -205,7 +205,7 @@ def _replicated_update(rank, world, ckpt, train, val, groups_by_rank):
         trainer = make_trainer(
             ckpt, train, val, ["model.fsdp=false", "trainer.collective_timeout_s=120"], pool
         )
-        assert not trainer.fsdp
+        assert not trainer.models.fsdp
         steps = []
         step = trainer.optimizer.step
 
@@ -250,7 +250,7 @@ def _scheduled_steps(rank, world, ckpt, train, val, steps):
             "record": trainer.sampler.scheduler.state_dict(),
             "metrics": metrics,
             "policy": full(trainer.policy),
-            "sampler": {k: v.clone() for k, v in trainer.sampler_model.state_dict().items()},
+            "sampler": {k: v.clone() for k, v in trainer.models.sampler_model.state_dict().items()},
         }
 
 

@@ -84,9 +84,9 @@ def test_validation_hands_the_trainers_vllm_sampler_every_prompt(tiny):
     train, val = data.builtin("digit_sums", n=8, split="train"), data.builtin("digit_sums", n=9, split="val")
     with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
         trainer = make((tok, train, val, pool), ["trainer.val_samples=2"])
-        trainer.generator = engine = Recording(True)
+        trainer.models.generator = engine = Recording(True)
         out = trainer.validate()
-        trainer.close()
+        trainer.models.close()
     assert engine.calls == [9] and 0.0 <= out["val/accuracy"] <= 1.0
 
 

@@ -91,7 +91,8 @@ def _reset_worker(rank, world):
         pytest.MonkeyPatch.context() as mp,
     ):
         trainer = make((tok, train, val, pool), [*overrides, "algorithm.kl_coef=1.0"])
-        layers = [len(fp8_layers(m)) for m in (trainer.policy, trainer.reference, trainer.sampler_model)]
+        models = trainer.models
+        layers = [len(fp8_layers(m)) for m in (models.policy, models.reference, models.sampler_model)]
         update(trainer, sampled(trainer, k=2))  # the policy moves away from the reference
         # FP8 all-gather: after each optimizer step the weights' scales are those of the new weights
         weight = trainer.policy.layers[0].mlp.up_proj.weight
@@ -105,7 +106,7 @@ def _reset_worker(rank, world):
         exact = [
             torch.equal(logp.detach().float(), kw["ref_logp"].float()) for (logp, *_), kw, _ in spy.calls
         ]
-        trainer.close()
+        trainer.models.close()
     return layers, kl, exact, scales
 
 
@@ -165,8 +166,8 @@ def _real_gemm_worker(rank, world, emulate):
         acc = StepAccumulator()
         update(trainer, sampled(trainer, k=2), acc)
         moved = float((trainer.policy.layers[0].mlp.up_proj.weight.full_tensor() - before).abs().max())
-        summary, pg_loss = trainer.fp8_summary, step_metrics(acc.reduce())["actor/pg_loss"]
-        trainer.close()
+        summary, pg_loss = trainer.models.fp8_summary, step_metrics(acc.reduce())["actor/pg_loss"]
+        trainer.models.close()
     return summary, calls, moved, pg_loss
 
 

@@ -21,10 +21,10 @@ from prorl.kernels.ppo_loss import ppo_loss_reference
 from rollout_checkpoints import recompute_logprobs
 from transformers import PreTrainedTokenizerFast
 
-import prorl.trainer as trainer_module
+import prorl.update as update_module
 from prorl.config import ConfigError, check_world, load_config
 from prorl.data import builtin
-from prorl.metrics import StepAccumulator, step_metrics
+from prorl.metrics import StepAccumulator, record_batch, record_loss, step_metrics
 from prorl.packing import StepBatch
 from prorl.rewards.pool import RewardPool
 from prorl.sampling import Group, shape_rewards
@@ -61,7 +61,7 @@ class LossSpy:
 
     def __init__(self, monkeypatch):
         self.calls = []
-        monkeypatch.setattr(trainer_module, "ppo_loss", self)
+        monkeypatch.setattr(update_module, "ppo_loss", self)
 
     def __call__(self, *args, **kwargs):
         out = ppo_loss(*args, **kwargs)
@@ -189,7 +189,7 @@ def test_clip_fraction_names_carry_verls_meanings():
     logp = torch.log(r)
     _, m = ppo_loss(logp, torch.zeros_like(logp), adv, torch.ones(5, dtype=torch.bool), dual_clip=3.0)
     acc = StepAccumulator()
-    Trainer._record(acc, m, torch.tensor(0.0), logp, logp)
+    record_loss(acc, m, torch.tensor(0.0), logp, logp)
     got = step_metrics(acc.reduce())
     assert got["actor/pg_clipfrac"] == pytest.approx(2 / 5)  # verl: clipped on either side
     assert got["actor/pg_clipfrac_lower"] == pytest.approx(1 / 5)  # verl: the dual-clip fraction
@@ -206,7 +206,7 @@ def test_rewards_metric_is_the_shaped_reward(setup):
     )
     term = shape_rewards([g], trainer.cfg.reward, 0, 24)
     acc = StepAccumulator()
-    trainer._record_batch(acc, [g], term)
+    record_batch(acc, [g], term)
     got = step_metrics(acc.reduce())
     assert g.shaped == [1.0, 0.0, 0.0, 0.0]
     assert got["critic/score/mean"] == pytest.approx(0.5) and got["critic/rewards/mean"] == pytest.approx(

@@ -137,14 +137,15 @@ def test_first_mini_batch_takes_old_logp_from_its_own_pass(setup, monkeypatch):
     """With M mini-batches the first one differentiates the policy that sampled its groups, so its
     old_logp is logp.detach(): the no-grad pass of the policy covers only the later mini-batches' groups
     (their tokens, counted from the groups), and the update equals the one that recomputes everything."""
-    from prorl import trainer as trainer_module
+    from prorl import update as update_module
+    from prorl.update import Updater
 
     mb = ["trainer.mini_batches=2"]
     groups = sampled_groups(setup, mb)
     assert len(groups) == 2
     recomputed = updated(setup, mb, groups)  # BASE: recompute_old_logp=true
     no_grad_tokens, calls = [], []
-    real_logprobs, real_loss = Trainer.logprobs, trainer_module.ppo_loss
+    real_logprobs, real_loss = Updater.logprobs, update_module.ppo_loss
 
     def recording_logprobs(self, model, batch, grad, entropy=False):
         if model is self.policy and not grad:
@@ -155,8 +156,8 @@ def test_first_mini_batch_takes_old_logp_from_its_own_pass(setup, monkeypatch):
         calls.append((logp.detach().float(), old))
         return real_loss(logp, old, *args, **kwargs)
 
-    monkeypatch.setattr(Trainer, "logprobs", recording_logprobs)
-    monkeypatch.setattr(trainer_module, "ppo_loss", recording_loss)
+    monkeypatch.setattr(Updater, "logprobs", recording_logprobs)
+    monkeypatch.setattr(update_module, "ppo_loss", recording_loss)
     skipped = updated(setup, [*mb, "trainer.recompute_old_logp=false"], groups)
     second = groups[1]  # mini-batch 1 of 2: the second group; share_prompts packs its prompt once
     assert no_grad_tokens == [len(second.prompt_ids) + sum(len(r) for r in second.responses)]
@@ -225,7 +226,7 @@ def test_bf16_updates_keep_fp32_master_weights(setup, tmp_path):
     _single_rank_group(tmp_path)
     try:
         sharded = make(setup, [*tiny, "model.fsdp=true"])
-        assert sharded.fsdp
+        assert sharded.models.fsdp
         params = dict(sharded.policy.named_parameters())
         assert all(p.dtype == torch.float32 for p in params.values()), "master weights must be fp32"
         start = {k: p.detach().full_tensor().clone() for k, p in params.items()}
@@ -251,8 +252,8 @@ def test_export_gathers_a_sharded_policy(setup, tmp_path):
     _single_rank_group(tmp_path)
     try:
         trainer = make(setup, ["model.fsdp=true"])
-        trainer.sampler_model = None  # as with rollout.backend=vllm
-        trainer.export_hf(str(tmp_path / "final"))
+        trainer.models.sampler_model = None  # as with rollout.backend=vllm
+        trainer.models.export_hf(str(tmp_path / "final"))
         want = {k: p.detach().full_tensor() for k, p in trainer.policy.named_parameters()}
     finally:
         dist.destroy_process_group()

@@ -43,15 +43,16 @@ def test_trainer_steps_with_the_vllm_engine(tmp_path):
     val = builtin("digit_sums", n=8, seed=0, split="val")
     with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
         trainer = Trainer(cfg, TINY, tok, train, val, pool)
-        assert isinstance(trainer.generator, VLLMGenerator) and trainer.sampler_model is None
+        assert isinstance(trainer.models.generator, VLLMGenerator) and trainer.models.sampler_model is None
         acc0 = trainer.validate()["val/accuracy"]
         # calibrated at start-up: fp32 engine and trainer agree to round-off
-        assert trainer.generator.calibrated_rms is not None and trainer.generator.calibrated_rms < 1e-4
+        assert trainer.models.generator.calibrated_rms is not None
+        assert trainer.models.generator.calibrated_rms < 1e-4
         for step in range(2):
             m = trainer.step()
             assert all(math.isfinite(v) for v in m.values() if isinstance(v, float)), m
-            report = trainer.last_sync_check
-            assert report is not None and report["rms_diff"] <= trainer.generator.check_rms
+            report = trainer.models.last_sync_check
+            assert report is not None and report["rms_diff"] <= trainer.models.generator.check_rms
             if step == 1:  # the second check compares with the first: the engine followed the policy
                 assert report["reference_moved"] is not None and report["reference_moved"] > 0
             # sampled with the weights the trainer differentiates: fp32 engine vs trainer, per token
@@ -59,7 +60,7 @@ def test_trainer_steps_with_the_vllm_engine(tmp_path):
             assert m["response_length/mean"] > 0
         acc1 = trainer.validate()["val/accuracy"]
         # the final export (there is no sampler model with vLLM: the policy itself is written)
-        trainer.export_hf(str(tmp_path / "final"))
+        trainer.models.export_hf(str(tmp_path / "final"))
         from prorl.engine.model import load_hf
 
         exported = load_hf(str(tmp_path / "final")).state_dict()

@@ -1,0 +1,234 @@
+"""The policy update of one RL step: advantages, the log-prob passes (old and reference), then M
+mini-batches x micro-batches of PPO-Clip-Higher + k2 KL, each mini-batch one optimizer step.
+
+Cost. The log-prob passes pack each group's prompt once with its n responses attending to it (packing.py)
+and split the work into micro-batches of at most `trainer.micro_batch_tokens` tokens (gradient
+accumulation). The old-policy pass skips the first mini-batch's groups: there old_logp = logp.detach().
+
+Across ranks the global pieces are collective: the advantage whitening, the loss normaliser of each
+mini-batch, the gradients (summed: each rank's loss is already divided by the global normaliser) and the
+metrics (prorl/metrics.py). A rank with less work (fewer kept groups, shorter responses) runs dummy
+passes so that FSDP's collectives match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import torch
+import torch.distributed as dist
+
+from prorl import algorithm, packing
+from prorl.config import Config
+from prorl.engine.optim import Optimizer
+from prorl.engine.parallel import watchdog
+from prorl.kernels import group_advantages, linear_logprob_entropy, ppo_loss
+from prorl.metrics import StepAccumulator, record_loss
+from prorl.packing import MicroBatch, StepBatch
+from prorl.policy import PolicyModels
+
+
+class TrainingStalled(RuntimeError):
+    """Training cannot go on (steps without a group to train on, or non-finite gradients, repeated
+    `trainer.max_consecutive_skips` times); raised on every rank together, the message says why."""
+
+
+class Updater:
+    """Trains `models.policy`: owns the optimizer and the log-prob passes (`logprobs`, `dummy_pass`,
+    `response_logprobs`), runs the update (`run`) and counts the optimizer steps skipped in a row."""
+
+    DUMMY_TOKENS = 16  # a dummy pass's length: Transformer Engine's FP8 GEMMs need a multiple of 16 rows
+
+    def __init__(self, cfg: Config, models: PolicyModels):
+        self.cfg, self.policy, self.reference = cfg, models.policy, models.reference
+        self.fp8, self.device, self.world = models.fp8, models.device, models.world
+        self.fsdp = models.fsdp  # every rank runs as many passes (dummy ones where it has less work)
+        # before any forward: FSDP2 leaves the root unsharded after one (engine.optim reshards anyway)
+        total = max(cfg.trainer.total_steps * cfg.trainer.mini_batches, 1)
+        self.optimizer = Optimizer(self.policy, dataclasses.replace(cfg.optim, total_steps=total))
+        # one copy of each prompt per group in the log-prob passes; not with dynamic RoPE, whose scaling
+        # depends on the whole sequence's length
+        self.share = cfg.trainer.share_prompts and self.policy.config.rope.rope_type != "dynamic"
+        self.consecutive_skips = 0  # optimizer steps skipped in a row (non-finite gradients)
+
+    @property
+    def logprob_temperature(self) -> float:
+        """The temperature the trainer divides logits by: the sampler's (1 for greedy sampling)."""
+        temperature = self.cfg.rollout.temperature
+        return temperature if temperature > 0 else 1.0
+
+    # -- log-prob passes -------------------------------------------------------------------------------
+    def logprobs(self, model, batch: packing.PackedBatch, grad: bool, entropy: bool = False):
+        """Log-probs (and entropies) of the batch's response tokens, [R], from hidden states (fused op)."""
+        with torch.set_grad_enabled(grad):
+            with self.fp8.autocast():  # TE: FP8 forward; the backward runs outside (TE's rule)
+                hidden = packing.hidden_states(model, batch, pad_multiple=self.fp8.token_multiple)
+            return linear_logprob_entropy(
+                hidden,
+                model.lm_head_weight,
+                batch.labels,
+                temperature=self.logprob_temperature,
+                return_entropy=entropy,
+            )
+
+    def dummy_pass(self, model, grad: bool) -> None:
+        """A pass that contributes nothing, for a rank with less work than another under FSDP: every
+        forward all-gathers and every backward reduce-scatters, so every rank runs as many. It goes
+        through the same code as a real micro-batch (the fused op reads the LM head), so that its backward
+        produces a gradient for every parameter a real one does: with an untied LM head a plain forward
+        would leave lm_head.weight without one, and the ranks' reduce-scatters would differ in size (gloo
+        aborts, NCCL hangs)."""
+        batch = packing.pack([([0], [[0] * (self.DUMMY_TOKENS - 1)])], self.share, self.device)
+        logp, ent = self.logprobs(model, batch, grad=grad, entropy=grad)
+        if grad:
+            ((logp.float().sum() + ent.float().sum()) * 0.0).backward()
+
+    @torch.no_grad()
+    def response_logprobs(self, model, batch: StepBatch, first_group: int = 0) -> torch.Tensor:
+        """Log-probs of the response tokens under `model`, micro-batched: fp32 [R], 0 before first_group."""
+        model.eval()
+        out = torch.zeros(batch.resp_cu[-1], dtype=torch.float32, device=self.device)
+        plan = dict(budget=self.cfg.trainer.micro_batch_tokens, share=self.share, even=self.fsdp)
+        for micro in packing.plan_passes(batch, first_group, len(batch.groups), **plan):
+            if micro is None:
+                self.dummy_pass(model, grad=False)
+            else:
+                out[micro.lo : micro.hi] = self.logprobs(model, micro.packed, grad=False)[0].float()
+        return out
+
+    # -- the update ------------------------------------------------------------------------------------
+    def run(self, batch: StepBatch, max_new: int, acc: StepAccumulator, step: int) -> dict[str, float]:
+        """Advantages, reference (and old) log-probs, then M mini-batch updates, each micro-batched.
+
+        pi_old: for groups sampled this step, the first mini-batch differentiates the policy that sampled
+        them and old_logp = logp.detach() exactly, so the no-grad pass skips them (TRL and verl do the
+        same with one mini-batch); the later mini-batches are off-policy and their old_logp is recomputed.
+        Carried-over groups use the log-probs recorded before the previous step's update. A rank may hold
+        no group: it still takes part in every collective. `step` (0-based) names the phases for the
+        watchdog. Returns the phase timings."""
+        cfg, a, timing, t0 = self.cfg, self.cfg.algorithm, {}, clock(self.device)
+        adv = self.advantages(batch)
+        token_adv = batch.per_token(adv)
+        t, old = cfg.trainer, None
+        minis = packing.plan_update(
+            batch,
+            mini_batches=t.mini_batches,
+            budget=t.micro_batch_tokens,
+            share=self.share,
+            agg=a.agg,
+            max_new=max_new,
+            even=self.fsdp,
+        )
+        first = 0 if t.recompute_old_logp else minis[0].groups[1]  # mini-batch 0: logp.detach()
+        if t.mini_batches > 1 or t.recompute_old_logp:
+            fresh = self.response_logprobs(self.policy, batch, first)
+            old = torch.where(batch.carried, batch.stored_old, fresh)
+        timing["timing_s/old_logp"], t0 = clock(self.device) - t0, clock(self.device)
+        with watchdog().phase(f"step {step + 1}, reference log-probs"):
+            ref = self.response_logprobs(self.reference, batch)
+        timing["timing_s/ref"], t0 = clock(self.device) - t0, clock(self.device)
+        self.policy.train()
+        norms = 0.0
+        for m, mini in enumerate(minis):
+            if mini.empty:  # no response token in this mini-batch on any rank (a rank with none still steps)
+                continue
+            for micro in mini.passes:
+                if micro is None:
+                    self.dummy_pass(self.policy, grad=True)
+                    continue
+                logp, ent = self.logprobs(self.policy, micro.packed, grad=True, entropy=True)
+                s, e = micro.lo, micro.hi
+                if old is None or (m == 0 and first):
+                    old_mb = torch.where(batch.carried[s:e], batch.stored_old[s:e], logp.detach().float())
+                else:
+                    old_mb = old[s:e]
+                loss, metrics, ent_sum = self.loss(
+                    micro, logp, ent, old_mb, ref[s:e], token_adv[s:e], batch, mini
+                )
+                loss.backward()
+                record_loss(acc, metrics, ent_sum, old_mb, batch.sampler_logp[s:e])
+            norms += self.optimizer_step()
+            acc.max("updates", m + 1)
+        acc.max("grad_norm", norms)  # the global norm, the same on every rank: not summed over ranks
+        timing["timing_s/update"] = clock(self.device) - t0
+        acc.sum("advantage", adv.sum())
+        acc.max("advantage", adv.max() if adv.numel() else -math.inf)
+        acc.min("advantage", adv.min() if adv.numel() else math.inf)
+        return timing
+
+    def advantages(self, batch: StepBatch) -> torch.Tensor:
+        """Per-response advantages [S]: centred per group, whitened over all ranks (docs/recipe.md §2)."""
+        a = self.cfg.algorithm
+        return group_advantages(
+            batch.rewards,
+            torch.arange(len(batch.groups), device=self.device).repeat_interleave(batch.n),
+            mode=a.advantage,
+            std_unbiased=a.grpo_std_unbiased,
+            lengths=torch.tensor(batch.lengths, dtype=torch.float32, device=self.device),
+            weighting=a.whiten_weighting,
+            num_groups=len(batch.groups),
+            process_group=dist.group.WORLD if self.world > 1 else None,
+        )
+
+    def loss(self, micro: MicroBatch, logp, ent, old, ref, adv, batch: StepBatch, mini: packing.MiniBatch):
+        """This micro-batch's share of the mini-batch loss: PPO-Clip-Higher + KL (+ entropy bonus), with
+        the raw sampler-vs-trainer weights when `algorithm.is_mode` corrects for them (bounded once, in
+        ppo_loss). Returns (loss, ppo_loss's metrics, the entropy sum)."""
+        a, s, e, normalizer = self.cfg.algorithm, micro.lo, micro.hi, mini.normalizer
+        is_w = algorithm.importance_weights(old, batch.sampler_logp[s:e]) if a.is_mode != "none" else None
+        loss, metrics = ppo_loss(
+            logp,
+            old,
+            adv,
+            batch.mask[s:e],
+            eps_low=a.eps_low,
+            eps_high=a.eps_high,
+            dual_clip=a.dual_clip,
+            ref_logp=ref,
+            kl_coef=a.kl_coef,
+            kl_estimator=a.kl_estimator,
+            kl_clamp=a.kl_clamp,
+            is_weights=is_w,
+            is_mode=a.is_mode,
+            is_bounds=(a.is_low, a.is_high),
+            agg=a.agg,
+            normalizer=normalizer,
+            cu_seqlens=micro.packed.resp_cu,
+        )
+        ent_sum = ent.float().sum()
+        if a.entropy_coef:
+            loss = loss - a.entropy_coef * ent_sum / normalizer
+        return loss, metrics, ent_sum
+
+    def optimizer_step(self) -> float:
+        """Sum the gradients over ranks (FSDP2 reduces them itself), step; returns the finite grad norm."""
+        if self.world > 1 and not self.fsdp:
+            params = list(self.policy.parameters())
+            for p in params:  # a rank with no tokens in this mini-batch still takes part
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            flat = torch.cat([p.grad.reshape(-1) for p in params])
+            dist.all_reduce(flat)
+            offset = 0
+            for p in params:
+                p.grad.copy_(flat[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+        result = self.optimizer.step()
+        self.fp8.after_optimizer_step(self.policy)
+        self.consecutive_skips = 0 if not result.skipped else self.consecutive_skips + 1
+        if self.consecutive_skips >= self.cfg.trainer.max_consecutive_skips:
+            raise TrainingStalled(
+                f"{self.consecutive_skips} consecutive optimizer steps skipped for non-finite gradients; "
+                "stopping (lower optim.lr or check the data)"
+            )
+        return result.grad_norm if math.isfinite(result.grad_norm) else 0.0
+
+
+def clock(device: torch.device) -> float:
+    """time.perf_counter() after the device's queued work (CUDA runs asynchronously: without the sync a
+    phase's kernels would be timed in the next phase). One sync per phase boundary."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
