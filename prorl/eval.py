@@ -45,8 +45,10 @@ from collections import defaultdict
 
 from prorl import data
 from prorl.rewards import builtin_keys
+from prorl.rewards.function import numeric_extras
 
 CONTINUOUS_KEYS = ("reasoning_gym", "ifeval")  # verifier keys whose headline metric is mean_score
+PROGRESS_EVERY_S = 10.0  # a progress line at most this often, counted in finished samples
 BACKENDS = ("native", "vllm")
 
 
@@ -96,6 +98,23 @@ def _group_metrics(records: list[dict], k: int) -> dict:
     out["truncated_frac"] = sum(r["finish_reason"] == "length" for r in records) / n
     out["timeout_frac"] = sum(r["timed_out"] for r in records) / n
     out["error_frac"] = sum(r["errored"] for r in records) / n
+    for key in sorted({key for r in records for key in r.get("extras") or {}}):  # a verl reward's extras
+        vals = [r["extras"][key] for r in records if key in (r.get("extras") or {})]
+        out[f"extra/{key}"] = sum(vals) / len(vals)
+    return out
+
+
+def source_val_metrics(source: str, m: dict, k: int) -> dict[str, float]:
+    """The trainer's validation metrics of one data source's summary `m`, named as verl names them:
+    `val-core/<source>/reward/mean@k` (mean score), `val-core/<source>/pass@j`, a reward function's extra
+    `acc` as `val-core/<source>/acc/mean@k` and any other extra as `val-aux/<source>/<key>/mean@k`."""
+    out = {f"val-core/{source}/reward/mean@{k}": m["mean_score"] or 0.0}
+    for name, value in m.items():
+        if name.startswith("pass@"):
+            out[f"val-core/{source}/{name}"] = value
+        elif name.startswith("extra/"):
+            key = name.removeprefix("extra/")
+            out[f"{'val-core' if key == 'acc' else 'val-aux'}/{source}/{key}/mean@{k}"] = value
     return out
 
 
@@ -245,6 +264,14 @@ def evaluate(
     pending = []  # (Future of BatchResult, records of that chunk)
     generated = 0
     interrupted = False
+    finished, reported = [0], [time.time()]
+
+    def progress(n: int) -> None:  # per finished sample, printed at most every PROGRESS_EVERY_S
+        finished[0] += n
+        if time.time() - reported[0] >= PROGRESS_EVERY_S:
+            reported[0] = time.time()
+            log(f"eval: {finished[0]}/{len(prompts) * k} samples finished, {time.time() - start:.0f} s")
+
     try:
         try:
             for lo in range(0, len(prompts), chunk):
@@ -256,7 +283,7 @@ def evaluate(
                     stop_token_ids=stops,
                     seed=seed + lo,
                 )
-                out = generator.generate(prompts[lo : lo + chunk], params)
+                out = generator.generate(prompts[lo : lo + chunk], params, on_finished=progress)
                 chunk_records = []
                 for s in out.samples:
                     i = kept[lo + s.prompt_index]
@@ -288,8 +315,9 @@ def evaluate(
             log(f"eval: stopped after {len(pending)} of {-(-len(prompts) // chunk)} generate calls")
         for future, chunk_records in pending:
             res = future.result()
-            for r, s, t, e in zip(chunk_records, res.scores, res.timed_out, res.errored):
+            for r, s, t, e, x in zip(chunk_records, res.scores, res.timed_out, res.errored, res.extras):
                 r.update(score=s, correct=s >= correct_threshold, timed_out=t, errored=e)
+                r["extras"] = numeric_extras(x)
             records += chunk_records
     finally:
         if own_pool:

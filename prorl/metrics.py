@@ -127,6 +127,7 @@ def step_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, fl
         "prompt_length/mean": mean("prompt_length", "samples"),
         "prompt_length/max": finite(mx.get("prompt_length")),
         "prompt_length/min": finite(mn.get("prompt_length")),
+        "prompt_length/clip_ratio": mean("prompt_at_limit", "samples"),  # at data.max_prompt_tokens
         # the update
         "actor/pg_loss": s.get("pg_loss", 0.0) / updates,
         "actor/kl_loss": s.get("kl_loss", 0.0) / updates,
@@ -143,8 +144,26 @@ def step_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, fl
         "rollout/logprob_mismatch_max": finite(mx.get("mismatch")),
     }
     out.update({k: v for k, v in mx.items() if k.startswith("scheduler/")})
+    for key in (k.split("/", 1)[1] for k in s if k.startswith("reward_extra/")):  # prorl/rewards/function.py
+        out[f"reward_extra/{key}/mean"] = mean(f"reward_extra/{key}", f"reward_extra_n/{key}")
     if "is_weight" in s:
         out["rollout/is_mean"] = mean("is_weight", "tokens")
         out["rollout/is_max"] = finite(mx.get("is_weight"))
         out["rollout/is_frac_modified"] = mean("is_modified", "tokens")
     return out
+
+
+def perf_metrics(sums: dict[str, float], elapsed: float, world: int) -> dict[str, float]:
+    """Time and throughput of a step that took `elapsed` seconds: `timing_s/step`, `perf/tokens_per_s`
+    (response tokens trained on per second, all ranks), and verl's `perf/total_num_tokens` (prompt +
+    response tokens of the batch), `perf/time_per_step` and `perf/throughput` (total tokens per second
+    per rank, verl's "per GPU")."""
+    total = sums.get("prompt_length", 0.0) + sums.get("response_length", 0.0)
+    seconds = max(elapsed, 1e-9)
+    return {
+        "timing_s/step": elapsed,
+        "perf/tokens_per_s": sums.get("response_length", 0.0) / seconds,
+        "perf/total_num_tokens": total,
+        "perf/time_per_step": elapsed,
+        "perf/throughput": total / seconds / max(world, 1),
+    }

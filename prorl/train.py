@@ -407,7 +407,7 @@ def train_loop(cfg, trainer, ckpt, reporter, stop, rank: int, validate: bool) ->
         if validate and cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total):
             t0 = time.perf_counter()
             metrics.update(trainer.validate())
-            metrics["timing_s/val"] = time.perf_counter() - t0
+            metrics["timing_s/testing"] = time.perf_counter() - t0
         reporter.log(metrics)  # before the save: a checkpoint's step always has its metrics row
         if every and (step % every == 0 or step == total):
             save(step)

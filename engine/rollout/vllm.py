@@ -284,7 +284,10 @@ class VLLMGenerator(Generator):
         self._warned_truncation = False
 
     # ---------------------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> Rollouts:
+    def generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams, on_finished=None
+    ) -> Rollouts:
+        """The base interface; `on_finished` hears of every request at the end of the call."""
         if not prompt_token_ids or any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("generate: every prompt needs at least one token")
         if (
@@ -322,6 +325,8 @@ class VLLMGenerator(Generator):
                     )
                 )
         outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        if on_finished is not None:
+            on_finished(len(outputs))
         samples = []
         for r, out in enumerate(outputs):
             c = out.outputs[0]
