@@ -397,6 +397,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--plugins", nargs="*", default=[], help="modules that register verifiers (as reward.plugins)"
     )
+    ap.add_argument(
+        "--reward-function",
+        default="",
+        help="verl's compute_score for every row: FILE.py[:NAME] (reward.function)",
+    )
     ap.add_argument("--data", nargs="+", default=[], help="benchmark files (verl parquet / JSONL / JSON)")
     ap.add_argument("--builtin", default=None, help="a built-in task's validation split (digit_sums, ...)")
     ap.add_argument("--limit", type=int, default=None, help="at most this many examples per file / task")
@@ -430,6 +435,14 @@ def main(argv: list[str] | None = None) -> int:
 
     for module in args.plugins:  # user verifiers: each module calls prorl.rewards.register(...)
         importlib.import_module(module)
+    from prorl.rewards import use_function
+    from prorl.rewards.function import RewardFunctionError
+
+    try:
+        use_function(args.reward_function)  # before the data: every row's data_source resolves to it
+    except RewardFunctionError as exc:
+        print(f"prorl.eval: --reward-function: {exc}", file=sys.stderr)
+        return 2
     model_dir, exported = args.model, None
     if is_checkpoint(args.model):  # a training checkpoint: its policy, exported to a temporary directory
         exported = tempfile.TemporaryDirectory(prefix="prorl-eval-")

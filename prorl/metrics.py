@@ -29,6 +29,22 @@ import torch.distributed as dist
 
 from prorl.engine.parallel import all_reduce, watchdog
 
+# names every step carries with verl 0.9.1's meaning (metric_utils.compute_data_metrics, compute_timing_
+# metrics, compute_throughout_metrics; the marked_timer phases of RayPPOTrainer.fit; dp_actor's actor/*);
+# timing_s/testing is on validation steps. docs/recipe.md §9 lists prorl's own names beside them.
+VERL_METRICS = (
+    "critic/score/mean", "critic/score/max", "critic/score/min",
+    "critic/rewards/mean", "critic/rewards/max", "critic/rewards/min",
+    "critic/advantages/mean", "critic/advantages/max", "critic/advantages/min",
+    "response_length/mean", "response_length/max", "response_length/min", "response_length/clip_ratio",
+    "prompt_length/mean", "prompt_length/max", "prompt_length/min", "prompt_length/clip_ratio",
+    "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
+    "actor/ppo_kl", "actor/grad_norm", "actor/lr",
+    "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv",
+    "timing_s/update_actor", "timing_s/update_weights", "timing_s/step",
+    "perf/total_num_tokens", "perf/time_per_step", "perf/throughput",
+)  # fmt: skip
+
 
 class StepAccumulator:
     """Sums, maxima and minima of one step on this rank; `reduce()` makes them global."""

@@ -58,7 +58,7 @@ def test_summary_numbers(tmp_path):
 
 
 def test_a_run_written_under_the_old_timing_names_reads_under_verls(tmp_path):
-    """Runs from before the metrics took verl 0.9.1's names (old_logp, update, sync, val) summarise the same."""
+    """Runs from before the metrics took verl 0.9.1's names (old_logp, update, sync, val) read the same."""
     old = {"timing_s/old_log_prob": "timing_s/old_logp", "timing_s/update_actor": "timing_s/update",
            "timing_s/testing": "timing_s/val"}  # fmt: skip
     write_run(tmp_path, names=old)
