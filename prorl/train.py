@@ -113,8 +113,10 @@ def parse_config(argv: list[str] | None):
     if preset is None:
         own_model = "model.path" in values or any(o.startswith("model.path=") for o in overrides)
         preset = None if own_model else "default"
-    if verl is not None and int(os.environ.get("RANK", "0")) == 0:
-        print(verl_compat.format_table(verl, args.verl_config), flush=True)
+    if verl is not None and int(os.environ.get("RANK", "0")) == 0:  # stderr beside --print-config's YAML
+        print(
+            verl_compat.format_table(verl, args.verl_config), file=sys.stderr if args.print_config else None
+        )
     cfg = load_config(preset, overrides, values)
     given = "data.builtin_task" in values or any(o.startswith("data.builtin_task=") for o in overrides)
     builtin_data = not cfg.data.train_files and not cfg.model.path.startswith("builtin:")

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 from train_helpers import ENV, ROOT
 
 from prorl import verl_compat
@@ -122,7 +123,8 @@ def test_the_command_line_prints_the_table_and_refuses_with_exit_2():
     cmd = [sys.executable, "prorl/train.py", "--verl-config", SMALL, "--print-config"]
     ok = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
-    assert "trainer.prompts_per_step=32" in ok.stdout and "prompts_per_step: 32" in ok.stdout
+    assert "trainer.prompts_per_step=32" in ok.stderr and "prompts_per_step: 32" in ok.stdout
+    assert OmegaConf.create(ok.stdout).trainer.prompts_per_step == 32  # the YAML alone on stdout
     bad = subprocess.run(
         [*cmd, "trainer.total_training_steps=null"],
         cwd=ROOT,
