@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=8 prorl/train.py --config prorl_v2_1.5b model.path=/models/x \\
         data.train_files=[/data/train.parquet] data.val_files=[/data/val.parquet]
     torchrun ... -m prorl.train ...                                              # the same, as a module
+    torchrun ... prorl/train.py --verl-config ppo_trainer.yaml [verl.key=value ...]  # a verl config
 
 With no arguments it runs the embedded default on the CPU: the shipped tiny reasoner trained with the full
 recipe on the built-in digit-sum task, held-out accuracy printed before and after, metrics, a checkpoint
@@ -91,10 +92,8 @@ def parse_config(argv: list[str] | None):
     """(config, preset name) from the command line; raises ConfigError. Without --config the embedded
     default applies to the no-argument run (and runs that only resize it), the recipe's defaults when a
     model is given (`model.path=`)."""
-    from omegaconf import OmegaConf
-
     from prorl import verl_compat
-    from prorl.config import ConfigError, load_config, preset_path, reference
+    from prorl.config import load_config, reference
 
     ap = argparse.ArgumentParser(
         description="ProRL v2 trainer",
@@ -103,7 +102,7 @@ def parse_config(argv: list[str] | None):
         epilog="configuration keys (dotted overrides key=value):\n" + reference(),
     )
     ap.add_argument("--config", default=None, help="preset name in prorl/configs or a YAML path")
-    ap.add_argument("--verl-config", default=None, help="a verl ppo_trainer YAML (prorl/verl_compat.py)")
+    ap.add_argument("--verl-config", default=None, help="a verl ppo_trainer YAML (prorl/verl_compat)")
     ap.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=10")
     args = ap.parse_args(argv)
@@ -118,17 +117,28 @@ def parse_config(argv: list[str] | None):
             verl_compat.format_table(verl, args.verl_config), file=sys.stderr if args.print_config else None
         )
     cfg = load_config(preset, overrides, values)
-    given = "data.builtin_task" in values or any(o.startswith("data.builtin_task=") for o in overrides)
-    builtin_data = not cfg.data.train_files and not cfg.model.path.startswith("builtin:")
-    if preset not in (None, "default") and builtin_data and not given:
-        given = OmegaConf.select(OmegaConf.load(preset_path(preset)), "data.builtin_task") is not None
-    if preset not in (None, "default") and builtin_data and not given:  # preset-sized digit sums: a trap
-        raise ConfigError(
-            f"--config {preset} trains model.path={cfg.model.path!r} but sets no data.train_files: give "
-            "data.train_files=[FILE] (verl parquet / JSONL), or data.builtin_task=NAME to train on a "
-            "generated task on purpose"
-        )
+    explicit = "data.builtin_task" in values or any(o.startswith("data.builtin_task=") for o in overrides)
+    check_training_data(cfg, preset, explicit)
     return cfg, preset, args.print_config
+
+
+def check_training_data(cfg, preset: str | None, explicit: bool) -> None:
+    """A preset for another model than the embedded one (`--config prorl_v2_1.5b`) without
+    data.train_files would validate and train the builtin task at the preset's sizes for hours: refused
+    (ConfigError) unless data.builtin_task is given on purpose, on the command line or in the file."""
+    from omegaconf import OmegaConf
+
+    from prorl.config import ConfigError, preset_path
+
+    if preset in (None, "default") or cfg.data.train_files or cfg.model.path.startswith("builtin:"):
+        return
+    if explicit or OmegaConf.select(OmegaConf.load(preset_path(preset)), "data.builtin_task") is not None:
+        return
+    raise ConfigError(
+        f"--config {preset} trains model.path={cfg.model.path!r} but sets no data.train_files: give "
+        "data.train_files=[FILE] (verl parquet / JSONL), or data.builtin_task=NAME to train on a generated "
+        "task on purpose"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,13 +284,13 @@ def check_context(cfg, model_path: str, reporter_say=None) -> None:
 
     with open(os.path.join(model_path, "config.json")) as f:
         context = json.load(f).get("max_position_embeddings")
+    if not context:
+        return
     r = cfg.rollout
     response = max([r.max_response_tokens, *r.max_response_schedule.values()])
     keys = "rollout.max_response_tokens" + (
         " (rollout.max_response_schedule)" if r.max_response_schedule else ""
     )
-    if not context:
-        return
     if response >= context:
         raise Fatal(
             lifecycle.EXIT_CONFIG,

@@ -28,8 +28,14 @@ translation and turn them on: that is how a verl recipe becomes a ProRL one.
 A file with a hydra `defaults:` list is composed the way verl's own configs use it (config groups in
 folders beside the file, `group@package: option`, `${group}` in option names, `_self_`, `# @package
 _global_`); other hydra features need the composed file. Overrides may carry hydra's `+` (add a key).
-Without `--verl-config`, verl keys among the command line's overrides are translated the same way, each
-from the values given (verl's defaults for the rest of its rule).
+Without `--verl-config`, verl keys among the command line's overrides are translated the same way, from
+the keys given alone: a rule whose other keys are absent leaves their prorl settings as they are
+(`data.train_batch_size=8` sets trainer.prompts_per_step and keeps trainer.mini_batches), and prorl's
+own additions stay on.
+
+Decided for keys left at verl's defaults: they count like keys set by hand. A default prorl cannot honour
+is refused (verl's `adv_estimator: gae`, `total_training_steps: null`: the user names an estimator and a
+step count, as ProRL's recipe does anyway); a default that does not change the result is ignored.
 
 The full table: docs/verl.md (`python -m prorl.verl_compat > docs/verl.md`).
 """
@@ -164,11 +170,12 @@ def from_command_line(
 def reference_markdown() -> str:
     """docs/verl.md: every rule and ignored pattern (`python -m prorl.verl_compat > docs/verl.md`)."""
     doc = __doc__.split("\n\n", 1)[1].rsplit("\n\nThe full table", 1)[0]
-    lines = ["# Coming from verl: the key table", "", "Generated from prorl/verl_compat.py by "
+    lines = ["# Coming from verl: the key table", "", "Generated from prorl/verl_compat/ by "
              "`python -m prorl.verl_compat > docs/verl.md` (a test checks it is current).", "", doc, "",
              "| verl key(s) | kind | prorl |", "|---|---|---|"]  # fmt: skip
     for r in RULES:
-        lines.append(f"| {'<br>'.join(f'`{k}`' for k in r.keys)} | {r.kind} | {r.doc} |")
+        doc = " ".join(r.doc.split()).replace("|", "\\|")  # one table row, pipes escaped
+        lines.append(f"| {'<br>'.join(f'`{k}`' for k in r.keys)} | {r.kind} | {doc} |")
     lines += ["", "Ignored at any value (pattern on the dotted key: why):", ""]
     lines += [f"- `{p}`: {why}" for p, why in IGNORED]
     off = ", ".join(f"`{k}={_fmt(v)}`" for k, v in PRORL_ONLY_OFF.items())

@@ -62,7 +62,7 @@ def only(verl_key: str, *allowed, why: str) -> None:
             raise Refused(why)
         return {}
 
-    RULES.append(Rule((verl_key,), apply, f"{' | '.join(map(repr, allowed))} only: {why}", "matched"))
+    RULES.append(Rule((verl_key,), apply, f"{' or '.join(map(repr, allowed))} only: {why}", "matched"))
 
 
 def _given(get, key):
@@ -127,7 +127,7 @@ only(A + "ulysses_sequence_parallel_size", 1, why="prorl has no sequence paralle
 
 @rule(A + "strategy")
 def _strategy(get):
-    """model.fsdp (fsdp | fsdp2: prorl's FSDP2)"""
+    """model.fsdp (fsdp or fsdp2: prorl's FSDP2)"""
     if get(A + "strategy") not in ("fsdp", "fsdp2"):
         raise Refused("prorl shards with FSDP2 (fsdp | fsdp2), not Megatron")
     return {"model.fsdp": True}
@@ -145,7 +145,7 @@ def _clip_grad(get):
 
 @rule(A + "optim.lr_scheduler_type", A + "optim.warmup_style")
 def _schedule(get):
-    """optim.schedule (constant | cosine)"""
+    """optim.schedule (constant or cosine)"""
     style = _given(get, A + "optim.warmup_style") or _given(get, A + "optim.lr_scheduler_type")
     if style is None:
         return {}

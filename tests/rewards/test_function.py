@@ -164,3 +164,17 @@ def test_prorl_eval_scores_with_the_function(reward_file, tmp_path):
         timeout=300,
     )  # fmt: skip
     assert bad.returncode == 2 and f"'nope' in {reward_file}" in bad.stderr
+
+
+def test_the_start_up_check_runs_the_function_once_per_data_source(reward_file):
+    """train.py's reward self-test with reward.function (selftest.check_function): a function that raises
+    stops the run with its own message, naming the file and the function."""
+    from prorl.rewards.selftest import check_function
+
+    examples = [data.Example([{"role": "user", "content": "q"}], src, "7") for src in ("a", "b", "a")]
+    with RewardPool(num_workers=1, timeout_s=30.0, preload=()) as pool:
+        rewards.use_function(f"{reward_file}:compute_score")
+        assert check_function(examples, pool) == "ok"
+        rewards.use_function(f"{reward_file}:raises")
+        with pytest.raises(RuntimeError, match=f"data_source 'a'.*{reward_file}:raises raised KeyError"):
+            check_function(examples, pool)
