@@ -105,7 +105,7 @@ def parse_config(argv: list[str] | None):
     ap.add_argument("--verl-config", default=None, help="a verl ppo_trainer YAML (prorl/verl_compat)")
     ap.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=10")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # options anywhere among the overrides
     # verl's keys (from --verl-config and among the overrides) translated; the rest are prorl's
     values, overrides, verl = verl_compat.from_command_line(args.verl_config, args.overrides)
     preset = args.config

@@ -21,7 +21,8 @@ onto prorl's keys (verl 0.9.1's names and meanings) and sorts each key into one 
   any other value is refused. Each refused key is named with why; the run exits 2 before anything starts.
 
 The prorl-only parts of the recipe that verl does not have (the cosine length penalty, reference resets,
-the stop-properly multiplier) are switched off, so that the translated run is the verl run; prorl keys on
+the stop-properly multiplier) are switched off, and so is dynamic sampling unless the file turns verl's
+on (`algorithm.filter_groups.enable`), so that the translated run is the verl run; prorl keys on
 the same command line (`reward.length_penalty=true`, `algorithm.reset.interval=300`) apply after the
 translation and turn them on: that is how a verl recipe becomes a ProRL one.
 
@@ -60,12 +61,14 @@ class Translation:
 
 MATCHED = "(as prorl does)"
 
-# prorl-only parts of the recipe, off in a translated verl run (prorl keys given after turn them on)
+# what a verl file sets before its keys are translated: prorl's own additions off (prorl keys given after
+# turn them on), and dynamic sampling off as verl's algorithm.filter_groups.enable defaults to
 PRORL_ONLY_OFF = {
     "reward.length_penalty": False,
     "reward.c_stop": 1.0,
     "algorithm.reset.interval": 0,
     "algorithm.reset.kl_spike_factor": 0.0,
+    "algorithm.dynamic_sampling": False,
 }
 
 
@@ -75,12 +78,12 @@ def _is_off(value) -> bool:
 
 def translate(flat: dict[str, Any], *, from_file: bool) -> Translation:
     """Map verl's flat {dotted key: value} onto prorl (module docstring). `from_file`: a whole verl
-    config (the prorl-only features are switched off); else command-line keys alone."""
+    config (PRORL_ONLY_OFF first); else command-line keys alone."""
     out = Translation()
     if from_file:
         out.values.update(PRORL_ONLY_OFF)
         shown = ", ".join(f"{k}={_fmt(v)}" for k, v in PRORL_ONLY_OFF.items())
-        out.rows.append(("(prorl-only, as verl has none)", shown))
+        out.rows.append(("(prorl's additions off, as in verl)", shown))
 
     def get(key):
         return flat.get(key, ABSENT)
@@ -179,5 +182,5 @@ def reference_markdown() -> str:
     lines += ["", "Ignored at any value (pattern on the dotted key: why):", ""]
     lines += [f"- `{p}`: {why}" for p, why in IGNORED]
     off = ", ".join(f"`{k}={_fmt(v)}`" for k, v in PRORL_ONLY_OFF.items())
-    lines += ["", f"Set by a verl file before the translation (prorl-only features off): {off}.", ""]
+    lines += ["", f"Set by a verl file before its keys (prorl's additions, dynamic sampling off): {off}.", ""]
     return "\n".join(lines)

@@ -156,3 +156,48 @@ def test_a_step_carries_verls_metric_names_and_the_reward_functions_extras(tiny,
     assert m["perf/total_num_tokens"] == pytest.approx(total)
     assert m["perf/throughput"] == pytest.approx(total / m["timing_s/step"])  # one rank
     assert m["perf/time_per_step"] == m["timing_s/step"]
+
+
+def test_a_run_from_a_verl_config_with_a_verl_reward_file(tmp_path):
+    """The issue's end state, in miniature: `prorl/train.py --verl-config` on a verl-style file with verl
+    overrides, verl's compute_score file scoring in training and validation, verl's names in metrics.jsonl."""
+    fn = tmp_path / "gsm8k_like.py"
+    fn.write_text(
+        "import re\n\n\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    found = re.findall(r'boxed\\{(\\d+)\\}', solution_str)\n"
+        "    right = bool(found) and found[-1] == str(ground_truth)\n"
+        "    return {'score': 1.0 if right else -1.0, 'acc': float(right)}\n"
+    )
+    train_file, val_file = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    data.write_jsonl(data.builtin("digit_sums", n=32, seed=0, split="train"), str(train_file))
+    data.write_jsonl(data.builtin("digit_sums", n=4, seed=0, split="val"), str(val_file))
+    out = tmp_path / "run"
+    layout = str(Path(__file__).resolve().parent / "data" / "verl_layout" / "trainer.yaml")
+    verl = [
+        f"actor_rollout_ref.model.path={TINY}",
+        f"data.train_files={train_file}",
+        f"data.val_files={val_file}",
+    ]
+    verl += [
+        "data.train_batch_size=4",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+        "data.max_prompt_length=64",
+    ]
+    verl += ["data.max_response_length=24", "trainer.total_training_steps=2", "trainer.test_freq=2"]
+    verl += [f"custom_reward_function.path={fn}", "reward.num_workers=1", "trainer.save_freq=-1"]
+    done = run(
+        train_command(out, ["--verl-config", layout, *verl, "logging.tensorboard=false"], nproc=None), 600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trainer.prompts_per_step=4" in done.stdout and "reward self-test: function ok" in done.stdout
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    steps = [r for r in rows if "critic/score/mean" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert not [k for k in VERL_METRICS if k not in r]
+        # score = 2 acc - 1 for every sample; no dynamic sampling (verl's default): the same samples
+        assert r["critic/score/mean"] == pytest.approx(2 * r["reward_extra/acc/mean"] - 1)
+    final = rows[-1]
+    assert "timing_s/testing" in final and "val-core/math/acc/mean@1" in final
+    assert final["val-core/math/reward/mean@1"] == pytest.approx(2 * final["val-core/math/acc/mean@1"] - 1)
