@@ -82,6 +82,17 @@ def test_ppo_trainer_yaml_composes_as_verl_composes_it():
     assert len(mine) > 800
 
 
+def test_verls_keys_in_the_sections_prorl_shares_are_known():
+    """The list prorl keeps of verl's data.* / trainer.* / algorithm.* keys it lacks is verl 0.9.1's."""
+    from prorl.config import fields
+    from prorl.verl_compat.rules import VERL_KEYS_IN_SHARED_SECTIONS
+
+    flat = resolve(load_file(os.path.join(CONFIG, "_generated_ppo_trainer.yaml")), [])
+    prorl = {k for k, _ in fields()}
+    shared = {k for k in flat if k.split(".")[0] in ("data", "trainer", "algorithm") and "_target_" not in k}
+    assert VERL_KEYS_IN_SHARED_SECTIONS == shared - prorl
+
+
 def test_verls_defaults_that_prorl_cannot_honour_are_refused_by_name():
     flat = resolve(load_file(os.path.join(CONFIG, "ppo_trainer.yaml")), [])
     refused = translate(flat, from_file=True).refused

@@ -106,6 +106,10 @@ def test_verl_keys_on_a_plain_prorl_command_line(capsys):
     with pytest.raises(ConfigError) as info:
         parse_config(["model.path=/m", f"{A}policy_loss.loss_mode=gspo"])
     assert "loss_mode='gspo'" in str(info.value) and "did you mean" not in str(info.value)
+    # verl's launch keys are verl's, not misspelt prorl keys ("trainer.n_gpus_per_node -> did you mean
+    # trainer.prompts_per_step?"): ignored and counted
+    cfg, _, out = quiet_parse(["model.path=/m", "trainer.n_gpus_per_node=8", "algorithm.gamma=1.0"], capsys)
+    assert "2 verl keys ignored" in out
     with pytest.raises(ConfigError, match="did you mean 'trainer.total_steps'"):  # prorl's own typos still
         load_config("default", ["trainer.total_step=3"])
 
