@@ -48,7 +48,15 @@ from typing import Any
 
 from prorl.config import ConfigError
 from prorl.verl_compat.files import has_key, load_file, resolve
-from prorl.verl_compat.rules import _IGNORED, ABSENT, IGNORED, RULES, VERL_SECTIONS, Refused
+from prorl.verl_compat.rules import (
+    _IGNORED,
+    ABSENT,
+    IGNORED,
+    RULES,
+    VERL_KEYS_IN_SHARED_SECTIONS,
+    VERL_SECTIONS,
+    Refused,
+)
 
 
 @dataclass
@@ -141,7 +149,8 @@ def format_table(t: Translation, path: str | None) -> str:
 
 def is_verl_key(key: str, tree: dict | None = None) -> bool:
     """A dotted key that is verl's: in the verl config `tree`; else (not one of prorl's keys) under a
-    section prorl lacks, or read by a rule (`data.train_batch_size`)."""
+    section prorl lacks, read by a rule (`data.train_batch_size`), or one of verl's keys in the sections
+    prorl shares (`trainer.n_gpus_per_node`: not a misspelt prorl key)."""
     from prorl.config import fields
 
     key = key.lstrip("+")
@@ -149,7 +158,9 @@ def is_verl_key(key: str, tree: dict | None = None) -> bool:
         return True
     if key in {k for k, _ in fields()}:
         return False
-    return key.split(".")[0] in VERL_SECTIONS or any(key in r.keys for r in RULES)
+    if key.split(".")[0] in VERL_SECTIONS or key in VERL_KEYS_IN_SHARED_SECTIONS:
+        return True
+    return any(key in r.keys for r in RULES)
 
 
 def from_command_line(
