@@ -46,7 +46,7 @@ from prorl.engine.optim import Optimizer
 from prorl.engine.parallel import all_reduce, copy_parameters_, dist_info, iter_full_tensors, watchdog
 from prorl.engine.rollout import build_generator, resolve_backend
 from prorl.kernels import group_advantages, linear_logprob_entropy, ppo_loss
-from prorl.metrics import StepAccumulator, step_metrics
+from prorl.metrics import StepAccumulator, perf_metrics, step_metrics
 from prorl.packing import MicroBatch, StepBatch
 from prorl.sampling import Group, GroupSampler, shape_rewards
 
@@ -241,8 +241,7 @@ class Trainer:
                 "ref/reset_reason": reason or "",
             }
         )
-        metrics["timing_s/step"] = elapsed = self._clock() - t_start
-        metrics["perf/tokens_per_s"] = reduced[0].get("response_length", 0.0) / max(elapsed, 1e-9)
+        metrics.update(perf_metrics(reduced[0], self._clock() - t_start, self.world))
         self.step_count += 1
         metrics["step"] = self.step_count
         return metrics
@@ -347,6 +346,7 @@ class Trainer:
         cfg, a, timing, t0 = self.cfg, self.cfg.algorithm, {}, self._clock()
         adv = self.advantages(batch)
         token_adv = batch.per_token(adv)
+        timing["timing_s/adv"], t0 = self._clock() - t0, self._clock()
         t, old = cfg.trainer, None
         minis = packing.plan_update(
             batch,
@@ -361,7 +361,7 @@ class Trainer:
         if t.mini_batches > 1 or t.recompute_old_logp:
             fresh = self.response_logprobs(self.policy, batch, first)
             old = torch.where(batch.carried, batch.stored_old, fresh)
-        timing["timing_s/old_logp"], t0 = self._clock() - t0, self._clock()
+        timing["timing_s/old_log_prob"], t0 = self._clock() - t0, self._clock()
         with watchdog().phase(f"step {self.step_count + 1}, reference log-probs"):
             ref = self.response_logprobs(self.reference, batch)
         timing["timing_s/ref"], t0 = self._clock() - t0, self._clock()
@@ -388,10 +388,10 @@ class Trainer:
             norms += self.optimizer_step()
             acc.max("updates", m + 1)
         acc.max("grad_norm", norms)  # the global norm, the same on every rank: not summed over ranks
-        timing["timing_s/update"], t0 = self._clock() - t0, self._clock()
+        timing["timing_s/update_actor"], t0 = self._clock() - t0, self._clock()
         with watchdog().phase(f"step {self.step_count + 1}, weight sync"):
             self.sync_sampler()
-        timing["timing_s/sync"] = self._clock() - t0
+        timing["timing_s/update_weights"] = self._clock() - t0
         acc.sum("advantage", adv.sum())
         acc.max("advantage", adv.max() if adv.numel() else -math.inf)
         acc.min("advantage", adv.min() if adv.numel() else math.inf)
@@ -513,9 +513,10 @@ class Trainer:
         `val_top_p`), the per-sample records gathered from every rank and summarised together.
 
         Returns `val/accuracy` (mean verifier score over every sample; for binary verifiers the mean
-        pass@1), `val/pass@j`, and per data source `val-core/<source>/reward/mean@k` (verl's name) and
-        `val-core/<source>/pass@j`. Collective: every rank calls it."""
-        from prorl.eval import evaluate, summarize
+        pass@1), `val/pass@j`, and per data source `val-core/<source>/reward/mean@k` (verl's name),
+        `val-core/<source>/pass@j` and a reward function's extras (`prorl.eval.source_val_metrics`).
+        Collective: every rank calls it."""
+        from prorl.eval import evaluate, source_val_metrics, summarize
 
         cfg, k = self.cfg, self.cfg.trainer.val_samples
         mine = list(range(self.rank, len(self.val_examples), self.world))
@@ -534,7 +535,7 @@ class Trainer:
             generator=self.generator,
             log=log,
         )
-        fields = "data_source score correct timed_out errored finish_reason response_tokens".split()
+        fields = "data_source score correct timed_out errored finish_reason response_tokens extras".split()
         records = [{"index": mine[r["index"]], **{f: r[f] for f in fields}} for r in results["samples"]]
         if self.world > 1:
             gathered = [None] * self.world
@@ -545,8 +546,7 @@ class Trainer:
         out = {"val/accuracy": summary["all"]["mean_score"] or 0.0}
         out.update({f"val/{m}": v for m, v in summary["all"].items() if m.startswith("pass@")})
         for source, m in summary["by_source"].items():
-            out[f"val-core/{source}/reward/mean@{k}"] = m["mean_score"] or 0.0
-            out.update({f"val-core/{source}/{j}": v for j, v in m.items() if j.startswith("pass@")})
+            out.update(source_val_metrics(source, m, k))
         self.reset_policy.observe_validation(out["val/accuracy"])
         return out
 
