@@ -74,6 +74,8 @@ NAME = "rl_step"
 PROVIDERS = ("prorl", "trl", "prorl-nofused", "prorl-noshare", "prorl-nopack", "prorl-hfgen")
 PROVIDERS += ("prorl-nofused-nopack-hfgen", "prorl-compile")
 PHASES = ("gen", "reward", "old_logp", "update", "sync", "other", "step")
+# the trainer's metric (timing_s/<name>, verl's names) behind each phase of this benchmark's CSV
+METRIC_OF_PHASE = {"old_logp": "old_log_prob", "update": "update_actor", "sync": "update_weights"}
 SUMMARY = ("tokens_per_s", "response_tokens", "peak_memory")  # the console summary's columns after the phases
 TINY = Path(__file__).resolve().parent.parent / "prorl" / "assets" / "tiny-reasoner"
 RANDOM_MODELS = {  # random-weight Qwen2 checkpoints with the tiny reasoner's tokenizer (vocab 100)
@@ -172,8 +174,10 @@ def prorl_trainer(w: dict, path: str, *, gpu: bool, gen: str = "vllm", flags=(),
 
     def step() -> dict:
         m = trainer.step()
-        phases = {p: m[f"timing_s/{p}"] for p in ("gen", "reward", "old_logp", "update")}
-        sync = m.get("timing_s/sync", 0.0)  # weights to the sampler, where it is a copy
+        phases = {
+            p: m[f"timing_s/{METRIC_OF_PHASE.get(p, p)}"] for p in ("gen", "reward", "old_logp", "update")
+        }
+        sync = m.get("timing_s/update_weights", 0.0)  # weights to the sampler, where it is a copy
         return dict(phases, sync=sync, tokens=m["response_length/mean"] * w["prompts"] * w["n"])
 
     attention = lambda: trainer.policy.attention_backend(trainer.device).name

@@ -128,6 +128,9 @@ class RolloutConfig:
 @dataclass
 class RewardConfig:
     plugins: list[str] = _f(list, "modules that call prorl.rewards.register(...) (imported by every worker)")
+    function: str = _f(
+        "", "verl's compute_score for every data source: 'path/to/file.py:name' (prorl/rewards/function.py)"
+    )
     num_workers: int = _f(2, "verifier processes")
     timeout_s: float = _f(10.0, "per-item verifier timeout (a timed-out item scores 0)")
     c_stop: float = _f(0.0, "reward multiplier of responses cut at the length limit (stop-properly)")
@@ -345,13 +348,39 @@ def _normalise_overrides(overrides: list[str]) -> list[str]:
     return out
 
 
-def load_config(preset: str | None = "default", overrides: list[str] | None = None) -> Config:
-    """Defaults <- preset or YAML file <- dotted overrides ("a.b=c"); validated. Returns a typed Config."""
+def _listify(node, prefix: str = "") -> None:
+    """A bare string where a list-typed key is expected in a YAML file becomes a one-element list, as
+    on the command line (`data.train_files: /d/x.parquet`, as verl configs write it)."""
+    lists = {key for key, f in fields() if str(f.type).startswith("list")}
+    for key in list(node.keys()) if OmegaConf.is_dict(node) else []:
+        value, dotted = node[key], f"{prefix}{key}"
+        if OmegaConf.is_dict(value):
+            _listify(value, f"{dotted}.")
+        elif dotted in lists and isinstance(value, str):
+            node[key] = [value] if value else []
+
+
+def load_config(
+    preset: str | None = "default", overrides: list[str] | None = None, values: dict | None = None
+) -> Config:
+    """Defaults <- preset or YAML file <- `values` ({dotted key: value}, e.g. translated from a verl
+    config) <- dotted overrides ("a.b=c"); validated. Returns a typed Config."""
     cfg = OmegaConf.structured(Config)
     overrides = _normalise_overrides(list(overrides or []))
     try:
         if preset:
-            cfg = OmegaConf.merge(cfg, read_yaml(preset_path(preset)))
+            loaded = read_yaml(preset_path(preset))
+            _listify(loaded)
+            cfg = OmegaConf.merge(cfg, loaded)
+        if values:
+            nested: dict = {}
+            for key, value in values.items():
+                *parents, leaf = key.split(".")
+                node = nested
+                for part in parents:
+                    node = node.setdefault(part, {})
+                node[leaf] = value
+            cfg = OmegaConf.merge(cfg, OmegaConf.create(nested))
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
         OmegaConf.resolve(cfg)
         obj: Config = OmegaConf.to_object(cfg)  # type: ignore[assignment]

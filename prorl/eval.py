@@ -52,10 +52,12 @@ from prorl.engine.parallel import dist_info, watchdog
 from prorl.engine.rollout import NativeGenerator, SamplingParams
 from prorl.engine.rollout.base import host_available_bytes
 from prorl.export import export_checkpoint, is_checkpoint
-from prorl.rewards import builtin_keys, lookup
+from prorl.rewards import builtin_keys, lookup, use_function
+from prorl.rewards.function import RewardFunctionError, numeric_extras
 from prorl.rewards.pool import RewardPool
 
 CONTINUOUS_KEYS = ("reasoning_gym", "ifeval")  # verifier keys whose headline metric is mean_score
+PROGRESS_EVERY_S = 10.0  # a progress line at most this often, counted in finished samples
 BACKENDS = ("native", "vllm")
 
 
@@ -103,6 +105,23 @@ def _group_metrics(records: list[dict], k: int) -> dict:
     out["truncated_frac"] = sum(r["finish_reason"] == "length" for r in records) / n
     out["timeout_frac"] = sum(r["timed_out"] for r in records) / n
     out["error_frac"] = sum(r["errored"] for r in records) / n
+    for key in sorted({key for r in records for key in r.get("extras") or {}}):  # a verl reward's extras
+        vals = [r["extras"][key] for r in records if key in (r.get("extras") or {})]
+        out[f"extra/{key}"] = sum(vals) / len(vals)
+    return out
+
+
+def source_val_metrics(source: str, m: dict, k: int) -> dict[str, float]:
+    """The trainer's validation metrics of one data source's summary `m`, named as verl names them:
+    `val-core/<source>/reward/mean@k` (mean score), `val-core/<source>/pass@j`, a reward function's extra
+    `acc` as `val-core/<source>/acc/mean@k` and any other extra as `val-aux/<source>/<key>/mean@k`."""
+    out = {f"val-core/{source}/reward/mean@{k}": m["mean_score"] or 0.0}
+    for name, value in m.items():
+        if name.startswith("pass@"):
+            out[f"val-core/{source}/{name}"] = value
+        elif name.startswith("extra/"):
+            key = name.removeprefix("extra/")
+            out[f"{'val-core' if key == 'acc' else 'val-aux'}/{source}/{key}/mean@{k}"] = value
     return out
 
 
@@ -148,20 +167,6 @@ def host_chunk_size(k: int, max_new: int, host_memory_gib: float | None = None) 
     else:
         budget = host_memory_gib * 2**30
     return max(1, int(budget // (k * max_new * HOST_BYTES_PER_TOKEN)))
-
-
-def _progress_log(log, total_prompts: int, start: float):
-    """A `progress(done, total)` callback (finished requests of one generate call) that logs every tenth."""
-    last = [-1]
-
-    def progress(done: int, total: int) -> None:
-        tenth = 10 * done // max(total, 1)
-        if tenth != last[0]:
-            last[0] = tenth
-            elapsed = time.time() - start
-            log(f"eval: {done}/{total} samples finished ({total_prompts} prompts, {elapsed:.0f} s)")
-
-    return progress
 
 
 def evaluate(
@@ -285,6 +290,14 @@ def evaluate(
     pending = []  # (Future of BatchResult, records of that chunk)
     generated = 0
     interrupted = False
+    finished, reported = [0], [time.time()]
+
+    def progress(n: int) -> None:  # per finished sample, printed at most every PROGRESS_EVERY_S
+        finished[0] += n
+        if time.time() - reported[0] >= PROGRESS_EVERY_S:
+            reported[0] = time.time()
+            log(f"eval: {finished[0]}/{len(prompts) * k} samples finished, {time.time() - start:.0f} s")
+
     try:
         try:
             for lo in range(0, len(prompts), chunk):
@@ -296,11 +309,7 @@ def evaluate(
                     stop_token_ids=stops,
                     seed=seed + lo,
                 )
-                batch = prompts[lo : lo + chunk]
-                if engine_batches:
-                    out = generator.generate(batch, params, progress=_progress_log(log, len(batch), start))
-                else:
-                    out = generator.generate(batch, params)
+                out = generator.generate(prompts[lo : lo + chunk], params, on_finished=progress)
                 chunk_records = []
                 for s in out.samples:
                     i = kept[lo + s.prompt_index]
@@ -332,8 +341,9 @@ def evaluate(
             log(f"eval: stopped after {len(pending)} of {-(-len(prompts) // chunk)} generate calls")
         for future, chunk_records in pending:
             res = future.result()
-            for r, s, t, e in zip(chunk_records, res.scores, res.timed_out, res.errored):
+            for r, s, t, e, x in zip(chunk_records, res.scores, res.timed_out, res.errored, res.extras):
                 r.update(score=s, correct=s >= correct_threshold, timed_out=t, errored=e)
+                r["extras"] = numeric_extras(x)
             records += chunk_records
     finally:
         if own_pool:
@@ -357,7 +367,8 @@ def validate(cfg: Config, examples: list, model, tokenizer, pool, generator, log
 
     Returns `val/accuracy` (mean verifier score over every sample; for binary verifiers the mean pass@1),
     `val/pass@j`, and per data source `val-core/<source>/reward/mean@k` (verl's name) and
-    `val-core/<source>/pass@j`. Collective: every rank calls it."""
+    `val-core/<source>/pass@j` and a reward function's extras (`source_val_metrics`). Collective: every
+    rank calls it."""
     info, k, t = dist_info(), cfg.trainer.val_samples, cfg.trainer
     mine = list(range(info.rank, len(examples), info.world_size))
     results = evaluate(
@@ -375,7 +386,7 @@ def validate(cfg: Config, examples: list, model, tokenizer, pool, generator, log
         generator=generator,
         log=log,
     )
-    fields = "data_source score correct timed_out errored finish_reason response_tokens".split()
+    fields = "data_source score correct timed_out errored finish_reason response_tokens extras".split()
     records = [{"index": mine[r["index"]], **{f: r[f] for f in fields}} for r in results["samples"]]
     if info.world_size > 1:
         gathered = [None] * info.world_size
@@ -386,8 +397,7 @@ def validate(cfg: Config, examples: list, model, tokenizer, pool, generator, log
     out = {"val/accuracy": summary["all"]["mean_score"] or 0.0}
     out.update({f"val/{m}": v for m, v in summary["all"].items() if m.startswith("pass@")})
     for source, m in summary["by_source"].items():
-        out[f"val-core/{source}/reward/mean@{k}"] = m["mean_score"] or 0.0
-        out.update({f"val-core/{source}/{j}": v for j, v in m.items() if j.startswith("pass@")})
+        out.update(source_val_metrics(source, m, k))
     return out
 
 
@@ -454,6 +464,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--plugins", nargs="*", default=[], help="modules that register verifiers (as reward.plugins)"
     )
+    ap.add_argument(
+        "--reward-function",
+        default="",
+        help="verl's compute_score for every row: FILE.py[:NAME] (reward.function)",
+    )
     ap.add_argument("--data", nargs="+", default=[], help="benchmark files (verl parquet / JSONL / JSON)")
     ap.add_argument("--builtin", default=None, help="a built-in task's validation split (digit_sums, ...)")
     ap.add_argument("--limit", type=int, default=None, help="at most this many examples per file / task")
@@ -485,6 +500,12 @@ def main(argv: list[str] | None = None) -> int:
 
     for module in args.plugins:  # user verifiers: each module calls prorl.rewards.register(...)
         importlib.import_module(module)
+
+    try:
+        use_function(args.reward_function)  # before the data: every row's data_source resolves to it
+    except RewardFunctionError as exc:
+        print(f"prorl.eval: --reward-function: {exc}", file=sys.stderr)
+        return 2
     model_dir, exported = args.model, None
     if is_checkpoint(args.model):  # a training checkpoint: its policy, exported to a temporary directory
         exported = tempfile.TemporaryDirectory(prefix="prorl-eval-")

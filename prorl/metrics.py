@@ -29,6 +29,22 @@ import torch.distributed as dist
 
 from prorl.engine.parallel import all_reduce, watchdog
 
+# names every step carries with verl 0.9.1's meaning (metric_utils.compute_data_metrics, compute_timing_
+# metrics, compute_throughout_metrics; the marked_timer phases of RayPPOTrainer.fit; dp_actor's actor/*);
+# timing_s/testing is on validation steps. docs/recipe.md §9 lists prorl's own names beside them.
+VERL_METRICS = (
+    "critic/score/mean", "critic/score/max", "critic/score/min",
+    "critic/rewards/mean", "critic/rewards/max", "critic/rewards/min",
+    "critic/advantages/mean", "critic/advantages/max", "critic/advantages/min",
+    "response_length/mean", "response_length/max", "response_length/min", "response_length/clip_ratio",
+    "prompt_length/mean", "prompt_length/max", "prompt_length/min", "prompt_length/clip_ratio",
+    "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
+    "actor/ppo_kl", "actor/grad_norm", "actor/lr",
+    "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv",
+    "timing_s/update_actor", "timing_s/update_weights", "timing_s/step",
+    "perf/total_num_tokens", "perf/time_per_step", "perf/throughput",
+)  # fmt: skip
+
 
 class StepAccumulator:
     """Sums, maxima and minima of one step on this rank; `reduce()` makes them global."""
@@ -127,6 +143,7 @@ def step_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, fl
         "prompt_length/mean": mean("prompt_length", "samples"),
         "prompt_length/max": finite(mx.get("prompt_length")),
         "prompt_length/min": finite(mn.get("prompt_length")),
+        "prompt_length/clip_ratio": mean("prompt_at_limit", "samples"),  # at data.max_prompt_tokens
         # the update
         "actor/pg_loss": s.get("pg_loss", 0.0) / updates,
         "actor/kl_loss": s.get("kl_loss", 0.0) / updates,
@@ -143,6 +160,8 @@ def step_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, fl
         "rollout/logprob_mismatch_max": finite(mx.get("mismatch")),
     }
     out.update({k: v for k, v in mx.items() if k.startswith("scheduler/")})
+    for key in (k.split("/", 1)[1] for k in s if k.startswith("reward_extra/")):  # prorl/rewards/function.py
+        out[f"reward_extra/{key}/mean"] = mean(f"reward_extra/{key}", f"reward_extra_n/{key}")
     if "is_weight" in s:
         out["rollout/is_mean"] = mean("is_weight", "tokens")
         out["rollout/is_max"] = finite(mx.get("is_weight"))
@@ -195,3 +214,19 @@ def record_batch(acc: StepAccumulator, groups: list, term: torch.Tensor) -> None
         acc.sum(name, v.sum())
         acc.max(name, v.max() if v.numel() else -math.inf)
         acc.min(name, v.min() if v.numel() else math.inf)
+
+
+def perf_metrics(sums: dict[str, float], elapsed: float, world: int) -> dict[str, float]:
+    """Time and throughput of a step that took `elapsed` seconds: `timing_s/step`, `perf/tokens_per_s`
+    (response tokens trained on per second, all ranks), and verl's `perf/total_num_tokens` (prompt +
+    response tokens of the batch), `perf/time_per_step` and `perf/throughput` (total tokens per second
+    per rank, verl's "per GPU")."""
+    total = sums.get("prompt_length", 0.0) + sums.get("response_length", 0.0)
+    seconds = max(elapsed, 1e-9)
+    return {
+        "timing_s/step": elapsed,
+        "perf/tokens_per_s": sums.get("response_length", 0.0) / seconds,
+        "perf/total_num_tokens": total,
+        "perf/time_per_step": elapsed,
+        "perf/throughput": total / seconds / max(world, 1),
+    }

@@ -31,11 +31,19 @@ SCHEDULER_STATES = ("unseen", "mixed", "solved", "unsolved", "excluded", "reprob
 TIMING_KEYS = (
     "timing_s/gen",
     "timing_s/reward",
-    "timing_s/old_logp",
+    "timing_s/adv",
+    "timing_s/old_log_prob",
     "timing_s/ref",
-    "timing_s/update",
-    "timing_s/sync",
+    "timing_s/update_actor",
+    "timing_s/update_weights",
 )
+# names of runs written before the metrics took verl's names (docs/recipe.md §9) -> their names now
+LEGACY_NAMES = {
+    "timing_s/old_logp": "timing_s/old_log_prob",
+    "timing_s/update": "timing_s/update_actor",
+    "timing_s/sync": "timing_s/update_weights",
+    "timing_s/val": "timing_s/testing",
+}
 LAST_EVALS = 3  # "after" accuracy: mean of the last evaluations (one greedy evaluation is noisy)
 
 
@@ -47,9 +55,10 @@ def read_metrics(path: str) -> list[dict]:
     with open(path) as f:
         for line in f:
             try:
-                rows.append(json.loads(line))
+                row = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            rows.append({LEGACY_NAMES.get(k, k): v for k, v in row.items()})
     return rows
 
 
@@ -147,7 +156,7 @@ class Reporter:
         self.val_history.append((step, metrics["val/accuracy"]))
         if self.rank == 0:
             self._write(
-                {"step": step, **metrics, **({"timing_s/val": seconds} if seconds is not None else {})}
+                {"step": step, **metrics, **({"timing_s/testing": seconds} if seconds is not None else {})}
             )
 
     def _write(self, row: dict) -> None:
@@ -201,9 +210,8 @@ class Reporter:
         png = plot_run(self.path, os.path.join(self.dir, "training_curves.png"))
         self.close()
         summary = write_summary(self.dir)
-        before, after, n = accuracy_before_after(self.val_history)
         return (
-            f"prorl: held-out accuracy {before:.1%} -> {after:.1%} (mean of the last {n} evaluations)\n"
+            f"prorl: {accuracy_line(self.val_history)}\n"
             f"prorl: metrics {self.path}\nprorl: checkpoint {out}\nprorl: curves {png}\n"
             f"prorl: summary {summary}"
         )
@@ -215,6 +223,14 @@ def accuracy_before_after(vals: list[tuple[int, float]]) -> tuple[float, float, 
         return float("nan"), float("nan"), 0
     last = [a for _, a in vals[1:][-LAST_EVALS:]] or [vals[0][1]]
     return vals[0][1], sum(last) / len(last), len(last)
+
+
+def accuracy_line(vals: list[tuple[int, float]]) -> str:
+    """The closing line on held-out accuracy, or that nothing was validated."""
+    if not vals:
+        return "held-out accuracy not measured (no validation set, or trainer.val_every=0)"
+    before, after, n = accuracy_before_after(vals)
+    return f"held-out accuracy {before:.1%} -> {after:.1%} (mean of the last {n} evaluations)"
 
 
 def _duration(seconds: float) -> str:
@@ -258,8 +274,8 @@ def summarize(run_dir: str) -> str:
         )
     step_s = sum(r.get("timing_s/step", 0.0) for r in steps)
     if step_s:
-        val_s = sum(r.get("timing_s/val", 0.0) for r in rows)
-        timed_val = any("timing_s/val" in r for r in rows)
+        val_s = sum(r.get("timing_s/testing", 0.0) for r in rows)
+        timed_val = any("timing_s/testing" in r for r in rows)
         parts = [
             f"{key.split('/')[1]} {sum(r.get(key, 0.0) for r in steps) / step_s:.0%}"
             for key in TIMING_KEYS

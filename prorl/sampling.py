@@ -28,6 +28,7 @@ from prorl.data import dropped_by_source, encode_prompts
 from prorl.engine.parallel import all_reduce, watchdog
 from prorl.engine.rollout import SamplingParams
 from prorl.metrics import StepAccumulator
+from prorl.rewards.function import numeric_extras
 from prorl.scheduler import PromptScheduler
 
 
@@ -138,6 +139,10 @@ class GroupSampler:
             g.raw = res.scores[i : i + len(g.responses)]
             i += len(g.responses)
         acc.sum("samples_seen", len(texts))
+        for info in res.extras:  # a verifier's numeric extras (verl's reward_extra_info), per sample
+            for key, value in numeric_extras(info).items():
+                acc.sum(f"reward_extra/{key}", value)
+                acc.sum(f"reward_extra_n/{key}", 1)
         acc.sum("samples_timeout", sum(res.timed_out))
         acc.sum("samples_error", sum(res.errored))
         self.reward_time += time.perf_counter() - t0
@@ -194,6 +199,8 @@ class GroupSampler:
         kept, leftover = kept[:need], kept[need:]
         self.carry = [g for g in leftover if g.old_logps is None][:need]
         acc.sum("groups_kept", len(kept))
+        limit = self.cfg.data.max_prompt_tokens  # verl's prompt_length/clip_ratio: prompts at the limit
+        acc.sum("prompt_at_limit", sum(len(g.prompt_ids) >= limit for g in kept for _ in g.raw))
         acc.sum("groups_dropped", len(leftover) - len(self.carry))
         return kept
 

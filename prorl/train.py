@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=8 prorl/train.py --config prorl_v2_1.5b model.path=/models/x \\
         data.train_files=[/data/train.parquet] data.val_files=[/data/val.parquet]
     torchrun ... -m prorl.train ...                                              # the same, as a module
+    torchrun ... prorl/train.py --verl-config ppo_trainer.yaml [verl.key=value ...]  # a verl config
 
 With no arguments it runs the embedded default on the CPU: the shipped tiny reasoner trained with the full
 recipe on the built-in digit-sum task, held-out accuracy printed before and after, metrics, a checkpoint
@@ -48,7 +49,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from prorl import data, lifecycle
+from prorl import data, lifecycle, rewards, verl_compat
 from prorl.config import (
     ConfigError,
     check_world,
@@ -56,6 +57,7 @@ from prorl.config import (
     config_changes,
     load_config,
     non_default,
+    preset_path,
     reference,
     resolve_output_dir,
     resume_conflicts,
@@ -72,8 +74,9 @@ from prorl.lifecycle import Fatal, on_every_rank
 from prorl.model_dir import resolve_model_path
 from prorl.report import Reporter
 from prorl.rewards import builtin_keys
+from prorl.rewards.function import RewardFunctionError
 from prorl.rewards.pool import RewardPool
-from prorl.rewards.selftest import self_test
+from prorl.rewards.selftest import check_function, self_test
 from prorl.trainer import Trainer, TrainingStalled
 
 
@@ -108,16 +111,43 @@ def parse_config(argv: list[str] | None):
         epilog="configuration keys (dotted overrides key=value):\n" + reference(),
     )
     ap.add_argument("--config", default=None, help="preset name in prorl/configs or a YAML path")
+    ap.add_argument("--verl-config", default=None, help="a verl ppo_trainer YAML (prorl/verl_compat)")
     ap.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=10")
-    args = ap.parse_args(argv)
+    args = ap.parse_intermixed_args(argv)  # options anywhere among the overrides
     if (repeated := repeated_overrides(args.overrides)) and os.environ.get("RANK", "0") == "0":
         print(f"prorl: warning: {repeated}", file=sys.stderr)
+    # verl's keys (from --verl-config and among the overrides) translated; the rest are prorl's
+    values, overrides, verl = verl_compat.from_command_line(args.verl_config, args.overrides)
     preset = args.config
     if preset is None:
-        own_model = any(o.startswith("model.path=") for o in args.overrides)
+        own_model = "model.path" in values or any(o.startswith("model.path=") for o in overrides)
         preset = None if own_model else "default"
-    return load_config(preset, args.overrides), preset, args.print_config
+    if verl is not None and int(os.environ.get("RANK", "0")) == 0:  # stderr beside --print-config's YAML
+        print(
+            verl_compat.format_table(verl, args.verl_config), file=sys.stderr if args.print_config else None
+        )
+    cfg = load_config(preset, overrides, values)
+    explicit = "data.builtin_task" in values or any(o.startswith("data.builtin_task=") for o in overrides)
+    check_training_data(cfg, preset, explicit)
+    return cfg, preset, args.print_config
+
+
+def check_training_data(cfg, preset: str | None, explicit: bool) -> None:
+    """A preset for another model than the embedded one (`--config prorl_v2_1.5b`) without
+    data.train_files would validate and train the builtin task at the preset's sizes for hours: refused
+    (ConfigError) unless data.builtin_task is given on purpose, on the command line or in the file."""
+    from omegaconf import OmegaConf
+
+    if preset in (None, "default") or cfg.data.train_files or cfg.model.path.startswith("builtin:"):
+        return
+    if explicit or OmegaConf.select(OmegaConf.load(preset_path(preset)), "data.builtin_task") is not None:
+        return
+    raise ConfigError(
+        f"--config {preset} trains model.path={cfg.model.path!r} but sets no data.train_files: give "
+        "data.train_files=[FILE] (verl parquet / JSONL), or data.builtin_task=NAME to train on a generated "
+        "task on purpose"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -161,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         parallel.watchdog().close()
         if dist.is_initialized():
             dist.destroy_process_group()
+        if info.rank == 0 and cfg.output_dir:  # a start that failed leaves no empty checkpoints/ behind
+            with contextlib.suppress(OSError):
+                os.rmdir(os.path.join(cfg.output_dir, "checkpoints"))
 
 
 def check_sampler(cfg) -> None:
@@ -188,9 +221,9 @@ def run(cfg, preset: str | None, rank: int) -> int:
     ckpt = on_every_rank(5, Checkpointer, os.path.join(cfg.output_dir, "checkpoints"), cfg.trainer.keep_last)
     _lock = on_every_rank(5, lambda: lifecycle.lock_output_dir(cfg.output_dir) if rank == 0 else None)  # noqa: F841
     refuse_incompatible_resume(ckpt, cfg, rank)  # before anything of the run is touched
-    for module in cfg.reward.plugins:  # user verifiers: each module calls prorl.rewards.register(...)
-        importlib.import_module(module)
+    load_reward_code(cfg.reward.plugins, cfg.reward.function)
     model_path = resolve_model_path(cfg.model.path)
+    check_context(cfg, model_path, reporter_say=print if rank == 0 else None)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
     train, val = load_examples(cfg, "train"), load_examples(cfg, "val")
     reporter = Reporter(cfg, rank)
@@ -217,6 +250,53 @@ def run(cfg, preset: str | None, rank: int) -> int:
         return train_loop(cfg, trainer, ckpt, reporter, stop, rank, bool(val))
 
 
+def load_reward_code(plugins, function: str) -> None:
+    """User verifiers: modules that call prorl.rewards.register(...) (`reward.plugins`), and verl's
+    compute_score by file path (`reward.function`); a bad one is a config error (exit 2) naming it."""
+    for module in plugins:
+        if module.endswith(".py") or os.sep in module:
+            raise Fatal(
+                lifecycle.EXIT_CONFIG,
+                f"reward.plugins: {module!r} is a file, not an importable module name; for a file with "
+                f"verl's compute_score use reward.function={module}:compute_score",
+            )
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise Fatal(lifecycle.EXIT_CONFIG, f"reward.plugins: cannot import {module!r}: {exc}") from None
+    try:
+        rewards.use_function(function)
+    except RewardFunctionError as exc:
+        raise Fatal(lifecycle.EXIT_CONFIG, f"reward.function: {exc}") from None
+
+
+def check_context(cfg, model_path: str, reporter_say=None) -> None:
+    """The prompt and response budgets against the model's context (config.json max_position_embeddings):
+    a response budget that alone fills it is an error (exit 2), a sum over it a warning."""
+    with open(os.path.join(model_path, "config.json")) as f:
+        context = json.load(f).get("max_position_embeddings")
+    if not context:
+        return
+    r = cfg.rollout
+    response = max([r.max_response_tokens, *r.max_response_schedule.values()])
+    keys = "rollout.max_response_tokens" + (
+        " (rollout.max_response_schedule)" if r.max_response_schedule else ""
+    )
+    if response >= context:
+        raise Fatal(
+            lifecycle.EXIT_CONFIG,
+            f"{keys}={response} does not fit the model's context of {context} tokens "
+            f"(max_position_embeddings in {model_path}/config.json), with data.max_prompt_tokens="
+            f"{cfg.data.max_prompt_tokens} of prompt before it: lower them",
+        )
+    if response + cfg.data.max_prompt_tokens > context and reporter_say is not None:
+        reporter_say(
+            f"prorl: warning: data.max_prompt_tokens={cfg.data.max_prompt_tokens} + {keys}={response} = "
+            f"{cfg.data.max_prompt_tokens + response} exceeds the model's context of {context} tokens "
+            f"(max_position_embeddings in {model_path}/config.json): a long prompt's response runs past it"
+        )
+
+
 def make_pool(cfg, examples):
     """The reward workers (started with SIGINT / SIGTERM ignored: lifecycle.ignoring_stop_signals), after
     the start-up self-test of every verifier the data needs (a verifier that silently scores 0 would waste
@@ -228,6 +308,8 @@ def make_pool(cfg, examples):
     pool = lifecycle.ignoring_stop_signals(RewardPool, **kw)
     try:
         status = self_test(sources, pool)
+        if cfg.reward.function:
+            status["function"] = check_function(examples, pool)
     except RuntimeError as exc:
         pool.close()
         raise Fatal(lifecycle.EXIT_SELF_TEST, str(exc)) from None
@@ -314,7 +396,7 @@ def train_loop(cfg, trainer, ckpt, reporter, stop, rank: int, validate: bool) ->
         if validate and cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total):
             t0 = time.perf_counter()
             metrics.update(trainer.validate())
-            metrics["timing_s/val"] = time.perf_counter() - t0
+            metrics["timing_s/testing"] = time.perf_counter() - t0
         reporter.log(metrics)  # before the save: a checkpoint's step always has its metrics row
         if every and (step % every == 0 or step == total):
             save(step)

@@ -35,7 +35,7 @@ from prorl.config import Config, check_world
 from prorl.data import stop_token_ids
 from prorl.engine.parallel import all_reduce, dist_info, watchdog
 from prorl.eval import validate
-from prorl.metrics import StepAccumulator, record_batch, step_metrics
+from prorl.metrics import StepAccumulator, perf_metrics, record_batch, step_metrics
 from prorl.packing import StepBatch
 from prorl.policy import PolicyModels
 from prorl.sampling import GroupSampler, shape_rewards
@@ -109,8 +109,7 @@ class Trainer:
                 "ref/reset_reason": reason or "",
             }
         )
-        metrics["timing_s/step"] = elapsed = clock(self.device) - t_start
-        metrics["perf/tokens_per_s"] = reduced[0].get("response_length", 0.0) / max(elapsed, 1e-9)
+        metrics.update(perf_metrics(reduced[0], clock(self.device) - t_start, self.world))
         self.step_count += 1
         metrics["step"] = self.step_count
         return metrics
@@ -122,7 +121,7 @@ class Trainer:
         t0 = clock(self.device)
         with watchdog().phase(f"step {self.step_count + 1}, weight sync"):
             self.models.sync_sampler()
-        timing["timing_s/sync"] = clock(self.device) - t0
+        timing["timing_s/update_weights"] = clock(self.device) - t0
         return timing
 
     def _end_step(self, kl: float, rounds: float, trained: int) -> str | None:

@@ -111,6 +111,7 @@ class Updater:
         cfg, a, timing, t0 = self.cfg, self.cfg.algorithm, {}, clock(self.device)
         adv = self.advantages(batch)
         token_adv = batch.per_token(adv)
+        timing["timing_s/adv"], t0 = clock(self.device) - t0, clock(self.device)
         t, old = cfg.trainer, None
         minis = packing.plan_update(
             batch,
@@ -125,7 +126,7 @@ class Updater:
         if t.mini_batches > 1 or t.recompute_old_logp:
             fresh = self.response_logprobs(self.policy, batch, first)
             old = torch.where(batch.carried, batch.stored_old, fresh)
-        timing["timing_s/old_logp"], t0 = clock(self.device) - t0, clock(self.device)
+        timing["timing_s/old_log_prob"], t0 = clock(self.device) - t0, clock(self.device)
         with watchdog().phase(f"step {step + 1}, reference log-probs"):
             ref = self.response_logprobs(self.reference, batch)
         timing["timing_s/ref"], t0 = clock(self.device) - t0, clock(self.device)
@@ -152,7 +153,7 @@ class Updater:
             norms += self.optimizer_step()
             acc.max("updates", m + 1)
         acc.max("grad_norm", norms)  # the global norm, the same on every rank: not summed over ranks
-        timing["timing_s/update"] = clock(self.device) - t0
+        timing["timing_s/update_actor"] = clock(self.device) - t0
         acc.sum("advantage", adv.sum())
         acc.max("advantage", adv.max() if adv.numel() else -math.inf)
         acc.min("advantage", adv.min() if adv.numel() else math.inf)

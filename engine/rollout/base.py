@@ -4,6 +4,7 @@
     out = gen.generate(prompt_token_ids, SamplingParams(n=16, temperature=1.0, max_new_tokens=512, seed=s))
     for s in out.samples: s.prompt_index, s.sample_index, s.token_ids, s.logprobs, s.finish_reason
     gen.update_weights(model.state_dict())  # after each optimizer step
+    gen.generate(prompts, params, on_finished=lambda k: ...)  # k more samples done (progress reports)
 
 `logprobs` are the sampler's log-probabilities of each sampled token under the temperature-scaled
 distribution softmax(logits / T) over the whole vocabulary (before top-k / top-p truncation): the same
@@ -68,16 +69,18 @@ class Rollouts:
 
 
 class Generator:
-    """Interface: `generate(prompt_token_ids, params) -> Rollouts`, `update_weights(named_tensors)`,
-    `close()` (release the engine; before the caller tears down its process group).
+    """Interface: `generate(prompt_token_ids, params, on_finished=None) -> Rollouts` (`on_finished(k)`: k
+    more samples finished, as they finish, for progress reports), `update_weights(named_tensors)`, `close()`
+    (release the engine; before the caller tears down its process group).
 
     `schedules_batch`: the engine batches and schedules requests itself within its own KV-cache budget
-    (vLLM's continuous batching): callers hand it every prompt they have, not chunks sized to a KV cache;
-    its `generate` then also takes `progress=callable(done, total)`, called as requests finish."""
+    (vLLM's continuous batching): callers hand it every prompt they have, not chunks sized to a KV cache."""
 
     schedules_batch = False
 
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> Rollouts:
+    def generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams, on_finished=None
+    ) -> Rollouts:
         raise NotImplementedError
 
     def update_weights(self, named_tensors) -> None:

@@ -130,7 +130,9 @@ class NativeGenerator(Generator):
 
     # ---------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams) -> Rollouts:
+    def generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams, on_finished=None
+    ) -> Rollouts:
         model, cfg = self.model, self.model.config
         device = model.embed_tokens.weight.device
         if not prompt_token_ids or any(len(p) == 0 for p in prompt_token_ids):
@@ -186,6 +188,7 @@ class NativeGenerator(Generator):
             out_len[row_ids], out_stop[row_ids] = w_len, w_stop
 
         fused = self._fused_weights()
+        unfinished = rows  # rows not yet reported to on_finished
         for t in range(steps):
             tokens, logps = sample_tokens(logits, params, uniforms[:, t])
             w_tok[:, t] = tokens
@@ -198,6 +201,9 @@ class NativeGenerator(Generator):
                 live = int(alive.sum())
             else:
                 live = alive.shape[0]
+            if on_finished is not None and live < unfinished:  # rows that sampled a stop token
+                on_finished(unfinished - live)
+                unfinished = live
             if t + 1 == steps or live == 0:
                 break
             # 2. finished rows leave the work: compact once at most 3/4 of the rows are live
@@ -219,6 +225,8 @@ class NativeGenerator(Generator):
         if not stop_ids:
             w_len.fill_(t + 1)
         flush()
+        if on_finished is not None and unfinished:  # the rows cut at max_new_tokens
+            on_finished(unfinished)
 
         # 3. host copies, one per tensor
         toks, lps, lens, stp = out_tok.tolist(), out_lp.tolist(), out_len.tolist(), out_stop.tolist()

@@ -291,9 +291,11 @@ class VLLMGenerator(Generator):
         self.preemptions = 0  # requests vLLM preempted so far (KV cache full), `preempted_since_last`
 
     # ---------------------------------------------------------------------------------------------
-    def generate(self, prompt_token_ids: list[list[int]], params: SamplingParams, progress=None) -> Rollouts:
-        """Samples of every prompt (module docstring). progress: called as (finished, total) requests
-        whenever a request finishes (one request per sample)."""
+    def generate(
+        self, prompt_token_ids: list[list[int]], params: SamplingParams, on_finished=None
+    ) -> Rollouts:
+        """Samples of every prompt (module docstring); `on_finished(1)` is called as each request (one
+        per sample) finishes."""
         if not prompt_token_ids or any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("generate: every prompt needs at least one token")
         if (
@@ -331,7 +333,7 @@ class VLLMGenerator(Generator):
                     )
                 )
         outputs = self.llm.generate(
-            prompts, sampling, use_tqdm=_progress_bar(progress) if progress else False
+            prompts, sampling, use_tqdm=_progress_bar(on_finished) if on_finished else False
         )
         preempted = self.preempted_since_last()
         if preempted:
@@ -512,9 +514,9 @@ class VLLMGenerator(Generator):
             core.shutdown()
 
 
-def _progress_bar(progress):
+def _progress_bar(on_finished):
     """A tqdm factory for `LLM.generate(use_tqdm=...)` that draws nothing and reports each update (vLLM
-    updates its bar once per finished request) to progress(done, total)."""
+    updates its bar once per finished request) to on_finished(n)."""
     import io
 
     from tqdm import tqdm
@@ -522,7 +524,7 @@ def _progress_bar(progress):
     class Reporting(tqdm):
         def update(self, n=1):
             shown = super().update(n)
-            progress(self.n, self.total)  # (iterating a bar, as vLLM's "Adding requests", calls no update)
+            on_finished(n)  # (iterating a bar, as vLLM's "Adding requests", calls no update)
             return shown
 
     return lambda *args, **kwargs: Reporting(*args, **{**kwargs, "file": io.StringIO()})

@@ -7,8 +7,10 @@ Built-in keys: `math` (math-verify on the last `\\boxed{}`), `code` (tests in an
 `stem` (multiple-choice letter or boxed answer), `ifeval` (fraction of verifiable instructions met) and
 `reasoning_gym` (the task's own `score_answer`; data sources are `reasoning_gym/<task>`).
 
-Lookup order for a data_source: the exact key; then the common public dataset names in `ALIASES`
-(verl's data_source strings, so existing parquet files work unchanged); then the longest registered
+Lookup order for a data_source: a reward function set with `use_function` (verl's custom
+`compute_score` by file path, prorl/rewards/function.py) for every data_source; else the exact key;
+then the common public dataset names in `ALIASES` (verl's data_source strings, so existing parquet
+files work unchanged); then the longest registered
 key that is a `/`-prefix of it (`reasoning_gym/leg_counting` -> `reasoning_gym`). An unknown
 data_source is an error that lists every key, never a silent 0.
 
@@ -91,8 +93,28 @@ ALIASES: dict[str, str] = {
 ALIAS_PREFIXES: tuple[tuple[str, str], ...] = (("aime", "math"), ("numina_", "math"))
 
 
+# a verl-style reward function for every data_source (`use_function`), or None
+_FUNCTION: Verifier | None = None
+
+
 class UnknownDataSourceError(LookupError):
     """No verifier is registered for a data_source."""
+
+
+def use_function(spec: str | None) -> Verifier | None:
+    """Score every data_source with verl's `compute_score(data_source, solution_str, ground_truth,
+    extra_info)` from a file: spec "path/to/file.py[:name]" (`reward.function`); None or "" unsets it.
+    The file is imported now, so that a bad one fails at start (RewardFunctionError names it)."""
+    global _FUNCTION
+    if not spec:
+        _FUNCTION = None
+        return None
+    from prorl.rewards.function import VerlFunction, load_function, parse_spec
+
+    path, name = parse_spec(spec)
+    load_function(path, name)
+    _FUNCTION = VerlFunction(path, name)
+    return _FUNCTION
 
 
 def register(data_source: str, fn: Verifier | str) -> None:
@@ -114,6 +136,8 @@ def registered_keys() -> list[str]:
 
 def lookup(data_source: str) -> tuple[str, Verifier | str]:
     """(registry key, entry) for `data_source`, without importing anything. Raises UnknownDataSourceError."""
+    if _FUNCTION is not None:
+        return "function", _FUNCTION
     if data_source in _REGISTRY:
         return data_source, _REGISTRY[data_source]
     alias = ALIASES.get(data_source)
@@ -152,8 +176,9 @@ def resolve(data_source: str) -> Verifier:
     return load(lookup(data_source)[1])
 
 
-def normalize_result(result: Any, data_source: str) -> tuple[float, dict]:
-    """A verifier's return value as (score in [0, 1], extras). Raises on anything else."""
+def normalize_result(result: Any, data_source: str, bounded: bool = True) -> tuple[float, dict]:
+    """A verifier's return value as (score in [0, 1], extras). Raises on anything else. `bounded=False`
+    (a verl reward function, `entry.bounded`) only requires a finite score."""
     extras: dict = {}
     if isinstance(result, dict):
         if "score" not in result:
@@ -165,7 +190,7 @@ def normalize_result(result: Any, data_source: str) -> tuple[float, dict]:
     if not isinstance(result, (int, float)):
         raise TypeError(f"verifier for {data_source!r} returned {type(result).__name__}, not a number")
     value = float(result)
-    if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+    if not math.isfinite(value) or (bounded and not 0.0 <= value <= 1.0):
         raise ValueError(f"verifier for {data_source!r} returned {value}, outside [0, 1]")
     return value, extras
 
@@ -177,7 +202,8 @@ def score_with_info(
     key, entry = lookup(data_source)
     extra = dict(extra or {})
     extra.setdefault("data_source", data_source)
-    return normalize_result(load(entry)(response, ground_truth, extra), data_source)
+    bounded = getattr(entry, "bounded", True)
+    return normalize_result(load(entry)(response, ground_truth, extra), data_source, bounded)
 
 
 def score(data_source: str, response: str, ground_truth: Any, extra: dict | None = None) -> float:
@@ -199,4 +225,5 @@ __all__ = [
     "resolve",
     "score",
     "score_with_info",
+    "use_function",
 ]

@@ -161,7 +161,7 @@ def _serve(conn: Connection) -> None:
             extra = dict(extra or {})
             extra.setdefault("data_source", data_source)
             result = rewards.load(entry)(response, ground_truth, extra)
-            value, info = rewards.normalize_result(result, data_source)
+            value, info = rewards.normalize_result(result, data_source, getattr(entry, "bounded", True))
             try:
                 pickle.dumps(info)
             except Exception:  # noqa: BLE001 - extras are best-effort

@@ -89,3 +89,23 @@ def self_test(data_sources, pool=None) -> dict[str, str]:
     if failures:
         raise RuntimeError("reward self-test failed:\n  " + "\n  ".join(failures))
     return status
+
+
+def check_function(examples, pool) -> str:
+    """A verl reward function (`reward.function`) on one example of each data source, its ground truth as
+    the response: any finite score passes (its right answers are unknown here), an error or a timeout
+    raises RuntimeError with the function's own message (which names its file and name)."""
+    first = {}
+    for ex in examples:
+        first.setdefault(ex.data_source, ex)
+    exs = list(first.values())
+    if not exs:
+        return "skipped: no data"
+    res = pool.score_batch(
+        [e.data_source for e in exs], [str(e.ground_truth) for e in exs], [e.ground_truth for e in exs],
+        [e.extra for e in exs],
+    )  # fmt: skip
+    for ex, timed_out, errored, error in zip(exs, res.timed_out, res.errored, res.errors):
+        if timed_out or errored:
+            raise RuntimeError(f"reward self-test failed on data_source {ex.data_source!r}: {error}")
+    return "ok"

@@ -238,11 +238,11 @@ def test_an_interrupted_evaluation_reports_what_it_scored(tmp_path):
     class Interrupted:
         calls = 0
 
-        def generate(self, prompts, params):
+        def generate(self, prompts, params, on_finished=None):
             self.calls += 1
             if self.calls == 2:
                 raise KeyboardInterrupt
-            return native.generate(prompts, params)
+            return native.generate(prompts, params, on_finished)
 
     examples = data.builtin("digit_sums", n=6, split="val")
     kw = dict(model=model, tokenizer=tok, max_tokens=40, prompts_per_generate=2, num_workers=1, log=None)

@@ -22,18 +22,17 @@ K, MAX_NEW = 2, 40
 
 class Recording(Generator):
     """Returns k one-token samples per prompt; records the prompts of each call. `schedules_batch` as
-    vLLM's, which also reports each finished request to `progress`."""
+    vLLM's; each finished request (sample) reported to `on_finished`."""
 
     def __init__(self, schedules_batch: bool):
         self.schedules_batch, self.calls = schedules_batch, []
 
-    def generate(self, prompts, params, progress=None):
-        assert (progress is not None) == self.schedules_batch
+    def generate(self, prompts, params, on_finished=None):
         self.calls.append(len(prompts))
         samples = [Sample(i, j, [5], [-1.0], "length") for i in range(len(prompts)) for j in range(params.n)]
-        for done in range(1, len(samples) + 1):
-            if progress:
-                progress(done, len(samples))
+        for _ in samples:
+            if on_finished:
+                on_finished(1)
         return Rollouts(samples)
 
 
@@ -52,16 +51,19 @@ def _evaluate(tiny, generator, n=12, **kw):
     return lines
 
 
-def test_an_engine_that_schedules_its_batch_gets_every_prompt(tiny):
+def test_an_engine_that_schedules_its_batch_gets_every_prompt(tiny, monkeypatch):
     """A KV budget that holds one prompt (what the native sampler's chunking would give at the preset's
     sizes) still hands vLLM all 12 prompts in one call; progress is logged by finished requests."""
+    import prorl.eval as eval_module
+
+    monkeypatch.setattr(eval_module, "PROGRESS_EVERY_S", 0.0)  # a line per report, not per 10 s
     native, engine = Recording(False), Recording(True)
     _evaluate(tiny, native, kv_cache_gib=1e-6)
     assert native.calls == [1] * 12
     lines = _evaluate(tiny, engine, kv_cache_gib=1e-6)
     assert engine.calls == [12]
     progress = [line for line in lines if "samples finished" in line]
-    assert progress[-1].startswith(f"eval: {12 * K}/{12 * K} samples finished") and len(progress) == 11
+    assert progress[-1].startswith(f"eval: {12 * K}/{12 * K} samples finished") and len(progress) == 12 * K
 
 
 def test_the_engine_batch_is_bounded_by_host_memory(tiny):
@@ -94,11 +96,11 @@ def test_vllm_progress_bar_reports_finished_requests():
     """The tqdm factory handed to vLLM's LLM.generate(use_tqdm=): vLLM wraps the prompts it adds in one
     bar (iterated) and counts finished requests in another (update per request, postfix, elapsed)."""
     seen = []
-    factory = _progress_bar(lambda done, total: seen.append((done, total)))
+    factory = _progress_bar(seen.append)
     assert list(factory([1, 2, 3], desc="Adding requests")) == [1, 2, 3]
     bar = factory(total=3, desc="Processed prompts", dynamic_ncols=True, postfix="x")
     for _ in range(3):
         bar.postfix = f"elapsed {bar.format_dict['elapsed']:.2f}"
         bar.update(1)
     bar.close()
-    assert seen == [(1, 3), (2, 3), (3, 3)]
+    assert seen == [1, 1, 1]

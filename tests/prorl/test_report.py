@@ -10,8 +10,10 @@ import pytest
 from prorl.report import read_metrics, summarize
 
 
-def write_run(run_dir, torn_tail: bool = False):
-    rows = [{"step": 0, "val/accuracy": 0.25, "timing_s/val": 6.0}]
+def write_run(run_dir, torn_tail: bool = False, names: dict | None = None):
+    """A 10-step run; `names` renames metrics (a run written under older names)."""
+    names = names or {}
+    rows = [{"step": 0, "val/accuracy": 0.25, "timing_s/testing": 6.0}]
     for step in range(1, 11):
         rows.append(
             {
@@ -27,14 +29,14 @@ def write_run(run_dir, torn_tail: bool = False):
                 "ref/reset_reason": "interval" if step in (4, 8) else "",
                 "timing_s/gen": 6.0,
                 "timing_s/reward": 1.0,
-                "timing_s/old_logp": 1.0,
-                "timing_s/update": 2.0,
+                "timing_s/old_log_prob": 1.0,
+                "timing_s/update_actor": 2.0,
                 "timing_s/step": 10.0,
             }
         )
         if step in (5, 10):
-            rows[-1].update({"val/accuracy": 0.5 if step == 5 else 0.75, "timing_s/val": 6.0})
-    text = "".join(json.dumps(r) + "\n" for r in rows)
+            rows[-1].update({"val/accuracy": 0.5 if step == 5 else 0.75, "timing_s/testing": 6.0})
+    text = "".join(json.dumps({names.get(k, k): v for k, v in r.items()}) + "\n" for r in rows)
     (run_dir / "metrics.jsonl").write_text(text + ('{"step": 11, "critic/sc' if torn_tail else ""))
     (run_dir / "config.yaml").write_text("trainer:\n  total_steps: 20\n")
 
@@ -50,9 +52,21 @@ def test_summary_numbers(tmp_path):
     assert lines[3] == "reference resets: 2 (step 4 interval, step 8 interval)"
     # 10 steps of 10 s + 3 validations of 6 s
     assert lines[4] == (
-        "wall time 1m58s (steps 1m40s, validation 18.0s); of the steps: gen 60%, reward 10%, old_logp 10%, "
-        "update 20%"
+        "wall time 1m58s (steps 1m40s, validation 18.0s); of the steps: gen 60%, reward 10%, "
+        "old_log_prob 10%, update_actor 20%"
     )
+
+
+def test_a_run_written_under_the_old_timing_names_reads_under_verls(tmp_path):
+    """Runs from before the metrics took verl 0.9.1's names (old_logp, update, sync, val) read the same."""
+    old = {"timing_s/old_log_prob": "timing_s/old_logp", "timing_s/update_actor": "timing_s/update",
+           "timing_s/testing": "timing_s/val"}  # fmt: skip
+    write_run(tmp_path, names=old)
+    assert "timing_s/old_logp" in (tmp_path / "metrics.jsonl").read_text()
+    rows = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert rows[1]["timing_s/old_log_prob"] == 1.0 and "timing_s/old_logp" not in rows[1]
+    assert rows[0]["timing_s/testing"] == 6.0
+    assert "gen 60%, reward 10%, old_log_prob 10%, update_actor 20%" in summarize(str(tmp_path))
 
 
 def test_summary_counts_generation_over_the_run_and_the_scheduler_states(tmp_path):

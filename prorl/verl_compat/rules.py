@@ -1,0 +1,498 @@
+"""The verl 0.9.1 key table: one `Rule` per verl setting (what it reads, what prorl makes of it), and the
+patterns of the keys that do not change what prorl trains. prorl/verl_compat/__init__.py explains the
+kinds; docs/verl.md lists them all."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+ABSENT = object()  # a verl key the file or the command line did not give
+
+# verl sections that prorl does not have: a dotted key under one of them is verl's
+VERL_SECTIONS = (
+    "actor_rollout_ref", "critic", "reward_model", "custom_reward_function", "reward", "ray_kwargs",
+    "global_profiler", "transfer_queue", "distillation", "sandbox_fusion", "model_engine", "skip",
+)  # fmt: skip
+
+
+@dataclass
+class Rule:
+    """One verl setting: the keys it reads, and what it makes of their values (`apply(get)`, returning
+    prorl assignments, raising Refused). `kind`: mapped | matched | ignored (docs)."""
+
+    keys: tuple[str, ...]
+    apply: Callable[[Callable[[str], Any]], dict[str, Any]]
+    doc: str
+    kind: str = "mapped"
+
+
+class Refused(Exception):
+    """A verl value prorl cannot honour; the message says why."""
+
+
+A = "actor_rollout_ref.actor."
+R = "actor_rollout_ref.rollout."
+M = "actor_rollout_ref.model."
+RULES: list[Rule] = []
+
+
+def rule(*keys: str, doc: str = "", kind: str = "mapped"):
+    def register(fn):
+        RULES.append(Rule(keys, fn, doc or (fn.__doc__ or "").strip(), kind))
+        return fn
+
+    return register
+
+
+def simple(verl_key: str, prorl_key: str, convert=lambda v: v, doc: str = "") -> None:
+    """A 1:1 key."""
+    RULES.append(Rule((verl_key,), lambda get: {prorl_key: convert(get(verl_key))}, doc or prorl_key))
+
+
+def only(verl_key: str, *allowed, why: str) -> None:
+    """A key prorl has no setting for but honours at these values (`why`: what prorl does)."""
+
+    def apply(get):
+        value = get(verl_key)
+        if value not in allowed:
+            raise Refused(why)
+        return {}
+
+    RULES.append(Rule((verl_key,), apply, f"{' or '.join(map(repr, allowed))} only: {why}", "matched"))
+
+
+def _given(get, key):
+    value = get(key)
+    return None if value is ABSENT else value
+
+
+# -- data ------------------------------------------------------------------------------------------------
+def _files(v):
+    files = [] if v is None else [v] if isinstance(v, str) else list(v)
+    return [os.path.expanduser(str(f)) for f in files]
+
+
+simple("data.train_files", "data.train_files", _files)
+simple("data.val_files", "data.val_files", _files)
+simple("data.prompt_key", "data.prompt_key")
+simple("data.max_prompt_length", "data.max_prompt_tokens", int)
+simple("data.max_response_length", "rollout.max_response_tokens", int)
+simple("data.train_batch_size", "trainer.prompts_per_step", int)
+simple("data.shuffle", "data.shuffle", bool)
+only("data.reward_fn_key", "data_source", why="prorl picks the verifier by the row's data_source")
+only("data.truncation", "error", why="prorl never truncates a prompt: longer ones are dropped and counted")
+only("data.train_max_samples", -1, None, why="prorl trains on every row of data.train_files")
+only("data.val_max_samples", -1, None, why="prorl validates on every row of data.val_files")
+only("data.custom_cls.path", None, why="prorl reads verl-schema parquet / JSONL rows itself")
+only("data.gen_batch_size", None, why="prorl oversamples refills by algorithm.oversample")
+only("data.apply_chat_template_kwargs", {}, None, why="prorl applies the model's chat template as it is")
+
+
+@rule("data.seed")
+def _data_seed(get):
+    """seed (when set)"""
+    seed = _given(get, "data.seed")
+    return {} if seed is None else {"seed": int(seed)}
+
+
+# -- model -----------------------------------------------------------------------------------------------
+simple(M + "path", "model.path", lambda v: os.path.expanduser(str(v)))
+simple(M + "enable_gradient_checkpointing", "model.activation_checkpointing", bool)
+only(M + "lora_rank", 0, why="prorl trains every weight (no LoRA)")
+only(M + "lora.rank", 0, why="prorl trains every weight (no LoRA)")
+only(M + "custom_chat_template", None, why="prorl uses the model directory's chat template")
+only(M + "external_lib", None, why="prorl's decoder covers Llama / Qwen2 / Qwen3 (no external model code)")
+only(M + "override_config", {}, None, why="prorl loads config.json as it is")
+only(M + "tokenizer_path", None, why="prorl loads the tokenizer from model.path")
+only(M + "hf_config_path", None, why="prorl loads config.json from model.path")
+
+
+# -- actor: optimizer ------------------------------------------------------------------------------------
+simple(A + "optim.lr", "optim.lr", float)
+simple(A + "optim.weight_decay", "optim.weight_decay", float)
+simple(A + "optim.betas", "optim.betas", lambda v: [float(x) for x in v])
+simple(A + "optim.min_lr_ratio", "optim.min_lr_ratio", float)
+only(A + "optim.optimizer", "AdamW", why="prorl's optimizer is AdamW")
+only(A + "optim.num_cycles", 0.5, why="prorl's cosine schedule is a half cycle")
+only(A + "optim.override_optimizer_config", None, {}, why="prorl's AdamW takes optim.* only")
+only(A + "ppo_epochs", 1, why="prorl makes one pass over each step's batch (trainer.mini_batches updates)")
+only(A + "policy_loss.loss_mode", "vanilla", why="prorl's loss is PPO-Clip (clip-higher, dual clip)")
+only(A + "loss_scale_factor", None, why="prorl's loss normaliser follows algorithm.agg")
+only(A + "ulysses_sequence_parallel_size", 1, why="prorl has no sequence parallelism")
+
+
+@rule(A + "strategy")
+def _strategy(get):
+    """model.fsdp (fsdp or fsdp2: prorl's FSDP2)"""
+    if get(A + "strategy") not in ("fsdp", "fsdp2"):
+        raise Refused("prorl shards with FSDP2 (fsdp | fsdp2), not Megatron")
+    return {"model.fsdp": True}
+
+
+@rule(A + "optim.clip_grad", A + "grad_clip")
+def _clip_grad(get):
+    """optim.max_grad_norm"""
+    clip, legacy = _given(get, A + "optim.clip_grad"), _given(get, A + "grad_clip")
+    if clip is not None and legacy is not None and float(clip) != float(legacy):
+        raise Refused(f"differs from {A}grad_clip={legacy}: give one gradient clip")
+    value = clip if clip is not None else legacy
+    return {} if value is None else {"optim.max_grad_norm": float(value)}
+
+
+@rule(A + "optim.lr_scheduler_type", A + "optim.warmup_style")
+def _schedule(get):
+    """optim.schedule (constant or cosine)"""
+    style = _given(get, A + "optim.warmup_style") or _given(get, A + "optim.lr_scheduler_type")
+    if style is None:
+        return {}
+    if style not in ("constant", "cosine"):
+        raise Refused(f"prorl's schedules are constant and cosine, not {style!r}")
+    return {"optim.schedule": style}
+
+
+@rule(A + "optim.lr_warmup_steps", A + "optim.lr_warmup_steps_ratio", A + "ppo_mini_batch_size",
+      "data.train_batch_size", "trainer.total_training_steps")  # fmt: skip
+def _warmup(get):
+    """optim.warmup_steps: verl counts RL steps (its scheduler steps once per update_actor), prorl
+    optimizer steps: x trainer.mini_batches"""
+    steps, ratio = _given(get, A + "optim.lr_warmup_steps"), _given(get, A + "optim.lr_warmup_steps_ratio")
+    if steps is None or steps < 0:
+        total = _given(get, "trainer.total_training_steps")
+        if not ratio:
+            return {} if steps is None and ratio is None else {"optim.warmup_steps": 0}
+        if total is None:
+            raise Refused("a warmup ratio needs trainer.total_training_steps")
+        steps = int(ratio * total)
+    minis = _mini_batches(get) or 1
+    return {"optim.warmup_steps": int(steps) * minis}
+
+
+# -- actor: batch, loss ----------------------------------------------------------------------------------
+def _mini_batches(get) -> int | None:
+    prompts, mini = _given(get, "data.train_batch_size"), _given(get, A + "ppo_mini_batch_size")
+    if prompts is None or mini is None:
+        return None
+    if mini <= 0 or prompts % mini:
+        raise Refused(f"data.train_batch_size={prompts} is not a multiple of ppo_mini_batch_size={mini}")
+    return prompts // mini
+
+
+@rule(A + "ppo_mini_batch_size", "data.train_batch_size")
+def _minis(get):
+    """trainer.mini_batches = data.train_batch_size / ppo_mini_batch_size (both count prompts)"""
+    minis = _mini_batches(get)
+    return {} if minis is None else {"trainer.mini_batches": minis}
+
+
+@rule(A + "use_dynamic_bsz", A + "ppo_max_token_len_per_gpu", A + "ppo_micro_batch_size_per_gpu",
+      A + "ppo_micro_batch_size")  # fmt: skip
+def _micro(get):
+    """trainer.micro_batch_tokens = ppo_max_token_len_per_gpu with use_dynamic_bsz; sequence counts are
+    ignored (prorl sizes micro-batches in tokens; the result is the same)"""
+    if _given(get, A + "use_dynamic_bsz") and _given(get, A + "ppo_max_token_len_per_gpu"):
+        return {"trainer.micro_batch_tokens": int(get(A + "ppo_max_token_len_per_gpu"))}
+    return {}
+
+
+@rule(A + "clip_ratio", A + "clip_ratio_low", A + "clip_ratio_high")
+def _clip(get):
+    """algorithm.eps_low / eps_high (clip_ratio_low / high, else clip_ratio)"""
+    base = _given(get, A + "clip_ratio")
+    low, high = _given(get, A + "clip_ratio_low"), _given(get, A + "clip_ratio_high")
+    out = {}
+    if (low if low is not None else base) is not None:
+        out["algorithm.eps_low"] = float(low if low is not None else base)
+    if (high if high is not None else base) is not None:
+        out["algorithm.eps_high"] = float(high if high is not None else base)
+    return out
+
+
+simple(A + "clip_ratio_c", "algorithm.dual_clip", lambda v: None if v is None else float(v),
+       "algorithm.dual_clip (verl's vanilla loss always dual-clips)")  # fmt: skip
+simple(A + "entropy_coeff", "algorithm.entropy_coef", float)
+
+AGG = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-mean",
+       "seq-mean-token-sum": "seq-mean-token-sum", "seq-mean-token-sum-norm": "constant"}  # fmt: skip
+
+
+@rule(A + "loss_agg_mode")
+def _agg(get):
+    """algorithm.agg (seq-mean-token-sum-norm: constant, Dr.GRPO's)"""
+    mode = get(A + "loss_agg_mode")
+    if mode not in AGG:
+        raise Refused(f"prorl aggregates as {', '.join(AGG)}")
+    return {"algorithm.agg": AGG[mode]}
+
+
+# verl kl_loss_type -> (kl_estimator, kl_clamp): verl clamps low_var_kl's output to [-10, 10], nothing else
+KL_TYPES = {"kl": ("k1", "none"), "k1": ("k1", "none"), "mse": ("k2", "none"), "k2": ("k2", "none"),
+            "low_var_kl": ("k3", "output"), "k3": ("k3", "output")}  # fmt: skip
+
+
+@rule(A + "use_kl_loss", A + "kl_loss_coef", A + "kl_loss_type")
+def _kl(get):
+    """algorithm.kl_coef (0 without use_kl_loss), kl_estimator, kl_clamp"""
+    use, coef, kind = (_given(get, A + k) for k in ("use_kl_loss", "kl_loss_coef", "kl_loss_type"))
+    out = {}
+    if kind is not None:
+        if kind not in KL_TYPES:
+            raise Refused(f"prorl's KL estimators are {', '.join(KL_TYPES)}")
+        out["algorithm.kl_estimator"], out["algorithm.kl_clamp"] = KL_TYPES[kind]
+    if use is False:
+        out["algorithm.kl_coef"] = 0.0
+    elif coef is not None:
+        out["algorithm.kl_coef"] = float(coef)
+    return out
+
+
+# -- rollout ---------------------------------------------------------------------------------------------
+@rule(R + "name")
+def _backend(get):
+    """rollout.backend (vllm; hf: prorl's native sampler)"""
+    name = get(R + "name")
+    backends = {"vllm": "vllm", "hf": "native", "native": "native", "???": "auto", None: "auto"}
+    if name not in backends:
+        raise Refused("prorl samples with vLLM or its native sampler (vllm | hf)")
+    return {"rollout.backend": backends[name]}
+
+
+@rule(R + "temperature", R + "do_sample")
+def _temperature(get):
+    """rollout.temperature (do_sample false: 0, greedy)"""
+    if _given(get, R + "do_sample") is False:
+        return {"rollout.temperature": 0.0}
+    t = _given(get, R + "temperature")
+    return {} if t is None else {"rollout.temperature": float(t)}
+
+
+simple(R + "top_p", "rollout.top_p", float)
+simple(R + "top_k", "rollout.top_k", lambda v: -1 if v in (None, 0) else int(v))
+simple(R + "n", "rollout.n", int)
+simple(R + "gpu_memory_utilization", "rollout.gpu_memory_utilization", float)
+
+
+@rule(R + "response_length", "data.max_response_length", R + "prompt_length", "data.max_prompt_length")
+def _lengths(get):
+    """(checked) rollout.response_length / prompt_length equal data.max_response_length / prompt_length"""
+    for rollout_key, data_key in (
+        ("response_length", "max_response_length"),
+        ("prompt_length", "max_prompt_length"),
+    ):  # noqa: E501
+        a, b = _given(get, R + rollout_key), _given(get, "data." + data_key)
+        if a is not None and b is not None and a != b:
+            raise Refused(f"{R}{rollout_key}={a} differs from data.{data_key}={b}: make them equal")
+    return {}
+
+
+@rule(R + "val_kwargs.temperature", R + "val_kwargs.do_sample")
+def _val_temperature(get):
+    """trainer.val_temperature (do_sample false: 0, greedy)"""
+    if _given(get, R + "val_kwargs.do_sample") is False:
+        return {"trainer.val_temperature": 0.0}
+    t = _given(get, R + "val_kwargs.temperature")
+    return {} if t is None else {"trainer.val_temperature": float(t)}
+
+
+simple(R + "val_kwargs.top_p", "trainer.val_top_p", float)
+simple(R + "val_kwargs.n", "trainer.val_samples", int)
+only(R + "val_kwargs.top_k", -1, 0, None, why="prorl validates without top-k")
+only(R + "ignore_eos", False, why="prorl stops at the model's end-of-sequence tokens")
+only(R + "multi_turn.enable", False, None, why="prorl samples single-turn responses")
+only(R + "over_sample_rate", 0, 0.0, None, why="prorl finishes every request")
+only("actor_rollout_ref.hybrid_engine", True, why="prorl colocates the sampler with the trainer")
+
+
+# -- algorithm -------------------------------------------------------------------------------------------
+@rule("algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo")
+def _advantage(get):
+    """algorithm.advantage: grpo (dr-grpo without norm_adv_by_std_in_grpo), reinforce_plus_plus_baseline"""
+    est, norm = get("algorithm.adv_estimator"), _given(get, "algorithm.norm_adv_by_std_in_grpo")
+    if est is ABSENT:
+        return {}
+    if est == "grpo":
+        return {"algorithm.advantage": "dr-grpo" if norm is False else "grpo"}
+    if est == "reinforce_plus_plus_baseline":
+        return {"algorithm.advantage": "reinforce++-baseline"}
+    why = "prorl has no critic (value model)" if est == "gae" else "not one of prorl's estimators"
+    raise Refused(f"{why}: use grpo or reinforce_plus_plus_baseline (ProRL's)")
+
+
+only("algorithm.use_kl_in_reward", False, why="prorl's KL is a loss term (actor.use_kl_loss), not a reward")
+only("algorithm.use_pf_ppo", False, why="prorl has no preference-feedback reweighting")
+only("algorithm.rollout_correction.rollout_is", None, why="set algorithm.is_mode (tis | icepop) instead")
+only("algorithm.rollout_correction.rollout_rs", None, why="set algorithm.is_mode=icepop instead")
+only("algorithm.rollout_correction.bypass_mode", False, why="prorl recomputes pi_old")
+
+
+@rule("algorithm.filter_groups.enable", "algorithm.filter_groups.metric")
+def _filter(get):
+    """algorithm.dynamic_sampling (DAPO's dynamic sampling on the raw score)"""
+    on, metric = _given(get, "algorithm.filter_groups.enable"), _given(get, "algorithm.filter_groups.metric")
+    if on and metric not in (None, "acc", "score", "reward"):
+        raise Refused("prorl filters groups on the verifier's raw score (metric acc | score)")
+    return {} if on is None else {"algorithm.dynamic_sampling": bool(on)}
+
+
+@rule("algorithm.filter_groups.max_num_gen_batches")
+def _rounds(get):
+    """algorithm.max_rounds (0, unlimited in verl: prorl's default)"""
+    n = get("algorithm.filter_groups.max_num_gen_batches")
+    return {"algorithm.max_rounds": int(n)} if n and n > 0 else {}
+
+
+# -- trainer ---------------------------------------------------------------------------------------------
+@rule("trainer.total_training_steps", "trainer.total_epochs")
+def _steps(get):
+    """trainer.total_steps (prorl counts steps: total_epochs needs total_training_steps)"""
+    steps = _given(get, "trainer.total_training_steps")
+    if steps is None:
+        if get("trainer.total_epochs") is ABSENT and get("trainer.total_training_steps") is ABSENT:
+            return {}
+        raise Refused("prorl counts steps, not epochs: set trainer.total_training_steps")
+    return {"trainer.total_steps": int(steps)}
+
+
+simple("trainer.save_freq", "trainer.save_every", lambda v: max(int(v), 0))
+simple("trainer.test_freq", "trainer.val_every", lambda v: max(int(v), 0))
+simple("trainer.val_before_train", "trainer.val_before_train", bool)
+simple("trainer.default_local_dir", "output_dir", lambda v: os.path.expanduser(str(v)))
+only("trainer.val_only", False, why="validate a model with python -m prorl.eval")
+only("trainer.resume_mode", "auto", why="prorl resumes from output_dir's latest checkpoint (a new "
+     "trainer.default_local_dir starts afresh)")  # fmt: skip
+only("trainer.resume_from_path", None, why="prorl resumes from output_dir")
+only("trainer.critic_warmup", 0, why="prorl has no critic")
+
+
+@rule("trainer.max_actor_ckpt_to_keep")
+def _keep(get):
+    """trainer.keep_last (when set)"""
+    n = _given(get, "trainer.max_actor_ckpt_to_keep")
+    return {} if n is None else {"trainer.keep_last": int(n)}
+
+
+@rule("trainer.logger", "trainer.project_name")
+def _logger(get):
+    """logging.tensorboard; logging.wandb_project = project_name with wandb"""
+    loggers = _given(get, "trainer.logger")
+    if loggers is None:
+        return {}
+    loggers = [loggers] if isinstance(loggers, str) else list(loggers)
+    out: dict[str, Any] = {"logging.tensorboard": "tensorboard" in loggers}
+    if "wandb" in loggers:
+        out["logging.wandb_project"] = _given(get, "trainer.project_name") or "prorl"
+    return out
+
+
+# -- reward ----------------------------------------------------------------------------------------------
+@rule("reward.custom_reward_function.path", "reward.custom_reward_function.name",
+      "custom_reward_function.path", "custom_reward_function.name")  # fmt: skip
+def _reward_function(get):
+    """reward.function = path:name (prorl/rewards/function.py)"""
+    specs = set()
+    for prefix in ("reward.", ""):
+        path = _given(get, prefix + "custom_reward_function.path")
+        if path:
+            name = _given(get, prefix + "custom_reward_function.name") or "compute_score"
+            specs.add(f"{os.path.expanduser(str(path))}:{name}")
+    if len(specs) > 1:
+        raise Refused(f"two different reward functions: {', '.join(sorted(specs))}")
+    return {"reward.function": specs.pop()} if specs else {}
+
+
+only("custom_reward_function.reward_kwargs", {}, None, why="reward.function takes verl's four arguments")
+only("reward.reward_manager.name", "naive", why="prorl scores each response once (verl's naive manager)")
+only("reward.reward_manager.source", "register", why="prorl scores each response once")
+only("reward.reward_model.enable", None, False, why="prorl has no reward model: verifiers score")
+only("reward_model.enable", None, False, why="prorl has no reward model: verifiers score")
+only("distillation.enabled", None, False, why="prorl has no distillation")
+only("distillation.enable", None, False, why="prorl has no distillation")
+simple("reward.num_workers", "reward.num_workers", int)
+
+
+# -- keys that do not change what prorl trains -----------------------------------------------------------
+IGNORED = [  # (pattern on the dotted key, why)
+    (r"(^|\.)_target_$", "verl's dataclass targets"),
+    (r"^(ray_kwargs|global_profiler|transfer_queue|skip|model_engine)(\.|$)", "verl's infrastructure"),
+    (r"(^|\.)(profiler|checkpoint|router_replay|qat)\.", "verl's profiling, checkpoint contents"),
+    (r"^critic\.", "the critic (no prorl estimator uses one)"),
+    (
+        r"^(reward_model|reward\.reward_model|sandbox_fusion|reward\.sandbox_fusion)\.",
+        "reward model and remote sandbox (off; prorl's code verifier has its own sandbox)",
+    ),
+    (r"^reward\.reward_manager\.module\.", "reward manager plug-ins (naive only)"),
+    (r"^distillation\.", "distillation (off)"),
+    (
+        r"^actor_rollout_ref\.ref\.",
+        "the reference's batch and sharding knobs (the reference is the policy's initial copy)",
+    ),
+    (r"^actor_rollout_ref\.(actor|ref)\.(fsdp_config|megatron|torchtitan|veomni)\.", "sharding knobs"),
+    (r"^actor_rollout_ref\.actor\.policy_loss\.", "parameters of other policy losses"),
+    (
+        r"^actor_rollout_ref\.actor\.(tau_pos|tau_neg|rollout_n|shuffle|data_loader_seed|use_torch_compile|"
+        r"use_fused_kernels|use_remove_padding|use_prefix_grouper|freeze_vision_tower|calculate_entropy|"
+        r"calculate_sum_pi_squared|entropy_from_logits_with_chunking|entropy_from_logits_chunk_size|"
+        r"entropy_checkpointing|pad_to_length)$",
+        "speed and memory knobs",
+    ),
+    (
+        r"^actor_rollout_ref\.actor\.optim\.(optimizer_impl|total_training_steps|zero_indexed_step)$",
+        "derived by verl",
+    ),
+    (r"^actor_rollout_ref\.model\.", "model loading knobs (no effect on the weights trained)"),
+    (r"^actor_rollout_ref\.rollout\.", "sampler engine knobs (parallelism, memory, scheduling)"),
+    (r"^actor_rollout_ref\.nccl_timeout$", "prorl sizes its collective timeout from the config"),
+    (r"^data\.", "data-loader knobs (workers, multimodal keys, shared memory)"),
+    (r"^algorithm\.(gamma|lam)$", "GAE / REINFORCE++ discounts (unused by grpo and the baseline)"),
+    (r"^algorithm\.(kl_penalty|kl_ctrl\..*)$", "the in-reward KL (off: use_kl_in_reward false)"),
+    (r"^algorithm\.(pf_ppo|rollout_correction|filter_groups)\.", "parameters of features off"),
+    (r"^trainer\.", "launch, logging and checkpoint-storage knobs (nodes, GPUs, paths, callbacks)"),
+]
+_IGNORED = [(re.compile(p), why) for p, why in IGNORED]
+
+
+# verl 0.9.1's keys in the sections prorl shares (data, trainer, algorithm) that prorl does not have: on a
+# prorl command line they are verl's (translated, ignored or refused), never a misspelt prorl key
+# (tests/peers/test_verl_config.py checks the list against verl's _generated_ppo_trainer.yaml)
+_IN_SHARED_SECTIONS = {
+    "algorithm": (
+        "adv_estimator filter_groups.enable filter_groups.max_inflight_gen_batches "
+        "filter_groups.max_num_gen_batches filter_groups.metric gamma kl_ctrl.horizon kl_ctrl.kl_coef "
+        "kl_ctrl.target_kl kl_ctrl.type kl_penalty lam norm_adv_by_std_in_grpo pf_ppo.reweight_method "
+        "pf_ppo.weight_pow rollout_correction.bypass_mode rollout_correction.loss_type "
+        "rollout_correction.rollout_is rollout_correction.rollout_is_batch_normalize "
+        "rollout_correction.rollout_is_threshold rollout_correction.rollout_rs "
+        "rollout_correction.rollout_rs_threshold use_kl_in_reward use_pf_ppo"
+    ),
+    "data": (
+        "apply_chat_template_kwargs audio_key custom_cls.name custom_cls.path dataloader_num_workers "
+        "filter_overlong_prompts filter_overlong_prompts_workers function_tool_path gen_batch_size "
+        "image_key image_patch_size max_prompt_length max_response_length mm_processor_kwargs "
+        "return_full_prompt return_multi_modal_inputs return_raw_chat return_raw_input_ids reward_fn_key "
+        "seed tokenizer tool_config_path train_batch_size train_max_samples truncation trust_remote_code "
+        "use_shm val_batch_size val_max_samples validation_shuffle video_key"
+    ),
+    "trainer": (
+        "balance_batch checkpoint_callback_class critic_warmup default_hdfs_dir default_local_dir "
+        "del_local_ckpt_after_load device esi_redundant_time experiment_name log_val_generations logger "
+        "max_actor_ckpt_to_keep max_critic_ckpt_to_keep n_gpus_per_node nnodes project_name "
+        "ray_wait_register_center_timeout resume_from_path resume_mode rollout_data_dir save_freq "
+        "test_freq total_epochs total_training_steps use_v1 v1.colocate_async.num_warmup_batches "
+        "v1.sampler.custom_sampler.name v1.sampler.custom_sampler.path v1.sampler.max_off_policy_strategy "
+        "v1.sampler.max_off_policy_threshold v1.sampler.sampler_kwargs "
+        "v1.sampler.sync_refill_failed_groups v1.separate_async.hybrid_rollout.adaptive_switch_threshold "
+        "v1.separate_async.hybrid_rollout.enable_switch "
+        "v1.separate_async.hybrid_rollout.switch_cost_window_size "
+        "v1.separate_async.hybrid_rollout.switch_threshold_ratio "
+        "v1.separate_async.hybrid_rollout.switch_threshold_release_steps "
+        "v1.separate_async.hybrid_rollout.switch_threshold_step_down "
+        "v1.separate_async.hybrid_rollout.switch_threshold_step_up v1.separate_async.num_warmup_batches "
+        "v1.separate_async.parameter_sync_step v1.sync v1.trainer_mode val_only validation_data_dir"
+    ),
+}
+VERL_KEYS_IN_SHARED_SECTIONS = frozenset(
+    f"{s}.{k}" for s, ks in _IN_SHARED_SECTIONS.items() for k in ks.split()
+)
