@@ -92,7 +92,8 @@ def overlong_buffer_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int
 
 
 def keep_groups(raw_rewards: torch.Tensor, group_index: torch.Tensor, num_groups: int | None = None):
-    """Per group: True iff its RAW rewards are not all equal. Decided per group, never per sample.
+    """The dynamic-sampling keep rule (GroupSampler.collect runs it): per group, True iff its RAW rewards
+    are not all equal. Decided per group, never per sample.
 
     raw_rewards [B] float, group_index [B] int64 in [0, G). Returns keep [G] bool (no Python loop).
     """
@@ -103,16 +104,18 @@ def keep_groups(raw_rewards: torch.Tensor, group_index: torch.Tensor, num_groups
     return hi > lo
 
 
-def group_pass_stats(raw_rewards: torch.Tensor, group_index: torch.Tensor, num_groups: int) -> dict:
-    """Pass rate and all-correct / all-wrong group fractions (binary rewards: correct iff reward >= 1)."""
+def group_pass_counts(raw_rewards: torch.Tensor, group_index: torch.Tensor, num_groups: int) -> dict:
+    """The sums behind the pass-rate metrics (binary rewards: correct iff reward >= 1), by the
+    StepAccumulator keys prorl/metrics.py turns into `dynamic_sampling/pass_rate`, `frac_all_correct`
+    and `frac_all_wrong`: groups seen, all-correct and all-wrong groups, correct samples."""
     correct = (raw_rewards >= 1.0).to(torch.float64)
     count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(correct))
     n_correct = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, correct)
-    present = count > 0
     return {
-        "dynamic_sampling/pass_rate": float(correct.mean()) if correct.numel() else 0.0,
-        "dynamic_sampling/frac_all_correct": float(((n_correct == count) & present).sum() / present.sum()),
-        "dynamic_sampling/frac_all_wrong": float(((n_correct == 0) & present).sum() / present.sum()),
+        "groups_seen": num_groups,
+        "groups_all_correct": int((n_correct == count).sum()),
+        "groups_all_wrong": int((n_correct == 0).sum()),
+        "samples_correct": int(correct.sum()),
     }
 
 

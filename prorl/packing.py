@@ -16,9 +16,9 @@ The step's side: `StepBatch` flattens the kept groups once (per response and per
 planner cuts it into passes:
 
     batch = StepBatch.of(groups, n, device)
-    for mini in plan_update(batch, mini_batches=M, budget=B, share=True, agg=..., max_new=T, even=fsdp):
+    for mini in plan_update(batch, mini_batches=M, budget=B, share=True, agg=..., max_new=T, lockstep=fsdp):
         for micro in mini.passes:      # None: a dummy pass (under FSDP every rank runs as many passes)
-            ... micro.packed, batch.slice(micro) ...
+            ... micro.packed, batch.tokens.slice(micro) ...   # its tokens' sampler log-probs, pi_old, ...
 
 A pass holds whole groups, or runs of one group's responses when a group alone exceeds the token budget
 (`split_groups`), packed up to `budget` tokens (`token_budget_chunks`); each mini-batch carries the GLOBAL
@@ -173,14 +173,40 @@ def split_groups(
 
 
 @dataclass
+class TokenInputs:
+    """The update's inputs per response token: [R] for the step, [hi - lo] for a micro-batch (`slice`).
+
+    sampler_logp fp32: the sampler's log-probs; stored_old fp32: the pi_old stored with carried-over
+    groups (NaN for groups sampled this step); mask bool: valid tokens. advantage, ref_logp, old_logp
+    fp32: filled in by the update (prorl/update.py), None before."""
+
+    sampler_logp: torch.Tensor
+    stored_old: torch.Tensor
+    mask: torch.Tensor
+    advantage: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None
+    old_logp: torch.Tensor | None = None
+
+    def slice(self, micro: MicroBatch) -> TokenInputs:
+        """The micro-batch's tokens [micro.lo, micro.hi) of every field."""
+        values = (getattr(self, f.name) for f in dataclasses.fields(self))
+        return TokenInputs(*(None if v is None else v[micro.lo : micro.hi] for v in values))
+
+    def pi_old(self, current: torch.Tensor) -> torch.Tensor:
+        """pi_old of these tokens, the rule's one home: for carried-over groups the log-probs stored
+        under the policy that sampled them, one update ago (`Updater.store_old_logprobs`); for groups
+        sampled this step `current`, the log-probs of the policy before this update (which sampled them)."""
+        return torch.where(torch.isnan(self.stored_old), current, self.stored_old)
+
+
+@dataclass
 class StepBatch:
     """One step's kept groups flattened once. S responses (group-major), R response tokens.
 
     groups: the groups (prompt and response ids); rewards [S] fp32 (shaped, what is trained on; NaN
     for groups not shaped yet, e.g. a carry-over whose log-probs are taken before the next step);
     lengths [S] (host); resp_cu [S+1] (host) and cu [S+1] int32 (device): response offsets in [R];
-    sampler_logp [R] fp32: the sampler's log-probs; stored_old [R] fp32: pi_old of carried-over groups
-    (NaN for groups sampled this step), carried [R] bool; mask [R] bool (all valid)."""
+    tokens: the per-token inputs [R]."""
 
     groups: list
     n: int
@@ -188,10 +214,7 @@ class StepBatch:
     lengths: list[int]
     resp_cu: list[int]
     cu: torch.Tensor
-    sampler_logp: torch.Tensor
-    stored_old: torch.Tensor
-    carried: torch.Tensor
-    mask: torch.Tensor
+    tokens: TokenInputs
 
     @classmethod
     def of(cls, groups: list, n: int, device) -> StepBatch:
@@ -220,10 +243,11 @@ class StepBatch:
             lengths=lengths,
             resp_cu=resp_cu,
             cu=torch.tensor(resp_cu, dtype=torch.int32, device=device),
-            sampler_logp=tokens(lp for g in groups for lp in g.sampler_logps),
-            stored_old=stored_old,
-            carried=~torch.isnan(stored_old),
-            mask=torch.ones(resp_cu[-1], dtype=torch.bool, device=device),
+            tokens=TokenInputs(
+                sampler_logp=tokens(lp for g in groups for lp in g.sampler_logps),
+                stored_old=stored_old,
+                mask=torch.ones(resp_cu[-1], dtype=torch.bool, device=device),
+            ),
         )
 
     @property
@@ -260,15 +284,15 @@ class MiniBatch:
         return float(self.normalizer) <= 0
 
 
-def plan_passes(batch: StepBatch, g0: int, g1: int, *, budget: int, share: bool, even: bool):
-    """Groups g0..g1 of `batch` as passes of at most `budget` tokens (module docstring). `even` (FSDP:
-    every forward all-gathers, every backward reduce-scatters): the list is padded with None - dummy
-    passes - up to the largest count over ranks (one all-reduce)."""
+def plan_passes(batch: StepBatch, g0: int, g1: int, *, budget: int, share: bool, lockstep: bool):
+    """Groups g0..g1 of `batch` as passes of at most `budget` tokens (module docstring). `lockstep`
+    (every rank runs as many passes - FSDP: every forward all-gathers, every backward reduce-scatters):
+    the list is padded with None - dummy passes - up to the largest count over ranks (one all-reduce)."""
     groups, n = batch.groups, batch.n
-    lp = [len(g.prompt_ids) for g in groups[g0:g1]]
-    lr = [[len(t) for t in g.responses] for g in groups[g0:g1]]
-    units = split_groups(lp, lr, budget, share)
-    sizes = [unit_tokens(lp[g], lr[g][a:b], share) for g, a, b in units]
+    prompt_lens = [len(g.prompt_ids) for g in groups[g0:g1]]
+    response_lens = [[len(t) for t in g.responses] for g in groups[g0:g1]]
+    units = split_groups(prompt_lens, response_lens, budget, share)
+    sizes = [unit_tokens(prompt_lens[g], response_lens[g][a:b], share) for g, a, b in units]
     passes: list[MicroBatch | None] = []
     for c0, c1 in token_budget_chunks(sizes, budget):
         chunk = [(g0 + g, a, b) for g, a, b in units[c0:c1]]
@@ -276,14 +300,14 @@ def plan_passes(batch: StepBatch, g0: int, g1: int, *, budget: int, share: bool,
         (g_first, a_first, _), (g_last, _, b_last) = chunk[0], chunk[-1]
         lo, hi = batch.resp_cu[g_first * n + a_first], batch.resp_cu[g_last * n + b_last]
         passes.append(MicroBatch(pack(entries, share, batch.device), lo, hi))
-    if even:
+    if lockstep:
         most = int(all_reduce(torch.tensor(len(passes), device=batch.device), "max", what="the pass counts"))
         passes += [None] * (most - len(passes))
     return passes
 
 
 def plan_update(
-    batch: StepBatch, *, mini_batches: int, budget: int, share: bool, agg: str, max_new: int, even: bool
+    batch: StepBatch, *, mini_batches: int, budget: int, share: bool, agg: str, max_new: int, lockstep: bool
 ) -> list[MiniBatch]:
     """The update's M mini-batches (each rank's groups split in M consecutive runs, so mini-batch m is the
     m-th run of every rank), each with its passes and its global loss normaliser."""
@@ -293,9 +317,9 @@ def plan_update(
     for m in range(mini_batches):
         g0, g1 = min(m * per, len(groups)), min((m + 1) * per, len(groups))
         lo, hi = batch.resp_cu[g0 * n], batch.resp_cu[g1 * n]
-        local = loss_normalizer(agg, batch.mask[lo:hi], batch.cu[g0 * n : g1 * n + 1] - lo, max_new)
+        local = loss_normalizer(agg, batch.tokens.mask[lo:hi], batch.cu[g0 * n : g1 * n + 1] - lo, max_new)
         normalizer = all_reduce(local, what=f"mini-batch {m}'s loss normaliser").float()
         out.append(MiniBatch(normalizer, [], (g0, g1)))
         if float(normalizer) > 0:  # else no response token in this mini-batch on any rank: nothing to do
-            out[-1].passes = plan_passes(batch, g0, g1, budget=budget, share=share, even=even)
+            out[-1].passes = plan_passes(batch, g0, g1, budget=budget, share=share, lockstep=lockstep)
     return out

@@ -43,8 +43,14 @@ class Group:
     truncated: list[bool]
     raw: list[float] | None = None  # verifier scores
     shaped: list[float] | None = None  # the rewards trained on
-    # carried-over groups only: the trainer's log-probs under the policy that sampled them (pi_old)
+    # carried-over groups only: the trainer's log-probs under the policy that sampled them (pi_old;
+    # Updater.store_old_logprobs writes them, TokenInputs.pi_old reads them)
     old_logps: list[list[float]] | None = None
+
+    @property
+    def carried(self) -> bool:
+        """Carried over from an earlier step (its pi_old is stored)."""
+        return self.old_logps is not None
 
 
 class GroupSampler:
@@ -156,18 +162,18 @@ class GroupSampler:
         others - are carried into the next step, at most `need` of them (the rest are dropped and
         counted), and are used first there; the trainer records their log-probs under the policy that
         sampled them before this step's update. A carried group is never carried twice."""
-        a = self.cfg.algorithm
+        algo = self.cfg.algorithm
         kept, self.carry = list(self.carry), []  # carried groups first: they are one update old already
         acc.sum("groups_carried", len(kept))
         if self.scheduler is not None:
             self.scheduler.new_step()
         rounds = 0
-        while rounds < (a.max_rounds if a.dynamic_sampling else 1):
+        while rounds < (algo.max_rounds if algo.dynamic_sampling else 1):
             with watchdog().phase(f"step {step + 1}, sampling round {rounds}"):
                 most = int(all_reduce(float(need - len(kept)), "max", what="the ranks' shortfall of groups"))
                 if most <= 0:
                     break
-                k = most if rounds == 0 or not a.dynamic_sampling else math.ceil(most * a.oversample)
+                k = most if rounds == 0 or not algo.dynamic_sampling else math.ceil(most * algo.oversample)
                 if self.scheduler is None:
                     chosen = self.next_examples(k)
                 else:
@@ -175,21 +181,21 @@ class GroupSampler:
                         k, step=step, round_=rounds, rank=self.rank, world=self.world
                     )
                     if not chosen:  # the scheduler expects too few mixed groups from a refill round
-                        acc.max("scheduler/rounds_skipped", a.max_rounds - rounds)
+                        acc.max("scheduler/rounds_skipped", algo.max_rounds - rounds)
                         break
                 groups = self.rollout(chosen, self.seed(step, rounds), max_new)
                 self.verify(groups, acc)
             rounds += 1
-            for g in groups:
-                correct = sum(r >= 1.0 for r in g.raw)
-                acc.sum("groups_seen", 1)
-                acc.sum("groups_all_correct", correct == len(g.raw))
-                acc.sum("groups_all_wrong", correct == 0)
-                acc.sum("samples_correct", correct)
+            raw = torch.tensor([r for g in groups for r in g.raw], dtype=torch.float64)
+            index = torch.arange(len(groups)).repeat_interleave(torch.tensor([len(g.raw) for g in groups]))
+            for key, value in algorithm.group_pass_counts(raw, index, len(groups)).items():
+                acc.sum(key, value)
+            passed = algorithm.keep_groups(raw, index, len(groups)).tolist()
+            for g, mixed in zip(groups, passed):
                 acc.sum("generated_tokens", sum(len(t) for t in g.responses))
                 if self.scheduler is not None:
                     self.scheduler.observe(g.example_index, g.raw)
-                if not a.dynamic_sampling or max(g.raw) > min(g.raw):
+                if not algo.dynamic_sampling or mixed:
                     kept.append(g)
                     acc.sum("groups_passed", 1)
         acc.max("rounds", rounds)
@@ -197,7 +203,7 @@ class GroupSampler:
             acc.max("scheduler/rounds_skipped", 0)
             self._merge_records(step, acc)
         kept, leftover = kept[:need], kept[need:]
-        self.carry = [g for g in leftover if g.old_logps is None][:need]
+        self.carry = [g for g in leftover if not g.carried][:need]
         acc.sum("groups_kept", len(kept))
         limit = self.cfg.data.max_prompt_tokens  # verl's prompt_length/clip_ratio: prompts at the limit
         acc.sum("prompt_at_limit", sum(len(g.prompt_ids) >= limit for g in kept for _ in g.raw))

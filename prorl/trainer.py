@@ -1,7 +1,7 @@
 """The ProRL v2 trainer. One RL step (`Trainer.step`), top to bottom:
 
     sample n responses per prompt, verify, dynamic sampling       prorl/sampling.py: GroupSampler.collect
-    pi_old of the carry-over (before the update)                  Trainer.carry_old_logprobs
+    pi_old of the carry-over (before the update)                  Updater.store_old_logprobs
     shape rewards (stop-properly, scheduled cosine length term)   prorl/sampling.py: shape_rewards
     flatten the kept groups once                                  prorl/packing.py: StepBatch
     REINFORCE++-baseline advantages, whitened over all ranks      prorl/update.py: Updater.advantages
@@ -92,7 +92,7 @@ class Trainer:
         if trained:
             self.models.sleep_sampler()  # vLLM: free the engine's GPU memory while we train
         if cfg.algorithm.dynamic_sampling:
-            self.carry_old_logprobs()
+            self.updater.store_old_logprobs(self.sampler.carry)
         term = shape_rewards(groups, cfg.reward, self.step_count, max_new)
         record_batch(acc, groups, term)
         if trained:
@@ -144,17 +144,6 @@ class Trainer:
                 "trainer.max_consecutive_skips to wait longer"
             )
         return None
-
-    def carry_old_logprobs(self) -> None:
-        """The trainer's log-probs of the carried-over groups under the current policy - the one that
-        sampled them - taken before this step's update: their pi_old when the next step trains on them
-        (off-policy by one update). Without it their ratio would be 1 and clipping would never act on
-        them. A collective under FSDP: every rank calls it, with or without carried groups."""
-        carry, n = self.sampler.carry, self.cfg.rollout.n
-        batch = StepBatch.of(carry, n, self.device)
-        old, cu = self.updater.response_logprobs(self.policy, batch).tolist(), batch.resp_cu
-        for i, g in enumerate(carry):
-            g.old_logps = [old[cu[i * n + j] : cu[i * n + j + 1]] for j in range(len(g.responses))]
 
     # -- reference reset and validation ----------------------------------------------------------------
     def reset_reference(self) -> None:

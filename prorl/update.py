@@ -26,7 +26,7 @@ from prorl.engine.optim import Optimizer
 from prorl.engine.parallel import watchdog
 from prorl.kernels import group_advantages, linear_logprob_entropy, ppo_loss
 from prorl.metrics import StepAccumulator, record_loss
-from prorl.packing import MicroBatch, StepBatch
+from prorl.packing import MicroBatch, StepBatch, TokenInputs
 from prorl.policy import PolicyModels
 
 
@@ -85,12 +85,23 @@ class Updater:
         if grad:
             ((logp.float().sum() + ent.float().sum()) * 0.0).backward()
 
+    def store_old_logprobs(self, groups: list) -> None:
+        """pi_old of groups carried into the next step (`Group.old_logps`): their log-probs under the
+        current policy - the one that sampled them - taken before this step's update, so that the next
+        step trains on them off-policy by one update (without it their ratio would be 1 and clipping
+        would never act on them). A collective under FSDP: every rank calls it, with or without groups."""
+        n = self.cfg.rollout.n
+        batch = StepBatch.of(groups, n, self.device)
+        old, cu = self.response_logprobs(self.policy, batch).tolist(), batch.resp_cu
+        for i, g in enumerate(groups):
+            g.old_logps = [old[cu[i * n + j] : cu[i * n + j + 1]] for j in range(len(g.responses))]
+
     @torch.no_grad()
     def response_logprobs(self, model, batch: StepBatch, first_group: int = 0) -> torch.Tensor:
         """Log-probs of the response tokens under `model`, micro-batched: fp32 [R], 0 before first_group."""
         model.eval()
         out = torch.zeros(batch.resp_cu[-1], dtype=torch.float32, device=self.device)
-        plan = dict(budget=self.cfg.trainer.micro_batch_tokens, share=self.share, even=self.fsdp)
+        plan = dict(budget=self.cfg.trainer.micro_batch_tokens, share=self.share, lockstep=self.fsdp)
         for micro in packing.plan_passes(batch, first_group, len(batch.groups), **plan):
             if micro is None:
                 self.dummy_pass(model, grad=False)
@@ -102,34 +113,34 @@ class Updater:
     def run(self, batch: StepBatch, max_new: int, acc: StepAccumulator, step: int) -> dict[str, float]:
         """Advantages, reference (and old) log-probs, then M mini-batch updates, each micro-batched.
 
-        pi_old: for groups sampled this step, the first mini-batch differentiates the policy that sampled
-        them and old_logp = logp.detach() exactly, so the no-grad pass skips them (TRL and verl do the
-        same with one mini-batch); the later mini-batches are off-policy and their old_logp is recomputed.
-        Carried-over groups use the log-probs recorded before the previous step's update. A rank may hold
-        no group: it still takes part in every collective. `step` (0-based) names the phases for the
-        watchdog. Returns the phase timings."""
-        cfg, a, timing, t0 = self.cfg, self.cfg.algorithm, {}, clock(self.device)
+        pi_old (`TokenInputs.pi_old`): for groups sampled this step, the first mini-batch differentiates
+        the policy that sampled them and old_logp = logp.detach() exactly, so the no-grad pass skips them
+        (TRL and verl do the same with one mini-batch); the later mini-batches are off-policy and their
+        old_logp is recomputed. Carried-over groups use the log-probs stored before the previous step's
+        update. A rank may hold no group: it still takes part in every collective. `step` (0-based) names
+        the phases for the watchdog. Returns the phase timings."""
+        schedule, timing, t0 = self.cfg.trainer, {}, clock(self.device)
         adv = self.advantages(batch)
         token_adv = batch.per_token(adv)
         timing["timing_s/adv"], t0 = clock(self.device) - t0, clock(self.device)
-        t, old = cfg.trainer, None
         minis = packing.plan_update(
             batch,
-            mini_batches=t.mini_batches,
-            budget=t.micro_batch_tokens,
+            mini_batches=schedule.mini_batches,
+            budget=schedule.micro_batch_tokens,
             share=self.share,
-            agg=a.agg,
+            agg=self.cfg.algorithm.agg,
             max_new=max_new,
-            even=self.fsdp,
+            lockstep=self.fsdp,
         )
-        first = 0 if t.recompute_old_logp else minis[0].groups[1]  # mini-batch 0: logp.detach()
-        if t.mini_batches > 1 or t.recompute_old_logp:
-            fresh = self.response_logprobs(self.policy, batch, first)
-            old = torch.where(batch.carried, batch.stored_old, fresh)
+        first = 0 if schedule.recompute_old_logp else minis[0].groups[1]  # mini-batch 0: logp.detach()
+        old = None
+        if schedule.mini_batches > 1 or schedule.recompute_old_logp:
+            old = batch.tokens.pi_old(self.response_logprobs(self.policy, batch, first))
         timing["timing_s/old_log_prob"], t0 = clock(self.device) - t0, clock(self.device)
         with watchdog().phase(f"step {step + 1}, reference log-probs"):
             ref = self.response_logprobs(self.reference, batch)
         timing["timing_s/ref"], t0 = clock(self.device) - t0, clock(self.device)
+        inputs = dataclasses.replace(batch.tokens, advantage=token_adv, ref_logp=ref, old_logp=old)
         self.policy.train()
         norms = 0.0
         for m, mini in enumerate(minis):
@@ -140,16 +151,12 @@ class Updater:
                     self.dummy_pass(self.policy, grad=True)
                     continue
                 logp, ent = self.logprobs(self.policy, micro.packed, grad=True, entropy=True)
-                s, e = micro.lo, micro.hi
-                if old is None or (m == 0 and first):
-                    old_mb = torch.where(batch.carried[s:e], batch.stored_old[s:e], logp.detach().float())
-                else:
-                    old_mb = old[s:e]
-                loss, metrics, ent_sum = self.loss(
-                    micro, logp, ent, old_mb, ref[s:e], token_adv[s:e], batch, mini
-                )
+                tokens = inputs.slice(micro)
+                if tokens.old_logp is None or (m == 0 and first):
+                    tokens.old_logp = tokens.pi_old(logp.detach().float())
+                loss, metrics, ent_sum = self.loss(micro, logp, ent, tokens, mini.normalizer)
                 loss.backward()
-                record_loss(acc, metrics, ent_sum, old_mb, batch.sampler_logp[s:e])
+                record_loss(acc, metrics, ent_sum, tokens.old_logp, tokens.sampler_logp)
             norms += self.optimizer_step()
             acc.max("updates", m + 1)
         acc.max("grad_norm", norms)  # the global norm, the same on every rank: not summed over ranks
@@ -161,46 +168,47 @@ class Updater:
 
     def advantages(self, batch: StepBatch) -> torch.Tensor:
         """Per-response advantages [S]: centred per group, whitened over all ranks (docs/recipe.md §2)."""
-        a = self.cfg.algorithm
+        algo = self.cfg.algorithm
         return group_advantages(
             batch.rewards,
             torch.arange(len(batch.groups), device=self.device).repeat_interleave(batch.n),
-            mode=a.advantage,
-            std_unbiased=a.grpo_std_unbiased,
+            mode=algo.advantage,
+            std_unbiased=algo.grpo_std_unbiased,
             lengths=torch.tensor(batch.lengths, dtype=torch.float32, device=self.device),
-            weighting=a.whiten_weighting,
+            weighting=algo.whiten_weighting,
             num_groups=len(batch.groups),
             process_group=dist.group.WORLD if self.world > 1 else None,
         )
 
-    def loss(self, micro: MicroBatch, logp, ent, old, ref, adv, batch: StepBatch, mini: packing.MiniBatch):
-        """This micro-batch's share of the mini-batch loss: PPO-Clip-Higher + KL (+ entropy bonus), with
-        the raw sampler-vs-trainer weights when `algorithm.is_mode` corrects for them (bounded once, in
-        ppo_loss). Returns (loss, ppo_loss's metrics, the entropy sum)."""
-        a, s, e, normalizer = self.cfg.algorithm, micro.lo, micro.hi, mini.normalizer
-        is_w = algorithm.importance_weights(old, batch.sampler_logp[s:e]) if a.is_mode != "none" else None
+    def loss(self, micro: MicroBatch, logp, ent, tokens: TokenInputs, normalizer: torch.Tensor):
+        """This micro-batch's share of the mini-batch loss (`normalizer`: the mini-batch's global one):
+        PPO-Clip-Higher + KL (+ entropy bonus), with the raw sampler-vs-trainer weights when
+        `algorithm.is_mode` corrects for them (bounded once, in ppo_loss). logp, ent [T]: the policy's,
+        with grad; `tokens`: the micro-batch's inputs. Returns (loss, ppo_loss's metrics, entropy sum)."""
+        algo, old = self.cfg.algorithm, tokens.old_logp
+        is_w = algorithm.importance_weights(old, tokens.sampler_logp) if algo.is_mode != "none" else None
         loss, metrics = ppo_loss(
             logp,
             old,
-            adv,
-            batch.mask[s:e],
-            eps_low=a.eps_low,
-            eps_high=a.eps_high,
-            dual_clip=a.dual_clip,
-            ref_logp=ref,
-            kl_coef=a.kl_coef,
-            kl_estimator=a.kl_estimator,
-            kl_clamp=a.kl_clamp,
+            tokens.advantage,
+            tokens.mask,
+            eps_low=algo.eps_low,
+            eps_high=algo.eps_high,
+            dual_clip=algo.dual_clip,
+            ref_logp=tokens.ref_logp,
+            kl_coef=algo.kl_coef,
+            kl_estimator=algo.kl_estimator,
+            kl_clamp=algo.kl_clamp,
             is_weights=is_w,
-            is_mode=a.is_mode,
-            is_bounds=(a.is_low, a.is_high),
-            agg=a.agg,
+            is_mode=algo.is_mode,
+            is_bounds=(algo.is_low, algo.is_high),
+            agg=algo.agg,
             normalizer=normalizer,
             cu_seqlens=micro.packed.resp_cu,
         )
         ent_sum = ent.float().sum()
-        if a.entropy_coef:
-            loss = loss - a.entropy_coef * ent_sum / normalizer
+        if algo.entropy_coef:
+            loss = loss - algo.entropy_coef * ent_sum / normalizer
         return loss, metrics, ent_sum
 
     def optimizer_step(self) -> float:

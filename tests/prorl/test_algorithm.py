@@ -9,7 +9,7 @@ from prorl.algorithm import (
     ReferenceResetPolicy,
     cosine_length_eta,
     cosine_length_shaping,
-    group_pass_stats,
+    group_pass_counts,
     importance_weights,
     keep_groups,
     length_penalty_on,
@@ -17,6 +17,7 @@ from prorl.algorithm import (
     scheduled_value,
     stop_properly,
 )
+from prorl.metrics import StepAccumulator, step_metrics
 
 
 def test_stop_properly_vector():
@@ -70,7 +71,11 @@ def test_keep_groups_is_per_group():
     rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0.5, 0.5, 0.25, 0.5])
     groups = torch.arange(4).repeat_interleave(4)
     assert keep_groups(rewards, groups).tolist() == [True, False, False, True]
-    stats = group_pass_stats(rewards, groups, 4)
+    acc = StepAccumulator()  # the sums GroupSampler.collect records, as the step's metrics
+    for key, value in group_pass_counts(rewards, groups, 4).items():
+        acc.sum(key, value)
+    acc.sum("samples_seen", 16)  # GroupSampler.verify's count
+    stats = step_metrics(acc.reduce())
     assert stats["dynamic_sampling/frac_all_correct"] == 0.25
     assert stats["dynamic_sampling/frac_all_wrong"] == 0.5  # groups 2 and 3 have no reward >= 1
     assert stats["dynamic_sampling/pass_rate"] == pytest.approx(5 / 16)

@@ -98,7 +98,7 @@ def test_carried_groups_are_trained_against_the_policy_that_sampled_them(setup, 
     groups = sampled(trainer, k=3)
     trainer.sampler.carry = copy.deepcopy(groups[2:])  # this step's surplus, sampled by the current policy
     behaviour = copy.deepcopy(trainer.policy)
-    trainer.carry_old_logprobs()
+    trainer.updater.store_old_logprobs(trainer.sampler.carry)
     update(trainer, groups[:2])  # the policy moves
     carried = trainer.sampler.collect(1, 24, 1, StepAccumulator())  # the carry is used first, nothing sampled
     assert carried[0].old_logps is not None and carried[0].responses == groups[2].responses
@@ -123,6 +123,30 @@ def test_a_carried_group_is_never_carried_twice(setup):
     assert kept == groups[:1] and trainer.sampler.carry == []
     s, _, _ = acc.reduce()
     assert s["groups_dropped"] == 1 and s["groups_carried"] == 2
+
+
+def test_the_sampler_keeps_the_groups_the_keep_rule_keeps(setup, monkeypatch):
+    """docs/recipe.md §6 through GroupSampler.collect, the code the trainer runs: a group is kept iff its
+    raw rewards are not all equal ([1,0,0,0] kept: one right answer is a signal; all right, all wrong
+    dropped; [0.5,0.5,0.25,0.5] kept), and the pass-rate metrics count every sampled group."""
+    trainer = make(
+        setup, ["algorithm.dynamic_sampling=true", "algorithm.max_rounds=1", "scheduler.mode=none"]
+    )
+    patterns = [[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.25, 0.5]]
+
+    def verify(groups, acc):  # one round of 4 prompts, scored by the patterns
+        assert len(groups) == len(patterns)
+        for g, raw in zip(groups, patterns):
+            g.raw = list(raw)
+        acc.sum("samples_seen", sum(len(g.raw) for g in groups))
+
+    monkeypatch.setattr(trainer.sampler, "verify", verify)
+    kept = trainer.sampler.collect(4, 24, 0, acc := StepAccumulator())
+    assert [g.raw for g in kept] == [patterns[0], patterns[3]]
+    m = step_metrics(acc.reduce())
+    assert m["dynamic_sampling/kept_groups"] == 2 and m["dynamic_sampling/sampled_groups"] == 4
+    assert m["dynamic_sampling/frac_all_correct"] == 0.25 and m["dynamic_sampling/frac_all_wrong"] == 0.5
+    assert m["dynamic_sampling/pass_rate"] == pytest.approx(5 / 16)
 
 
 @pytest.mark.parametrize(
