@@ -6,7 +6,8 @@
 Measured over the library's three layers (prorl/, engine/, kernels/ — imported as prorl, prorl.engine,
 prorl.kernels) and benchmarks/:
 - imports point down the layers (prorl -> engine -> kernels) and form no cycle, counting imports inside
-  functions (an import inside a function hides a cycle from the interpreter, not from a reader);
+  functions (an import inside a function hides a cycle from the interpreter, not from a reader); no
+  library module imports the command line (prorl/train.py);
 - line counts (the trainer, the longest files, benchmarks/), long lines, long functions and functions
   with many parameters. Triton kernels and the float64 references are exempt from both function rules,
   the public ops (whose signatures follow the peers') from the parameter rule.
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+CLI = "prorl.train"  # the trainer's command line: an entry point, never a library module's import
 LAYERS = {"kernels": "prorl.kernels", "engine": "prorl.engine", "prorl": "prorl"}
 RANK = {"prorl.kernels": 0, "prorl.engine": 1, "prorl": 2}
 KERNEL_EXEMPT = ("kernels/reference.py", "_triton.py")  # Triton kernels, float64 references
@@ -38,13 +40,16 @@ TARGETS = {  # name: (limit, the measurement's key in measure())
     "functions over 8 parameters": 0,
     "import cycles": 0,
     "imports pointing up the layers": 0,
+    "library imports of the command line": 0,
     "function-level imports of own modules": 20,
     "benchmarks/ lines": 3600,
     "max lines over 100 chars in one file": 10,
 }
 # Targets enforced by --check today; the rest are reported until the trainer's redesign meets them.
 CHECKED = {
+    "prorl/trainer.py lines",
     "imports pointing up the layers",
+    "library imports of the command line",
     "files over 600 lines",
     "import cycles",
     "function-level imports of own modules",
@@ -153,6 +158,8 @@ def measure() -> tuple[dict[str, int], dict[str, list[str]]]:
             for target in targets:
                 if RANK[layer(target)] > RANK[layer(mod)]:
                     found["imports pointing up the layers"].append(f"{rel}:{line} imports {target}")
+                if target == CLI:
+                    found["library imports of the command line"].append(f"{rel}:{line} imports {target}")
         for fn in ast.walk(tree):
             if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
                 continue

@@ -41,4 +41,5 @@ def test_library_has_no_import_cycle_and_few_function_level_imports():
     import prorl.train, closing trainer -> eval -> export -> train -> trainer)."""
     values, found = architecture.measure()
     assert values["import cycles"] == 0, found["import cycles"]
+    assert values["library imports of the command line"] == 0, found["library imports of the command line"]
     assert values["function-level imports of own modules"] <= 20
