@@ -201,3 +201,21 @@ def test_logit_softcapping_refused_when_built(tmp_path, monkeypatch):
         warnings.simplefilter("ignore")
         with pytest.raises(ValueError, match="final_logit_softcapping=30.0"):
             FusedGRPOTrainer(model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok)
+
+
+def test_adapters_snippet_trains(tmp_path, monkeypatch):
+    from prorl.kernels.adapters import FusedGRPOTrainer
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, tokenizer, reward, args, dataset = _setup(tmp_path, max_steps=1)
+    before = model.model.norm.weight.detach().clone()
+    namespace = dict(model=model, tokenizer=tokenizer, reward=reward, args=args, dataset=dataset)
+    threads = torch.get_num_threads()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            exec(_snippet("trl-trainer"), namespace)
+        finally:
+            torch.set_num_threads(threads)
+    assert type(namespace["trainer"]) is FusedGRPOTrainer
+    assert not torch.equal(model.model.norm.weight, before)  # it trained
