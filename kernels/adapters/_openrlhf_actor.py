@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..linear_logprob_entropy import linear_logprob_entropy
 
@@ -79,6 +78,8 @@ def _fused(actor, sequences, action_mask, attention_mask, return_output, return_
         log_probs, entropy = linear_logprob_entropy(
             hidden[:, :-1].to(weight.dtype), weight, labels, float(actor.temperature), -100, return_entropy
         )
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
     output = CausalLMOutputWithPast()
     if return_entropy:
         output.entropy = entropy
