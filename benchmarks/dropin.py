@@ -94,9 +94,8 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     peer, fused = provider.split("-")[0], provider.endswith("-fused")
     note = f"B={B} P={P} C={C}" + (" prorl" if fused else " stock")
     if peer == "trl":
-        from trl import GRPOTrainer
-
         from prorl.kernels.adapters import FusedGRPOTrainer
+        from trl import GRPOTrainer
 
         trainer = grpo_trainer(FusedGRPOTrainer if fused else GRPOTrainer, model)
         inputs = grpo_micro_batch(v)
@@ -117,7 +116,6 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
         _stub("openrlhf")
         sys.modules["flash_attn.ops.triton.cross_entropy"] = None  # a stand-in: take OpenRLHF's torch path
         from openrlhf.models import Actor
-
         from prorl.kernels.adapters import openrlhf_actor_forward
 
         if fused:
@@ -131,6 +129,7 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
         def run():
             lp, out = actor(ids, action_mask, att, return_output=True, return_entropy=True)
             (lp.sum() + out.entropy.sum()).backward()
+
     return harness.Step(run=run, prepare=clear, note=note)
 
 

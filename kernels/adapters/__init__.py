@@ -15,8 +15,8 @@ is outside its tested range. No peer is imported here: each adapter imports its 
 """
 
 from ._openrlhf import OpenRLHFPolicyLoss
-from ._trl import trl_compute_loss, trl_grpo_loss
 from ._openrlhf_actor import openrlhf_actor_forward
+from ._trl import trl_compute_loss, trl_grpo_loss
 from ._verl import verl_policy_loss
 from ._verl_fused import VerlFusedLinearForPPO, install_verl_fused_linear, verl_linear_cross_entropy
 from ._versions import TESTED, PeerVersionWarning, check_peer_version, check_peer_versions

@@ -187,6 +187,7 @@ class FusedGRPOTrainer(GRPOTrainer):
         m.update(row_clip_fractions(m["logp"], old, advantages, mask, kw["epsilon_low"], kw["epsilon_high"]))
         return loss, m
 
+
 def _check_head(model) -> None:
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -42,7 +42,9 @@ class VerlFusedLinearForPPO(torch.nn.Module):
     def __init__(self, chunk_size: int = 512, impl_backend: str = "torch"):
         super().__init__()
         if impl_backend not in ("torch", "liger"):
-            raise ValueError(f"impl_backend must be 'torch' or 'liger' (verl's choices), got {impl_backend!r}")
+            raise ValueError(
+                f"impl_backend must be 'torch' or 'liger' (verl's choices), got {impl_backend!r}"
+            )
         self.chunk_size, self.impl_backend = chunk_size, impl_backend  # kept for verl's callers; unused
 
     def forward(self, hidden_states, vocab_weights, input_ids, temperature=1.0):

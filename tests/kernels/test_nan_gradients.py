@@ -34,7 +34,7 @@ def _batch(where, dtype=torch.float32):
     mask[1, 4] = 0
     named = {"logp": logp, "old": old, "adv": adv}
     finite = {k: v.clone() for k, v in named.items()}
-    for k, v in named.items():
+    for v in named.values():
         v[1, 4] = NAN
     if where is not None:
         named[where][0, 1] = NAN
@@ -84,7 +84,7 @@ def _linear_case(where):
     finite_old, finite_adv = old.clone(), adv.clone()
     old[9], adv[9] = NAN, NAN
     if where is not None:
-        for t in ((old, finite_old) if where == "old" else (adv, finite_adv)):
+        for t in (old, finite_old) if where == "old" else (adv, finite_adv):
             t[2] = NAN
     return hidden, weight, labels, old, adv, mask, finite_old, finite_adv
 

@@ -97,7 +97,10 @@ def test_bf16_autocast_gradient_error_no_larger_than_openrlhfs(actor):
         theirs = _run(actor)
         exec(adapters_snippet("openrlhf-actor"), {})
         ours = _run(actor)
-    errors = {k: float((flat(r) - flat(ref)).norm() / flat(ref).norm()) for k, r in (("openrlhf", theirs), ("prorl", ours))}
+    errors = {
+        k: float((flat(r) - flat(ref)).norm() / flat(ref).norm())
+        for k, r in (("openrlhf", theirs), ("prorl", ours))
+    }
     print("bf16 autocast gradient error against OpenRLHF fp32:", errors)
     assert errors["openrlhf"] > 1e-4  # autocast does perturb OpenRLHF's gradient: the comparison can fail
     assert errors["prorl"] <= errors["openrlhf"]

@@ -33,7 +33,9 @@ def restore(monkeypatch):
     monkeypatch.setattr(Qwen2ForCausalLM, "forward", Qwen2ForCausalLM.forward)
     monkeypatch.delitem(sys.modules, "prorl.kernels.adapters.verl_fused_plugin", raising=False)  # re-imported
     monkeypatch.setattr(torch_functional, "FusedLinearForPPO", torch_functional.FusedLinearForPPO)
-    monkeypatch.setattr(linear_cross_entropy, "linear_cross_entropy", linear_cross_entropy.linear_cross_entropy)
+    monkeypatch.setattr(
+        linear_cross_entropy, "linear_cross_entropy", linear_cross_entropy.linear_cross_entropy
+    )
     calls = []
     op = _verl_fused.linear_logprob_entropy
     monkeypatch.setattr(_verl_fused, "linear_logprob_entropy", lambda *a, **k: calls.append(1) or op(*a, **k))
