@@ -31,6 +31,8 @@ TEMPERATURE = 0.7
 def restore(monkeypatch):
     """verl patches the model class and the plugin patches verl's modules: undone after each test."""
     monkeypatch.setattr(Qwen2ForCausalLM, "forward", Qwen2ForCausalLM.forward)
+    # flash_attn may be a stand-in (OpenRLHF's tests stub it): take verl's own path for its absence
+    monkeypatch.setattr(torch_functional, "_FLASH_ATTN_CROSS_ENTROPY_AVAILABLE", False)
     monkeypatch.delitem(sys.modules, "prorl.kernels.adapters.verl_fused_plugin", raising=False)  # re-imported
     monkeypatch.setattr(torch_functional, "FusedLinearForPPO", torch_functional.FusedLinearForPPO)
     monkeypatch.setattr(
