@@ -6,7 +6,8 @@ A tiny random Qwen2 (hidden 128, 2 layers, untied head, fp32) at each vocabulary
 B = 8 sequences, P = 8 prompt + C = 128 completion tokens; one call = the forward and backward of one
 update of the peer's own code (mode `full`), with:
 - `trl` / `trl-fused`: TRL 1.16 GRPOTrainer / prorl's FusedGRPOTrainer built with TRL's defaults (dapo,
-  beta 0, num_iterations 1), `trainer.compute_loss(model, micro_batch).backward()`.
+  beta 0, num_iterations 1), `trainer.compute_loss(model, micro_batch).backward()`; `trl-loss` (not run by
+  default): GRPOTrainer with the older trl_compute_loss drop-in (TRL's forward, the loss arithmetic fused).
 - `verl` / `verl-fused`: verl 0.9.1's `use_fused_kernels` forward (patch_forward_with_backends, backend
   "torch": FusedLinearForPPO) / the same after prorl.kernels.adapters.verl_fused_plugin; backward of
   sum(log_probs) + sum(entropy).
@@ -27,6 +28,7 @@ from benchmarks.plot import plot as plot_csv
 
 NAME = "dropin"
 PROVIDERS = ("trl", "trl-fused", "verl", "verl-fused", "openrlhf", "openrlhf-fused")
+KNOWN = PROVIDERS + ("trl-loss",)
 B, P, C, D = 8, 8, 128, 128
 VOCABS = (32768, 151936)
 QUICK_VOCABS = (4096,)
@@ -91,13 +93,18 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     v = shape["V"]
     model = qwen2(v)
     clear = lambda: model.zero_grad(set_to_none=True)
-    peer, fused = provider.split("-")[0], provider.endswith("-fused")
+    peer, fused = provider.split("-")[0], provider.endswith(("-fused", "-loss"))
     note = f"B={B} P={P} C={C}" + (" prorl" if fused else " stock")
     if peer == "trl":
-        from prorl.kernels.adapters import FusedGRPOTrainer
+        from prorl.kernels.adapters import FusedGRPOTrainer, trl_compute_loss
         from trl import GRPOTrainer
 
-        trainer = grpo_trainer(FusedGRPOTrainer if fused else GRPOTrainer, model)
+        class LossDropIn(GRPOTrainer):
+            def _compute_loss(self, model, inputs):
+                return trl_compute_loss(self, model, inputs)
+
+        cls = {"trl-fused": FusedGRPOTrainer, "trl-loss": LossDropIn}.get(provider, GRPOTrainer)
+        trainer = grpo_trainer(cls, model)
         inputs = grpo_micro_batch(v)
         run = lambda: trainer.compute_loss(trainer.model, inputs).backward()
     elif peer == "verl":
@@ -144,7 +151,13 @@ def _shapes(args) -> list[dict]:
 
 
 BENCHMARK = harness.Benchmark(
-    NAME, PROVIDERS, _shapes, _options, reps=(3, 2), plot=lambda csv, rows, args: plot_csv(csv)
+    NAME,
+    PROVIDERS,
+    _shapes,
+    _options,
+    known_providers=KNOWN,
+    reps=(3, 2),
+    plot=lambda csv, rows, args: plot_csv(csv),
 )
 main = BENCHMARK.main
 
