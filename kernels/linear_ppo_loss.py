@@ -68,7 +68,7 @@ def linear_ppo_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    old_logp: torch.Tensor,
+    old_logp: torch.Tensor | None,
     advantages: torch.Tensor,
     mask: torch.Tensor,
     *,
@@ -100,6 +100,8 @@ def linear_ppo_loss(
         labels: [N] or [B, T] int64 sampled token ids; `ignore_index` rows count as masked.
         old_logp, advantages, mask, ref_logp, is_weights, cu_seqlens, eps_*, dual_clip, kl_*, is_*, agg,
             normalizer: as `ppo_loss`, shaped like labels (advantages also [B], or [S] with cu_seqlens).
+            old_logp None: on-policy, old_logp is the current log-prob itself, detached (ratio 1; TRL's
+            shortcut when it skips the old log-prob pass).
         temperature: the sampling temperature, applied in fp32 before the log-softmax.
         entropy_coef: subtracts entropy_coef * sum_t s_t H_t (entropy aggregated like the loss; verl's
             entropy_coeff). 0 (default) costs nothing.
@@ -108,7 +110,8 @@ def linear_ppo_loss(
 
     Returns:
         (loss, metrics): 0-d fp32 loss (gradients flow to hidden and weight) and ppo_loss's metrics plus
-        entropy_mean and entropy_loss, all detached device tensors.
+        entropy_mean and entropy_loss, all detached device tensors, and the per-token `logp` and `entropy`
+        (fp32, labels' shape, 0 at ignored labels) that a trainer's own metrics may need.
     """
     opts = PPOOptions.of(
         eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, ref_logp=ref_logp, kl_coef=kl_coef,
@@ -130,6 +133,9 @@ def linear_ppo_loss(
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     check_normalizer(normalizer)
+    on_policy = old_logp is None
+    if on_policy:
+        old_logp = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
     if old_logp.shape != labels.shape:
         raise ValueError(f"old_logp {tuple(old_logp.shape)} must have labels' shape {tuple(labels.shape)}")
     y = labels.reshape(-1).long()
@@ -158,11 +164,15 @@ def linear_ppo_loss(
     if chunk_bytes is None:
         chunk_bytes = (1 << 30) if h.is_cuda else max(16 << 20, 4 * weight.shape[0] * _DEFAULT_CPU_ROWS)
     safe_y = torch.where(keep, y, torch.zeros_like(y))
-    settings = (float(entropy_coef), 1.0 / float(temperature), name, int(chunk_bytes))
-    loss, stats, ent = _LinearPPOLoss.apply(h, weight, safe_y, tok, aggregation, opts, settings)
+    settings = (float(entropy_coef), 1.0 / float(temperature), name, int(chunk_bytes), on_policy)
+    loss, stats, ent, tok_logp, tok_ent = _LinearPPOLoss.apply(
+        h, weight, safe_y, tok, aggregation, opts, settings
+    )
     metrics = metrics_from_stats(stats, opts)
     metrics["entropy_mean"] = ent[1] / stats[STATS.index("n")].clamp_min(1.0)
     metrics["entropy_loss"] = ent[0]
+    metrics["logp"] = torch.where(keep, tok_logp, 0.0).view(labels.shape)
+    metrics["entropy"] = torch.where(keep, tok_ent, 0.0).view(labels.shape)
     return loss, metrics
 
 
@@ -170,16 +180,16 @@ class _LinearPPOLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, tok, aggregation, opts, settings):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        loss, stats, ent, gh, gw = _fused_forward(
+        loss, stats, ent, logp, entropy, gh, gw = _fused_forward(
             hidden, weight, labels, tok, aggregation, opts, settings, need_h, need_w
         )
-        ctx.mark_non_differentiable(stats, ent)
+        ctx.mark_non_differentiable(stats, ent, logp, entropy)
         ctx.save_for_backward(gh, gw)
         ctx.need, ctx.consumed = (need_h, need_w), False
-        return loss, stats, ent
+        return loss, stats, ent, logp, entropy
 
     @staticmethod
-    def backward(ctx, g_loss, g_stats, g_ent):
+    def backward(ctx, g_loss, *_):
         if ctx.consumed:
             raise RuntimeError("linear_ppo_loss: backward runs once (its gradients are scaled in place)")
         ctx.consumed = True
@@ -203,8 +213,9 @@ def _mm_into(out, a, b):
 
 
 def _fused_forward(hidden, weight, labels, tok, aggregation, opts, settings, need_h, need_w):
-    """loss, stats, (entropy_loss, entropy_sum), dloss/dhidden, dloss/dweight: see the module docstring."""
-    entropy_coef, inv_t, backend, chunk_bytes = settings
+    """loss, stats, (entropy_loss, entropy_sum), per-token logp and entropy [N], dloss/dhidden,
+    dloss/dweight: see the module docstring."""
+    entropy_coef, inv_t, backend, chunk_bytes, on_policy = settings
     n, d = hidden.shape
     v = weight.shape[0]
     dev = hidden.device
@@ -220,6 +231,7 @@ def _fused_forward(hidden, weight, labels, tok, aggregation, opts, settings, nee
     loss = torch.zeros((), **f32)
     stats = torch.zeros(len(STATS), **f32)
     ent = torch.zeros(2, **f32)  # sum_t s_t H_t, sum over valid tokens of H_t
+    tok_logp, tok_ent = torch.empty(n, **f32), torch.empty(n, **f32)
     gh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_h else None
     # fp32 dW: the first row block's GEMM writes it (beta = 0) and the others add to it, so it is never
     # zero-filled (a [V, D] fill is ~3% of the op at D = 896); the low-precision CUDA path accumulates.
@@ -240,8 +252,11 @@ def _fused_forward(hidden, weight, labels, tok, aggregation, opts, settings, nee
         log_s = torch.log(s)
         lse, ez = m + log_s, m + b / s
         logp, entropy = zy - lse, log_s - b / s
+        tok_logp[r0:r1], tok_ent[r0:r1] = logp, entropy
 
         part = {k: (t[r0:r1] if torch.is_tensor(t) and k != "padded_shape" else t) for k, t in tok.items()}
+        if on_policy:
+            part["old"] = logp
         part["padded_shape"] = None  # rows of the block are tokens; the aggregation weights are already set
         weights = aggregation.weight[r0:r1] if aggregation.weight is not None else None
         block_agg = Aggregation(weights, aggregation.denom)
@@ -280,4 +295,4 @@ def _fused_forward(hidden, weight, labels, tok, aggregation, opts, settings, nee
     if gw is not None:
         gw = gw.to(weight.dtype)
     empty = torch.empty(0, **f32)
-    return loss, stats, ent, (gh if need_h else empty), (gw if need_w else empty)
+    return loss, stats, ent, tok_logp, tok_ent, (gh if need_h else empty), (gw if need_w else empty)

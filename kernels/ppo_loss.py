@@ -43,6 +43,9 @@ The loss is linear in the per-token terms, so its gradient is known in the forwa
     g_pg = -A r   where the unclipped branch is taken (and the ratio and dual clips are inactive), else 0
     g_kl = 1 | d | 1 - exp(-d)   (k1 | k2 | k3), 0 where a clamp is active
 
+and NaN where logp, old_logp or the advantage is NaN at a valid token (the loss is NaN then too), as
+autograd through the peers' formulas gives: a gradient-norm guard sees it. Masked tokens stay ignored.
+
 The forward pass stores it (4 bytes per token) and the backward pass is one multiply by the upstream
 gradient: one elementwise launch (on triton also the cast to logp's dtype, and for a token-mean without a
 normaliser the 1 / count that the one-launch forward learns only at its end).
@@ -275,6 +278,10 @@ def _torch_forward(logp, tok, aggregation, opts, need_grad):
         if kl_grad is not None and opts.kl_coef != 0.0:
             g_pg = g_pg + opts.kl_coef * kl_grad
         grad = scale * g_pg
+        # a NaN log-prob, old log-prob or advantage at a valid token reaches the gradient, as in autograd
+        # (the selects above would turn it into 0, hiding it from a gradient-norm guard)
+        probe = lp - old + adv
+        grad = torch.where(torch.isnan(probe), probe, grad)
 
     ratio_v = ratio * vf
     stats = torch.stack(  # in the slot order of _ppo_common.STATS

@@ -128,6 +128,10 @@ def _forward_kernel(
     unclipped = -a * ratio
     clipped = -a * tl.minimum(tl.maximum(ratio, lo), hi)
     pg = tl.maximum(unclipped, clipped)
+    # tl.maximum / tl.minimum return the non-NaN operand: a NaN log-prob or advantage at a valid token
+    # gives a NaN loss (as in torch), and a NaN gradient below
+    is_nan = (lp - old + a) != (lp - old + a)
+    pg = tl.where(is_nan, lp - old + a, pg)
     live = (unclipped >= clipped) & ratio_ok  # the gradient flows through -A r
     c_low = v & (a < 0) & (ratio < lo)
     c_high = v & (a > 0) & (ratio > hi)
@@ -180,6 +184,7 @@ def _forward_kernel(
             g = w * g
         if HAS_REF:
             g = tl.where(kl_coef != 0.0, g + kl_coef * g_kl, g)  # a select: 0 * inf would be NaN
+        g = tl.where(is_nan, lp - old + a, g)  # NaN at a valid token reaches the gradient too
         tl.store(grad_ptr + offs, tl.where(v, s * g, 0.0), mask=inb)
 
     # 1. This block's statistics, summed in fp64, in the slot order of _ppo_common.STATS.

@@ -105,8 +105,6 @@ def trl_compute_loss(trainer, model, inputs: dict) -> torch.Tensor:
     grpo / bnpo / dr_grpo / dapo, importance_sampling_level="sequence", top_entropy_quantile < 1,
     off_policy_mask_threshold, delta, the entropy bonus and the router auxiliary loss.
     """
-    from trl.trainer.utils import nanmax, nanmin
-
     _check_supported(trainer)
     prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
     completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -142,11 +140,19 @@ def trl_compute_loss(trainer, model, inputs: dict) -> torch.Tensor:
         per_row_clip=True,
     )
 
-    # TRL's metrics: token means over every process (one reduce for all), per-row extremes gathered
+    log_trl_metrics(trainer, m, (entropies * mask).sum(), train)
+    return loss
+
+
+def log_trl_metrics(trainer, m: dict, entropy_sum: torch.Tensor, train: bool) -> None:
+    """Log what TRL's _compute_loss logs from _loss_and_metrics's `m` (per_row_clip) and the masked
+    entropy sum: token means over every process (one reduce for all), per-row extremes gathered."""
+    from trl.trainer.utils import nanmax, nanmin
+
     with torch.no_grad():
         n = m["num_tokens"]
         local = [m["clipfrac_low"] * n, m["clipfrac_high"] * n, m["clipfrac"] * n, n]
-        local.append((entropies * mask).sum().to(n.dtype))
+        local.append(entropy_sum.to(n.dtype))
         if trainer.beta != 0.0:
             local.append(m["kl_sum"].to(n.dtype))
         totals = trainer.accelerator.reduce(torch.stack(local), reduction="sum")
@@ -162,10 +168,9 @@ def trl_compute_loss(trainer, model, inputs: dict) -> torch.Tensor:
     logged["clip_ratio/region_mean"].append(means[2])
     logged["clip_ratio/low_min"].append(low_min)
     logged["clip_ratio/high_max"].append(high_max)
-    return loss
 
 
-def _check_supported(trainer) -> None:
+def _check_supported(trainer, who: str = "trl_compute_loss") -> None:
     args = trainer.args
     unsupported = {
         "loss_type": (trainer.loss_type, trainer.loss_type not in LOSS_TYPES),
@@ -185,9 +190,9 @@ def _check_supported(trainer) -> None:
     bad = [f"{name}={value!r}" for name, (value, is_bad) in unsupported.items() if is_bad]
     if bad:
         raise ValueError(
-            f"trl_compute_loss does not fuse {', '.join(bad)}; it covers loss_type "
-            f"{', '.join(LOSS_TYPES)} with token-level importance sampling: use GRPOTrainer's own "
-            "_compute_loss for these settings"
+            f"{who} does not fuse {', '.join(bad)}; it covers loss_type "
+            f"{', '.join(LOSS_TYPES)} with token-level importance sampling: use GRPOTrainer itself "
+            "for these settings"
         )
 
 
@@ -279,14 +284,23 @@ def _loss_and_metrics(
         loss = loss + beta * _aggregate(per_token_kl, valid, agg, normalizer)
         m["kl_sum"] = per_token_kl.detach().sum()
     if per_row_clip:
-        with torch.no_grad():
-            coef = torch.exp(per_token_logps - old_per_token_logps)
-            adv = advantages if advantages.dim() == 2 else advantages[:, None]
-            low = ((coef < 1 - epsilon_low) & (adv < 0)).float()
-            high = ((coef > 1 + epsilon_high) & (adv > 0)).float()
-            m["row_clip_low"] = (low * mask).sum(-1) / mask.sum(-1)
-            m["row_clip_high"] = (high * mask).sum(-1) / mask.sum(-1)
+        m.update(
+            row_clip_fractions(
+                per_token_logps, old_per_token_logps, advantages, mask, epsilon_low, epsilon_high
+            )
+        )
     return loss, m
+
+
+def row_clip_fractions(logp, old, advantages, mask, epsilon_low, epsilon_high) -> dict:
+    """TRL's per-row clip fractions row_clip_low / row_clip_high [B] (NaN for an empty row)."""
+    with torch.no_grad():
+        coef = torch.exp(logp - old)
+        adv = advantages if advantages.dim() == 2 else advantages[:, None]
+        low = ((coef < 1 - epsilon_low) & (adv < 0)).float()
+        high = ((coef > 1 + epsilon_high) & (adv > 0)).float()
+        count = mask.sum(-1)
+        return {"row_clip_low": (low * mask).sum(-1) / count, "row_clip_high": (high * mask).sum(-1) / count}
 
 
 def _aggregate(x, valid, agg, normalizer):

@@ -166,7 +166,10 @@ void token_loop(int64_t n, const T* logp, const T* old, const T* adv, const bool
           T g = live != zero ? -a * ratio : zero;
           if constexpr (HasIs) g = w * g;
           if constexpr (HasRef) g = g + kl_coef * g_kl;  // g_kl is finite: + 0 when kl_coef = 0
-          grad[i] = s * g;  // s = 0 on masked tokens
+          // a NaN log-prob, old log-prob or advantage at a valid token reaches the gradient (as in
+          // autograd); masked tokens read 0
+          const T probe = lp - od + a;
+          grad[i] = probe != probe ? probe : s * g;  // s = 0 on masked tokens
         }
         buf[kPg][j] = s * (w * pg);
         buf[kKl][j] = s * kl;

@@ -179,3 +179,20 @@ def test_bad_input():
         linear_ppo_loss(h, w, bad, old, adv, mask)
     with pytest.raises(ValueError, match="agg"):
         linear_ppo_loss(h, w, y, old, adv, mask, agg="mean")
+
+
+def test_on_policy_old_logp_none_and_per_token_outputs(backend):
+    """old_logp=None: old is the current log-prob itself, detached (the float64 reference gets its own
+    log-probs, detached, as TRL's on-policy shortcut does); metrics["logp"] / ["entropy"] are the
+    per-token log-probs and entropies (0 at the ignored label)."""
+    h, w, y, _, _, mask, _ = _case(seed=3)
+    adv = torch.randn(40, generator=torch.Generator().manual_seed(4))
+    ours = _ours(h, w, y, None, adv, mask, temperature=0.7, backend=backend, **LOSS_OPTIONS)
+    true_lp, true_ent = linear_logprob_entropy_reference(h, w, y, 0.7)
+    theirs = _reference(h, w, y, true_lp.detach(), adv, mask, temperature=0.7, **LOSS_OPTIONS)
+    torch.testing.assert_close(ours[0].double(), theirs[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(ours[1].double(), theirs[1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours[2].double(), theirs[2], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ours[3]["logp"].double(), true_lp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(ours[3]["entropy"].double(), true_ent, rtol=1e-5, atol=1e-5)
+    assert ours[3]["logp"].view(-1)[3] == 0 and ours[3]["clipfrac"] == 0  # ignored label; ratio 1

@@ -1,0 +1,229 @@
+"""`FusedGRPOTrainer`: TRL 1.16's GRPOTrainer whose log-prob passes never form logits.
+
+    from prorl.kernels.adapters import FusedGRPOTrainer   # same constructor and GRPOConfig as GRPOTrainer
+
+TRL's own passes run the backbone, then its LM head in [4096, 32768] tiles (trl/kernels/chunked_logprob.py:
+the tile recomputed in backward, 8NDV matmul FLOPs). Here the model's forward gains a `prorl_hidden=True`
+mode that returns the backbone's output before the LM head (the way TRL adds `fused_lm_head=True`, so DDP,
+FSDP and DeepSpeed wrappers pass it through), and
+
+    training forward   hidden [B, C, D] -> linear_ppo_loss (loss, entropy, metrics; 6NDV, one [R, V] block)
+                       or, for beta != 0 with use_bias_correction_kl (TRL's default: k3 times the ratio is
+                       not a linear_ppo_loss term), linear_logprob_entropy + trl_compute_loss's loss
+    old / ref passes   hidden -> linear_logprob_entropy (no grad: 2NDV, one tile at a time)
+
+The LM head runs in the weight's dtype with autocast off: fp32 master weights under TRL's `bf16=True` give
+an fp32 head (as `cast_lm_head_to_fp32=True` does; TRL's own head multiplies in bf16 then). The loss, its
+normalisers, IS correction and logged metrics are trl_compute_loss's (_trl.py: every loss_type it fuses,
+beta with and without use_bias_correction_kl, tool_mask, evaluation). Generation is TRL's, untouched.
+Refused when the trainer is built, with a ValueError naming the setting: what trl_compute_loss refuses,
+vision-language models, an LM head with a bias, logit scaling or soft-capping.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+from trl import GRPOTrainer
+
+from ..linear_logprob_entropy import linear_logprob_entropy
+from ..linear_ppo_loss import linear_ppo_loss
+from ._trl import (
+    _check_supported,
+    _loss_and_metrics,
+    _normaliser,
+    log_trl_metrics,
+    row_clip_fractions,
+)
+
+__all__ = ["FusedGRPOTrainer"]
+
+# config attributes whose presence means TRL's head does more than hidden @ W.T / T
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier")
+
+
+class FusedGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer (TRL 1.16) with the update and the old/reference log-prob passes on prorl's fused LM
+    head; arguments and config as GRPOTrainer's (module docstring)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        _check_supported(self, "FusedGRPOTrainer")
+        for model in (self.model, self.ref_model):
+            if model is not None:
+                _check_head(self.accelerator.unwrap_model(model))
+                _add_hidden_forward(self.accelerator.unwrap_model(model))
+
+    # ---- the shared pieces: hidden states before the LM head, the head's weight, the labels -------------
+
+    def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
+        """[B, C, D] backbone outputs at the positions that predict the last C tokens, in the weight's
+        dtype, and the [V, D] LM-head weight."""
+        with self.accelerator.autocast():
+            hidden = model(input_ids=input_ids, attention_mask=attention_mask, prorl_hidden=True)
+        weight = self.accelerator.unwrap_model(model).get_output_embeddings().weight
+        if hasattr(weight, "full_tensor"):  # FSDP2 shards the head; the op takes it whole, as TRL's does
+            weight = weight.full_tensor()
+        return hidden[:, -logits_to_keep - 1 : -1].to(weight.dtype), weight
+
+    @staticmethod
+    def _labels(input_ids, attention_mask, logits_to_keep):
+        labels = input_ids[:, -logits_to_keep:]
+        return labels.masked_fill(attention_mask[:, -logits_to_keep:] == 0, -100)
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model,
+        input_ids,
+        attention_mask,
+        logits_to_keep,
+        batch_size=None,
+        compute_entropy=False,
+        compute_aux_loss=False,
+        **multimodal,
+    ):
+        """TRL's per-token log-probs (and entropies) [B, C] in row chunks of `batch_size`, fused."""
+        given = sorted(k for k, v in multimodal.items() if v is not None)
+        if compute_aux_loss or given:
+            raise ValueError(f"FusedGRPOTrainer takes text only, without aux loss; got {given}")
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            ids, att = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+            hidden, weight = self._completion_hidden(model, ids, att, logits_to_keep)
+            with torch.autocast(hidden.device.type, enabled=False):
+                logp, ent = linear_logprob_entropy(
+                    hidden,
+                    weight,
+                    self._labels(ids, att, logits_to_keep),
+                    self.temperature,
+                    return_entropy=compute_entropy,
+                )
+            logps.append(logp)
+            entropies.append(ent)
+        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
+
+    # ---- the training forward ------------------------------------------------------------------------
+
+    def _compute_loss(self, model, inputs):
+        completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
+        input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+        c = completion_ids.size(1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        train = self.model.training
+        loss_kw = dict(
+            loss_type=self.loss_type,
+            epsilon_low=self.epsilon_low,
+            epsilon_high=self.epsilon_high,
+            beta=self.beta,
+            ref_per_token_logps=inputs.get("ref_per_token_logps"),
+            use_bias_correction_kl=self.args.use_bias_correction_kl,
+            num_items_in_batch=inputs.get("num_items_in_batch"),
+            num_processes=self.accelerator.num_processes,
+            gradient_accumulation_steps=self.current_gradient_accumulation_steps if train else 1,
+            steps_per_generation=self.args.steps_per_generation if train else 1,
+            max_completion_length=self.max_completion_length,
+            importance_sampling_ratio=(
+                inputs.get("importance_sampling_ratio")
+                if self.use_vllm and self.vllm_importance_sampling_correction
+                else None
+            ),
+        )
+        old, advantages = inputs.get("old_per_token_logps"), inputs["advantages"]
+        hidden, weight = self._completion_hidden(model, input_ids, attention_mask, c)
+        labels = self._labels(input_ids, attention_mask, c)
+        with torch.autocast(hidden.device.type, enabled=False):
+            if self.beta != 0.0 and self.args.use_bias_correction_kl:
+                logp, entropy = linear_logprob_entropy(hidden, weight, labels, self.temperature)
+                loss, m = _loss_and_metrics(logp, old, advantages, mask, per_row_clip=True, **loss_kw)
+                entropy_sum = (entropy.detach() * mask).sum()
+            else:
+                loss, m = self._fused_loss(hidden, weight, labels, old, advantages, mask, **loss_kw)
+                entropy_sum = m["entropy_mean"] * m["num_tokens"]
+        log_trl_metrics(self, m, entropy_sum, train)
+        return loss
+
+    def _fused_loss(self, hidden, weight, labels, old, advantages, mask, **kw):
+        """linear_ppo_loss with TRL's arguments: the loss and trl_compute_loss's metrics."""
+        agg, normalizer = _normaliser(
+            kw["loss_type"],
+            mask.shape[0],
+            mask,
+            kw["num_items_in_batch"],
+            kw["num_processes"],
+            float(kw["gradient_accumulation_steps"]),
+            kw["steps_per_generation"],
+            kw["max_completion_length"],
+        )
+        is_weights = kw["importance_sampling_ratio"]
+        if is_weights is not None and is_weights.shape != mask.shape:
+            is_weights = is_weights.expand(mask.shape)  # the sequence-level modes' [B, 1]
+        with_kl = kw["beta"] != 0.0
+        loss, m = linear_ppo_loss(
+            hidden,
+            weight,
+            labels,
+            old,
+            advantages,
+            mask,
+            temperature=self.temperature,
+            eps_low=kw["epsilon_low"],
+            eps_high=kw["epsilon_high"],
+            ref_logp=kw["ref_per_token_logps"] if with_kl else None,
+            kl_coef=kw["beta"],
+            kl_estimator="k3",
+            kl_clamp="none",
+            is_weights=is_weights,
+            agg=agg,
+            normalizer=normalizer,
+        )
+        m = dict(m)
+        if with_kl:
+            m["kl_sum"] = m["kl_mean"] * m["num_tokens"]
+        old = m["logp"] if old is None else old
+        m.update(row_clip_fractions(m["logp"], old, advantages, mask, kw["epsilon_low"], kw["epsilon_high"]))
+        return loss, m
+
+
+def _check_head(model) -> None:
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    bad = []
+    if text is not config:
+        bad.append(f"a vision-language model ({type(model).__name__})")
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        bad.append("an LM head with a bias")
+    for name in _LOGIT_TRANSFORMS:
+        value = getattr(text, name, None)
+        if value is not None and value != 1.0:
+            bad.append(f"{name}={value!r}")
+    if getattr(text, "logits_scaling", None) not in (None, 1.0):
+        bad.append(f"logits_scaling={text.logits_scaling!r}")
+    if bad:
+        raise ValueError(
+            f"FusedGRPOTrainer computes log-probs as softmax(hidden @ lm_head.weight.T / T); it does not "
+            f"support {', '.join(bad)}: use GRPOTrainer"
+        )
+
+
+def _add_hidden_forward(model) -> None:
+    """model(..., prorl_hidden=True) returns the backbone's last hidden state [B, L, D]; other calls are
+    the model's own forward (generation included)."""
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the base model
+    if getattr(target, "_prorl_hidden_forward", False):
+        return
+    inner = target.forward
+
+    @functools.wraps(type(target).forward)  # `generate` checks its kwargs against this signature
+    def forward(self, *args, prorl_hidden=False, **kwargs):
+        if not prorl_hidden:
+            return inner(*args, **kwargs)
+        kwargs["use_cache"] = False
+        return self.base_model(*args, **kwargs).last_hidden_state
+
+    target.forward = types.MethodType(forward, target)
+    target._prorl_hidden_forward = True
