@@ -1,6 +1,6 @@
-"""The run's model directory: `model.path` resolved (`builtin:NAME` is a model shipped in prorl/assets)
-and checked before anything loads it, so that a broken directory is named at start-up (exit code 2).
-Used by the trainer's command line (prorl/train.py) and by prorl/export.py."""
+"""The run's model directory: `model.path` resolved (`builtin:NAME` is a model shipped in
+prorl/assets) and checked before anything loads it, so that a broken directory is named at start-up
+(exit code 2). Used by the trainer's command line (prorl/train.py) and by prorl/export.py."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 
 
 def resolve_model_path(path: str) -> str:
-    """`path` as a Hugging Face directory (`builtin:NAME` -> prorl/assets/NAME); raises Fatal(EXIT_CONFIG)
-    naming it when it has no config.json, or a damaged config, weights file or tokenizer."""
+    """`path` as a Hugging Face directory (`builtin:NAME` -> prorl/assets/NAME); raises
+    Fatal(EXIT_CONFIG) naming it when it has no config.json, or a damaged config, weights file or
+    tokenizer."""
     if path.startswith("builtin:"):
         path = os.path.join(ASSETS, path.split(":", 1)[1])
     if not os.path.isfile(os.path.join(path, "config.json")):

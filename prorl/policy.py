@@ -1,12 +1,12 @@
-"""The models the trainer trains and samples with, and everything done to them as a whole: building them
-(replicated or FSDP2, FP8 converted), the sampler (native or vLLM) and its weight sync, the Hugging Face
-export and the reference reset. The update (prorl/update.py) reads and trains `policy`; nothing here
-computes a loss.
+"""The models the trainer trains and samples with, and everything done to them as a whole: building
+them (replicated or FSDP2, FP8 converted), the sampler (native or vLLM) and its weight sync, the
+Hugging Face export and the reference reset. The update (prorl/update.py) reads and trains `policy`;
+nothing here computes a loss.
 
-Where things run. The models live on `dist_info().device`: cuda:LOCAL_RANK under torchrun on GPUs, else
-the CPU. The sampler is prorl's `NativeGenerator` on the policy itself (no weight copy; under FSDP on an
-unsharded copy that receives the weights after each step) or a colocated `VLLMGenerator` that sleeps
-while the policy trains and gets the weights pushed and checked after each step.
+Where things run. The models live on `dist_info().device`: cuda:LOCAL_RANK under torchrun on GPUs,
+else the CPU. The sampler is prorl's `NativeGenerator` on the policy itself (no weight copy; under
+FSDP on an unsharded copy that receives the weights after each step) or a colocated `VLLMGenerator`
+that sleeps while the policy trains and gets the weights pushed and checked after each step.
 """
 
 from __future__ import annotations
@@ -28,13 +28,14 @@ from prorl.engine.rollout import build_generator, resolve_backend
 class PolicyModels:
     """The policy, the reference, the sampler's model and the sampler (`generator`).
 
-    Replicated: the policy in `model.dtype` (bf16 without an fp32 master copy: small updates round away,
-    hence the warning), the native sampler on the policy itself. FSDP2 (whenever asked for and a process
-    group exists, one rank included): fp32 master weights whatever the checkpoint's dtype, computed in
-    `model.dtype` (mixed precision); the reference holds the same fp32 values, so that after a reset it
-    equals the policy exactly and computes identically; the native sampler gets an unsharded copy in
-    `model.dtype`, synced after every update. The sampler is built by `start_sampler`, after the
-    optimizer (FSDP2 leaves the root unsharded after a forward, and vLLM's calibration runs one)."""
+    Replicated: the policy in `model.dtype` (bf16 without an fp32 master copy: small updates round
+    away, hence the warning), the native sampler on the policy itself. FSDP2 (whenever asked for and
+    a process group exists, one rank included): fp32 master weights whatever the checkpoint's dtype,
+    computed in `model.dtype` (mixed precision); the reference holds the same fp32 values, so that
+    after a reset it equals the policy exactly and computes identically; the native sampler gets an
+    unsharded copy in `model.dtype`, synced after every update. The sampler is built by
+    `start_sampler`, after the optimizer (FSDP2 leaves the root unsharded after a forward, and
+    vLLM's calibration runs one)."""
 
     def __init__(self, cfg: Config, model_path: str):
         self.cfg, self.model_path = cfg, model_path
@@ -56,14 +57,17 @@ class PolicyModels:
     def _build(self):
         cfg = self.cfg
         attention = None if cfg.model.attention == "auto" else cfg.model.attention
-        load = lambda dtype: load_hf(self.model_path, dtype=dtype, device=self.device, attention=attention)
+
+        def load(dtype):
+            return load_hf(self.model_path, dtype=dtype, device=self.device, attention=attention)
+
         if not self.fsdp:
             if self.dtype != torch.float32 and self.rank == 0:
                 warnings.warn(
-                    f"model.dtype={cfg.model.dtype} without FSDP: the policy's weights and AdamW step "
-                    f"are in {cfg.model.dtype} (no fp32 master copy), so small updates are lost to "
-                    "rounding. For bf16 compute over fp32 master weights set model.fsdp=true and launch "
-                    "with torchrun (one process is enough).",
+                    f"model.dtype={cfg.model.dtype} without FSDP: the policy's weights and AdamW "
+                    f"step are in {cfg.model.dtype} (no fp32 master copy), so small updates are "
+                    "lost to rounding. For bf16 compute over fp32 master weights set "
+                    "model.fsdp=true and launch with torchrun (one process is enough).",
                     RuntimeWarning,
                     stacklevel=4,
                 )
@@ -77,15 +81,17 @@ class PolicyModels:
             compile=cfg.model.compile,
             param_dtype=None if self.dtype == torch.float32 else self.dtype,
             cpu_offload=cfg.model.cpu_offload,
-            dp_replicate=cfg.model.dp_replicate,  # HSDP across nodes (engine.parallel.data_parallel_mesh)
+            # HSDP across nodes (engine.parallel.data_parallel_mesh)
+            dp_replicate=cfg.model.dp_replicate,
         )
         # FP8 (model.fp8): policy and reference get the same conversion, so that after a reset they
         # compute identically and the KL is exactly zero; the sampler's copy stays unconverted
         policy = parallel.parallelize(self.fp8.convert(load(torch.float32)), **opts)
         frozen = self.fp8.convert(load(torch.float32)).requires_grad_(False).eval()
         reference = parallel.parallelize(frozen, **opts)
-        sampler_model = load(self.dtype).requires_grad_(False).eval() if self.backend == "native" else None
-        return policy, reference, sampler_model
+        if self.backend != "native":  # vLLM holds its own weights
+            return policy, reference, None
+        return policy, reference, load(self.dtype).requires_grad_(False).eval()
 
     def start_sampler(self):
         """Build the sampler (`rollout.backend`) and return it."""
@@ -106,27 +112,27 @@ class PolicyModels:
             + max([r.max_response_tokens, *r.max_response_schedule.values()]),
         )
         if self.backend == "vllm":
-            # engine and policy hold the same weights now: the gap measured here is the yardstick of the
-            # post-sync checks (a collective under FSDP)
+            # engine and policy hold the same weights now: the gap measured here is the yardstick of
+            # the post-sync checks (a collective under FSDP)
             self.generator.calibrate(self.policy)
         return self.generator
 
     @property
     def fp8_summary(self) -> str:
-        """One line on what runs in FP8 (model.fp8): the converted layers and where the GEMMs run."""
+        """One line on what runs in FP8 (model.fp8): the converted layers, where the GEMMs run."""
         layers = fp8_layers(self.policy)
         emulated = any(getattr(getattr(m, "config", None), "emulate", False) for m in layers)
         gemm = "emulated FP8 GEMMs (CPU)" if emulated else "FP8 GEMMs"
         return (
-            f"{self.fp8.backend} {self.fp8.recipe}: {len(layers)} Linear layers of the policy and the "
-            f"reference in {gemm}; LM head and sampler in {self.cfg.model.dtype}"
+            f"{self.fp8.backend} {self.fp8.recipe}: {len(layers)} Linear layers of the policy and "
+            f"the reference in {gemm}; LM head and sampler in {self.cfg.model.dtype}"
         )
 
     def sync_sampler(self) -> None:
-        """Give the sampler the policy's current weights: nothing for the native sampler on the policy
-        itself; the unsharded copy (native under FSDP) or the vLLM engine (woken first, then checked
-        against the policy: a failed sync raises StaleWeightsError instead of sampling stale weights).
-        Tensors travel one at a time, cast to the sampler's dtype before they are gathered."""
+        """Give the sampler the policy's current weights: nothing for the native sampler on the
+        policy itself; the unsharded copy (native under FSDP) or the vLLM engine (woken first, then
+        checked against the policy: a failed sync raises StaleWeightsError instead of sampling stale
+        weights). Tensors travel one at a time, cast to the sampler's dtype before the gather."""
         if self.backend == "vllm":
             tensors = iter_full_tensors(self.policy, self.dtype)
             self.last_sync_check = self.generator.update_weights(tensors, reference=self.policy)
@@ -140,8 +146,8 @@ class PolicyModels:
 
     @torch.no_grad()
     def reset_reference(self) -> None:
-        """pi_ref <- current policy, exactly (shard by shard under FSDP, in the sharded state checkpoints
-        save)."""
+        """pi_ref <- current policy, exactly (shard by shard under FSDP, in the sharded state
+        checkpoints save)."""
         copy_parameters_(self.reference, self.policy)
 
     def export_hf(self, path: str) -> None:

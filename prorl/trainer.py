@@ -1,25 +1,27 @@
 """The ProRL v2 trainer. One RL step (`Trainer.step`), top to bottom:
 
-    sample n responses per prompt, verify, dynamic sampling       prorl/sampling.py: GroupSampler.collect
-    pi_old of the carry-over (before the update)                  Updater.store_old_logprobs
-    shape rewards (stop-properly, scheduled cosine length term)   prorl/sampling.py: shape_rewards
-    flatten the kept groups once                                  prorl/packing.py: StepBatch
-    REINFORCE++-baseline advantages, whitened over all ranks      prorl/update.py: Updater.advantages
-    reference (and, off-policy, old) log-probs                    Updater.response_logprobs
-    M mini-batches x micro-batches of PPO-Clip-Higher + k2 KL     packing.plan_update, Updater.loss
-    weights to the sampler                                        prorl/policy.py: PolicyModels.sync_sampler
-    metrics, reference reset                                      prorl/metrics.py, Trainer.reset_reference
+    sample n responses per prompt, verify, dynamic sampling    sampling.py: GroupSampler.collect
+    pi_old of the carry-over (before the update)               update.py: Updater.store_old_logprobs
+    shape rewards (stop-properly, scheduled cosine length)     sampling.py: shape_rewards
+    flatten the kept groups once                               packing.py: StepBatch
+    REINFORCE++-baseline advantages, whitened over all ranks   update.py: Updater.advantages
+    reference (and, off-policy, old) log-probs                 update.py: Updater.response_logprobs
+    M mini-batches x micro-batches of PPO-Clip-Higher + k2 KL  packing.plan_update, Updater.loss
+    weights to the sampler                                     policy.py: PolicyModels.sync_sampler
+    metrics, reference reset                                   metrics.py, Trainer.reset_reference
 
 What ProRL does differently from textbook GRPO is listed in prorl/algorithm.py's docstring.
 
 The Trainer is built from parts that each own one concern (docs/architecture.md): `models`
 (prorl/policy.py: policy, reference, the sampler and its weight sync, export), `updater`
-(prorl/update.py: optimizer, log-prob passes, loss, optimizer step), `sampler` (prorl/sampling.py: the
-groups of a step and the carry-over), the reference-reset policy (prorl/algorithm.py) and validation
-(prorl/eval.py: `validate`). The Trainer sequences them and holds the step's own state.
+(prorl/update.py: optimizer, log-prob passes, loss, optimizer step), `sampler`
+(prorl/sampling.py: the groups of a step and the carry-over), the reference-reset policy
+(prorl/algorithm.py) and validation (prorl/eval.py: `validate`). The Trainer sequences them and
+holds the step's own state.
 
-Under torchrun every rank takes `prompts_per_step / world` prompts, samples and verifies its own groups
-(a group never straddles ranks); the sampling rounds, the update and the metrics are collective.
+Under torchrun every rank takes `prompts_per_step / world` prompts, samples and verifies its own
+groups (a group never straddles ranks); the sampling rounds, the update and the metrics are
+collective.
 """
 
 from __future__ import annotations
@@ -49,14 +51,15 @@ class Trainer:
     collective, the same dict on every rank) beside the models and the optimizer (`policy`,
     `reference`, `optimizer`), which the checkpointer saves through DCP."""
 
-    def __init__(self, cfg: Config, model_path: str, tokenizer, train_examples, val_examples, reward_pool):
-        self.cfg, self.model_path, self.tokenizer, self.pool = cfg, model_path, tokenizer, reward_pool
+    def __init__(self, cfg: Config, model_path: str, tokenizer, train_examples, val_examples, pool):
+        self.cfg, self.model_path, self.tokenizer, self.pool = cfg, model_path, tokenizer, pool
         info = dist_info()
         self.rank, self.world, self.device = info.rank, info.world_size, info.device
         check_world(cfg, self.world)
         torch.manual_seed(cfg.seed + self.rank)
         self.models = PolicyModels(cfg, model_path)
-        self.updater = Updater(cfg, self.models)  # the optimizer, before any forward (prorl/policy.py)
+        # the optimizer is built before any forward (prorl/policy.py says why)
+        self.updater = Updater(cfg, self.models)
         self.policy, self.reference = self.models.policy, self.models.reference
         self.optimizer = self.updater.optimizer
         self.reset_policy = algorithm.ReferenceResetPolicy(**vars(cfg.algorithm.reset))
@@ -66,7 +69,7 @@ class Trainer:
             tokenizer,
             train_examples,
             self.models.start_sampler(),
-            reward_pool,
+            pool,
             self.stop_ids,
             rank=self.rank,
             world=self.world,
@@ -75,9 +78,9 @@ class Trainer:
         self.step_count = 0
         self.empty_steps = 0  # RL steps in a row that kept no group on any rank
 
-    # -- one step --------------------------------------------------------------------------------------
+    # -- one step ----------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
-        """One RL step (module docstring); returns its metrics (global: every rank gets the same)."""
+        """One RL step (module docstring); returns its metrics (global: the same on every rank)."""
         cfg, t_start, acc = self.cfg, time.perf_counter(), StepAccumulator(self.device)
         max_new = algorithm.scheduled_value(
             self.step_count, cfg.rollout.max_response_schedule, cfg.rollout.max_response_tokens
@@ -96,11 +99,13 @@ class Trainer:
         term = shape_rewards(groups, cfg.reward, self.step_count, max_new)
         record_batch(acc, groups, term)
         if trained:
-            timing.update(self.update(StepBatch.of(groups, cfg.rollout.n, self.device), max_new, acc))
+            batch = StepBatch.of(groups, cfg.rollout.n, self.device)
+            timing.update(self.update(batch, max_new, acc))
         reduced = acc.reduce()
         metrics = step_metrics(reduced) | timing
         metrics["actor/lr"] = self.optimizer.lr
-        reason = self._end_step(metrics["actor/kl_mean"], metrics["dynamic_sampling/rounds"], trained)
+        rounds = metrics["dynamic_sampling/rounds"]
+        reason = self._end_step(metrics["actor/kl_mean"], rounds, trained)
         metrics.update(
             {
                 "trainer/empty_step": float(not trained),
@@ -125,9 +130,9 @@ class Trainer:
         return timing
 
     def _end_step(self, kl: float, rounds: float, trained: int) -> str | None:
-        """After a step that trained, the reference-reset policy (counted in completed steps: interval N
-        resets after steps N, 2N, ...); after one that did not, the empty-step count, which stops a run
-        that keeps no group. Returns the reset's reason, if any."""
+        """After a step that trained, the reference-reset policy (counted in completed steps:
+        interval N resets after steps N, 2N, ...); after one that did not, the empty-step count,
+        which stops a run that keeps no group. Returns the reset's reason, if any."""
         if trained:
             self.empty_steps = 0
             reason = self.reset_policy.should_reset(self.step_count + 1, kl)
@@ -137,15 +142,16 @@ class Trainer:
         self.empty_steps += 1  # no group of this step carried a learning signal on any rank
         if self.empty_steps >= self.cfg.trainer.max_consecutive_skips:
             raise TrainingStalled(
-                f"{self.empty_steps} consecutive steps kept no group: every sampled group's rewards were "
-                f"all equal (all right or all wrong) after {int(rounds)} rounds of dynamic sampling. The "
-                "data is too easy or too hard for the model, or rollout.max_response_tokens cuts every "
-                "answer; raise algorithm.max_rounds (scheduler.min_yield=0: no refill round skipped) or "
+                f"{self.empty_steps} consecutive steps kept no group: every sampled group's "
+                "rewards were all equal (all right or all wrong) after "
+                f"{int(rounds)} rounds of dynamic sampling. The data is too easy or too hard for "
+                "the model, or rollout.max_response_tokens cuts every answer; raise "
+                "algorithm.max_rounds (scheduler.min_yield=0: no refill round skipped) or "
                 "trainer.max_consecutive_skips to wait longer"
             )
         return None
 
-    # -- reference reset and validation ----------------------------------------------------------------
+    # -- reference reset and validation ------------------------------------------------------
     def reset_reference(self) -> None:
         """pi_ref <- current policy, exactly; optimizer state kept unless reset_optimizer (v1)."""
         self.models.reset_reference()
@@ -155,19 +161,20 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self, log=None) -> dict[str, float]:
-        """Held-out evaluation with the trainer's own sampler (prorl/eval.py: `validate`, collective);
-        the reference-reset policy sees its accuracy."""
+        """Held-out evaluation with the trainer's own sampler (prorl/eval.py: `validate`,
+        collective); the reference-reset policy sees its accuracy."""
         m = self.models
         model = m.sampler_model if m.sampler_model is not None else self.policy
-        out = validate(self.cfg, self.val_examples, model, self.tokenizer, self.pool, m.generator, log)
+        examples, tokenizer = self.val_examples, self.tokenizer
+        out = validate(self.cfg, examples, model, tokenizer, self.pool, m.generator, log)
         self.reset_policy.observe_validation(out["val/accuracy"])
         return out
 
-    # -- checkpointed state ----------------------------------------------------------------------------
+    # -- checkpointed state ------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Everything besides the models and the optimizer that an exact resume needs. Collective: the data
-        position and the carry-over differ by rank, so every rank's part is gathered; the result is the
-        same on every rank."""
+        """Everything besides the models and the optimizer that an exact resume needs.
+        Collective: the data position and the carry-over differ by rank, so every rank's part is
+        gathered; the result is the same on every rank."""
         local = {
             "sampler": self.sampler.state_dict(),
             "consecutive_skips": self.updater.consecutive_skips,
@@ -178,27 +185,33 @@ class Trainer:
             ranks = [None] * self.world
             with watchdog().waiting("all-gather of the trainer state"):
                 dist.all_gather_object(ranks, local)
-        policy = self.reset_policy.state_dict()
-        return {"world": self.world, "step_count": self.step_count, "ranks": ranks, "reset_policy": policy}
+        return {
+            "world": self.world,
+            "step_count": self.step_count,
+            "ranks": ranks,
+            "reset_policy": self.reset_policy.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()`. On another number of ranks (the models and optimizer were resharded by
-        DCP) every rank starts a fresh pass over the data and the carry-over is dropped (per-rank data
-        positions cannot be mapped onto other ranks); the prompt record, global, is kept."""
+        """Restore `state_dict()`. On another number of ranks (the models and optimizer were
+        resharded by DCP) every rank starts a fresh pass over the data and the carry-over is dropped
+        (per-rank data positions cannot be mapped onto other ranks); the prompt record, global, is
+        kept."""
         ranks = [_upgrade(r) for r in state["ranks"]]
         self.step_count = state.get("step_count", ranks[0].get("step_count", 0))
         self.reset_policy.load_state_dict(state["reset_policy"])
         same_world = state["world"] == self.world
-        local = ranks[self.rank] if same_world else ranks[0]  # the prompt record is the same on every rank
+        # the prompt record is the same on every rank
+        local = ranks[self.rank] if same_world else ranks[0]
         self.sampler.load_state_dict(local["sampler"], record_only=not same_world)
         if same_world:
             self.updater.consecutive_skips = local["consecutive_skips"]
             self.empty_steps = local.get("empty_steps", 0)
         elif self.rank == 0:
             warnings.warn(
-                f"resuming a checkpoint of {state['world']} ranks on {self.world}: the models, the optimizer "
-                "and the prompt record are restored, but each rank starts a fresh pass over the data and "
-                "the dynamic-sampling carry-over is dropped",
+                f"resuming a checkpoint of {state['world']} ranks on {self.world}: the models, "
+                "the optimizer and the prompt record are restored, but each rank starts a fresh "
+                "pass over the data and the dynamic-sampling carry-over is dropped",
                 RuntimeWarning,
                 stacklevel=2,
             )

@@ -1,14 +1,15 @@
 """The policy update of one RL step: advantages, the log-prob passes (old and reference), then M
 mini-batches x micro-batches of PPO-Clip-Higher + k2 KL, each mini-batch one optimizer step.
 
-Cost. The log-prob passes pack each group's prompt once with its n responses attending to it (packing.py)
-and split the work into micro-batches of at most `trainer.micro_batch_tokens` tokens (gradient
-accumulation). The old-policy pass skips the first mini-batch's groups: there old_logp = logp.detach().
+Cost. The log-prob passes pack each group's prompt once with its n responses attending to it
+(packing.py) and split the work into micro-batches of at most `trainer.micro_batch_tokens` tokens
+(gradient accumulation). The old-policy pass skips the first mini-batch's groups: there old_logp =
+logp.detach().
 
 Across ranks the global pieces are collective: the advantage whitening, the loss normaliser of each
-mini-batch, the gradients (summed: each rank's loss is already divided by the global normaliser) and the
-metrics (prorl/metrics.py). A rank with less work (fewer kept groups, shorter responses) runs dummy
-passes so that FSDP's collectives match.
+mini-batch, the gradients (summed: each rank's loss is already divided by the global normaliser) and
+the metrics (prorl/metrics.py). A rank with less work (fewer kept groups, shorter responses) runs
+dummy passes so that FSDP's collectives match.
 """
 
 from __future__ import annotations
@@ -36,20 +37,23 @@ class TrainingStalled(RuntimeError):
 
 
 class Updater:
-    """Trains `models.policy`: owns the optimizer and the log-prob passes (`logprobs`, `dummy_pass`,
-    `response_logprobs`), runs the update (`run`) and counts the optimizer steps skipped in a row."""
+    """Trains `models.policy`: owns the optimizer, the log-prob passes (`logprobs`, `dummy_pass`,
+    `response_logprobs`) and pi_old (`store_old_logprobs`), runs the update (`run`) and counts the
+    optimizer steps skipped in a row."""
 
-    DUMMY_TOKENS = 16  # a dummy pass's length: Transformer Engine's FP8 GEMMs need a multiple of 16 rows
+    # a dummy pass's length: Transformer Engine's FP8 GEMMs need a multiple of 16 rows
+    DUMMY_TOKENS = 16
 
     def __init__(self, cfg: Config, models: PolicyModels):
         self.cfg, self.policy, self.reference = cfg, models.policy, models.reference
         self.fp8, self.device, self.world = models.fp8, models.device, models.world
-        self.fsdp = models.fsdp  # every rank runs as many passes (dummy ones where it has less work)
-        # before any forward: FSDP2 leaves the root unsharded after one (engine.optim reshards anyway)
+        # under FSDP every rank runs as many passes (dummy ones where it has less work)
+        self.fsdp = models.fsdp
+        # before any forward: FSDP2 leaves the root unsharded after one (engine.optim reshards)
         total = max(cfg.trainer.total_steps * cfg.trainer.mini_batches, 1)
         self.optimizer = Optimizer(self.policy, dataclasses.replace(cfg.optim, total_steps=total))
-        # one copy of each prompt per group in the log-prob passes; not with dynamic RoPE, whose scaling
-        # depends on the whole sequence's length
+        # one copy of each prompt per group in the log-prob passes; not with dynamic RoPE, whose
+        # scaling depends on the whole sequence's length
         self.share = cfg.trainer.share_prompts and self.policy.config.rope.rope_type != "dynamic"
         self.consecutive_skips = 0  # optimizer steps skipped in a row (non-finite gradients)
 
@@ -59,9 +63,9 @@ class Updater:
         temperature = self.cfg.rollout.temperature
         return temperature if temperature > 0 else 1.0
 
-    # -- log-prob passes -------------------------------------------------------------------------------
+    # -- log-prob passes -----------------------------------------------------------------------
     def logprobs(self, model, batch: packing.PackedBatch, grad: bool, entropy: bool = False):
-        """Log-probs (and entropies) of the batch's response tokens, [R], from hidden states (fused op)."""
+        """Log-probs (and entropies) of the batch's response tokens [R], by the fused op."""
         with torch.set_grad_enabled(grad):
             with self.fp8.autocast():  # TE: FP8 forward; the backward runs outside (TE's rule)
                 hidden = packing.hidden_states(model, batch, pad_multiple=self.fp8.token_multiple)
@@ -76,20 +80,21 @@ class Updater:
     def dummy_pass(self, model, grad: bool) -> None:
         """A pass that contributes nothing, for a rank with less work than another under FSDP: every
         forward all-gathers and every backward reduce-scatters, so every rank runs as many. It goes
-        through the same code as a real micro-batch (the fused op reads the LM head), so that its backward
-        produces a gradient for every parameter a real one does: with an untied LM head a plain forward
-        would leave lm_head.weight without one, and the ranks' reduce-scatters would differ in size (gloo
-        aborts, NCCL hangs)."""
+        through the same code as a real micro-batch (the fused op reads the LM head), so that its
+        backward produces a gradient for every parameter a real one does: with an untied LM head a
+        plain forward would leave lm_head.weight without one, and the ranks' reduce-scatters would
+        differ in size (gloo aborts, NCCL hangs)."""
         batch = packing.pack([([0], [[0] * (self.DUMMY_TOKENS - 1)])], self.share, self.device)
         logp, ent = self.logprobs(model, batch, grad=grad, entropy=grad)
         if grad:
             ((logp.float().sum() + ent.float().sum()) * 0.0).backward()
 
     def store_old_logprobs(self, groups: list) -> None:
-        """pi_old of groups carried into the next step (`Group.old_logps`): their log-probs under the
-        current policy - the one that sampled them - taken before this step's update, so that the next
-        step trains on them off-policy by one update (without it their ratio would be 1 and clipping
-        would never act on them). A collective under FSDP: every rank calls it, with or without groups."""
+        """pi_old of groups carried into the next step (`Group.old_logps`): their log-probs under
+        the current policy - the one that sampled them - taken before this step's update, so that
+        the next step trains on them off-policy by one update (without it their ratio would be 1
+        and clipping would never act on them). A collective under FSDP: every rank calls it, with
+        or without groups."""
         n = self.cfg.rollout.n
         batch = StepBatch.of(groups, n, self.device)
         old, cu = self.response_logprobs(self.policy, batch).tolist(), batch.resp_cu
@@ -98,10 +103,12 @@ class Updater:
 
     @torch.no_grad()
     def response_logprobs(self, model, batch: StepBatch, first_group: int = 0) -> torch.Tensor:
-        """Log-probs of the response tokens under `model`, micro-batched: fp32 [R], 0 before first_group."""
+        """Log-probs of the response tokens under `model`, micro-batched: fp32 [R], 0 before
+        first_group."""
         model.eval()
         out = torch.zeros(batch.resp_cu[-1], dtype=torch.float32, device=self.device)
-        plan = dict(budget=self.cfg.trainer.micro_batch_tokens, share=self.share, lockstep=self.fsdp)
+        budget = self.cfg.trainer.micro_batch_tokens
+        plan = dict(budget=budget, share=self.share, lockstep=self.fsdp)
         for micro in packing.plan_passes(batch, first_group, len(batch.groups), **plan):
             if micro is None:
                 self.dummy_pass(model, grad=False)
@@ -109,16 +116,17 @@ class Updater:
                 out[micro.lo : micro.hi] = self.logprobs(model, micro.packed, grad=False)[0].float()
         return out
 
-    # -- the update ------------------------------------------------------------------------------------
-    def run(self, batch: StepBatch, max_new: int, acc: StepAccumulator, step: int) -> dict[str, float]:
+    # -- the update ----------------------------------------------------------------------------
+    def run(self, batch: StepBatch, max_new: int, acc: StepAccumulator, step: int) -> dict:
         """Advantages, reference (and old) log-probs, then M mini-batch updates, each micro-batched.
 
-        pi_old (`TokenInputs.pi_old`): for groups sampled this step, the first mini-batch differentiates
-        the policy that sampled them and old_logp = logp.detach() exactly, so the no-grad pass skips them
-        (TRL and verl do the same with one mini-batch); the later mini-batches are off-policy and their
-        old_logp is recomputed. Carried-over groups use the log-probs stored before the previous step's
-        update. A rank may hold no group: it still takes part in every collective. `step` (0-based) names
-        the phases for the watchdog. Returns the phase timings."""
+        pi_old (`TokenInputs.pi_old`): for groups sampled this step, the first mini-batch
+        differentiates the policy that sampled them and old_logp = logp.detach() exactly, so the
+        no-grad pass skips them (TRL and verl do the same with one mini-batch); the later
+        mini-batches are off-policy and their old_logp is recomputed. Carried-over groups use the
+        log-probs stored before the previous step's update. A rank may hold no group: it still takes
+        part in every collective. `step` (0-based) names the phases for the watchdog. Returns the
+        phase timings."""
         schedule, timing, t0 = self.cfg.trainer, {}, clock(self.device)
         adv = self.advantages(batch)
         token_adv = batch.per_token(adv)
@@ -132,7 +140,8 @@ class Updater:
             max_new=max_new,
             lockstep=self.fsdp,
         )
-        first = 0 if schedule.recompute_old_logp else minis[0].groups[1]  # mini-batch 0: logp.detach()
+        # this step's groups in mini-batch 0: old_logp = logp.detach(), no pass
+        first = 0 if schedule.recompute_old_logp else minis[0].groups[1]
         old = None
         if schedule.mini_batches > 1 or schedule.recompute_old_logp:
             old = batch.tokens.pi_old(self.response_logprobs(self.policy, batch, first))
@@ -144,7 +153,8 @@ class Updater:
         self.policy.train()
         norms = 0.0
         for m, mini in enumerate(minis):
-            if mini.empty:  # no response token in this mini-batch on any rank (a rank with none still steps)
+            # no response token in this mini-batch on any rank (a rank with none still steps)
+            if mini.empty:
                 continue
             for micro in mini.passes:
                 if micro is None:
@@ -159,7 +169,8 @@ class Updater:
                 record_loss(acc, metrics, ent_sum, tokens.old_logp, tokens.sampler_logp)
             norms += self.optimizer_step()
             acc.max("updates", m + 1)
-        acc.max("grad_norm", norms)  # the global norm, the same on every rank: not summed over ranks
+        # the global norm, the same on every rank: not summed over ranks
+        acc.max("grad_norm", norms)
         timing["timing_s/update_actor"] = clock(self.device) - t0
         acc.sum("advantage", adv.sum())
         acc.max("advantage", adv.max() if adv.numel() else -math.inf)
@@ -167,7 +178,7 @@ class Updater:
         return timing
 
     def advantages(self, batch: StepBatch) -> torch.Tensor:
-        """Per-response advantages [S]: centred per group, whitened over all ranks (docs/recipe.md §2)."""
+        """Per-response advantages [S]: centred per group, whitened over all ranks (recipe §2)."""
         algo = self.cfg.algorithm
         return group_advantages(
             batch.rewards,
@@ -181,12 +192,15 @@ class Updater:
         )
 
     def loss(self, micro: MicroBatch, logp, ent, tokens: TokenInputs, normalizer: torch.Tensor):
-        """This micro-batch's share of the mini-batch loss (`normalizer`: the mini-batch's global one):
-        PPO-Clip-Higher + KL (+ entropy bonus), with the raw sampler-vs-trainer weights when
-        `algorithm.is_mode` corrects for them (bounded once, in ppo_loss). logp, ent [T]: the policy's,
-        with grad; `tokens`: the micro-batch's inputs. Returns (loss, ppo_loss's metrics, entropy sum)."""
+        """This micro-batch's share of the mini-batch loss (`normalizer`: the mini-batch's global
+        one): PPO-Clip-Higher + KL (+ entropy bonus), with the raw sampler-vs-trainer weights when
+        `algorithm.is_mode` corrects for them (bounded once, in ppo_loss). logp, ent [T]: the
+        policy's, with grad; `tokens`: the micro-batch's inputs. Returns (loss, ppo_loss's metrics,
+        entropy sum)."""
         algo, old = self.cfg.algorithm, tokens.old_logp
-        is_w = algorithm.importance_weights(old, tokens.sampler_logp) if algo.is_mode != "none" else None
+        is_w = None
+        if algo.is_mode != "none":
+            is_w = algorithm.importance_weights(old, tokens.sampler_logp)
         loss, metrics = ppo_loss(
             logp,
             old,
@@ -212,7 +226,8 @@ class Updater:
         return loss, metrics, ent_sum
 
     def optimizer_step(self) -> float:
-        """Sum the gradients over ranks (FSDP2 reduces them itself), step; returns the finite grad norm."""
+        """Sum the gradients over ranks (FSDP2 reduces them itself), step; returns the finite grad
+        norm."""
         if self.world > 1 and not self.fsdp:
             params = list(self.policy.parameters())
             for p in params:  # a rank with no tokens in this mini-batch still takes part
@@ -229,15 +244,15 @@ class Updater:
         self.consecutive_skips = 0 if not result.skipped else self.consecutive_skips + 1
         if self.consecutive_skips >= self.cfg.trainer.max_consecutive_skips:
             raise TrainingStalled(
-                f"{self.consecutive_skips} consecutive optimizer steps skipped for non-finite gradients; "
-                "stopping (lower optim.lr or check the data)"
+                f"{self.consecutive_skips} consecutive optimizer steps skipped for non-finite "
+                "gradients; stopping (lower optim.lr or check the data)"
             )
         return result.grad_norm if math.isfinite(result.grad_norm) else 0.0
 
 
 def clock(device: torch.device) -> float:
-    """time.perf_counter() after the device's queued work (CUDA runs asynchronously: without the sync a
-    phase's kernels would be timed in the next phase). One sync per phase boundary."""
+    """time.perf_counter() after the device's queued work (CUDA runs asynchronously: without the
+    sync a phase's kernels would be timed in the next phase). One sync per phase boundary."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter()
