@@ -70,7 +70,7 @@ from collections.abc import Iterable, Iterator
 
 import torch
 
-from prorl import kernels  # looked up at call time: tests swap the op (test_device_placement)
+from prorl import kernels
 
 from ..parallel import reshard
 from .base import Generator, Rollouts, Sample, SamplingParams
@@ -436,7 +436,9 @@ class VLLMGenerator(Generator):
         # with CPU offload (shards on the CPU, inputs moved to the GPU): the labels go where hidden is
         hidden = model(ids)
         labels = torch.cat([ids[1:], ids.new_full((1,), -100)]).to(hidden.device)
-        logp, _ = kernels.linear_logprob_entropy(hidden, model.lm_head_weight, labels, return_entropy=False)
+        # looked up per call: tests swap the op (test_device_placement)
+        op = kernels.linear_logprob_entropy
+        logp, _ = op(hidden, model.lm_head_weight, labels, return_entropy=False)
 
         reshard(model)  # FSDP2 leaves the root unsharded after a forward: back to the registered shards
         return logp[:-1].float().cpu()
