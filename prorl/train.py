@@ -341,22 +341,13 @@ def refuse_incompatible_resume(ckpt, cfg, rank: int) -> None:
         )
 
 
-def train_loop(cfg, trainer, ckpt, reporter, stop, rank: int, validate: bool) -> int:
-    """Resume or validate first, then train to trainer.total_steps, saving and validating on schedule."""
-    chash = config_hash(to_yaml(cfg))  # changed settings are reported on resume
-    state = {
-        "model": trainer.policy,
-        "reference": trainer.reference,
-        "optimizer": trainer.optimizer,
-        "trainer": trainer,
-    }
-    if cfg.trainer.save_every:  # disk space for one save, before spending time on training
-        on_every_rank(5, ckpt.preflight, state)
+def resume_or_validate(cfg, trainer, ckpt, reporter, state: dict, chash: str, validate: bool) -> None:
+    """Restore `state` from the latest complete checkpoint (naming the settings that changed since), or
+    start the run's metrics and, with trainer.val_before_train, measure the accuracy before RL."""
     try:
         resumed = ckpt.load(state, config_hash=chash)
     except CheckpointError as exc:
         raise Fatal(lifecycle.EXIT_RESUME, f"cannot resume: {exc}") from None
-    t_start = time.time()
     if resumed is not None:
         saved = (resumed.meta.get("extra") or {}).get("config")
         changed = config_changes(saved, to_dict(cfg)) if saved else {}
@@ -378,6 +369,21 @@ def train_loop(cfg, trainer, ckpt, reporter, stop, rank: int, validate: bool) ->
             reporter.say(
                 f"prorl: held-out accuracy before RL: {val0['val/accuracy']:.1%} ({n_val} problems, {mode})"
             )
+
+
+def train_loop(cfg, trainer, ckpt, reporter, stop, rank: int, validate: bool) -> int:
+    """Resume or validate first, then train to trainer.total_steps, saving and validating on schedule."""
+    chash = config_hash(to_yaml(cfg))  # changed settings are reported on resume
+    state = {
+        "model": trainer.policy,
+        "reference": trainer.reference,
+        "optimizer": trainer.optimizer,
+        "trainer": trainer,
+    }
+    if cfg.trainer.save_every:  # disk space for one save, before spending time on training
+        on_every_rank(5, ckpt.preflight, state)
+    t_start = time.time()
+    resume_or_validate(cfg, trainer, ckpt, reporter, state, chash, validate)
 
     def save(step: int) -> None:
         ckpt.save(step, state, config_hash=chash, extra={"config": to_dict(cfg)})
