@@ -1,4 +1,4 @@
-"""Figures of `python -m benchmarks prolonged` from its long-format rows (variant, seed, step, metric, value)."""
+"""Figures of `python -m benchmarks prolonged` from its rows (variant, seed, step, metric, value)."""
 
 from __future__ import annotations
 

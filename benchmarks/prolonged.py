@@ -64,7 +64,7 @@ STEP_METRICS = {  # CSV metric -> metrics.jsonl key, logged every step
 }
 VAL_METRICS = {"val_pass@1": "val/accuracy", "val_pass@4": "val/pass@4"}
 LEVEL_KEY = "val-core/math/chain_sums/{}/pass@1"
-QUICK = ["trainer.total_steps=4", "trainer.val_every=2", "data.val_size=8", "trainer.val_samples=2"]
+QUICK = ["trainer.total_steps=4", "trainer.val_every=2", "data.val_size=8"]
 QUICK += ["data.train_size=64", "trainer.prompts_per_step=4"]
 
 
@@ -183,10 +183,6 @@ def summary(rows: list[dict], variants: list[str]) -> list[dict]:
         best = [max(y for _, y in pts) for pts in acc.values()]
         p4 = [pts[-1][1] for pts in series(rows, v, "val_pass@4").values()]
 
-        def tail_mean(metric: str) -> float:
-            per_seed = [[y for _, y in pts[-50:]] for pts in series(rows, v, metric).values()]
-            return sum(sum(p) / len(p) for p in per_seed if p) / max(len(per_seed), 1)
-
         first = next(iter(acc.values()))
         table.append(
             dict(
@@ -196,12 +192,18 @@ def summary(rows: list[dict], variants: list[str]) -> list[dict]:
                 start=first[0][1],
                 final=final,
                 best=best,
-                final_pass4=sum(p4) / max(len(p4), 1),
-                length=tail_mean("response_length"),
-                entropy=tail_mean("entropy"),
+                final_pass4=sum(p4) / len(p4) if p4 else float("nan"),
+                length=_tail_mean(rows, v, "response_length"),
+                entropy=_tail_mean(rows, v, "entropy"),
             )
         )
     return table
+
+
+def _tail_mean(rows: list[dict], variant: str, metric: str, last: int = 50) -> float:
+    """The mean over seeds of each seed's mean over its `last` logged steps."""
+    per_seed = [[y for _, y in pts[-last:]] for pts in series(rows, variant, metric).values()]
+    return sum(sum(p) / len(p) for p in per_seed if p) / max(len(per_seed), 1)
 
 
 def _mean_range(xs: list[float]) -> str:
@@ -256,13 +258,13 @@ def main(argv=None) -> int:
     text = markdown(table, {v: sum(w) / len(w) for v, w in per_variant.items()})
     cmd = shlex.join(["python", "-m", "benchmarks", NAME, *(sys.argv[2:] if argv is None else argv)])
     text += f"\n{len(jobs)} runs of {steps} steps; command: `{cmd}`; "
-    text += f"wall time {time.time() - t0:.0f} s ({args.jobs} at a time) on {harness.device_name(SimpleNamespace(type='cpu'))}.\n"
+    cpu = harness.device_name(SimpleNamespace(type="cpu"))
+    text += f"wall time {time.time() - t0:.0f} s ({args.jobs} at a time) on {cpu}.\n"
     (args.results / f"{NAME}.md").write_text(text)
     pngs = _prolonged_plot.figures(rows, variants, args.results / f"{NAME}.png")
     print(text)
-    print(
-        f"wrote {args.results / (NAME + '.csv')}, {args.results / (NAME + '.md')}, {', '.join(map(str, pngs))}"
-    )
+    written = [args.results / f"{NAME}.csv", args.results / f"{NAME}.md", *pngs]
+    print("wrote " + ", ".join(map(str, written)))
     return 0
 
 

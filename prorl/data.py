@@ -473,7 +473,8 @@ def reasoning_gym_tasks(
 
 
 def builtin(name: str, n: int | None = None, seed: int = 0, split: str = "train") -> list[Example]:
-    """A built-in task set by name: "digit_sums", "chain_sums" (prorl/chain_sums.py) or "reasoning_gym/<task>"."""
+    """A built-in task set by name: "digit_sums", "chain_sums" (prorl/chain_sums.py),
+    "reasoning_gym/<task>"."""
     if name == "digit_sums":
         return digit_sums(n, seed, split)
     if name == "chain_sums":
