@@ -48,3 +48,45 @@ def test_summary_final_best_and_spread_over_seeds():
     assert abs(t["entropy"] - sum(range(51, 101)) / 50) < 1e-12  # the last 50 steps only
     line = prolonged.markdown([t], {"full": 12.0}).splitlines()[-1]
     assert line.startswith("| full | 2 | 60.0 (50.0-70.0) | 65.0 (60.0-70.0) | 85.0 |")
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and not all(isinstance(x, int) for x in v):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_each_variant_changes_only_its_piece():
+    from dataclasses import asdict
+
+    from prorl.algorithm import scheduled_value
+    from prorl.config import load_config
+
+    full = _flat(asdict(load_config("prolonged", [])))
+    # the full recipe: clip-higher, dynamic sampling, KL with interval resets, length penalty, 64 -> 96 context
+    assert (full["algorithm.eps_low"], full["algorithm.eps_high"]) == (0.2, 0.28)
+    assert full["algorithm.dynamic_sampling"] and full["reward.length_penalty"]
+    assert full["algorithm.kl_coef"] > 0 and full["algorithm.reset.interval"] == 100
+    assert full["scheduler.mode"] == "none"
+    sched = full["rollout.max_response_schedule"]
+    budgets = [scheduled_value(s, sched, full["rollout.max_response_tokens"]) for s in (0, 149, 150, 499)]
+    assert budgets == [64, 64, 96, 96]
+    expected = {
+        "no-clip-higher": {"algorithm.eps_high": 0.2},
+        "no-dynamic-sampling": {"algorithm.dynamic_sampling": False},
+        "no-kl": {"algorithm.kl_coef": 0.0},
+        "kl-no-reset": {"algorithm.reset.interval": 0, "algorithm.reset.kl_spike_factor": 0.0},
+        "no-length-penalty": {"reward.length_penalty": False},
+        "fixed-context": {"rollout.max_response_schedule": {0: 96, 150: 96}},
+    }
+    assert set(expected) | {"full"} == set(prolonged.VARIANTS)
+    for variant, changed in expected.items():
+        cfg = _flat(asdict(load_config("prolonged", prolonged.VARIANTS[variant])))
+        diff = {k: v for k, v in cfg.items() if v != full[k]}
+        if variant == "kl-no-reset":  # the preset already has the spike rule off
+            changed = {k: v for k, v in changed.items() if full[k] != v}
+        assert diff == changed, variant
