@@ -41,12 +41,18 @@ def test_summary_final_best_and_spread_over_seeds():
         dict(variant="full", seed=s, step=100, metric="val_pass@4", value=v) for s, v in ((1, 0.8), (2, 0.9))
     ]
     rows += [dict(variant="full", seed=1, step=t, metric="entropy", value=float(t)) for t in range(1, 101)]
+    rows += [
+        dict(variant="full", seed=s, step=t, metric="step_time", value=0.5)
+        for s in (1, 2)
+        for t in range(100)
+    ]
     (t,) = prolonged.summary(rows, ["full", "no-kl"])  # no rows of no-kl: no line
     assert t["seeds"] == 2 and t["steps"] == 100 and t["start"] == 0.1
     assert sorted(t["final"]) == [0.5, 0.7] and sorted(t["best"]) == [0.6, 0.7]
     assert abs(t["final_pass4"] - 0.85) < 1e-12
     assert abs(t["entropy"] - sum(range(51, 101)) / 50) < 1e-12  # the last 50 steps only
-    line = prolonged.markdown([t], {"full": 12.0}).splitlines()[-1]
+    assert abs(t["train_s"] - 50.0) < 1e-9  # per run: the sum of its step times, averaged over seeds
+    line = prolonged.markdown([t]).splitlines()[-1]
     assert line.startswith("| full | 2 | 60.0 (50.0-70.0) | 65.0 (60.0-70.0) | 85.0 |")
 
 
@@ -67,7 +73,7 @@ def test_each_variant_changes_only_its_piece():
     from prorl.config import load_config
 
     full = _flat(asdict(load_config("prolonged", [])))
-    # the full recipe: clip-higher, dynamic sampling, KL with interval resets, length penalty, 64 -> 96 context
+    # the full recipe: clip-higher, dynamic sampling, KL with interval resets, length penalty, 64 then 96
     assert (full["algorithm.eps_low"], full["algorithm.eps_high"]) == (0.2, 0.28)
     assert full["algorithm.dynamic_sampling"] and full["reward.length_penalty"]
     assert full["algorithm.kl_coef"] > 0 and full["algorithm.reset.interval"] == 100
