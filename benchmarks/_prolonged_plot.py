@@ -10,7 +10,7 @@ PANELS = (  # (metric, y label, moving-mean window in steps; 1 for evaluations)
     ("val_pass@1", "held-out pass@1 (4 samples, T 0.6)", 1),
     ("entropy", "policy entropy (nats/token, 20-step mean)", 20),
     ("response_length", "response length (tokens, 20-step mean)", 20),
-    ("kl", "KL to the reference (k2, 20-step mean)", 20),
+    ("kl", "KL to the reference (k2, 5-step mean)", 5),
 )
 
 

@@ -245,6 +245,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seeds", default="1,2", help="comma-separated seeds, the same for every variant")
     ap.add_argument("--variants", type=harness.subset_of(tuple(VARIANTS)), default=list(VARIANTS))
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time (one thread each)")
+    ap.add_argument("--set", action="append", default=[], help="a dotted override for every run (repeatable)")
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / NAME, help="run directories")
     ap.add_argument("--results", type=Path, default=harness.RESULTS_DIR, help="where rows and figures go")
     ap.add_argument("--deadline-min", type=float, default=None, help="start no run after this many minutes")
@@ -252,9 +253,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="2 variants x 1 seed x 4 tiny steps: a smoke test")
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
-    variants, extra, steps = args.variants, [], args.steps
+    variants, extra, steps = args.variants, list(args.set), args.steps
     if args.quick:
-        variants, seeds, extra, steps = ["full", "fixed-context"], seeds[:1], QUICK, 4
+        variants, seeds, extra, steps = ["full", "fixed-context"], seeds[:1], QUICK + extra, 4
     jobs = [(v, s) for s in seeds for v in variants]
     t0 = time.time()
     if not args.report_only:
@@ -268,9 +269,13 @@ def main(argv=None) -> int:
     table = summary(rows, variants)
     text = markdown(table)
     cmd = shlex.join(["python", "-m", "benchmarks", NAME, *(sys.argv[2:] if argv is None else argv)])
-    text += f"\n{len(jobs)} runs of {steps} steps; command: `{cmd}`; "
-    cpu = harness.device_name(SimpleNamespace(type="cpu"))
-    text += f"wall time {time.time() - t0:.0f} s ({args.jobs} at a time) on {cpu}.\n"
+    found = {(r["variant"], r["seed"]) for r in rows}
+    last = max((r["step"] for r in rows), default=0)
+    text += f"\n{len(found)} of {len(jobs)} runs found, up to step {last}; command: `{cmd}`"
+    if not args.report_only:
+        cpu = harness.device_name(SimpleNamespace(type="cpu"))
+        text += f"; wall time {time.time() - t0:.0f} s ({args.jobs} at a time) on {cpu}"
+    text += ".\n"
     (args.results / f"{NAME}.md").write_text(text)
     pngs = _prolonged_plot.figures(rows, variants, args.results / f"{NAME}.png")
     print(text)
