@@ -49,6 +49,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from benchmarks import _prolonged_plot, harness
+from prorl.config import load_config
 
 NAME = "prolonged"
 ROOT = Path(__file__).resolve().parents[1]
@@ -178,9 +179,11 @@ def series(rows: list[dict], variant: str, metric: str) -> dict[int, list[tuple[
     return {s: sorted(v) for s, v in out.items()}
 
 
-def summary(rows: list[dict], variants: list[str]) -> list[dict]:
-    """Per variant: final and best held-out pass@1 (mean over seeds and min-max), final pass@4, the last
-    50 steps' mean response length and entropy, and the number of seeds."""
+def summary(rows: list[dict], variants: list[str], period: tuple[int, int] = (50, 150)) -> list[dict]:
+    """Per variant: final and best held-out pass@1 (mean over seeds and min-max), final pass@4, mean response
+    length over the steps with the length penalty on and off (`period` = its (k_on, k_off); the phase is
+    that of the full recipe, whichever variant), the first and the last 50 steps' mean entropy, generated
+    tokens and training time per run, the number of seeds."""
     table = []
     for v in variants:
         acc = series(rows, v, "val_pass@1")
@@ -200,7 +203,9 @@ def summary(rows: list[dict], variants: list[str]) -> list[dict]:
                 final=final,
                 best=best,
                 final_pass4=sum(p4) / len(p4) if p4 else float("nan"),
-                length=_tail_mean(rows, v, "response_length"),
+                length_on=_phase_mean(rows, v, "response_length", period, on=True),
+                length_off=_phase_mean(rows, v, "response_length", period, on=False),
+                entropy_first=_phase_mean(rows, v, "entropy", (50, 10**9), on=True),
                 entropy=_tail_mean(rows, v, "entropy"),
                 gen_tokens=_total(rows, v, "generated_tokens"),
                 train_s=_total(rows, v, "step_time"),
@@ -212,6 +217,16 @@ def summary(rows: list[dict], variants: list[str]) -> list[dict]:
 def _tail_mean(rows: list[dict], variant: str, metric: str, last: int = 50) -> float:
     """The mean over seeds of each seed's mean over its `last` logged steps."""
     per_seed = [[y for _, y in pts[-last:]] for pts in series(rows, variant, metric).values()]
+    return sum(sum(p) / len(p) for p in per_seed if p) / max(len(per_seed), 1)
+
+
+def _phase_mean(rows: list[dict], variant: str, metric: str, period: tuple[int, int], on: bool) -> float:
+    """The mean over seeds of the mean over the steps (1-based) whose length-penalty phase is `on`."""
+    k_on, k_off = period
+    per_seed = [
+        [y for s, y in pts if ((s - 1) % (k_on + k_off) < k_on) == on]
+        for pts in series(rows, variant, metric).values()
+    ]
     return sum(sum(p) / len(p) for p in per_seed if p) / max(len(per_seed), 1)
 
 
@@ -227,11 +242,14 @@ def _mean_range(xs: list[float]) -> str:
 
 def markdown(table: list[dict]) -> str:
     head = "| variant | seeds | final pass@1 % (min-max) | best pass@1 % (min-max) | final pass@4 % | "
-    head += "response length (last 50 steps) | entropy (last 50) | generated tokens per run (K) | "
+    head += (
+        "response length, penalty on / off | entropy, first / last 50 steps | generated tokens per run (K) | "
+    )
     head += "training time per run (s) |\n|---|---|---|---|---|---|---|---|---|\n"
     lines = [
         f"| {t['variant']} | {t['seeds']} | {_mean_range(t['final'])} | {_mean_range(t['best'])} | "
-        f"{100 * t['final_pass4']:.1f} | {t['length']:.1f} | {t['entropy']:.3f} | "
+        f"{100 * t['final_pass4']:.1f} | {t['length_on']:.1f} / {t['length_off']:.1f} | "
+        f"{t['entropy_first']:.3f} / {t['entropy']:.3f} | "
         f"{t['gen_tokens'] / 1e3:.0f} | {t['train_s']:.0f} |"
         for t in table
     ]
@@ -261,17 +279,18 @@ def main(argv=None) -> int:
     if not args.report_only:
         deadline = None if args.deadline_min is None else t0 + 60 * args.deadline_min
         run_all(jobs, args.work, steps, extra, args.jobs, deadline)
-    rows = []
-    for v, s in jobs:
+    rows, complete = [], [(v, s) for v, s in jobs if finished(run_dir(args.work, v, s), steps)]
+    for v, s in complete:  # a run cut short is left out of the rows, the table and the figures
         rows += rows_of(v, s, read_metrics(run_dir(args.work, v, s)))
     args.results.mkdir(parents=True, exist_ok=True)
     write_rows(args.results / f"{NAME}.csv", rows)
-    table = summary(rows, variants)
+    preset = load_config("prolonged", [])
+    table = summary(rows, variants, (preset.reward.length_k_on, preset.reward.length_k_off))
     text = markdown(table)
     cmd = shlex.join(["python", "-m", "benchmarks", NAME, *(sys.argv[2:] if argv is None else argv)])
-    found = {(r["variant"], r["seed"]) for r in rows}
-    last = max((r["step"] for r in rows), default=0)
-    text += f"\n{len(found)} of {len(jobs)} runs found, up to step {last}; command: `{cmd}`"
+    missing = ", ".join(f"{v} seed {s}" for v, s in jobs if (v, s) not in complete) or "none"
+    text += f"\n{len(complete)} of {len(jobs)} runs of {steps} steps complete (missing: {missing}); "
+    text += f"command: `{cmd}`"
     if not args.report_only:
         cpu = harness.device_name(SimpleNamespace(type="cpu"))
         text += f"; wall time {time.time() - t0:.0f} s ({args.jobs} at a time) on {cpu}"
