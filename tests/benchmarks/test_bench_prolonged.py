@@ -52,7 +52,7 @@ def test_summary_final_best_and_spread_over_seeds():
     (t,) = prolonged.summary(rows, ["full", "no-kl"], (50, 150))  # no rows of no-kl: no line
     # the length penalty is on for steps 1-50 of every 200: mean of 1..50 and of 51..200
     assert (t["length_on"], t["length_off"]) == (25.5, 125.5)
-    assert t["seeds"] == 2 and t["steps"] == 100 and t["start"] == 0.1
+    assert t["seeds"] == 2 and t["steps"] == 100 and t["start"] == [0.1, 0.1]
     assert sorted(t["final"]) == [0.5, 0.7] and sorted(t["best"]) == [0.6, 0.7]
     assert abs(t["final_pass4"] - 0.85) < 1e-12
     assert abs(t["entropy"] - sum(range(51, 101)) / 50) < 1e-12  # the last 50 steps only
