@@ -28,10 +28,10 @@ is not run again.
 Outputs (benchmarks/results, or --results): `prolonged.csv` with rows (variant, seed, step, metric, value)
 of every evaluation and step (`val_pass@1` = mean over 4 samples at T 0.6 on the 200 held-out problems,
 `val_pass@4`, per level `val_pass@1/<terms>`, `entropy`, `response_length`, `kl`, `score`, `reset` = 1 at
-a reference reset, `step_time`); `prolonged.png` (held-out pass@1, entropy, response length, KL with
-reset markers: mean over seeds, min-max band); `prolonged_levels.png` (pass@1 per level, full recipe);
-`prolonged.md` (the table: final and best pass@1 with the spread across seeds, final pass@4, length,
-entropy, wall time).
+a reference reset, `step_time`, `generated_tokens`, `clip_fraction`); `prolonged.png` (held-out pass@1,
+entropy, response length, KL with reset markers: mean over seeds, min-max band); `prolonged_levels.png`
+(pass@1 per level, first variant); `prolonged.md` (the table: final and best pass@1 with the spread across
+seeds, final pass@4, length by length-penalty phase, entropy, generated tokens, training time).
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ STEP_METRICS = {  # CSV metric -> metrics.jsonl key, logged every step
     "score": "critic/score/mean",
     "step_time": "timing_s/step",
     "generated_tokens": "dynamic_sampling/generated_tokens",
+    "clip_fraction": "actor/pg_clipfrac",
 }
 VAL_METRICS = {"val_pass@1": "val/accuracy", "val_pass@4": "val/pass@4"}
 LEVEL_KEY = "val-core/math/chain_sums/{}/pass@1"
@@ -167,7 +168,7 @@ def write_rows(path: Path, rows: list[dict]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["variant", "seed", "step", "metric", "value"])
         w.writeheader()
-        w.writerows(rows)
+        w.writerows(dict(r, value=f"{r['value']:.6g}") for r in rows)
 
 
 def series(rows: list[dict], variant: str, metric: str) -> dict[int, list[tuple[int, float]]]:
