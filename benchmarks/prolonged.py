@@ -19,12 +19,13 @@ every variant; a variant changes one thing:
     fixed-context        96 tokens from the first step
 
 The full design (the defaults: 7 variants x 2 seeds x 500 steps) is sized for the 2-core machine with
-`--jobs 2`: a step took 0.5-1.4 s on one loaded core, so 14 runs of ~5-11 min, ~40-80 min two at a
-time. The schedules are functions of the step and the LR is constant, so a shorter run (`--steps 300`)
-is the first part of the longer one (seen: runs of 100 and 500 steps gave the same held-out numbers at
-steps 50 and 100). Runs are ordered seed-major (every variant's first seed before any second seed), so
-a stopped benchmark still covers every variant; a run whose metrics.jsonl already reaches the last step
-is not run again.
+`--jobs 2`: a step took 0.3-1.4 s on one shared core (500-step runs 163-316 s, 300-step runs 157-436 s),
+so an estimated 40-75 min two at a time. The schedules are functions of the step and the LR is constant,
+so a shorter run (`--steps 300`) is the first part of the longer one (seen: the 300- and 500-step runs of
+a seed log the same numbers up to step 300). Runs are ordered seed-major (every variant's first seed
+before any second seed), so a stopped benchmark still covers every variant; a run whose metrics.jsonl
+already reaches the last step is not run again. `--set key=value` applies to every run (the variants'
+own overrides come last); give such runs their own `--work` and `--results`.
 Outputs (benchmarks/results, or --results): `prolonged.csv` with rows (variant, seed, step, metric, value)
 of every evaluation and step (`val_pass@1` = mean over 4 samples at T 0.6 on the 200 held-out problems,
 `val_pass@4`, per level `val_pass@1/<terms>`, `entropy`, `response_length`, `kl`, `score`, `reset` = 1 at
