@@ -452,12 +452,19 @@ def reasoning_gym_tasks(
 
 
 def builtin(name: str, n: int | None = None, seed: int = 0, split: str = "train") -> list[Example]:
-    """A built-in task set by name: "digit_sums" or "reasoning_gym/<task>"."""
+    """A built-in task set by name: "digit_sums", "chain_sums" (prorl/chain_sums.py),
+    "reasoning_gym/<task>"."""
     if name == "digit_sums":
         return digit_sums(n, seed, split)
+    if name == "chain_sums":
+        from prorl.chain_sums import chain_sums  # that module builds on this one's Example
+
+        return chain_sums(n, seed, split)
     if name.startswith("reasoning_gym/"):
         return reasoning_gym_tasks(name.split("/", 1)[1], n if n is not None else 1000, seed, split)
-    raise ValueError(f"unknown built-in task set {name!r}; known: 'digit_sums', 'reasoning_gym/<task>'")
+    raise ValueError(
+        f"unknown built-in task set {name!r}; known: 'digit_sums', 'chain_sums', 'reasoning_gym/<task>'"
+    )
 
 
 __all__ = [

@@ -2,6 +2,7 @@
 demonstrations, saved in Hugging Face format (config.json, model.safetensors, tokenizer, chat template).
 
     python -m prorl.warmstart --out prorl/assets/tiny-reasoner      # ~10 min on one CPU core
+    python -m prorl.warmstart --task chain_sums --out prorl/assets/chain-reasoner ...   # prorl/chain_sums.py
 
 Why imperfect demonstrations. ProRL starts from a distilled model that imitation has taken as far as it
 goes; RL must then add what imitation cannot. A tiny model trained on *perfect* worked sums would keep
@@ -27,6 +28,7 @@ import time
 
 import torch
 
+from prorl import chain_sums
 from prorl.data import digit_sums, stop_token_ids
 from prorl.engine.model import Decoder, ModelConfig, load_hf, save_hf
 from prorl.engine.optim import Optimizer, OptimizerConfig
@@ -61,26 +63,28 @@ def build_tokenizer():
     )
 
 
-def slipped_solution(a: int, b: int, c: int, slip: float, rng: random.Random) -> str:
-    """A worked solution in which each decade-crossing addition forgets its carry with probability slip."""
-
-    def add(x: int, y: int) -> int:
-        s = x + y
-        crosses = s // 10 != x // 10
-        return s - 10 if crosses and rng.random() < slip else s
-
-    s1 = add(a, b)
-    s2 = add(s1, c)
-    return f"{a}+{b}={s1}, {s1}+{c}={s2}. \\boxed{{{s2}}}"
+def demonstration(prompt: str, slip: float, verbose: float, rng: random.Random) -> str:
+    """A worked solution of the sum `prompt` ("a+b+c=") in which each decade-crossing addition forgets
+    its carry with probability `slip`; with probability `verbose` it first restates the terms (chain_sums'
+    length-penalty bait; 0 for digit_sums, whose demonstrations are the embedded default's)."""
+    terms = chain_sums.parse_terms(prompt)
+    opening = chain_sums.restatement(terms) if verbose > 0 and rng.random() < verbose else ""
+    return opening + chain_sums.solution(terms, slip, rng)
 
 
-def tiny_config(vocab_size: int) -> ModelConfig:
+TASKS = {  # task -> (split loader, greedy evaluation budget in tokens)
+    "digit_sums": (lambda split: digit_sums(split=split), 40),
+    "chain_sums": (lambda split: chain_sums.chain_sums(split=split), 96),
+}
+
+
+def tiny_config(vocab_size: int, num_layers: int = 2) -> ModelConfig:
     return ModelConfig(
         model_type="qwen2",
         vocab_size=vocab_size,
         hidden_size=128,
         intermediate_size=384,
-        num_layers=2,
+        num_layers=num_layers,
         num_heads=4,
         num_kv_heads=2,
         head_dim=32,
@@ -123,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--slip", type=float, default=0.6)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--task", choices=sorted(TASKS), default="digit_sums")
+    ap.add_argument("--verbose", type=float, default=0.0, help="share of demonstrations restating the terms")
+    ap.add_argument("--layers", type=int, default=2, help="decoder blocks of a new model")
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--init", default=None, help="continue from this checkpoint (SFT control)")
     ap.add_argument("--minutes", type=float, default=None, help="stop after this much wall time")
@@ -140,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load_hf(args.init)
     else:
         tokenizer = build_tokenizer()
-        model = Decoder(tiny_config(len(tokenizer)))
+        model = Decoder(tiny_config(len(tokenizer), args.layers))
         model.init_weights(torch.Generator().manual_seed(args.seed))
     opt = Optimizer(
         model,
@@ -154,8 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             max_grad_norm=1.0,
         ),
     )
-    train = digit_sums(split="train")
-    val = digit_sums(split="val")
+    load_split, max_new_tokens = TASKS[args.task]
+    train, val = load_split("train"), load_split("val")
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     os.makedirs(args.out, exist_ok=True)
     log = open(args.log or os.path.join(args.out, "warmstart.jsonl"), "w")
@@ -163,11 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(1, args.steps + 1):
         ids, labels, lengths = [], [], []
         for ex in rng.sample(train, args.batch):
-            a, b, c = (int(ch) for ch in ex.prompt[-1]["content"][:-1].split("+"))
-            prompt = encode_chat(tokenizer, ex.prompt[-1]["content"])
-            answer = tokenizer.encode(slipped_solution(a, b, c, args.slip, rng), add_special_tokens=False) + [
-                end
-            ]
+            text = ex.prompt[-1]["content"]
+            prompt = encode_chat(tokenizer, text)
+            answer = demonstration(text, args.slip, args.verbose, rng)
+            answer = tokenizer.encode(answer, add_special_tokens=False) + [end]
             seq = prompt + answer
             ids += seq
             labels += [-100] * (len(prompt) - 1) + answer + [-100]  # next-token targets of the answer only
@@ -184,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         out_of_time = args.minutes is not None and time.time() - start > 60 * args.minutes
         if step % args.eval_every == 0 or step == args.steps or out_of_time:
             model.eval()
-            acc = greedy_accuracy(model, tokenizer, val)
+            acc = greedy_accuracy(model, tokenizer, val, max_new_tokens)
             model.train()
             rec = {
                 "step": step,

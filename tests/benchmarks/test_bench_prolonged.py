@@ -1,0 +1,103 @@
+"""benchmarks/prolonged.py: the `--quick` smoke run (two variants, one seed, four tiny steps, real trainer
+processes) and the summary table's arithmetic on hand-made rows."""
+
+from __future__ import annotations
+
+import csv
+
+from benchmarks import prolonged
+
+
+def test_quick_run_writes_rows_table_and_figures(tmp_path):
+    results = tmp_path / "results"
+    assert prolonged.main(["--quick", "--work", str(tmp_path / "runs"), "--results", str(results)]) == 0
+    with open(results / "prolonged.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        assert reader.fieldnames == ["variant", "seed", "step", "metric", "value"]
+        rows = list(reader)
+    for variant in ("full", "fixed-context"):
+        val = sorted(int(r["step"]) for r in rows if r["variant"] == variant and r["metric"] == "val_pass@1")
+        assert val == [0, 2, 4], variant  # before training, every val_every=2 steps, at the end
+        steps = sorted(int(r["step"]) for r in rows if r["variant"] == variant and r["metric"] == "entropy")
+        assert steps == [1, 2, 3, 4]
+        for metric in ("val_pass@4", "response_length", "kl", "val_pass@1/3"):
+            assert any(r["variant"] == variant and r["metric"] == metric for r in rows), (variant, metric)
+        assert all(r["seed"] == "1" for r in rows)
+    table = (results / "prolonged.md").read_text()
+    assert "| full | 1 |" in table and "| fixed-context | 1 |" in table
+    assert (results / "prolonged.png").stat().st_size > 0 and (results / "prolonged_levels.png").exists()
+    # a second call finds both runs complete and trains nothing
+    assert prolonged.main(["--quick", "--work", str(tmp_path / "runs"), "--results", str(results)]) == 0
+
+
+def _val(variant, seed, step, value):
+    return dict(variant=variant, seed=seed, step=step, metric="val_pass@1", value=value)
+
+
+def test_summary_final_best_and_spread_over_seeds():
+    rows = [_val("full", 1, 0, 0.1), _val("full", 1, 50, 0.6), _val("full", 1, 100, 0.5)]
+    rows += [_val("full", 2, 0, 0.1), _val("full", 2, 50, 0.4), _val("full", 2, 100, 0.7)]
+    rows += [
+        dict(variant="full", seed=s, step=100, metric="val_pass@4", value=v) for s, v in ((1, 0.8), (2, 0.9))
+    ]
+    rows += [dict(variant="full", seed=1, step=t, metric="entropy", value=float(t)) for t in range(1, 101)]
+    rows += [
+        dict(variant="full", seed=s, step=t, metric="step_time", value=0.5)
+        for s in (1, 2)
+        for t in range(100)
+    ]
+    rows += [
+        dict(variant="full", seed=1, step=t, metric="response_length", value=float(t)) for t in range(1, 201)
+    ]
+    (t,) = prolonged.summary(rows, ["full", "no-kl"], (50, 150))  # no rows of no-kl: no line
+    # the length penalty is on for steps 1-50 of every 200: mean of 1..50 and of 51..200
+    assert (t["length_on"], t["length_off"]) == (25.5, 125.5)
+    assert t["seeds"] == 2 and t["steps"] == 100 and t["start"] == [0.1, 0.1]
+    assert sorted(t["final"]) == [0.5, 0.7] and sorted(t["best"]) == [0.6, 0.7]
+    assert abs(t["final_pass4"] - 0.85) < 1e-12
+    assert abs(t["entropy"] - sum(range(51, 101)) / 50) < 1e-12  # the last 50 steps only
+    assert abs(t["train_s"] - 50.0) < 1e-9  # per run: the sum of its step times, averaged over seeds
+    line = prolonged.markdown([t]).splitlines()[-1]
+    assert line.startswith("| full | 2 | 60.0 (50.0-70.0) | 65.0 (60.0-70.0) | 85.0 |")
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and not all(isinstance(x, int) for x in v):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_each_variant_changes_only_its_piece():
+    from dataclasses import asdict
+
+    from prorl.algorithm import scheduled_value
+    from prorl.config import load_config
+
+    full = _flat(asdict(load_config("prolonged", [])))
+    # the full recipe: clip-higher, dynamic sampling, KL with interval resets, length penalty, 64 then 96
+    assert (full["algorithm.eps_low"], full["algorithm.eps_high"]) == (0.2, 0.28)
+    assert full["algorithm.dynamic_sampling"] and full["reward.length_penalty"]
+    assert full["algorithm.kl_coef"] > 0 and full["algorithm.reset.interval"] == 100
+    assert full["scheduler.mode"] == "none"
+    sched = full["rollout.max_response_schedule"]
+    budgets = [scheduled_value(s, sched, full["rollout.max_response_tokens"]) for s in (0, 149, 150, 499)]
+    assert budgets == [64, 64, 96, 96]
+    expected = {
+        "no-clip-higher": {"algorithm.eps_high": 0.2},
+        "no-dynamic-sampling": {"algorithm.dynamic_sampling": False},
+        "no-kl": {"algorithm.kl_coef": 0.0},
+        "kl-no-reset": {"algorithm.reset.interval": 0, "algorithm.reset.kl_spike_factor": 0.0},
+        "no-length-penalty": {"reward.length_penalty": False},
+        "fixed-context": {"rollout.max_response_schedule": {0: 96, 150: 96}},
+    }
+    assert set(expected) | {"full"} == set(prolonged.VARIANTS)
+    for variant, changed in expected.items():
+        cfg = _flat(asdict(load_config("prolonged", prolonged.VARIANTS[variant])))
+        diff = {k: v for k, v in cfg.items() if v != full[k]}
+        if variant == "kl-no-reset":  # the preset already has the spike rule off
+            changed = {k: v for k, v in changed.items() if full[k] != v}
+        assert diff == changed, variant
