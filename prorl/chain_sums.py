@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import random
 
-from prorl.data import SPLITS, Example
+from prorl.example import SPLITS, Example
 
 LEVELS = (3, 4, 5, 6)  # terms per problem
 SPLIT_SEED = 20261201  # fixed forever: changing it would leak held-out problems into training

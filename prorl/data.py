@@ -47,31 +47,11 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from prorl.chain_sums import chain_sums
 from prorl.data_read import DEFAULT_MAX_ROW_BYTES, DataError, read_rows
+from prorl.example import SPLITS, Example  # noqa: F401 (SPLITS: part of this module's interface)
 from prorl.rewards import UnknownDataSourceError, lookup  # light: verifiers load lazily
 from prorl.rewards.logic import dataset as logic_dataset
-
-
-@dataclass
-class Example:
-    prompt: list[dict]
-    data_source: str
-    ground_truth: Any
-    extra: dict = field(default_factory=dict)
-    ability: str | None = None
-    source: str | None = field(default=None, compare=False, repr=False)  # the data file it came from
-
-    def to_row(self) -> dict:
-        """The verl-schema row of this example (what `load_file` reads back)."""
-        row = {
-            "data_source": self.data_source,
-            "prompt": self.prompt,
-            "reward_model": {"ground_truth": self.ground_truth},
-            "extra_info": self.extra,
-        }
-        if self.ability is not None:
-            row["ability"] = self.ability
-        return row
 
 
 @dataclass
@@ -385,7 +365,6 @@ def stop_token_ids(tokenizer, model_path: str | None = None) -> list[int]:
 
 # -- built-in task sets -----------------------------------------------------------------------------------
 
-SPLITS = ("train", "val")
 DIGIT_SUMS_SPLIT_SEED = 20251129  # fixed forever: changing it would leak validation problems into training
 DIGIT_SUMS_VAL_SIZE = 200
 
@@ -457,8 +436,6 @@ def builtin(name: str, n: int | None = None, seed: int = 0, split: str = "train"
     if name == "digit_sums":
         return digit_sums(n, seed, split)
     if name == "chain_sums":
-        from prorl.chain_sums import chain_sums  # that module builds on this one's Example
-
         return chain_sums(n, seed, split)
     if name.startswith("reasoning_gym/"):
         return reasoning_gym_tasks(name.split("/", 1)[1], n if n is not None else 1000, seed, split)

@@ -23,13 +23,19 @@ from typing import Any
 
 from prorl.rewards.extract import final_text, last_tag
 
-try:
-    import reasoning_gym
-except ImportError as exc:  # pragma: no cover - exercised only without the extra
-    raise ImportError(
-        "the reasoning_gym reward needs reasoning-gym: pip install 'prorl[rewards]' "
-        "(or: pip install reasoning-gym)"
-    ) from exc
+
+def _reasoning_gym():
+    """The optional reasoning-gym package (the `rewards` extra), imported on first use: prorl.data
+    imports this module, and a run that never touches a Reasoning Gym task must not need it."""
+    try:
+        import reasoning_gym
+    except ImportError as exc:
+        raise ImportError(
+            "the reasoning_gym reward needs reasoning-gym: pip install 'prorl[rewards]' "
+            "(or: pip install reasoning-gym)"
+        ) from exc
+    return reasoning_gym
+
 
 PREFIX = "reasoning_gym/"
 
@@ -37,7 +43,7 @@ PREFIX = "reasoning_gym/"
 @functools.lru_cache(maxsize=256)
 def dataset(task: str, seed: int, size: int, config_json: str = "{}"):
     """The Reasoning Gym dataset `task` (cached; generation is lazy and deterministic per index)."""
-    return reasoning_gym.create_dataset(task, seed=seed, size=size, **json.loads(config_json))
+    return _reasoning_gym().create_dataset(task, seed=seed, size=size, **json.loads(config_json))
 
 
 def generated_entry(ref: dict) -> dict:
@@ -47,7 +53,7 @@ def generated_entry(ref: dict) -> dict:
 
 @functools.lru_cache(maxsize=256)
 def score_fn(task: str):
-    return reasoning_gym.get_score_answer_fn(task)
+    return _reasoning_gym().get_score_answer_fn(task)
 
 
 def _entry_and_task(ground_truth: Any, extra: dict) -> tuple[dict, str | None]:
