@@ -101,7 +101,7 @@ class HFGenerator:
             theirs.copy_(ours)
 
     @torch.no_grad()
-    def generate(self, prompt_token_ids, params):
+    def generate(self, prompt_token_ids, params, on_finished=None):
         from prorl.engine.rollout import Rollouts, Sample
 
         self._sync()
@@ -135,6 +135,8 @@ class HFGenerator:
             samples.append(
                 Sample(p, j, new[r, :end].tolist(), logp[r, :end].tolist(), "stop" if len(hit) else "length")
             )
+        if on_finished is not None:
+            on_finished(len(samples))
         return Rollouts(samples)
 
     def update_weights(self, named_tensors) -> None:

@@ -29,8 +29,10 @@ import torch
 
 
 def stop_properly(rewards: torch.Tensor, truncated: torch.Tensor, c_stop: float = 0.0) -> torch.Tensor:
-    """A response cut by the length limit gets R * c_stop (default 0). rewards [B], truncated [B] bool."""
-    return torch.where(truncated, rewards * c_stop, rewards)
+    """A response cut by the length limit gets R * c_stop (default 0) - never more than R itself, so that
+    with a verifier whose wrong answers score below 0 (verl-style -1/+1) running out of length does not
+    beat answering wrong. rewards [B], truncated [B] bool."""
+    return torch.where(truncated, torch.minimum(rewards * c_stop, rewards), rewards)
 
 
 def cosine_length_eta(lengths: torch.Tensor, max_len: int, eta_min: float, eta_max: float) -> torch.Tensor:

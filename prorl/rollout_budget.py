@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from prorl.config import ConfigError
+from prorl.engine.parallel import all_reduce_max, all_reduce_min
 
 GiB = 2**30
 HEADROOM_BYTES = 3 * GiB  # CUDA context, NCCL communicators (created at the first collective), fragments
@@ -55,7 +56,10 @@ def check_native(cfg, world: int, generator) -> str:
     or ConfigError naming the keys to change."""
     sequences, seq_len = round_shape(cfg, world)
     prompts = round_prompts(cfg, world)
-    need, free = generator.cache_bytes(prompts, cfg.rollout.n, seq_len), generator.free_bytes()
+    need = generator.cache_bytes(prompts, cfg.rollout.n, seq_len)
+    # the least free on any rank: every rank takes the same decision (a rank refusing alone would leave
+    # the others waiting in their next collective)
+    free = int(all_reduce_min(generator.free_bytes(), what="the free memory for the sampler"))
     line = (
         f"native sampler: a sampling round's KV cache is {_size(need)} ({sequences} sequences x "
         f"{seq_len} tokens) of {_size(free)} free"
@@ -113,6 +117,9 @@ def gpu_fraction(cfg, policy, backend: str) -> float:
     free, total = torch.cuda.mem_get_info()
     local = (p.to_local() if hasattr(p, "to_local") else p for p in policy.parameters() if p.requires_grad)
     shard = sum(t.numel() * 4 for t in local)  # fp32 master weights (FSDP2: this rank's shards)
+    # the tightest rank decides for all: the same fraction, or the same refusal, on every rank
+    free = int(all_reduce_min(free, what="the free GPU memory for vLLM"))
+    shard = int(all_reduce_max(shard, what="the trainer's largest shard"))
     growth = (
         0 if cfg.model.cpu_offload else 3 * shard
     )  # fp32 gradients and AdamW's two moments, not allocated yet

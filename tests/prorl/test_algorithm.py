@@ -27,6 +27,15 @@ def test_stop_properly_vector():
     assert stop_properly(raw, trunc, c_stop=0.5).tolist() == [1.0, 0.5, 0.0, 0.0]
 
 
+def test_stop_properly_never_raises_a_negative_reward():
+    """verl-style scores (-1 wrong, +1 right): a truncated wrong answer keeps -1 (R * c_stop = 0 would
+    reward running out of length over answering wrong); a truncated right one gets R * c_stop."""
+    raw = torch.tensor([-1.0, 1.0, -1.0, 1.0])
+    trunc = torch.tensor([True, True, False, False])
+    assert stop_properly(raw, trunc).tolist() == [-1.0, 0.0, -1.0, 1.0]
+    assert stop_properly(raw, trunc, c_stop=0.5).tolist() == [-1.0, 0.5, -1.0, 1.0]
+
+
 def test_cosine_eta_vector():
     eta = cosine_length_eta(torch.tensor([0, 2048, 4096, 6144, 8192]), 8192, eta_min=-1.0, eta_max=0.0)
     torch.testing.assert_close(eta, torch.tensor([0.0, -0.1464, -0.5, -0.8536, -1.0]), atol=1e-4, rtol=0)
