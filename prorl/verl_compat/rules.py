@@ -12,9 +12,10 @@ from typing import Any
 
 ABSENT = object()  # a verl key the file or the command line did not give
 
-# verl sections that prorl does not have: a dotted key under one of them is verl's
+# verl sections that prorl does not have: a dotted key under one of them is verl's (`reward` is prorl's
+# too: a verl key there is one a rule reads, so that a misspelt prorl reward key still gets a suggestion)
 VERL_SECTIONS = (
-    "actor_rollout_ref", "critic", "reward_model", "custom_reward_function", "reward", "ray_kwargs",
+    "actor_rollout_ref", "critic", "reward_model", "custom_reward_function", "ray_kwargs",
     "global_profiler", "transfer_queue", "distillation", "sandbox_fusion", "model_engine", "skip",
 )  # fmt: skip
 
