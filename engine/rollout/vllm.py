@@ -68,9 +68,8 @@ import random
 import warnings
 from collections.abc import Iterable, Iterator
 
+import prorl.kernels as kernels
 import torch
-
-from prorl import kernels
 
 from ..parallel import reshard
 from .base import Generator, Rollouts, Sample, SamplingParams
