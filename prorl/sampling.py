@@ -142,8 +142,10 @@ class GroupSampler:
         )
         i = 0
         for g in groups:
-            g.raw = res.scores[i : i + len(g.responses)]
-            i += len(g.responses)
+            n = len(g.responses)
+            failed = [a or b for a, b in zip(res.errored[i : i + n], res.timed_out[i : i + n])]
+            g.raw = impute_failed(res.scores[i : i + n], failed)
+            i += n
         acc.sum("samples_seen", len(texts))
         for info in res.extras:  # a verifier's numeric extras (verl's reward_extra_info), per sample
             for key, value in numeric_extras(info).items():
@@ -242,6 +244,17 @@ class GroupSampler:
             self.carry = [Group(**g) for g in state["carry"]]
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
+
+
+def impute_failed(scores: list[float], failed: list[bool]) -> list[float]:
+    """A group's raw scores with each failed verification (the verifier raised, died or timed out) set
+    to the mean of the group's other scores: a harness failure carries no information about the
+    response, and at the group mean it leaves the group's baseline and every other sample's advantage
+    as they were (a fixed 0 would rank it below a wrong answer scored -1, or above one scored 0). A
+    group with no successful verification scores 0 throughout: all equal, it carries no signal."""
+    ok = [s for s, f in zip(scores, failed) if not f]
+    fill = math.fsum(ok) / len(ok) if ok else 0.0
+    return [fill if f else s for s, f in zip(scores, failed)]
 
 
 def shape_rewards(groups: list[Group], rc, step: int, max_new: int) -> torch.Tensor:

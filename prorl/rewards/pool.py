@@ -4,7 +4,8 @@ A verifier that hangs (sympy on a pathological expression), crashes the interpre
 C extension, `os._exit`) or raises must not stop or freeze training. Each item goes to one worker;
 the parent keeps the clock. When an item outlives `timeout_s` its worker is SIGKILLed and replaced;
 when a worker dies its item is an error and the worker is replaced; either way the batch completes,
-the item scores 0 and is flagged, so the trainer logs `reward/timeout_frac` and `reward/error_frac`.
+the item scores 0 and is flagged, so the trainer logs `reward/timeout_frac` and `reward/error_frac`
+(in training a flagged item then takes its group's mean score: prorl.sampling.impute_failed).
 
 What counts as an error: only failures of the verifier itself (it raised: a bug, a ground truth it
 cannot read, a sandbox that cannot start; or its worker died). What a response makes happen is never
