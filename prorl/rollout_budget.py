@@ -7,8 +7,11 @@ dynamic sampling oversamples the shortfall by `algorithm.oversample`). On the pr
 layers x 2 KV heads x 128 x K and V x 2 bytes), about 200 GB.
 
 - native (`NativeGenerator`): a round's KV cache is allocated at once (rows x the longest sequence, every
-  layer). When it exceeds the memory free on the sampler's device the run is refused at start, naming
-  the keys that shrink it - not an out-of-memory error in the first step.
+  layer). When it exceeds what is free on the sampler's device the run is refused at start, naming the
+  keys that shrink it - not an out-of-memory error in the first step. "Free" is what the device has now
+  less what the colocated trainer allocates at its first update and keeps (gradients and AdamW's two
+  moments: 3 x the fp32 shard under FSDP2, 3 x the parameters in their dtype replicated; nothing on the
+  GPU with CPU offload); on the CPU the host's memory is shared by the node's ranks (LOCAL_WORLD_SIZE).
 - vllm: the engine schedules requests within the KV cache it reserved, and preempts (recomputes) requests
   when the cache fills (`VLLMGenerator` warns with their count). Its share of the GPU
   (`rollout.gpu_memory_utilization`) must leave the colocated trainer what it holds while the engine is
@@ -22,6 +25,7 @@ layers x 2 KV heads x 128 x K and V x 2 bytes), about 200 GB.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -51,18 +55,39 @@ def round_shape(cfg, world: int) -> tuple[int, int]:
     return round_prompts(cfg, world) * r.n, cfg.data.max_prompt_tokens + max_new
 
 
+def trainer_growth_bytes(cfg, world: int, sampler_model, device_type: str) -> int:
+    """Bytes the colocated trainer still allocates on the sampler's device after start (gradients and
+    AdamW's two moments, created at the first update), estimated from the sampler's model: the policy
+    itself when replicated (its dtype), an unsharded copy of it under FSDP2 (fp32 master shards over
+    world / dp_replicate ranks)."""
+    if cfg.model.cpu_offload and device_type == "cuda":
+        return 0
+    params = [p for p in sampler_model.parameters()]
+    numel = sum(p.numel() for p in params)
+    fsdp = cfg.model.fsdp and dist.is_available() and dist.is_initialized()
+    if fsdp:
+        return 3 * 4 * math.ceil(numel / max(world // cfg.model.dp_replicate, 1))
+    return 3 * sum(p.numel() * p.element_size() for p in params)
+
+
 def check_native(cfg, world: int, generator) -> str:
-    """The native sampler's KV cache for a round against the memory free on its device: the report line,
-    or ConfigError naming the keys to change."""
+    """The native sampler's KV cache for a round against the memory free on its device (module
+    docstring): the report line, or ConfigError naming the keys to change."""
     sequences, seq_len = round_shape(cfg, world)
     prompts = round_prompts(cfg, world)
     need = generator.cache_bytes(prompts, cfg.rollout.n, seq_len)
+    device_type = generator.model.embed_tokens.weight.device.type
+    free = generator.free_bytes()
+    if device_type != "cuda":  # the host's memory, shared by the node's ranks
+        free //= max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    growth = trainer_growth_bytes(cfg, world, generator.model, device_type)
     # the least free on any rank: every rank takes the same decision (a rank refusing alone would leave
     # the others waiting in their next collective)
-    free = int(all_reduce_min(generator.free_bytes(), what="the free memory for the sampler"))
+    free = int(all_reduce_min(free - growth, what="the free memory for the sampler"))
     line = (
         f"native sampler: a sampling round's KV cache is {_size(need)} ({sequences} sequences x "
-        f"{seq_len} tokens) of {_size(free)} free"
+        f"{seq_len} tokens) of {_size(max(free, 0))} free beside the trainer's gradients and AdamW "
+        f"({_size(growth)})"
     )
     if need > free:
         fit = max(int(prompts * free / need), 0)

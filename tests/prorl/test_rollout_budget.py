@@ -61,7 +61,14 @@ def test_native_backend_at_the_presets_size_is_refused_naming_the_keys(preset, n
     with pytest.raises(ConfigError) as err:
         rollout_budget.report(cfg, 8, native_1_5b)
     msg = str(err.value)
-    assert "768 sequences x 9216 tokens" in msg and "of 75.0 GiB free" in msg
+    # the trainer's gradients and AdamW moments come off the free memory: replicated, 3 x the parameters
+    # in bf16. Qwen2-1.5B's published 1,543,714,304 parameters, with this shape's untied head
+    # (151936 x 1536) and without the q/k/v biases (28 x 2048)
+    params = 1_543_714_304 + 151936 * 1536 - 28 * 2048
+    assert sum(p.numel() for p in native_1_5b.model.parameters()) == params
+    free = 75 * GiB - 3 * 2 * params
+    assert f"of {free / GiB:.1f} GiB free" in msg and "768 sequences x 9216 tokens" in msg
+    assert f"AdamW ({3 * 2 * params / GiB:.1f} GiB)" in msg
     for key in (
         "rollout.backend=vllm",
         "trainer.prompts_per_step",
@@ -69,9 +76,32 @@ def test_native_backend_at_the_presets_size_is_refused_naming_the_keys(preset, n
         "rollout.max_response_tokens",
     ):
         assert key in msg
-    assert "at most 10 prompts per rank" in msg  # 48 x 75 GiB / 331 GiB, rounded down
+    need = 1.75 * 768 * 9216 * 28672
+    assert f"at most {int(48 * free / need)} prompts per rank" in msg  # 9: 48 x 65 GiB / 331 GiB
     monkeypatch.setattr(NativeGenerator, "free_bytes", lambda self: 400 * GiB)
-    assert "of 400.0 GiB free" in rollout_budget.report(cfg, 8, native_1_5b)
+    line = rollout_budget.report(cfg, 8, native_1_5b)
+    assert f"of {(400 * GiB - 3 * 2 * params) / GiB:.1f} GiB free" in line
+
+
+def test_native_growth_under_fsdp_and_the_hosts_share(preset, native_1_5b, monkeypatch):
+    """Under FSDP2 the trainer keeps fp32 gradients and two moments of its shard (world / dp_replicate
+    ranks); on the host, the node's ranks share its memory."""
+    params = sum(p.numel() for p in native_1_5b.model.parameters())
+    monkeypatch.setattr(rollout_budget.dist, "is_initialized", lambda: True)
+    fsdp = dataclasses.replace(preset, model=dataclasses.replace(preset.model, fsdp=True, dp_replicate=2))
+    assert rollout_budget.trainer_growth_bytes(fsdp, 8, native_1_5b.model, "cuda") == 3 * 4 * params // 4
+    offload = dataclasses.replace(fsdp, model=dataclasses.replace(fsdp.model, cpu_offload=True))
+    assert rollout_budget.trainer_growth_bytes(offload, 8, native_1_5b.model, "cuda") == 0
+    monkeypatch.setattr(rollout_budget.dist, "is_initialized", lambda: False)
+    tiny = nn.Linear(64, 64, bias=False)  # 4096 fp32 parameters on the CPU
+    gen = types.SimpleNamespace(
+        model=types.SimpleNamespace(embed_tokens=tiny, parameters=tiny.parameters),
+        cache_bytes=lambda *a: 1 << 20,
+        free_bytes=lambda: 64 << 20,
+    )
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    line = rollout_budget.check_native(preset, 1, gen)
+    assert f"of {((64 << 20) // 4 - 3 * 4 * 4096) / 2**20:.1f} MiB free" in line
 
 
 def test_the_trainer_refuses_before_sampling(monkeypatch):
