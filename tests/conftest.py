@@ -12,3 +12,8 @@ from tally import pytest_collection_finish, pytest_runtest_logreport, pytest_ses
 # compiler is used.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The sandbox's `none` backend refuses to run code as root when the interpreter is hidden from other
+# users (as under /root/.pyenv): the suite still tests what `none` does provide there, and
+# tests/rewards/test_sandbox_root.py tests the refusal itself.
+os.environ.setdefault("PRORL_SANDBOX_ROOT_OK", "1")

@@ -32,8 +32,9 @@ What each guarantees (tests/rewards/test_sandbox*.py check it on the backends a 
 
 All modes: the seccomp filter (keyrings, user namespaces, ptrace, ...; none on architectures other
 than x86_64 and aarch64, with a warning), rlimits that the code cannot raise (4: `none` as root keeps
-the code root when the interpreter is hidden from other users, e.g. under /root: then it can raise
-them, and signal or write anything root can, including every process of the machine).
+the code root when the interpreter is hidden from other users, e.g. under /root: such a run is refused
+unless PRORL_SANDBOX_ROOT_OK=1, since the code could then raise them, and signal or write anything root
+can, including every process of the machine).
 
 "host files: none" means nothing outside the minimal root (datasets, checkpoints, home directories,
 /run's sockets); "host writes: none": every writable place is a private tmpfs, gone after the run.
@@ -291,8 +292,18 @@ def _none_workdir(work: str, uid: int | None) -> int | None:
     os.mkdir(work, 0o700)
     if uid is None:
         return None
-    if any(rootfs.hidden_from_others(p) for p in (sys.executable, os.path.realpath(sys.executable))):
-        log.warning("code sandbox `none`: the interpreter is hidden from other users: code runs as root")
+    exe = (sys.executable, os.path.realpath(sys.executable))
+    if any(rootfs.hidden_from_others(p) for p in exe):
+        if os.environ.get("PRORL_SANDBOX_ROOT_OK") != "1":
+            raise SandboxError(
+                f"code sandbox `none` as root: the interpreter {exe[1]} lies where other users cannot "
+                "read it (e.g. under /root), so the code cannot drop to an unprivileged uid and would "
+                "run as root (able to signal or write anything on the machine). Install Python or the "
+                "venv where other users can read it (/opt, /usr/local, chmod o+rx on its folders), make "
+                "a namespace sandbox work (install bubblewrap, allow user namespaces), or, in a "
+                "throwaway container, set PRORL_SANDBOX_ROOT_OK=1"
+            )
+        log.warning("code sandbox `none`: PRORL_SANDBOX_ROOT_OK=1: the code runs as root")
         return None
     os.chown(work, uid, uid)
     return uid
@@ -388,9 +399,11 @@ def run_python(
             if setup.parents:
                 pids = limits.nproc + _HELPERS[name]
                 cgroup = cgroups.Cgroup(setup, limits.memory_bytes, pids, limits.cpu_cores)
-        except (rootfs.LayoutError, OSError) as exc:
+        except (rootfs.LayoutError, OSError, SandboxError) as exc:
             for fd in (*inherit, started_r):
                 os.close(fd)
+            if isinstance(exc, SandboxError):
+                raise
             raise SandboxError(f"cannot set up the `{name}` sandbox: {exc}") from exc
         out_path, err_path = os.path.join(outer, "stdout"), os.path.join(outer, "stderr")
         start = time.monotonic()
