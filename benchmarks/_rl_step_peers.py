@@ -1,9 +1,7 @@
 """The pieces of rl_step.py that are not prorl's own code path: TRL's GRPOTrainer instrumented per phase
-(`TRLPhases`, `run_trl`), and the three ablations that swap one prorl piece for the conventional one:
-`naive_lle` (nofused), `padded_logprobs` (nopack), `HFGenerator` (hfgen).
-
-`rl_step.prorl_trainer` applies the ablations inside the benchmark's worker process (swaps on one
-Trainer object or on `prorl.trainer`'s module globals); nothing in prorl changes.
+(`TRLPhases`, `run_trl`), and the ablations that swap one prorl piece for the conventional one:
+`naive_lle` (nofused), `padded_logprobs` (nopack), `HFGenerator` (hfgen), applied by
+`rl_step.prorl_trainer` inside the worker process; nothing in prorl changes.
 """
 
 from __future__ import annotations

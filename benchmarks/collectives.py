@@ -3,26 +3,12 @@
     python -m benchmarks collectives [--quick] [--ranks 2] [--ops all_reduce,all_gather,reduce_scatter]
     torchrun --nproc_per_node=8 -m benchmarks.collectives [--quick]      # already under torchrun
 
-The floor that FSDP2's communication stands on (an FSDP2 step is one all-gather of the parameters per
-forward and backward and one reduce-scatter of the gradients). Backend: gloo on CPU, NCCL on CUDA (one
-GPU per rank, `LOCAL_RANK`). `python -m benchmarks collectives` starts `torchrun --standalone` itself
-with `--ranks` processes (default 2); each rank sets `torch.set_num_threads(--threads)` (default 1).
-
-Conventions are nccl-tests' (PERFORMANCE.md there): `size` is the bytes of the whole buffer - the
-all-reduce buffer, the all-gather OUTPUT (n x the per-rank piece), the reduce-scatter INPUT; fp32
-elements; time is per call, the slowest rank's, averaged over `--iters` calls after `--warmup` calls
-(with a barrier before each timed batch); algbw = size / time; busbw = algbw x 2(n-1)/n for all-reduce
-and x (n-1)/n for all-gather and reduce-scatter, the per-link bandwidth a ring needs, comparable
-across rank counts. p50/p20/p80 are over `--reps` batches. Sizes: 1 KiB to 64 MiB by 4x (`--quick`:
-1 KiB, 32 KiB, 1 MiB, 8 MiB). When nccl-tests' binaries (`all_reduce_perf`, `all_gather_perf`,
-`reduce_scatter_perf`) are on PATH and CUDA is present, the parent also runs each single-process over
-`--ranks` GPUs (`-g N`, same sizes) and records their out-of-place time / algbw / busbw (their standard
-table) under provider `nccl-tests`.
-
-Rows (harness.COLUMNS): provider `torch-gloo` / `torch-nccl` / `nccl-tests`, mode = the op, shape =
-"<size> B world=<n>", metrics `time` (us), `algbw` and `busbw` (GB/s, 1e9 bytes). Plot:
-collectives.png (busbw against size, one line per op and provider). On a shared 2-core CPU, gloo's
-numbers measure memory copies and loopback TCP under contention: compare shapes, not absolute values.
+gloo on CPU, NCCL on CUDA; the parent starts `torchrun --standalone` with `--ranks` processes. Sizes,
+time, algbw and busbw follow nccl-tests' conventions (size = the whole buffer; time = the slowest
+rank's per call; busbw = algbw x 2(n-1)/n for all-reduce, x (n-1)/n otherwise). With CUDA and
+nccl-tests' binaries on PATH their tables are recorded too (provider `nccl-tests`). Rows: provider
+`torch-gloo` / `torch-nccl` / `nccl-tests`, mode = the op, shape = "<size> B world=<n>", metrics time
+(us), algbw and busbw (GB/s); plot collectives.png. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -40,7 +26,6 @@ import time
 from pathlib import Path
 
 from benchmarks import harness, plot
-from benchmarks.report import readme
 from benchmarks.report.readme import View
 
 NAME = "collectives"
@@ -215,11 +200,8 @@ VIEW = View("busbw", ("time", "algbw"), (("nccl-tests", "multiple"),), higher_is
 
 def _finish(args, measured: dict, errors: list[str]) -> int:
     out = Path(args.out) if args.out else harness.RESULTS_DIR / f"{NAME}.csv"
-    common = dict(name=NAME, device=measured["device"], versions=measured["versions"])
-    common.update(git_rev=harness.git_rev(), timestamp=harness.utc_now())
-    rows = [dict(r, **common) for r in measured["rows"]]
-    harness.append_csv(out, rows)
-    print(readme.summary(NAME, rows, VIEW))
+    device, versions = measured["device"], measured["versions"]
+    rows = harness.record(NAME, measured["rows"], out, device=device, versions=versions, view=VIEW)
     if rows and not args.no_plot:
         try:
             print(f"plot: {plot.bandwidth(rows, out.with_suffix('.png'), list(OPS))}")

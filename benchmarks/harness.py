@@ -1,36 +1,23 @@
 """The shared benchmark harness: providers x modes x shapes -> time, throughput and peak extra memory.
 
-A benchmark module defines `build(provider, mode, shape, device) -> Step | None` (None: the provider
-has no such mode) and a `Benchmark`, whose `main` is its command line. Each provider runs in its own
-fresh worker process (same interpreter, `OMP_NUM_THREADS` and `torch.set_num_threads` both `threads`),
-so no provider inherits another's allocator state, compiled-graph caches or resident freed memory.
+A benchmark module defines `build(provider, mode, shape, device) -> Step | None` (None: no such mode
+for the provider) and a `Benchmark`, whose `main` is its command line. Each provider runs in a fresh
+worker process (`OMP_NUM_THREADS` and `torch.set_num_threads` both `threads`), so no provider inherits
+another's allocator state, compiled-graph caches or resident freed memory. Per (provider, shape, mode):
+- time (ms): `warmup` untimed calls (they absorb torch.compile and Triton JIT), then `reps` timed
+  calls of `step.run()` (after an untimed `step.prepare()`), CUDA synchronised on both sides;
+  p50/p20/p80 over the reps (linear interpolation).
+- gflops (CPU) / tflops and peak_fraction (% of `peak_tflops`, CUDA): `step.flops` / time, the same
+  nominal FLOP count for every provider of a mode ("effective" throughput).
+- peak_extra_memory (MB): one call after the timed ones, above the baseline after `step.prepare()`
+  (`PeakMemory`: CUDA max_memory_allocated; CPU the resident-set high-water mark VmHWM, reset through
+  /proc/self/clear_refs after gc and malloc_trim; no row where that file cannot be written).
 
-What is measured, per (provider, shape, mode):
-- time (ms): `warmup` untimed calls (they also absorb torch.compile and Triton JIT), then `reps` timed
-  calls; p50/p20/p80 over the reps (linear interpolation). Each call is `step.prepare()` (untimed: e.g.
-  clear `.grad`, or run the forward for mode `backward`) then `step.run()` timed with
-  `time.perf_counter`, with `torch.cuda.synchronize()` on both sides on CUDA.
-- gflops (CPU) / tflops and peak_fraction (% of `peak_tflops`, CUDA): `step.flops` / time per rep, the
-  same nominal FLOP count for every provider of a mode ("effective" throughput).
-- peak_extra_memory (MB = 2**20 bytes) of one call after the timed ones (`PeakMemory`), above a
-  baseline taken after the inputs exist and after `step.prepare()` (for mode `backward` it excludes
-  what the forward saved). CUDA: `max_memory_allocated()` after `reset_peak_memory_stats()` minus
-  `memory_allocated()` before (what the caching allocator handed out, not what it reserved). CPU: the
-  kernel's resident-set high-water mark VmHWM, reset to the current resident set (5 written to
-  /proc/self/clear_refs, Linux >= 4.0) after `gc.collect()` and glibc `malloc_trim(0)` (so memory left
-  cached by earlier calls cannot hide the call's own use). The mark is exact (kept by the kernel, not
-  sampled) and counts every resident page, allocator rounding and thread-stack first-touch included.
-  Where clear_refs cannot be written no memory row is written. One call: p20 = p50 = p80.
-
-Rows are appended to the CSV with the columns in `COLUMNS` (one row per metric; docs/architecture.md "Public
-names"). `device` is the CPU model (/proc/cpuinfo) or the GPU name; `versions` lists torch, triton,
-liger-kernel, the thread settings and any note of the provider; `git_rev` is the short commit with
-`+dirty` when tracked files differ from it; one `timestamp` (UTC, ISO 8601) per invocation; `command`
-is the invocation that produced the row (`command_line()` of the parent, which writes every row). CSVs
-written before the `command` column existed get it on the next append, empty for their old rows.
-
-Timing on shared machines varies (docs/notes.md: up to 30x with 2 threads on 2 busy cores): providers
-run one after another, so compare ratios within one invocation and look at the p20-p80 spread.
+Rows go to the CSV with the columns in `COLUMNS` (docs/architecture.md "Public names"); `versions`
+lists torch, triton, liger-kernel, the thread settings and the provider's note; `git_rev` is the
+short commit (`+dirty` when tracked files differ); one UTC `timestamp` per invocation; `command` the
+invocation. Timing on shared machines varies (up to 30x with 2 threads on 2 busy cores): compare
+ratios within one invocation and look at the p20-p80 spread. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -55,6 +42,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -515,7 +503,34 @@ def run_benchmark(name: str, providers: Sequence[str], spec: dict, *, out=None, 
     return rows, errors
 
 
+def record(name: str, rows: list[dict], out: Path | None, *, device: str, versions: str, view=None):
+    """Rows measured outside the workers (torchrun ranks, training runs) with the columns they share
+    added (a row's own keys win), appended to `out` (None: not written), the summary printed."""
+    from benchmarks.report.readme import summary
+
+    common = dict(name=name, device=device, versions=versions, git_rev=git_rev(), timestamp=utc_now())
+    rows = [dict(common, **r) for r in rows]
+    if out is not None:
+        append_csv(out, rows)
+    print(summary(name, rows, view))
+    return rows
+
+
+def cpu_name() -> str:
+    return device_name(SimpleNamespace(type="cpu"))
+
+
 # --- The command line of a benchmark --------------------------------------------------------------
+
+
+def ints(text: str) -> list[int]:
+    """An argparse `type`: comma-separated integers, as a list."""
+    return [int(x) for x in text.split(",")]
+
+
+def prorl_backend(provider: str, device) -> str:
+    """The backend of provider `prorl` (Triton on CUDA, native on the CPU) or `prorl-torch` (torch)."""
+    return "torch" if provider.endswith("-torch") else "triton" if device.type == "cuda" else "native"
 
 
 def subset_of(choices: Sequence[str]) -> Callable[[str], list[str]]:

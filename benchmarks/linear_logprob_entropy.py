@@ -3,31 +3,12 @@
     python -m benchmarks linear_logprob_entropy [--quick] [--threads N] [--providers a,b] [--out CSV]
     python -m benchmarks linear_logprob_entropy --gpu   # CUDA, bf16: benchmarks/gpu/linear_logprob_entropy.sh
 
-The op: per-token log p(label) and entropy of softmax(hidden [N, D] @ weight[V, D].T / T), fp32 outputs.
-Modes (harness.py): `forward` (the forward with autograd recording, as in training), `backward` (the
-backward alone, its forward run untimed), `full` (forward + backward of both outputs with random
-upstream gradients, as an RL loss gives them). Effective throughput counts the op's nominal FLOPs for
-every provider: 2NDV forward, 6NDV backward (logits recomputed), 8NDV full.
-
-Providers (CPU, fp32):
-- `prorl`: ours, native C++/OpenMP backend (`backend="native"`); on CUDA the Triton backend.
-- `prorl-torch`: ours, chunked torch backend (`backend="torch"`).
-- `naive`: eager unfused recipe: logits = (h @ W.T).float() / T, log_softmax + gather for logp, entropy
-  as logsumexp - sum(softmax * logits) (verl's `entropy_from_logits`); materialises several [N, V].
-- `naive-compile`: the same function under `torch.compile` (compile time is absorbed by the warm-up).
-- `liger-logp`: Liger-Kernel's chunked selective log-prob, the per-token path inside
-  `LigerFusedLinearGRPOLoss` (`LigerFusedLinearPPOBase.chunk_forward`: vocab chunks of 4096, its own
-  autograd backward). It computes log-probs ONLY, no entropy: it does less work than the op.
-- `liger-grpo-loss`: the whole `LigerFusedLinearGRPOLoss` (beta=0, no reference model, one sequence of
-  N tokens, its default compiled loss math), mode `full` only: its forward already computes the
-  gradients chunk by chunk, so `forward`/`backward` alone mean nothing for it. Also no entropy.
-- `sgemm-floor`: just the op's matmuls at BLAS speed, one GEMM per product into preallocated outputs:
-  forward Z = H W^T (2NDV); backward Z again, dH = dZ W, dW = dZ^T H (6NDV); full both (8NDV). No
-  exponentials, no memory row. `÷ sgemm-floor` in the summary is time / this time.
-GPU providers (`--gpu`, bf16): `prorl` (triton), `prorl-torch`, `naive`, `liger-flce` (Liger's Triton
-`liger_fused_linear_cross_entropy(reduction="none")`: per-token -logp only, no entropy, no temperature,
-default bf16 dW accumulation), `liger-flce-fp32acc` (the same with `accum_dtype=torch.float32`, as ours
-accumulates) and `gemm-floor` (the bf16 GEMMs).
+Per-token log p(label) and entropy of softmax(hidden [N, D] @ weight[V, D].T / T), modes forward /
+backward / full, every provider credited with the op's nominal FLOPs (2NDV forward, 6NDV backward,
+8NDV full). CPU providers: `prorl` (native; Triton on CUDA), `prorl-torch`, `naive` (eager [N, V]
+logits), `naive-compile`, `liger-logp` and `liger-grpo-loss` (Liger's chunked paths, log-probs only),
+`sgemm-floor` (the matmuls alone). GPU (`--gpu`, bf16): `prorl`, `prorl-torch`, `naive`, `liger-flce`,
+`liger-flce-fp32acc`, `gemm-floor`. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -115,11 +96,9 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     if provider in ("prorl", "prorl-torch"):
         from prorl.kernels import linear_logprob_entropy
 
-        backend = "torch" if provider == "prorl-torch" else ("triton" if device.type == "cuda" else "native")
-        forward, note = (
-            lambda: linear_logprob_entropy(h, w, y, temp, backend=backend),
-            f"prorl_backend={backend}",
-        )
+        backend = harness.prorl_backend(provider, device)
+        forward = lambda: linear_logprob_entropy(h, w, y, temp, backend=backend)
+        note = f"prorl_backend={backend}"
     elif provider == "naive":
         forward = lambda: naive_logprob_entropy(h, w, y, temp)
     elif provider == "naive-compile":
@@ -153,17 +132,15 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
 
 def _shapes(args) -> list[dict]:
     dtype = args.dtype or ("bfloat16" if args.gpu else "float32")
-    if args.shape:
-        dims = [tuple(int(x) for x in args.shape.split(","))]
-    else:
-        dims = [QUICK_SHAPE] if args.quick else list(GPU_SHAPES) if args.gpu else [CPU_SHAPE]
+    dims = [QUICK_SHAPE] if args.quick else list(GPU_SHAPES) if args.gpu else [CPU_SHAPE]
+    dims = [args.shape] if args.shape else dims
     return [make_shape(n, d, v, dtype, args.temperature) for n, d, v in dims]
 
 
 def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"tiny shape {QUICK_SHAPE}, 2 reps (seconds)")
     p.add_argument("--gpu", action="store_true", help="CUDA, bf16, the H200 shapes and GPU providers")
-    p.add_argument("--shape", default=None, help="N,D,V (overrides the default shapes)")
+    p.add_argument("--shape", type=harness.ints, help="N,D,V (overrides the default shapes)")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (GPU default) | float16")
     p.add_argument("--temperature", type=float, default=1.0)
 

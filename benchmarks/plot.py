@@ -2,15 +2,10 @@
 
     python -m benchmarks plot [linear_logprob_entropy | path/to/results.csv] [--outdir DIR]
 
-The command reads the long-format CSV the harness appends to (columns in harness.COLUMNS). For every
-(device, shape, provider, mode, metric) only the newest row (by timestamp) is drawn, so re-runs replace
-older points. One panel per (device, shape); bars grouped by mode, one bar per provider, at the p50 with
-a p20-p80 whisker; time on a log axis (the matmul floor and the unfused baseline differ by orders of
-magnitude). Writes <stem>_time.png and <stem>_memory.png next to the CSV (or into --outdir).
-
-The other functions draw one benchmark's figure and are called by that benchmark after its run:
-`rates` (rollout), `phases` and `scaling` (rl_step), `bandwidth` (collectives), `curves`
-(embedded_default).
+The command draws, per (device, shape) panel, the newest row of every (provider, mode, metric) as a
+bar at the p50 with a p20-p80 whisker (time on a log axis): <stem>_time.png and <stem>_memory.png.
+The other functions draw one benchmark's figure: `rates` (rollout), `phases` and `scaling`
+(rl_step), `bandwidth` (collectives), `curves` (embedded_default), `scheduling` (prompt_scheduling).
 """
 
 from __future__ import annotations

@@ -2,25 +2,12 @@
 
     python -m benchmarks rewards [--quick] [--workers 2] [--domains math,code] [--providers prorl,naive]
 
-Providers:
-- `prorl`: `prorl.rewards.pool.RewardPool(num_workers=--workers)` scoring one batch per call
-  (`score_batch`): worker processes, each item under the pool's hard timeout, the code verifier's
-  sandbox inside. Workers are started, preloaded and warmed before timing (the trainer keeps its pool).
-- `naive`: `prorl.rewards.score` in the calling process, one item after another: no isolation and no
-  timeout, the floor of what scoring costs without a pool (for code, each item still starts its sandbox).
-Workloads (fixed and deterministic; every score is checked against the known answer, and a batch with
-a wrong score, a timeout or an error is reported as an error, not a number):
-- math: boxed answers against LaTeX gold answers: integers, fraction vs decimal, equivalent radicals,
-  a polynomial in two forms, sets, intervals, and wrong or unboxed answers (half right, half wrong),
-  with numbers that change with the item index (`math_case`), so no parse cache is hit;
-- code: Python programs against 5 stdin/stdout tests or 3 function-call tests: correct, wrong answer,
-  syntax error.
-
-Rows (harness.COLUMNS, mode `full` = the whole verification, shape = "<domain> batch=<B>"): `time` (ms
-per batch) and `throughput` (verifications/s) with p50/p20/p80 over the timed batches; the note in
-`versions` names the worker count, the sandbox backend and math-verify's version. Each provider runs
-in its own harness worker process (the pool's workers are further processes); on a shared machine
-compare ratios within one invocation (docs/notes.md: timing on 2 busy cores varies severalfold).
+Providers: `prorl` (RewardPool workers, hard timeouts, the code sandbox) and `naive` (`score` in the
+calling process, one item after another). Fixed workloads: math (boxed answers against LaTeX gold,
+half right, numbers varying per item so no parse cache is hit) and code (programs against stdin/stdout
+or function-call tests); every score is checked against the known answer, and a batch with a wrong
+score, a timeout or an error is an error, not a number. Rows: time (ms per batch) and throughput
+(verifications/s). Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations

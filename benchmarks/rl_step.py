@@ -5,57 +5,13 @@
     python -m benchmarks rl_step --gpu                  # vLLM rollouts in both, bf16, big model
     python -m benchmarks rl_step --gpu --gpu-gen native --models tiny,random
 
-Equal work. Both trainers get the same checkpoint, the same prompts (the built-in digit_sums task, the
-tiny reasoner's chat template), P prompts x n samples per optimizer step, the same response cap L,
-temperature 1 over the whole vocabulary, the same verifier (`prorl.rewards.score("math", ...)`), a
-token-level loss with clip-higher (0.2 / 0.28), KL coefficient 1e-4 against a reference model, AdamW at
-the same learning rate (no weight decay, grad clip 1.0), one optimizer step per RL step, fp32, one
-process, the same torch/OMP thread count (`--threads`, default 1), `warmup` untimed steps then `reps`
-timed ones, each provider in a fresh worker process (harness.py). Settings:
-- prorl: a `prorl.trainer.Trainer` built in-process (`prorl_trainer`, the one place that knows the
-  Trainer's API) from the default preset with `prorl_overrides`: dynamic sampling off (every group is
-  trained on, as in TRL), length penalty off, 1 mini-batch, reference resets off, 1 RewardPool worker.
-- trl: `GRPOTrainer` (loss_type="dapo", epsilon 0.2, epsilon_high 0.28, beta 1e-4, num_generations=n,
-  max_completion_length=L, per_device_train_batch_size = P x n, use_vllm=False, bf16 off, use_cpu,
-  gradient_checkpointing off: TRL turns it on by default, which would cost it an extra forward).
-What is NOT identical, and why it does not favour prorl: neither makes an old-policy log-prob pass (one
-update per generation: old_logp = logp.detach() in both; prorl then measures sampler drift from the
-update's own forward). TRL scores in-process; prorl ships responses to a worker process. The advantage
-estimators (TRL: group-normalised GRPO; prorl: REINFORCE++-baseline) and KL estimators (k3 / k2) differ
-in a few element-wise ops. Response lengths are sampled, so tokens per step differ a little between
-runs: compare `tokens_per_s` as well as time per step (`response_tokens` is recorded).
-
-Phases (mode column, ms per optimizer step, p50/p20/p80 over the timed steps): `gen` (sampling),
-`reward` (verification), `old_logp` (no-grad log-prob passes: reference, and old policy where made),
-`update` (loss forward + backward + clip + optimizer step), `other` (step minus those: advantages,
-padding/packing, bookkeeping, the loop itself), `step` (wall time of the whole step; for TRL from one
-`on_step_end` to the next: `_rl_step_peers.TRLPhases`). Mode `step` also carries `tokens_per_s`
-(response tokens / step time), `response_tokens`, `peak_memory` (MB, harness.PeakMemory over the step:
-the process's resident-set high-water mark, RewardPool workers not counted; on CUDA
-max_memory_allocated) and `peak_extra_memory` (the same minus the baseline at step start).
-
-Providers: `prorl`, `trl`, and ablations of prorl named by what they switch off, combinable with `-`:
-`prorl-nofused` (unfused logits -> log_softmax instead of the fused op), `prorl-noshare` (each response
-packed with its own copy of the prompt instead of one copy per group, prorl/packing.py), `prorl-nopack`
-(right-padded [S, Lmax] batches, one per prompt + response, instead of packed sequences), `prorl-hfgen`
-(`transformers.generate` with output_scores instead of prorl's sampler), `prorl-nofused-nopack-hfgen`
-(all three); and `prorl-compile`, the native sampler's decode step under torch.compile
-(`rollout.compile=true`; its compilation, ~25 s, falls in the untimed warm-up steps: a start-up cost).
-Models: `tiny` = the shipped tiny reasoner (prorl/assets/tiny-reasoner, ~0.5M parameters, it answers
-and stops); `random` = a random-weight Qwen2 (~3M parameters) with the same tokenizer (it rarely
-samples the stop token, so most responses run to the cap); `large` (~130M), the --gpu default.
-`--scaling` (prorl only, tiny model, stop tokens ignored so that every response is exactly L tokens):
-from P=8, n=8, L=32, each of P, n and L doubled twice on its own; plotted as time per step against
-the work multiple (cost should grow no faster than the work).
-`--gpu`: bf16 in both; prorl with `VLLMGenerator` (weights pushed after every step, phase `sync`) and
-the policy on CUDA; TRL with colocated vLLM (which then makes the old-policy pass for its
-importance-sampling correction). `--gpu-gen native` (a GPU without vLLM): prorl samples with its native
-sampler on the CUDA policy (no `sync` phase), TRL with `transformers.generate` on CUDA (use_vllm=False:
-on-policy as on CPU). The note of every row says which (`gen=...`). The size options apply with `--gpu`
-as without it.
-
-Results: benchmarks/results/rl_step.csv, rl_step.png (phases stacked per provider) and
-rl_step_scaling.png; compare ratios within one invocation (harness.py on timing noise).
+Both trainers get the same checkpoint, prompts, P x n samples per step, response cap, temperature,
+verifier, clip-higher loss, KL 1e-4, AdamW settings and threads. Phases (mode column, ms per step):
+`gen`, `reward`, `old_logp`, `update`, `sync`, `other`, `step`; mode `step` also carries tokens_per_s,
+response_tokens, peak_memory and peak_extra_memory. Providers: `prorl`, `trl`, and prorl ablations
+named by what they switch off (`prorl-nofused`, `-noshare`, `-nopack`, `-hfgen`, combinable) and
+`prorl-compile`. Models: `tiny` (the shipped reasoner), `random` (~3M), `large` (~130M, the --gpu
+default). Results: rl_step.csv, rl_step.png, rl_step_scaling.png. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations

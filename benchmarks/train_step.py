@@ -2,53 +2,17 @@
 
     python -m benchmarks train_step [--quick] [--threads N] [--model small] [--seqs 16] [--lengths 64,512]
                                     [--providers a,b] [--reps R] [--warmup W] [--out CSV]
-    python -m benchmarks train_step --gpu     # CUDA: bf16, Qwen2-0.5B shape (see below)
+    python -m benchmarks train_step --gpu     # CUDA: bf16, Qwen2-0.5B shape
     python -m benchmarks train_step --gpu --model qwen2-1.5b --providers prorl,prorl-fp8,prorl-fp8-te
 
-One timed call = one training step's compute: forward, the loss, backward (parameter gradients are
-cleared untimed before each call; no optimizer step). Every provider runs on the same random weights
-(harness.random_checkpoint, under --ckpt-dir) and the same batch: `seqs` sequences of random token ids
-whose lengths are drawn uniformly from [min, max] (Python `random`, seed 0). The loss is the mean
-next-token NLL over the REAL tokens (each sequence's last token has no target), so every provider gets
-the same gradient; the loss value, computed once untimed, is written in the `versions` note
-(`loss=...`) as a check that the providers compute the same thing.
-
-Providers:
-- `prorl`: `prorl.engine.model.load_hf` -> Decoder on the packed [N] tokens with `cu_seqlens` (attention:
-  SDPA once per sequence on the CPU, flash-attn varlen on CUDA when installed), loss from
-  `prorl.kernels.linear_logprob_entropy` (native backend on the CPU, Triton on CUDA; no [N, V] logits).
-- `prorl-unfused`: the same decoder; loss via `Decoder.logits` -> fp32 log_softmax -> gather (the
-  difference to `prorl` is the fused op's share).
-- `prorl-fp8`, `prorl-fp8-te`: `prorl` with the decoder blocks' Linear layers converted to FP8
-  (engine/fp8.py; torchao tensorwise / Transformer Engine current scaling under its autocast; the LM
-  head stays in the fused op), the batch padded to the backend's token multiple with an ignored dummy
-  sequence. `prorl-fp8-te` runs on sm_90+ with TE only (skipped elsewhere). On the CPU torchao's GEMMs
-  are emulated (the CPU `_scaled_mm` is a reference kernel): CPU rows check that the path runs and its
-  loss, not FP8 speed. The GPU rows to compare: `--gpu --model qwen2-1.5b` (the ProRL v2 model) and
-  `--gpu --model qwen2-7b-layer` (one Qwen2-7B layer, untied 152K head).
-- `transformers-padded`: `AutoModelForCausalLM` (SDPA; flash_attention_2 on CUDA when installed) on the
-  right-padded [B, T_max] batch with `attention_mask`, logits -> fp32 log_softmax, NLL masked to the
-  real tokens: what a trainer does without packing.
-- `transformers-packed`: the same model on one row [1, N] of the packed tokens with `position_ids`
-  restarting at each sequence and no attention mask. transformers 5 detects the packing from the
-  position_ids (`masking_utils.find_packed_sequence_indices`); with SDPA (CPU) it then builds a
-  block-diagonal causal [1, 1, N, N] mask, so attention pays for all N^2 token pairs; with
-  flash_attention_2 (CUDA) it calls the varlen kernel. No padding either way. Checked on the CPU: its
-  loss equals the padded one (tests/benchmarks/test_bench_train_step.py).
-
-Rows (benchmarks/results/train_step.csv, one mode `full`): the harness's `time` (ms), `gflops` (CPU) or
-`tflops` and `peak_fraction` (CUDA), `peak_extra_memory` (MB, resident-set high-water mark above the
-baseline on the CPU); then `tokens_per_s` (REAL tokens / time; its p20 is the rate at the p80 time) and
-`padding_fraction` (% of the processed positions that are padding). FLOPs are the nominal 6 * P * N for
-every provider, N = real tokens and P = the parameters that take part in matmuls (all Linear weights and
-the LM head; the embedding lookup is not a matmul, the tied head is counted once); attention's own
-FLOPs are not counted. So on CUDA `peak_fraction` (against harness.H200_BF16_DENSE_TFLOPS = 989, the
-H100/H200 dense bf16 peak) is the MFU; the CPU has no known peak and no MFU.
-
-Model shapes (`--model`, MODELS): `small` (CPU default; head_dim 64, 28.44M parameters in matmuls,
-16.4M of them the head), `tiny` (--quick and tests), `qwen2-0.5b` (Qwen2-0.5B's shape). `--gpu`: device
-cuda, bf16 parameters and activations (the losses in fp32), `qwen2-0.5b`. Batches: CPU 8 sequences of
-64-512 tokens; --quick 4 of 16-64; --gpu 16 of 128-1024.
+One call = forward, the mean next-token NLL over the real tokens, backward (no optimizer step), on the
+same random weights and batch for every provider; each row's note carries the loss (`loss=...`) as a
+check that they compute the same thing. Providers: `prorl` (Decoder on packed tokens + the fused op),
+`prorl-unfused` (Decoder + [N, V] logits), `prorl-fp8` / `prorl-fp8-te` (FP8 block Linears: torchao /
+Transformer Engine), `transformers-padded` ([B, T_max] with a mask), `transformers-packed` (one row,
+position_ids restarting). Rows: time, gflops (CPU) or tflops + peak_fraction (= MFU, CUDA; FLOPs 6 x
+matmul parameters x real tokens), peak_extra_memory, tokens_per_s, padding_fraction.
+Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations

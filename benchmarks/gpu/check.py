@@ -1,27 +1,12 @@
 """The one prepared run for a lent GPU machine: `bash benchmarks/gpu_check.sh [RESULTS_DIR]`.
 
-Made for the machine it runs on: one H200, no network, the image's torch (2.11 + CUDA 13, Triton 3.6,
-transformers 5.17) and only the project tree plus at most 64 MiB of carried wheels, so Transformer
-Engine, flash-attn and CUDA vLLM are never there (their paths are skipped, saying so). The whole run
-fits in 6 minutes of wall time (`GPU_CHECK_DEADLINE`: 335 s from the start for all steps, the install too):
-steps run in order of how likely they are to crash on a GPU while passing on the CPU, each under its
-own time limit (cut to what is left of the budget; a step that would get less than `MIN_STEP_S` is
-skipped, saying so). Then one summary table; the exit status is 1 when any step failed or ran out of
-time, 2 when the machine has no CUDA device (checked first: nothing runs).
-
-Wheels (pure-Python packages the image lacks: the config's omegaconf, the math verifier, torchao for
-FP8) are carried in `.whl/` (ignored by git through .git/info/exclude; the device tool's
-`carry: [".whl"]`; these five are 3.9 MB), made on a machine with network for the image's Python 3.12:
-
-    pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl omegaconf==2.4.0 \\
-        antlr4-python3-runtime==4.13.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0 torchao==0.18.0
-
-Written to RESULTS_DIR (default `$OUT`, else benchmarks/results/gpu/): `gpu_check.log` (this run's
-own output), `gpu_check_summary.md` / `.json` (the table), `logs/<step>.log` (each step's output),
-`preset_*.json` (the preset runs' numbers), benchmark rows as `<benchmark>.csv`.
-
-`GPU_CHECK_ONLY=a,b` runs only those steps, `GPU_CHECK_SKIP=a,b` leaves those out.
+Made for one H200 without network, the image's torch and at most 64 MiB of carried wheels (`.whl/`,
+the device tool's `carry`): steps (benchmarks/gpu/plan.py) run most crash-prone first, each under its
+own limit, all within `GPU_CHECK_DEADLINE` (335 s); then one summary table. Exit 1 when a step failed
+or timed out, 2 at once without CUDA. `GPU_CHECK_ONLY=a,b` / `GPU_CHECK_SKIP=a,b` select steps.
+Written to RESULTS_DIR (default `$OUT`, else benchmarks/results/gpu/): gpu_check.log,
+gpu_check_summary.md / .json, logs/<step>.log, preset_*.json, benchmark CSVs. The wheels to carry, and
+how to make them: docs/benchmarks.md.
 """
 
 from __future__ import annotations
