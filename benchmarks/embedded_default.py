@@ -57,7 +57,7 @@ def main(argv=None) -> int:
             ("wall_time", "s", curve[-1][0]),
         ):
             rows.append(harness.single_row(metric, unit, value, **case))
-    harness.record(NAME, rows, args.out, device=harness.cpu_name(), versions="")
+    harness.record(NAME, rows, args.out, device=harness.device_name("cpu"), versions="")
     curves = {"RL (prorl, embedded default)": rl, "further SFT (control)": control}
     xlabel, ylabel = "minutes of training after the warm-start", "held-out greedy accuracy (200)"
     png = plot.curves(curves, args.out.with_suffix(".png"), xlabel, ylabel)

@@ -27,14 +27,12 @@ import csv
 import ctypes
 import datetime
 import gc
-import hashlib
 import importlib
 import importlib.metadata
 import json
 import os
 import platform
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,7 +40,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -55,7 +52,6 @@ COLUMNS_BEFORE_COMMAND = COLUMNS[:-1]  # older CSVs: append_csv adds the column 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 H200_BF16_DENSE_TFLOPS = 989.0
-CHECKPOINT_DIR = os.path.join(tempfile.gettempdir(), "prorl-bench")  # random_checkpoint's default folder
 
 
 @dataclass
@@ -242,7 +238,8 @@ def peak_extra_memory_mb(step: Step, device) -> float | None:
 
 
 def device_name(device) -> str:
-    if device.type == "cuda":
+    """The GPU's name, or the CPU model of /proc/cpuinfo; `device` a torch.device or its type."""
+    if getattr(device, "type", device) == "cuda":
         import torch
 
         return torch.cuda.get_device_name(device)
@@ -325,43 +322,6 @@ def worker_main(argv: Sequence[str]) -> None:
                 torch.cuda.empty_cache()
             with open(result_path, "w") as f:
                 json.dump(res.__dict__, f)
-
-
-def qwen2_shape(hidden: int, intermediate: int, layers: int, heads: int, **more) -> dict:
-    """`transformers.Qwen2Config` keywords of a model shape."""
-    shape = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers)
-    return dict(shape, num_attention_heads=heads, **more)
-
-
-def random_checkpoint(config: dict, *, std=None, tokenizer: Path | None = None, folder=CHECKPOINT_DIR) -> str:
-    """The directory of a random-weight Qwen2 checkpoint, built once per machine and config.
-
-    config: `transformers.Qwen2Config` keywords (default 2 KV heads, tied embeddings). Seed 0;
-    transformers' own init, or with `std` every parameter but the norms drawn from normal(0, std).
-    `tokenizer`: a checkpoint directory whose tokenizer files are copied in. The directory name hashes
-    all of these (a new shape, a new directory); it is written under a temporary name and renamed, so a
-    concurrent worker sees a whole checkpoint or none."""
-    config = dict(dict(num_key_value_heads=2, tie_word_embeddings=True), **config)
-    key = json.dumps([config, std, tokenizer and Path(tokenizer).name], sort_keys=True)
-    path = os.path.join(folder, f"qwen2-{hashlib.sha1(key.encode()).hexdigest()[:10]}")
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config))
-    if std is not None:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" not in name:
-                    p.normal_(0, std)
-    tmp = f"{path}.tmp{os.getpid()}"
-    model.save_pretrained(tmp)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja") if tokenizer else ():
-        shutil.copy(Path(tokenizer) / f, tmp)
-    os.replace(tmp, path)
-    return path
 
 
 # --- Orchestration (the parent process) -----------------------------------------------------------
@@ -516,10 +476,6 @@ def record(name: str, rows: list[dict], out: Path | None, *, device: str, versio
     return rows
 
 
-def cpu_name() -> str:
-    return device_name(SimpleNamespace(type="cpu"))
-
-
 # --- The command line of a benchmark --------------------------------------------------------------
 
 
@@ -550,15 +506,12 @@ class Benchmark:
     """A benchmark's command line: `main(argv)` parses it, runs the providers in their workers, appends
     the rows to the CSV, prints the summary and plots.
 
-    name: the benchmark's, that of its module benchmarks/<name>.py (its `build`, its docstring).
-    Options every benchmark has: --threads --providers --reps --warmup --timeout --out, --modes when there
-    is more than one mode, --no-plot and --plot-only when it plots; `options` adds --quick and its own.
-    The device is `cuda` when those give `--gpu` or `--device cuda`, else `cpu`.
-    providers: the default ones (a function of the parsed options, or a sequence, which --providers
-    must then be a subset of unless `known_providers` says otherwise). shapes: the shape dicts.
-    derive(rows, args): rows computed from the measured ones (e.g. tokens/s), appended to the CSV too.
-    The summary is the README's table of the run (`view`, default the README's view), then `notes` (or
-    `notes(args)`). plot(csv, rows, args): draws the CSV, returns the PNG paths.
+    Options every benchmark has: --threads --providers --reps --warmup --timeout --out, --modes with
+    more than one mode, --no-plot and --plot-only when it plots; `options` adds --quick and its own.
+    The device is `cuda` with `--gpu` or `--device cuda`. providers: the defaults (a sequence, which
+    --providers must be a subset of unless `known_providers` says otherwise, or a function of the
+    options). derive(rows, args): rows computed from the measured ones, appended too. The summary is
+    the README's table of the run (`view`), then `notes`. plot(csv, rows, args) -> the PNG paths.
     """
 
     name: str

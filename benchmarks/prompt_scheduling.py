@@ -77,7 +77,7 @@ def main(argv=None) -> int:
             tokens[provider] = [(r["step"], r[key]) for r in metrics if key in r]
     versions = f"OMP_NUM_THREADS=1 2 procs; {harness.command_line(argv)}"
     out = None if args.quick else args.out
-    harness.record(NAME, rows, out, device=harness.cpu_name(), versions=versions)
+    harness.record(NAME, rows, out, device=harness.device_name("cpu"), versions=versions)
     png = plot.scheduling(tokens, curves, args.out.with_suffix(".png"))
     print(f"wrote {'' if args.quick else str(args.out) + ' and '}{png}")
     return 0

@@ -24,6 +24,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from benchmarks import harness, plot
+from benchmarks._checkpoints import qwen2_shape, random_checkpoint
 from benchmarks.report.readme import View
 
 NAME = "rl_step"
@@ -35,8 +36,8 @@ METRIC_OF_PHASE = {"old_logp": "old_log_prob", "update": "update_actor", "sync":
 SUMMARY = ("tokens_per_s", "response_tokens", "peak_memory")  # the console summary's columns after the phases
 TINY = Path(__file__).resolve().parent.parent / "prorl" / "assets" / "tiny-reasoner"
 RANDOM_MODELS = {  # random-weight Qwen2 checkpoints with the tiny reasoner's tokenizer (vocab 100)
-    "random": harness.qwen2_shape(256, 768, 4, 4, max_position_embeddings=512),
-    "large": harness.qwen2_shape(1024, 2816, 12, 16, max_position_embeddings=4096),
+    "random": qwen2_shape(256, 768, 4, 4, max_position_embeddings=512),
+    "large": qwen2_shape(1024, 2816, 12, 16, max_position_embeddings=4096),
 }
 LR = 3e-5
 GPU_GENS = ("vllm", "native")  # --gpu-gen: the samplers of the --gpu run
@@ -55,7 +56,7 @@ def model_path(name: str) -> str:
     with open(TINY / "config.json") as f:
         vocab = json.load(f)["vocab_size"]
     config = dict(RANDOM_MODELS[name], vocab_size=vocab, rms_norm_eps=1e-6)
-    return harness.random_checkpoint(config, tokenizer=TINY)
+    return random_checkpoint(config, tokenizer=TINY)
 
 
 EQUAL_WORK = (  # the Trainer's fixed overrides (module docstring)

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import harness, plot
+from benchmarks._checkpoints import qwen2_shape, random_checkpoint
 
 NAME = "rollout"
 PROVIDERS = ("prorl", "transformers", "vllm")  # the defaults
@@ -24,9 +25,9 @@ DTYPES = ("float32", "bfloat16")
 MODES = ("generate", "weight_sync", "weight_sync_checked")
 PROMPT_LEN = 32
 CHECKPOINTS = {  # Qwen2, 2 KV heads, tied embeddings; medium is GPU-sized: only when named in --ckpts
-    "tiny": harness.qwen2_shape(128, 512, 2, 4, vocab_size=512),
-    "small": harness.qwen2_shape(512, 1536, 8, 8, vocab_size=32000),
-    "medium": harness.qwen2_shape(1024, 3584, 12, 16, vocab_size=32000),
+    "tiny": qwen2_shape(128, 512, 2, 4, vocab_size=512),
+    "small": qwen2_shape(512, 1536, 8, 8, vocab_size=32000),
+    "medium": qwen2_shape(1024, 3584, 12, 16, vocab_size=32000),
 }
 DEFAULT_CKPTS = ("tiny", "small")
 _ENGINES: dict = {}  # (provider, checkpoint) -> generator; one engine start per worker process
@@ -44,7 +45,7 @@ def make_shapes(ckpts, batches, news, dtype: str = "float32") -> list[dict]:
 
 def checkpoint_path(name: str) -> str:
     """The directory of checkpoint `name` (built once per machine)."""
-    return harness.random_checkpoint(dict(CHECKPOINTS[name], max_position_embeddings=1024), std=0.05)
+    return random_checkpoint(dict(CHECKPOINTS[name], max_position_embeddings=1024), std=0.05)
 
 
 def prompts(shape: dict) -> list[list[int]]:

@@ -22,6 +22,7 @@ import random
 import sys
 
 from benchmarks import harness
+from benchmarks._checkpoints import CHECKPOINT_DIR, qwen2_shape, random_checkpoint
 from benchmarks.report.readme import View
 
 NAME = "train_step"
@@ -30,13 +31,13 @@ GPU_PROVIDERS = PROVIDERS + ("prorl-fp8-te",)  # Transformer Engine: CUDA sm_90+
 FP8_PROVIDERS = {"prorl-fp8": "torchao", "prorl-fp8-te": "te"}
 REFERENCE = "transformers-padded"
 MODELS = {  # Qwen2, 2 KV heads, tied embeddings
-    "tiny": harness.qwen2_shape(64, 128, 2, 4, vocab_size=512),
-    "small": harness.qwen2_shape(512, 1536, 4, 8, vocab_size=32000),
-    "qwen2-0.5b": harness.qwen2_shape(896, 4864, 24, 14, vocab_size=151936),
+    "tiny": qwen2_shape(64, 128, 2, 4, vocab_size=512),
+    "small": qwen2_shape(512, 1536, 4, 8, vocab_size=32000),
+    "qwen2-0.5b": qwen2_shape(896, 4864, 24, 14, vocab_size=151936),
     # the ProRL v2 model (Nemotron-Research-Reasoning-Qwen-1.5B = DeepSeek-R1-Distill-Qwen-1.5B's shape)
-    "qwen2-1.5b": harness.qwen2_shape(1536, 8960, 28, 12, vocab_size=151936, tie_word_embeddings=False),
+    "qwen2-1.5b": qwen2_shape(1536, 8960, 28, 12, vocab_size=151936, tie_word_embeddings=False),
     # one decoder layer of Qwen2-7B (28 heads, 4 KV heads): where FP8 GEMMs pay off most
-    "qwen2-7b-layer": harness.qwen2_shape(
+    "qwen2-7b-layer": qwen2_shape(
         3584, 18944, 1, 28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False
     ),
 }
@@ -61,7 +62,7 @@ def padding_fraction(lengths: list[int]) -> float:
 
 def checkpoint_path(model: str, ckpt_dir: str) -> str:
     """The directory of the randomly initialised (normal(0, 0.02)) Qwen2 checkpoint of shape `model`."""
-    return harness.random_checkpoint(dict(MODELS[model], max_position_embeddings=4096), folder=ckpt_dir)
+    return random_checkpoint(dict(MODELS[model], max_position_embeddings=4096), folder=ckpt_dir)
 
 
 def make_batch(lengths: list[int], vocab: int, device):
@@ -131,14 +132,14 @@ def matmul_params(model) -> int:
     return linear + (model.lm_head_weight.numel() if model.lm_head is None else 0)
 
 
-def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
-    """The Step that measures `provider` on `shape` (mode `full`)."""
+def _model(provider: str, shape: dict, device):
+    """(model, its FP8 converter or None, transformers' attn_implementation or None) of `provider`."""
     import torch
     from prorl.engine.model import load_hf
 
     dtype = getattr(torch, shape["dtype"])
     path = checkpoint_path(shape["model"], shape["ckpt_dir"])
-    fp8 = None
+    fp8 = impl = None
     if provider in FP8_PROVIDERS:
         from prorl.engine.fp8 import FP8Training, fp8_support
 
@@ -146,10 +147,9 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
         if not available:
             raise RuntimeError(f"{provider} needs Transformer Engine on a CUDA sm_90+ device: {reason}")
         fp8 = FP8Training(FP8_PROVIDERS[provider])
-    if provider in ("prorl", "prorl-unfused") or fp8 is not None:
+    if provider.startswith("prorl"):
         model = load_hf(path, dtype=dtype, device=device)
-        if fp8 is not None:
-            model = fp8.convert(model)
+        model = fp8.convert(model) if fp8 is not None else model
     else:
         import transformers
         from prorl.engine.attention import flash_attn_available
@@ -158,67 +158,85 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
         model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=impl)
         model.to(device)
     model.train()  # no dropout in Qwen2; train mode as a trainer runs it
-    b = make_batch(shape["lengths"], model.config.vocab_size, device)
-    max_len = max(shape["lengths"])
+    return model, fp8, impl
 
-    if provider == "prorl" or fp8 is not None:
-        from prorl.kernels import linear_logprob_entropy
 
-        backend = "triton" if device.type == "cuda" else "native"
-        if fp8 is not None:
-            b = pad_batch(b, fp8.token_multiple)
-        autocast = fp8.autocast if fp8 is not None else contextlib.nullcontext
+def _prorl_loss(provider: str, model, b: dict, fp8, device, max_len: int):
+    """(loss function, note) of our Decoder on the packed batch: fused op, or [N, V] logits."""
+    attention = f"attention={model.attention_backend(device).name}"
+    if provider == "prorl-unfused":
 
-        def loss_fn():
-            with autocast():  # TE: FP8 forward; torchao: no context
-                hidden = model(b["ids"], b["position_ids"], b["cu_seqlens"], max_seqlen=max_len)  # [N, D]
-            logp, _ = linear_logprob_entropy(
-                hidden, model.lm_head_weight, b["labels"], return_entropy=False, backend=backend
-            )
-            valid = b["labels"] != -100
-            return -(logp * valid).sum() / valid.sum()
-
-        note = f"loss_backend={backend} attention={model.attention_backend(device).name}"
-        if fp8 is not None:
-            emulated = any(getattr(getattr(m, "config", None), "emulate", False) for m in model.modules())
-            note += f" fp8={fp8.backend}:{fp8.recipe}" + (" emulated_gemm" if emulated else "")
-    elif provider == "prorl-unfused":
-
-        def loss_fn():
+        def unfused():
             hidden = model(b["ids"], b["position_ids"], b["cu_seqlens"], max_seqlen=max_len)  # [N, D]
             return nll_from_logits(model.logits(hidden), b["labels"])  # [N, V] logits
 
-        note = f"loss_path=logits+log_softmax attention={model.attention_backend(device).name}"
-    elif provider == "transformers-padded":
+        return unfused, f"loss_path=logits+log_softmax {attention}"
+    from prorl.kernels import linear_logprob_entropy
 
-        def loss_fn():
+    backend = "triton" if device.type == "cuda" else "native"
+    autocast = fp8.autocast if fp8 is not None else contextlib.nullcontext
+
+    def fused():
+        with autocast():  # TE: FP8 forward; torchao: no context
+            hidden = model(b["ids"], b["position_ids"], b["cu_seqlens"], max_seqlen=max_len)  # [N, D]
+        logp, _ = linear_logprob_entropy(
+            hidden, model.lm_head_weight, b["labels"], return_entropy=False, backend=backend
+        )
+        valid = b["labels"] != -100
+        return -(logp * valid).sum() / valid.sum()
+
+    note = f"loss_backend={backend} {attention}"
+    if fp8 is not None:
+        emulated = any(getattr(getattr(m, "config", None), "emulate", False) for m in model.modules())
+        note += f" fp8={fp8.backend}:{fp8.recipe}" + (" emulated_gemm" if emulated else "")
+    return fused, note
+
+
+def _transformers_loss(provider: str, model, b: dict, impl: str):
+    """(loss function, note) of transformers' model on the right-padded or the packed batch."""
+    if provider == "transformers-padded":
+
+        def padded():
             out = model(input_ids=b["padded_ids"], attention_mask=b["attention_mask"], use_cache=False)
             return nll_from_logits(out.logits, b["padded_labels"])  # [B, T, V] logits
 
-        note = f"attn_implementation={impl} padding={100 * padding_fraction(shape['lengths']):.1f}%"
-    elif provider == "transformers-packed":
+        lengths = b["attention_mask"].sum(1).tolist()
+        return padded, f"padding={100 * padding_fraction(lengths):.1f}%"
 
-        def loss_fn():
-            out = model(input_ids=b["ids"][None], position_ids=b["position_ids"][None], use_cache=False)
-            return nll_from_logits(out.logits[0], b["labels"])  # [N, V] logits
+    def packed():
+        ids, positions = b["ids"][None], b["position_ids"][None]
+        out = model(input_ids=ids, position_ids=positions, use_cache=False)
+        return nll_from_logits(out.logits[0], b["labels"])  # [N, V] logits
 
-        mask = "NxN_block_causal_mask" if impl == "sdpa" else "varlen"
-        note = f"attn_implementation={impl} packed_via_position_ids {mask}"
-    else:
+    mask = "NxN_block_causal_mask" if impl == "sdpa" else "varlen"
+    return packed, f"packed_via_position_ids {mask}"
+
+
+def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
+    """The Step that measures `provider` on `shape` (mode `full`)."""
+    import torch
+
+    if provider not in GPU_PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}")
-
+    model, fp8, impl = _model(provider, shape, device)
+    b = make_batch(shape["lengths"], model.config.vocab_size, device)
+    if provider.startswith("prorl"):
+        b = pad_batch(b, fp8.token_multiple) if fp8 is not None else b
+        loss_fn, note = _prorl_loss(provider, model, b, fp8, device, max(shape["lengths"]))
+    else:
+        loss_fn, note = _transformers_loss(provider, model, b, impl)
+        version = harness.dist_version("transformers")
+        note = f"transformers={version} attn_implementation={impl} {note}"
     with torch.no_grad():
         loss = float(loss_fn())
-    if provider.startswith("transformers"):
-        note = f"transformers={harness.dist_version('transformers')} {note}"
-
-    def clear_grads():
-        model.zero_grad(set_to_none=True)
-
-    p_matmul = matmul_params(model)
-    flops = 6.0 * p_matmul * sum(shape["lengths"])
-    note = f"{note} loss={loss:.6f} matmul_params={p_matmul} tokens={sum(shape['lengths'])}"
-    return harness.Step(run=lambda: loss_fn().backward(), prepare=clear_grads, flops=flops, note=note)
+    p_matmul, tokens = matmul_params(model), sum(shape["lengths"])
+    note = f"{note} loss={loss:.6f} matmul_params={p_matmul} tokens={tokens}"
+    return harness.Step(
+        run=lambda: loss_fn().backward(),
+        prepare=lambda: model.zero_grad(set_to_none=True),
+        flops=6.0 * p_matmul * tokens,
+        note=note,
+    )
 
 
 def derived_rows(rows: list[dict], args) -> list[dict]:
@@ -246,7 +264,7 @@ def _options(p) -> None:
     p.add_argument("--model", choices=sorted(MODELS), default=None, help="model shape (default small)")
     p.add_argument("--seqs", type=int, default=None, help="sequences per batch")
     p.add_argument("--lengths", default=None, help="MIN,MAX sequence length")
-    p.add_argument("--ckpt-dir", default=harness.CHECKPOINT_DIR, help="where the random checkpoints live")
+    p.add_argument("--ckpt-dir", default=CHECKPOINT_DIR, help="where the random checkpoints live")
 
 
 def _shapes(args) -> list[dict]:
