@@ -135,11 +135,11 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
 
 def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"V={QUICK_VOCABS}, 2 reps")
-    p.add_argument("--vocab", default=None, help=f"comma-separated V (default {VOCABS})")
+    p.add_argument("--vocab", type=harness.ints, help=f"comma-separated V (default {VOCABS})")
 
 
 def _shapes(args) -> list[dict]:
-    vocabs = [int(x) for x in args.vocab.split(",")] if args.vocab else QUICK_VOCABS if args.quick else VOCABS
+    vocabs = args.vocab or (QUICK_VOCABS if args.quick else VOCABS)
     return [dict(V=v, label=f"V={v} B={B} T={P}+{C} D={D} fp32") for v in vocabs]
 
 

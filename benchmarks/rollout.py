@@ -172,15 +172,15 @@ def _options(p) -> None:
         help=f"comma-separated subset of {','.join(CHECKPOINTS)}",
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu | cuda")
-    p.add_argument("--dtype", default=None, choices=DTYPES, help="default float32 on cpu, bfloat16 on cuda")
-    p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 16,64)")
-    p.add_argument("--new", default=None, help="comma-separated new-token counts (default 128,512)")
+    p.add_argument("--dtype", choices=DTYPES, help="default float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--batches", type=harness.ints, help="comma-separated batch sizes (default 16,64)")
+    p.add_argument("--new", type=harness.ints, help="comma-separated new-token counts (default 128,512)")
 
 
 def _shapes(args) -> list[dict]:
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    batches = [int(b) for b in args.batches.split(",")] if args.batches else [16] if args.quick else [16, 64]
-    news = [int(n) for n in args.new.split(",")] if args.new else [128] if args.quick else [128, 512]
+    batches = args.batches or ([16] if args.quick else [16, 64])
+    news = args.new or ([128] if args.quick else [128, 512])
     return make_shapes(args.ckpts, batches, news, dtype)
 
 
