@@ -23,9 +23,9 @@ def random_checkpoint(config: dict, *, std=None, tokenizer: Path | None = None, 
 
     config: `transformers.Qwen2Config` keywords (default 2 KV heads, tied embeddings). Seed 0;
     transformers' own init, or with `std` every parameter but the norms drawn from normal(0, std).
-    `tokenizer`: a checkpoint directory whose tokenizer files are copied in. The directory name hashes
-    all of these (a new shape, a new directory); it is written under a temporary name and renamed, so a
-    concurrent worker sees a whole checkpoint or none."""
+    `tokenizer`: a checkpoint directory whose tokenizer files are copied in. The directory name
+    hashes all of these (a new shape, a new directory); it is written under a temporary name and
+    renamed, so a concurrent worker sees a whole checkpoint or none."""
     config = dict(dict(num_key_value_heads=2, tie_word_embeddings=True), **config)
     key = json.dumps([config, std, tokenizer and Path(tokenizer).name], sort_keys=True)
     path = os.path.join(folder, f"qwen2-{hashlib.sha1(key.encode()).hexdigest()[:10]}")

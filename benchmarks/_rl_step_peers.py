@@ -46,9 +46,10 @@ def _padded_attention_backend(length: int):
 
 def padded_logprobs(model, batch, temperature, grad: bool, entropy: bool = False, lle=None):
     """Updater.logprobs as a padded trainer computes it: every sequence right-padded to the longest one
-    of the batch and run as one [S, Lmax] batch (one batched SDPA call, pad tokens through every layer
-    and the LM head); the real tokens' values, from `lle` (default the fused op), in packed order.
-    Needs plain packing (share_prompts off: a shared-prompt layout has no padded equivalent)."""
+    of the batch and run as one [S, Lmax] batch (one batched SDPA call, pad tokens through every
+    layer and the LM head); the real tokens' values, from `lle` (default the fused op), in packed
+    order. Needs plain packing (share_prompts off: a shared-prompt layout has no padded
+    equivalent)."""
     from prorl.kernels import linear_logprob_entropy
 
     if batch.kv_index is not None:
@@ -160,10 +161,11 @@ class TRLPhases:
     `profiling_context` reports only to W&B / MLflow).
 
     gen = `_generate` (prompt tokenisation, `generate`, decoding); reward = `_calculate_rewards`;
-    old_logp = `_get_per_token_logps_and_entropies` under no_grad (the reference model's pass, and the
-    old-policy pass when TRL makes one); update = `training_step` minus `_prepare_inputs` (loss forward
-    and backward) + from its return to `on_step_end` (grad clipping, optimizer and scheduler step);
-    step = from one `on_step_end` to the next (the whole loop, data loading and logging included).
+    old_logp = `_get_per_token_logps_and_entropies` under no_grad (the reference model's pass, and
+    the old-policy pass when TRL makes one); update = `training_step` minus `_prepare_inputs` (loss
+    forward and backward) + from its return to `on_step_end` (grad clipping, optimizer and scheduler
+    step); step = from one `on_step_end` to the next (the whole loop, data loading and logging
+    included).
     """
 
     def __init__(self, memory):
@@ -235,7 +237,8 @@ class TRLPhases:
 
 def run_trl(work: dict, model_path: str, steps: int, memory, gpu: bool, gen: str = "vllm") -> tuple:
     """TRL's GRPOTrainer on the same model, prompts and settings; returns (per-step records, note). On
-    `gpu`, `gen` = "vllm" (colocated vLLM) or "native" (transformers.generate on CUDA, use_vllm=False)."""
+    `gpu`, `gen` = "vllm" (colocated vLLM) or "native" (transformers.generate on CUDA,
+    use_vllm=False)."""
     import shutil
     import tempfile
 

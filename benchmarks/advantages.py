@@ -2,11 +2,11 @@
 
     python -m benchmarks advantages [--quick] [--threads N] [--groups G1,G2] [--n 16] [--algos a,b]
 
-G groups of n = 16 responses, rewards in {0, 1}, lengths uniform in [1, 1024]; the `shape` column names
-the algorithm: `reinforce++-baseline` (ProRL v2: group mean subtracted, then token-weighted whitening
-over the batch) or `grpo` (ProRL v1: divided by the group's unbiased std + 1e-6). Mode `forward` only.
-Providers: `prorl`, `prorl-dense` (num_groups=G: no torch.unique), `python-loop` (verl's per-response
-loops transcribed). Details: docs/benchmarks.md.
+G groups of n = 16 responses, rewards in {0, 1}, lengths uniform in [1, 1024]; the `shape` column
+names the algorithm: `reinforce++-baseline` (ProRL v2: group mean subtracted, then token-weighted
+whitening over the batch) or `grpo` (ProRL v1: divided by the group's unbiased std + 1e-6). Mode
+`forward` only. Providers: `prorl`, `prorl-dense` (num_groups=G: no torch.unique), `python-loop`
+(verl's per-response loops transcribed). Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ EPS = 1e-6
 
 def verl_loop(scores, index, epsilon=None):
     """verl's compute_grpo_outcome_advantage (with `epsilon`: divided by the group std + epsilon) or
-    compute_reinforce_plus_plus_baseline_outcome_advantage (without), on [B] scores, a list of ids."""
+    compute_reinforce_plus_plus_baseline_outcome_advantage (without), on [B] scores, a list of
+    ids."""
     import torch
 
     scores = scores.clone()

@@ -1,14 +1,15 @@
 """Collective bandwidth under torchrun: all-reduce, all-gather, reduce-scatter across message sizes.
 
-    python -m benchmarks collectives [--quick] [--ranks 2] [--ops all_reduce,all_gather,reduce_scatter]
-    torchrun --nproc_per_node=8 -m benchmarks.collectives [--quick]      # already under torchrun
+    python -m benchmarks collectives [--quick] [--ranks 2] [--ops
+    all_reduce,all_gather,reduce_scatter] torchrun --nproc_per_node=8 -m benchmarks.collectives
+    [--quick]      # already under torchrun
 
-gloo on CPU, NCCL on CUDA; the parent starts `torchrun --standalone` with `--ranks` processes. Sizes,
-time, algbw and busbw follow nccl-tests' conventions (size = the whole buffer; time = the slowest
-rank's per call; busbw = algbw x 2(n-1)/n for all-reduce, x (n-1)/n otherwise). With CUDA and
-nccl-tests' binaries on PATH their tables are recorded too (provider `nccl-tests`). Rows: provider
-`torch-gloo` / `torch-nccl` / `nccl-tests`, mode = the op, shape = "<size> B world=<n>", metrics time
-(us), algbw and busbw (GB/s); plot collectives.png. Details: docs/benchmarks.md.
+gloo on CPU, NCCL on CUDA; the parent starts `torchrun --standalone` with `--ranks` processes.
+Sizes, time, algbw and busbw follow nccl-tests' conventions (size = the whole buffer; time = the
+slowest rank's per call; busbw = algbw x 2(n-1)/n for all-reduce, x (n-1)/n otherwise). With CUDA
+and nccl-tests' binaries on PATH their tables are recorded too (provider `nccl-tests`). Rows:
+provider `torch-gloo` / `torch-nccl` / `nccl-tests`, mode = the op, shape = "<size> B world=<n>",
+metrics time (us), algbw and busbw (GB/s); plot collectives.png. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations

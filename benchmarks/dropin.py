@@ -1,13 +1,14 @@
 """Stock vs prorl drop-in inside each peer (TRL, verl, OpenRLHF): one update's time and peak extra memory.
 
-    python -m benchmarks dropin [--quick] [--vocab 32768,151936] [--providers a,b] [--threads N] [--out CSV]
+    python -m benchmarks dropin [--quick] [--vocab 32768,151936] [--providers a,b] [--threads N]
+    [--out CSV]
 
 A tiny random Qwen2 (hidden 128, 2 layers, untied head, fp32) at each vocabulary size, B = 8
 sequences of 8 prompt + 128 completion tokens; one call = forward and backward of one update of the
 peer's own code. Providers: `trl` / `trl-fused` (GRPOTrainer / FusedGRPOTrainer; `trl-loss` on
 request), `verl` / `verl-fused` (its fused-kernel forward / with verl_fused_plugin), `openrlhf` /
-`openrlhf-fused` (Actor.forward / openrlhf_actor_forward). verl and OpenRLHF import with the stand-ins
-of tests/peers/peer_stubs.py (the peers venv, .ci/peers.sh). Details: docs/benchmarks.md.
+`openrlhf-fused` (Actor.forward / openrlhf_actor_forward). verl and OpenRLHF import with the
+stand-ins of tests/peers/peer_stubs.py (the peers venv, .ci/peers.sh). Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -2,16 +2,17 @@
 
 A benchmark module defines `build(provider, mode, shape, device) -> Step | None` (None: no such mode
 for the provider) and a `Benchmark`, whose `main` is its command line. Each provider runs in a fresh
-worker process (`OMP_NUM_THREADS` and `torch.set_num_threads` both `threads`), so no provider inherits
-another's allocator state, compiled-graph caches or resident freed memory. Per (provider, shape, mode):
+worker process (`OMP_NUM_THREADS` and `torch.set_num_threads` both `threads`), so no provider
+inherits another's allocator state, compiled-graph caches or resident freed memory. Per (provider,
+shape, mode):
 - time (ms): `warmup` untimed calls (they absorb torch.compile and Triton JIT), then `reps` timed
   calls of `step.run()` (after an untimed `step.prepare()`), CUDA synchronised on both sides;
   p50/p20/p80 over the reps (linear interpolation).
 - gflops (CPU) / tflops and peak_fraction (% of `peak_tflops`, CUDA): `step.flops` / time, the same
   nominal FLOP count for every provider of a mode ("effective" throughput).
 - peak_extra_memory (MB): one call after the timed ones, above the baseline after `step.prepare()`
-  (`PeakMemory`: CUDA max_memory_allocated; CPU the resident-set high-water mark VmHWM, reset through
-  /proc/self/clear_refs after gc and malloc_trim; no row where that file cannot be written).
+  (`PeakMemory`: CUDA max_memory_allocated; CPU the resident-set high-water mark VmHWM, reset
+  through /proc/self/clear_refs after gc and malloc_trim; no row where that file cannot be written).
 
 Rows go to the CSV with the columns in `COLUMNS` (docs/architecture.md "Public names"); `versions`
 lists torch, triton, liger-kernel, the thread settings and the provider's note; `git_rev` is the
@@ -178,8 +179,8 @@ def time_step(step: Step, device, warmup: int, reps: int) -> list[float]:
 
 class PeakMemory:
     """Peak memory (MB) between `start()` and `stop()` (module docstring): CUDA max_memory_allocated,
-    else the resident-set high-water mark. `stop()` returns (peak, peak - baseline), or None on a CPU
-    where the mark cannot be reset."""
+    else the resident-set high-water mark. `stop()` returns (peak, peak - baseline), or None on a
+    CPU where the mark cannot be reset."""
 
     def __init__(self, device):
         self.device = device
@@ -291,10 +292,10 @@ def measure_step(spec: dict, provider: str, mode: str, shape: dict, device) -> l
 def worker_main(argv: Sequence[str]) -> None:
     """Entry of the worker process: argv = [spec JSON, result path]. Measures one provider.
 
-    Each (shape, mode) case is `spec["measure"]` ("module:function", default `measure_step`) called as
-    (spec, provider, mode, shape, device) -> rows (None: no such case); a failing case is recorded as an
-    error and the others still run. The result file is rewritten after every case, so a later crash
-    (an OOM kill) keeps what was measured."""
+    Each (shape, mode) case is `spec["measure"]` ("module:function", default `measure_step`) called
+    as (spec, provider, mode, shape, device) -> rows (None: no such case); a failing case is
+    recorded as an error and the others still run. The result file is rewritten after every case, so
+    a later crash (an OOM kill) keeps what was measured."""
     import torch
 
     spec, result_path = json.loads(argv[0]), argv[1]
@@ -379,9 +380,9 @@ def run_provider(provider: str, spec: dict, timeout: float | None = None) -> Res
 def command_line(argv: Sequence[str] | None = None) -> str:
     """The invocation as a shell command, from `argv` (default: this process's sys.argv).
 
-    `python -m benchmarks rl_step --quick` has sys.argv[0] = <repo>/benchmarks/__main__.py and is given
-    back as written; another script of the repository is named as a module (`python -m benchmarks.x`),
-    anything else by its file name.
+    `python -m benchmarks rl_step --quick` has sys.argv[0] = <repo>/benchmarks/__main__.py and is
+    given back as written; another script of the repository is named as a module (`python -m
+    benchmarks.x`), anything else by its file name.
     """
     argv = list(sys.argv if argv is None else argv)
     if not argv or not argv[0]:
@@ -436,9 +437,9 @@ def append_csv(path: Path, rows: Sequence[dict]) -> None:
 def run_benchmark(name: str, providers: Sequence[str], spec: dict, *, out=None, timeout=None) -> tuple:
     """Measure every provider (one worker each), append all rows to the CSV; return (rows, errors).
 
-    spec: what the workers read: module (the benchmark's), modes, shapes (dicts with at least a `label`,
-    the CSV `shape` column, and whatever `build` reads), device, threads, warmup, reps, peak_tflops,
-    measure (`worker_main`), and any keys of the benchmark's own.
+    spec: what the workers read: module (the benchmark's), modes, shapes (dicts with at least a
+    `label`, the CSV `shape` column, and whatever `build` reads), device, threads, warmup, reps,
+    peak_tflops, measure (`worker_main`), and any keys of the benchmark's own.
     """
     defaults = dict(device="cpu", warmup=1, reps=5, measure="benchmarks.harness:measure_step")
     spec = dict(defaults, peak_tflops=H200_BF16_DENSE_TFLOPS, **spec)

@@ -1,14 +1,15 @@
 """Benchmark of `prorl.kernels.linear_logprob_entropy` against unfused and fused peers.
 
-    python -m benchmarks linear_logprob_entropy [--quick] [--threads N] [--providers a,b] [--out CSV]
-    python -m benchmarks linear_logprob_entropy --gpu   # CUDA, bf16: benchmarks/gpu/linear_logprob_entropy.sh
+    python -m benchmarks linear_logprob_entropy [--quick] [--threads N] [--providers a,b] [--out
+    CSV] python -m benchmarks linear_logprob_entropy --gpu   # CUDA, bf16:
+    benchmarks/gpu/linear_logprob_entropy.sh
 
 Per-token log p(label) and entropy of softmax(hidden [N, D] @ weight[V, D].T / T), modes forward /
 backward / full, every provider credited with the op's nominal FLOPs (2NDV forward, 6NDV backward,
 8NDV full). CPU providers: `prorl` (native; Triton on CUDA), `prorl-torch`, `naive` (eager [N, V]
-logits), `naive-compile`, `liger-logp` and `liger-grpo-loss` (Liger's chunked paths, log-probs only),
-`sgemm-floor` (the matmuls alone). GPU (`--gpu`, bf16): `prorl`, `prorl-torch`, `naive`, `liger-flce`,
-`liger-flce-fp32acc`, `gemm-floor`. Details: docs/benchmarks.md.
+logits), `naive-compile`, `liger-logp` and `liger-grpo-loss` (Liger's chunked paths, log-probs
+only), `sgemm-floor` (the matmuls alone). GPU (`--gpu`, bf16): `prorl`, `prorl-torch`, `naive`,
+`liger-flce`, `liger-flce-fp32acc`, `gemm-floor`. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations

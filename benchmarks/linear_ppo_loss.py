@@ -1,11 +1,13 @@
 """Benchmark of `prorl.kernels.linear_ppo_loss` (loss from hidden states, 6NDV) against its GEMM floor.
 
-    python -m benchmarks linear_ppo_loss [--quick] [--threads N] [--shape N,D,V] [--providers a,b] [--out CSV]
+    python -m benchmarks linear_ppo_loss [--quick] [--threads N] [--shape N,D,V] [--providers a,b]
+    [--out CSV]
 
 Mode `full` only (the op computes its gradients in the forward); every provider credited with 6NDV
-FLOPs; inputs as linear_logprob_entropy's, the loss ppo_loss's. Providers (CPU, fp32): `prorl` (fused,
-native), `prorl-torch`, `prorl-unfused` (linear_logprob_entropy then ppo_loss, 8NDV), `naive` (eager
-[N, V] logits, verl's loss), `sgemm-floor` (the three products alone). Details: docs/benchmarks.md.
+FLOPs; inputs as linear_logprob_entropy's, the loss ppo_loss's. Providers (CPU, fp32): `prorl`
+(fused, native), `prorl-torch`, `prorl-unfused` (linear_logprob_entropy then ppo_loss, 8NDV),
+`naive` (eager [N, V] logits, verl's loss), `sgemm-floor` (the three products alone). Details:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations

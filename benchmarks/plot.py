@@ -52,7 +52,8 @@ def _spread(r: dict) -> tuple[float, float]:
 
 def _bars(ax, by: dict, groups: list, providers: list, reference: str | None = None) -> None:
     """Bars at the p50 with p20-p80 whiskers of `by[(group, provider)]`: one x tick per group, one bar
-    (and colour) per provider; with `reference`, each bar's ratio to its bar of the same run above it."""
+    (and colour) per provider; with `reference`, each bar's ratio to its bar of the same run above
+    it."""
     width = 0.8 / max(1, len(providers))
     for i, provider in enumerate(providers):
         shown = [(j, by[(g, provider)]) for j, g in enumerate(groups) if (g, provider) in by]
@@ -88,7 +89,8 @@ def plot(csv_path: Path, outdir: Path | None = None) -> list[Path]:
         fig, axes = plt.subplots(len(shown), 1, figsize=(11, 4.2 * len(shown)), squeeze=False)
         for ax, (device, shape) in zip(axes[:, 0], shown):
             panel_rows = [r for r in rows if r["device"] == device and r["shape"] == shape]
-            # every provider of the panel keeps its slot and colour, so the time and memory figures line up
+            # every provider of the panel keeps its slot and colour, so the time and memory figures
+            # line up
             providers = list(dict.fromkeys(r["provider"] for r in panel_rows))
             modes = [m for m in MODES if any(r["mode"] == m and r["metric"] == metric for r in panel_rows)]
             _bars(

@@ -1,12 +1,12 @@
 """Benchmark of `prorl.kernels.ppo_loss` against the same loss in eager torch, as trainers write it.
 
-    python -m benchmarks ppo_loss [--quick] [--threads N] [--sizes N1,N2] [--providers a,b] [--out CSV]
-    python -m benchmarks ppo_loss --device cuda
+    python -m benchmarks ppo_loss [--quick] [--threads N] [--sizes N1,N2] [--providers a,b] [--out
+    CSV] python -m benchmarks ppo_loss --device cuda
 
-The ProRL v2 loss (clip 0.2 / 0.28, k2 KL 1e-4 with the log-ratio clamped, token-mean, clip fractions)
-on padded [B, T] log-probs, modes forward / backward / full; rows are time and peak extra memory.
-Providers: `prorl` (native on the CPU, Triton on CUDA), `prorl-torch`, `naive` (verl's eager loss),
-`trl-style` (TRL's eager dapo loss, k3 KL). Details: docs/benchmarks.md.
+The ProRL v2 loss (clip 0.2 / 0.28, k2 KL 1e-4 with the log-ratio clamped, token-mean, clip
+fractions) on padded [B, T] log-probs, modes forward / backward / full; rows are time and peak extra
+memory. Providers: `prorl` (native on the CPU, Triton on CUDA), `prorl-torch`, `naive` (verl's eager
+loss), `trl-style` (TRL's eager dapo loss, k3 KL). Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations

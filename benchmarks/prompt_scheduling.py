@@ -2,10 +2,11 @@
 
     OMP_NUM_THREADS=1 python -m benchmarks prompt_scheduling [--steps 300] [--providers ...]
 
-The embedded default (torchrun, 2 CPU processes), same seed and steps per provider: `dynamic-sampling`
-(scheduler.mode=none), `pass-rate` (prorl/scheduler.py), `exclude-solved` (open-instruct's rule).
-Metrics over the run: gen_tokens_per_kept_group, kept_group_fraction, wall_time, val_accuracy (mean of
-the last three evaluations); plot prompt_scheduling.png. Details: docs/benchmarks.md.
+The embedded default (torchrun, 2 CPU processes), same seed and steps per provider:
+`dynamic-sampling` (scheduler.mode=none), `pass-rate` (prorl/scheduler.py), `exclude-solved`
+(open-instruct's rule). Metrics over the run: gen_tokens_per_kept_group, kept_group_fraction,
+wall_time, val_accuracy (mean of the last three evaluations); plot prompt_scheduling.png. Details:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations

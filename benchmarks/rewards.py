@@ -1,13 +1,14 @@
 """Benchmark of reward verification: verifications per second for math and code, RewardPool vs in-process.
 
-    python -m benchmarks rewards [--quick] [--workers 2] [--domains math,code] [--providers prorl,naive]
+    python -m benchmarks rewards [--quick] [--workers 2] [--domains math,code] [--providers
+    prorl,naive]
 
 Providers: `prorl` (RewardPool workers, hard timeouts, the code sandbox) and `naive` (`score` in the
 calling process, one item after another). Fixed workloads: math (boxed answers against LaTeX gold,
-half right, numbers varying per item so no parse cache is hit) and code (programs against stdin/stdout
-or function-call tests); every score is checked against the known answer, and a batch with a wrong
-score, a timeout or an error is an error, not a number. Rows: time (ms per batch) and throughput
-(verifications/s). Details: docs/benchmarks.md.
+half right, numbers varying per item so no parse cache is hit) and code (programs against
+stdin/stdout or function-call tests); every score is checked against the known answer, and a batch
+with a wrong score, a timeout or an error is an error, not a number. Rows: time (ms per batch) and
+throughput (verifications/s). Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,18 @@
 """End-to-end RL step: prorl's Trainer vs TRL's GRPOTrainer at equal work, per phase, with ablations.
 
-    python -m benchmarks rl_step [--quick] [--threads 1] [--models tiny,random] [--providers prorl,trl,...]
-    python -m benchmarks rl_step --scaling [--quick]    # prorl only: prompts, group size, length doubled
-    python -m benchmarks rl_step --gpu                  # vLLM rollouts in both, bf16, big model
-    python -m benchmarks rl_step --gpu --gpu-gen native --models tiny,random
+    python -m benchmarks rl_step [--quick] [--threads 1] [--models tiny,random] [--providers
+    prorl,trl,...] python -m benchmarks rl_step --scaling [--quick]    # prorl only: prompts, group
+    size, length doubled python -m benchmarks rl_step --gpu                  # vLLM rollouts in
+    both, bf16, big model python -m benchmarks rl_step --gpu --gpu-gen native --models tiny,random
 
 Both trainers get the same checkpoint, prompts, P x n samples per step, response cap, temperature,
 verifier, clip-higher loss, KL 1e-4, AdamW settings and threads. Phases (mode column, ms per step):
-`gen`, `reward`, `old_logp`, `update`, `sync`, `other`, `step`; mode `step` also carries tokens_per_s,
-response_tokens, peak_memory and peak_extra_memory. Providers: `prorl`, `trl`, and prorl ablations
-named by what they switch off (`prorl-nofused`, `-noshare`, `-nopack`, `-hfgen`, combinable) and
-`prorl-compile`. Models: `tiny` (the shipped reasoner), `random` (~3M), `large` (~130M, the --gpu
-default). Results: rl_step.csv, rl_step.png, rl_step_scaling.png. Details: docs/benchmarks.md.
+`gen`, `reward`, `old_logp`, `update`, `sync`, `other`, `step`; mode `step` also carries
+tokens_per_s, response_tokens, peak_memory and peak_extra_memory. Providers: `prorl`, `trl`, and
+prorl ablations named by what they switch off (`prorl-nofused`, `-noshare`, `-nopack`, `-hfgen`,
+combinable) and `prorl-compile`. Models: `tiny` (the shipped reasoner), `random` (~3M), `large`
+(~130M, the --gpu default). Results: rl_step.csv, rl_step.png, rl_step_scaling.png. Details:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -218,7 +219,8 @@ def measure(spec: dict, provider: str, mode: str, w: dict, device) -> list[dict]
 
 def newest_runs(path: Path, device: str | None, scaling: bool) -> list[dict]:
     """Rows of the CSV for the plots: per shape, only the newest invocation that measured it (providers
-    are compared within one invocation, never across), on `device` (None: the newest row's device)."""
+    are compared within one invocation, never across), on `device` (None: the newest row's
+    device)."""
     rows = [r for r in harness.read_csv(path) if ("nostop" in r["shape"]) == scaling]
     device = device or max(rows, key=lambda r: r["timestamp"], default={}).get("device")
     rows = [r for r in rows if r["device"] == device]

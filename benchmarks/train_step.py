@@ -1,18 +1,19 @@
 """Training step throughput: our Decoder + fused loss on packed sequences vs transformers' Qwen2 (fwd+bwd).
 
-    python -m benchmarks train_step [--quick] [--threads N] [--model small] [--seqs 16] [--lengths 64,512]
+    python -m benchmarks train_step [--quick] [--threads N] [--model small] [--seqs 16] [--lengths
+    64,512]
                                     [--providers a,b] [--reps R] [--warmup W] [--out CSV]
-    python -m benchmarks train_step --gpu     # CUDA: bf16, Qwen2-0.5B shape
-    python -m benchmarks train_step --gpu --model qwen2-1.5b --providers prorl,prorl-fp8,prorl-fp8-te
+    python -m benchmarks train_step --gpu     # CUDA: bf16, Qwen2-0.5B shape python -m benchmarks
+    train_step --gpu --model qwen2-1.5b --providers prorl,prorl-fp8,prorl-fp8-te
 
-One call = forward, the mean next-token NLL over the real tokens, backward (no optimizer step), on the
-same random weights and batch for every provider; each row's note carries the loss (`loss=...`) as a
-check that they compute the same thing. Providers: `prorl` (Decoder on packed tokens + the fused op),
-`prorl-unfused` (Decoder + [N, V] logits), `prorl-fp8` / `prorl-fp8-te` (FP8 block Linears: torchao /
-Transformer Engine), `transformers-padded` ([B, T_max] with a mask), `transformers-packed` (one row,
-position_ids restarting). Rows: time, gflops (CPU) or tflops + peak_fraction (= MFU, CUDA; FLOPs 6 x
-matmul parameters x real tokens), peak_extra_memory, tokens_per_s, padding_fraction.
-Details: docs/benchmarks.md.
+One call = forward, the mean next-token NLL over the real tokens, backward (no optimizer step), on
+the same random weights and batch for every provider; each row's note carries the loss (`loss=...`)
+as a check that they compute the same thing. Providers: `prorl` (Decoder on packed tokens + the
+fused op), `prorl-unfused` (Decoder + [N, V] logits), `prorl-fp8` / `prorl-fp8-te` (FP8 block
+Linears: torchao / Transformer Engine), `transformers-padded` ([B, T_max] with a mask),
+`transformers-packed` (one row, position_ids restarting). Rows: time, gflops (CPU) or tflops +
+peak_fraction (= MFU, CUDA; FLOPs 6 x matmul parameters x real tokens), peak_extra_memory,
+tokens_per_s, padding_fraction. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -34,7 +35,8 @@ MODELS = {  # Qwen2, 2 KV heads, tied embeddings
     "tiny": qwen2_shape(64, 128, 2, 4, vocab_size=512),
     "small": qwen2_shape(512, 1536, 4, 8, vocab_size=32000),
     "qwen2-0.5b": qwen2_shape(896, 4864, 24, 14, vocab_size=151936),
-    # the ProRL v2 model (Nemotron-Research-Reasoning-Qwen-1.5B = DeepSeek-R1-Distill-Qwen-1.5B's shape)
+    # the ProRL v2 model (Nemotron-Research-Reasoning-Qwen-1.5B = DeepSeek-R1-Distill-Qwen-1.5B's
+    # shape)
     "qwen2-1.5b": qwen2_shape(1536, 8960, 28, 12, vocab_size=151936, tie_word_embeddings=False),
     # one decoder layer of Qwen2-7B (28 heads, 4 KV heads): where FP8 GEMMs pay off most
     "qwen2-7b-layer": qwen2_shape(

@@ -1,12 +1,12 @@
 """The one prepared run for a lent GPU machine: `bash benchmarks/gpu_check.sh [RESULTS_DIR]`.
 
 Made for one H200 without network, the image's torch and at most 64 MiB of carried wheels (`.whl/`,
-the device tool's `carry`): steps (benchmarks/gpu/plan.py) run most crash-prone first, each under its
-own limit, all within `GPU_CHECK_DEADLINE` (335 s); then one summary table. Exit 1 when a step failed
-or timed out, 2 at once without CUDA. `GPU_CHECK_ONLY=a,b` / `GPU_CHECK_SKIP=a,b` select steps.
-Written to RESULTS_DIR (default `$OUT`, else benchmarks/results/gpu/): gpu_check.log,
-gpu_check_summary.md / .json, logs/<step>.log, preset_*.json, benchmark CSVs. The wheels to carry, and
-how to make them: docs/benchmarks.md.
+the device tool's `carry`): steps (benchmarks/gpu/plan.py) run most crash-prone first, each under
+its own limit, all within `GPU_CHECK_DEADLINE` (335 s); then one summary table. Exit 1 when a step
+failed or timed out, 2 at once without CUDA. `GPU_CHECK_ONLY=a,b` / `GPU_CHECK_SKIP=a,b` select
+steps. Written to RESULTS_DIR (default `$OUT`, else benchmarks/results/gpu/): gpu_check.log,
+gpu_check_summary.md / .json, logs/<step>.log, preset_*.json, benchmark CSVs. The wheels to carry,
+and how to make them: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """What `benchmarks/gpu_check.sh` runs, in order (benchmarks/gpu/check.py runs it).
 
-Order: first the paths that pass on the CPU but can crash on a GPU (CUDA's FP8 GEMM shape rules, NCCL,
-CPU offload, the sampler and validation on CUDA), then the CUDA tests of the kernels and attention, then
-the embedded default, then benchmark rows while the budget lasts. Limits are ceilings, sized from the
-H200 runs of 2026-11-30 (benchmarks/results/gpu/gpu_check_run*.log: tests/gpu with attention took 83 s,
-the embedded default's 60 steps 44 s); the budget cuts the last ones.
+Order: first the paths that pass on the CPU but can crash on a GPU (CUDA's FP8 GEMM shape rules,
+NCCL, CPU offload, the sampler and validation on CUDA), then the CUDA tests of the kernels and
+attention, then the embedded default, then benchmark rows while the budget lasts. Limits are
+ceilings, sized from the H200 runs of 2026-11-30 (benchmarks/results/gpu/gpu_check_run*.log:
+tests/gpu with attention took 83 s, the embedded default's 60 steps 44 s); the budget cuts the last
+ones.
 """
 
 from __future__ import annotations
@@ -73,7 +74,8 @@ def plan(python: str, env: dict, results: str) -> list[Step]:
              "compiled Triton kernels vs float64, no host sync, sampler vs transformers, trainer on CUDA"),
         Step("gpu_other", 60, _pytest(python, results, "gpu_other", *others),
              "the other files of tests/gpu", None if others else "no other file in tests/gpu"),
-        # only the CUDA cases: test_flex_compiled_matches_reference compiles for the CPU (~40 s cold)
+        # only the CUDA cases: test_flex_compiled_matches_reference compiles for the CPU (~40 s
+        # cold)
         Step("attention", 60, _pytest(python, results, "attention", "tests/engine/test_attention.py",
                                       "-k", "cuda or flex_eager or flash_matches"),
              "SDPA and FlexAttention forward and backward on CUDA (flash-attn: not installable here)"),

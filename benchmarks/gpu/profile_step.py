@@ -1,10 +1,12 @@
 """Where prorl's RL step spends its time on a GPU, and the fused ops' device-only times.
 
-    python -m benchmarks.gpu.profile_step [--model random] [--steps 6] [--prompts 16] [--n 8] [--max-new 128]
+    python -m benchmarks.gpu.profile_step [--model random] [--steps 6] [--prompts 16] [--n 8]
+    [--max-new 128]
 
 1. rl_step's prorl Trainer (bf16, native sampler) on cuda:0: phase times and Triton kernels compiled
-   per step, then again with each SDPA kernel family switched off in turn; 2. torch.profiler's top ops
-   over one step; 3. ppo_loss (Triton) wall and CUDA-graph device times at N = 4K / 64K / 1M tokens.
+   per step, then again with each SDPA kernel family switched off in turn; 2. torch.profiler's top
+   ops over one step; 3. ppo_loss (Triton) wall and CUDA-graph device times at N = 4K / 64K / 1M
+   tokens.
 Prints only; nothing is written to the results CSVs.
 """
 

@@ -5,8 +5,9 @@
 Rewrites the text between `<!-- perf:begin -->` and `<!-- perf:end -->`. Per results CSV and machine
 one table: the newest row of each (provider, mode, shape, metric); the metrics `VIEWS` picks; ratios
 to a baseline provider only within the same invocation (same timestamp); the runs the rows come from
-(command, machine, date, git revision); links to the benchmark's PNGs. Only numbers the CSVs hold are
-printed. `--check` writes nothing and exits 1 when the block is stale or the markers are missing.
+(command, machine, date, git revision); links to the benchmark's PNGs. Only numbers the CSVs hold
+are printed. `--check` writes nothing and exits 1 when the block is stale or the markers are
+missing.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ GENERATED = "<!-- generated from benchmarks/results/*.csv by `python -m benchmar
 class View:
     """What one benchmark's table shows.
 
-    primary: the metric shown as p50 (p20–p80) in the first value column (rows without it are skipped).
-    extras: further metrics, p50 only, when any row has them.
-    ratios: (provider, kind): `speedup` = the baseline's primary p50 / the row's (higher is better; the
+    primary: the metric shown as p50 (p20–p80) in the first value column (rows without it are
+    skipped). extras: further metrics, p50 only, when any row has them. ratios: (provider, kind):
+    `speedup` = the baseline's primary p50 / the row's (higher is better; the
       inverse when `higher_is_better`), `multiple` = the row's p50 / the baseline's.
     phases: when set, one row per (shape, provider): primary and extras from mode `total`, then one
       column per phase (mode) with that mode's primary p50.
@@ -340,8 +341,8 @@ def _render_folder(results: Path, readme: Path) -> list[str]:
     return out
 
 
-# sub-folders of the results folder rendered after it, each under its own heading (their rows come from
-# another machine: kept apart so that plots never mix machines)
+# sub-folders of the results folder rendered after it, each under its own heading (their rows come
+# from another machine: kept apart so that plots never mix machines)
 SUBFOLDERS = {
     "gpu": "GPU runs (a lent H200; `bash benchmarks/gpu_check.sh`, which writes to benchmarks/results/gpu)",
 }
