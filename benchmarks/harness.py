@@ -47,9 +47,9 @@ if TYPE_CHECKING:
     from benchmarks.report.readme import View
 
 MODES = ("forward", "backward", "full")
-COLUMNS = ("name", "provider", "mode", "shape", "metric", "unit", "p50", "p20", "p80", "device", "versions")
-COLUMNS += ("git_rev", "timestamp", "command")
-COLUMNS_BEFORE_COMMAND = COLUMNS[:-1]  # older CSVs: append_csv adds the column (empty = not recorded)
+COLUMNS = ("name", "provider", "mode", "shape", "metric", "unit", "p50", "p20", "p80", "device")
+COLUMNS += ("versions", "git_rev", "timestamp", "command")
+COLUMNS_BEFORE_COMMAND = COLUMNS[:-1]  # older CSVs: append_csv adds the column (empty)
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 H200_BF16_DENSE_TFLOPS = 989.0
@@ -57,7 +57,7 @@ H200_BF16_DENSE_TFLOPS = 989.0
 
 @dataclass
 class Step:
-    """One measurable call: `prepare()` untimed, then `run()` timed. `flops` = nominal FLOPs of `run`."""
+    """One measurable call: `prepare()` untimed, then `run()` timed; `flops`: nominal, of `run`."""
 
     run: Callable[[], object]
     prepare: Callable[[], None] = lambda: None
@@ -67,8 +67,8 @@ class Step:
 
 
 def autograd_step(mode: str, forward, leaves, grads, flops: float = 0.0, note: str = "") -> Step:
-    """The Step of mode forward | backward | full of `forward()` -> a tuple of outputs, differentiated
-    with `grads` (one per output); `leaves` get their `.grad` cleared before every call."""
+    """The Step of mode forward | backward | full of `forward()` -> a tuple of outputs,
+    differentiated with `grads` (one per output); `leaves` get their `.grad` cleared first."""
     import torch
 
     saved = {}
@@ -86,7 +86,8 @@ def autograd_step(mode: str, forward, leaves, grads, flops: float = 0.0, note: s
         return Step(run=forward, prepare=clear_grads, flops=flops, note=note)
     if mode == "full":
         return Step(run=lambda: backward(forward()), prepare=clear_grads, flops=flops, note=note)
-    return Step(run=lambda: backward(saved.pop("outs")), prepare=prepare_backward, flops=flops, note=note)
+    run = lambda: backward(saved.pop("outs"))
+    return Step(run=run, prepare=prepare_backward, flops=flops, note=note)
 
 
 @dataclass
@@ -100,9 +101,6 @@ class Result:
     versions: str = ""
 
 
-# --- Rows -----------------------------------------------------------------------------------------
-
-
 def quantile(xs: Sequence[float], q: float) -> float:
     """Linear-interpolation quantile (numpy's default) of a non-empty sequence."""
     s = sorted(xs)
@@ -113,7 +111,7 @@ def quantile(xs: Sequence[float], q: float) -> float:
 
 
 def row(metric: str, unit: str, values: Sequence[float], **fields) -> dict:
-    """A row of `metric` with the p50/p20/p80 of `values`, plus `fields` (mode, shape, note, ...)."""
+    """A row of `metric` with the p50/p20/p80 of `values`, plus `fields` (mode, shape, note)."""
     q = {f"p{p}": quantile(values, p / 100) for p in (50, 20, 80)}
     return dict(metric=metric, unit=unit, **q, **fields)
 
@@ -123,10 +121,11 @@ def single_row(metric: str, unit: str, value: float, **fields) -> dict:
     return dict(metric=metric, unit=unit, p50=value, p20=value, p80=value, **fields)
 
 
-def rate_row(time_row: dict, amount: float, metric: str, unit: str, seconds_per_unit: float = 1e-3) -> dict:
+def rate_row(time_row: dict, amount: float, metric: str, unit: str, seconds_per_unit=1e-3) -> dict:
     """`amount` per second from a time row: its p20 is the rate at the p80 time and vice versa."""
     rate = lambda t: amount / (time_row[t] * seconds_per_unit)
-    return dict(time_row, metric=metric, unit=unit, p50=rate("p50"), p20=rate("p80"), p80=rate("p20"))
+    rates = dict(p50=rate("p50"), p20=rate("p80"), p80=rate("p20"))
+    return dict(time_row, metric=metric, unit=unit, **rates)
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -145,7 +144,7 @@ def read_csv(path: Path) -> list[dict]:
 
 
 def newest(rows: Sequence[dict]) -> dict[tuple, dict]:
-    """(device, shape, mode, provider, metric) -> the newest row (by timestamp; ties: the later one)."""
+    """(device, shape, mode, provider, metric) -> the newest row (by timestamp; ties: the later)."""
     out: dict[tuple, dict] = {}
     for r in rows:
         key = (r["device"], r["shape"], r["mode"], r["provider"], r["metric"])
@@ -178,9 +177,8 @@ def time_step(step: Step, device, warmup: int, reps: int) -> list[float]:
 
 
 class PeakMemory:
-    """Peak memory (MB) between `start()` and `stop()` (module docstring): CUDA max_memory_allocated,
-    else the resident-set high-water mark. `stop()` returns (peak, peak - baseline), or None on a
-    CPU where the mark cannot be reset."""
+    """Peak memory (MB) between `start()` and `stop()` (module docstring). `stop()` returns (peak,
+    peak - baseline), or None on a CPU where the mark cannot be reset."""
 
     def __init__(self, device):
         self.device = device
@@ -188,7 +186,8 @@ class PeakMemory:
     @staticmethod
     def _vm_hwm_mb() -> float:
         with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024.0  # kB
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        return kb / 1024.0
 
     def start(self) -> None:
         import torch
@@ -233,7 +232,7 @@ def peak_extra_memory_mb(step: Step, device) -> float | None:
     peak = memory.stop()
     del out
     if peak is None:
-        print("harness: /proc/self/clear_refs not writable; no CPU memory measurement", file=sys.stderr)
+        print("harness: /proc/self/clear_refs not writable: no CPU memory row", file=sys.stderr)
         return None
     return peak[1]
 
@@ -246,7 +245,8 @@ def device_name(device) -> str:
         return torch.cuda.get_device_name(device)
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            names = (line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(names)
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
 
@@ -262,7 +262,8 @@ def dist_version(dist: str, absent: str | None = "absent") -> str | None:
 def versions_string(threads: int) -> str:
     import torch
 
-    parts = [f"torch={torch.__version__}"] + [f"{d}={dist_version(d)}" for d in ("triton", "liger-kernel")]
+    parts = [f"torch={torch.__version__}"]
+    parts += [f"{d}={dist_version(d)}" for d in ("triton", "liger-kernel")]
     parts.append(f"threads={torch.get_num_threads()}")
     parts.append(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     if "OMP_WAIT_POLICY" in os.environ:
@@ -271,7 +272,7 @@ def versions_string(threads: int) -> str:
 
 
 def measure_step(spec: dict, provider: str, mode: str, shape: dict, device) -> list[dict] | None:
-    """The rows of one case of an op benchmark: its module's `build`, timed and its memory measured."""
+    """The rows of one case of an op benchmark: its module's `build`, timed, memory measured."""
     step = importlib.import_module(spec["module"]).build(provider, mode, shape, device)
     if step is None:
         return None
@@ -314,7 +315,8 @@ def worker_main(argv: Sequence[str]) -> None:
                     continue
                 res.rows.extend(dict(r, shape=shape["label"]) for r in rows)
                 t = next(r for r in rows if r["mode"] == mode and r["metric"] == "time")
-                print(f"  {tag}: {t['p50']:.3f} ms (p20 {t['p20']:.3f}, p80 {t['p80']:.3f})", flush=True)
+                spread = f"p20 {t['p20']:.3f}, p80 {t['p80']:.3f}"
+                print(f"  {tag}: {t['p50']:.3f} ms ({spread})", flush=True)
             except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
                 res.errors.append(f"{tag}: {type(exc).__name__}: {exc}")
                 print(f"  {tag}: FAILED {type(exc).__name__}: {exc}", flush=True)
@@ -329,7 +331,8 @@ def worker_main(argv: Sequence[str]) -> None:
 
 
 def git_rev() -> str:
-    git = lambda *a: subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    opts = dict(cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    git = lambda *a: subprocess.run(["git", *a], **opts)
     try:
         rev = git("rev-parse", "--short=12", "HEAD").stdout.strip()
         dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
@@ -358,7 +361,7 @@ def subprocess_env(threads: int) -> dict:
 
 
 def run_provider(provider: str, spec: dict, timeout: float | None = None) -> Result:
-    """Measure one provider in a fresh worker process (`worker_main`); `spec` is passed to it as JSON."""
+    """Measure one provider in a fresh worker process (`worker_main`), given `spec` as JSON."""
     code = "import sys; from benchmarks.harness import worker_main; worker_main(sys.argv[1:])"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
@@ -369,7 +372,8 @@ def run_provider(provider: str, spec: dict, timeout: float | None = None) -> Res
         except subprocess.TimeoutExpired:
             rc = f"timeout after {timeout} s"
         if not os.path.exists(path):
-            return Result(provider, errors=[f"{provider}: worker exited without a result (rc={rc})"])
+            error = f"{provider}: worker exited without a result (rc={rc})"
+            return Result(provider, errors=[error])
         with open(path) as f:
             res = Result(**json.load(f))
         if rc != 0:
@@ -412,7 +416,8 @@ def append_csv(path: Path, rows: Sequence[dict]) -> None:
     if not new:
         with open(path, newline="") as f:
             header = tuple(next(csv.reader(f), []))
-            old = list(csv.DictReader(f, fieldnames=header)) if header == COLUMNS_BEFORE_COMMAND else None
+            older = header == COLUMNS_BEFORE_COMMAND
+            old = list(csv.DictReader(f, fieldnames=header)) if older else None
         if old is not None:
             tmp = path.with_name(path.name + ".tmp")
             with open(tmp, "w", newline="") as f:
@@ -434,7 +439,7 @@ def append_csv(path: Path, rows: Sequence[dict]) -> None:
             writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
 
 
-def run_benchmark(name: str, providers: Sequence[str], spec: dict, *, out=None, timeout=None) -> tuple:
+def run_benchmark(name: str, providers: Sequence[str], spec: dict, *, out=None, timeout=None):
     """Measure every provider (one worker each), append all rows to the CSV; return (rows, errors).
 
     spec: what the workers read: module (the benchmark's), modes, shapes (dicts with at least a
@@ -447,8 +452,9 @@ def run_benchmark(name: str, providers: Sequence[str], spec: dict, *, out=None, 
     out = Path(out) if out else RESULTS_DIR / f"{name}.csv"
     stamp, rev = utc_now(), git_rev()
     print(
-        f"{name}: {len(providers)} providers x {list(spec['modes'])} x {len(spec['shapes'])} shapes on "
-        f"{spec['device']}, threads={spec['threads']}, warmup={spec['warmup']}, reps={spec['reps']} -> {out}",
+        f"{name}: {len(providers)} providers x {list(spec['modes'])} x {len(spec['shapes'])} shapes"
+        f" on {spec['device']}, threads={spec['threads']}, warmup={spec['warmup']},"
+        f" reps={spec['reps']} -> {out}",
         flush=True,
     )
     rows, errors = [], []
@@ -458,7 +464,8 @@ def run_benchmark(name: str, providers: Sequence[str], spec: dict, *, out=None, 
         errors.extend(res.errors)
         for r in res.rows:
             versions = res.versions + (f" note={r['note']}" if r.get("note") else "")
-            common = dict(name=name, provider=provider, device=res.device, git_rev=rev, timestamp=stamp)
+            common = dict(name=name, provider=provider, device=res.device)
+            common.update(git_rev=rev, timestamp=stamp)
             rows.append(dict(r, versions=versions, **common))
     append_csv(out, rows)
     return rows, errors
@@ -469,15 +476,13 @@ def record(name: str, rows: list[dict], out: Path | None, *, device: str, versio
     added (a row's own keys win), appended to `out` (None: not written), the summary printed."""
     from benchmarks.report.readme import summary
 
-    common = dict(name=name, device=device, versions=versions, git_rev=git_rev(), timestamp=utc_now())
+    common = dict(name=name, device=device, versions=versions)
+    common.update(git_rev=git_rev(), timestamp=utc_now())
     rows = [dict(common, **r) for r in rows]
     if out is not None:
         append_csv(out, rows)
     print(summary(name, rows, view))
     return rows
-
-
-# --- The command line of a benchmark --------------------------------------------------------------
 
 
 def ints(text: str) -> list[int]:
@@ -486,8 +491,10 @@ def ints(text: str) -> list[int]:
 
 
 def prorl_backend(provider: str, device) -> str:
-    """The backend of provider `prorl` (Triton on CUDA, native on the CPU) or `prorl-torch` (torch)."""
-    return "torch" if provider.endswith("-torch") else "triton" if device.type == "cuda" else "native"
+    """The backend of provider `prorl` (Triton on CUDA, native on the CPU) or `prorl-torch`."""
+    if provider.endswith("-torch"):
+        return "torch"
+    return "triton" if device.type == "cuda" else "native"
 
 
 def subset_of(choices: Sequence[str]) -> Callable[[str], list[str]]:
@@ -504,16 +511,13 @@ def subset_of(choices: Sequence[str]) -> Callable[[str], list[str]]:
 
 @dataclass
 class Benchmark:
-    """A benchmark's command line: `main(argv)` parses it, runs the providers in their workers, appends
-    the rows to the CSV, prints the summary and plots.
-
-    Options every benchmark has: --threads --providers --reps --warmup --timeout --out, --modes with
-    more than one mode, --no-plot and --plot-only when it plots; `options` adds --quick and its own.
-    The device is `cuda` with `--gpu` or `--device cuda`. providers: the defaults (a sequence, which
-    --providers must be a subset of unless `known_providers` says otherwise, or a function of the
-    options). derive(rows, args): rows computed from the measured ones, appended too. The summary is
-    the README's table of the run (`view`), then `notes`. plot(csv, rows, args) -> the PNG paths.
-    """
+    """A benchmark's command line: `main(argv)` parses it, runs the providers in their workers,
+    appends the rows to the CSV, prints the summary (`view`, then `notes`) and plots. Every one has
+    --threads --providers --reps --warmup --timeout --out, --modes with more than one mode, --no-plot
+    and --plot-only when it plots; `options` adds --quick and its own; `--gpu` or `--device cuda`
+    means CUDA. providers: the defaults (a sequence, which --providers must be a subset of unless
+    `known_providers` says otherwise, or a function of the options). derive(rows, args): rows
+    computed from the measured ones, appended too. plot(csv, rows, args) -> the PNG paths."""
 
     name: str
     providers: Sequence[str] | Callable[[argparse.Namespace], Sequence[str]]
@@ -538,14 +542,16 @@ class Benchmark:
         known = self.known_providers or ([] if callable(self.providers) else self.providers)
         threads = f"torch/OMP threads (default {self.threads or 'all cores'})"
         add("--threads", type=int, default=self.threads, help=threads)
-        add("--providers", type=subset_of(known) if known else lambda s: s.split(","), help="comma-separated")
+        names = subset_of(known) if known else lambda s: s.split(",")
+        add("--providers", type=names, help="comma-separated")
         if len(self.modes) > 1:
-            add("--modes", type=subset_of(self.modes), default=",".join(self.modes), help="comma-separated")
+            modes = ",".join(self.modes)
+            add("--modes", type=subset_of(self.modes), default=modes, help="comma-separated")
         (r, qr), (w, qw) = self.reps, self.warmup
         add("--reps", type=int, default=None, help=f"timed calls (default {r}, --quick {qr})")
-        add("--warmup", type=int, default=None, help=f"untimed calls first (default {w}, --quick {qw})")
+        add("--warmup", type=int, help=f"untimed calls first (default {w}, --quick {qw})")
         add("--timeout", type=float, default=None, help="seconds per provider worker")
-        add("--out", default=None, help=f"CSV to append to (default benchmarks/results/{self.name}.csv)")
+        add("--out", help=f"CSV to append to (default benchmarks/results/{self.name}.csv)")
         if self.plot:
             add("--no-plot", action="store_true", help="write no PNG")
             add("--plot-only", action="store_true", help="measure nothing: plot the CSV")
@@ -566,7 +572,8 @@ class Benchmark:
 
             if not torch.cuda.is_available():
                 p.error(f"{'--gpu' if gpu else '--device cuda'} needs a visible CUDA device")
-        providers = args.providers or (self.providers(args) if callable(self.providers) else self.providers)
+        providers = self.providers(args) if callable(self.providers) else self.providers
+        providers = args.providers or providers
         spec = dict(module=f"benchmarks.{self.name}", shapes=self.shapes(args), options=vars(args))
         spec.update(device=device, modes=getattr(args, "modes", self.modes), measure=self.measure)
         spec.update(threads=args.threads, reps=args.reps or self.reps[args.quick])
