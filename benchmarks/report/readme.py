@@ -49,7 +49,11 @@ class View:
 RL_PHASES = ("gen", "sync", "reward", "old_logp", "update", "other")
 # in README order; benchmarks not named here get View() and follow in name order
 VIEWS: dict[str, View] = {
-    "rl_step": View(extras=("tokens_per_s", "peak_memory"), ratios=(("trl", "speedup"),), phases=RL_PHASES),
+    "rl_step": View(
+        extras=("tokens_per_s", "peak_memory"),
+        ratios=(("trl", "speedup"),),
+        phases=RL_PHASES,
+    ),
     "train_step": View(
         extras=("tokens_per_s", "peak_extra_memory"), ratios=(("transformers-padded", "speedup"),)
     ),
@@ -60,7 +64,10 @@ VIEWS: dict[str, View] = {
     "rewards": View(extras=("throughput",), ratios=(("naive", "speedup"),)),
     "rollout": View(extras=("tokens_per_s",), ratios=(("transformers", "speedup"),)),
     "collectives": View(
-        primary="busbw", extras=("time",), ratios=(("nccl-tests", "multiple"),), higher_is_better=True
+        primary="busbw",
+        extras=("time",),
+        ratios=(("nccl-tests", "multiple"),),
+        higher_is_better=True,
     ),
     "embedded_default": View(
         primary="accuracy_after_mean_last3", extras=("accuracy_before", "accuracy_max", "wall_time")
@@ -100,7 +107,8 @@ def descriptions() -> dict[str, str]:
     """Benchmark name -> the first line of its module docstring (read without importing it)."""
     found = {}
     for path in sorted(Path(__file__).resolve().parents[1].glob("*.py")):  # the benchmarks' folder
-        found[path.stem] = (ast.get_docstring(ast.parse(path.read_text())) or "").strip().split("\n")[0]
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        found[path.stem] = doc.strip().split("\n")[0]
     return found
 
 
@@ -153,7 +161,7 @@ def _ratio(view: View, kind: str, row: dict, base: dict | None) -> str:
 
 @dataclass
 class _Table:
-    """What one benchmark's table on one machine shows: its (shape, mode, provider) rows and columns."""
+    """What one benchmark's table on one machine shows: its (shape, mode, provider) rows."""
 
     view: View
     device: str
@@ -172,11 +180,15 @@ class _Table:
         return self.by_run.get((r["timestamp"], s, m, b, self.view.primary))
 
 
+KEY_COLUMNS = ("shape", "mode", "provider")
+
+
 def _layout(view: View, device: str, rows: list[dict]) -> _Table | None:
     """The table's rows (keys whose primary metric exists) and the columns any of them has."""
     t = _Table(view, device, newest(rows), {}, [], [], [], [])
-    t.by_run = {(r["timestamp"], r["shape"], r["mode"], r["provider"], r["metric"]): r for r in rows}
-    shapes, modes, providers = ([*dict.fromkeys(r[k] for r in rows)] for k in ("shape", "mode", "provider"))
+    run_key = lambda r: (r["timestamp"], r["shape"], r["mode"], r["provider"], r["metric"])
+    t.by_run = {run_key(r): r for r in rows}
+    shapes, modes, providers = ([*dict.fromkeys(r[k] for r in rows)] for k in KEY_COLUMNS)
     if view.phases:
         t.keys = [(s, view.total, p) for s in shapes for p in providers]
     else:
@@ -184,7 +196,8 @@ def _layout(view: View, device: str, rows: list[dict]) -> _Table | None:
     t.keys = [k for k in t.keys if t.get(*k, view.primary)]
     if not t.keys:
         return None
-    t.phases = [ph for ph in view.phases if any(t.get(s, ph, p, view.primary) for s, _, p in t.keys)]
+    has_phase = lambda ph: any(t.get(s, ph, p, view.primary) for s, _, p in t.keys)
+    t.phases = [ph for ph in view.phases if has_phase(ph)]
     t.extras = [e for e in view.extras if any(t.get(*k, e) for k in t.keys)]
     t.ratios = [
         (b, kind)
@@ -195,7 +208,7 @@ def _layout(view: View, device: str, rows: list[dict]) -> _Table | None:
 
 
 def _unit(t: _Table, metric: str, phase: bool) -> str:
-    """The unit of `metric` (a phase's: the primary metric's in that mode) in the first row having it."""
+    """The unit of `metric` (of a phase: the primary's in that mode) in the first row having it."""
     if phase:
         cells = (t.get(s, metric, p, t.view.primary) for s, _, p in t.keys)
     else:
@@ -236,7 +249,8 @@ def _line(t: _Table, key, shown: tuple[bool, bool], runs: list[int]) -> list[str
 def _notes(t: _Table) -> list[str]:
     view = t.view
     timed = any(t.get(*k, view.primary)["p20"] != t.get(*k, view.primary)["p80"] for k in t.keys)
-    notes = [f"{view.primary}: p50 (p20–p80) of the timed repetitions; other columns p50."] if timed else []
+    notes = [f"{view.primary}: p50 (p20–p80) of the timed repetitions; other columns p50."]
+    notes = notes if timed else []
     for b, kind in t.ratios:
         if kind == "speedup":
             what = "the row's ÷ " + b + "'s" if view.higher_is_better else f"{b}'s ÷ the row's"
@@ -248,8 +262,11 @@ def _notes(t: _Table) -> list[str]:
     return [" ".join(notes), ""] if notes else []
 
 
+NOT_RECORDED = "command not recorded (row written before the CSV had it)"
+
+
 def render_device(name: str, view: View, device: str, rows: list[dict]) -> list[str]:
-    """The table and run list of one benchmark on one machine (rows: all of its rows on that device)."""
+    """The table and run list of one benchmark on one machine (rows: all its rows there)."""
     t = _layout(view, device, rows)
     if t is None:
         return []
@@ -258,7 +275,8 @@ def render_device(name: str, view: View, device: str, rows: list[dict]) -> list[
     for r in sorted((c for u in used for c in u), key=lambda r: (r["timestamp"], r["command"])):
         runs.setdefault((r["timestamp"], r["command"]), r)
     number = {run: n for n, run in enumerate(runs, 1)}
-    shown = (len({s for s, _, _ in t.keys}) > 1, not view.phases and len({m for _, m, _ in t.keys}) > 1)
+    many = lambda i: len({k[i] for k in t.keys}) > 1
+    shown = (many(0), not view.phases and many(1))  # the shape and mode columns
     out = [f"#### `{name}` on {device or 'an unrecorded machine'}", ""]
     if not shown[0]:
         mode = "" if shown[1] or view.phases else f"; mode `{t.keys[0][1]}`"
@@ -270,10 +288,11 @@ def render_device(name: str, view: View, device: str, rows: list[dict]) -> list[
     out += _table(_head(t, *shown, len(runs) > 1), body) + [""] + _notes(t)
     out += ["Runs:" if len(runs) > 1 else "Run:", ""]
     for (stamp, command), r in runs.items():
-        cmd = f"`{command}`" if command else "command not recorded (row written before the CSV had it)"
+        cmd = f"`{command}`" if command else NOT_RECORDED
         when = stamp[:16].replace("T", " ")
         tag = f"{number[(stamp, command)]}. " if len(runs) > 1 else "- "
-        out.append(f"{tag}{cmd} — {device}, {threads_of(r['versions'])}, {when}, rev `{r['git_rev']}`")
+        machine = f"{device}, {threads_of(r['versions'])}"
+        out.append(f"{tag}{cmd} — {machine}, {when}, rev `{r['git_rev']}`")
     return out + [""]
 
 
@@ -289,11 +308,12 @@ def summary(name: str, rows: list[dict], view: View | None = None) -> str:
     """One invocation's rows as the README shows them, for the console."""
     from benchmarks.harness import command_line
 
-    return "\n".join(render(name, [dict(r, command=r.get("command") or command_line()) for r in rows], view))
+    rows = [dict(r, command=r.get("command") or command_line()) for r in rows]
+    return "\n".join(render(name, rows, view))
 
 
 def pngs_of(names: list[str], results: Path) -> dict[str, list[Path]]:
-    """Each PNG in `results` goes to the longest benchmark name its stem equals or starts with + '_'."""
+    """Each PNG in `results` goes to the longest benchmark name its stem is or starts with + '_'."""
     out: dict[str, list[Path]] = {n: [] for n in names}
     for png in sorted(results.glob("*.png")):
         owners = [n for n in names if png.stem == n or png.stem.startswith(n + "_")]
@@ -304,7 +324,7 @@ def pngs_of(names: list[str], results: Path) -> dict[str, list[Path]]:
 
 # the command that writes a results PNG, by its stem; PNGs not named here are linked without one
 PNG_SOURCES = {
-    "{name}": "python -m benchmarks {name}",  # rl_step, collectives, embedded_default: <csv stem>.png
+    "{name}": "python -m benchmarks {name}",  # rl_step, collectives, ...: <csv stem>.png
     "{name}_time": "python -m benchmarks plot {name}",
     "{name}_memory": "python -m benchmarks plot {name}",
     "rl_step_scaling": "python -m benchmarks rl_step --scaling",
@@ -349,7 +369,7 @@ SUBFOLDERS = {
 
 
 def generate(results: Path = RESULTS_DIR, readme: Path = REPO_ROOT / "README.md") -> str:
-    """The block between the markers (without them), from the CSVs in `results` and its SUBFOLDERS."""
+    """The block between the markers (without them), from the CSVs in `results` and SUBFOLDERS."""
     results = Path(results)
     out = ["", GENERATED, ""]
     body = _render_folder(results, readme)
@@ -362,7 +382,7 @@ def generate(results: Path = RESULTS_DIR, readme: Path = REPO_ROOT / "README.md"
 
 
 def splice(text: str, block: str) -> str:
-    """`text` with the part between the markers replaced by `block`; ValueError without the markers."""
+    """`text` with the part between the markers replaced by `block`; ValueError without them."""
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
         raise ValueError(f"README has no {BEGIN} ... {END} block")
@@ -370,10 +390,11 @@ def splice(text: str, block: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks readme", description=__doc__.split("\n")[0])
-    p.add_argument("--check", action="store_true", help="exit 1 if the block is stale; write nothing")
+    doc = __doc__.split("\n")[0]
+    p = argparse.ArgumentParser(prog="python -m benchmarks readme", description=doc)
+    p.add_argument("--check", action="store_true", help="exit 1 if the block is stale; no writes")
     p.add_argument("--readme", default=str(REPO_ROOT / "README.md"))
-    p.add_argument("--results", default=str(RESULTS_DIR), help="folder of the results CSVs and PNGs")
+    p.add_argument("--results", default=str(RESULTS_DIR), help="folder of the CSVs and PNGs")
     args = p.parse_args(argv)
     readme = Path(args.readme)
     text = readme.read_text()
@@ -384,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.check and new != text:
         print(
-            f"{readme}: the performance tables are stale; run `python -m benchmarks readme`", file=sys.stderr
+            f"{readme}: the performance tables are stale; run `python -m benchmarks readme`",
+            file=sys.stderr,
         )
         return 1
     if args.check:
