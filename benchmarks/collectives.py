@@ -46,17 +46,16 @@ def bus_factor(op: str, world: int) -> float:
 
 
 def _rows_for(provider, op, size, world, times_s: list[float]) -> list[dict]:
-    """time (us), algbw and busbw (GB/s) rows; rate quantiles come from the opposite time quantiles."""
-    t = harness.row(
-        "time", "us", [x * 1e6 for x in times_s], provider=provider, mode=op, shape=f"{size} B world={world}"
-    )
+    """time (us), algbw and busbw (GB/s) rows; rates' quantiles come from the opposite time ones."""
+    case = dict(provider=provider, mode=op, shape=f"{size} B world={world}")
+    t = harness.row("time", "us", [x * 1e6 for x in times_s], **case)
     alg = harness.rate_row(t, size / 1e9, "algbw", "GB/s", seconds_per_unit=1e-6)
     f = bus_factor(op, world)
     return [t, alg, dict(alg, metric="busbw", **{k: alg[k] * f for k in ("p50", "p20", "p80")})]
 
 
 def rank_main(args) -> dict | None:
-    """One torchrun rank: measure every (op, size); rank 0 returns {rows, device, versions}, others None."""
+    """One torchrun rank: measure every (op, size); rank 0 returns {rows, device, versions}."""
     import torch
     import torch.distributed as dist
 
@@ -82,10 +81,12 @@ def rank_main(args) -> dict | None:
                 buf = torch.ones(numel, device=device)
                 call = lambda buf=buf: dist.all_reduce(buf)
             elif op == "all_gather":
-                inp, out = torch.ones(piece, device=device), torch.empty(piece * world, device=device)
+                inp = torch.ones(piece, device=device)
+                out = torch.empty(piece * world, device=device)
                 call = lambda inp=inp, out=out: dist.all_gather_into_tensor(out, inp)
             else:  # reduce_scatter
-                inp, out = torch.ones(piece * world, device=device), torch.empty(piece, device=device)
+                inp = torch.ones(piece * world, device=device)
+                out = torch.empty(piece, device=device)
                 call = lambda inp=inp, out=out: reduce_scatter(out, inp)
             size_eff = (numel if op == "all_reduce" else piece * world) * 4
             iters = max(1, min(args.iters, int(args.budget_bytes // max(size_eff, 1))))
@@ -99,22 +100,26 @@ def rank_main(args) -> dict | None:
                 for _ in range(iters):
                     call()
                 sync()
-                t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
+                seconds = (time.perf_counter() - t0) / iters
+                t = torch.tensor([seconds], dtype=torch.float64, device=device)
                 dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time
                 times.append(float(t))
             rows += _rows_for(f"torch-{backend}", op, size_eff, world, times)
             if rank == 0:
-                print(f"  {op:<15} {size_eff:>10} B  {times[len(times) // 2] * 1e6:>10.1f} us", flush=True)
+                us = times[len(times) // 2] * 1e6
+                print(f"  {op:<15} {size_eff:>10} B  {us:>10.1f} us", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     if rank != 0:
         return None
-    versions = f"{harness.versions_string(args.threads)} backend={backend} ranks={world}"  # as the ranks ran
+    # as the ranks ran
+    versions = f"{harness.versions_string(args.threads)} backend={backend} ranks={world}"
     return dict(rows=rows, device=harness.device_name(device), versions=versions)
 
 
 def parse_nccl_tests(text: str, op: str, world: int) -> list[dict]:
-    """Rows from an nccl-tests table: size count type redop root | time algbw busbw #wrong (out-of-place)."""
+    """Rows from an nccl-tests table: size count type redop root | time algbw busbw #wrong
+    (out-of-place)."""
     rows = []
     for line in text.splitlines():
         parts = line.split()
@@ -132,7 +137,8 @@ def run_nccl_tests(ops, sizes, nproc) -> tuple[list[dict], list[str]]:
         exe = shutil.which(NCCL_TESTS[op])
         if exe is None:
             continue
-        cmd = [exe, "-b", str(min(sizes)), "-e", str(max(sizes)), "-f", "4", "-g", str(nproc), "-d", "float"]
+        cmd = [exe, "-b", str(min(sizes)), "-e", str(max(sizes)), "-f", "4", "-g", str(nproc)]
+        cmd += ["-d", "float"]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
             rows += parse_nccl_tests(out, op, nproc)
@@ -142,20 +148,21 @@ def run_nccl_tests(ops, sizes, nproc) -> tuple[list[dict], list[str]]:
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n")[0])
+    doc = __doc__.split("\n")[0]
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=doc)
     p.add_argument("--quick", action="store_true", help="sizes 1 KiB, 32 KiB, 1 MiB, 8 MiB; 3 reps")
     p.add_argument("--ranks", type=int, default=2, help="processes (torchrun --nproc_per_node)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--ops", type=harness.subset_of(OPS), default=",".join(OPS), help="comma-separated")
-    p.add_argument("--sizes", default=None, help="comma-separated bytes (default 1 KiB .. 64 MiB by 4x)")
-    p.add_argument("--iters", type=int, default=20, help="calls per timed batch (fewer for large sizes)")
-    p.add_argument("--budget-bytes", type=float, default=2e9, help="cap on iters x size per timed batch")
+    p.add_argument("--sizes", help="comma-separated bytes (default 1 KiB .. 64 MiB by 4x)")
+    p.add_argument("--iters", type=int, default=20, help="calls per timed batch (fewer if large)")
+    p.add_argument("--budget-bytes", type=float, default=2e9, help="cap on iters x size per batch")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=None, help="timed batches (default 5; --quick 3)")
     p.add_argument("--cpu", action="store_true", help="gloo even where CUDA is present")
-    p.add_argument("--out", default=None, help=f"CSV to append to (default benchmarks/results/{NAME}.csv)")
+    p.add_argument("--out", help=f"CSV to append to (default benchmarks/results/{NAME}.csv)")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--result", default=None, help=argparse.SUPPRESS)  # rank 0's JSON (set by the parent)
+    p.add_argument("--result", help=argparse.SUPPRESS)  # rank 0's JSON (set by the parent)
     args = p.parse_args(argv)
     args.sizes = args.sizes or ",".join(map(str, QUICK_SIZES if args.quick else SIZES))
     args.reps = args.reps or (3 if args.quick else 5)
@@ -180,7 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [*torchrun, f"--nproc_per_node={args.ranks}"]
         cmd += ["-m", "benchmarks.collectives", *argv, "--result", result]
         print(f"{NAME}: {' '.join(cmd[1:-2])}", flush=True)
-        rc = subprocess.run(cmd, cwd=harness.REPO_ROOT, env=harness.subprocess_env(args.threads)).returncode
+        env = harness.subprocess_env(args.threads)
+        rc = subprocess.run(cmd, cwd=harness.REPO_ROOT, env=env).returncode
         if rc != 0 or not os.path.exists(result):
             print(f"{NAME}: torchrun exited with {rc}", file=sys.stderr)
             return 1
@@ -196,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     return _finish(args, measured, errors)
 
 
-VIEW = View("busbw", ("time", "algbw"), (("nccl-tests", "multiple"),), higher_is_better=True)  # the console's
+# the console's table
+VIEW = View("busbw", ("time", "algbw"), (("nccl-tests", "multiple"),), higher_is_better=True)
 
 
 def _finish(args, measured: dict, errors: list[str]) -> int:

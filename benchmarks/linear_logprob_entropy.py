@@ -25,17 +25,18 @@ CPU_PROVIDERS += ("sgemm-floor",)
 GPU_PROVIDERS = ("prorl", "prorl-torch", "naive", "liger-flce", "liger-flce-fp32acc", "gemm-floor")
 CPU_SHAPE = (2048, 896, 151936)  # Qwen2.5-0.5B LM head, one 2K-token micro-batch
 QUICK_SHAPE = (256, 128, 8192)
-GPU_SHAPES = ((16384, 1536, 151936), (16384, 4096, 128256))  # Qwen2.5-1.5B-like and Llama-3-8B heads
+GPU_SHAPES = ((16384, 1536, 151936), (16384, 4096, 128256))  # Qwen2.5-1.5B-like, Llama-3-8B heads
 _FLOP_FACTOR = {"forward": 2, "backward": 6, "full": 8}
 
 
-def naive_logprob_entropy(hidden, weight, labels, temperature: float = 1.0, ignore_index: int = -100):
-    """Unfused eager log-prob and entropy: the [N, V] logits and several [N, V] temporaries in fp32."""
+def naive_logprob_entropy(hidden, weight, labels, temperature=1.0, ignore_index=-100):
+    """Unfused eager log-prob and entropy: the [N, V] logits and several [N, V] fp32 temporaries."""
     import torch
 
     logits = (hidden @ weight.t()).float() / temperature  # [N, V]
     valid = labels != ignore_index
-    logp = torch.log_softmax(logits, dim=-1).gather(1, torch.where(valid, labels, 0)[:, None]).squeeze(1)
+    picked = torch.where(valid, labels, 0)[:, None]
+    logp = torch.log_softmax(logits, dim=-1).gather(1, picked).squeeze(1)
     probs = torch.softmax(logits, dim=-1)  # [N, V]
     entropy = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
     zero = logp.new_zeros(())
@@ -43,18 +44,21 @@ def naive_logprob_entropy(hidden, weight, labels, temperature: float = 1.0, igno
 
 
 def make_shape(n: int, d: int, v: int, dtype: str, temperature: float) -> dict:
-    return dict(N=n, D=d, V=v, dtype=dtype, temperature=temperature, label=f"N={n} D={d} V={v} {dtype}")
+    label = f"N={n} D={d} V={v} {dtype}"
+    return dict(N=n, D=d, V=v, dtype=dtype, temperature=temperature, label=label)
 
 
 def inputs(shape: dict, device, requires_grad: bool = True):
-    """hidden [N, D] ~ N(0, 1) (a normed hidden state), weight [V, D] ~ N(0, 0.02), labels, upstream grads."""
+    """hidden [N, D] ~ N(0, 1) (a normed hidden state), weight [V, D] ~ N(0, 0.02), labels, upstream
+    grads."""
     import torch
 
     n, d, v = shape["N"], shape["D"], shape["V"]
     dtype = getattr(torch, shape["dtype"])
     g = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(n, d, generator=g, device=device).to(dtype).requires_grad_(requires_grad)
-    weight = (torch.randn(v, d, generator=g, device=device) * 0.02).to(dtype).requires_grad_(requires_grad)
+    weight = torch.randn(v, d, generator=g, device=device) * 0.02
+    weight = weight.to(dtype).requires_grad_(requires_grad)
     labels = torch.randint(0, v, (n,), generator=g, device=device)
     g_lp = torch.randn(n, generator=g, device=device)
     g_ent = torch.randn(n, generator=g, device=device)
@@ -62,7 +66,7 @@ def inputs(shape: dict, device, requires_grad: bool = True):
 
 
 def floor_step(mode: str, shape: dict, device, flops: float) -> harness.Step:
-    """The op's matmuls alone into preallocated outputs: forward Z; backward Z, dH, dW; full Z twice."""
+    """The op's matmuls alone into preallocated outputs: forward Z; backward Z, dH, dW; full both."""
     import torch
 
     h, w, _, _, _ = inputs(shape, device, requires_grad=False)
@@ -76,14 +80,14 @@ def floor_step(mode: str, shape: dict, device, flops: float) -> harness.Step:
         torch.mm(z, w, out=gh)
         torch.mm(z.t(), h, out=gw)
 
-    calls = {"forward": [logits], "backward": [logits, grads], "full": [logits, logits, grads]}[mode]
+    calls = dict(forward=[logits], backward=[logits, grads], full=[logits, logits, grads])[mode]
     return harness.Step(
         run=lambda: [f() for f in calls], flops=flops, measure_memory=False, note="matmuls_only"
     )
 
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
-    """The Step that measures `provider` in `mode` on `shape` (None: the provider lacks that mode)."""
+    """The Step that measures `provider` in `mode` on `shape` (None: the provider lacks the mode)."""
     import torch
 
     n, d, v, temp = shape["N"], shape["D"], shape["V"], shape["temperature"]
@@ -108,9 +112,10 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     elif provider == "liger-logp":
         from liger_kernel.chunked_loss.fused_linear_ppo import LigerFusedLinearPPOBase
 
-        forward = lambda: (LigerFusedLinearPPOBase.chunk_forward(h[None], w, y[None], temperature=temp)[0],)
+        chunked = LigerFusedLinearPPOBase.chunk_forward
+        forward = lambda: (chunked(h[None], w, y[None], temperature=temp)[0],)
         note = "logp_only"
-    elif provider == "liger-grpo-loss":  # its forward computes the gradients; the backward only scales them
+    elif provider == "liger-grpo-loss":  # its forward computes the gradients, its backward scales
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
         loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, temperature=temp)
@@ -121,10 +126,11 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
         if temp != 1.0:
-            raise ValueError("liger's fused linear cross entropy has no temperature; use --temperature 1")
+            raise ValueError("liger's fused linear cross entropy has no temperature: --temperature 1")
         accum = torch.float32 if provider.endswith("fp32acc") else None
         # per-token cross entropy = -logp; the sign does not change the work
-        forward = lambda: (liger_fused_linear_cross_entropy(h, w, y, reduction="none", accum_dtype=accum),)
+        flce = liger_fused_linear_cross_entropy
+        forward = lambda: (flce(h, w, y, reduction="none", accum_dtype=accum),)
         note = "minus_logp_only"
     else:
         raise ValueError(f"unknown provider {provider!r}")
@@ -139,10 +145,10 @@ def _shapes(args) -> list[dict]:
 
 
 def _options(p) -> None:
-    p.add_argument("--quick", action="store_true", help=f"tiny shape {QUICK_SHAPE}, 2 reps (seconds)")
+    p.add_argument("--quick", action="store_true", help=f"tiny shape {QUICK_SHAPE}, 2 reps")
     p.add_argument("--gpu", action="store_true", help="CUDA, bf16, the H200 shapes and GPU providers")
     p.add_argument("--shape", type=harness.ints, help="N,D,V (overrides the default shapes)")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (GPU default) | float16")
+    p.add_argument("--dtype", help="float32 (CPU default) | bfloat16 (GPU default) | float16")
     p.add_argument("--temperature", type=float, default=1.0)
 
 

@@ -47,7 +47,10 @@ def math_case(i: int) -> tuple[str, str, float]:
 
 
 _SUM = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
-_STDIO = {"inputs": [f"{i} {2 * i}\n" for i in range(1, 6)], "outputs": [f"{3 * i}\n" for i in range(1, 6)]}
+_STDIO = {
+    "inputs": [f"{i} {2 * i}\n" for i in range(1, 6)],
+    "outputs": [f"{3 * i}\n" for i in range(1, 6)],
+}
 _CALL = {
     "inputs": [[[3, 1, 2]], [[5, 4]], [[]]],
     "outputs": [[[1, 2, 3]], [[4, 5]], [[]]],
@@ -62,24 +65,26 @@ CODE_CASES = [
 
 
 def workload(domain: str, batch: int) -> tuple[list[str], list, list[float]]:
-    """(responses, ground truths, expected scores) of `batch` items cycling through the domain's cases."""
-    items = [math_case(i) if domain == "math" else CODE_CASES[i % len(CODE_CASES)] for i in range(batch)]
+    """(responses, ground truths, expected scores) of `batch` items cycling through its cases."""
+    case = math_case if domain == "math" else lambda i: CODE_CASES[i % len(CODE_CASES)]
+    items = [case(i) for i in range(batch)]
     return [r for r, _, _ in items], [g for _, g, _ in items], [e for _, _, e in items]
 
 
-def _check(domain: str, scores: list[float], expected: list[float], timed_out=None, errored=None) -> None:
+def _check(domain: str, scores: list[float], expected: list[float], timed_out=None, errored=None):
     timed_out, errored = timed_out or [False] * len(scores), errored or [False] * len(scores)
     wrong = [i for i, (s, e) in enumerate(zip(scores, expected)) if s != e]
     if wrong or any(timed_out) or any(errored):
         i = (wrong or [0])[0]
         raise RuntimeError(
             f"{domain}: {len(wrong)} wrong scores (first: item {i} scored {scores[i]}, expected "
-            f"{expected[i]}), {sum(timed_out)} timeouts, {sum(errored)} errors: not a measure of verification"
+            f"{expected[i]}), {sum(timed_out)} timeouts, {sum(errored)} errors: "
+            "not a measure of verification"
         )
 
 
-def timed_batches(provider: str, domain: str, batch: int, workers: int, warmup: int, reps: int) -> list:
-    """Seconds per batch for `reps` timed batches, after `warmup` untimed ones (at least one for the pool)."""
+def timed_batches(provider: str, domain: str, batch: int, workers: int, warmup: int, reps: int):
+    """Seconds per batch for `reps` timed batches, after `warmup` untimed ones (the pool: >= 1)."""
     responses, truths, expected = workload(domain, batch)
     if provider == "prorl":
         from prorl.rewards.pool import RewardPool
@@ -108,7 +113,7 @@ def timed_batches(provider: str, domain: str, batch: int, workers: int, warmup: 
 
 
 def measure(spec: dict, provider: str, mode: str, shape: dict, device) -> list[dict]:
-    """harness.worker_main's measure: the time and throughput rows of one provider on one workload."""
+    """harness.worker_main's measure: the time and throughput rows of a provider on a workload."""
     from prorl.rewards import sandbox
 
     workers, batch = spec["options"]["workers"], shape["batch"]
@@ -135,7 +140,8 @@ def _shapes(args) -> list[dict]:
     return [dict(domain=d, batch=b, label=f"{d} batch={b}") for d, b in batches.items()]
 
 
-BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, measure="benchmarks.rewards:measure")
+MEASURE = "benchmarks.rewards:measure"
+BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, measure=MEASURE)
 main = BENCHMARK.main
 
 if __name__ == "__main__":

@@ -49,8 +49,8 @@ GPU_BATCH = (16, 128, 1024)
 SEED = 0
 
 
-def make_shape(model: str, seqs: int, min_len: int, max_len: int, dtype: str, ckpt_dir: str) -> dict:
-    """A shape dict (harness.py) with the sequence lengths drawn here, so the parent knows the counts."""
+def make_shape(model: str, seqs: int, min_len: int, max_len: int, dtype: str, ckpt_dir: str):
+    """A shape dict (harness.py) with the sequence lengths drawn here: the parent knows the counts."""
     rng = random.Random(SEED)
     lengths = [rng.randint(min_len, max_len) for _ in range(seqs)]
     label = f"{model} B={seqs} len={min_len}-{max_len} {dtype}"
@@ -63,12 +63,12 @@ def padding_fraction(lengths: list[int]) -> float:
 
 
 def checkpoint_path(model: str, ckpt_dir: str) -> str:
-    """The directory of the randomly initialised (normal(0, 0.02)) Qwen2 checkpoint of shape `model`."""
+    """The directory of the random (normal(0, 0.02)) Qwen2 checkpoint of shape `model`."""
     return random_checkpoint(dict(MODELS[model], max_position_embeddings=4096), folder=ckpt_dir)
 
 
 def make_batch(lengths: list[int], vocab: int, device):
-    """Random tokens of the given lengths, packed and right-padded, with next-token labels (-100: none).
+    """Random tokens of the given lengths, packed and right-padded, next-token labels (-100: none).
 
     Returns dict(ids [N], cu_seqlens [B+1] int32, position_ids [N], labels [N],
                  padded_ids [B, T], attention_mask [B, T], padded_labels [B, T]).
@@ -93,8 +93,8 @@ def make_batch(lengths: list[int], vocab: int, device):
 
 
 def pad_batch(b: dict, multiple: int) -> dict:
-    """The packed batch with a dummy sequence (labels -100) appended so that N is a multiple of `multiple`
-    (Transformer Engine's FP8 shapes); the padded rows count in no loss."""
+    """The packed batch with a dummy sequence (labels -100) appended so that N is a multiple of
+    `multiple` (Transformer Engine's FP8 shapes); the padded rows count in no loss."""
     import torch
 
     pad = -b["ids"].numel() % multiple
@@ -123,7 +123,7 @@ def nll_from_logits(logits, labels):
 
 
 def matmul_params(model) -> int:
-    """Parameters that take part in matmuls: every Linear weight plus the LM head (tied: counted once).
+    """Parameters that take part in matmuls: every Linear weight and the LM head (tied: once).
 
     Works for our Decoder (tied: `lm_head` is None, the head is the embedding) and for transformers'
     models (tied: `lm_head` is a Linear sharing the embedding's weight).
@@ -135,7 +135,7 @@ def matmul_params(model) -> int:
 
 
 def _model(provider: str, shape: dict, device):
-    """(model, its FP8 converter or None, transformers' attn_implementation or None) of `provider`."""
+    """(model, its FP8 converter or None, transformers' attn_implementation or None)."""
     import torch
     from prorl.engine.model import load_hf
 
@@ -147,7 +147,8 @@ def _model(provider: str, shape: dict, device):
 
         available, reason = fp8_support(device) if provider == "prorl-fp8-te" else (True, "")
         if not available:
-            raise RuntimeError(f"{provider} needs Transformer Engine on a CUDA sm_90+ device: {reason}")
+            need = "needs Transformer Engine on a CUDA sm_90+ device"
+            raise RuntimeError(f"{provider} {need}: {reason}")
         fp8 = FP8Training(FP8_PROVIDERS[provider])
     if provider.startswith("prorl"):
         model = load_hf(path, dtype=dtype, device=device)
@@ -157,7 +158,8 @@ def _model(provider: str, shape: dict, device):
         from prorl.engine.attention import flash_attn_available
 
         impl = "flash_attention_2" if device.type == "cuda" and flash_attn_available() else "sdpa"
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=impl)
+        auto = transformers.AutoModelForCausalLM
+        model = auto.from_pretrained(path, dtype=dtype, attn_implementation=impl)
         model.to(device)
     model.train()  # no dropout in Qwen2; train mode as a trainer runs it
     return model, fp8, impl
@@ -189,7 +191,8 @@ def _prorl_loss(provider: str, model, b: dict, fp8, device, max_len: int):
 
     note = f"loss_backend={backend} {attention}"
     if fp8 is not None:
-        emulated = any(getattr(getattr(m, "config", None), "emulate", False) for m in model.modules())
+        configs = (getattr(m, "config", None) for m in model.modules())
+        emulated = any(getattr(c, "emulate", False) for c in configs)
         note += f" fp8={fp8.backend}:{fp8.recipe}" + (" emulated_gemm" if emulated else "")
     return fused, note
 
@@ -263,7 +266,7 @@ VIEW = View(  # the console's table
 def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"model tiny, batch {QUICK_BATCH}, 2 reps")
     p.add_argument("--gpu", action="store_true", help=f"cuda, bf16, qwen2-0.5b, batch {GPU_BATCH}")
-    p.add_argument("--model", choices=sorted(MODELS), default=None, help="model shape (default small)")
+    p.add_argument("--model", choices=sorted(MODELS), help="model shape (default small)")
     p.add_argument("--seqs", type=int, default=None, help="sequences per batch")
     p.add_argument("--lengths", default=None, help="MIN,MAX sequence length")
     p.add_argument("--ckpt-dir", default=CHECKPOINT_DIR, help="where the random checkpoints live")

@@ -23,11 +23,11 @@ import time
 from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEADLINE_S = 335  # seconds from the start for everything; + a last step's kill grace: under 6 minutes
-MIN_STEP_S = 20  # with less left a step is skipped (unless its own limit is lower): too little to finish
+DEADLINE_S = 335  # s from the start for everything; + a last step's kill grace: under 6 minutes
+MIN_STEP_S = 20  # with less left a step is skipped (unless its own limit is lower)
 KILL_GRACE_S = 10  # SIGTERM, then this long before SIGKILL (torchrun passes SIGTERM to its ranks)
-SITE = "/tmp/prorl-gpu-site"  # carried wheels are installed here (the image's site-packages stay as they are)
-RUNS = "/tmp/prorl-gpu-runs"  # the preset runs' output directories (checkpoints stay off RESULTS_DIR)
+SITE = "/tmp/prorl-gpu-site"  # carried wheels go here (the image's site-packages stay as they are)
+RUNS = "/tmp/prorl-gpu-runs"  # the preset runs' output directories (off RESULTS_DIR)
 TAIL_LINES = 25  # of a failed step's log, printed under its end line
 
 # torch's own answer, before anything is installed: [version, CUDA build, a device is usable]
@@ -102,11 +102,11 @@ def results_dir(argv: list[str]) -> str:
 
 
 def step_env() -> dict:
-    """The environment of every step: offline, unbuffered, carried wheels and the test helpers importable."""
+    """The environment of every step: offline, unbuffered, carried wheels and test helpers importable."""
     old = os.environ.get("PYTHONPATH")
     return dict(
         os.environ,
-        PYTHONPATH=os.pathsep.join([SITE, os.path.join(ROOT, "tests/helpers"), *([old] if old else [])]),
+        PYTHONPATH=os.pathsep.join([SITE, os.path.join(ROOT, "tests/helpers"), *filter(None, [old])]),
         PYTHONUNBUFFERED="1",
         HF_HUB_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
@@ -115,7 +115,7 @@ def step_env() -> dict:
 
 
 def run_step(step: Step, logs: str, left_s: float, say: Callable) -> Row:
-    """Run one step with its output in logs/<name>.log; kill its whole process group at its limit."""
+    """Run one step, its output in logs/<name>.log; kill its whole process group at its limit."""
     if step.skip:
         say(f"=== [{step.name}] skipped: {step.skip}")
         return Row(step.name, "skipped", 0.0, step.skip)
@@ -162,7 +162,7 @@ _RUNNING: list[subprocess.Popen] = []  # the step running now (its own session: 
 
 
 def _stop(signum, frame) -> None:
-    """SIGTERM / SIGINT of the runner (the device tool's limit, ^C): the running step's processes go too."""
+    """SIGTERM / SIGINT of the runner (the device tool's limit, ^C): the running step's group too."""
     for proc in list(_RUNNING):
         _kill_group(proc)
     raise SystemExit(128 + signum)
@@ -182,7 +182,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _last_line(path: str) -> str:
-    """The step's last non-empty output line (pytest's counts, a preset run's numbers), shortened."""
+    """The step's last non-empty output line (pytest's counts, a preset's numbers), shortened."""
     with open(path, errors="replace") as f:
         lines = [line.strip() for line in f.read().splitlines() if line.strip()]
     return lines[-1][:160] if lines else "(no output)"
@@ -240,7 +240,8 @@ def main(argv: list[str]) -> int:
     python = os.environ.get("PYTHON", sys.executable)
     if not glob.glob("/dev/nvidia[0-9]*") and shutil.which("nvidia-smi") is None:
         return no_gpu("no /dev/nvidia*, no nvidia-smi")  # at once: not even torch is imported
-    probe = subprocess.run([python, "-c", CUDA_PROBE], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    cmd = [python, "-c", CUDA_PROBE]
+    probe = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     torch_version, cuda_build, cuda = (
         json.loads(probe.stdout) if probe.returncode == 0 else ("?", None, False)
     )
@@ -272,11 +273,16 @@ def _run(results: str, python: str, end: float, t0: float) -> int:
         say("gpu_check: the install failed (logs/install.log): nothing else can run")
         return 1
     # what the steps will see, carried wheels included: versions, and what is missing (then skipped)
-    probe = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, cwd=ROOT, env=step_env())
-    env = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else {"cuda": True}
+    cmd = [python, "-c", PROBE]
+    probe = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=step_env())
+    env = {"cuda": True}
+    if probe.returncode == 0:
+        env = json.loads(probe.stdout.strip().splitlines()[-1])
     say("=== machine:", json.dumps(env))
     steps = select(
-        plan(python, env, results), os.environ.get("GPU_CHECK_ONLY", ""), os.environ.get("GPU_CHECK_SKIP", "")
+        plan(python, env, results),
+        os.environ.get("GPU_CHECK_ONLY", ""),
+        os.environ.get("GPU_CHECK_SKIP", ""),
     )
     rows = run_steps(steps, results, end, say)
     table = summary(installed + rows, install_steps(python) + steps)
@@ -284,7 +290,8 @@ def _run(results: str, python: str, end: float, t0: float) -> int:
     with open(os.path.join(results, "gpu_check_summary.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(results, "gpu_check_summary.json"), "w") as f:
-        json.dump({"machine": env, "rows": [dataclasses.asdict(r) for r in installed + rows]}, f, indent=1)
+        rows_json = [dataclasses.asdict(r) for r in installed + rows]
+        json.dump({"machine": env, "rows": rows_json}, f, indent=1)
     return exit_code(rows)
 
 
