@@ -54,6 +54,46 @@ def _rows_for(provider, op, size, world, times_s: list[float]) -> list[dict]:
     return [t, alg, dict(alg, metric="busbw", **{k: alg[k] * f for k in ("p50", "p20", "p80")})]
 
 
+def _collective(op: str, size: int, world: int, device):
+    """(call, size as nccl-tests counts it) of one op on fp32 buffers of `size` bytes."""
+    import torch
+    import torch.distributed as dist
+
+    # torch 2.13 renamed reduce_scatter_tensor (deprecated there) to reduce_scatter_single
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    numel = size // 4
+    piece = max(numel // world, 1)
+    if op == "all_reduce":
+        buf = torch.ones(numel, device=device)
+        return (lambda: dist.all_reduce(buf)), numel * 4
+    whole, part = torch.ones(piece * world, device=device), torch.ones(piece, device=device)
+    if op == "all_gather":
+        return (lambda: dist.all_gather_into_tensor(whole, part)), piece * world * 4
+    return (lambda: reduce_scatter(part, whole)), piece * world * 4
+
+
+def _time_collective(call, iters: int, args, device) -> list[float]:
+    """Seconds per call, the slowest rank's, of `args.reps` timed batches of `iters` calls."""
+    import torch
+    import torch.distributed as dist
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(args.warmup):
+        call()
+    sync()
+    times = []
+    for _ in range(args.reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        sync()
+        t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time
+        times.append(float(t))
+    return times
+
+
 def rank_main(args) -> dict | None:
     """One torchrun rank: measure every (op, size); rank 0 returns {rows, device, versions}."""
     import torch
@@ -67,43 +107,12 @@ def rank_main(args) -> dict | None:
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda") if cuda else torch.device("cpu")
-
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-
-    # torch 2.13 renamed reduce_scatter_tensor (deprecated there) to reduce_scatter_single
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     rows = []
     for op in args.ops:
         for size in [int(s) for s in args.sizes.split(",")]:
-            numel = size // 4
-            piece = max(numel // world, 1)
-            if op == "all_reduce":
-                buf = torch.ones(numel, device=device)
-                call = lambda buf=buf: dist.all_reduce(buf)
-            elif op == "all_gather":
-                inp = torch.ones(piece, device=device)
-                out = torch.empty(piece * world, device=device)
-                call = lambda inp=inp, out=out: dist.all_gather_into_tensor(out, inp)
-            else:  # reduce_scatter
-                inp = torch.ones(piece * world, device=device)
-                out = torch.empty(piece, device=device)
-                call = lambda inp=inp, out=out: reduce_scatter(out, inp)
-            size_eff = (numel if op == "all_reduce" else piece * world) * 4
+            call, size_eff = _collective(op, size, world, device)
             iters = max(1, min(args.iters, int(args.budget_bytes // max(size_eff, 1))))
-            for _ in range(args.warmup):
-                call()
-            sync()
-            times = []
-            for _ in range(args.reps):
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    call()
-                sync()
-                seconds = (time.perf_counter() - t0) / iters
-                t = torch.tensor([seconds], dtype=torch.float64, device=device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time
-                times.append(float(t))
+            times = _time_collective(call, iters, args, device)
             rows += _rows_for(f"torch-{backend}", op, size_eff, world, times)
             if rank == 0:
                 us = times[len(times) // 2] * 1e6
