@@ -83,32 +83,33 @@ def _check(domain: str, scores: list[float], expected: list[float], timed_out=No
         )
 
 
+def _timed(score_batch, warmup: int, reps: int, check) -> list[float]:
+    """Seconds of the `reps` calls of `score_batch` after `warmup` untimed ones, each checked."""
+    times = []
+    for _ in range(warmup + reps):
+        t0 = time.perf_counter()
+        result = score_batch()
+        times.append(time.perf_counter() - t0)
+        check(result)
+    return times[warmup:]
+
+
 def timed_batches(provider: str, domain: str, batch: int, workers: int, warmup: int, reps: int):
     """Seconds per batch for `reps` timed batches, after `warmup` untimed ones (the pool: >= 1)."""
     responses, truths, expected = workload(domain, batch)
     if provider == "prorl":
         from prorl.rewards.pool import RewardPool
 
+        check = lambda res: _check(domain, res.scores, expected, res.timed_out, res.errored)
         with RewardPool(num_workers=workers, timeout_s=10.0, preload=(domain,)) as pool:
             score_batch = lambda: pool.score_batch([domain] * batch, responses, truths)
-            times = []
-            for _ in range(max(warmup, 1) + reps):
-                t0 = time.perf_counter()
-                res = score_batch()
-                times.append(time.perf_counter() - t0)
-                _check(domain, res.scores, expected, res.timed_out, res.errored)
-            return times[max(warmup, 1) :]
+            return _timed(score_batch, max(warmup, 1), reps, check)
     if provider == "naive":
         from prorl.rewards import score
 
         score(domain, responses[0], truths[0])  # imports (math-verify ~1 s) outside the timing
-        times = []
-        for _ in range(warmup + reps):
-            t0 = time.perf_counter()
-            scores = [score(domain, r, g) for r, g in zip(responses, truths)]
-            times.append(time.perf_counter() - t0)
-            _check(domain, scores, expected)
-        return times[warmup:]
+        score_batch = lambda: [score(domain, r, g) for r, g in zip(responses, truths)]
+        return _timed(score_batch, warmup, reps, lambda scores: _check(domain, scores, expected))
     raise ValueError(f"unknown provider {provider!r}; one of {PROVIDERS}")
 
 
