@@ -1,9 +1,9 @@
 """`python -m benchmarks <name> [args...]` runs benchmarks/<name>.py's `main(args)`; `--list` lists them.
 
-A benchmark is any module in this folder with a top-level `main` (a function, or `main = BENCHMARK.main`),
-except the harness itself;
-`COMMANDS` adds the commands whose modules live in a sub-folder. Listing reads each module's docstring
-without importing it (no torch import just to list).
+A benchmark is any module in this folder with a top-level `main` (a function, or `main =
+BENCHMARK.main`), except the harness itself; `COMMANDS` adds the commands whose modules live in a
+sub-folder. Listing reads each module's docstring without importing it (no torch import just to
+list).
 """
 
 from __future__ import annotations

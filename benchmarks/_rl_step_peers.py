@@ -1,9 +1,7 @@
 """The pieces of rl_step.py that are not prorl's own code path: TRL's GRPOTrainer instrumented per phase
-(`TRLPhases`, `run_trl`), and the three ablations that swap one prorl piece for the conventional one:
-`naive_lle` (nofused), `padded_logprobs` (nopack), `HFGenerator` (hfgen).
-
-`rl_step.prorl_trainer` applies the ablations inside the benchmark's worker process (swaps on one
-Trainer object or on `prorl.trainer`'s module globals); nothing in prorl changes.
+(`TRLPhases`, `run_trl`), and the ablations that swap one prorl piece for the conventional one:
+`naive_lle` (nofused), `padded_logprobs` (nopack), `HFGenerator` (hfgen), applied by
+`rl_step.prorl_trainer` inside the worker process; nothing in prorl changes.
 """
 
 from __future__ import annotations
@@ -21,7 +19,7 @@ from benchmarks.linear_logprob_entropy import naive_logprob_entropy
 
 
 def naive_lle(hidden, weight, labels, temperature=1.0, ignore_index=-100, return_entropy=True):
-    """`linear_logprob_entropy`'s signature on the unfused path (entropy computed either way: V is tiny)."""
+    """`linear_logprob_entropy`'s signature on the unfused path (entropy either way: V is tiny)."""
     logp, ent = naive_logprob_entropy(hidden, weight, labels, temperature, ignore_index)
     return logp, (ent if return_entropy else None)
 
@@ -30,7 +28,7 @@ def _padded_attention_backend(length: int):
     from prorl.engine.attention import AttentionBackend
 
     class PaddedSDPA(AttentionBackend):
-        """One causal SDPA over [S, H, Lmax, d]: right padding never reaches a real token causally."""
+        """One causal SDPA over [S, H, Lmax, d]: right padding never reaches a real token."""
 
         name = "padded-sdpa"
 
@@ -48,9 +46,10 @@ def _padded_attention_backend(length: int):
 
 def padded_logprobs(model, batch, temperature, grad: bool, entropy: bool = False, lle=None):
     """Updater.logprobs as a padded trainer computes it: every sequence right-padded to the longest one
-    of the batch and run as one [S, Lmax] batch (one batched SDPA call, pad tokens through every layer
-    and the LM head); the real tokens' values, from `lle` (default the fused op), in packed order.
-    Needs plain packing (share_prompts off: a shared-prompt layout has no padded equivalent)."""
+    of the batch and run as one [S, Lmax] batch (one batched SDPA call, pad tokens through every
+    layer and the LM head); the real tokens' values, from `lle` (default the fused op), in packed
+    order. Needs plain packing (share_prompts off: a shared-prompt layout has no padded
+    equivalent)."""
     from prorl.kernels import linear_logprob_entropy
 
     if batch.kv_index is not None:
@@ -61,15 +60,16 @@ def padded_logprobs(model, batch, temperature, grad: bool, entropy: bool = False
     pid = torch.zeros(s, lmax, dtype=batch.ids.dtype, device=dev)
     pid[valid] = batch.ids
     pcu = (torch.arange(s + 1, device=dev) * lmax).to(torch.int32)
-    padded_row = torch.arange(s * lmax, device=dev).view(s, lmax)[valid]  # packed token -> row in [S * Lmax]
+    # packed token -> its row in [S * Lmax]
+    padded_row = torch.arange(s * lmax, device=dev).view(s, lmax)[valid]
     saved = model.attention
     model.attention = _padded_attention_backend(lmax)
     try:
         with torch.set_grad_enabled(grad):
-            hidden = model(pid.view(-1), cu_seqlens=pcu).index_select(0, padded_row[batch.hidden_rows])
-            return (lle or linear_logprob_entropy)(
-                hidden, model.lm_head_weight, batch.labels, temperature=temperature, return_entropy=entropy
-            )
+            hidden = model(pid.view(-1), cu_seqlens=pcu)
+            hidden = hidden.index_select(0, padded_row[batch.hidden_rows])
+            kw = dict(temperature=temperature, return_entropy=entropy)
+            return (lle or linear_logprob_entropy)(hidden, model.lm_head_weight, batch.labels, **kw)
     finally:
         model.attention = saved
 
@@ -115,14 +115,12 @@ class HFGenerator:
             mask[r, width - len(x) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         torch.manual_seed(params.seed)
-        sampling = dict(
-            do_sample=params.temperature > 0, temperature=params.temperature or None, top_p=params.top_p
-        )
-        sampling.update(top_k=0 if params.top_k < 0 else params.top_k, max_new_tokens=params.max_new_tokens)
+        sampling = dict(do_sample=params.temperature > 0, temperature=params.temperature or None)
+        sampling.update(top_p=params.top_p, top_k=0 if params.top_k < 0 else params.top_k)
+        sampling.update(max_new_tokens=params.max_new_tokens)
         stop = dict(eos_token_id=list(params.stop_token_ids) or None, pad_token_id=self.pad)
-        out = self.hf.generate(
-            ids, attention_mask=mask, **sampling, **stop, output_scores=True, return_dict_in_generate=True
-        )
+        scores = dict(output_scores=True, return_dict_in_generate=True)
+        out = self.hf.generate(ids, attention_mask=mask, **sampling, **stop, **scores)
         new = out.sequences[:, width:]  # [B, T]
         scores = torch.stack(out.scores, dim=1).float()  # [B, T, V] temperature-scaled logits
         logp = torch.log_softmax(scores, dim=-1).gather(-1, new[..., None]).squeeze(-1)
@@ -132,9 +130,8 @@ class HFGenerator:
         for r, (p, j) in enumerate(rows):
             hit = torch.isin(new[r], stops).nonzero()
             end = int(hit[0]) + 1 if len(hit) else new.shape[1]
-            samples.append(
-                Sample(p, j, new[r, :end].tolist(), logp[r, :end].tolist(), "stop" if len(hit) else "length")
-            )
+            reason = "stop" if len(hit) else "length"
+            samples.append(Sample(p, j, new[r, :end].tolist(), logp[r, :end].tolist(), reason))
         if on_finished is not None:
             on_finished(len(samples))
         return Rollouts(samples)
@@ -162,10 +159,11 @@ class TRLPhases:
     `profiling_context` reports only to W&B / MLflow).
 
     gen = `_generate` (prompt tokenisation, `generate`, decoding); reward = `_calculate_rewards`;
-    old_logp = `_get_per_token_logps_and_entropies` under no_grad (the reference model's pass, and the
-    old-policy pass when TRL makes one); update = `training_step` minus `_prepare_inputs` (loss forward
-    and backward) + from its return to `on_step_end` (grad clipping, optimizer and scheduler step);
-    step = from one `on_step_end` to the next (the whole loop, data loading and logging included).
+    old_logp = `_get_per_token_logps_and_entropies` under no_grad (the reference model's pass, and
+    the old-policy pass when TRL makes one); update = `training_step` minus `_prepare_inputs` (loss
+    forward and backward) + from its return to `on_step_end` (grad clipping, optimizer and scheduler
+    step); step = from one `on_step_end` to the next (the whole loop, data loading and logging
+    included).
     """
 
     def __init__(self, memory):
@@ -195,10 +193,11 @@ class TRLPhases:
 
         trainer._generate = self._timed(trainer._generate, "gen")
         trainer._calculate_rewards = self._timed(trainer._calculate_rewards, "reward")
-        trainer._get_per_token_logps_and_entropies = self._timed(
-            trainer._get_per_token_logps_and_entropies, "old_logp", when=lambda: not torch.is_grad_enabled()
-        )
-        trainer._generate_and_score_completions = self._timed(trainer._generate_and_score_completions, "_gs")
+        no_grad = lambda: not torch.is_grad_enabled()
+        logps = trainer._get_per_token_logps_and_entropies
+        trainer._get_per_token_logps_and_entropies = self._timed(logps, "old_logp", when=no_grad)
+        scored = trainer._generate_and_score_completions
+        trainer._generate_and_score_completions = self._timed(scored, "_gs")
         trainer._prepare_inputs = self._timed(trainer._prepare_inputs, "_prepare")
         inner = trainer.training_step
 
@@ -237,7 +236,8 @@ class TRLPhases:
 
 def run_trl(work: dict, model_path: str, steps: int, memory, gpu: bool, gen: str = "vllm") -> tuple:
     """TRL's GRPOTrainer on the same model, prompts and settings; returns (per-step records, note). On
-    `gpu`, `gen` = "vllm" (colocated vLLM) or "native" (transformers.generate on CUDA, use_vllm=False)."""
+    `gpu`, `gen` = "vllm" (colocated vLLM) or "native" (transformers.generate on CUDA,
+    use_vllm=False)."""
     import shutil
     import tempfile
 
@@ -258,10 +258,12 @@ def run_trl(work: dict, model_path: str, steps: int, memory, gpu: bool, gen: str
     kwargs.update(steps_per_generation=1, num_iterations=1, num_generations=n, seed=0)
     kwargs.update(max_completion_length=work["max_new"], temperature=1.0, top_p=1.0, top_k=0)
     kwargs.update(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=1e-4)  # token-level loss
-    kwargs.update(learning_rate=work["lr"], lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0)
+    kwargs.update(learning_rate=work["lr"], lr_scheduler_type="constant")
+    kwargs.update(weight_decay=0.0, max_grad_norm=1.0)
     # TRL defaults to activation checkpointing (an extra forward in backward); prorl does not
     # checkpoint here, so TRL must not either: equal work
-    kwargs.update(gradient_checkpointing=False, bf16=gpu, use_cpu=not gpu, model_init_kwargs={"dtype": dtype})
+    kwargs.update(gradient_checkpointing=False, bf16=gpu, use_cpu=not gpu)
+    kwargs.update(model_init_kwargs={"dtype": dtype})
     kwargs.update(output_dir=out_dir, logging_steps=10**6, save_strategy="no", report_to="none")
     kwargs.update(disable_tqdm=True, dataloader_num_workers=0, log_completions=False)
     use_vllm = gpu and gen == "vllm"

@@ -2,25 +2,11 @@
 
     python -m benchmarks advantages [--quick] [--threads N] [--groups G1,G2] [--n 16] [--algos a,b]
 
-The op: one advantage per response from its scalar reward and its group (the n responses to one prompt),
-for G groups of n = 16 responses (B = G n), float32 rewards in {0, 1}, response lengths uniform in
-[1, 1024] tokens, groups contiguous and in order. Two algorithms (the `shape` column names it):
-- `reinforce++-baseline` (ProRL v2): reward minus its group mean, then whitened over the whole batch with
-  token weights (each response weighs its length);
-- `grpo` (ProRL v1): (reward - group mean) / (group std + 1e-6), the UNBIASED std as verl computes it
-  (our op with std_unbiased=True).
-Only mode `forward` exists (nothing to differentiate); rows are time and peak extra memory.
-
-Providers:
-- `prorl`: `group_advantages(rewards, group_ids, ...)`; group ids of any value, remapped with torch.unique.
-- `prorl-dense`: the same with `num_groups=G` (ids already dense in [0, G): no torch.unique).
-- `python-loop`: verl's compute_grpo_outcome_advantage / compute_reinforce_plus_plus_baseline_outcome_
-  advantage transcribed (a Python loop over the responses filling a dict of per-group score lists, torch
-  mean/std per group, a loop writing each response's advantage), then for reinforce++-baseline a
-  vectorised token-weighted whitening over the per-response values (verl whitens the [B, T] token
-  tensor, which weighs each response by its length the same way; the per-response form is cheaper and
-  is what is timed). Its group ids arrive as a Python list (verl's are a numpy array of uid strings),
-  built outside the timed call.
+G groups of n = 16 responses, rewards in {0, 1}, lengths uniform in [1, 1024]; the `shape` column
+names the algorithm: `reinforce++-baseline` (ProRL v2: group mean subtracted, then token-weighted
+whitening over the batch) or `grpo` (ProRL v1: divided by the group's unbiased std + 1e-6). Mode
+`forward` only. Providers: `prorl`, `prorl-dense` (num_groups=G: no torch.unique), `python-loop`
+(verl's per-response loops transcribed). Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -40,43 +26,37 @@ MAX_LEN = 1024
 EPS = 1e-6
 
 
-def loop_grpo(scores, index, epsilon=EPS):
-    """verl's compute_grpo_outcome_advantage (norm_adv_by_std_in_grpo=True), on [B] scores, a list of ids."""
+def verl_loop(scores, index, epsilon=None):
+    """verl's compute_grpo_outcome_advantage (with `epsilon`: divided by the group std + epsilon) or
+    compute_reinforce_plus_plus_baseline_outcome_advantage (without), on [B] scores, a list of
+    ids."""
     import torch
 
     scores = scores.clone()
     id2score, id2mean, id2std = defaultdict(list), {}, {}
-    bsz = scores.shape[0]
-    for i in range(bsz):
+    for i in range(scores.shape[0]):
         id2score[index[i]].append(scores[i])
-    for idx in id2score:
-        if len(id2score[idx]) == 1:
-            id2mean[idx] = torch.tensor(0.0)
-            id2std[idx] = torch.tensor(1.0)
-        else:
-            id2mean[idx] = torch.mean(torch.tensor(id2score[idx]))
-            id2std[idx] = torch.std(torch.tensor([id2score[idx]]))
-    for i in range(bsz):
-        scores[i] = (scores[i] - id2mean[index[i]]) / (id2std[index[i]] + epsilon)
+    for idx, group in id2score.items():
+        single = len(group) == 1
+        id2mean[idx] = torch.tensor(0.0) if single else torch.mean(torch.tensor(group))
+        if epsilon is not None:
+            id2std[idx] = torch.tensor(1.0) if single else torch.std(torch.tensor([group]))
+    for i in range(scores.shape[0]):
+        centred = scores[i] - id2mean[index[i]]
+        scores[i] = centred if epsilon is None else centred / (id2std[index[i]] + epsilon)
     return scores
+
+
+def loop_grpo(scores, index):
+    """GRPO's advantages as verl loops over them (norm_adv_by_std_in_grpo=True)."""
+    return verl_loop(scores, index, EPS)
 
 
 def loop_reinforce_pp_baseline(scores, index, lengths, eps=1e-8):
     """verl's reinforce++-baseline loop (group means subtracted), then token-weighted whitening."""
     import torch
 
-    scores = scores.clone()
-    id2score, id2mean = defaultdict(list), {}
-    bsz = scores.shape[0]
-    for i in range(bsz):
-        id2score[index[i]].append(scores[i])
-    for idx in id2score:
-        if len(id2score[idx]) == 1:
-            id2mean[idx] = torch.tensor(0.0)
-        else:
-            id2mean[idx] = torch.mean(torch.tensor(id2score[idx]))
-    for i in range(bsz):
-        scores[i] = scores[i] - id2mean[index[i]]
+    scores = verl_loop(scores, index)
     w = lengths.to(scores.dtype)
     mean = (w * scores).sum() / w.sum()
     var = (w * (scores - mean) ** 2).sum() / w.sum()
@@ -114,25 +94,23 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     if provider == "python-loop":
         ids = group_ids.tolist()  # verl: a numpy array of uid strings, already on the host
         if algo == "grpo":
-            return harness.Step(run=lambda: loop_grpo(rewards, ids), note="verl_style_loop")
-        return harness.Step(
-            run=lambda: loop_reinforce_pp_baseline(rewards, ids, lengths), note="verl_style_loop"
-        )
+            run = lambda: loop_grpo(rewards, ids)
+        else:
+            run = lambda: loop_reinforce_pp_baseline(rewards, ids, lengths)
+        return harness.Step(run=run, note="verl_style_loop")
     raise ValueError(f"unknown provider {provider!r}")
 
 
 def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"G in {QUICK_GROUPS}, 2 reps (seconds)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--groups", default=None, help=f"comma-separated group counts G (default {GROUPS})")
+    p.add_argument("--groups", type=harness.ints, help=f"comma-separated group counts G (default {GROUPS})")
     p.add_argument("--n", type=int, default=N_PER_GROUP, help="responses per group")
     p.add_argument("--algos", type=harness.subset_of(ALGOS), default=",".join(ALGOS), help="comma-separated")
 
 
 def _shapes(args) -> list[dict]:
-    groups = (
-        [int(x) for x in args.groups.split(",")] if args.groups else QUICK_GROUPS if args.quick else GROUPS
-    )
+    groups = args.groups or (QUICK_GROUPS if args.quick else GROUPS)
     return [make_shape(g, args.n, a) for g in groups for a in args.algos]
 
 

@@ -1,28 +1,15 @@
 """Collective bandwidth under torchrun: all-reduce, all-gather, reduce-scatter across message sizes.
 
-    python -m benchmarks collectives [--quick] [--ranks 2] [--ops all_reduce,all_gather,reduce_scatter]
-    torchrun --nproc_per_node=8 -m benchmarks.collectives [--quick]      # already under torchrun
+    python -m benchmarks collectives [--quick] [--ranks 2] [--ops
+    all_reduce,all_gather,reduce_scatter] torchrun --nproc_per_node=8 -m benchmarks.collectives
+    [--quick]      # already under torchrun
 
-The floor that FSDP2's communication stands on (an FSDP2 step is one all-gather of the parameters per
-forward and backward and one reduce-scatter of the gradients). Backend: gloo on CPU, NCCL on CUDA (one
-GPU per rank, `LOCAL_RANK`). `python -m benchmarks collectives` starts `torchrun --standalone` itself
-with `--ranks` processes (default 2); each rank sets `torch.set_num_threads(--threads)` (default 1).
-
-Conventions are nccl-tests' (PERFORMANCE.md there): `size` is the bytes of the whole buffer - the
-all-reduce buffer, the all-gather OUTPUT (n x the per-rank piece), the reduce-scatter INPUT; fp32
-elements; time is per call, the slowest rank's, averaged over `--iters` calls after `--warmup` calls
-(with a barrier before each timed batch); algbw = size / time; busbw = algbw x 2(n-1)/n for all-reduce
-and x (n-1)/n for all-gather and reduce-scatter, the per-link bandwidth a ring needs, comparable
-across rank counts. p50/p20/p80 are over `--reps` batches. Sizes: 1 KiB to 64 MiB by 4x (`--quick`:
-1 KiB, 32 KiB, 1 MiB, 8 MiB). When nccl-tests' binaries (`all_reduce_perf`, `all_gather_perf`,
-`reduce_scatter_perf`) are on PATH and CUDA is present, the parent also runs each single-process over
-`--ranks` GPUs (`-g N`, same sizes) and records their out-of-place time / algbw / busbw (their standard
-table) under provider `nccl-tests`.
-
-Rows (harness.COLUMNS): provider `torch-gloo` / `torch-nccl` / `nccl-tests`, mode = the op, shape =
-"<size> B world=<n>", metrics `time` (us), `algbw` and `busbw` (GB/s, 1e9 bytes). Plot:
-collectives.png (busbw against size, one line per op and provider). On a shared 2-core CPU, gloo's
-numbers measure memory copies and loopback TCP under contention: compare shapes, not absolute values.
+gloo on CPU, NCCL on CUDA; the parent starts `torchrun --standalone` with `--ranks` processes.
+Sizes, time, algbw and busbw follow nccl-tests' conventions (size = the whole buffer; time = the
+slowest rank's per call; busbw = algbw x 2(n-1)/n for all-reduce, x (n-1)/n otherwise). With CUDA
+and nccl-tests' binaries on PATH their tables are recorded too (provider `nccl-tests`). Rows:
+provider `torch-gloo` / `torch-nccl` / `nccl-tests`, mode = the op, shape = "<size> B world=<n>",
+metrics time (us), algbw and busbw (GB/s); plot collectives.png. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -40,7 +27,6 @@ import time
 from pathlib import Path
 
 from benchmarks import harness, plot
-from benchmarks.report import readme
 from benchmarks.report.readme import View
 
 NAME = "collectives"
@@ -60,17 +46,56 @@ def bus_factor(op: str, world: int) -> float:
 
 
 def _rows_for(provider, op, size, world, times_s: list[float]) -> list[dict]:
-    """time (us), algbw and busbw (GB/s) rows; rate quantiles come from the opposite time quantiles."""
-    t = harness.row(
-        "time", "us", [x * 1e6 for x in times_s], provider=provider, mode=op, shape=f"{size} B world={world}"
-    )
+    """time (us), algbw and busbw (GB/s) rows; rates' quantiles come from the opposite time ones."""
+    case = dict(provider=provider, mode=op, shape=f"{size} B world={world}")
+    t = harness.row("time", "us", [x * 1e6 for x in times_s], **case)
     alg = harness.rate_row(t, size / 1e9, "algbw", "GB/s", seconds_per_unit=1e-6)
     f = bus_factor(op, world)
     return [t, alg, dict(alg, metric="busbw", **{k: alg[k] * f for k in ("p50", "p20", "p80")})]
 
 
+def _collective(op: str, size: int, world: int, device):
+    """(call, size as nccl-tests counts it) of one op on fp32 buffers of `size` bytes."""
+    import torch
+    import torch.distributed as dist
+
+    # torch 2.13 renamed reduce_scatter_tensor (deprecated there) to reduce_scatter_single
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    numel = size // 4
+    piece = max(numel // world, 1)
+    if op == "all_reduce":
+        buf = torch.ones(numel, device=device)
+        return (lambda: dist.all_reduce(buf)), numel * 4
+    whole, part = torch.ones(piece * world, device=device), torch.ones(piece, device=device)
+    if op == "all_gather":
+        return (lambda: dist.all_gather_into_tensor(whole, part)), piece * world * 4
+    return (lambda: reduce_scatter(part, whole)), piece * world * 4
+
+
+def _time_collective(call, iters: int, args, device) -> list[float]:
+    """Seconds per call, the slowest rank's, of `args.reps` timed batches of `iters` calls."""
+    import torch
+    import torch.distributed as dist
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for _ in range(args.warmup):
+        call()
+    sync()
+    times = []
+    for _ in range(args.reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            call()
+        sync()
+        t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time
+        times.append(float(t))
+    return times
+
+
 def rank_main(args) -> dict | None:
-    """One torchrun rank: measure every (op, size); rank 0 returns {rows, device, versions}, others None."""
+    """One torchrun rank: measure every (op, size); rank 0 returns {rows, device, versions}."""
     import torch
     import torch.distributed as dist
 
@@ -82,53 +107,28 @@ def rank_main(args) -> dict | None:
     dist.init_process_group(backend, timeout=datetime.timedelta(minutes=5))
     rank, world = dist.get_rank(), dist.get_world_size()
     device = torch.device("cuda") if cuda else torch.device("cpu")
-
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-
-    # torch 2.13 renamed reduce_scatter_tensor (deprecated there) to reduce_scatter_single
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     rows = []
     for op in args.ops:
         for size in [int(s) for s in args.sizes.split(",")]:
-            numel = size // 4
-            piece = max(numel // world, 1)
-            if op == "all_reduce":
-                buf = torch.ones(numel, device=device)
-                call = lambda buf=buf: dist.all_reduce(buf)
-            elif op == "all_gather":
-                inp, out = torch.ones(piece, device=device), torch.empty(piece * world, device=device)
-                call = lambda inp=inp, out=out: dist.all_gather_into_tensor(out, inp)
-            else:  # reduce_scatter
-                inp, out = torch.ones(piece * world, device=device), torch.empty(piece, device=device)
-                call = lambda inp=inp, out=out: reduce_scatter(out, inp)
-            size_eff = (numel if op == "all_reduce" else piece * world) * 4
+            call, size_eff = _collective(op, size, world, device)
             iters = max(1, min(args.iters, int(args.budget_bytes // max(size_eff, 1))))
-            for _ in range(args.warmup):
-                call()
-            sync()
-            times = []
-            for _ in range(args.reps):
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    call()
-                sync()
-                t = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
-                dist.all_reduce(t, op=dist.ReduceOp.MAX)  # the slowest rank's time
-                times.append(float(t))
+            times = _time_collective(call, iters, args, device)
             rows += _rows_for(f"torch-{backend}", op, size_eff, world, times)
             if rank == 0:
-                print(f"  {op:<15} {size_eff:>10} B  {times[len(times) // 2] * 1e6:>10.1f} us", flush=True)
+                us = times[len(times) // 2] * 1e6
+                print(f"  {op:<15} {size_eff:>10} B  {us:>10.1f} us", flush=True)
     dist.barrier()
     dist.destroy_process_group()
     if rank != 0:
         return None
-    versions = f"{harness.versions_string(args.threads)} backend={backend} ranks={world}"  # as the ranks ran
+    # as the ranks ran
+    versions = f"{harness.versions_string(args.threads)} backend={backend} ranks={world}"
     return dict(rows=rows, device=harness.device_name(device), versions=versions)
 
 
 def parse_nccl_tests(text: str, op: str, world: int) -> list[dict]:
-    """Rows from an nccl-tests table: size count type redop root | time algbw busbw #wrong (out-of-place)."""
+    """Rows from an nccl-tests table: size count type redop root | time algbw busbw #wrong
+    (out-of-place)."""
     rows = []
     for line in text.splitlines():
         parts = line.split()
@@ -146,7 +146,8 @@ def run_nccl_tests(ops, sizes, nproc) -> tuple[list[dict], list[str]]:
         exe = shutil.which(NCCL_TESTS[op])
         if exe is None:
             continue
-        cmd = [exe, "-b", str(min(sizes)), "-e", str(max(sizes)), "-f", "4", "-g", str(nproc), "-d", "float"]
+        cmd = [exe, "-b", str(min(sizes)), "-e", str(max(sizes)), "-f", "4", "-g", str(nproc)]
+        cmd += ["-d", "float"]
         try:
             out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
             rows += parse_nccl_tests(out, op, nproc)
@@ -156,20 +157,21 @@ def run_nccl_tests(ops, sizes, nproc) -> tuple[list[dict], list[str]]:
 
 
 def _args(argv):
-    p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.split("\n")[0])
+    doc = __doc__.split("\n")[0]
+    p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=doc)
     p.add_argument("--quick", action="store_true", help="sizes 1 KiB, 32 KiB, 1 MiB, 8 MiB; 3 reps")
     p.add_argument("--ranks", type=int, default=2, help="processes (torchrun --nproc_per_node)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--ops", type=harness.subset_of(OPS), default=",".join(OPS), help="comma-separated")
-    p.add_argument("--sizes", default=None, help="comma-separated bytes (default 1 KiB .. 64 MiB by 4x)")
-    p.add_argument("--iters", type=int, default=20, help="calls per timed batch (fewer for large sizes)")
-    p.add_argument("--budget-bytes", type=float, default=2e9, help="cap on iters x size per timed batch")
+    p.add_argument("--sizes", help="comma-separated bytes (default 1 KiB .. 64 MiB by 4x)")
+    p.add_argument("--iters", type=int, default=20, help="calls per timed batch (fewer if large)")
+    p.add_argument("--budget-bytes", type=float, default=2e9, help="cap on iters x size per batch")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--reps", type=int, default=None, help="timed batches (default 5; --quick 3)")
     p.add_argument("--cpu", action="store_true", help="gloo even where CUDA is present")
-    p.add_argument("--out", default=None, help=f"CSV to append to (default benchmarks/results/{NAME}.csv)")
+    p.add_argument("--out", help=f"CSV to append to (default benchmarks/results/{NAME}.csv)")
     p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--result", default=None, help=argparse.SUPPRESS)  # rank 0's JSON (set by the parent)
+    p.add_argument("--result", help=argparse.SUPPRESS)  # rank 0's JSON (set by the parent)
     args = p.parse_args(argv)
     args.sizes = args.sizes or ",".join(map(str, QUICK_SIZES if args.quick else SIZES))
     args.reps = args.reps or (3 if args.quick else 5)
@@ -194,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         cmd = [*torchrun, f"--nproc_per_node={args.ranks}"]
         cmd += ["-m", "benchmarks.collectives", *argv, "--result", result]
         print(f"{NAME}: {' '.join(cmd[1:-2])}", flush=True)
-        rc = subprocess.run(cmd, cwd=harness.REPO_ROOT, env=harness.subprocess_env(args.threads)).returncode
+        env = harness.subprocess_env(args.threads)
+        rc = subprocess.run(cmd, cwd=harness.REPO_ROOT, env=env).returncode
         if rc != 0 or not os.path.exists(result):
             print(f"{NAME}: torchrun exited with {rc}", file=sys.stderr)
             return 1
@@ -210,16 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     return _finish(args, measured, errors)
 
 
-VIEW = View("busbw", ("time", "algbw"), (("nccl-tests", "multiple"),), higher_is_better=True)  # the console's
+# the console's table
+VIEW = View("busbw", ("time", "algbw"), (("nccl-tests", "multiple"),), higher_is_better=True)
 
 
 def _finish(args, measured: dict, errors: list[str]) -> int:
     out = Path(args.out) if args.out else harness.RESULTS_DIR / f"{NAME}.csv"
-    common = dict(name=NAME, device=measured["device"], versions=measured["versions"])
-    common.update(git_rev=harness.git_rev(), timestamp=harness.utc_now())
-    rows = [dict(r, **common) for r in measured["rows"]]
-    harness.append_csv(out, rows)
-    print(readme.summary(NAME, rows, VIEW))
+    device, versions = measured["device"], measured["versions"]
+    rows = harness.record(NAME, measured["rows"], out, device=device, versions=versions, view=VIEW)
     if rows and not args.no_plot:
         try:
             print(f"plot: {plot.bandwidth(rows, out.with_suffix('.png'), list(OPS))}")

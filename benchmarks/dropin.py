@@ -1,20 +1,14 @@
 """Stock vs prorl drop-in inside each peer (TRL, verl, OpenRLHF): one update's time and peak extra memory.
 
-    python -m benchmarks dropin [--quick] [--vocab 32768,151936] [--providers a,b] [--threads N] [--out CSV]
+    python -m benchmarks dropin [--quick] [--vocab 32768,151936] [--providers a,b] [--threads N]
+    [--out CSV]
 
-A tiny random Qwen2 (hidden 128, 2 layers, untied head, fp32) at each vocabulary size V, a micro-batch of
-B = 8 sequences, P = 8 prompt + C = 128 completion tokens; one call = the forward and backward of one
-update of the peer's own code (mode `full`), with:
-- `trl` / `trl-fused`: TRL 1.16 GRPOTrainer / prorl's FusedGRPOTrainer built with TRL's defaults (dapo,
-  beta 0, num_iterations 1), `trainer.compute_loss(model, micro_batch).backward()`; `trl-loss` (not run by
-  default): GRPOTrainer with the older trl_compute_loss drop-in (TRL's forward, the loss arithmetic fused).
-- `verl` / `verl-fused`: verl 0.9.1's `use_fused_kernels` forward (patch_forward_with_backends, backend
-  "torch": FusedLinearForPPO) / the same after prorl.kernels.adapters.verl_fused_plugin; backward of
-  sum(log_probs) + sum(entropy).
-- `openrlhf` / `openrlhf-fused`: OpenRLHF 0.11.2's Actor.forward (action log-probs and entropy from its fp32
-  logits) / openrlhf_actor_forward; backward of sum(action log-probs) + sum(entropy).
-verl and OpenRLHF import with the stand-ins of tests/peers/peer_stubs.py (run it from the peers venv,
-.ci/peers.sh); a provider whose peer is not installed records an error and the others still run.
+A tiny random Qwen2 (hidden 128, 2 layers, untied head, fp32) at each vocabulary size, B = 8
+sequences of 8 prompt + 128 completion tokens; one call = forward and backward of one update of the
+peer's own code. Providers: `trl` / `trl-fused` (GRPOTrainer / FusedGRPOTrainer; `trl-loss` on
+request), `verl` / `verl-fused` (its fused-kernel forward / with verl_fused_plugin), `openrlhf` /
+`openrlhf-fused` (Actor.forward / openrlhf_actor_forward). verl and OpenRLHF import with the
+stand-ins of tests/peers/peer_stubs.py (the peers venv, .ci/peers.sh). Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -142,11 +136,11 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
 
 def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"V={QUICK_VOCABS}, 2 reps")
-    p.add_argument("--vocab", default=None, help=f"comma-separated V (default {VOCABS})")
+    p.add_argument("--vocab", type=harness.ints, help=f"comma-separated V (default {VOCABS})")
 
 
 def _shapes(args) -> list[dict]:
-    vocabs = [int(x) for x in args.vocab.split(",")] if args.vocab else QUICK_VOCABS if args.quick else VOCABS
+    vocabs = args.vocab or (QUICK_VOCABS if args.quick else VOCABS)
     return [dict(V=v, label=f"V={v} B={B} T={P}+{C} D={D} fp32") for v in vocabs]
 
 

@@ -1,14 +1,12 @@
 """The embedded default's result beside its control: RL vs the same minutes of further supervised training.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 prorl/train.py          # -> runs/<ts>/
-    OMP_NUM_THREADS=1 python -m prorl.warmstart --init prorl/assets/tiny-reasoner \\
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 prorl/train.py          # ->
+    runs/<ts>/ OMP_NUM_THREADS=1 python -m prorl.warmstart --init prorl/assets/tiny-reasoner \\
         --out /tmp/sft_control --steps 1500 --eval-every 100 --lr 1e-3 --minutes 8     # the control
     python -m benchmarks embedded_default --run runs/<ts> --control /tmp/sft_control/warmstart.jsonl
 
-Reads the run's metrics.jsonl (held-out greedy accuracy every `val_every` steps; wall time from the
-per-step `timing_s/step`) and the control's log (held-out greedy accuracy every 100 supervised steps,
-with elapsed seconds), both on the same 200 held-out digit-sum problems, and draws accuracy against wall
-time (`benchmarks/results/embedded_default.png`) with rows appended to `embedded_default.csv`.
+Held-out greedy accuracy against wall time for both (the same 200 problems): embedded_default.png
+and rows in embedded_default.csv. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -16,10 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 from benchmarks import harness, plot
-from benchmarks.report import readme
 
 NAME = "embedded_default"
 
@@ -49,12 +45,10 @@ def main(argv=None) -> int:
 
     rl = rl_curve(args.run)
     control = control_curve(args.control, rl[0][1])
-    common = dict(name=NAME, mode="greedy-200-heldout", shape="digit_sums", git_rev=harness.git_rev())
-    common.update(device=harness.device_name(SimpleNamespace(type="cpu")), timestamp=harness.utc_now())
     rows = []
     for provider, curve in (("prorl-rl", rl), ("sft-control", control)):
         last = [a for _, a in curve[-3:]]
-        case = dict(common, provider=provider)
+        case = dict(provider=provider, mode="greedy-200-heldout", shape="digit_sums")
         case["versions"] = "OMP_NUM_THREADS=1 2 procs" if provider == "prorl-rl" else "1 proc"
         for metric, unit, value in (
             ("accuracy_before", "fraction", curve[0][1]),
@@ -63,11 +57,10 @@ def main(argv=None) -> int:
             ("wall_time", "s", curve[-1][0]),
         ):
             rows.append(harness.single_row(metric, unit, value, **case))
-    harness.append_csv(args.out, rows)
+    harness.record(NAME, rows, args.out, device=harness.device_name("cpu"), versions="")
     curves = {"RL (prorl, embedded default)": rl, "further SFT (control)": control}
     xlabel, ylabel = "minutes of training after the warm-start", "held-out greedy accuracy (200)"
     png = plot.curves(curves, args.out.with_suffix(".png"), xlabel, ylabel)
-    print(readme.summary(NAME, rows))
     print(f"wrote {args.out} and {png}")
     return 0
 

@@ -1,36 +1,24 @@
 """The shared benchmark harness: providers x modes x shapes -> time, throughput and peak extra memory.
 
-A benchmark module defines `build(provider, mode, shape, device) -> Step | None` (None: the provider
-has no such mode) and a `Benchmark`, whose `main` is its command line. Each provider runs in its own
-fresh worker process (same interpreter, `OMP_NUM_THREADS` and `torch.set_num_threads` both `threads`),
-so no provider inherits another's allocator state, compiled-graph caches or resident freed memory.
+A benchmark module defines `build(provider, mode, shape, device) -> Step | None` (None: no such mode
+for the provider) and a `Benchmark`, whose `main` is its command line. Each provider runs in a fresh
+worker process (`OMP_NUM_THREADS` and `torch.set_num_threads` both `threads`), so no provider
+inherits another's allocator state, compiled-graph caches or resident freed memory. Per (provider,
+shape, mode):
+- time (ms): `warmup` untimed calls (they absorb torch.compile and Triton JIT), then `reps` timed
+  calls of `step.run()` (after an untimed `step.prepare()`), CUDA synchronised on both sides;
+  p50/p20/p80 over the reps (linear interpolation).
+- gflops (CPU) / tflops and peak_fraction (% of `peak_tflops`, CUDA): `step.flops` / time, the same
+  nominal FLOP count for every provider of a mode ("effective" throughput).
+- peak_extra_memory (MB): one call after the timed ones, above the baseline after `step.prepare()`
+  (`PeakMemory`: CUDA max_memory_allocated; CPU the resident-set high-water mark VmHWM, reset
+  through /proc/self/clear_refs after gc and malloc_trim; no row where that file cannot be written).
 
-What is measured, per (provider, shape, mode):
-- time (ms): `warmup` untimed calls (they also absorb torch.compile and Triton JIT), then `reps` timed
-  calls; p50/p20/p80 over the reps (linear interpolation). Each call is `step.prepare()` (untimed: e.g.
-  clear `.grad`, or run the forward for mode `backward`) then `step.run()` timed with
-  `time.perf_counter`, with `torch.cuda.synchronize()` on both sides on CUDA.
-- gflops (CPU) / tflops and peak_fraction (% of `peak_tflops`, CUDA): `step.flops` / time per rep, the
-  same nominal FLOP count for every provider of a mode ("effective" throughput).
-- peak_extra_memory (MB = 2**20 bytes) of one call after the timed ones (`PeakMemory`), above a
-  baseline taken after the inputs exist and after `step.prepare()` (for mode `backward` it excludes
-  what the forward saved). CUDA: `max_memory_allocated()` after `reset_peak_memory_stats()` minus
-  `memory_allocated()` before (what the caching allocator handed out, not what it reserved). CPU: the
-  kernel's resident-set high-water mark VmHWM, reset to the current resident set (5 written to
-  /proc/self/clear_refs, Linux >= 4.0) after `gc.collect()` and glibc `malloc_trim(0)` (so memory left
-  cached by earlier calls cannot hide the call's own use). The mark is exact (kept by the kernel, not
-  sampled) and counts every resident page, allocator rounding and thread-stack first-touch included.
-  Where clear_refs cannot be written no memory row is written. One call: p20 = p50 = p80.
-
-Rows are appended to the CSV with the columns in `COLUMNS` (one row per metric; docs/architecture.md "Public
-names"). `device` is the CPU model (/proc/cpuinfo) or the GPU name; `versions` lists torch, triton,
-liger-kernel, the thread settings and any note of the provider; `git_rev` is the short commit with
-`+dirty` when tracked files differ from it; one `timestamp` (UTC, ISO 8601) per invocation; `command`
-is the invocation that produced the row (`command_line()` of the parent, which writes every row). CSVs
-written before the `command` column existed get it on the next append, empty for their old rows.
-
-Timing on shared machines varies (docs/notes.md: up to 30x with 2 threads on 2 busy cores): providers
-run one after another, so compare ratios within one invocation and look at the p20-p80 spread.
+Rows go to the CSV with the columns in `COLUMNS` (docs/architecture.md "Public names"); `versions`
+lists torch, triton, liger-kernel, the thread settings and the provider's note; `git_rev` is the
+short commit (`+dirty` when tracked files differ); one UTC `timestamp` per invocation; `command` the
+invocation. Timing on shared machines varies (up to 30x with 2 threads on 2 busy cores): compare
+ratios within one invocation and look at the p20-p80 spread. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -40,14 +28,12 @@ import csv
 import ctypes
 import datetime
 import gc
-import hashlib
 import importlib
 import importlib.metadata
 import json
 import os
 import platform
 import shlex
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -61,18 +47,17 @@ if TYPE_CHECKING:
     from benchmarks.report.readme import View
 
 MODES = ("forward", "backward", "full")
-COLUMNS = ("name", "provider", "mode", "shape", "metric", "unit", "p50", "p20", "p80", "device", "versions")
-COLUMNS += ("git_rev", "timestamp", "command")
-COLUMNS_BEFORE_COMMAND = COLUMNS[:-1]  # older CSVs: append_csv adds the column (empty = not recorded)
+COLUMNS = ("name", "provider", "mode", "shape", "metric", "unit", "p50", "p20", "p80", "device")
+COLUMNS += ("versions", "git_rev", "timestamp", "command")
+COLUMNS_BEFORE_COMMAND = COLUMNS[:-1]  # older CSVs: append_csv adds the column (empty)
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 H200_BF16_DENSE_TFLOPS = 989.0
-CHECKPOINT_DIR = os.path.join(tempfile.gettempdir(), "prorl-bench")  # random_checkpoint's default folder
 
 
 @dataclass
 class Step:
-    """One measurable call: `prepare()` untimed, then `run()` timed. `flops` = nominal FLOPs of `run`."""
+    """One measurable call: `prepare()` untimed, then `run()` timed; `flops`: nominal, of `run`."""
 
     run: Callable[[], object]
     prepare: Callable[[], None] = lambda: None
@@ -82,8 +67,8 @@ class Step:
 
 
 def autograd_step(mode: str, forward, leaves, grads, flops: float = 0.0, note: str = "") -> Step:
-    """The Step of mode forward | backward | full of `forward()` -> a tuple of outputs, differentiated
-    with `grads` (one per output); `leaves` get their `.grad` cleared before every call."""
+    """The Step of mode forward | backward | full of `forward()` -> a tuple of outputs,
+    differentiated with `grads` (one per output); `leaves` get their `.grad` cleared first."""
     import torch
 
     saved = {}
@@ -101,7 +86,8 @@ def autograd_step(mode: str, forward, leaves, grads, flops: float = 0.0, note: s
         return Step(run=forward, prepare=clear_grads, flops=flops, note=note)
     if mode == "full":
         return Step(run=lambda: backward(forward()), prepare=clear_grads, flops=flops, note=note)
-    return Step(run=lambda: backward(saved.pop("outs")), prepare=prepare_backward, flops=flops, note=note)
+    run = lambda: backward(saved.pop("outs"))
+    return Step(run=run, prepare=prepare_backward, flops=flops, note=note)
 
 
 @dataclass
@@ -115,9 +101,6 @@ class Result:
     versions: str = ""
 
 
-# --- Rows -----------------------------------------------------------------------------------------
-
-
 def quantile(xs: Sequence[float], q: float) -> float:
     """Linear-interpolation quantile (numpy's default) of a non-empty sequence."""
     s = sorted(xs)
@@ -128,7 +111,7 @@ def quantile(xs: Sequence[float], q: float) -> float:
 
 
 def row(metric: str, unit: str, values: Sequence[float], **fields) -> dict:
-    """A row of `metric` with the p50/p20/p80 of `values`, plus `fields` (mode, shape, note, ...)."""
+    """A row of `metric` with the p50/p20/p80 of `values`, plus `fields` (mode, shape, note)."""
     q = {f"p{p}": quantile(values, p / 100) for p in (50, 20, 80)}
     return dict(metric=metric, unit=unit, **q, **fields)
 
@@ -138,10 +121,11 @@ def single_row(metric: str, unit: str, value: float, **fields) -> dict:
     return dict(metric=metric, unit=unit, p50=value, p20=value, p80=value, **fields)
 
 
-def rate_row(time_row: dict, amount: float, metric: str, unit: str, seconds_per_unit: float = 1e-3) -> dict:
+def rate_row(time_row: dict, amount: float, metric: str, unit: str, seconds_per_unit=1e-3) -> dict:
     """`amount` per second from a time row: its p20 is the rate at the p80 time and vice versa."""
     rate = lambda t: amount / (time_row[t] * seconds_per_unit)
-    return dict(time_row, metric=metric, unit=unit, p50=rate("p50"), p20=rate("p80"), p80=rate("p20"))
+    rates = dict(p50=rate("p50"), p20=rate("p80"), p80=rate("p20"))
+    return dict(time_row, metric=metric, unit=unit, **rates)
 
 
 def read_csv(path: Path) -> list[dict]:
@@ -160,7 +144,7 @@ def read_csv(path: Path) -> list[dict]:
 
 
 def newest(rows: Sequence[dict]) -> dict[tuple, dict]:
-    """(device, shape, mode, provider, metric) -> the newest row (by timestamp; ties: the later one)."""
+    """(device, shape, mode, provider, metric) -> the newest row (by timestamp; ties: the later)."""
     out: dict[tuple, dict] = {}
     for r in rows:
         key = (r["device"], r["shape"], r["mode"], r["provider"], r["metric"])
@@ -193,9 +177,8 @@ def time_step(step: Step, device, warmup: int, reps: int) -> list[float]:
 
 
 class PeakMemory:
-    """Peak memory (MB) between `start()` and `stop()` (module docstring): CUDA max_memory_allocated,
-    else the resident-set high-water mark. `stop()` returns (peak, peak - baseline), or None on a CPU
-    where the mark cannot be reset."""
+    """Peak memory (MB) between `start()` and `stop()` (module docstring). `stop()` returns (peak,
+    peak - baseline), or None on a CPU where the mark cannot be reset."""
 
     def __init__(self, device):
         self.device = device
@@ -203,7 +186,8 @@ class PeakMemory:
     @staticmethod
     def _vm_hwm_mb() -> float:
         with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024.0  # kB
+            kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+        return kb / 1024.0
 
     def start(self) -> None:
         import torch
@@ -248,19 +232,21 @@ def peak_extra_memory_mb(step: Step, device) -> float | None:
     peak = memory.stop()
     del out
     if peak is None:
-        print("harness: /proc/self/clear_refs not writable; no CPU memory measurement", file=sys.stderr)
+        print("harness: /proc/self/clear_refs not writable: no CPU memory row", file=sys.stderr)
         return None
     return peak[1]
 
 
 def device_name(device) -> str:
-    if device.type == "cuda":
+    """The GPU's name, or the CPU model of /proc/cpuinfo; `device` a torch.device or its type."""
+    if getattr(device, "type", device) == "cuda":
         import torch
 
         return torch.cuda.get_device_name(device)
     try:
         with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            names = (line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+            return next(names)
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
 
@@ -276,7 +262,8 @@ def dist_version(dist: str, absent: str | None = "absent") -> str | None:
 def versions_string(threads: int) -> str:
     import torch
 
-    parts = [f"torch={torch.__version__}"] + [f"{d}={dist_version(d)}" for d in ("triton", "liger-kernel")]
+    parts = [f"torch={torch.__version__}"]
+    parts += [f"{d}={dist_version(d)}" for d in ("triton", "liger-kernel")]
     parts.append(f"threads={torch.get_num_threads()}")
     parts.append(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
     if "OMP_WAIT_POLICY" in os.environ:
@@ -285,7 +272,7 @@ def versions_string(threads: int) -> str:
 
 
 def measure_step(spec: dict, provider: str, mode: str, shape: dict, device) -> list[dict] | None:
-    """The rows of one case of an op benchmark: its module's `build`, timed and its memory measured."""
+    """The rows of one case of an op benchmark: its module's `build`, timed, memory measured."""
     step = importlib.import_module(spec["module"]).build(provider, mode, shape, device)
     if step is None:
         return None
@@ -306,10 +293,10 @@ def measure_step(spec: dict, provider: str, mode: str, shape: dict, device) -> l
 def worker_main(argv: Sequence[str]) -> None:
     """Entry of the worker process: argv = [spec JSON, result path]. Measures one provider.
 
-    Each (shape, mode) case is `spec["measure"]` ("module:function", default `measure_step`) called as
-    (spec, provider, mode, shape, device) -> rows (None: no such case); a failing case is recorded as an
-    error and the others still run. The result file is rewritten after every case, so a later crash
-    (an OOM kill) keeps what was measured."""
+    Each (shape, mode) case is `spec["measure"]` ("module:function", default `measure_step`) called
+    as (spec, provider, mode, shape, device) -> rows (None: no such case); a failing case is
+    recorded as an error and the others still run. The result file is rewritten after every case, so
+    a later crash (an OOM kill) keeps what was measured."""
     import torch
 
     spec, result_path = json.loads(argv[0]), argv[1]
@@ -328,7 +315,8 @@ def worker_main(argv: Sequence[str]) -> None:
                     continue
                 res.rows.extend(dict(r, shape=shape["label"]) for r in rows)
                 t = next(r for r in rows if r["mode"] == mode and r["metric"] == "time")
-                print(f"  {tag}: {t['p50']:.3f} ms (p20 {t['p20']:.3f}, p80 {t['p80']:.3f})", flush=True)
+                spread = f"p20 {t['p20']:.3f}, p80 {t['p80']:.3f}"
+                print(f"  {tag}: {t['p50']:.3f} ms ({spread})", flush=True)
             except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
                 res.errors.append(f"{tag}: {type(exc).__name__}: {exc}")
                 print(f"  {tag}: FAILED {type(exc).__name__}: {exc}", flush=True)
@@ -339,48 +327,12 @@ def worker_main(argv: Sequence[str]) -> None:
                 json.dump(res.__dict__, f)
 
 
-def qwen2_shape(hidden: int, intermediate: int, layers: int, heads: int, **more) -> dict:
-    """`transformers.Qwen2Config` keywords of a model shape."""
-    shape = dict(hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers)
-    return dict(shape, num_attention_heads=heads, **more)
-
-
-def random_checkpoint(config: dict, *, std=None, tokenizer: Path | None = None, folder=CHECKPOINT_DIR) -> str:
-    """The directory of a random-weight Qwen2 checkpoint, built once per machine and config.
-
-    config: `transformers.Qwen2Config` keywords (default 2 KV heads, tied embeddings). Seed 0;
-    transformers' own init, or with `std` every parameter but the norms drawn from normal(0, std).
-    `tokenizer`: a checkpoint directory whose tokenizer files are copied in. The directory name hashes
-    all of these (a new shape, a new directory); it is written under a temporary name and renamed, so a
-    concurrent worker sees a whole checkpoint or none."""
-    config = dict(dict(num_key_value_heads=2, tie_word_embeddings=True), **config)
-    key = json.dumps([config, std, tokenizer and Path(tokenizer).name], sort_keys=True)
-    path = os.path.join(folder, f"qwen2-{hashlib.sha1(key.encode()).hexdigest()[:10]}")
-    if os.path.exists(os.path.join(path, "config.json")):
-        return path
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**config))
-    if std is not None:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" not in name:
-                    p.normal_(0, std)
-    tmp = f"{path}.tmp{os.getpid()}"
-    model.save_pretrained(tmp)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja") if tokenizer else ():
-        shutil.copy(Path(tokenizer) / f, tmp)
-    os.replace(tmp, path)
-    return path
-
-
 # --- Orchestration (the parent process) -----------------------------------------------------------
 
 
 def git_rev() -> str:
-    git = lambda *a: subprocess.run(["git", *a], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    opts = dict(cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    git = lambda *a: subprocess.run(["git", *a], **opts)
     try:
         rev = git("rev-parse", "--short=12", "HEAD").stdout.strip()
         dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
@@ -409,7 +361,7 @@ def subprocess_env(threads: int) -> dict:
 
 
 def run_provider(provider: str, spec: dict, timeout: float | None = None) -> Result:
-    """Measure one provider in a fresh worker process (`worker_main`); `spec` is passed to it as JSON."""
+    """Measure one provider in a fresh worker process (`worker_main`), given `spec` as JSON."""
     code = "import sys; from benchmarks.harness import worker_main; worker_main(sys.argv[1:])"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
@@ -420,7 +372,8 @@ def run_provider(provider: str, spec: dict, timeout: float | None = None) -> Res
         except subprocess.TimeoutExpired:
             rc = f"timeout after {timeout} s"
         if not os.path.exists(path):
-            return Result(provider, errors=[f"{provider}: worker exited without a result (rc={rc})"])
+            error = f"{provider}: worker exited without a result (rc={rc})"
+            return Result(provider, errors=[error])
         with open(path) as f:
             res = Result(**json.load(f))
         if rc != 0:
@@ -431,9 +384,9 @@ def run_provider(provider: str, spec: dict, timeout: float | None = None) -> Res
 def command_line(argv: Sequence[str] | None = None) -> str:
     """The invocation as a shell command, from `argv` (default: this process's sys.argv).
 
-    `python -m benchmarks rl_step --quick` has sys.argv[0] = <repo>/benchmarks/__main__.py and is given
-    back as written; another script of the repository is named as a module (`python -m benchmarks.x`),
-    anything else by its file name.
+    `python -m benchmarks rl_step --quick` has sys.argv[0] = <repo>/benchmarks/__main__.py and is
+    given back as written; another script of the repository is named as a module (`python -m
+    benchmarks.x`), anything else by its file name.
     """
     argv = list(sys.argv if argv is None else argv)
     if not argv or not argv[0]:
@@ -463,7 +416,8 @@ def append_csv(path: Path, rows: Sequence[dict]) -> None:
     if not new:
         with open(path, newline="") as f:
             header = tuple(next(csv.reader(f), []))
-            old = list(csv.DictReader(f, fieldnames=header)) if header == COLUMNS_BEFORE_COMMAND else None
+            older = header == COLUMNS_BEFORE_COMMAND
+            old = list(csv.DictReader(f, fieldnames=header)) if older else None
         if old is not None:
             tmp = path.with_name(path.name + ".tmp")
             with open(tmp, "w", newline="") as f:
@@ -485,12 +439,12 @@ def append_csv(path: Path, rows: Sequence[dict]) -> None:
             writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
 
 
-def run_benchmark(name: str, providers: Sequence[str], spec: dict, *, out=None, timeout=None) -> tuple:
+def run_benchmark(name: str, providers: Sequence[str], spec: dict, *, out=None, timeout=None):
     """Measure every provider (one worker each), append all rows to the CSV; return (rows, errors).
 
-    spec: what the workers read: module (the benchmark's), modes, shapes (dicts with at least a `label`,
-    the CSV `shape` column, and whatever `build` reads), device, threads, warmup, reps, peak_tflops,
-    measure (`worker_main`), and any keys of the benchmark's own.
+    spec: what the workers read: module (the benchmark's), modes, shapes (dicts with at least a
+    `label`, the CSV `shape` column, and whatever `build` reads), device, threads, warmup, reps,
+    peak_tflops, measure (`worker_main`), and any keys of the benchmark's own.
     """
     defaults = dict(device="cpu", warmup=1, reps=5, measure="benchmarks.harness:measure_step")
     spec = dict(defaults, peak_tflops=H200_BF16_DENSE_TFLOPS, **spec)
@@ -498,8 +452,9 @@ def run_benchmark(name: str, providers: Sequence[str], spec: dict, *, out=None, 
     out = Path(out) if out else RESULTS_DIR / f"{name}.csv"
     stamp, rev = utc_now(), git_rev()
     print(
-        f"{name}: {len(providers)} providers x {list(spec['modes'])} x {len(spec['shapes'])} shapes on "
-        f"{spec['device']}, threads={spec['threads']}, warmup={spec['warmup']}, reps={spec['reps']} -> {out}",
+        f"{name}: {len(providers)} providers x {list(spec['modes'])} x {len(spec['shapes'])} shapes"
+        f" on {spec['device']}, threads={spec['threads']}, warmup={spec['warmup']},"
+        f" reps={spec['reps']} -> {out}",
         flush=True,
     )
     rows, errors = [], []
@@ -509,13 +464,37 @@ def run_benchmark(name: str, providers: Sequence[str], spec: dict, *, out=None, 
         errors.extend(res.errors)
         for r in res.rows:
             versions = res.versions + (f" note={r['note']}" if r.get("note") else "")
-            common = dict(name=name, provider=provider, device=res.device, git_rev=rev, timestamp=stamp)
+            common = dict(name=name, provider=provider, device=res.device)
+            common.update(git_rev=rev, timestamp=stamp)
             rows.append(dict(r, versions=versions, **common))
     append_csv(out, rows)
     return rows, errors
 
 
-# --- The command line of a benchmark --------------------------------------------------------------
+def record(name: str, rows: list[dict], out: Path | None, *, device: str, versions: str, view=None):
+    """Rows measured outside the workers (torchrun ranks, training runs) with the columns they share
+    added (a row's own keys win), appended to `out` (None: not written), the summary printed."""
+    from benchmarks.report.readme import summary
+
+    common = dict(name=name, device=device, versions=versions)
+    common.update(git_rev=git_rev(), timestamp=utc_now())
+    rows = [dict(common, **r) for r in rows]
+    if out is not None:
+        append_csv(out, rows)
+    print(summary(name, rows, view))
+    return rows
+
+
+def ints(text: str) -> list[int]:
+    """An argparse `type`: comma-separated integers, as a list."""
+    return [int(x) for x in text.split(",")]
+
+
+def prorl_backend(provider: str, device) -> str:
+    """The backend of provider `prorl` (Triton on CUDA, native on the CPU) or `prorl-torch`."""
+    if provider.endswith("-torch"):
+        return "torch"
+    return "triton" if device.type == "cuda" else "native"
 
 
 def subset_of(choices: Sequence[str]) -> Callable[[str], list[str]]:
@@ -532,19 +511,13 @@ def subset_of(choices: Sequence[str]) -> Callable[[str], list[str]]:
 
 @dataclass
 class Benchmark:
-    """A benchmark's command line: `main(argv)` parses it, runs the providers in their workers, appends
-    the rows to the CSV, prints the summary and plots.
-
-    name: the benchmark's, that of its module benchmarks/<name>.py (its `build`, its docstring).
-    Options every benchmark has: --threads --providers --reps --warmup --timeout --out, --modes when there
-    is more than one mode, --no-plot and --plot-only when it plots; `options` adds --quick and its own.
-    The device is `cuda` when those give `--gpu` or `--device cuda`, else `cpu`.
-    providers: the default ones (a function of the parsed options, or a sequence, which --providers
-    must then be a subset of unless `known_providers` says otherwise). shapes: the shape dicts.
-    derive(rows, args): rows computed from the measured ones (e.g. tokens/s), appended to the CSV too.
-    The summary is the README's table of the run (`view`, default the README's view), then `notes` (or
-    `notes(args)`). plot(csv, rows, args): draws the CSV, returns the PNG paths.
-    """
+    """A benchmark's command line: `main(argv)` parses it, runs the providers in their workers,
+    appends the rows to the CSV, prints the summary (`view`, then `notes`) and plots. Every one has
+    --threads --providers --reps --warmup --timeout --out, --modes with more than one mode, --no-plot
+    and --plot-only when it plots; `options` adds --quick and its own; `--gpu` or `--device cuda`
+    means CUDA. providers: the defaults (a sequence, which --providers must be a subset of unless
+    `known_providers` says otherwise, or a function of the options). derive(rows, args): rows
+    computed from the measured ones, appended too. plot(csv, rows, args) -> the PNG paths."""
 
     name: str
     providers: Sequence[str] | Callable[[argparse.Namespace], Sequence[str]]
@@ -569,14 +542,16 @@ class Benchmark:
         known = self.known_providers or ([] if callable(self.providers) else self.providers)
         threads = f"torch/OMP threads (default {self.threads or 'all cores'})"
         add("--threads", type=int, default=self.threads, help=threads)
-        add("--providers", type=subset_of(known) if known else lambda s: s.split(","), help="comma-separated")
+        names = subset_of(known) if known else lambda s: s.split(",")
+        add("--providers", type=names, help="comma-separated")
         if len(self.modes) > 1:
-            add("--modes", type=subset_of(self.modes), default=",".join(self.modes), help="comma-separated")
+            modes = ",".join(self.modes)
+            add("--modes", type=subset_of(self.modes), default=modes, help="comma-separated")
         (r, qr), (w, qw) = self.reps, self.warmup
         add("--reps", type=int, default=None, help=f"timed calls (default {r}, --quick {qr})")
-        add("--warmup", type=int, default=None, help=f"untimed calls first (default {w}, --quick {qw})")
+        add("--warmup", type=int, help=f"untimed calls first (default {w}, --quick {qw})")
         add("--timeout", type=float, default=None, help="seconds per provider worker")
-        add("--out", default=None, help=f"CSV to append to (default benchmarks/results/{self.name}.csv)")
+        add("--out", help=f"CSV to append to (default benchmarks/results/{self.name}.csv)")
         if self.plot:
             add("--no-plot", action="store_true", help="write no PNG")
             add("--plot-only", action="store_true", help="measure nothing: plot the CSV")
@@ -597,7 +572,8 @@ class Benchmark:
 
             if not torch.cuda.is_available():
                 p.error(f"{'--gpu' if gpu else '--device cuda'} needs a visible CUDA device")
-        providers = args.providers or (self.providers(args) if callable(self.providers) else self.providers)
+        providers = self.providers(args) if callable(self.providers) else self.providers
+        providers = args.providers or providers
         spec = dict(module=f"benchmarks.{self.name}", shapes=self.shapes(args), options=vars(args))
         spec.update(device=device, modes=getattr(args, "modes", self.modes), measure=self.measure)
         spec.update(threads=args.threads, reps=args.reps or self.reps[args.quick])

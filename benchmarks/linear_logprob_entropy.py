@@ -1,33 +1,15 @@
 """Benchmark of `prorl.kernels.linear_logprob_entropy` against unfused and fused peers.
 
-    python -m benchmarks linear_logprob_entropy [--quick] [--threads N] [--providers a,b] [--out CSV]
-    python -m benchmarks linear_logprob_entropy --gpu   # CUDA, bf16: benchmarks/gpu/linear_logprob_entropy.sh
+    python -m benchmarks linear_logprob_entropy [--quick] [--threads N] [--providers a,b] [--out
+    CSV] python -m benchmarks linear_logprob_entropy --gpu   # CUDA, bf16:
+    benchmarks/gpu/linear_logprob_entropy.sh
 
-The op: per-token log p(label) and entropy of softmax(hidden [N, D] @ weight[V, D].T / T), fp32 outputs.
-Modes (harness.py): `forward` (the forward with autograd recording, as in training), `backward` (the
-backward alone, its forward run untimed), `full` (forward + backward of both outputs with random
-upstream gradients, as an RL loss gives them). Effective throughput counts the op's nominal FLOPs for
-every provider: 2NDV forward, 6NDV backward (logits recomputed), 8NDV full.
-
-Providers (CPU, fp32):
-- `prorl`: ours, native C++/OpenMP backend (`backend="native"`); on CUDA the Triton backend.
-- `prorl-torch`: ours, chunked torch backend (`backend="torch"`).
-- `naive`: eager unfused recipe: logits = (h @ W.T).float() / T, log_softmax + gather for logp, entropy
-  as logsumexp - sum(softmax * logits) (verl's `entropy_from_logits`); materialises several [N, V].
-- `naive-compile`: the same function under `torch.compile` (compile time is absorbed by the warm-up).
-- `liger-logp`: Liger-Kernel's chunked selective log-prob, the per-token path inside
-  `LigerFusedLinearGRPOLoss` (`LigerFusedLinearPPOBase.chunk_forward`: vocab chunks of 4096, its own
-  autograd backward). It computes log-probs ONLY, no entropy: it does less work than the op.
-- `liger-grpo-loss`: the whole `LigerFusedLinearGRPOLoss` (beta=0, no reference model, one sequence of
-  N tokens, its default compiled loss math), mode `full` only: its forward already computes the
-  gradients chunk by chunk, so `forward`/`backward` alone mean nothing for it. Also no entropy.
-- `sgemm-floor`: just the op's matmuls at BLAS speed, one GEMM per product into preallocated outputs:
-  forward Z = H W^T (2NDV); backward Z again, dH = dZ W, dW = dZ^T H (6NDV); full both (8NDV). No
-  exponentials, no memory row. `÷ sgemm-floor` in the summary is time / this time.
-GPU providers (`--gpu`, bf16): `prorl` (triton), `prorl-torch`, `naive`, `liger-flce` (Liger's Triton
-`liger_fused_linear_cross_entropy(reduction="none")`: per-token -logp only, no entropy, no temperature,
-default bf16 dW accumulation), `liger-flce-fp32acc` (the same with `accum_dtype=torch.float32`, as ours
-accumulates) and `gemm-floor` (the bf16 GEMMs).
+Per-token log p(label) and entropy of softmax(hidden [N, D] @ weight[V, D].T / T), modes forward /
+backward / full, every provider credited with the op's nominal FLOPs (2NDV forward, 6NDV backward,
+8NDV full). CPU providers: `prorl` (native; Triton on CUDA), `prorl-torch`, `naive` (eager [N, V]
+logits), `naive-compile`, `liger-logp` and `liger-grpo-loss` (Liger's chunked paths, log-probs
+only), `sgemm-floor` (the matmuls alone). GPU (`--gpu`, bf16): `prorl`, `prorl-torch`, `naive`,
+`liger-flce`, `liger-flce-fp32acc`, `gemm-floor`. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -43,17 +25,18 @@ CPU_PROVIDERS += ("sgemm-floor",)
 GPU_PROVIDERS = ("prorl", "prorl-torch", "naive", "liger-flce", "liger-flce-fp32acc", "gemm-floor")
 CPU_SHAPE = (2048, 896, 151936)  # Qwen2.5-0.5B LM head, one 2K-token micro-batch
 QUICK_SHAPE = (256, 128, 8192)
-GPU_SHAPES = ((16384, 1536, 151936), (16384, 4096, 128256))  # Qwen2.5-1.5B-like and Llama-3-8B heads
+GPU_SHAPES = ((16384, 1536, 151936), (16384, 4096, 128256))  # Qwen2.5-1.5B-like, Llama-3-8B heads
 _FLOP_FACTOR = {"forward": 2, "backward": 6, "full": 8}
 
 
-def naive_logprob_entropy(hidden, weight, labels, temperature: float = 1.0, ignore_index: int = -100):
-    """Unfused eager log-prob and entropy: the [N, V] logits and several [N, V] temporaries in fp32."""
+def naive_logprob_entropy(hidden, weight, labels, temperature=1.0, ignore_index=-100):
+    """Unfused eager log-prob and entropy: the [N, V] logits and several [N, V] fp32 temporaries."""
     import torch
 
     logits = (hidden @ weight.t()).float() / temperature  # [N, V]
     valid = labels != ignore_index
-    logp = torch.log_softmax(logits, dim=-1).gather(1, torch.where(valid, labels, 0)[:, None]).squeeze(1)
+    picked = torch.where(valid, labels, 0)[:, None]
+    logp = torch.log_softmax(logits, dim=-1).gather(1, picked).squeeze(1)
     probs = torch.softmax(logits, dim=-1)  # [N, V]
     entropy = torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
     zero = logp.new_zeros(())
@@ -61,18 +44,21 @@ def naive_logprob_entropy(hidden, weight, labels, temperature: float = 1.0, igno
 
 
 def make_shape(n: int, d: int, v: int, dtype: str, temperature: float) -> dict:
-    return dict(N=n, D=d, V=v, dtype=dtype, temperature=temperature, label=f"N={n} D={d} V={v} {dtype}")
+    label = f"N={n} D={d} V={v} {dtype}"
+    return dict(N=n, D=d, V=v, dtype=dtype, temperature=temperature, label=label)
 
 
 def inputs(shape: dict, device, requires_grad: bool = True):
-    """hidden [N, D] ~ N(0, 1) (a normed hidden state), weight [V, D] ~ N(0, 0.02), labels, upstream grads."""
+    """hidden [N, D] ~ N(0, 1) (a normed hidden state), weight [V, D] ~ N(0, 0.02), labels, upstream
+    grads."""
     import torch
 
     n, d, v = shape["N"], shape["D"], shape["V"]
     dtype = getattr(torch, shape["dtype"])
     g = torch.Generator(device=device).manual_seed(0)
     hidden = torch.randn(n, d, generator=g, device=device).to(dtype).requires_grad_(requires_grad)
-    weight = (torch.randn(v, d, generator=g, device=device) * 0.02).to(dtype).requires_grad_(requires_grad)
+    weight = torch.randn(v, d, generator=g, device=device) * 0.02
+    weight = weight.to(dtype).requires_grad_(requires_grad)
     labels = torch.randint(0, v, (n,), generator=g, device=device)
     g_lp = torch.randn(n, generator=g, device=device)
     g_ent = torch.randn(n, generator=g, device=device)
@@ -80,7 +66,7 @@ def inputs(shape: dict, device, requires_grad: bool = True):
 
 
 def floor_step(mode: str, shape: dict, device, flops: float) -> harness.Step:
-    """The op's matmuls alone into preallocated outputs: forward Z; backward Z, dH, dW; full Z twice."""
+    """The op's matmuls alone into preallocated outputs: forward Z; backward Z, dH, dW; full both."""
     import torch
 
     h, w, _, _, _ = inputs(shape, device, requires_grad=False)
@@ -94,14 +80,14 @@ def floor_step(mode: str, shape: dict, device, flops: float) -> harness.Step:
         torch.mm(z, w, out=gh)
         torch.mm(z.t(), h, out=gw)
 
-    calls = {"forward": [logits], "backward": [logits, grads], "full": [logits, logits, grads]}[mode]
+    calls = dict(forward=[logits], backward=[logits, grads], full=[logits, logits, grads])[mode]
     return harness.Step(
         run=lambda: [f() for f in calls], flops=flops, measure_memory=False, note="matmuls_only"
     )
 
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
-    """The Step that measures `provider` in `mode` on `shape` (None: the provider lacks that mode)."""
+    """The Step that measures `provider` in `mode` on `shape` (None: the provider lacks the mode)."""
     import torch
 
     n, d, v, temp = shape["N"], shape["D"], shape["V"], shape["temperature"]
@@ -115,11 +101,9 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     if provider in ("prorl", "prorl-torch"):
         from prorl.kernels import linear_logprob_entropy
 
-        backend = "torch" if provider == "prorl-torch" else ("triton" if device.type == "cuda" else "native")
-        forward, note = (
-            lambda: linear_logprob_entropy(h, w, y, temp, backend=backend),
-            f"prorl_backend={backend}",
-        )
+        backend = harness.prorl_backend(provider, device)
+        forward = lambda: linear_logprob_entropy(h, w, y, temp, backend=backend)
+        note = f"prorl_backend={backend}"
     elif provider == "naive":
         forward = lambda: naive_logprob_entropy(h, w, y, temp)
     elif provider == "naive-compile":
@@ -128,9 +112,10 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     elif provider == "liger-logp":
         from liger_kernel.chunked_loss.fused_linear_ppo import LigerFusedLinearPPOBase
 
-        forward = lambda: (LigerFusedLinearPPOBase.chunk_forward(h[None], w, y[None], temperature=temp)[0],)
+        chunked = LigerFusedLinearPPOBase.chunk_forward
+        forward = lambda: (chunked(h[None], w, y[None], temperature=temp)[0],)
         note = "logp_only"
-    elif provider == "liger-grpo-loss":  # its forward computes the gradients; the backward only scales them
+    elif provider == "liger-grpo-loss":  # its forward computes the gradients, its backward scales
         from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
         loss_fn = LigerFusedLinearGRPOLoss(beta=0.0, use_ref_model=False, temperature=temp)
@@ -141,10 +126,11 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
         if temp != 1.0:
-            raise ValueError("liger's fused linear cross entropy has no temperature; use --temperature 1")
+            raise ValueError("liger's fused linear cross entropy has no temperature: --temperature 1")
         accum = torch.float32 if provider.endswith("fp32acc") else None
         # per-token cross entropy = -logp; the sign does not change the work
-        forward = lambda: (liger_fused_linear_cross_entropy(h, w, y, reduction="none", accum_dtype=accum),)
+        flce = liger_fused_linear_cross_entropy
+        forward = lambda: (flce(h, w, y, reduction="none", accum_dtype=accum),)
         note = "minus_logp_only"
     else:
         raise ValueError(f"unknown provider {provider!r}")
@@ -153,18 +139,16 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
 
 def _shapes(args) -> list[dict]:
     dtype = args.dtype or ("bfloat16" if args.gpu else "float32")
-    if args.shape:
-        dims = [tuple(int(x) for x in args.shape.split(","))]
-    else:
-        dims = [QUICK_SHAPE] if args.quick else list(GPU_SHAPES) if args.gpu else [CPU_SHAPE]
+    dims = [QUICK_SHAPE] if args.quick else list(GPU_SHAPES) if args.gpu else [CPU_SHAPE]
+    dims = [args.shape] if args.shape else dims
     return [make_shape(n, d, v, dtype, args.temperature) for n, d, v in dims]
 
 
 def _options(p) -> None:
-    p.add_argument("--quick", action="store_true", help=f"tiny shape {QUICK_SHAPE}, 2 reps (seconds)")
+    p.add_argument("--quick", action="store_true", help=f"tiny shape {QUICK_SHAPE}, 2 reps")
     p.add_argument("--gpu", action="store_true", help="CUDA, bf16, the H200 shapes and GPU providers")
-    p.add_argument("--shape", default=None, help="N,D,V (overrides the default shapes)")
-    p.add_argument("--dtype", default=None, help="float32 (CPU default) | bfloat16 (GPU default) | float16")
+    p.add_argument("--shape", type=harness.ints, help="N,D,V (overrides the default shapes)")
+    p.add_argument("--dtype", help="float32 (CPU default) | bfloat16 (GPU default) | float16")
     p.add_argument("--temperature", type=float, default=1.0)
 
 

@@ -1,18 +1,13 @@
 """Benchmark of `prorl.kernels.linear_ppo_loss` (loss from hidden states, 6NDV) against its GEMM floor.
 
-    python -m benchmarks linear_ppo_loss [--quick] [--threads N] [--shape N,D,V] [--providers a,b] [--out CSV]
+    python -m benchmarks linear_ppo_loss [--quick] [--threads N] [--shape N,D,V] [--providers a,b]
+    [--out CSV]
 
-The op computes its gradients in the forward, so the one mode is `full` (forward + backward, one loss).
-Every provider is credited with the same nominal 6NDV FLOPs (effective throughput), and `x floor` in the
-summary is time / the floor's time. Inputs as benchmarks/linear_logprob_entropy.py (hidden ~ N(0, 1),
-weight ~ N(0, 0.02)); the loss is the ProRL one of benchmarks/ppo_loss.py on N packed tokens.
-
-Providers (CPU, fp32):
-- `prorl`: ours, fused, native backend: logits of a row block stored over the whole vocabulary, 6NDV.
-- `prorl-torch`: the same plan with the torch tile ops.
-- `prorl-unfused`: linear_logprob_entropy (native, 8NDV: logits recomputed in backward) then ppo_loss.
-- `naive`: eager logits [N, V], log_softmax, gather, then the verl-style loss; autograd.
-- `sgemm-floor`: the three products alone, Z = H W^T, dH = Z W, dW = Z^T H, into preallocated buffers.
+Mode `full` only (the op computes its gradients in the forward); every provider credited with 6NDV
+FLOPs; inputs as linear_logprob_entropy's, the loss ppo_loss's. Providers (CPU, fp32): `prorl`
+(fused, native), `prorl-torch`, `prorl-unfused` (linear_logprob_entropy then ppo_loss, 8NDV),
+`naive` (eager [N, V] logits, verl's loss), `sgemm-floor` (the three products alone). Details:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -50,7 +45,7 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     if provider in ("prorl", "prorl-torch"):
         from prorl.kernels import linear_ppo_loss
 
-        be = "torch" if provider == "prorl-torch" else backend
+        be = harness.prorl_backend(provider, device)
         loss_fn = lambda: linear_ppo_loss(h, w, y, old, adv, mask, backend=be, **kw)[0]
         note = f"prorl_backend={be} fused_6NDV"
     elif provider == "prorl-unfused":
@@ -76,17 +71,11 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
 
 def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"tiny shape {QUICK_SHAPE}, 2 reps (seconds)")
-    p.add_argument("--shape", default=None, help=f"N,D,V (default {CPU_SHAPE})")
+    p.add_argument("--shape", type=harness.ints, help=f"N,D,V (default {CPU_SHAPE})")
 
 
 def _shapes(args) -> list[dict]:
-    dims = (
-        tuple(int(x) for x in args.shape.split(","))
-        if args.shape
-        else QUICK_SHAPE
-        if args.quick
-        else CPU_SHAPE
-    )
+    dims = args.shape or (QUICK_SHAPE if args.quick else CPU_SHAPE)
     return [make_shape(*dims, "float32", 1.0)]
 
 

@@ -2,15 +2,10 @@
 
     python -m benchmarks plot [linear_logprob_entropy | path/to/results.csv] [--outdir DIR]
 
-The command reads the long-format CSV the harness appends to (columns in harness.COLUMNS). For every
-(device, shape, provider, mode, metric) only the newest row (by timestamp) is drawn, so re-runs replace
-older points. One panel per (device, shape); bars grouped by mode, one bar per provider, at the p50 with
-a p20-p80 whisker; time on a log axis (the matmul floor and the unfused baseline differ by orders of
-magnitude). Writes <stem>_time.png and <stem>_memory.png next to the CSV (or into --outdir).
-
-The other functions draw one benchmark's figure and are called by that benchmark after its run:
-`rates` (rollout), `phases` and `scaling` (rl_step), `bandwidth` (collectives), `curves`
-(embedded_default).
+The command draws, per (device, shape) panel, the newest row of every (provider, mode, metric) as a
+bar at the p50 with a p20-p80 whisker (time on a log axis): <stem>_time.png and <stem>_memory.png.
+The other functions draw one benchmark's figure: `rates` (rollout), `phases` and `scaling`
+(rl_step), `bandwidth` (collectives), `curves` (embedded_default), `scheduling` (prompt_scheduling).
 """
 
 from __future__ import annotations
@@ -57,7 +52,8 @@ def _spread(r: dict) -> tuple[float, float]:
 
 def _bars(ax, by: dict, groups: list, providers: list, reference: str | None = None) -> None:
     """Bars at the p50 with p20-p80 whiskers of `by[(group, provider)]`: one x tick per group, one bar
-    (and colour) per provider; with `reference`, each bar's ratio to its bar of the same run above it."""
+    (and colour) per provider; with `reference`, each bar's ratio to its bar of the same run above
+    it."""
     width = 0.8 / max(1, len(providers))
     for i, provider in enumerate(providers):
         shown = [(j, by[(g, provider)]) for j, g in enumerate(groups) if (g, provider) in by]
@@ -65,11 +61,13 @@ def _bars(ax, by: dict, groups: list, providers: list, reference: str | None = N
             continue
         xs = [j - 0.4 + width * (i + 0.5) for j, _ in shown]
         err = list(zip(*(_spread(r) for _, r in shown)))
-        ax.bar(xs, [r["p50"] for _, r in shown], width, yerr=err, capsize=2, label=provider, color=f"C{i}")
+        heights = [r["p50"] for _, r in shown]
+        ax.bar(xs, heights, width, yerr=err, capsize=2, label=provider, color=f"C{i}")
         for x, (j, r) in zip(xs, shown):
             ref = by.get((groups[j], reference))
             if ref is not None and ref is not r and ref["timestamp"] == r["timestamp"]:
-                ax.text(x, r["p80"] * 1.08, f"{r['p50'] / ref['p50']:.2f}x", ha="center", fontsize=7)
+                ratio = f"{r['p50'] / ref['p50']:.2f}x"
+                ax.text(x, r["p80"] * 1.08, ratio, ha="center", fontsize=7)
     ax.grid(axis="y", alpha=0.3)
 
 
@@ -86,16 +84,18 @@ def plot(csv_path: Path, outdir: Path | None = None) -> list[Path]:
         ("peak_extra_memory", "peak extra memory, MB", False, "memory"),
     ):
         shown = [
-            p for p in panels if any((r["device"], r["shape"]) == p and r["metric"] == metric for r in rows)
+            p for p in panels if any((r["device"], r["shape"], r["metric"]) == (*p, metric) for r in rows)
         ]
         if not shown:
             continue
         fig, axes = plt.subplots(len(shown), 1, figsize=(11, 4.2 * len(shown)), squeeze=False)
         for ax, (device, shape) in zip(axes[:, 0], shown):
             panel_rows = [r for r in rows if r["device"] == device and r["shape"] == shape]
-            # every provider of the panel keeps its slot and colour, so the time and memory figures line up
+            # every provider of the panel keeps its slot and colour, so the time and memory figures
+            # line up
             providers = list(dict.fromkeys(r["provider"] for r in panel_rows))
-            modes = [m for m in MODES if any(r["mode"] == m and r["metric"] == metric for r in panel_rows)]
+            measured = {r["mode"] for r in panel_rows if r["metric"] == metric}
+            modes = [m for m in MODES if m in measured]
             _bars(
                 ax,
                 {(r["mode"], r["provider"]): r for r in panel_rows if r["metric"] == metric},
@@ -106,14 +106,15 @@ def plot(csv_path: Path, outdir: Path | None = None) -> list[Path]:
             ax.set_ylabel(ylabel)
             ax.set_yscale("log" if log else "linear")
             ax.set_title(
-                f"{panel_rows[0]['name']}  {shape}  ({device}, {_threads(panel_rows[0])})", fontsize=10
+                f"{panel_rows[0]['name']}  {shape}  ({device}, {_threads(panel_rows[0])})",
+                fontsize=10,
             )
             ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
         written.append(_save(fig, outdir / f"{csv_path.stem}_{suffix}.png", 110))
     return written
 
 
-def rates(csv_path: Path, png: Path, shapes: list[str], providers: list[str], reference: str) -> Path:
+def rates(csv_path: Path, png: Path, shapes: list[str], providers: list[str], reference: str):
     """Tokens/s per shape and provider (the newest row of each, in the given orders), p50 bars with p20-p80
     whiskers, and the ratio to `reference` above each bar where both rows come from the same run."""
     plt = _pyplot()
@@ -126,14 +127,16 @@ def rates(csv_path: Path, png: Path, shapes: list[str], providers: list[str], re
     ax.set_yscale("log")
     ax.set_ylabel("generated tokens/s (p50, p20-p80)")
     ratio = f"ratio = p50 / {reference} p50 of the same run"
-    ax.set_title(f"rollout: tokens/s, sampling T=1, no stop ({_threads(rows[0]) if rows else ''}; {ratio})")
+    threads = _threads(rows[0]) if rows else ""
+    ax.set_title(f"rollout: tokens/s, sampling T=1, no stop ({threads}; {ratio})")
     ax.legend(fontsize=8)
     return _save(fig, png, 110)
 
 
 def phases(rows: list[dict], png: Path, phase_names: list[str]) -> Path | None:
-    """One panel per shape: a stacked bar of the phases per provider (p50 ms), p20-p80 whisker on the step."""
-    shapes = list(dict.fromkeys(r["shape"] for r in rows if r["mode"] == "step" and r["metric"] == "time"))
+    """One panel per shape: a stacked bar of the phases per provider (p50 ms), whisker on the step."""
+    steps = [r for r in rows if r["mode"] == "step" and r["metric"] == "time"]
+    shapes = list(dict.fromkeys(r["shape"] for r in steps))
     if not shapes:
         return None
     plt = _pyplot()
@@ -197,18 +200,20 @@ def bandwidth(rows: list[dict], png: Path, ops: list[str]) -> Path:
                 if r["provider"] == provider and r["mode"] == op and r["metric"] == "busbw"
             )
             if pts:
-                ax.plot([x for x, _ in pts], [y for _, y in pts], marker="o", label=f"{op} ({provider})")
+                xs, ys = zip(*pts)
+                ax.plot(xs, ys, marker="o", label=f"{op} ({provider})")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("size (bytes, nccl-tests convention)")
     ax.set_ylabel("bus bandwidth (GB/s, p50)")
     ax.legend(fontsize=7)
     world = rows[0]["shape"].split("world=")[1] if rows else "?"
-    ax.set_title(f"collectives, {world} ranks - {rows[0].get('device', '') if rows else ''}", fontsize=8)
+    device = rows[0].get("device", "") if rows else ""
+    ax.set_title(f"collectives, {world} ranks - {device}", fontsize=8)
     return _save(fig, png, 120)
 
 
-def curves(lines: dict[str, list[tuple[float, float]]], png: Path, xlabel: str, ylabel: str) -> Path:
+def curves(lines: dict[str, list[tuple[float, float]]], png: Path, xlabel: str, ylabel: str):
     """(seconds, accuracy) curves against minutes, one marker style per line."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.6))
@@ -245,11 +250,12 @@ def scheduling(tokens: dict, accuracy: dict, png: Path, window: int = 10) -> Pat
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks plot", description=__doc__.split("\n")[0])
+    doc = __doc__.split("\n")[0]
+    p = argparse.ArgumentParser(prog="python -m benchmarks plot", description=doc)
     p.add_argument(
-        "results", nargs="?", default="linear_logprob_entropy", help="a benchmark name or a CSV path"
+        "results", nargs="?", default="linear_logprob_entropy", help="a benchmark name or CSV path"
     )
-    p.add_argument("--outdir", default=None, help="where to write the PNGs (default: next to the CSV)")
+    p.add_argument("--outdir", help="where to write the PNGs (default: next to the CSV)")
     args = p.parse_args(argv)
     path = Path(args.results)
     if path.suffix != ".csv":

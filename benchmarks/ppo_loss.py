@@ -1,22 +1,12 @@
 """Benchmark of `prorl.kernels.ppo_loss` against the same loss in eager torch, as trainers write it.
 
-    python -m benchmarks ppo_loss [--quick] [--threads N] [--sizes N1,N2] [--providers a,b] [--out CSV]
-    python -m benchmarks ppo_loss --device cuda
+    python -m benchmarks ppo_loss [--quick] [--threads N] [--sizes N1,N2] [--providers a,b] [--out
+    CSV] python -m benchmarks ppo_loss --device cuda
 
-The op: the ProRL v2 loss on padded [B, T] log-probs (T = 1024, or N when smaller; ~10% of each row
-masked), advantages [B]: PPO-Clip-Higher (0.2 / 0.28), k2 KL to a reference with the log-ratio clamped to
-+-10 and beta = 1e-4, token-mean, plus the metrics a trainer logs (clip fractions, approx KL). Modes
-(harness.py): `forward` (with autograd recording), `backward` (its forward untimed), `full` (both). The
-loss has no FLOP count worth the name, so rows are times and peak extra memory only.
-
-Providers:
-- `prorl`: ours, native C++/OpenMP backend on the CPU, Triton on CUDA.
-- `prorl-torch`: ours, torch backend (a dozen elementwise passes, closed-form gradient).
-- `naive`: eager torch as verl writes it (compute_policy_loss + kl_penalty + agg_loss token-mean), the
-  same math as ours; autograd differentiates it.
-- `trl-style`: eager torch as TRL's GRPOTrainer._compute_loss writes it (loss_type="dapo", k3 KL without a
-  clamp, clip fractions as masked means). Its KL estimator differs from the other three (k3, not k2),
-  which changes one exp per token; a transcription of the formula, not the trl package.
+The ProRL v2 loss (clip 0.2 / 0.28, k2 KL 1e-4 with the log-ratio clamped, token-mean, clip
+fractions) on padded [B, T] log-probs, modes forward / backward / full; rows are time and peak extra
+memory. Providers: `prorl` (native on the CPU, Triton on CUDA), `prorl-torch`, `naive` (verl's eager
+loss), `trl-style` (TRL's eager dapo loss, k3 KL). Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -99,31 +89,31 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     if provider in ("prorl", "prorl-torch"):
         from prorl.kernels import ppo_loss
 
-        backend = "torch" if provider == "prorl-torch" else ("triton" if device.type == "cuda" else "native")
+        backend = harness.prorl_backend(provider, device)
         kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, ref_logp=ref, kl_coef=BETA, kl_estimator="k2")
         forward = lambda: (ppo_loss(logp, old, adv, mask, backend=backend, **kw)[0],)
-        return harness.autograd_step(mode, forward, (logp,), one, 0.0, note=f"prorl_backend={backend}")
+        return harness.autograd_step(mode, forward, (logp,), one, note=f"prorl_backend={backend}")
+    losses = {
+        "naive": (naive_ppo_loss, "verl_style_eager"),
+        "trl-style": (trl_style_loss, "trl_style_eager_k3"),
+    }
+    if provider not in losses:
+        raise ValueError(f"unknown provider {provider!r}")
+    loss, note = losses[provider]
     maskf, adv2 = mask.to(logp.dtype), adv[:, None]
-    if provider == "naive":
-        forward = lambda: (naive_ppo_loss(logp, old, adv2, maskf, ref)[0],)
-        return harness.autograd_step(mode, forward, (logp,), one, 0.0, note="verl_style_eager")
-    if provider == "trl-style":
-        forward = lambda: (trl_style_loss(logp, old, adv2, maskf, ref)[0],)
-        return harness.autograd_step(mode, forward, (logp,), one, 0.0, note="trl_style_eager_k3")
-    raise ValueError(f"unknown provider {provider!r}")
+    forward = lambda: (loss(logp, old, adv2, maskf, ref)[0],)
+    return harness.autograd_step(mode, forward, (logp,), one, note=note)
 
 
 def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"N in {QUICK_SIZES}, 2 reps (seconds)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--sizes", default=None, help=f"comma-separated token counts N (default {CPU_SIZES})")
+    p.add_argument("--sizes", type=harness.ints, help=f"comma-separated token counts N (default {CPU_SIZES})")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 (of the log-probs)")
 
 
 def _shapes(args) -> list[dict]:
-    sizes = (
-        [int(x) for x in args.sizes.split(",")] if args.sizes else QUICK_SIZES if args.quick else CPU_SIZES
-    )
+    sizes = args.sizes or (QUICK_SIZES if args.quick else CPU_SIZES)
     return [make_shape(n, args.dtype) for n in sizes]
 
 

@@ -2,15 +2,11 @@
 
     OMP_NUM_THREADS=1 python -m benchmarks prompt_scheduling [--steps 300] [--providers ...]
 
-The embedded default (torchrun, 2 CPU processes) run long enough to be prolonged for it - most of its 800
-training prompts are solved within the first few dozen steps - with the same seed and step count for each
-provider: `dynamic-sampling` (scheduler.mode=none: prompts in shuffled epochs, all-equal groups dropped after
-generation), `pass-rate` (prorl/scheduler.py), `exclude-solved` (open-instruct's rule: a prompt whose
-group came back all correct leaves for good). Metrics over the whole run: `gen_tokens_per_kept_group`
-(every generated response token, kept or not, per group that passed dynamic sampling), `kept_group_fraction`,
-`wall_time` (the run's steps, validation excluded) and `val_accuracy` (greedy held-out accuracy, mean of the
-last three evaluations). Rows go to benchmarks/results/prompt_scheduling.csv; the plot shows generated
-tokens per kept group and held-out accuracy against steps.
+The embedded default (torchrun, 2 CPU processes), same seed and steps per provider:
+`dynamic-sampling` (scheduler.mode=none), `pass-rate` (prorl/scheduler.py), `exclude-solved`
+(open-instruct's rule). Metrics over the run: gen_tokens_per_kept_group, kept_group_fraction,
+wall_time, val_accuracy (mean of the last three evaluations); plot prompt_scheduling.png. Details:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -22,10 +18,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from types import SimpleNamespace
 
 from benchmarks import harness, plot
-from benchmarks.report import readme
 
 NAME = "prompt_scheduling"
 PROVIDERS = {"dynamic-sampling": "none", "pass-rate": "pass-rate", "exclude-solved": "exclude-solved"}
@@ -70,30 +64,22 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, default=harness.RESULTS_DIR / f"{NAME}.csv")
     args = ap.parse_args(argv)
     steps, val_every = (6, 3) if args.quick else (args.steps, args.val_every)
-    common = dict(
-        name=NAME, mode=f"{steps}-steps", shape="digit_sums embedded default", git_rev=harness.git_rev()
-    )
-    common.update(device=harness.device_name(SimpleNamespace(type="cpu")), timestamp=harness.utc_now())
-    common["versions"] = f"OMP_NUM_THREADS=1 2 procs; {harness.command_line(argv)}"
+    case = dict(mode=f"{steps}-steps", shape="digit_sums embedded default")
+    units = {"wall_time": "s", "val_accuracy": "fraction", "kept_group_fraction": "fraction"}
     rows, curves, tokens = [], {}, {}
     with tempfile.TemporaryDirectory(prefix="prorl-sched-") as tmp:
         for provider in args.providers:
             metrics = run(provider, steps, val_every, Path(tmp) / provider, args.timeout)
             for metric, value in summary(metrics).items():
-                unit = {"wall_time": "s", "val_accuracy": "fraction", "kept_group_fraction": "fraction"}.get(
-                    metric, "tokens"
-                )
-                rows.append(harness.single_row(metric, unit, value, provider=provider, **common))
+                unit = units.get(metric, "tokens")
+                rows.append(harness.single_row(metric, unit, value, provider=provider, **case))
             curves[provider] = [(r["step"], r["val/accuracy"]) for r in metrics if "val/accuracy" in r]
-            tokens[provider] = [
-                (r["step"], r["dynamic_sampling/gen_tokens_per_kept_group"])
-                for r in metrics
-                if "dynamic_sampling/gen_tokens_per_kept_group" in r
-            ]
-    if not args.quick:
-        harness.append_csv(args.out, rows)
+            key = "dynamic_sampling/gen_tokens_per_kept_group"
+            tokens[provider] = [(r["step"], r[key]) for r in metrics if key in r]
+    versions = f"OMP_NUM_THREADS=1 2 procs; {harness.command_line(argv)}"
+    out = None if args.quick else args.out
+    harness.record(NAME, rows, out, device=harness.device_name("cpu"), versions=versions)
     png = plot.scheduling(tokens, curves, args.out.with_suffix(".png"))
-    print(readme.summary(NAME, rows))
     print(f"wrote {'' if args.quick else str(args.out) + ' and '}{png}")
     return 0
 

@@ -1,26 +1,14 @@
 """Benchmark of reward verification: verifications per second for math and code, RewardPool vs in-process.
 
-    python -m benchmarks rewards [--quick] [--workers 2] [--domains math,code] [--providers prorl,naive]
+    python -m benchmarks rewards [--quick] [--workers 2] [--domains math,code] [--providers
+    prorl,naive]
 
-Providers:
-- `prorl`: `prorl.rewards.pool.RewardPool(num_workers=--workers)` scoring one batch per call
-  (`score_batch`): worker processes, each item under the pool's hard timeout, the code verifier's
-  sandbox inside. Workers are started, preloaded and warmed before timing (the trainer keeps its pool).
-- `naive`: `prorl.rewards.score` in the calling process, one item after another: no isolation and no
-  timeout, the floor of what scoring costs without a pool (for code, each item still starts its sandbox).
-Workloads (fixed and deterministic; every score is checked against the known answer, and a batch with
-a wrong score, a timeout or an error is reported as an error, not a number):
-- math: boxed answers against LaTeX gold answers: integers, fraction vs decimal, equivalent radicals,
-  a polynomial in two forms, sets, intervals, and wrong or unboxed answers (half right, half wrong),
-  with numbers that change with the item index (`math_case`), so no parse cache is hit;
-- code: Python programs against 5 stdin/stdout tests or 3 function-call tests: correct, wrong answer,
-  syntax error.
-
-Rows (harness.COLUMNS, mode `full` = the whole verification, shape = "<domain> batch=<B>"): `time` (ms
-per batch) and `throughput` (verifications/s) with p50/p20/p80 over the timed batches; the note in
-`versions` names the worker count, the sandbox backend and math-verify's version. Each provider runs
-in its own harness worker process (the pool's workers are further processes); on a shared machine
-compare ratios within one invocation (docs/notes.md: timing on 2 busy cores varies severalfold).
+Providers: `prorl` (RewardPool workers, hard timeouts, the code sandbox) and `naive` (`score` in the
+calling process, one item after another). Fixed workloads: math (boxed answers against LaTeX gold,
+half right, numbers varying per item so no parse cache is hit) and code (programs against
+stdin/stdout or function-call tests); every score is checked against the known answer, and a batch
+with a wrong score, a timeout or an error is an error, not a number. Rows: time (ms per batch) and
+throughput (verifications/s). Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -59,7 +47,10 @@ def math_case(i: int) -> tuple[str, str, float]:
 
 
 _SUM = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
-_STDIO = {"inputs": [f"{i} {2 * i}\n" for i in range(1, 6)], "outputs": [f"{3 * i}\n" for i in range(1, 6)]}
+_STDIO = {
+    "inputs": [f"{i} {2 * i}\n" for i in range(1, 6)],
+    "outputs": [f"{3 * i}\n" for i in range(1, 6)],
+}
 _CALL = {
     "inputs": [[[3, 1, 2]], [[5, 4]], [[]]],
     "outputs": [[[1, 2, 3]], [[4, 5]], [[]]],
@@ -74,53 +65,56 @@ CODE_CASES = [
 
 
 def workload(domain: str, batch: int) -> tuple[list[str], list, list[float]]:
-    """(responses, ground truths, expected scores) of `batch` items cycling through the domain's cases."""
-    items = [math_case(i) if domain == "math" else CODE_CASES[i % len(CODE_CASES)] for i in range(batch)]
+    """(responses, ground truths, expected scores) of `batch` items cycling through its cases."""
+    case = math_case if domain == "math" else lambda i: CODE_CASES[i % len(CODE_CASES)]
+    items = [case(i) for i in range(batch)]
     return [r for r, _, _ in items], [g for _, g, _ in items], [e for _, _, e in items]
 
 
-def _check(domain: str, scores: list[float], expected: list[float], timed_out=None, errored=None) -> None:
+def _check(domain: str, scores: list[float], expected: list[float], timed_out=None, errored=None):
     timed_out, errored = timed_out or [False] * len(scores), errored or [False] * len(scores)
     wrong = [i for i, (s, e) in enumerate(zip(scores, expected)) if s != e]
     if wrong or any(timed_out) or any(errored):
         i = (wrong or [0])[0]
         raise RuntimeError(
             f"{domain}: {len(wrong)} wrong scores (first: item {i} scored {scores[i]}, expected "
-            f"{expected[i]}), {sum(timed_out)} timeouts, {sum(errored)} errors: not a measure of verification"
+            f"{expected[i]}), {sum(timed_out)} timeouts, {sum(errored)} errors: "
+            "not a measure of verification"
         )
 
 
-def timed_batches(provider: str, domain: str, batch: int, workers: int, warmup: int, reps: int) -> list:
-    """Seconds per batch for `reps` timed batches, after `warmup` untimed ones (at least one for the pool)."""
+def _timed(score_batch, warmup: int, reps: int, check) -> list[float]:
+    """Seconds of the `reps` calls of `score_batch` after `warmup` untimed ones, each checked."""
+    times = []
+    for _ in range(warmup + reps):
+        t0 = time.perf_counter()
+        result = score_batch()
+        times.append(time.perf_counter() - t0)
+        check(result)
+    return times[warmup:]
+
+
+def timed_batches(provider: str, domain: str, batch: int, workers: int, warmup: int, reps: int):
+    """Seconds per batch for `reps` timed batches, after `warmup` untimed ones (the pool: >= 1)."""
     responses, truths, expected = workload(domain, batch)
     if provider == "prorl":
         from prorl.rewards.pool import RewardPool
 
+        check = lambda res: _check(domain, res.scores, expected, res.timed_out, res.errored)
         with RewardPool(num_workers=workers, timeout_s=10.0, preload=(domain,)) as pool:
             score_batch = lambda: pool.score_batch([domain] * batch, responses, truths)
-            times = []
-            for _ in range(max(warmup, 1) + reps):
-                t0 = time.perf_counter()
-                res = score_batch()
-                times.append(time.perf_counter() - t0)
-                _check(domain, res.scores, expected, res.timed_out, res.errored)
-            return times[max(warmup, 1) :]
+            return _timed(score_batch, max(warmup, 1), reps, check)
     if provider == "naive":
         from prorl.rewards import score
 
         score(domain, responses[0], truths[0])  # imports (math-verify ~1 s) outside the timing
-        times = []
-        for _ in range(warmup + reps):
-            t0 = time.perf_counter()
-            scores = [score(domain, r, g) for r, g in zip(responses, truths)]
-            times.append(time.perf_counter() - t0)
-            _check(domain, scores, expected)
-        return times[warmup:]
+        score_batch = lambda: [score(domain, r, g) for r, g in zip(responses, truths)]
+        return _timed(score_batch, warmup, reps, lambda scores: _check(domain, scores, expected))
     raise ValueError(f"unknown provider {provider!r}; one of {PROVIDERS}")
 
 
 def measure(spec: dict, provider: str, mode: str, shape: dict, device) -> list[dict]:
-    """harness.worker_main's measure: the time and throughput rows of one provider on one workload."""
+    """harness.worker_main's measure: the time and throughput rows of a provider on a workload."""
     from prorl.rewards import sandbox
 
     workers, batch = spec["options"]["workers"], shape["batch"]
@@ -147,7 +141,8 @@ def _shapes(args) -> list[dict]:
     return [dict(domain=d, batch=b, label=f"{d} batch={b}") for d, b in batches.items()]
 
 
-BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, measure="benchmarks.rewards:measure")
+MEASURE = "benchmarks.rewards:measure"
+BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, measure=MEASURE)
 main = BENCHMARK.main
 
 if __name__ == "__main__":

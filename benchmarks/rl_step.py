@@ -1,61 +1,18 @@
 """End-to-end RL step: prorl's Trainer vs TRL's GRPOTrainer at equal work, per phase, with ablations.
 
-    python -m benchmarks rl_step [--quick] [--threads 1] [--models tiny,random] [--providers prorl,trl,...]
-    python -m benchmarks rl_step --scaling [--quick]    # prorl only: prompts, group size, length doubled
-    python -m benchmarks rl_step --gpu                  # vLLM rollouts in both, bf16, big model
-    python -m benchmarks rl_step --gpu --gpu-gen native --models tiny,random
+    python -m benchmarks rl_step [--quick] [--threads 1] [--models tiny,random] [--providers
+    prorl,trl,...] python -m benchmarks rl_step --scaling [--quick]    # prorl only: prompts, group
+    size, length doubled python -m benchmarks rl_step --gpu                  # vLLM rollouts in
+    both, bf16, big model python -m benchmarks rl_step --gpu --gpu-gen native --models tiny,random
 
-Equal work. Both trainers get the same checkpoint, the same prompts (the built-in digit_sums task, the
-tiny reasoner's chat template), P prompts x n samples per optimizer step, the same response cap L,
-temperature 1 over the whole vocabulary, the same verifier (`prorl.rewards.score("math", ...)`), a
-token-level loss with clip-higher (0.2 / 0.28), KL coefficient 1e-4 against a reference model, AdamW at
-the same learning rate (no weight decay, grad clip 1.0), one optimizer step per RL step, fp32, one
-process, the same torch/OMP thread count (`--threads`, default 1), `warmup` untimed steps then `reps`
-timed ones, each provider in a fresh worker process (harness.py). Settings:
-- prorl: a `prorl.trainer.Trainer` built in-process (`prorl_trainer`, the one place that knows the
-  Trainer's API) from the default preset with `prorl_overrides`: dynamic sampling off (every group is
-  trained on, as in TRL), length penalty off, 1 mini-batch, reference resets off, 1 RewardPool worker.
-- trl: `GRPOTrainer` (loss_type="dapo", epsilon 0.2, epsilon_high 0.28, beta 1e-4, num_generations=n,
-  max_completion_length=L, per_device_train_batch_size = P x n, use_vllm=False, bf16 off, use_cpu,
-  gradient_checkpointing off: TRL turns it on by default, which would cost it an extra forward).
-What is NOT identical, and why it does not favour prorl: neither makes an old-policy log-prob pass (one
-update per generation: old_logp = logp.detach() in both; prorl then measures sampler drift from the
-update's own forward). TRL scores in-process; prorl ships responses to a worker process. The advantage
-estimators (TRL: group-normalised GRPO; prorl: REINFORCE++-baseline) and KL estimators (k3 / k2) differ
-in a few element-wise ops. Response lengths are sampled, so tokens per step differ a little between
-runs: compare `tokens_per_s` as well as time per step (`response_tokens` is recorded).
-
-Phases (mode column, ms per optimizer step, p50/p20/p80 over the timed steps): `gen` (sampling),
-`reward` (verification), `old_logp` (no-grad log-prob passes: reference, and old policy where made),
-`update` (loss forward + backward + clip + optimizer step), `other` (step minus those: advantages,
-padding/packing, bookkeeping, the loop itself), `step` (wall time of the whole step; for TRL from one
-`on_step_end` to the next: `_rl_step_peers.TRLPhases`). Mode `step` also carries `tokens_per_s`
-(response tokens / step time), `response_tokens`, `peak_memory` (MB, harness.PeakMemory over the step:
-the process's resident-set high-water mark, RewardPool workers not counted; on CUDA
-max_memory_allocated) and `peak_extra_memory` (the same minus the baseline at step start).
-
-Providers: `prorl`, `trl`, and ablations of prorl named by what they switch off, combinable with `-`:
-`prorl-nofused` (unfused logits -> log_softmax instead of the fused op), `prorl-noshare` (each response
-packed with its own copy of the prompt instead of one copy per group, prorl/packing.py), `prorl-nopack`
-(right-padded [S, Lmax] batches, one per prompt + response, instead of packed sequences), `prorl-hfgen`
-(`transformers.generate` with output_scores instead of prorl's sampler), `prorl-nofused-nopack-hfgen`
-(all three); and `prorl-compile`, the native sampler's decode step under torch.compile
-(`rollout.compile=true`; its compilation, ~25 s, falls in the untimed warm-up steps: a start-up cost).
-Models: `tiny` = the shipped tiny reasoner (prorl/assets/tiny-reasoner, ~0.5M parameters, it answers
-and stops); `random` = a random-weight Qwen2 (~3M parameters) with the same tokenizer (it rarely
-samples the stop token, so most responses run to the cap); `large` (~130M), the --gpu default.
-`--scaling` (prorl only, tiny model, stop tokens ignored so that every response is exactly L tokens):
-from P=8, n=8, L=32, each of P, n and L doubled twice on its own; plotted as time per step against
-the work multiple (cost should grow no faster than the work).
-`--gpu`: bf16 in both; prorl with `VLLMGenerator` (weights pushed after every step, phase `sync`) and
-the policy on CUDA; TRL with colocated vLLM (which then makes the old-policy pass for its
-importance-sampling correction). `--gpu-gen native` (a GPU without vLLM): prorl samples with its native
-sampler on the CUDA policy (no `sync` phase), TRL with `transformers.generate` on CUDA (use_vllm=False:
-on-policy as on CPU). The note of every row says which (`gen=...`). The size options apply with `--gpu`
-as without it.
-
-Results: benchmarks/results/rl_step.csv, rl_step.png (phases stacked per provider) and
-rl_step_scaling.png; compare ratios within one invocation (harness.py on timing noise).
+Both trainers get the same checkpoint, prompts, P x n samples per step, response cap, temperature,
+verifier, clip-higher loss, KL 1e-4, AdamW settings and threads. Phases (mode column, ms per step):
+`gen`, `reward`, `old_logp`, `update`, `sync`, `other`, `step`; mode `step` also carries
+tokens_per_s, response_tokens, peak_memory and peak_extra_memory. Providers: `prorl`, `trl`, and
+prorl ablations named by what they switch off (`prorl-nofused`, `-noshare`, `-nopack`, `-hfgen`,
+combinable) and `prorl-compile`. Models: `tiny` (the shipped reasoner), `random` (~3M), `large`
+(~130M, the --gpu default). Results: rl_step.csv, rl_step.png, rl_step_scaling.png. Details:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -68,6 +25,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from benchmarks import harness, plot
+from benchmarks._checkpoints import qwen2_shape, random_checkpoint
 from benchmarks.report.readme import View
 
 NAME = "rl_step"
@@ -76,11 +34,11 @@ PROVIDERS += ("prorl-nofused-nopack-hfgen", "prorl-compile")
 PHASES = ("gen", "reward", "old_logp", "update", "sync", "other", "step")
 # the trainer's metric (timing_s/<name>, verl's names) behind each phase of this benchmark's CSV
 METRIC_OF_PHASE = {"old_logp": "old_log_prob", "update": "update_actor", "sync": "update_weights"}
-SUMMARY = ("tokens_per_s", "response_tokens", "peak_memory")  # the console summary's columns after the phases
+SUMMARY = ("tokens_per_s", "response_tokens", "peak_memory")  # the console's columns after phases
 TINY = Path(__file__).resolve().parent.parent / "prorl" / "assets" / "tiny-reasoner"
 RANDOM_MODELS = {  # random-weight Qwen2 checkpoints with the tiny reasoner's tokenizer (vocab 100)
-    "random": harness.qwen2_shape(256, 768, 4, 4, max_position_embeddings=512),
-    "large": harness.qwen2_shape(1024, 2816, 12, 16, max_position_embeddings=4096),
+    "random": qwen2_shape(256, 768, 4, 4, max_position_embeddings=512),
+    "large": qwen2_shape(1024, 2816, 12, 16, max_position_embeddings=4096),
 }
 LR = 3e-5
 GPU_GENS = ("vllm", "native")  # --gpu-gen: the samplers of the --gpu run
@@ -89,7 +47,8 @@ ABLATIONS = ("nofused", "nopack", "noshare", "hfgen", "compile")  # the flags of
 
 def work(model: str, prompts: int, n: int, max_new: int, no_stop: bool = False) -> dict:
     label = f"{model} P={prompts} n={n} L={max_new}" + (" nostop" if no_stop else "")
-    return dict(model=model, prompts=prompts, n=n, max_new=max_new, no_stop=no_stop, lr=LR, label=label)
+    shape = dict(model=model, prompts=prompts, n=n, max_new=max_new, no_stop=no_stop, lr=LR)
+    return dict(shape, label=label)
 
 
 def model_path(name: str) -> str:
@@ -99,14 +58,16 @@ def model_path(name: str) -> str:
     with open(TINY / "config.json") as f:
         vocab = json.load(f)["vocab_size"]
     config = dict(RANDOM_MODELS[name], vocab_size=vocab, rms_norm_eps=1e-6)
-    return harness.random_checkpoint(config, tokenizer=TINY)
+    return random_checkpoint(config, tokenizer=TINY)
 
 
 EQUAL_WORK = (  # the Trainer's fixed overrides (module docstring)
     "seed=0 rollout.temperature=1.0 trainer.mini_batches=1 data.max_prompt_tokens=64",
-    "algorithm.dynamic_sampling=false algorithm.eps_low=0.2 algorithm.eps_high=0.28 algorithm.kl_coef=1e-4",
+    "algorithm.dynamic_sampling=false algorithm.eps_low=0.2 algorithm.eps_high=0.28",
+    "algorithm.kl_coef=1e-4",
     "algorithm.agg=token-mean algorithm.reset.interval=0 algorithm.reset.kl_spike_factor=0",
-    "reward.length_penalty=false reward.num_workers=1 optim.weight_decay=0.0 optim.max_grad_norm=1.0",
+    "reward.length_penalty=false reward.num_workers=1",
+    "optim.weight_decay=0.0 optim.max_grad_norm=1.0",
 )
 
 
@@ -120,8 +81,8 @@ def prorl_overrides(w: dict, path: str, gpu: bool, gen: str = "vllm") -> list[st
         backend = ["rollout.backend=native"]
         if gen == "vllm":
             backend = ["rollout.backend=vllm", "rollout.gpu_memory_utilization=0.3"]
-    work = [f"rollout.n={w['n']}", f"rollout.max_response_tokens={w['max_new']}", f"optim.lr={w['lr']}"]
-    work.append(f"trainer.prompts_per_step={w['prompts']}")
+    work = [f"rollout.n={w['n']}", f"rollout.max_response_tokens={w['max_new']}"]
+    work += [f"optim.lr={w['lr']}", f"trainer.prompts_per_step={w['prompts']}"]
     model = [f"model.path={path}", f"model.dtype={'bfloat16' if gpu else 'float32'}"]
     return model + work + " ".join(EQUAL_WORK).split() + backend
 
@@ -154,7 +115,8 @@ def prorl_trainer(w: dict, path: str, *, gpu: bool, gen: str = "vllm", flags=(),
         trainer.sampler.stop_ids = []
     if "compile" in flags:  # the native sampler's decode step under torch.compile (rollout.compile)
         models = trainer.models
-        models.generator = trainer.sampler.generator = NativeGenerator(models.sampler_model, compile=True)
+        compiled = NativeGenerator(models.sampler_model, compile=True)
+        models.generator = trainer.sampler.generator = compiled
     if "noshare" in flags or "nopack" in flags:
         trainer.updater.share = False  # every response packed with its own copy of the prompt
     if "nofused" in flags:
@@ -170,7 +132,8 @@ def prorl_trainer(w: dict, path: str, *, gpu: bool, gen: str = "vllm", flags=(),
             trainer.policy, path, tok.pad_token_id or 0
         )
     names = dict(VLLMGenerator="vllm", NativeGenerator="native", HFGenerator="transformers.generate")
-    sampler = names.get(type(trainer.models.generator).__name__, type(trainer.models.generator).__name__)
+    kind = type(trainer.models.generator).__name__
+    sampler = names.get(kind, kind)
 
     def step() -> dict:
         m = trainer.step()
@@ -204,7 +167,8 @@ def run_prorl(provider: str, w: dict, path: str, steps: int, memory, gpu: bool, 
             rec["peak_rss"], rec["peak_extra_memory"] = memory.stop() or (math.nan, math.nan)
             records.append(rec)
     note = (
-        "loss=token-mean kl=k2 old_logp=skipped (on-policy: logp.detach()) reward=RewardPool(1 worker)"
+        "loss=token-mean kl=k2 old_logp=skipped (on-policy: logp.detach())"
+        + " reward=RewardPool(1 worker)"
         + f" gen={run.sampler}"
         + (" logp=naive" if "nofused" in flags else " logp=fused")
         + (" padded" if "nopack" in flags else " packed")
@@ -223,13 +187,15 @@ def _rows(records: list[dict], note: str) -> list[dict]:
         return harness.row(metric, unit, values, mode=mode, note=note) if values else None
 
     for r in records:
-        r["other"] = r["step"] - sum(r.get(k, 0.0) for k in ("gen", "reward", "old_logp", "update", "sync"))
+        measured = sum(r.get(k, 0.0) for k in ("gen", "reward", "old_logp", "update", "sync"))
+        r["other"] = r["step"] - measured
     rows = [row(p, "time", "ms", [r.get(p, 0.0) * 1e3 for r in records]) for p in PHASES]
     rows.append(row("step", "tokens_per_s", "tok/s", [r["tokens"] / r["step"] for r in records]))
     rows.append(row("step", "response_tokens", "tokens", [r["tokens"] for r in records]))
     rows.append(row("step", "peak_memory", "MB", [r["peak_rss"] for r in records]))
     rows.append(row("step", "peak_extra_memory", "MB", [r["peak_extra_memory"] for r in records]))
-    noop_sync = lambda r: r["mode"] == "sync" and r["p80"] < 0.5  # ms: the sampler is the policy itself
+    # a sync under 0.5 ms copies nothing: the sampler is the policy itself
+    noop_sync = lambda r: r["mode"] == "sync" and r["p80"] < 0.5
     return [r for r in rows if r is not None and not noop_sync(r)]
 
 
@@ -261,7 +227,8 @@ def measure(spec: dict, provider: str, mode: str, w: dict, device) -> list[dict]
 
 def newest_runs(path: Path, device: str | None, scaling: bool) -> list[dict]:
     """Rows of the CSV for the plots: per shape, only the newest invocation that measured it (providers
-    are compared within one invocation, never across), on `device` (None: the newest row's device)."""
+    are compared within one invocation, never across), on `device` (None: the newest row's
+    device)."""
     rows = [r for r in harness.read_csv(path) if ("nostop" in r["shape"]) == scaling]
     device = device or max(rows, key=lambda r: r["timestamp"], default={}).get("device")
     rows = [r for r in rows if r["device"] == device]
@@ -274,7 +241,8 @@ def newest_runs(path: Path, device: str | None, scaling: bool) -> list[dict]:
 def scaling_shapes(quick: bool) -> list[dict]:
     """The tiny model at (P, n, L), then each of the three doubled and quadrupled on its own."""
     p, n, length = (4, 4, 16) if quick else (8, 8, 32)
-    grown = [size for k in (2, 4) for size in ((p * k, n, length), (p, n * k, length), (p, n, length * k))]
+    grow = lambda k: ((p * k, n, length), (p, n * k, length), (p, n, length * k))
+    grown = [size for k in (2, 4) for size in grow(k)]
     return [work("tiny", *size, no_stop=True) for size in [(p, n, length), *grown]]
 
 
@@ -291,15 +259,13 @@ def _plot(csv_path: Path, rows: list[dict], args) -> list[Path]:
 
 
 def _options(p) -> None:
-    p.add_argument("--quick", action="store_true", help="P=4 n=4 L=16, tiny model, 1 warm-up + 2 timed steps")
-    p.add_argument("--scaling", action="store_true", help="prorl only: P, n and L doubled (module docstring)")
+    p.add_argument("--quick", action="store_true", help="P=4 n=4 L=16, tiny, 1 warm-up + 2 timed steps")
+    p.add_argument("--scaling", action="store_true", help="prorl only: P, n and L doubled, quadrupled")
     p.add_argument("--gpu", action="store_true", help="CUDA, bf16, model large (see --gpu-gen)")
     p.add_argument(
         "--gpu-gen", default="vllm", choices=GPU_GENS, help="the --gpu samplers (module docstring)"
     )
-    p.add_argument(
-        "--models", default=None, help="tiny,random,large (default tiny,random; --quick tiny; --gpu large)"
-    )
+    p.add_argument("--models", help="tiny,random,large (default tiny,random; --quick tiny; --gpu large)")
     p.add_argument("--prompts", type=int, help="prompts per step (default 16; --quick 4; --gpu 64)")
     p.add_argument("--n", type=int, default=None, help="samples per prompt (default 8; --quick 4)")
     p.add_argument("--max-new", type=int, help="response cap L (default 48; --quick 16; --gpu 1024)")

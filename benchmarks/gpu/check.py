@@ -1,27 +1,12 @@
 """The one prepared run for a lent GPU machine: `bash benchmarks/gpu_check.sh [RESULTS_DIR]`.
 
-Made for the machine it runs on: one H200, no network, the image's torch (2.11 + CUDA 13, Triton 3.6,
-transformers 5.17) and only the project tree plus at most 64 MiB of carried wheels, so Transformer
-Engine, flash-attn and CUDA vLLM are never there (their paths are skipped, saying so). The whole run
-fits in 6 minutes of wall time (`GPU_CHECK_DEADLINE`: 335 s from the start for all steps, the install too):
-steps run in order of how likely they are to crash on a GPU while passing on the CPU, each under its
-own time limit (cut to what is left of the budget; a step that would get less than `MIN_STEP_S` is
-skipped, saying so). Then one summary table; the exit status is 1 when any step failed or ran out of
-time, 2 when the machine has no CUDA device (checked first: nothing runs).
-
-Wheels (pure-Python packages the image lacks: the config's omegaconf, the math verifier, torchao for
-FP8) are carried in `.whl/` (ignored by git through .git/info/exclude; the device tool's
-`carry: [".whl"]`; these five are 3.9 MB), made on a machine with network for the image's Python 3.12:
-
-    pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl omegaconf==2.4.0 \\
-        antlr4-python3-runtime==4.13.2 math-verify==0.9.0 latex2sympy2_extended==1.11.0 torchao==0.18.0
-
-Written to RESULTS_DIR (default `$OUT`, else benchmarks/results/gpu/): `gpu_check.log` (this run's
-own output), `gpu_check_summary.md` / `.json` (the table), `logs/<step>.log` (each step's output),
-`preset_*.json` (the preset runs' numbers), benchmark rows as `<benchmark>.csv`.
-
-`GPU_CHECK_ONLY=a,b` runs only those steps, `GPU_CHECK_SKIP=a,b` leaves those out.
+Made for one H200 without network, the image's torch and at most 64 MiB of carried wheels (`.whl/`,
+the device tool's `carry`): steps (benchmarks/gpu/plan.py) run most crash-prone first, each under
+its own limit, all within `GPU_CHECK_DEADLINE` (335 s); then one summary table. Exit 1 when a step
+failed or timed out, 2 at once without CUDA. `GPU_CHECK_ONLY=a,b` / `GPU_CHECK_SKIP=a,b` select
+steps. Written to RESULTS_DIR (default `$OUT`, else benchmarks/results/gpu/): gpu_check.log,
+gpu_check_summary.md / .json, logs/<step>.log, preset_*.json, benchmark CSVs. The wheels to carry,
+and how to make them: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -38,11 +23,11 @@ import time
 from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DEADLINE_S = 335  # seconds from the start for everything; + a last step's kill grace: under 6 minutes
-MIN_STEP_S = 20  # with less left a step is skipped (unless its own limit is lower): too little to finish
+DEADLINE_S = 335  # s from the start for everything; + a last step's kill grace: under 6 minutes
+MIN_STEP_S = 20  # with less left a step is skipped (unless its own limit is lower)
 KILL_GRACE_S = 10  # SIGTERM, then this long before SIGKILL (torchrun passes SIGTERM to its ranks)
-SITE = "/tmp/prorl-gpu-site"  # carried wheels are installed here (the image's site-packages stay as they are)
-RUNS = "/tmp/prorl-gpu-runs"  # the preset runs' output directories (checkpoints stay off RESULTS_DIR)
+SITE = "/tmp/prorl-gpu-site"  # carried wheels go here (the image's site-packages stay as they are)
+RUNS = "/tmp/prorl-gpu-runs"  # the preset runs' output directories (off RESULTS_DIR)
 TAIL_LINES = 25  # of a failed step's log, printed under its end line
 
 # torch's own answer, before anything is installed: [version, CUDA build, a device is usable]
@@ -117,11 +102,11 @@ def results_dir(argv: list[str]) -> str:
 
 
 def step_env() -> dict:
-    """The environment of every step: offline, unbuffered, carried wheels and the test helpers importable."""
+    """The environment of every step: offline, unbuffered, carried wheels and test helpers importable."""
     old = os.environ.get("PYTHONPATH")
     return dict(
         os.environ,
-        PYTHONPATH=os.pathsep.join([SITE, os.path.join(ROOT, "tests/helpers"), *([old] if old else [])]),
+        PYTHONPATH=os.pathsep.join([SITE, os.path.join(ROOT, "tests/helpers"), *filter(None, [old])]),
         PYTHONUNBUFFERED="1",
         HF_HUB_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
@@ -130,7 +115,7 @@ def step_env() -> dict:
 
 
 def run_step(step: Step, logs: str, left_s: float, say: Callable) -> Row:
-    """Run one step with its output in logs/<name>.log; kill its whole process group at its limit."""
+    """Run one step, its output in logs/<name>.log; kill its whole process group at its limit."""
     if step.skip:
         say(f"=== [{step.name}] skipped: {step.skip}")
         return Row(step.name, "skipped", 0.0, step.skip)
@@ -177,7 +162,7 @@ _RUNNING: list[subprocess.Popen] = []  # the step running now (its own session: 
 
 
 def _stop(signum, frame) -> None:
-    """SIGTERM / SIGINT of the runner (the device tool's limit, ^C): the running step's processes go too."""
+    """SIGTERM / SIGINT of the runner (the device tool's limit, ^C): the running step's group too."""
     for proc in list(_RUNNING):
         _kill_group(proc)
     raise SystemExit(128 + signum)
@@ -197,7 +182,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _last_line(path: str) -> str:
-    """The step's last non-empty output line (pytest's counts, a preset run's numbers), shortened."""
+    """The step's last non-empty output line (pytest's counts, a preset's numbers), shortened."""
     with open(path, errors="replace") as f:
         lines = [line.strip() for line in f.read().splitlines() if line.strip()]
     return lines[-1][:160] if lines else "(no output)"
@@ -255,7 +240,8 @@ def main(argv: list[str]) -> int:
     python = os.environ.get("PYTHON", sys.executable)
     if not glob.glob("/dev/nvidia[0-9]*") and shutil.which("nvidia-smi") is None:
         return no_gpu("no /dev/nvidia*, no nvidia-smi")  # at once: not even torch is imported
-    probe = subprocess.run([python, "-c", CUDA_PROBE], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    cmd = [python, "-c", CUDA_PROBE]
+    probe = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
     torch_version, cuda_build, cuda = (
         json.loads(probe.stdout) if probe.returncode == 0 else ("?", None, False)
     )
@@ -287,11 +273,16 @@ def _run(results: str, python: str, end: float, t0: float) -> int:
         say("gpu_check: the install failed (logs/install.log): nothing else can run")
         return 1
     # what the steps will see, carried wheels included: versions, and what is missing (then skipped)
-    probe = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, cwd=ROOT, env=step_env())
-    env = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else {"cuda": True}
+    cmd = [python, "-c", PROBE]
+    probe = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=step_env())
+    env = {"cuda": True}
+    if probe.returncode == 0:
+        env = json.loads(probe.stdout.strip().splitlines()[-1])
     say("=== machine:", json.dumps(env))
     steps = select(
-        plan(python, env, results), os.environ.get("GPU_CHECK_ONLY", ""), os.environ.get("GPU_CHECK_SKIP", "")
+        plan(python, env, results),
+        os.environ.get("GPU_CHECK_ONLY", ""),
+        os.environ.get("GPU_CHECK_SKIP", ""),
     )
     rows = run_steps(steps, results, end, say)
     table = summary(installed + rows, install_steps(python) + steps)
@@ -299,7 +290,8 @@ def _run(results: str, python: str, end: float, t0: float) -> int:
     with open(os.path.join(results, "gpu_check_summary.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(results, "gpu_check_summary.json"), "w") as f:
-        json.dump({"machine": env, "rows": [dataclasses.asdict(r) for r in installed + rows]}, f, indent=1)
+        rows_json = [dataclasses.asdict(r) for r in installed + rows]
+        json.dump({"machine": env, "rows": rows_json}, f, indent=1)
     return exit_code(rows)
 
 

@@ -1,10 +1,11 @@
 """What `benchmarks/gpu_check.sh` runs, in order (benchmarks/gpu/check.py runs it).
 
-Order: first the paths that pass on the CPU but can crash on a GPU (CUDA's FP8 GEMM shape rules, NCCL,
-CPU offload, the sampler and validation on CUDA), then the CUDA tests of the kernels and attention, then
-the embedded default, then benchmark rows while the budget lasts. Limits are ceilings, sized from the
-H200 runs of 2026-11-30 (benchmarks/results/gpu/gpu_check_run*.log: tests/gpu with attention took 83 s,
-the embedded default's 60 steps 44 s); the budget cuts the last ones.
+Order: first the paths that pass on the CPU but can crash on a GPU (CUDA's FP8 GEMM shape rules,
+NCCL, CPU offload, the sampler and validation on CUDA), then the CUDA tests of the kernels and
+attention, then the embedded default, then benchmark rows while the budget lasts. Limits are
+ceilings, sized from the H200 runs of 2026-11-30 (benchmarks/results/gpu/gpu_check_run*.log:
+tests/gpu with attention took 83 s, the embedded default's 60 steps 44 s); the budget cuts the last
+ones.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ GPU_RULES = "tests/gpu/test_gpu_rules.py"
 
 
 def install_steps(python: str) -> list[Step]:
-    """Carried wheels into SITE, then prorl editable without the native CPU build and without fetching."""
+    """Carried wheels into SITE, then prorl editable, without the native CPU build or fetching."""
     wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
     pip = f"{python} -m pip install -q --no-index --no-deps --no-build-isolation"
     script = [
@@ -44,39 +45,36 @@ def _pytest(python: str, results: str, name: str, *args: str) -> list[str]:
 
 def plan(python: str, env: dict, results: str) -> list[Step]:
     """The steps for a machine described by `env` (check.PROBE's answer), most crash-prone first."""
-    torchao = (
-        None
-        if env.get("torchao")
-        else f"torchao is not importable ({env.get('torchao_error', 'absent')}): carry its wheel in .whl/"
-    )
+    why = env.get("torchao_error", "absent")
+    torchao = None if env.get("torchao") else f"torchao is not importable ({why}): carry its wheel in .whl/"
     preset = [python, "benchmarks/gpu/preset_check.py", "--results", results, "--runs", RUNS]
     bench = [python, "-m", "benchmarks"]
     named = {GPU_RULES, "tests/gpu/test_fp8_cuda.py", "tests/gpu/test_cuda_paths.py"}
-    others = sorted(
-        set(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests/gpu/test_*.py"))) - named
-    )
+    files = glob.glob(os.path.join(ROOT, "tests/gpu/test_*.py"))
+    others = sorted({os.path.relpath(f, ROOT) for f in files} - named)
+    rules = None if os.path.exists(os.path.join(ROOT, GPU_RULES)) else f"{GPU_RULES} is not in this tree"
     no_vllm = "" if env.get("vllm") else "; vLLM's own batching: not installable here (CUDA vLLM)"
     steps = [
         Step("gpu_rules", 90, _pytest(python, results, "gpu_rules", GPU_RULES),
              "CUDA's rules: FP8 odd token counts, offload probe device, validation batching",
-             None if os.path.exists(os.path.join(ROOT, GPU_RULES)) else f"{GPU_RULES} is not in this tree"),
+             rules),
         Step("fp8_cuda", 60, _pytest(python, results, "fp8_cuda", "tests/gpu/test_fp8_cuda.py"),
              "torchao's real FP8 GEMMs vs float64; TE when installed", torchao),
         Step("preset_fp8", 75, [*preset, "--variant", "fp8"],
-             "the preset in miniature, model.fp8=torchao, odd packed token counts, 1 rank NCCL", torchao),
+             "the preset in miniature, model.fp8=torchao, odd packed token counts, NCCL", torchao),
         Step("preset", 120, [*preset, "--variant", "base"],
              "the preset in miniature on NCCL, 1 rank: bf16 untied head, FSDP2, AC, validation, reset, "
              "save, resume" + no_vllm),
         Step("preset_offload", 75, [*preset, "--variant", "offload"],
              "the preset with model.cpu_offload=true (FSDP2 CPUOffloadPolicy; NCCL + gloo)"),
         Step("cuda_paths", 110, _pytest(python, results, "cuda_paths", "tests/gpu/test_cuda_paths.py"),
-             "compiled Triton kernels vs float64, no host sync, sampler vs transformers, trainer on CUDA"),
+             "compiled Triton kernels vs float64, no host sync, sampler vs HF, trainer on CUDA"),
         Step("gpu_other", 60, _pytest(python, results, "gpu_other", *others),
              "the other files of tests/gpu", None if others else "no other file in tests/gpu"),
-        # only the CUDA cases: test_flex_compiled_matches_reference compiles for the CPU (~40 s cold)
+        # only the CUDA cases: test_flex_compiled_matches_reference compiles for the CPU (~40 s)
         Step("attention", 60, _pytest(python, results, "attention", "tests/engine/test_attention.py",
                                       "-k", "cuda or flex_eager or flash_matches"),
-             "SDPA and FlexAttention forward and backward on CUDA (flash-attn: not installable here)"),
+             "SDPA and FlexAttention forward and backward on CUDA (flash-attn: not installable)"),
         # a warm machine keeps an earlier call's run directory: start afresh
         Step("main_job", 70, ["bash", "-c", f"rm -rf {RUNS}/default && exec {python} -m torch.distributed.run"
                               f" --standalone --nproc_per_node=1 prorl/train.py output_dir={RUNS}/default"
@@ -94,5 +92,6 @@ def plan(python: str, env: dict, results: str) -> list[Step]:
         missing = [n for n in ("omegaconf", "math_verify") if env.get(n) is None]
         for step in steps:
             if step.name.startswith(("preset", "main_job")) and not step.skip:
-                step.skip = f"{', '.join(missing)} not importable: carry the wheels (benchmarks/gpu/check.py)"
+                carry = "carry the wheels (benchmarks/gpu/check.py)"
+                step.skip = f"{', '.join(missing)} not importable: {carry}"
     return steps

@@ -1,17 +1,8 @@
 """The prorl_v2_1.5b preset in miniature under `torchrun --nproc_per_node=1` (NCCL on a GPU, gloo on the
-CPU): the preset file with the size-only overrides of tests/helpers/preset_helpers.py, on a bf16
-checkpoint with an untied LM head. One step of benchmarks/gpu_check.sh per variant:
-
-    base     FSDP2 bf16 mixed precision + activation checkpointing, validation before training and at
-             step 2, a reference reset after step 2, a checkpoint at step 2; then the same command to
-             step 3, which must resume from it. Checks: both exit 0, the resume, the reset, finite losses,
-             the exported LM head still untied.
-    fp8      the same with model.fp8=torchao, 2 steps, no validation: packed micro-batches of whatever
-             token count the samples give (CUDA's FP8 GEMMs need multiples of 16 where the CPU does not)
-    offload  the same with model.cpu_offload=true, 2 steps (FSDP2's CPUOffloadPolicy needs CUDA)
-
-Prints one line of numbers (seconds per launch, per step, held-out accuracy) and writes them to
-RESULTS/preset_<variant>.json; exits 1 naming the first check that failed.
+CPU), one step of benchmarks/gpu_check.sh per variant: `base` (FSDP2 bf16 + activation
+checkpointing, validation, a reference reset, a checkpoint at step 2, then a resume to step 3),
+`fp8` (model.fp8=torchao on packed odd token counts), `offload` (model.cpu_offload=true). Prints one
+line of numbers and writes RESULTS/preset_<variant>.json; exits 1 naming the first failed check.
 
     python benchmarks/gpu/preset_check.py --variant base --results DIR --runs /tmp/runs
 """

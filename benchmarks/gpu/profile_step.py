@@ -1,15 +1,12 @@
 """Where prorl's RL step spends its time on a GPU, and the fused ops' device-only times.
 
-    python -m benchmarks.gpu.profile_step [--model random] [--steps 6] [--prompts 16] [--n 8] [--max-new 128]
+    python -m benchmarks.gpu.profile_step [--model random] [--steps 6] [--prompts 16] [--n 8]
+    [--max-new 128]
 
-1. The rl_step benchmark's prorl Trainer (`rl_step.prorl_trainer`, bf16, native sampler) on cuda:0:
-   per-step phase times and the number of Triton kernels compiled during each step (files added to the
-   Triton cache), for `--steps` steps; then the same steps again with each SDPA kernel family switched
-   off in turn (cuDNN, memory-efficient, flash), to find a per-shape cost in one of them.
-2. torch.profiler over one more step: the top ops by self CUDA time and by self CPU time.
-3. ppo_loss (Triton) forward+backward at N = 4096 / 65536 / 1M tokens: wall time per call (host
-   included, `triton.testing.do_bench`) and device time (`do_bench_cudagraph`: the call captured in a
-   CUDA graph, so launch and Python overhead are excluded; possible because the op makes no host sync).
+1. rl_step's prorl Trainer (bf16, native sampler) on cuda:0: phase times and Triton kernels compiled
+   per step, then again with each SDPA kernel family switched off in turn; 2. torch.profiler's top
+   ops over one step; 3. ppo_loss (Triton) wall and CUDA-graph device times at N = 4K / 64K / 1M
+   tokens.
 Prints only; nothing is written to the results CSVs.
 """
 

@@ -2,21 +2,12 @@
 
     python -m benchmarks readme [--check] [--readme README.md] [--results benchmarks/results]
 
-Rewrites the text between `<!-- perf:begin -->` and `<!-- perf:end -->` in the README; nothing else in
-the file changes. For every results CSV with rows, per machine (the `device` column) one markdown table:
-
-- the newest row (by timestamp) of each (provider, mode, shape, metric), as plot.py draws them;
-- the benchmark's main metric as p50 (p20–p80) and a few others as p50 (`VIEWS` picks them: a readable
-  subset, not every metric); rl_step is one row per (shape, provider) with the step time and one column
-  per phase;
-- ratios to a baseline provider, only against the baseline's row of the SAME invocation (same
-  timestamp): providers are compared within one run, never across runs;
-- the runs the rows come from: the command (the CSV's `command` column; "not recorded" for rows written
-  before it existed), the machine (device, threads from `versions`), the date and the git revision;
-- links to the PNGs in the results folder whose names start with the benchmark's.
-
-Only numbers the CSVs hold are printed. `--check` writes nothing and exits 1 when the README's block
-differs from what would be generated (or the markers are missing).
+Rewrites the text between `<!-- perf:begin -->` and `<!-- perf:end -->`. Per results CSV and machine
+one table: the newest row of each (provider, mode, shape, metric); the metrics `VIEWS` picks; ratios
+to a baseline provider only within the same invocation (same timestamp); the runs the rows come from
+(command, machine, date, git revision); links to the benchmark's PNGs. Only numbers the CSVs hold
+are printed. `--check` writes nothing and exits 1 when the block is stale or the markers are
+missing.
 """
 
 from __future__ import annotations
@@ -39,9 +30,9 @@ GENERATED = "<!-- generated from benchmarks/results/*.csv by `python -m benchmar
 class View:
     """What one benchmark's table shows.
 
-    primary: the metric shown as p50 (p20–p80) in the first value column (rows without it are skipped).
-    extras: further metrics, p50 only, when any row has them.
-    ratios: (provider, kind): `speedup` = the baseline's primary p50 / the row's (higher is better; the
+    primary: the metric shown as p50 (p20–p80) in the first value column (rows without it are
+    skipped). extras: further metrics, p50 only, when any row has them. ratios: (provider, kind):
+    `speedup` = the baseline's primary p50 / the row's (higher is better; the
       inverse when `higher_is_better`), `multiple` = the row's p50 / the baseline's.
     phases: when set, one row per (shape, provider): primary and extras from mode `total`, then one
       column per phase (mode) with that mode's primary p50.
@@ -58,7 +49,11 @@ class View:
 RL_PHASES = ("gen", "sync", "reward", "old_logp", "update", "other")
 # in README order; benchmarks not named here get View() and follow in name order
 VIEWS: dict[str, View] = {
-    "rl_step": View(extras=("tokens_per_s", "peak_memory"), ratios=(("trl", "speedup"),), phases=RL_PHASES),
+    "rl_step": View(
+        extras=("tokens_per_s", "peak_memory"),
+        ratios=(("trl", "speedup"),),
+        phases=RL_PHASES,
+    ),
     "train_step": View(
         extras=("tokens_per_s", "peak_extra_memory"), ratios=(("transformers-padded", "speedup"),)
     ),
@@ -69,7 +64,10 @@ VIEWS: dict[str, View] = {
     "rewards": View(extras=("throughput",), ratios=(("naive", "speedup"),)),
     "rollout": View(extras=("tokens_per_s",), ratios=(("transformers", "speedup"),)),
     "collectives": View(
-        primary="busbw", extras=("time",), ratios=(("nccl-tests", "multiple"),), higher_is_better=True
+        primary="busbw",
+        extras=("time",),
+        ratios=(("nccl-tests", "multiple"),),
+        higher_is_better=True,
     ),
     "embedded_default": View(
         primary="accuracy_after_mean_last3", extras=("accuracy_before", "accuracy_max", "wall_time")
@@ -109,7 +107,8 @@ def descriptions() -> dict[str, str]:
     """Benchmark name -> the first line of its module docstring (read without importing it)."""
     found = {}
     for path in sorted(Path(__file__).resolve().parents[1].glob("*.py")):  # the benchmarks' folder
-        found[path.stem] = (ast.get_docstring(ast.parse(path.read_text())) or "").strip().split("\n")[0]
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        found[path.stem] = doc.strip().split("\n")[0]
     return found
 
 
@@ -160,83 +159,99 @@ def _ratio(view: View, kind: str, row: dict, base: dict | None) -> str:
     return f"{num(x)}×"
 
 
-def render_device(name: str, view: View, device: str, rows: list[dict]) -> list[str]:
-    """The table and run list of one benchmark on one machine (rows: all of its rows on that device)."""
-    new = newest(rows)
-    by_run = {(r["timestamp"], r["shape"], r["mode"], r["provider"], r["metric"]): r for r in rows}
-    shapes = list(dict.fromkeys(r["shape"] for r in rows))
-    modes = list(dict.fromkeys(r["mode"] for r in rows))
-    providers = list(dict.fromkeys(r["provider"] for r in rows))
-    get = lambda s, m, p, metric: new.get((device, s, m, p, metric))  # noqa: E731
+@dataclass
+class _Table:
+    """What one benchmark's table on one machine shows: its (shape, mode, provider) rows."""
 
-    # the table's rows: (shape, mode, provider) keys whose primary metric exists
+    view: View
+    device: str
+    new: dict  # harness.newest of the machine's rows
+    by_run: dict  # (timestamp, shape, mode, provider, metric) -> row
+    keys: list  # (shape, mode, provider) of the table's rows
+    phases: list
+    extras: list
+    ratios: list
+
+    def get(self, s, m, p, metric):
+        return self.new.get((self.device, s, m, p, metric))
+
+    def baseline(self, r: dict, s, m, b) -> dict | None:
+        """Provider `b`'s row of the same invocation as `r` (ratios never compare runs)."""
+        return self.by_run.get((r["timestamp"], s, m, b, self.view.primary))
+
+
+KEY_COLUMNS = ("shape", "mode", "provider")
+
+
+def _layout(view: View, device: str, rows: list[dict]) -> _Table | None:
+    """The table's rows (keys whose primary metric exists) and the columns any of them has."""
+    t = _Table(view, device, newest(rows), {}, [], [], [], [])
+    run_key = lambda r: (r["timestamp"], r["shape"], r["mode"], r["provider"], r["metric"])
+    t.by_run = {run_key(r): r for r in rows}
+    shapes, modes, providers = ([*dict.fromkeys(r[k] for r in rows)] for k in KEY_COLUMNS)
     if view.phases:
-        keys = [(s, view.total, p) for s in shapes for p in providers if get(s, view.total, p, view.primary)]
-        phases = [ph for ph in view.phases if any(get(s, ph, p, view.primary) for s, _, p in keys)]
+        t.keys = [(s, view.total, p) for s in shapes for p in providers]
     else:
-        keys = [(s, m, p) for s in shapes for m in modes for p in providers if get(s, m, p, view.primary)]
-        phases = []
-    if not keys:
-        return []
-    extras = [e for e in view.extras if any(get(s, m, p, e) for s, m, p in keys)]
-    ratios = [
+        t.keys = [(s, m, p) for s in shapes for m in modes for p in providers]
+    t.keys = [k for k in t.keys if t.get(*k, view.primary)]
+    if not t.keys:
+        return None
+    has_phase = lambda ph: any(t.get(s, ph, p, view.primary) for s, _, p in t.keys)
+    t.phases = [ph for ph in view.phases if has_phase(ph)]
+    t.extras = [e for e in view.extras if any(t.get(*k, e) for k in t.keys)]
+    t.ratios = [
         (b, kind)
         for b, kind in view.ratios
-        if any(
-            by_run.get((get(s, m, p, view.primary)["timestamp"], s, m, b, view.primary)) for s, m, p in keys
-        )
+        if any(t.baseline(t.get(s, m, p, view.primary), s, m, b) for s, m, p in t.keys)
     ]
-    show_shape = len({s for s, _, _ in keys}) > 1
-    show_mode = not view.phases and len({m for _, m, _ in keys}) > 1
+    return t
 
-    runs: dict[tuple, int] = {}  # (timestamp, command) -> number, in time order
-    used = []
-    for s, m, p in keys:
-        cells = [get(s, m, p, view.primary)] + [get(s, m, p, e) for e in extras]
-        cells += [get(s, ph, p, view.primary) for ph in phases]
-        used.append([c for c in cells if c is not None])
-    for r in sorted((c for u in used for c in u), key=lambda r: (r["timestamp"], r["command"])):
-        runs.setdefault((r["timestamp"], r["command"]), len(runs) + 1)
 
-    first = get(*keys[0], view.primary)
+def _unit(t: _Table, metric: str, phase: bool) -> str:
+    """The unit of `metric` (of a phase: the primary's in that mode) in the first row having it."""
+    if phase:
+        cells = (t.get(s, metric, p, t.view.primary) for s, _, p in t.keys)
+    else:
+        cells = (t.get(*k, metric) for k in t.keys)
+    return next(c["unit"] for c in cells if c)
+
+
+def _cells(t: _Table, key) -> list[dict]:
+    """The rows behind one table row's cells (for the run numbers)."""
+    s, m, p = key
+    cells = [t.get(*key, t.view.primary)] + [t.get(*key, e) for e in t.extras]
+    cells += [t.get(s, ph, p, t.view.primary) for ph in t.phases]
+    return [c for c in cells if c is not None]
+
+
+def _head(t: _Table, show_shape: bool, show_mode: bool, many_runs: bool) -> list[str]:
+    view = t.view
     head = (["shape"] if show_shape else []) + (["mode"] if show_mode else []) + ["provider"]
-    prim_label = label(view.primary, first["unit"])
+    prim_label = label(view.primary, t.get(*t.keys[0], view.primary)["unit"])
     head.append(f"{view.total} {prim_label}" if view.phases else prim_label)
-    head += [f"speed-up vs {b}" if kind == "speedup" else f"÷ {b}" for b, kind in ratios]
-    for ph in phases:
-        unit = next(get(s, ph, p, view.primary)["unit"] for s, _, p in keys if get(s, ph, p, view.primary))
-        head.append(f"{ph} ({unit})")
-    for e in extras:
-        unit = next(get(s, m, p, e)["unit"] for s, m, p in keys if get(s, m, p, e))
-        head.append(label(e, unit))
-    if len(runs) > 1:
-        head.append("run")
+    head += [f"speed-up vs {b}" if kind == "speedup" else f"÷ {b}" for b, kind in t.ratios]
+    head += [f"{ph} ({_unit(t, ph, True)})" for ph in t.phases]
+    head += [label(e, _unit(t, e, False)) for e in t.extras]
+    return head + (["run"] if many_runs else [])
 
-    body = []
-    for (s, m, p), u in zip(keys, used):
-        r = get(s, m, p, view.primary)
-        line = ([s] if show_shape else []) + ([m] if show_mode else []) + [p, spread(r)]
-        for b, kind in ratios:
-            line.append(_ratio(view, kind, r, by_run.get((r["timestamp"], s, m, b, view.primary))))
-        for ph in phases:
-            v = get(s, ph, p, view.primary)
-            line.append(num(v["p50"]) if v else "–")
-        for e in extras:
-            v = get(s, m, p, e)
-            line.append(num(v["p50"]) if v else "–")
-        if len(runs) > 1:
-            line.append(", ".join(str(n) for n in sorted({runs[(c["timestamp"], c["command"])] for c in u})))
-        body.append(line)
 
-    out = [f"#### `{name}` on {device or 'an unrecorded machine'}", ""]
-    if not show_shape:
-        mode = "" if show_mode or view.phases else f"; mode `{keys[0][1]}`"
-        out += [f"Shape: {keys[0][0]}{mode}.", ""]
-    out += _table(head, body)
-    out.append("")
-    timed = any(get(s, m, p, view.primary)["p20"] != get(s, m, p, view.primary)["p80"] for s, m, p in keys)
-    notes = [f"{view.primary}: p50 (p20–p80) of the timed repetitions; other columns p50."] if timed else []
-    for b, kind in ratios:
+def _line(t: _Table, key, shown: tuple[bool, bool], runs: list[int]) -> list[str]:
+    """One table row: the primary metric with its spread, ratios, phases, extras, run numbers."""
+    (s, m, p), view = key, t.view
+    r = t.get(s, m, p, view.primary)
+    line = ([s] if shown[0] else []) + ([m] if shown[1] else []) + [p, spread(r)]
+    line += [_ratio(view, kind, r, t.baseline(r, s, m, b)) for b, kind in t.ratios]
+    values = [t.get(s, ph, p, view.primary) for ph in t.phases] + [t.get(*key, e) for e in t.extras]
+    line += [num(v["p50"]) if v else "–" for v in values]
+    return line + ([", ".join(str(n) for n in runs)] if runs else [])
+
+
+def _notes(t: _Table) -> list[str]:
+    view = t.view
+    timed = any(t.get(*k, view.primary)["p20"] != t.get(*k, view.primary)["p80"] for k in t.keys)
+    notes = [f"{view.primary}: p50 (p20–p80) of the timed repetitions; other columns p50."]
+    notes = notes if timed else []
+    for b, kind in t.ratios:
         if kind == "speedup":
             what = "the row's ÷ " + b + "'s" if view.higher_is_better else f"{b}'s ÷ the row's"
             notes.append(f"speed-up vs {b}: {what} {view.primary} p50, both from the same run.")
@@ -244,22 +259,41 @@ def render_device(name: str, view: View, device: str, rows: list[dict]) -> list[
             notes.append(f"÷ {b}: the row's {view.primary} p50 ÷ {b}'s, both from the same run.")
     if view.phases:
         notes.append(f"Phase columns: p50 {view.primary} of each phase of the {view.total}.")
-    if notes:
-        out += [" ".join(notes), ""]
-    first_of_run = {}
-    for u in used:
-        for c in u:
-            first_of_run.setdefault((c["timestamp"], c["command"]), c)
-    out.append("Runs:" if len(runs) > 1 else "Run:")
-    out.append("")
-    for (stamp, command), n in runs.items():
-        r = first_of_run[(stamp, command)]
-        cmd = f"`{command}`" if command else "command not recorded (row written before the CSV had it)"
+    return [" ".join(notes), ""] if notes else []
+
+
+NOT_RECORDED = "command not recorded (row written before the CSV had it)"
+
+
+def render_device(name: str, view: View, device: str, rows: list[dict]) -> list[str]:
+    """The table and run list of one benchmark on one machine (rows: all its rows there)."""
+    t = _layout(view, device, rows)
+    if t is None:
+        return []
+    used = [_cells(t, k) for k in t.keys]
+    runs: dict[tuple, dict] = {}  # (timestamp, command) -> its first row, in time order
+    for r in sorted((c for u in used for c in u), key=lambda r: (r["timestamp"], r["command"])):
+        runs.setdefault((r["timestamp"], r["command"]), r)
+    number = {run: n for n, run in enumerate(runs, 1)}
+    many = lambda i: len({k[i] for k in t.keys}) > 1
+    shown = (many(0), not view.phases and many(1))  # the shape and mode columns
+    out = [f"#### `{name}` on {device or 'an unrecorded machine'}", ""]
+    if not shown[0]:
+        mode = "" if shown[1] or view.phases else f"; mode `{t.keys[0][1]}`"
+        out += [f"Shape: {t.keys[0][0]}{mode}.", ""]
+    body = []
+    for key, u in zip(t.keys, used):
+        ns = sorted({number[(c["timestamp"], c["command"])] for c in u}) if len(runs) > 1 else []
+        body.append(_line(t, key, shown, ns))
+    out += _table(_head(t, *shown, len(runs) > 1), body) + [""] + _notes(t)
+    out += ["Runs:" if len(runs) > 1 else "Run:", ""]
+    for (stamp, command), r in runs.items():
+        cmd = f"`{command}`" if command else NOT_RECORDED
         when = stamp[:16].replace("T", " ")
-        tag = f"{n}. " if len(runs) > 1 else "- "
-        out.append(f"{tag}{cmd} — {device}, {threads_of(r['versions'])}, {when}, rev `{r['git_rev']}`")
-    out.append("")
-    return out
+        tag = f"{number[(stamp, command)]}. " if len(runs) > 1 else "- "
+        machine = f"{device}, {threads_of(r['versions'])}"
+        out.append(f"{tag}{cmd} — {machine}, {when}, rev `{r['git_rev']}`")
+    return out + [""]
 
 
 def render(name: str, rows: list[dict], view: View | None = None) -> list[str]:
@@ -274,11 +308,12 @@ def summary(name: str, rows: list[dict], view: View | None = None) -> str:
     """One invocation's rows as the README shows them, for the console."""
     from benchmarks.harness import command_line
 
-    return "\n".join(render(name, [dict(r, command=r.get("command") or command_line()) for r in rows], view))
+    rows = [dict(r, command=r.get("command") or command_line()) for r in rows]
+    return "\n".join(render(name, rows, view))
 
 
 def pngs_of(names: list[str], results: Path) -> dict[str, list[Path]]:
-    """Each PNG in `results` goes to the longest benchmark name its stem equals or starts with + '_'."""
+    """Each PNG in `results` goes to the longest benchmark name its stem is or starts with + '_'."""
     out: dict[str, list[Path]] = {n: [] for n in names}
     for png in sorted(results.glob("*.png")):
         owners = [n for n in names if png.stem == n or png.stem.startswith(n + "_")]
@@ -289,7 +324,7 @@ def pngs_of(names: list[str], results: Path) -> dict[str, list[Path]]:
 
 # the command that writes a results PNG, by its stem; PNGs not named here are linked without one
 PNG_SOURCES = {
-    "{name}": "python -m benchmarks {name}",  # rl_step, collectives, embedded_default: <csv stem>.png
+    "{name}": "python -m benchmarks {name}",  # rl_step, collectives, ...: <csv stem>.png
     "{name}_time": "python -m benchmarks plot {name}",
     "{name}_memory": "python -m benchmarks plot {name}",
     "rl_step_scaling": "python -m benchmarks rl_step --scaling",
@@ -326,15 +361,15 @@ def _render_folder(results: Path, readme: Path) -> list[str]:
     return out
 
 
-# sub-folders of the results folder rendered after it, each under its own heading (their rows come from
-# another machine: kept apart so that plots never mix machines)
+# sub-folders of the results folder rendered after it, each under its own heading (their rows come
+# from another machine: kept apart so that plots never mix machines)
 SUBFOLDERS = {
     "gpu": "GPU runs (a lent H200; `bash benchmarks/gpu_check.sh`, which writes to benchmarks/results/gpu)",
 }
 
 
 def generate(results: Path = RESULTS_DIR, readme: Path = REPO_ROOT / "README.md") -> str:
-    """The block between the markers (without them), from the CSVs in `results` and its SUBFOLDERS."""
+    """The block between the markers (without them), from the CSVs in `results` and SUBFOLDERS."""
     results = Path(results)
     out = ["", GENERATED, ""]
     body = _render_folder(results, readme)
@@ -347,7 +382,7 @@ def generate(results: Path = RESULTS_DIR, readme: Path = REPO_ROOT / "README.md"
 
 
 def splice(text: str, block: str) -> str:
-    """`text` with the part between the markers replaced by `block`; ValueError without the markers."""
+    """`text` with the part between the markers replaced by `block`; ValueError without them."""
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
         raise ValueError(f"README has no {BEGIN} ... {END} block")
@@ -355,10 +390,11 @@ def splice(text: str, block: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks readme", description=__doc__.split("\n")[0])
-    p.add_argument("--check", action="store_true", help="exit 1 if the block is stale; write nothing")
+    doc = __doc__.split("\n")[0]
+    p = argparse.ArgumentParser(prog="python -m benchmarks readme", description=doc)
+    p.add_argument("--check", action="store_true", help="exit 1 if the block is stale; no writes")
     p.add_argument("--readme", default=str(REPO_ROOT / "README.md"))
-    p.add_argument("--results", default=str(RESULTS_DIR), help="folder of the results CSVs and PNGs")
+    p.add_argument("--results", default=str(RESULTS_DIR), help="folder of the CSVs and PNGs")
     args = p.parse_args(argv)
     readme = Path(args.readme)
     text = readme.read_text()
@@ -369,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     if args.check and new != text:
         print(
-            f"{readme}: the performance tables are stale; run `python -m benchmarks readme`", file=sys.stderr
+            f"{readme}: the performance tables are stale; run `python -m benchmarks readme`",
+            file=sys.stderr,
         )
         return 1
     if args.check:
