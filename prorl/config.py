@@ -40,7 +40,7 @@ from prorl.kernels import (
     KL_ESTIMATORS,
     WHITEN_WEIGHTINGS,
 )
-from prorl.scheduler import MODES as SCHEDULER_MODES
+from prorl.prompt_schedule import MODES as SCHEDULER_MODES
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -220,7 +220,7 @@ class TrainerConfig:
 
 @dataclass
 class SchedulerConfig:
-    mode: str = _f("none", "prompt scheduling before generation (prorl/scheduler.py)", SCHEDULER_MODES)
+    mode: str = _f("none", "prompt scheduling before generation (prorl/prompt_schedule.py)", SCHEDULER_MODES)
     prior_strength: float = _f(
         2.0, "pseudo-trials of a prompt's Beta prior, whose mean is the population's pass rate"
     )

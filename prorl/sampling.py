@@ -29,7 +29,7 @@ from prorl.engine.parallel import all_reduce, watchdog
 from prorl.engine.rollout import SamplingParams
 from prorl.metrics import StepAccumulator
 from prorl.rewards.function import numeric_extras
-from prorl.scheduler import PromptScheduler
+from prorl.prompt_schedule import PromptScheduler
 
 
 @dataclass
