@@ -28,8 +28,8 @@ from prorl.data import dropped_by_source, encode_prompts
 from prorl.engine.parallel import all_reduce, watchdog
 from prorl.engine.rollout import SamplingParams
 from prorl.metrics import StepAccumulator
-from prorl.rewards.function import numeric_extras
 from prorl.prompt_schedule import PromptScheduler
+from prorl.rewards.function import numeric_extras
 
 
 @dataclass
