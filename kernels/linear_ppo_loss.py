@@ -50,7 +50,7 @@ from ._ppo_common import (
     Aggregation,
     PPOOptions,
     aggregation_weights,
-    check_normalizer,
+    check_aggregation,
     combine_stats,
     flatten_inputs,
     metrics_from_stats,
@@ -113,48 +113,22 @@ def linear_ppo_loss(
         entropy_mean and entropy_loss, all detached device tensors, and the per-token `logp` and `entropy`
         (fp32, labels' shape, 0 at ignored labels) that a trainer's own metrics may need.
     """
-    opts = PPOOptions.of(
-        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, ref_logp=ref_logp, kl_coef=kl_coef,
-        kl_estimator=kl_estimator, kl_clamp=kl_clamp, kl_clamp_value=kl_clamp_value, is_weights=is_weights,
-        is_mode=is_mode, is_bounds=is_bounds, agg=agg,
+    opts = PPOOptions(
+        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, has_ref=ref_logp is not None,
+        kl_coef=kl_coef, kl_estimator=kl_estimator, kl_clamp=kl_clamp, kl_clamp_value=kl_clamp_value,
+        has_is=is_weights is not None, is_mode=is_mode, is_bounds=is_bounds,
     )  # fmt: skip
-    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
-        raise ValueError(
-            f"need hidden [..., D] and weight [V, D], got {tuple(hidden.shape)}, {tuple(weight.shape)}"
-        )
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"labels {tuple(labels.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}"
-        )
-    if hidden.dtype != weight.dtype or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(
-            f"hidden and weight must share a dtype among fp32/bf16/fp16, got {hidden.dtype}, {weight.dtype}"
-        )
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    check_normalizer(normalizer)
+    check_aggregation(agg, normalizer)
+    _check_head(hidden, weight, labels, temperature)
     on_policy = old_logp is None
     if on_policy:
         old_logp = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
     if old_logp.shape != labels.shape:
         raise ValueError(f"old_logp {tuple(old_logp.shape)} must have labels' shape {tuple(labels.shape)}")
     y = labels.reshape(-1).long()
-    keep = y != ignore_index
-    if y.device.type == "cpu" and bool(keep.any()):  # cheap here; on CUDA it would be a host sync
-        if y[keep].min() < 0 or y[keep].max() >= weight.shape[0]:
-            raise IndexError(
-                f"labels must lie in [0, {weight.shape[0]}) or equal ignore_index={ignore_index}"
-            )
-    tok = flatten_inputs(
-        old_logp,
-        old_logp,
-        advantages,
-        mask,
-        ref_logp,
-        is_weights,
-        cu_seqlens,
-        need_seq=agg.startswith("seq-"),
-    )
+    keep = _kept_labels(y, ignore_index, weight.shape[0])
+    like = {"old_logp": old_logp, "mask": mask, "ref_logp": ref_logp, "is_weights": is_weights}
+    tok = flatten_inputs(old_logp, advantages, cu_seqlens, like, need_seq=agg.startswith("seq-"))
     tok["valid"] = tok["valid"] & keep
     aggregation = aggregation_weights(tok, agg, normalizer, torch.float32)
     if aggregation.denom is None:  # a call-local token count, resolved now: every row block needs the total
@@ -174,6 +148,33 @@ def linear_ppo_loss(
     metrics["logp"] = torch.where(keep, tok_logp, 0.0).view(labels.shape)
     metrics["entropy"] = torch.where(keep, tok_ent, 0.0).view(labels.shape)
     return loss, metrics
+
+
+def _check_head(hidden, weight, labels, temperature) -> None:
+    """hidden [..., D], weight [V, D] of one fp32/bf16/fp16 dtype, labels [...], temperature > 0."""
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(
+            f"need hidden [..., D] and weight [V, D], got {tuple(hidden.shape)}, {tuple(weight.shape)}"
+        )
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"labels {tuple(labels.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}"
+        )
+    if hidden.dtype != weight.dtype or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(
+            f"hidden and weight must share a dtype among fp32/bf16/fp16, got {hidden.dtype}, {weight.dtype}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def _kept_labels(y, ignore_index: int, vocab: int):
+    """[N] bool: the labels that are not ignore_index (on the CPU, checked to lie in [0, V))."""
+    keep = y != ignore_index
+    if y.device.type == "cpu" and bool(keep.any()):  # cheap here; on CUDA it would be a host sync
+        if y[keep].min() < 0 or y[keep].max() >= vocab:
+            raise IndexError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}")
+    return keep
 
 
 class _LinearPPOLoss(torch.autograd.Function):
