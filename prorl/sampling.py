@@ -265,10 +265,8 @@ def shape_rewards(groups: list[Group], rc, step: int, max_new: int) -> torch.Ten
             raw >= 1.0,
             max_len=max_new,
             lam=rc.length_lam,
-            eta_min=rc.length_eta_min,
-            eta_max=rc.length_eta_max,
-            wrong_eta_min=rc.wrong_eta_min,
-            wrong_eta_max=rc.wrong_eta_max,
+            eta=(rc.length_eta_min, rc.length_eta_max),
+            wrong_eta=(rc.wrong_eta_min, rc.wrong_eta_max),
         )
         term = term + cosine
     i = 0
