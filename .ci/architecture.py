@@ -132,6 +132,13 @@ def functions(tree: ast.Module):
             stack += [(prefix, child) for child in ast.iter_child_nodes(node)]
 
 
+def measured_lines(qualname: str, fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's length in lines; a public op's signature follows the peers' (one line per
+    argument), so only its docstring and body are counted."""
+    start = fn.body[0].lineno if qualname in PARAM_EXEMPT else fn.lineno
+    return fn.end_lineno - start + 1
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan)."""
     index, low, stack, on, out = {}, {}, [], set(), []
@@ -183,9 +190,7 @@ def measure() -> tuple[dict[str, int], dict[str, list[str]]]:
                 if target == CLI:
                     found["library imports of the command line"].append(f"{rel}:{line} imports {target}")
         for qualname, fn in functions(tree):
-            # a public op's signature follows the peers' (one line per argument): its body is measured
-            start = fn.body[0].lineno if qualname in PARAM_EXEMPT else fn.lineno
-            n_lines = fn.end_lineno - start + 1
+            n_lines = measured_lines(qualname, fn)
             exempt = (
                 any("jit" in ast.unparse(d) for d in fn.decorator_list)
                 or rel.endswith(KERNEL_EXEMPT)
