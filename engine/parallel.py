@@ -230,10 +230,8 @@ def parallelize(model: Decoder, plan: ParallelPlan | None = None, *, mesh=None, 
         mesh: DeviceMesh to shard over (1-D FSDP2, or 2-D (replicate, shard) HSDP); None =
             `data_parallel_mesh(plan.dp_replicate)` over all ranks of the default group.
         options: ParallelPlan's fields as keywords (`parallelize(model, compile=True)`).
-    Returns:
-        the same model object (blocks replaced in place by their wrappers).
-    Raises:
-        ValueError: mixed precision or CPU offload asked for without a process group.
+    Returns the same model object (blocks replaced in place by their wrappers). ValueError: mixed
+    precision or CPU offload asked for without a process group, or CPU offload without CUDA.
     """
     plan = replace(plan or ParallelPlan(), **options)
     te_layers = fp8.has_te_layers(model)
