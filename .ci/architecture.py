@@ -10,7 +10,8 @@ prorl.kernels) and benchmarks/:
   library module imports the command line (prorl/train.py);
 - line counts (the trainer, the longest files, benchmarks/), long lines, long functions and functions
   with many parameters. Triton kernels and the float64 references are exempt from both function rules,
-  the public ops (whose signatures follow the peers') from the parameter rule.
+  the public ops (whose signatures follow the peers') from the parameter rule, and their signatures
+  from the length rule (their docstring and body are measured).
 """
 
 from __future__ import annotations
@@ -25,12 +26,17 @@ CLI = "prorl.train"  # the trainer's command line: an entry point, never a libra
 LAYERS = {"kernels": "prorl.kernels", "engine": "prorl.engine", "prorl": "prorl"}
 RANK = {"prorl.kernels": 0, "prorl.engine": 1, "prorl": 2}
 KERNEL_EXEMPT = ("kernels/reference.py", "_triton.py")  # Triton kernels, float64 references
-PARAM_EXEMPT = {  # the public ops: their signatures follow the peers'
+PARAM_EXEMPT = {  # the public ops and the drop-in adapters (qualified names): signatures as the peers'
     "ppo_loss",
     "linear_ppo_loss",
     "linear_logprob_entropy",
     "group_advantages",
     "batch_whiten",
+    "trl_grpo_loss",  # TRL GRPOTrainer's loss arguments
+    "OpenRLHFPolicyLoss.__init__",  # openrlhf.models.PolicyLoss
+    "OpenRLHFPolicyLoss.forward",
+    "openrlhf_actor_forward.forward",  # openrlhf.models.Actor.forward
+    "verl_policy_loss",  # verl's compute_policy_loss_vanilla
 }
 
 TARGETS = {  # name: (limit, the measurement's key in measure())
@@ -51,6 +57,8 @@ CHECKED = {
     "imports pointing up the layers",
     "library imports of the command line",
     "files over 600 lines",
+    "functions over 60 lines",
+    "functions over 8 parameters",
     "import cycles",
     "function-level imports of own modules",
 }
@@ -110,6 +118,27 @@ def imports_of(tree: ast.Module, mod: str, is_pkg: bool, modules: set[str]):
             yield sorted(targets), node.lineno, id(node) in nested
 
 
+def functions(tree: ast.Module):
+    """Yield (qualified name, node) of every function: `Class.method`, `outer.inner`."""
+    stack = [("", node) for node in tree.body]
+    while stack:
+        prefix, node = stack.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            name = prefix + node.name
+            if not isinstance(node, ast.ClassDef):
+                yield name, node
+            stack += [(name + ".", child) for child in ast.iter_child_nodes(node)]
+        else:
+            stack += [(prefix, child) for child in ast.iter_child_nodes(node)]
+
+
+def measured_lines(qualname: str, fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """A function's length in lines; a public op's signature follows the peers' (one line per
+    argument), so only its docstring and body are counted."""
+    start = fn.body[0].lineno if qualname in PARAM_EXEMPT else fn.lineno
+    return fn.end_lineno - start + 1
+
+
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan)."""
     index, low, stack, on, out = {}, {}, [], set(), []
@@ -160,10 +189,8 @@ def measure() -> tuple[dict[str, int], dict[str, list[str]]]:
                     found["imports pointing up the layers"].append(f"{rel}:{line} imports {target}")
                 if target == CLI:
                     found["library imports of the command line"].append(f"{rel}:{line} imports {target}")
-        for fn in ast.walk(tree):
-            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
-                continue
-            n_lines = fn.end_lineno - fn.lineno + 1
+        for qualname, fn in functions(tree):
+            n_lines = measured_lines(qualname, fn)
             exempt = (
                 any("jit" in ast.unparse(d) for d in fn.decorator_list)
                 or rel.endswith(KERNEL_EXEMPT)
@@ -174,7 +201,7 @@ def measure() -> tuple[dict[str, int], dict[str, list[str]]]:
             a = fn.args
             params = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
             n_params = len(params) - bool(params[:1] in (["self"], ["cls"]))
-            if n_params > 8 and not exempt and fn.name not in PARAM_EXEMPT:
+            if n_params > 8 and not exempt and qualname not in PARAM_EXEMPT:
                 found["functions over 8 parameters"].append(f"{rel}:{fn.lineno} {fn.name} ({n_params})")
     for comp in cycles(graph):
         found["import cycles"].append(" <-> ".join(comp))

@@ -72,7 +72,7 @@ from .checkpoint_verify import (
     MANIFEST,
     Verdict,
     hash_files,
-    identity_matches,
+    incompatibility,
     model_identity,
     restore_rng,
     rng_state,
@@ -305,6 +305,17 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _write_manifest(tmp: str) -> None:
+    """The size and SHA-256 of every file, written after them and before the marker: what load
+    verifies. Collective (ranks share the hashing)."""
+    files = hash_files(tmp, skip=_UNLISTED)
+    unreadable = [f"{name}: {v['error']}" for name, v in files.items() if "error" in v]
+    if unreadable:  # the same dict on every rank: all raise
+        raise CheckpointError(f"checkpoint {tmp}: files unreadable right after writing: {unreadable}")
+    manifest = json.dumps({"files": files}, indent=1, sort_keys=True).encode()
+    _all_ranks_ok(lambda: _write_file(os.path.join(tmp, MANIFEST), manifest), main_only=True)
+
+
 def verify_checkpoint(path: str) -> Verdict:
     """Checkpoint directory `path` against its manifest (engine/checkpoint_verify.py); collective."""
     return verify(path, required=_REQUIRED, rng_dir=RNG_DIR, skip=_UNLISTED)
@@ -438,13 +449,7 @@ class Checkpointer:
             _write_file(os.path.join(tmp, META), json.dumps(meta, indent=2, default=str).encode())
 
         _all_ranks_ok(write_small_files)  # also the barrier: every rank's files are on disk
-        # the size and SHA-256 of every file, written after them and before the marker: what load verifies
-        files = hash_files(tmp, skip=_UNLISTED)
-        unreadable = [f"{name}: {v['error']}" for name, v in files.items() if "error" in v]
-        if unreadable:  # the same dict on every rank: all raise
-            raise CheckpointError(f"checkpoint {tmp}: files unreadable right after writing: {unreadable}")
-        manifest = json.dumps({"files": files}, indent=1, sort_keys=True).encode()
-        _all_ranks_ok(lambda: _write_file(os.path.join(tmp, MANIFEST), manifest), main_only=True)
+        _write_manifest(tmp)
 
         def commit():
             if os.path.exists(final):  # the same step saved again: retire the old one marker-first
@@ -517,6 +522,20 @@ class Checkpointer:
         self._usable = (None, None)
         return None
 
+    def _source(self, path: str | None, step: int | None) -> tuple[str | None, Verdict | None]:
+        """The checkpoint `load` reads and its verdict: `path`, `step`'s, or the newest usable one."""
+        if path is None and step is not None:
+            path = self.step_dir(step)
+        if path is None:
+            path = self.usable()
+            return (path, self._usable[1]) if path is not None else (None, None)
+        if path.rstrip("/").endswith(".tmp") or not os.path.isfile(os.path.join(path, MARKER)):
+            raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
+        verdict = verify_checkpoint(path)
+        if verdict.damage:
+            raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(verdict.damage))
+        return path, verdict
+
     def load(
         self,
         state: dict[str, Any],
@@ -537,34 +556,15 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         info = parallel.dist_info()
-        if path is None and step is not None:
-            path = self.step_dir(step)
+        path, verdict = self._source(path, step)
         if path is None:
-            path = self.usable()
-            if path is None:
-                return None
-            verdict = self._usable[1]
-        else:
-            if path.rstrip("/").endswith(".tmp") or not os.path.isfile(os.path.join(path, MARKER)):
-                raise CheckpointError(f"{path} is not a complete checkpoint (no {MARKER} marker)")
-            verdict = verify_checkpoint(path)
-            if verdict.damage:
-                raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(verdict.damage))
+            return None
         with open(os.path.join(path, META)) as f:
             meta = json.load(f)
-
         dcp_state, objects, models = _split(state)
-        missing = sorted(set(state) - set(meta["keys"]))
-        if missing:
-            raise CheckpointError(f"checkpoint {path} has no {missing} (it holds {meta['keys']})")
-        for key, model in models.items():
-            saved, current = meta["models"].get(key), model_identity(model)
-            if saved is None or not identity_matches(saved["hash"], model):
-                raise CheckpointError(
-                    f"checkpoint {path} holds a different model under {key!r}: saved "
-                    f"{saved['summary'] if saved else 'no model'}, this run's {current['summary']} "
-                    "(architecture or parameter shapes differ); refusing to load it"
-                )
+        problem = incompatibility(path, meta, set(state), models)
+        if problem:
+            raise CheckpointError(problem)
         config_changed = config_hash is not None and meta.get("config_hash") != config_hash
         if config_changed and info.is_main:
             logger.warning(

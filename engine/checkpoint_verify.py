@@ -118,6 +118,43 @@ def verify(path: str, *, required: tuple[str, ...], rng_dir: str, skip: tuple[st
     """
     verdict = Verdict()
     manifest_path = os.path.join(path, MANIFEST)
+    manifest, problem = _read_manifest(manifest_path)
+    if problem:
+        verdict.damage.append(problem)
+        return verdict
+    if manifest is None:
+        verdict.checked = False
+        for name in required:
+            if not os.path.isfile(os.path.join(path, name)):
+                verdict.damage.append(f"{os.path.join(path, name)}: missing")
+        if not verdict.damage:
+            verdict.damage += _meta_problems(os.path.join(path, "meta.json"), manifest_path)
+        return verdict
+    found = hash_files(path, skip)
+    for name, want in sorted(manifest.items()):
+        what = _file_problem(found.get(name), want)
+        if what is None:
+            continue
+        full = os.path.join(path, name)
+        if _is_rng(name, rng_dir):
+            verdict.rng[full] = f"is {what}" if what == "missing" else f"has {what}"
+        else:
+            verdict.damage.append(f"{full}: {what}")
+    for name in sorted(set(found) - set(manifest)):  # every file is covered: DCP or pickle would read it
+        what = f"not listed in {MANIFEST} (added or replaced after the save, or the manifest was edited)"
+        if _is_rng(name, rng_dir):
+            verdict.rng[os.path.join(path, name)] = f"is {what}"
+        else:
+            verdict.damage.append(f"{os.path.join(path, name)}: {what}")
+    for name in required:
+        if name not in manifest:
+            verdict.damage.append(f"{os.path.join(path, name)}: not in {MANIFEST}")
+    return verdict
+
+
+def _read_manifest(manifest_path: str) -> tuple[dict | None, str | None]:
+    """(the manifest's files, None), (None, None) when there is no manifest, or (None, the problem):
+    read on rank 0, broadcast to every rank."""
     manifest, problem = None, None
     if parallel.dist_info().is_main:
         try:
@@ -134,46 +171,20 @@ def verify(path: str, *, required: tuple[str, ...], rng_dir: str, skip: tuple[st
         box = [(manifest, problem)]
         dist.broadcast_object_list(box, src=0)
         manifest, problem = box[0]
-    if problem:
-        verdict.damage.append(problem)
-        return verdict
-    if manifest is None:
-        verdict.checked = False
-        for name in required:
-            if not os.path.isfile(os.path.join(path, name)):
-                verdict.damage.append(f"{os.path.join(path, name)}: missing")
-        if not verdict.damage:
-            verdict.damage += _meta_problems(os.path.join(path, "meta.json"), manifest_path)
-        return verdict
+    return manifest, problem
 
-    found = hash_files(path, skip)
-    for name, want in sorted(manifest.items()):
-        full = os.path.join(path, name)
-        got = found.get(name)
-        if got is None:
-            what = "missing"
-        elif "error" in got:
-            what = f"unreadable ({got['error']})"
-        elif got["size"] != want["size"]:
-            what = f"{got['size']} bytes, {want['size']} when saved (truncated or overwritten)"
-        elif got["sha256"] != want["sha256"]:
-            what = "contents differ from the checksum written at save (overwritten, zero-filled or bit rot)"
-        else:
-            continue
-        if _is_rng(name, rng_dir):
-            verdict.rng[full] = f"is {what}" if what == "missing" else f"has {what}"
-        else:
-            verdict.damage.append(f"{full}: {what}")
-    for name in sorted(set(found) - set(manifest)):  # every file is covered: DCP or pickle would read it
-        what = f"not listed in {MANIFEST} (added or replaced after the save, or the manifest was edited)"
-        if _is_rng(name, rng_dir):
-            verdict.rng[os.path.join(path, name)] = f"is {what}"
-        else:
-            verdict.damage.append(f"{os.path.join(path, name)}: {what}")
-    for name in required:
-        if name not in manifest:
-            verdict.damage.append(f"{os.path.join(path, name)}: not in {MANIFEST}")
-    return verdict
+
+def _file_problem(got: dict | None, want: dict) -> str | None:
+    """What is wrong with a file hashed now (`got`) against its manifest entry (`want`); None: nothing."""
+    if got is None:
+        return "missing"
+    if "error" in got:
+        return f"unreadable ({got['error']})"
+    if got["size"] != want["size"]:
+        return f"{got['size']} bytes, {want['size']} when saved (truncated or overwritten)"
+    if got["sha256"] != want["sha256"]:
+        return "contents differ from the checksum written at save (overwritten, zero-filled or bit rot)"
+    return None
 
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
@@ -270,6 +281,23 @@ def identity_matches(saved_hash: str, model: nn.Module) -> bool:
 
 # ---------------------------------------------------------------------------------------------------
 # RNG states
+
+
+def incompatibility(path: str, meta: dict, keys: set[str], models: dict[str, nn.Module]) -> str | None:
+    """Why checkpoint `path` (its meta.json `meta`) cannot restore a state of `keys` holding `models`:
+    keys it lacks, or a model of another identity under a key; None when it can."""
+    missing = sorted(keys - set(meta["keys"]))
+    if missing:
+        return f"checkpoint {path} has no {missing} (it holds {meta['keys']})"
+    for key, model in models.items():
+        saved, current = meta["models"].get(key), model_identity(model)
+        if saved is None or not identity_matches(saved["hash"], model):
+            return (
+                f"checkpoint {path} holds a different model under {key!r}: saved "
+                f"{saved['summary'] if saved else 'no model'}, this run's {current['summary']} "
+                "(architecture or parameter shapes differ); refusing to load it"
+            )
+    return None
 
 
 def rng_state() -> dict[str, Any]:

@@ -59,7 +59,7 @@ import datetime
 import logging
 import os
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -198,108 +198,116 @@ def data_parallel_mesh(replicate: int = 1):
 _MESH: list = []  # [((default group, device type, replicate), mesh)]: the last mesh built
 
 
-def parallelize(
-    model: Decoder,
-    *,
-    mesh=None,
-    dp_replicate: int = 1,
-    param_dtype: torch.dtype | None = None,
-    reduce_dtype: torch.dtype | None = torch.float32,
-    activation_checkpointing: bool = False,
-    compile: bool = False,
-    cpu_offload: bool = False,
-    grad_reduce: str = "sum",
-) -> Decoder:
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How `parallelize` wraps and shards a decoder. grad_reduce "sum" (default): gradients are summed
+    over ranks, so each rank normalises its loss by the GLOBAL token count (the kernels' `normalizer`)
+    and the per-rank losses add up to the single-process loss; "mean": FSDP's default average. Master
+    weights and optimizer state keep the model's dtype whatever `param_dtype` is. `cpu_offload`: FSDP2's
+    CPUOffloadPolicy (sharded parameters, gradients and optimizer state in host memory, the optimizer
+    step on the CPU). `compile` comes after checkpointing, so the recomputation is compiled too."""
+
+    dp_replicate: int = 1  # HSDP's number of replicas (1: plain FSDP2); with a process group only
+    param_dtype: torch.dtype | None = None  # all-gathered compute dtype (bf16); None: the params' own
+    reduce_dtype: torch.dtype | None = torch.float32  # gradient reduce-scatter (fp32 beside bf16)
+    activation_checkpointing: bool = False  # recompute each Block in backward (memory for time)
+    compile: bool = False  # torch.compile each Block
+    cpu_offload: bool = False
+    grad_reduce: str = "sum"
+
+    def __post_init__(self):
+        if self.grad_reduce not in ("sum", "mean"):
+            raise ValueError(f"grad_reduce must be 'sum' or 'mean', got {self.grad_reduce!r}")
+
+
+def parallelize(model: Decoder, plan: ParallelPlan | None = None, *, mesh=None, **options) -> Decoder:
     """Apply activation checkpointing -> torch.compile -> FSDP2 to `model`, per Block, then the root.
 
     Call it on a model built on the meta device (then `materialize`), or on a materialised one.
 
     Args:
+        plan: the ParallelPlan (None: the defaults), updated by `options`.
         mesh: DeviceMesh to shard over (1-D FSDP2, or 2-D (replicate, shard) HSDP); None =
-            `data_parallel_mesh(dp_replicate)` over all ranks of the default group.
-        dp_replicate: HSDP's number of replicas (1: plain FSDP2); with a process group only.
-        param_dtype: compute dtype of the all-gathered parameters (bf16 for mixed precision); None =
-            the parameters' own dtype. Master weights and optimizer state keep the model's dtype.
-        reduce_dtype: dtype of the gradient reduce-scatter (fp32 recommended with bf16 params).
-        activation_checkpointing: recompute each Block's activations in backward (memory for time).
-        compile: torch.compile each Block (after checkpointing, so the recomputation is compiled).
-        cpu_offload: FSDP2 CPUOffloadPolicy - sharded parameters, gradients and optimizer state live in
-            host memory; the optimizer step runs on the CPU.
-        grad_reduce: "sum" (default): gradients are summed over ranks, so each rank normalises its loss
-            by the GLOBAL token count (the kernels' `normalizer`) and the per-rank losses add up to the
-            single-process loss. "mean": FSDP's default average (loss normalised per rank).
-    Returns:
-        the same model object (blocks replaced in place by their wrappers).
-    Raises:
-        ValueError: mixed precision or CPU offload asked for without a process group.
+            `data_parallel_mesh(plan.dp_replicate)` over all ranks of the default group.
+        options: ParallelPlan's fields as keywords (`parallelize(model, compile=True)`).
+    Returns the same model object (blocks replaced in place by their wrappers). ValueError: mixed
+    precision or CPU offload asked for without a process group, or CPU offload without CUDA.
     """
-    if grad_reduce not in ("sum", "mean"):
-        raise ValueError(f"grad_reduce must be 'sum' or 'mean', got {grad_reduce!r}")
+    plan = replace(plan or ParallelPlan(), **options)
     te_layers = fp8.has_te_layers(model)
-    if activation_checkpointing or compile:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-        for name, block in list(model.layers.named_children()):
-            if activation_checkpointing and te_layers:
-                # TE's checkpoint re-enters the forward's FP8 state for the recomputation, which runs in
-                # backward, outside te.autocast; torch's would recompute the FP8 layers in high precision
-                block = checkpoint_wrapper(block, checkpoint_fn=fp8.te_checkpoint_fn(), use_reentrant=False)
-            elif activation_checkpointing:
-                # preserve_rng_state=False: the decoder has no dropout, so the recomputation needs no RNG
-                block = checkpoint_wrapper(block, preserve_rng_state=False)
-            if compile:
-                block = torch.compile(block)
-            model.layers.register_module(name, block)
-
+    _wrap_blocks(model, plan, te_layers)
     if not dist.is_initialized():
-        if dp_replicate != 1:
-            raise ValueError(f"dp_replicate={dp_replicate} is HSDP over ranks: run under torchrun")
-        if cpu_offload:
-            raise ValueError("cpu_offload is an FSDP2 policy: run under torchrun (a world of 1 is fine)")
-        own = {p.dtype for p in model.parameters()}
-        if param_dtype is not None and own != {param_dtype}:
-            raise ValueError(
-                f"param_dtype={param_dtype} is applied by FSDP2, which needs a process group: run under "
-                "torchrun (--nproc_per_node=1 is fine), or build the model in that dtype"
-            )
+        _check_single_process(model, plan)
         return model
-
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-    if cpu_offload and dist_info().device.type != "cuda":
+    if plan.cpu_offload and dist_info().device.type != "cuda":
         raise ValueError(
             "model.cpu_offload (FSDP2 CPUOffloadPolicy) needs a CUDA device: FSDP2 pins the host copies "
             "(torch 2.13 fails with 'Cannot access accelerator device' without one)"
         )
-
-    mesh = mesh if mesh is not None else data_parallel_mesh(dp_replicate)
-    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    # Blocks: keep inputs as given - cos/sin arrive in fp32 (the decoder applies RoPE in fp32) and the
-    # hidden states are already in param_dtype, produced by the (root-owned) embedding.
-    block_mp = MixedPrecisionPolicy(param_dtype, reduce_dtype, cast_forward_inputs=False)
-    root_mp = MixedPrecisionPolicy(param_dtype, reduce_dtype)
-    blocks = list(model.layers)
     # fully_shard replaces every parameter by a DTensor, dropping the attributes TE's modules set on
     # theirs and read back in forward (TE's FSDP2 tests put them back the same way)
     te_attrs = _param_attributes(model) if te_layers else {}
+    _fully_shard(model, plan, mesh if mesh is not None else data_parallel_mesh(plan.dp_replicate))
+    _restore_param_attributes(model, te_attrs)
+    return model
+
+
+def _wrap_blocks(model: Decoder, plan: ParallelPlan, te_layers: bool) -> None:
+    """Activation checkpointing, then torch.compile, of each Block, in place."""
+    if not (plan.activation_checkpointing or plan.compile):
+        return
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for name, block in list(model.layers.named_children()):
+        if plan.activation_checkpointing and te_layers:
+            # TE's checkpoint re-enters the forward's FP8 state for the recomputation, which runs in
+            # backward, outside te.autocast; torch's would recompute the FP8 layers in high precision
+            block = checkpoint_wrapper(block, checkpoint_fn=fp8.te_checkpoint_fn(), use_reentrant=False)
+        elif plan.activation_checkpointing:
+            # preserve_rng_state=False: the decoder has no dropout, so the recomputation needs no RNG
+            block = checkpoint_wrapper(block, preserve_rng_state=False)
+        if plan.compile:
+            block = torch.compile(block)
+        model.layers.register_module(name, block)
+
+
+def _check_single_process(model: Decoder, plan: ParallelPlan) -> None:
+    """Without a process group there is no FSDP2: refuse the options only FSDP2 applies."""
+    if plan.dp_replicate != 1:
+        raise ValueError(f"dp_replicate={plan.dp_replicate} is HSDP over ranks: run under torchrun")
+    if plan.cpu_offload:
+        raise ValueError("cpu_offload is an FSDP2 policy: run under torchrun (a world of 1 is fine)")
+    own = {p.dtype for p in model.parameters()}
+    if plan.param_dtype is not None and own != {plan.param_dtype}:
+        raise ValueError(
+            f"param_dtype={plan.param_dtype} is applied by FSDP2, which needs a process group: run under "
+            "torchrun (--nproc_per_node=1 is fine), or build the model in that dtype"
+        )
+
+
+def _fully_shard(model: Decoder, plan: ParallelPlan, mesh) -> None:
+    """FSDP2 `fully_shard` of each Block, then of the root (embeddings, final norm, LM head)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    offload = CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy()
+    # Blocks: keep inputs as given - cos/sin arrive in fp32 (the decoder applies RoPE in fp32) and the
+    # hidden states are already in param_dtype, produced by the (root-owned) embedding.
+    block_mp = MixedPrecisionPolicy(plan.param_dtype, plan.reduce_dtype, cast_forward_inputs=False)
+    root_mp = MixedPrecisionPolicy(plan.param_dtype, plan.reduce_dtype)
+    blocks = list(model.layers)
     for i, block in enumerate(blocks):
         # the last block's parameters are needed again at once by backward: do not reshard them
+        keep = i == len(blocks) - 1
         fully_shard(
-            block,
-            mesh=mesh,
-            mp_policy=block_mp,
-            offload_policy=offload,
-            reshard_after_forward=i < len(blocks) - 1,
+            block, mesh=mesh, mp_policy=block_mp, offload_policy=offload, reshard_after_forward=not keep
         )
     fully_shard(model, mesh=mesh, mp_policy=root_mp, offload_policy=offload)
-    if grad_reduce == "sum":
+    if plan.grad_reduce == "sum":
         for module in (*blocks, model):
             module.set_gradient_divide_factor(1.0)
             # plain SUM collectives: a factor other than the world size is otherwise NCCL's PREMUL_SUM,
             # which gloo lacks
             module.set_force_sum_reduction_for_comms(True)
-    _restore_param_attributes(model, te_attrs)
-    return model
 
 
 def _param_attributes(model: nn.Module) -> dict[str, dict[str, Any]]:

@@ -24,7 +24,7 @@ __all__ = [
     "Aggregation",
     "PPOOptions",
     "aggregation_weights",
-    "check_normalizer",
+    "check_aggregation",
     "combine_stats",
     "flatten_inputs",
     "metrics_from_stats",
@@ -54,7 +54,9 @@ MAX_SLOTS = (STATS.index("ratio_max"), STATS.index("is_max"))
 
 @dataclass(frozen=True, kw_only=True)
 class PPOOptions:
-    """The scalar options of one call, in one object that backends read (a triton kernel: as constexprs)."""
+    """The scalar options of one call, in one object that backends read (a triton kernel: as constexprs).
+    Built from the public keyword arguments and checked on construction (ValueError on a bad value);
+    `has_ref` / `has_is`: whether the call passed ref_logp / is_weights."""
 
     eps_low: float
     eps_high: float
@@ -68,56 +70,28 @@ class PPOOptions:
     is_mode: str
     is_bounds: tuple[float, float]
 
-    @classmethod
-    def of(
-        cls,
-        *,
-        eps_low,
-        eps_high,
-        dual_clip,
-        ref_logp,
-        kl_coef,
-        kl_estimator,
-        kl_clamp,
-        kl_clamp_value,
-        is_weights,
-        is_mode,
-        is_bounds,
-        agg,
-    ) -> PPOOptions:
-        """The options of one call from the public keyword arguments, checked (`agg` is checked only: the
-        aggregation reaches the backends as an `Aggregation`). Raises ValueError on a bad value."""
+    def __post_init__(self):
+        eps_low, eps_high, dual_clip = self.eps_low, self.eps_high, self.dual_clip
         if not (0.0 <= eps_low < 1.0 and eps_high >= 0.0):
             raise ValueError(f"need 0 <= eps_low < 1 and eps_high >= 0, got {eps_low}, {eps_high}")
         if dual_clip is not None and not dual_clip > 1.0:
             raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
         choices = {
-            "kl_estimator": (kl_estimator, KL_ESTIMATORS),
-            "kl_clamp": (kl_clamp, KL_CLAMPS),
-            "is_mode": (is_mode, IS_MODES),
-            "agg": (agg, AGG_MODES),
+            "kl_estimator": (self.kl_estimator, KL_ESTIMATORS),
+            "kl_clamp": (self.kl_clamp, KL_CLAMPS),
+            "is_mode": (self.is_mode, IS_MODES),
         }
         for what, (value, allowed) in choices.items():
             if value not in allowed:
                 raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
-        if not kl_clamp_value > 0:
-            raise ValueError(f"kl_clamp_value must be > 0, got {kl_clamp_value}")
-        lo, hi = is_bounds
+        if not self.kl_clamp_value > 0:
+            raise ValueError(f"kl_clamp_value must be > 0, got {self.kl_clamp_value}")
+        lo, hi = self.is_bounds
         if not 0.0 <= lo <= hi:
-            raise ValueError(f"is_bounds must satisfy 0 <= lo <= hi, got {is_bounds}")
-        return cls(
-            eps_low=float(eps_low),
-            eps_high=float(eps_high),
-            dual_clip=dual_clip,
-            has_ref=ref_logp is not None,
-            kl_coef=float(kl_coef),
-            kl_estimator=kl_estimator,
-            kl_clamp=kl_clamp,
-            kl_clamp_value=float(kl_clamp_value),
-            has_is=is_weights is not None,
-            is_mode=is_mode,
-            is_bounds=tuple(is_bounds),
-        )
+            raise ValueError(f"is_bounds must satisfy 0 <= lo <= hi, got {self.is_bounds}")
+        for name in ("eps_low", "eps_high", "kl_coef", "kl_clamp_value"):  # Python floats for kernels
+            object.__setattr__(self, name, float(getattr(self, name)))
+        object.__setattr__(self, "is_bounds", tuple(self.is_bounds))
 
     @property
     def kl_estimator_code(self) -> int:
@@ -132,7 +106,10 @@ class PPOOptions:
         return IS_MODES.index(self.is_mode)
 
 
-def check_normalizer(normalizer) -> None:
+def check_aggregation(agg, normalizer) -> None:
+    """ValueError unless `agg` is one of AGG_MODES and a numeric `normalizer` is > 0."""
+    if agg not in AGG_MODES:
+        raise ValueError(f"unknown agg {agg!r}; choose one of {', '.join(AGG_MODES)}")
     if isinstance(normalizer, (int, float)) and not normalizer > 0:
         raise ValueError(f"normalizer must be > 0, got {normalizer}")
 
@@ -142,19 +119,17 @@ def check_normalizer(normalizer) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def flatten_inputs(
-    logp, old_logp, advantages, mask, ref_logp, is_weights, cu_seqlens, need_seq, row_advantages=False
-):
+def flatten_inputs(logp, advantages, cu_seqlens, like_logp: dict, *, need_seq, row_advantages=False):
     """Check shapes and return the per-token inputs flattened to [N], plus the sequence layout.
 
+    like_logp: {"old_logp", "mask", "ref_logp", "is_weights"}, each shaped like logp (None: absent).
     row_advantages: a padded batch's [B] advantages stay [B] (tok["adv_row_len"] = T, the backend reads
     advantage offs // T) instead of being broadcast to a [N] copy; tok["adv_row_len"] is 0 otherwise."""
     if not logp.is_floating_point():
         raise TypeError(f"logp must be floating point, got {logp.dtype}")
     if logp.dim() not in (1, 2):
         raise ValueError(f"logp must be [B, T] (padded) or [N] (packed), got shape {tuple(logp.shape)}")
-    named = {"old_logp": old_logp, "mask": mask, "ref_logp": ref_logp, "is_weights": is_weights}
-    for name, t in named.items():
+    for name, t in like_logp.items():
         if t is None:
             continue
         if t.shape != logp.shape:
@@ -167,61 +142,76 @@ def flatten_inputs(
         raise TypeError(f"advantages must be floating point, got {advantages.dtype}")
     if advantages.device != logp.device:
         raise ValueError(f"advantages is on {advantages.device}, logp on {logp.device}")
-    dev = logp.device
-    n = logp.numel()
+    mask = like_logp["mask"]
     valid = mask.reshape(-1) if mask.dtype == torch.bool else mask.reshape(-1) != 0
-    seq, num_seqs, adv_row_len = None, None, 0
     if logp.dim() == 2:
-        b, t = logp.shape
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens is for packed [N] inputs; padded [B, T] rows are the sequences")
-        if advantages.shape == (b,) and row_advantages:
-            adv, adv_row_len = advantages, t
-        elif advantages.shape == (b,):
-            adv = advantages[:, None].expand(b, t).reshape(-1)
-        elif advantages.shape == (b, t):
-            adv = advantages.reshape(-1)
-        else:
-            raise ValueError(f"advantages {tuple(advantages.shape)} must be [B]={b} or [B, T]=({b}, {t})")
-        num_seqs = b
-        if need_seq:
-            seq = torch.arange(b, device=dev)[:, None].expand(b, t).reshape(-1)
+        adv, adv_row_len, seq, num_seqs = _padded_layout(logp.shape, advantages, need_seq, row_advantages)
     else:
-        if cu_seqlens is not None:
-            if (
-                cu_seqlens.dim() != 1
-                or cu_seqlens.numel() < 1
-                or cu_seqlens.dtype not in (torch.int32, torch.int64)
-            ):
-                raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor [S + 1]")
-            num_seqs = cu_seqlens.numel() - 1
-            pos = torch.arange(n, device=dev, dtype=cu_seqlens.dtype)
-            seq = torch.searchsorted(cu_seqlens.to(dev), pos, right=True) - 1  # [N], -1 or S: outside
-            inside = (seq >= 0) & (seq < num_seqs)
-            valid = valid & inside
-            seq = seq.clamp(0, max(num_seqs - 1, 0))
-        elif need_seq:
-            raise ValueError("the seq-mean aggregations of a packed batch need cu_seqlens")
-        if advantages.shape == (n,):
-            adv = advantages
-        elif cu_seqlens is not None and advantages.shape == (num_seqs,):
-            adv = advantages[seq] if num_seqs > 0 else advantages.new_zeros(n)
-        else:
-            raise ValueError(
-                f"packed advantages {tuple(advantages.shape)} must be [N]={n}, or [S] with cu_seqlens"
-            )
+        adv, seq, num_seqs, valid = _packed_layout(logp.numel(), advantages, cu_seqlens, need_seq, valid)
+        adv_row_len = 0
     flat = lambda x: None if x is None else x.reshape(-1)
     return {
         "valid": valid,
-        "old": flat(old_logp),
+        "old": flat(like_logp["old_logp"]),
         "adv": adv,
         "adv_row_len": adv_row_len,
-        "ref": flat(ref_logp),
-        "isw": flat(is_weights),
+        "ref": flat(like_logp["ref_logp"]),
+        "isw": flat(like_logp["is_weights"]),
         "seq": seq,
         "num_seqs": num_seqs,
         "padded_shape": tuple(logp.shape) if logp.dim() == 2 else None,
     }
+
+
+def _padded_layout(shape, advantages, need_seq: bool, row_advantages: bool):
+    """A padded [B, T] batch: (advantages [N] or [B], their row length T or 0, sequence of each token
+    [N] or None, B)."""
+    b, t = shape
+    dev = advantages.device
+    adv_row_len = 0
+    if advantages.shape == (b,) and row_advantages:
+        adv, adv_row_len = advantages, t
+    elif advantages.shape == (b,):
+        adv = advantages[:, None].expand(b, t).reshape(-1)
+    elif advantages.shape == (b, t):
+        adv = advantages.reshape(-1)
+    else:
+        raise ValueError(f"advantages {tuple(advantages.shape)} must be [B]={b} or [B, T]=({b}, {t})")
+    seq = torch.arange(b, device=dev)[:, None].expand(b, t).reshape(-1) if need_seq else None
+    return adv, adv_row_len, seq, b
+
+
+def _packed_layout(n: int, advantages, cu_seqlens, need_seq: bool, valid):
+    """A packed [N] batch: (advantages [N], sequence of each token [N] or None, S or None, valid [N]
+    without the tokens outside every sequence)."""
+    dev = valid.device
+    seq, num_seqs = None, None
+    if cu_seqlens is not None:
+        if (
+            cu_seqlens.dim() != 1
+            or cu_seqlens.numel() < 1
+            or cu_seqlens.dtype not in (torch.int32, torch.int64)
+        ):
+            raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor [S + 1]")
+        num_seqs = cu_seqlens.numel() - 1
+        pos = torch.arange(n, device=dev, dtype=cu_seqlens.dtype)
+        seq = torch.searchsorted(cu_seqlens.to(dev), pos, right=True) - 1  # [N], -1 or S: outside
+        inside = (seq >= 0) & (seq < num_seqs)
+        valid = valid & inside
+        seq = seq.clamp(0, max(num_seqs - 1, 0))
+    elif need_seq:
+        raise ValueError("the seq-mean aggregations of a packed batch need cu_seqlens")
+    if advantages.shape == (n,):
+        adv = advantages
+    elif cu_seqlens is not None and advantages.shape == (num_seqs,):
+        adv = advantages[seq] if num_seqs > 0 else advantages.new_zeros(n)
+    else:
+        raise ValueError(
+            f"packed advantages {tuple(advantages.shape)} must be [N]={n}, or [S] with cu_seqlens"
+        )
+    return adv, seq, num_seqs, valid
 
 
 # --------------------------------------------------------------------------------------------------

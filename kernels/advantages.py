@@ -90,16 +90,7 @@ def group_advantages(
     Returns:
         adv [B] in the rewards' dtype (float32 for integer rewards), or (adv, metrics).
     """
-    if mode not in ADVANTAGE_MODES:
-        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(ADVANTAGE_MODES)}")
-    if weighting not in WHITEN_WEIGHTINGS:
-        raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WHITEN_WEIGHTINGS)}")
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be [B], got shape {tuple(rewards.shape)}")
-    if group_index.shape != rewards.shape or group_index.dtype.is_floating_point or group_index.is_complex():
-        raise ValueError(f"group_index must be an integer tensor of rewards' shape {tuple(rewards.shape)}")
-    if lengths is not None and lengths.shape != rewards.shape:
-        raise ValueError(f"lengths {tuple(lengths.shape)} must have rewards' shape {tuple(rewards.shape)}")
+    _check_group_inputs(rewards, group_index, lengths, mode, weighting)
     out_dtype = rewards.dtype if rewards.is_floating_point() else torch.float32
     r = rewards.to(torch.float64)
     valid = torch.isfinite(r)
@@ -114,14 +105,7 @@ def group_advantages(
     singletons = (count == 1).sum()
     invalid = (~valid).sum()
     if r.device.type == "cpu":  # free here; on CUDA the counts are in the metrics instead
-        if singletons > 0:
-            warnings.warn(
-                f"{int(singletons)} group(s) of size 1: their centred reward is 0",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        if invalid > 0:
-            warnings.warn(f"{int(invalid)} non-finite reward(s): advantage 0", RuntimeWarning, stacklevel=2)
+        _warn_degenerate(int(singletons), int(invalid))
 
     zero = r.new_zeros(())
     w_mean, w_std = zero, zero
@@ -141,13 +125,31 @@ def group_advantages(
     adv = torch.where(valid, adv, torch.zeros_like(adv)).to(out_dtype)
     if not return_metrics:
         return adv
-    metrics = {
-        "num_singleton_groups": singletons,
-        "num_invalid_rewards": invalid,
-        "whiten_mean": w_mean,
-        "whiten_std": w_std,
-    }
-    return adv, metrics
+    metrics = dict(num_singleton_groups=singletons, num_invalid_rewards=invalid)
+    return adv, metrics | dict(whiten_mean=w_mean, whiten_std=w_std)
+
+
+def _check_group_inputs(rewards, group_index, lengths, mode: str, weighting: str) -> None:
+    if mode not in ADVANTAGE_MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(ADVANTAGE_MODES)}")
+    if weighting not in WHITEN_WEIGHTINGS:
+        raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WHITEN_WEIGHTINGS)}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be [B], got shape {tuple(rewards.shape)}")
+    if group_index.shape != rewards.shape or group_index.dtype.is_floating_point or group_index.is_complex():
+        raise ValueError(f"group_index must be an integer tensor of rewards' shape {tuple(rewards.shape)}")
+    if lengths is not None and lengths.shape != rewards.shape:
+        raise ValueError(f"lengths {tuple(lengths.shape)} must have rewards' shape {tuple(rewards.shape)}")
+
+
+def _warn_degenerate(singletons: int, invalid: int) -> None:
+    """Warn, from group_advantages' caller, of groups of one and of non-finite rewards (advantage 0)."""
+    if singletons > 0:
+        warnings.warn(
+            f"{singletons} group(s) of size 1: their centred reward is 0", RuntimeWarning, stacklevel=3
+        )
+    if invalid > 0:
+        warnings.warn(f"{invalid} non-finite reward(s): advantage 0", RuntimeWarning, stacklevel=3)
 
 
 def batch_whiten(

@@ -140,19 +140,9 @@ class _LinearLogprobEntropy(torch.autograd.Function):
                 hidden, weight, labels, lse, ez, g_lp, g_ent, ctx.inv_t, ctx.chunk_bytes, need_h, need_w
             )
         else:
+            plan = (ctx.inv_t, ctx.chunk_bytes, tile_ops(ctx.backend))
             gh, gw = _chunked_backward(
-                hidden,
-                weight,
-                labels,
-                lse,
-                ez,
-                g_lp,
-                g_ent,
-                ctx.inv_t,
-                ctx.chunk_bytes,
-                tile_ops(ctx.backend),
-                need_h,
-                need_w,
+                hidden, weight, labels, (lse, ez), (g_lp, g_ent), plan, (need_h, need_w)
             )
         return (gh if need_h else None), (gw if need_w else None), None, None, None, None, None
 
@@ -209,8 +199,11 @@ def _chunked_forward(hidden, weight, labels, inv_t, chunk_bytes, ops):
     return logp, ent, lse, ez
 
 
-def _chunked_backward(hidden, weight, labels, lse, ez, g_lp, g_ent, inv_t, chunk_bytes, ops, need_h, need_w):
-    """g_lp and g_ent arrive already multiplied by 1/T and zeroed on ignored rows."""
+def _chunked_backward(hidden, weight, labels, row_stats, grads, plan, need):
+    """dloss/dhidden and dloss/dweight, tile by tile. row_stats = (lse, ez) [N] from the forward;
+    grads = (g_lp, g_ent) [N], already multiplied by 1/T and zeroed on ignored rows; plan = (inv_t,
+    chunk_bytes, tile ops); need = (dhidden needed, dweight needed)."""
+    (lse, ez), (g_lp, g_ent), (inv_t, chunk_bytes, ops), (need_h, need_w) = row_stats, grads, plan, need
     n, v = hidden.shape[0], weight.shape[0]
     low_cuda = hidden.is_cuda and hidden.dtype != torch.float32
     h_all = hidden if low_cuda else hidden.float()

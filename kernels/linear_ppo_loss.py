@@ -50,7 +50,7 @@ from ._ppo_common import (
     Aggregation,
     PPOOptions,
     aggregation_weights,
-    check_normalizer,
+    check_aggregation,
     combine_stats,
     flatten_inputs,
     metrics_from_stats,
@@ -113,48 +113,22 @@ def linear_ppo_loss(
         entropy_mean and entropy_loss, all detached device tensors, and the per-token `logp` and `entropy`
         (fp32, labels' shape, 0 at ignored labels) that a trainer's own metrics may need.
     """
-    opts = PPOOptions.of(
-        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, ref_logp=ref_logp, kl_coef=kl_coef,
-        kl_estimator=kl_estimator, kl_clamp=kl_clamp, kl_clamp_value=kl_clamp_value, is_weights=is_weights,
-        is_mode=is_mode, is_bounds=is_bounds, agg=agg,
+    opts = PPOOptions(
+        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, has_ref=ref_logp is not None,
+        kl_coef=kl_coef, kl_estimator=kl_estimator, kl_clamp=kl_clamp, kl_clamp_value=kl_clamp_value,
+        has_is=is_weights is not None, is_mode=is_mode, is_bounds=is_bounds,
     )  # fmt: skip
-    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
-        raise ValueError(
-            f"need hidden [..., D] and weight [V, D], got {tuple(hidden.shape)}, {tuple(weight.shape)}"
-        )
-    if hidden.shape[:-1] != labels.shape:
-        raise ValueError(
-            f"labels {tuple(labels.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}"
-        )
-    if hidden.dtype != weight.dtype or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise TypeError(
-            f"hidden and weight must share a dtype among fp32/bf16/fp16, got {hidden.dtype}, {weight.dtype}"
-        )
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    check_normalizer(normalizer)
+    check_aggregation(agg, normalizer)
+    _check_head(hidden, weight, labels, temperature)
     on_policy = old_logp is None
     if on_policy:
         old_logp = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
     if old_logp.shape != labels.shape:
         raise ValueError(f"old_logp {tuple(old_logp.shape)} must have labels' shape {tuple(labels.shape)}")
     y = labels.reshape(-1).long()
-    keep = y != ignore_index
-    if y.device.type == "cpu" and bool(keep.any()):  # cheap here; on CUDA it would be a host sync
-        if y[keep].min() < 0 or y[keep].max() >= weight.shape[0]:
-            raise IndexError(
-                f"labels must lie in [0, {weight.shape[0]}) or equal ignore_index={ignore_index}"
-            )
-    tok = flatten_inputs(
-        old_logp,
-        old_logp,
-        advantages,
-        mask,
-        ref_logp,
-        is_weights,
-        cu_seqlens,
-        need_seq=agg.startswith("seq-"),
-    )
+    keep = _kept_labels(y, ignore_index, weight.shape[0])
+    like = {"old_logp": old_logp, "mask": mask, "ref_logp": ref_logp, "is_weights": is_weights}
+    tok = flatten_inputs(old_logp, advantages, cu_seqlens, like, need_seq=agg.startswith("seq-"))
     tok["valid"] = tok["valid"] & keep
     aggregation = aggregation_weights(tok, agg, normalizer, torch.float32)
     if aggregation.denom is None:  # a call-local token count, resolved now: every row block needs the total
@@ -176,12 +150,39 @@ def linear_ppo_loss(
     return loss, metrics
 
 
+def _check_head(hidden, weight, labels, temperature) -> None:
+    """hidden [..., D], weight [V, D] of one fp32/bf16/fp16 dtype, labels [...], temperature > 0."""
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
+        raise ValueError(
+            f"need hidden [..., D] and weight [V, D], got {tuple(hidden.shape)}, {tuple(weight.shape)}"
+        )
+    if hidden.shape[:-1] != labels.shape:
+        raise ValueError(
+            f"labels {tuple(labels.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}"
+        )
+    if hidden.dtype != weight.dtype or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise TypeError(
+            f"hidden and weight must share a dtype among fp32/bf16/fp16, got {hidden.dtype}, {weight.dtype}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def _kept_labels(y, ignore_index: int, vocab: int):
+    """[N] bool: the labels that are not ignore_index (on the CPU, checked to lie in [0, V))."""
+    keep = y != ignore_index
+    if y.device.type == "cpu" and bool(keep.any()):  # cheap here; on CUDA it would be a host sync
+        if y[keep].min() < 0 or y[keep].max() >= vocab:
+            raise IndexError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}")
+    return keep
+
+
 class _LinearPPOLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, labels, tok, aggregation, opts, settings):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         loss, stats, ent, logp, entropy, gh, gw = _fused_forward(
-            hidden, weight, labels, tok, aggregation, opts, settings, need_h, need_w
+            hidden, weight, labels, tok, aggregation, opts, settings, (need_h, need_w)
         )
         ctx.mark_non_differentiable(stats, ent, logp, entropy)
         ctx.save_for_backward(gh, gw)
@@ -212,87 +213,121 @@ def _mm_into(out, a, b):
         out.copy_(mm_f32(a, b))
 
 
-def _fused_forward(hidden, weight, labels, tok, aggregation, opts, settings, need_h, need_w):
+def _fused_forward(hidden, weight, labels, tok, aggregation, opts, settings, need):
     """loss, stats, (entropy_loss, entropy_sum), per-token logp and entropy [N], dloss/dhidden,
-    dloss/dweight: see the module docstring."""
-    entropy_coef, inv_t, backend, chunk_bytes, on_policy = settings
-    n, d = hidden.shape
-    v = weight.shape[0]
-    dev = hidden.device
-    f32 = dict(dtype=torch.float32, device=dev)
-    ops = tile_ops(backend)
-    copy_before_stats = backend == "torch"  # its update_stats overwrites the tile: give it a copy
-    need_grad = need_h or need_w
-    low_cuda = hidden.is_cuda and hidden.dtype != torch.float32
-    h_all = hidden if low_cuda else hidden.float()  # fp32 on the CPU: every GEMM into fp32 buffers
-    w_all = weight if low_cuda else weight.float()
-    rows = max(1, min(n, chunk_bytes // (4 * v)))
+    dloss/dweight: see the module docstring. need = (dloss/dhidden needed, dloss/dweight needed)."""
+    run = _FusedRun(hidden, weight, settings, need)
+    for r0 in range(0, run.n, run.rows):
+        r1 = min(run.n, r0 + run.rows)
+        y = labels[r0:r1]
+        x, lse, ez, logp, entropy = run.logits_block(r0, r1, y)
+        g_lp, scale = run.loss_block(r0, r1, (logp, entropy), tok, aggregation, opts)
+        if run.need_grad:
+            run.grad_block(r0, r1, (x, y, lse, ez), g_lp, scale)
+    return run.results()
 
-    loss = torch.zeros((), **f32)
-    stats = torch.zeros(len(STATS), **f32)
-    ent = torch.zeros(2, **f32)  # sum_t s_t H_t, sum over valid tokens of H_t
-    tok_logp, tok_ent = torch.empty(n, **f32), torch.empty(n, **f32)
-    gh = torch.empty(n, d, dtype=hidden.dtype, device=dev) if need_h else None
-    # fp32 dW: the first row block's GEMM writes it (beta = 0) and the others add to it, so it is never
-    # zero-filled (a [V, D] fill is ~3% of the op at D = 896); the low-precision CUDA path accumulates.
-    gw_written = not low_cuda and n > 0
-    gw = (torch.empty(v, d, **f32) if gw_written else torch.zeros(v, d, **f32)) if need_w else None
-    w_cols = max(256, chunk_bytes // (4 * d))  # low-precision CUDA dW: [w_cols, D] fp32 products at a time
-    buf = torch.empty(rows * v, **f32)
-    gh_rows = torch.empty(rows, d, **f32) if need_h and hidden.dtype != torch.float32 else None
-    for r0 in range(0, n, rows):
-        r1 = min(n, r0 + rows)
-        nr = r1 - r0
-        h, y = h_all[r0:r1], labels[r0:r1]
-        x = buf[: nr * v].view(nr, v)  # [R, V] fp32 logits of this row block, before 1/T
-        _mm_into(x, h, w_all.t())
+
+class _FusedRun:
+    """The state of one fused forward: the precision plan, the [R, V] fp32 logits workspace, and the
+    loss, statistics, per-token outputs and gradients accumulated block by block."""
+
+    def __init__(self, hidden, weight, settings, need):
+        self.entropy_coef, self.inv_t, self.backend, chunk_bytes, self.on_policy = settings
+        self.need_h, self.need_w = need
+        self.need_grad = self.need_h or self.need_w
+        self.hidden_dtype, self.weight_dtype = hidden.dtype, weight.dtype
+        n, d = hidden.shape
+        v = weight.shape[0]
+        self.n, self.v = n, v
+        f32 = self.f32 = dict(dtype=torch.float32, device=hidden.device)
+        self.ops = tile_ops(self.backend)
+        self.copy_before_stats = self.backend == "torch"  # its update_stats overwrites the tile: a copy
+        self.low_cuda = low_cuda = hidden.is_cuda and hidden.dtype != torch.float32
+        self.h_all = hidden if low_cuda else hidden.float()  # fp32 on the CPU: GEMMs into fp32 buffers
+        self.w_all = weight if low_cuda else weight.float()
+        self.rows = max(1, min(n, chunk_bytes // (4 * v)))
+        self.loss = torch.zeros((), **f32)
+        self.stats = torch.zeros(len(STATS), **f32)
+        self.ent = torch.zeros(2, **f32)  # sum_t s_t H_t, sum over valid tokens of H_t
+        self.tok_logp, self.tok_ent = torch.empty(n, **f32), torch.empty(n, **f32)
+        self.gh = torch.empty(n, d, dtype=hidden.dtype, device=hidden.device) if self.need_h else None
+        # fp32 dW: the first row block's GEMM writes it (beta = 0) and the others add to it, so it is
+        # never zero-filled (a [V, D] fill is ~3% of the op at D = 896); low-precision CUDA accumulates.
+        self.gw_written = not low_cuda and n > 0
+        gw = torch.empty(v, d, **f32) if self.gw_written else torch.zeros(v, d, **f32)
+        self.gw = gw if self.need_w else None
+        self.w_cols = max(256, chunk_bytes // (4 * d))  # low-precision CUDA dW: [w_cols, D] at a time
+        self.buf = torch.empty(self.rows * v, **f32)
+        low_h = self.need_h and hidden.dtype != torch.float32
+        self.gh_rows = torch.empty(self.rows, d, **f32) if low_h else None
+
+    def logits_block(self, r0: int, r1: int, y):
+        """The block's logits [R, V] fp32 (before 1/T) in the workspace, and per row lse, the
+        expected logit, logp and entropy."""
+        nr, f32 = r1 - r0, self.f32
+        x = self.buf[: nr * self.v].view(nr, self.v)
+        _mm_into(x, self.h_all[r0:r1], self.w_all.t())
         m = torch.full((nr,), -3.0e38, **f32)
         s, b, zy = torch.zeros(nr, **f32), torch.zeros(nr, **f32), torch.zeros(nr, **f32)
-        ops.update_stats(x.clone() if copy_before_stats else x, y, 0, inv_t, m, s, b, zy)
+        self.ops.update_stats(x.clone() if self.copy_before_stats else x, y, 0, self.inv_t, m, s, b, zy)
         log_s = torch.log(s)
         lse, ez = m + log_s, m + b / s
         logp, entropy = zy - lse, log_s - b / s
-        tok_logp[r0:r1], tok_ent[r0:r1] = logp, entropy
+        self.tok_logp[r0:r1], self.tok_ent[r0:r1] = logp, entropy
+        return x, lse, ez, logp, entropy
 
+    def loss_block(self, r0: int, r1: int, per_token, tok, aggregation, opts):
+        """The ppo_loss backend on the block's tokens: adds its loss, entropy terms and statistics;
+        returns dloss/dlogp [R] and the entropy's aggregation weights (None without entropy_coef)."""
+        logp, entropy = per_token
         part = {k: (t[r0:r1] if torch.is_tensor(t) and k != "padded_shape" else t) for k, t in tok.items()}
-        if on_policy:
+        if self.on_policy:
             part["old"] = logp
-        part["padded_shape"] = None  # rows of the block are tokens; the aggregation weights are already set
+        part["padded_shape"] = None  # rows of the block are tokens; the aggregation weights are set
         weights = aggregation.weight[r0:r1] if aggregation.weight is not None else None
         block_agg = Aggregation(weights, aggregation.denom)
-        block_loss, block_stats, g_lp, g_scale = FORWARDS[backend](logp, part, block_agg, opts, need_grad)
+        forward = FORWARDS[self.backend]
+        block_loss, block_stats, g_lp, g_scale = forward(logp, part, block_agg, opts, self.need_grad)
         if g_scale is not None:  # not reached: the denominator is always resolved above
             g_lp = g_lp * g_scale
-        valid = part["valid"]
-        scale = token_scale(part, block_agg, torch.float32) if entropy_coef != 0.0 else None
+        coef = self.entropy_coef
+        scale = token_scale(part, block_agg, torch.float32) if coef != 0.0 else None
         ent_terms = torch.stack(
             [
-                (scale * entropy).sum() if scale is not None else loss.new_zeros(()),
-                torch.where(valid, entropy, 0.0).sum(),
+                (scale * entropy).sum() if scale is not None else self.loss.new_zeros(()),
+                torch.where(part["valid"], entropy, 0.0).sum(),
             ]
         )
-        ent += ent_terms
-        loss += block_loss if scale is None else block_loss - entropy_coef * ent_terms[0]
-        stats = combine_stats(stats, block_stats)
-        if not need_grad:
-            continue
+        self.ent += ent_terms
+        self.loss += block_loss if scale is None else block_loss - coef * ent_terms[0]
+        self.stats = combine_stats(self.stats, block_stats)
+        return g_lp, scale
 
-        g_ent = (-entropy_coef * inv_t) * scale if scale is not None else torch.zeros_like(g_lp)
-        ops.tile_grad(x, y, 0, inv_t, lse, ez, (g_lp * inv_t).contiguous(), g_ent.contiguous())  # x <- dL/dx
-        dx = x.to(hidden.dtype) if low_cuda else x  # [R, V]
-        if need_h:
-            out = gh[r0:r1] if gh_rows is None else gh_rows[:nr]
-            _mm_into(out, dx, w_all)
-            if gh_rows is not None:
-                gh[r0:r1].copy_(out)
-        if need_w and gw_written and r0 == 0:
-            torch.mm(dx.t(), h, out=gw)
-        elif need_w and gw_written:
-            gw.addmm_(dx.t(), h)
-        elif need_w:  # bf16/fp16 products, fp32 results, added tile by tile (bf16 ran on an H200)
-            for c0 in range(0, v, w_cols):
-                gw[c0 : c0 + w_cols] += mm_f32(dx[:, c0 : c0 + w_cols].t(), h)
-    if gw is not None:
-        gw = gw.to(weight.dtype)
-    empty = torch.empty(0, **f32)
-    return loss, stats, ent, tok_logp, tok_ent, (gh if need_h else empty), (gw if need_w else empty)
+    def grad_block(self, r0: int, r1: int, block, g_lp, scale) -> None:
+        """dL/dZ in the workspace, then the block's dH rows and its share of dW."""
+        x, y, lse, ez = block
+        inv_t = self.inv_t
+        g_ent = (-self.entropy_coef * inv_t) * scale if scale is not None else torch.zeros_like(g_lp)
+        g = (g_lp * inv_t).contiguous()
+        self.ops.tile_grad(x, y, 0, inv_t, lse, ez, g, g_ent.contiguous())  # x <- dL/dx
+        dx = x.to(self.hidden_dtype) if self.low_cuda else x  # [R, V]
+        h = self.h_all[r0:r1]
+        if self.need_h:
+            out = self.gh[r0:r1] if self.gh_rows is None else self.gh_rows[: r1 - r0]
+            _mm_into(out, dx, self.w_all)
+            if self.gh_rows is not None:
+                self.gh[r0:r1].copy_(out)
+        if self.need_w and self.gw_written and r0 == 0:
+            torch.mm(dx.t(), h, out=self.gw)
+        elif self.need_w and self.gw_written:
+            self.gw.addmm_(dx.t(), h)
+        elif self.need_w:  # bf16/fp16 products, fp32 results, added tile by tile (bf16 ran on an H200)
+            for c0 in range(0, self.v, self.w_cols):
+                self.gw[c0 : c0 + self.w_cols] += mm_f32(dx[:, c0 : c0 + self.w_cols].t(), h)
+
+    def results(self):
+        gw = self.gw.to(self.weight_dtype) if self.gw is not None else None
+        empty = torch.empty(0, **self.f32)
+        gh = self.gh if self.need_h else empty
+        gw = gw if self.need_w else empty
+        return self.loss, self.stats, self.ent, self.tok_logp, self.tok_ent, gh, gw

@@ -100,7 +100,7 @@ from ._ppo_common import (
     RATIO_LOG_CLAMP,
     PPOOptions,
     aggregation_weights,
-    check_normalizer,
+    check_aggregation,
     flatten_inputs,
     metrics_from_stats,
     token_scale,
@@ -150,38 +150,27 @@ def ppo_loss(
         ref_logp: like logp, under the reference policy; None disables the KL term.
         kl_coef: beta, the weight of the KL term (docs/recipe.md default 1e-4 is the caller's to pass).
         kl_estimator: "k1" | "k2" | "k3" on d = logp - ref_logp.
-        kl_clamp: "log-ratio" clamps d to [-v, v] first; "output" clamps the estimate; "none".
-        kl_clamp_value: v (10.0).
+        kl_clamp, kl_clamp_value: "log-ratio" clamps d to [-v, v] first; "output" clamps the estimate;
+            "none"; v = kl_clamp_value (10.0).
         is_weights: like logp, sampler-vs-trainer importance weights exp(old_logp - sampler_logp); detached.
-        is_mode: "none" (use as given) | "tis" (truncate at is_bounds[1]) | "icepop" (zero outside is_bounds).
-        is_bounds: (lo, hi) for tis/icepop.
+        is_mode, is_bounds: "none" (use as given) | "tis" (truncate at hi) | "icepop" (zero outside
+            [lo, hi]); is_bounds = (lo, hi).
         agg: "token-mean" | "seq-mean-token-mean" | "seq-mean-token-sum" | "constant".
         normalizer: the GLOBAL denominator D (Python number or 0-d tensor); None uses this call's count.
         cu_seqlens: [S + 1] int32/int64 sequence boundaries of a packed batch.
         backend: "native" | "triton" | "torch"; default by device (see `_backend.resolve`).
-
-    Returns:
-        (loss, metrics): a 0-d fp32 (fp64 for fp64 input) differentiable loss and a dict of detached 0-d
-        tensors (module docstring).
+    Returns (loss, metrics): the 0-d fp32 (fp64 input: fp64) loss, and detached 0-d metric tensors.
     """
-    opts = PPOOptions.of(
-        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, ref_logp=ref_logp, kl_coef=kl_coef,
-        kl_estimator=kl_estimator, kl_clamp=kl_clamp, kl_clamp_value=kl_clamp_value, is_weights=is_weights,
-        is_mode=is_mode, is_bounds=is_bounds, agg=agg,
+    opts = PPOOptions(
+        eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, has_ref=ref_logp is not None,
+        kl_coef=kl_coef, kl_estimator=kl_estimator, kl_clamp=kl_clamp, kl_clamp_value=kl_clamp_value,
+        has_is=is_weights is not None, is_mode=is_mode, is_bounds=is_bounds,
     )  # fmt: skip
-    check_normalizer(normalizer)
+    check_aggregation(agg, normalizer)
     name = _backend.resolve(logp.device, backend)
-    tok = flatten_inputs(
-        logp,
-        old_logp,
-        advantages,
-        mask,
-        ref_logp,
-        is_weights,
-        cu_seqlens,
-        need_seq=agg.startswith("seq-"),
-        row_advantages=name == "triton",  # it reads [B] advantages of a padded batch in place
-    )
+    like = {"old_logp": old_logp, "mask": mask, "ref_logp": ref_logp, "is_weights": is_weights}
+    seq = agg.startswith("seq-")  # triton reads a padded batch's [B] advantages in place: row_advantages
+    tok = flatten_inputs(logp, advantages, cu_seqlens, like, need_seq=seq, row_advantages=name == "triton")
     cdt = torch.float64 if logp.dtype == torch.float64 else torch.float32
     aggregation = aggregation_weights(tok, agg, normalizer, cdt)
     loss, stats = _PPOLoss.apply(logp, tok, aggregation, opts, name)
@@ -232,7 +221,38 @@ def _torch_forward(logp, tok, aggregation, opts, need_grad):
     clean = lambda x: torch.where(valid, x.to(cdt), zero)  # masked tokens may hold NaN/inf: never read them
     lp, old, adv = clean(logp), clean(tok["old"]), clean(tok["adv"])
     vf = valid.to(cdt)
+    t = _clipped_terms(lp, old, adv, valid, opts)
+    if opts.has_is:
+        t["w_raw"] = w_raw = clean(tok["isw"])
+        t["w"] = w = _apply_is_mode(w_raw, opts)
+        t["is_modified"] = valid & (w != w_raw)
+    wpg = t["pg"] if t["w"] is None else t["w"] * t["pg"]
+    kl = kl_grad = None
+    if opts.has_ref:
+        kl, kl_grad = _kl_and_grad(lp - clean(tok["ref"]), opts)
+        kl = kl * vf
+    t["kl"] = kl
+    pg_sum = (scale * wpg).sum()
+    kl_sum = (scale * kl).sum() if kl is not None else zero
+    loss = pg_sum + opts.kl_coef * kl_sum if kl is not None else pg_sum
+    grad = None
+    if need_grad:
+        g_pg = torch.where(t["live"], -adv * t["ratio"], zero)
+        if t["w"] is not None:
+            g_pg = t["w"] * g_pg
+        if kl_grad is not None and opts.kl_coef != 0.0:
+            g_pg = g_pg + opts.kl_coef * kl_grad
+        grad = scale * g_pg
+        # a NaN log-prob, old log-prob or advantage at a valid token reaches the gradient, as in autograd
+        # (the selects above would turn it into 0, hiding it from a gradient-norm guard)
+        probe = lp - old + adv
+        grad = torch.where(torch.isnan(probe), probe, grad)
+    return loss, _torch_stats(t, (pg_sum, kl_sum), (lp, old, vf), zero), grad, None
 
+
+def _clipped_terms(lp, old, adv, valid, opts) -> dict:
+    """The clipped policy-gradient term of each token [N] (`pg`), where its gradient flows (`live`:
+    through -A r, not clipped, ratio in range), the ratio, and the clip and dual-clip indicators."""
     log_ratio = lp - old
     ratio_ok = log_ratio.abs() <= RATIO_LOG_CLAMP
     ratio = torch.exp(log_ratio.clamp(-RATIO_LOG_CLAMP, RATIO_LOG_CLAMP))
@@ -240,7 +260,7 @@ def _torch_forward(logp, tok, aggregation, opts, need_grad):
     pg_unclipped = -adv * ratio
     pg_clipped = -adv * ratio.clamp(lo, hi)
     pg = torch.maximum(pg_unclipped, pg_clipped)
-    live = (pg_unclipped >= pg_clipped) & ratio_ok  # the gradient flows through -A r
+    live = (pg_unclipped >= pg_clipped) & ratio_ok
     clip_low = valid & (adv < 0) & (ratio < lo)
     clip_high = valid & (adv > 0) & (ratio > hi)
     if opts.dual_clip is not None:
@@ -251,40 +271,16 @@ def _torch_forward(logp, tok, aggregation, opts, need_grad):
         dual = valid & capped
     else:
         dual = torch.zeros_like(valid)
+    return dict(pg=pg, live=live, ratio=ratio, clip_low=clip_low, clip_high=clip_high, dual=dual, w=None)
 
-    if opts.has_is:
-        w_raw = clean(tok["isw"])
-        w = _apply_is_mode(w_raw, opts)
-        is_modified = valid & (w != w_raw)
-    else:
-        w = None
-    wpg = pg if w is None else w * pg
 
-    if opts.has_ref:
-        kl, kl_grad = _kl_and_grad(lp - clean(tok["ref"]), opts)
-        kl = kl * vf
-    else:
-        kl = kl_grad = None
-
-    pg_sum = (scale * wpg).sum()
-    kl_sum = (scale * kl).sum() if kl is not None else zero
-    loss = pg_sum + opts.kl_coef * kl_sum if kl is not None else pg_sum
-
-    grad = None
-    if need_grad:
-        g_pg = torch.where(live, -adv * ratio, zero)
-        if w is not None:
-            g_pg = w * g_pg
-        if kl_grad is not None and opts.kl_coef != 0.0:
-            g_pg = g_pg + opts.kl_coef * kl_grad
-        grad = scale * g_pg
-        # a NaN log-prob, old log-prob or advantage at a valid token reaches the gradient, as in autograd
-        # (the selects above would turn it into 0, hiding it from a gradient-norm guard)
-        probe = lp - old + adv
-        grad = torch.where(torch.isnan(probe), probe, grad)
-
-    ratio_v = ratio * vf
-    stats = torch.stack(  # in the slot order of _ppo_common.STATS
+def _torch_stats(t: dict, sums, inputs, zero):
+    """The statistics vector, in the slot order of _ppo_common.STATS."""
+    (pg_sum, kl_sum), (lp, old, vf) = sums, inputs
+    cdt = zero.dtype
+    clip_low, clip_high, kl, w = t["clip_low"], t["clip_high"], t["kl"], t["w"]
+    ratio_v = t["ratio"] * vf
+    return torch.stack(
         [
             pg_sum,
             kl_sum,
@@ -292,17 +288,16 @@ def _torch_forward(logp, tok, aggregation, opts, need_grad):
             clip_low.to(cdt).sum(),
             clip_high.to(cdt).sum(),
             (clip_low | clip_high).to(cdt).sum(),
-            dual.to(cdt).sum(),
+            t["dual"].to(cdt).sum(),
             ((old - lp) * vf).sum(),
             ratio_v.sum(),
             ratio_v.amax() if ratio_v.numel() else zero,
             kl.sum() if kl is not None else zero,
-            w_raw.sum() if w is not None else zero,
-            w_raw.amax() if w is not None and w_raw.numel() else zero,
-            is_modified.to(cdt).sum() if w is not None else zero,
+            t["w_raw"].sum() if w is not None else zero,
+            t["w_raw"].amax() if w is not None and t["w_raw"].numel() else zero,
+            t["is_modified"].to(cdt).sum() if w is not None else zero,
         ]
     )
-    return loss, stats, grad, None
 
 
 def _apply_is_mode(w, opts):

@@ -58,27 +58,27 @@ def cosine_length_shaping(
     *,
     max_len: int,
     lam: float = 0.5,
-    eta_min: float = -1.0,
-    eta_max: float = 0.0,
-    wrong_eta_min: float | None = None,
-    wrong_eta_max: float | None = None,
+    eta: tuple[float, float] = (-1.0, 0.0),
+    wrong_eta: tuple[float | None, float | None] = (None, None),
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """R' = R + lam * eta(t) for responses that stopped properly; returns (R', the term added).
 
-    Wrong answers use (wrong_eta_min, wrong_eta_max) when given (the Demystifying-Long-CoT variant),
-    else the same eta as correct ones. Truncated responses get no term (they are handled by
-    `stop_properly`). Whether the schedule is on this step is the caller's (`length_penalty_on`).
+    eta = (eta_min, eta_max) of the cosine schedule. Wrong answers use wrong_eta = (min, max) when given
+    (the Demystifying-Long-CoT variant; a None end is eta's), else the same eta as correct ones.
+    Truncated responses get no term (they are handled by `stop_properly`). Whether the schedule is on
+    this step is the caller's (`length_penalty_on`).
     """
-    eta = cosine_length_eta(lengths, max_len, eta_min, eta_max)
-    if wrong_eta_min is not None or wrong_eta_max is not None:
+    (eta_min, eta_max), (wrong_min, wrong_max) = eta, wrong_eta
+    value = cosine_length_eta(lengths, max_len, eta_min, eta_max)
+    if wrong_min is not None or wrong_max is not None:
         eta_wrong = cosine_length_eta(
             lengths,
             max_len,
-            eta_min if wrong_eta_min is None else wrong_eta_min,
-            eta_max if wrong_eta_max is None else wrong_eta_max,
+            eta_min if wrong_min is None else wrong_min,
+            eta_max if wrong_max is None else wrong_max,
         )
-        eta = torch.where(correct, eta, eta_wrong)
-    term = torch.where(truncated, torch.zeros_like(eta), lam * eta)
+        value = torch.where(correct, value, eta_wrong)
+    term = torch.where(truncated, torch.zeros_like(value), lam * value)
     return rewards + term, term
 
 

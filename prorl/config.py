@@ -26,7 +26,7 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from prorl.config_checks import read_yaml, size_problems
+from prorl.config_checks import range_problems, read_yaml, size_problems
 from prorl.engine.attention import BACKENDS as ATTENTION
 from prorl.engine.fp8 import BACKENDS as FP8_BACKENDS
 from prorl.engine.fp8 import RECIPES as FP8_RECIPES
@@ -40,7 +40,7 @@ from prorl.kernels import (
     KL_ESTIMATORS,
     WHITEN_WEIGHTINGS,
 )
-from prorl.scheduler import MODES as SCHEDULER_MODES
+from prorl.prompt_schedule import MODES as SCHEDULER_MODES
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -220,7 +220,7 @@ class TrainerConfig:
 
 @dataclass
 class SchedulerConfig:
-    mode: str = _f("none", "prompt scheduling before generation (prorl/scheduler.py)", SCHEDULER_MODES)
+    mode: str = _f("none", "prompt scheduling before generation (prorl/prompt_schedule.py)", SCHEDULER_MODES)
     prior_strength: float = _f(
         2.0, "pseudo-trials of a prompt's Beta prior, whose mean is the population's pass rate"
     )
@@ -413,54 +413,20 @@ def _get(cfg: Config, dotted: str):
 
 
 def validate(cfg: Config) -> None:
-    """Value checks that types alone cannot express."""
+    """Value checks that types alone cannot express: choices, ranges and sizes (prorl/config_checks.py),
+    then the model's combinations."""
     for dotted, allowed in choices().items():
         value = _get(cfg, dotted)
         if value not in allowed:
             raise ConfigError(f"{dotted}={value!r} is not one of {', '.join(map(str, allowed))}")
-    a, t, r, sc = cfg.algorithm, cfg.trainer, cfg.rollout, cfg.scheduler
-    finite = all(
-        math.isfinite(x) for x in (r.temperature, r.top_p, a.kl_coef, a.eps_low, a.eps_high, cfg.optim.lr)
-    )
-    checks = [
-        (finite, "rollout.temperature/top_p, algorithm.kl_coef/eps_low/eps_high and optim.lr must be finite"),
-        (r.n >= 1, "rollout.n must be >= 1"),
-        (r.n >= 2 or not a.dynamic_sampling, "rollout.n=1 leaves every group all-equal: dynamic sampling "
-         "would drop them all (set rollout.n >= 2, or algorithm.dynamic_sampling=false)"),
-        (r.temperature >= 0, "rollout.temperature must be >= 0"),
-        (0 < r.top_p <= 1, "rollout.top_p must be in (0, 1]"),
-        (r.max_response_tokens >= 1, "rollout.max_response_tokens must be >= 1"),
-        (r.gpu_memory_utilization == "auto" or isinstance(r.gpu_memory_utilization, float)
-         and 0 < r.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization must be auto or in (0, 1]"),
-        (a.eps_low >= 0 and a.eps_high >= 0, "algorithm.eps_low/high must be >= 0"),
-        (a.dual_clip is None or a.dual_clip > 1, "algorithm.dual_clip must be > 1"),
-        (a.kl_coef >= 0, "algorithm.kl_coef must be >= 0"),
-        (a.max_rounds >= 1, "algorithm.max_rounds must be >= 1"),
-        (a.oversample >= 1, "algorithm.oversample must be >= 1"),
-        (0 <= a.is_low <= a.is_high, "algorithm.is_low must be in [0, is_high]"),
-        (cfg.optim.lr > 0, "optim.lr must be > 0"),
-        (len(cfg.optim.betas) == 2, "optim.betas must have two values"),
-        (t.total_steps >= 0, "trainer.total_steps must be >= 0"),
-        (t.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
-        (t.mini_batches >= 1, "trainer.mini_batches must be >= 1"),
-        (t.prompts_per_step % t.mini_batches == 0, "trainer.prompts_per_step must be a multiple of "
-         "trainer.mini_batches"),
-        (t.save_every >= 0 and t.val_every >= 0, "trainer.save_every and trainer.val_every must be >= 0"),
-        (t.keep_last >= 1, "trainer.keep_last must be >= 1"),
-        (t.val_samples >= 1, "trainer.val_samples must be >= 1"),
-        (cfg.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
-        (cfg.reward.num_workers >= 1, "reward.num_workers must be >= 1"),
-        (cfg.seed >= 0, "seed must be >= 0"),
-        (0 < sc.discount <= 1, "scheduler.discount must be in (0, 1]"),
-        (sc.prior_strength > 0, "scheduler.prior_strength must be > 0"),
-        (0 <= sc.min_yield < 1, "scheduler.min_yield must be in [0, 1)"),
-        (t.collective_timeout_s >= 0, "trainer.collective_timeout_s must be >= 0 (0: from the config)"),
-        (t.wait_warning_s >= 0, "trainer.wait_warning_s must be >= 0 (0: never warn)"),
-    ]  # fmt: skip
-    for ok, msg in checks + [(False, p) for p in size_problems(cfg)]:
-        if not ok:
-            raise ConfigError(msg)
-    m = cfg.model
+    problems = range_problems(cfg) + size_problems(cfg)
+    if problems:
+        raise ConfigError(problems[0])
+    _check_model(cfg.model)
+
+
+def _check_model(m: ModelConfig) -> None:
+    """The model section's combinations: the FP8 recipe of the FP8 backend, what needs FSDP."""
     if m.fp8_recipe not in FP8_RECIPES[m.fp8]:
         raise ConfigError(
             f"model.fp8_recipe={m.fp8_recipe!r} is not a recipe of model.fp8={m.fp8!r}: choose one of "

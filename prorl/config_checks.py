@@ -10,12 +10,14 @@
   silent either, since a mistyped repeat would otherwise go unseen. The same value twice says nothing.
 - Sizes and counts that must be positive (`size_problems`): a zero or negative one is named, instead
   of surfacing as an empty validation set, a loop that never ends or an error deep in a component.
+- Values that must lie in a range (`range_problems`): probabilities, clip ranges, coefficients.
 
 Each function raises ValueError or returns problems as text; prorl/config.py turns them into ConfigError.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -98,3 +100,50 @@ def size_problems(cfg: Any) -> list[str]:
     if top_k == 0 or top_k < -1:
         problems.append(f"rollout.top_k={top_k} must be -1 (off) or >= 1")
     return problems
+
+
+def range_problems(cfg: Any) -> list[str]:
+    """The values of `cfg` (a prorl Config) outside their range, one message each, in order."""
+    algo, trainer, rollout, sched = cfg.algorithm, cfg.trainer, cfg.rollout, cfg.scheduler
+    floats = (rollout.temperature, rollout.top_p, algo.kl_coef, algo.eps_low, algo.eps_high)
+    gpu = rollout.gpu_memory_utilization
+    checks = [
+        (all(math.isfinite(x) for x in (*floats, cfg.optim.lr)), "rollout.temperature/top_p, "
+         "algorithm.kl_coef/eps_low/eps_high and optim.lr must be finite"),
+        (rollout.n >= 1, "rollout.n must be >= 1"),
+        (rollout.n >= 2 or not algo.dynamic_sampling, "rollout.n=1 leaves every group all-equal: "
+         "dynamic sampling would drop them all (set rollout.n >= 2, or "
+         "algorithm.dynamic_sampling=false)"),
+        (rollout.temperature >= 0, "rollout.temperature must be >= 0"),
+        (0 < rollout.top_p <= 1, "rollout.top_p must be in (0, 1]"),
+        (rollout.max_response_tokens >= 1, "rollout.max_response_tokens must be >= 1"),
+        (gpu == "auto" or isinstance(gpu, float) and 0 < gpu <= 1,
+         "rollout.gpu_memory_utilization must be auto or in (0, 1]"),
+        (algo.eps_low >= 0 and algo.eps_high >= 0, "algorithm.eps_low/high must be >= 0"),
+        (algo.dual_clip is None or algo.dual_clip > 1, "algorithm.dual_clip must be > 1"),
+        (algo.kl_coef >= 0, "algorithm.kl_coef must be >= 0"),
+        (algo.max_rounds >= 1, "algorithm.max_rounds must be >= 1"),
+        (algo.oversample >= 1, "algorithm.oversample must be >= 1"),
+        (0 <= algo.is_low <= algo.is_high, "algorithm.is_low must be in [0, is_high]"),
+        (cfg.optim.lr > 0, "optim.lr must be > 0"),
+        (len(cfg.optim.betas) == 2, "optim.betas must have two values"),
+        (trainer.total_steps >= 0, "trainer.total_steps must be >= 0"),
+        (trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
+        (trainer.mini_batches >= 1, "trainer.mini_batches must be >= 1"),
+        (trainer.prompts_per_step % trainer.mini_batches == 0, "trainer.prompts_per_step must be a "
+         "multiple of trainer.mini_batches"),
+        (trainer.save_every >= 0 and trainer.val_every >= 0,
+         "trainer.save_every and trainer.val_every must be >= 0"),
+        (trainer.keep_last >= 1, "trainer.keep_last must be >= 1"),
+        (trainer.val_samples >= 1, "trainer.val_samples must be >= 1"),
+        (cfg.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
+        (cfg.reward.num_workers >= 1, "reward.num_workers must be >= 1"),
+        (cfg.seed >= 0, "seed must be >= 0"),
+        (0 < sched.discount <= 1, "scheduler.discount must be in (0, 1]"),
+        (sched.prior_strength > 0, "scheduler.prior_strength must be > 0"),
+        (0 <= sched.min_yield < 1, "scheduler.min_yield must be in [0, 1)"),
+        (trainer.collective_timeout_s >= 0,
+         "trainer.collective_timeout_s must be >= 0 (0: from the config)"),
+        (trainer.wait_warning_s >= 0, "trainer.wait_warning_s must be >= 0 (0: never warn)"),
+    ]  # fmt: skip
+    return [msg for ok, msg in checks if not ok]

@@ -74,73 +74,26 @@ def _non_finite(value: Any) -> bool:
     return isinstance(value, list) and any(_non_finite(v) for v in value)
 
 
-def _parse_row(row: Any, where: str, check_data_source: bool, prompt_key: str = "prompt") -> Example:
-    def bad(field_name: str, problem: str) -> DataError:
-        return DataError(f"{where}: field '{field_name}' {problem}")
+def _bad(where: str, field_name: str, problem: str) -> DataError:
+    return DataError(f"{where}: field '{field_name}' {problem}")
 
+
+def _parse_row(row: Any, where: str, check_data_source: bool, prompt_key: str = "prompt") -> Example:
+    """One row as an Example; DataError naming `where` (file and row) and the field when it is bad."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be an object, got {type(row).__name__}")
     data_source = row.get("data_source")
     if not isinstance(data_source, str) or not data_source:
-        raise bad(
-            "data_source", "is missing" if data_source is None else f"must be a string, got {data_source!r}"
-        )
+        problem = "is missing" if data_source is None else f"must be a string, got {data_source!r}"
+        raise _bad(where, "data_source", problem)
     verifier = None  # the registry key of the row's verifier, when checked
     if check_data_source:
         try:
             verifier = lookup(data_source)[0]
         except UnknownDataSourceError as exc:
-            raise bad("data_source", f"has no verifier: {exc}") from None
-
-    prompt = row.get(prompt_key)
-    if prompt is None:
-        others = ", ".join(sorted(k for k in row if k != prompt_key))
-        raise bad(prompt_key, f"is missing (the row has: {others}; data.prompt_key names the prompt's field)")
-    if isinstance(prompt, str):
-        prompt = [{"role": "user", "content": prompt}]
-    if not isinstance(prompt, list) or not prompt:
-        raise bad(prompt_key, "must be a non-empty list of chat messages or a string")
-    for i, msg in enumerate(prompt):
-        if isinstance(msg, dict) and "content" not in msg:
-            raise bad(
-                f"{prompt_key}[{i}]", f"has no 'content' (a message is {{'role', 'content'}}): {msg!r:.200}"
-            )
-        if not (
-            isinstance(msg, dict) and isinstance(msg.get("role"), str) and isinstance(msg.get("content"), str)
-        ):
-            raise bad(f"{prompt_key}[{i}]", f"must be {{'role': str, 'content': str}}, got {msg!r:.200}")
-        if msg["role"] not in ROLES:
-            raise bad(
-                f"{prompt_key}[{i}].role",
-                f"is {msg['role']!r:.60}, not one of {', '.join(ROLES)} (what chat templates know)",
-            )
-    prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
-    if not any(m["content"].strip() for m in prompt):
-        raise bad(prompt_key, "has no text (every message's content is empty)")
-
-    reward_model = row.get("reward_model")
-    truth_key = "reward_model.ground_truth"
-    if reward_model is None and "ground_truth" in row:  # flat TRL-style column
-        reward_model, truth_key = {"ground_truth": row["ground_truth"]}, "ground_truth"
-    if not isinstance(reward_model, dict):
-        raise bad("reward_model", "is missing" if reward_model is None else "must be an object")
-    truth = reward_model.get("ground_truth")
-    if truth is None:
-        raise bad(truth_key, "is missing")
-    if (isinstance(truth, str) and not truth.strip()) or (isinstance(truth, (list, dict)) and not truth):
-        raise bad(truth_key, "is empty: no response can match it")
-    if _non_finite(truth):
-        raise bad(truth_key, f"is {truth!r:.60}: not a finite number, so no answer can equal it")
-    scalar = (str, int, float)
-    if verifier == "math" and not (
-        isinstance(truth, scalar) or (isinstance(truth, list) and all(isinstance(t, scalar) for t in truth))
-    ):
-        raise bad(
-            truth_key,
-            f"must be a string or number (or a list of them) for the math verifier, got "
-            f"{type(truth).__name__} {truth!r:.100}",
-        )
-
+            raise _bad(where, "data_source", f"has no verifier: {exc}") from None
+    prompt = _prompt(row, where, prompt_key)
+    truth = _ground_truth(row, where, verifier)
     extra = row.get("extra_info")
     if extra is None:
         extra = {}
@@ -148,13 +101,70 @@ def _parse_row(row: Any, where: str, check_data_source: bool, prompt_key: str = 
         try:
             extra = json.loads(extra)
         except json.JSONDecodeError:
-            raise bad("extra_info", "is a string that is not JSON") from None
+            raise _bad(where, "extra_info", "is a string that is not JSON") from None
     if not isinstance(extra, dict):
-        raise bad("extra_info", f"must be an object, got {type(extra).__name__}")
+        raise _bad(where, "extra_info", f"must be an object, got {type(extra).__name__}")
     ability = row.get("ability")
     if ability is not None and not isinstance(ability, str):
-        raise bad("ability", "must be a string")
-    return Example(prompt, data_source, reward_model["ground_truth"], extra, ability)
+        raise _bad(where, "ability", "must be a string")
+    return Example(prompt, data_source, truth, extra, ability)
+
+
+def _prompt(row: dict, where: str, prompt_key: str) -> list[dict[str, str]]:
+    """The row's chat messages (a string is one user message), each {'role', 'content'}."""
+    prompt = row.get(prompt_key)
+    if prompt is None:
+        others = ", ".join(sorted(k for k in row if k != prompt_key))
+        problem = f"is missing (the row has: {others}; data.prompt_key names the prompt's field)"
+        raise _bad(where, prompt_key, problem)
+    if isinstance(prompt, str):
+        prompt = [{"role": "user", "content": prompt}]
+    if not isinstance(prompt, list) or not prompt:
+        raise _bad(where, prompt_key, "must be a non-empty list of chat messages or a string")
+    for i, msg in enumerate(prompt):
+        name = f"{prompt_key}[{i}]"
+        if isinstance(msg, dict) and "content" not in msg:
+            problem = f"has no 'content' (a message is {{'role', 'content'}}): {msg!r:.200}"
+            raise _bad(where, name, problem)
+        typed = isinstance(msg, dict) and isinstance(msg.get("role"), str)
+        if not (typed and isinstance(msg.get("content"), str)):
+            raise _bad(where, name, f"must be {{'role': str, 'content': str}}, got {msg!r:.200}")
+        if msg["role"] not in ROLES:
+            problem = f"is {msg['role']!r:.60}, not one of {', '.join(ROLES)} (what chat templates know)"
+            raise _bad(where, f"{name}.role", problem)
+    prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
+    if not any(m["content"].strip() for m in prompt):
+        raise _bad(where, prompt_key, "has no text (every message's content is empty)")
+    return prompt
+
+
+def _ground_truth(row: dict, where: str, verifier: str | None) -> Any:
+    """reward_model.ground_truth (or a flat TRL-style ground_truth column): present, not empty, finite,
+    and a string or number (or a list of them) for the math verifier."""
+    reward_model = row.get("reward_model")
+    truth_key = "reward_model.ground_truth"
+    if reward_model is None and "ground_truth" in row:  # flat TRL-style column
+        reward_model, truth_key = {"ground_truth": row["ground_truth"]}, "ground_truth"
+    if not isinstance(reward_model, dict):
+        problem = "is missing" if reward_model is None else "must be an object"
+        raise _bad(where, "reward_model", problem)
+    truth = reward_model.get("ground_truth")
+    if truth is None:
+        raise _bad(where, truth_key, "is missing")
+    if (isinstance(truth, str) and not truth.strip()) or (isinstance(truth, (list, dict)) and not truth):
+        raise _bad(where, truth_key, "is empty: no response can match it")
+    if _non_finite(truth):
+        raise _bad(where, truth_key, f"is {truth!r:.60}: not a finite number, so no answer can equal it")
+    scalar = (str, int, float)
+    scalars = isinstance(truth, list) and all(isinstance(t, scalar) for t in truth)
+    if verifier == "math" and not (isinstance(truth, scalar) or scalars):
+        raise _bad(
+            where,
+            truth_key,
+            f"must be a string or number (or a list of them) for the math verifier, got "
+            f"{type(truth).__name__} {truth!r:.100}",
+        )
+    return truth
 
 
 def load_file(

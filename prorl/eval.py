@@ -27,8 +27,9 @@ is reserved for the vLLM generator and not implemented yet.
 Written to --out (default runs/eval-<UTC time>): `results.json` (settings and every metric),
 `results.csv` (one row per data source plus `all`), `samples.jsonl` (one row per sample: example index,
 data source, sample index, score, correct, flags, response text), from which every number can be
-recomputed. `evaluate(...)` is the same thing as a function for the trainer; `summarize(records, k)`
-turns per-sample records (e.g. gathered from several ranks) into the metrics.
+recomputed. `evaluate(examples, EvalInputs(...), EvalSettings(...))` is the same thing as a function;
+`validate` is the trainer's use of it. The metrics themselves are prorl/eval_metrics.py's (`summarize`
+turns per-sample records, e.g. gathered from several ranks, into them).
 """
 
 from __future__ import annotations
@@ -37,11 +38,12 @@ import argparse
 import csv
 import datetime
 import json
-import math
 import os
 import sys
 import time
 from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -51,94 +53,14 @@ from prorl.engine.model import load_hf
 from prorl.engine.parallel import dist_info, watchdog
 from prorl.engine.rollout import NativeGenerator, SamplingParams
 from prorl.engine.rollout.base import host_available_bytes
+from prorl.eval_metrics import pass_ks, source_val_metrics, summarize
 from prorl.export import export_checkpoint, is_checkpoint
-from prorl.rewards import builtin_keys, lookup, use_function
+from prorl.rewards import builtin_keys, use_function
 from prorl.rewards.function import RewardFunctionError, numeric_extras
 from prorl.rewards.pool import RewardPool
 
-CONTINUOUS_KEYS = ("reasoning_gym", "ifeval")  # verifier keys whose headline metric is mean_score
 PROGRESS_EVERY_S = 10.0  # a progress line at most this often, counted in finished samples
 BACKENDS = ("native", "vllm")
-
-
-# -- metrics -------------------------------------------------------------------------------------------
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct: 1 - C(n - c, k) / C(n, k) (exact integers,
-    one rounding)."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def pass_ks(k: int) -> list[int]:
-    """The j of the reported pass@j: 1, the powers of two below k, and k."""
-    ks = [1]
-    while ks[-1] * 2 < k:
-        ks.append(ks[-1] * 2)
-    return ks + ([k] if k > 1 else [])
-
-
-def primary_metric(data_source: str) -> str:
-    return "mean_score" if lookup(data_source)[0] in CONTINUOUS_KEYS else "pass@1"
-
-
-def _group_metrics(records: list[dict], k: int) -> dict:
-    """Metrics of the samples of one group of prompts (each prompt with exactly k records)."""
-    by_prompt: dict[int, list[dict]] = defaultdict(list)
-    for r in records:
-        by_prompt[r["index"]].append(r)
-    bad = {i: len(rs) for i, rs in by_prompt.items() if len(rs) != k}
-    if bad:
-        first = dict(list(bad.items())[:5])
-        raise ValueError(f"every prompt needs k={k} samples; these (index: count) differ: {first}")
-    out: dict = {"prompts": len(by_prompt), "samples": len(records)}
-    if not records:
-        return out | {f"pass@{j}": None for j in pass_ks(k)} | {"mean_score": None}
-    correct = [sum(r["correct"] for r in rs) for rs in by_prompt.values()]
-    for j in pass_ks(k):
-        out[f"pass@{j}"] = sum(pass_at_k(k, c, j) for c in correct) / len(correct)
-    n = len(records)
-    out["mean_score"] = sum(r["score"] for r in records) / n
-    out["mean_response_tokens"] = sum(r["response_tokens"] for r in records) / n
-    out["truncated_frac"] = sum(r["finish_reason"] == "length" for r in records) / n
-    out["timeout_frac"] = sum(r["timed_out"] for r in records) / n
-    out["error_frac"] = sum(r["errored"] for r in records) / n
-    for key in sorted({key for r in records for key in r.get("extras") or {}}):  # a verl reward's extras
-        vals = [r["extras"][key] for r in records if key in (r.get("extras") or {})]
-        out[f"extra/{key}"] = sum(vals) / len(vals)
-    return out
-
-
-def source_val_metrics(source: str, m: dict, k: int) -> dict[str, float]:
-    """The trainer's validation metrics of one data source's summary `m`, named as verl names them:
-    `val-core/<source>/reward/mean@k` (mean score), `val-core/<source>/pass@j`, a reward function's extra
-    `acc` as `val-core/<source>/acc/mean@k` and any other extra as `val-aux/<source>/<key>/mean@k`."""
-    out = {f"val-core/{source}/reward/mean@{k}": m["mean_score"] or 0.0}
-    for name, value in m.items():
-        if name.startswith("pass@"):
-            out[f"val-core/{source}/{name}"] = value
-        elif name.startswith("extra/"):
-            key = name.removeprefix("extra/")
-            out[f"{'val-core' if key == 'acc' else 'val-aux'}/{source}/{key}/mean@{k}"] = value
-    return out
-
-
-def summarize(records: list[dict], k: int, filtered: dict[str, int] | None = None) -> dict:
-    """{"by_source": {data_source: metrics}, "all": metrics} from per-sample records (keys `index`,
-    `data_source`, `score`, `correct`, `timed_out`, `errored`, `finish_reason`, `response_tokens`).
-    `filtered`: prompts dropped per data source (reported beside the metrics)."""
-    filtered = filtered or {}
-    groups: dict[str, list[dict]] = defaultdict(list)
-    for r in records:
-        groups[r["data_source"]].append(r)
-    by_source = {}
-    for ds in sorted(set(groups) | set(filtered)):
-        by_source[ds] = {"primary": primary_metric(ds), "filtered": filtered.get(ds, 0)}
-        by_source[ds] |= _group_metrics(groups.get(ds, []), k)
-    overall = {"primary": "pass@1", "filtered": sum(filtered.values())} | _group_metrics(records, k)
-    return {"by_source": by_source, "all": overall}
 
 
 # -- generation and scoring ----------------------------------------------------------------------------
@@ -169,75 +91,156 @@ def host_chunk_size(k: int, max_new: int, host_memory_gib: float | None = None) 
     return max(1, int(budget // (k * max_new * HOST_BYTES_PER_TOKEN)))
 
 
+@dataclass
+class EvalSettings:
+    """How `evaluate` samples, batches and scores.
+
+    dtype: "float32" | "bfloat16" | None (None: float32 on the CPU, the checkpoint's dtype on CUDA);
+    device and dtype apply to a model loaded from `EvalInputs.model_path`. A generate call takes at most
+    `prompts_per_generate` prompts (None: 64), fewer when their KV cache would pass `kv_cache_gib`;
+    scoring overlaps the next call. A generator that schedules its own batch (vLLM: `schedules_batch`)
+    manages its KV cache: it is given every prompt the host can hold the samples of (`host_chunk_size`,
+    `host_memory_gib`; `prompts_per_generate` still caps it when given) and logs progress per finished
+    request. A reward pool made here has `num_workers` workers, `timeout_s` per item.
+    partial_on_interrupt: a KeyboardInterrupt during generation stops it and returns what was generated,
+    scored (`interrupted` True); else it propagates.
+    """
+
+    k: int = 16
+    temperature: float = 0.6
+    top_p: float = 0.95
+    max_tokens: int = 32768
+    max_prompt_tokens: int | None = 1024
+    seed: int = 0
+    correct_threshold: float = 1.0
+    backend: str = "native"
+    device: str | None = None
+    dtype: str | None = None
+    kv_cache_gib: float = 2.0
+    prompts_per_generate: int | None = None
+    host_memory_gib: float | None = None
+    num_workers: int = 2
+    timeout_s: float = 10.0
+    partial_on_interrupt: bool = False
+
+
+@dataclass
+class EvalInputs:
+    """What `evaluate` runs on. model_path: a Hugging Face-format directory (weights via `load_hf`,
+    tokenizer via `PreTrainedTokenizerFast`), or None when `model` and `tokenizer` are given. model,
+    tokenizer, pool: already loaded objects (the trainer passes its policy, tokenizer and `RewardPool`).
+    generator: a `prorl.engine.rollout.Generator` (the trainer's, native or vLLM); None: a
+    `NativeGenerator` over the model."""
+
+    model_path: str | None = None
+    model: Any = None
+    tokenizer: Any = None
+    pool: Any = None
+    generator: Any = None
+
+
+@dataclass
+class _Prompts:
+    """The encoded prompts and how they are cut into generate calls."""
+
+    token_ids: list[list[int]]
+    kept: list[int]  # example index of each prompt
+    filtered: dict[str, int]  # per data source, prompts over max_prompt_tokens
+    max_new: int
+    chunk: int
+
+
+class _Progress:
+    """`on_finished` for the generator: a log line per finished samples, at most every PROGRESS_EVERY_S."""
+
+    def __init__(self, total: int, start: float, log):
+        self.total, self.start, self.log = total, start, log
+        self.finished, self.reported = 0, time.time()
+
+    def __call__(self, n: int) -> None:
+        self.finished += n
+        if time.time() - self.reported >= PROGRESS_EVERY_S:
+            self.reported = time.time()
+            elapsed = time.time() - self.start
+            self.log(f"eval: {self.finished}/{self.total} samples finished, {elapsed:.0f} s")
+
+
 def evaluate(
-    model_path: str | None,
-    examples: list[data.Example],
-    k: int = 16,
-    *,
-    temperature: float = 0.6,
-    top_p: float = 0.95,
-    max_tokens: int = 32768,
-    max_prompt_tokens: int | None = 1024,
-    seed: int = 0,
-    backend: str = "native",
-    device: str | None = None,
-    dtype: str | None = None,
-    kv_cache_gib: float = 2.0,
-    prompts_per_generate: int | None = None,
-    host_memory_gib: float | None = None,
-    correct_threshold: float = 1.0,
-    model=None,
-    tokenizer=None,
-    pool=None,
-    generator=None,
-    num_workers: int = 2,
-    timeout_s: float = 10.0,
-    log=print,
-    partial_on_interrupt: bool = False,
+    examples: list[data.Example], inputs: EvalInputs, settings: EvalSettings | None = None, log=print
 ) -> dict:
-    """Generate k samples per example, score them, and summarise (module docstring).
+    """Generate `settings.k` samples per example, score them, and summarise (module docstring).
 
     Args:
-        model_path: Hugging Face-format directory (weights via `load_hf`, tokenizer via
-            `PreTrainedTokenizerFast`); may be None when `model` and `tokenizer` are given.
         examples: `prorl.data.Example`s (any mix of data sources with registered verifiers).
-        model, tokenizer, pool: already loaded objects to use instead (the trainer passes its policy,
-            tokenizer and `RewardPool`); a pool made here has `num_workers` workers, `timeout_s` per item.
-        generator: a `prorl.engine.rollout.Generator` to sample with (the trainer's, native or vLLM);
-            default a `NativeGenerator` over `model`.
-        dtype: "float32" | "bfloat16" | None (None: float32 on the CPU, the checkpoint's dtype on CUDA).
-        kv_cache_gib, prompts_per_generate: a generate call takes at most `prompts_per_generate` prompts
-            (None: 64), fewer when their KV cache would pass `kv_cache_gib`; scoring overlaps the next call.
-            A generator that schedules its own batch (vLLM: `schedules_batch`) manages its KV cache: it is
-            given every prompt the host can hold the samples of (`host_chunk_size`, `host_memory_gib`;
-            `prompts_per_generate` still caps it when given) and logs progress per finished request.
+        inputs: the model (a directory or loaded objects), tokenizer, reward pool, generator.
+        settings: sampling, batching and scoring (None: the defaults, the papers').
         log: called with progress lines (None: silent).
-        partial_on_interrupt: a KeyboardInterrupt during generation stops it and returns what was generated,
-            scored (`interrupted` True); else it propagates.
     Returns: {"settings", "by_source", "all", "samples" (per-sample records), "elapsed_s", ...}.
     """
-    import torch
-
-    if backend != "native":
+    s = settings or EvalSettings()
+    if s.backend != "native":
         raise NotImplementedError(
-            f"eval backend {backend!r} is not implemented yet; use backend='native' (prorl's own generator)"
+            f"eval backend {s.backend!r} is not implemented yet; use backend='native' (prorl's own generator)"
         )
-    if k < 1:
-        raise ValueError(f"k must be >= 1, got {k}")
+    if s.k < 1:
+        raise ValueError(f"k must be >= 1, got {s.k}")
     log = log or (lambda *a, **kw: None)
     start = time.time()
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model, tokenizer = _load(inputs, s)
+    prompts = _encode(examples, model, tokenizer, s, getattr(inputs.generator, "schedules_batch", False))
+    n_filtered = len(examples) - len(prompts.kept)
+    log(
+        f"eval: {len(prompts.kept)} prompts x {s.k} samples ({n_filtered} filtered: prompt > "
+        f"{s.max_prompt_tokens} tokens), max {prompts.max_new} new tokens (context "
+        f"{model.config.max_position_embeddings}), T={s.temperature}, top-p={s.top_p}, "
+        f"{prompts.chunk} prompts per generate call"
+    )
+    generator = inputs.generator or NativeGenerator(model)
+    pool = inputs.pool
+    if pool is None:
+        keys = builtin_keys(ex.data_source for ex in examples)
+        pool = RewardPool(num_workers=s.num_workers, timeout_s=s.timeout_s, preload=keys)
+    was_training = model.training
+    model.eval()
+    try:
+        stops = data.stop_token_ids(tokenizer, inputs.model_path)
+        records, generated, interrupted = _generate_and_score(
+            _Run(examples, prompts, s, tokenizer, generator, pool, log, start), stops
+        )
+    finally:
+        if inputs.pool is None:
+            pool.close()
+        model.train(was_training)
+    results = {"settings": _settings_record(inputs.model_path, model, prompts, s)}
+    results |= {"n_examples": len(examples), "n_filtered": n_filtered, "interrupted": interrupted}
+    results |= {"n_evaluated": len({r["index"] for r in records})}
+    results |= summarize(records, s.k, dict(prompts.filtered))
+    results |= {"generated_tokens": generated, "elapsed_s": time.time() - start, "samples": records}
+    return results
+
+
+def _load(inputs: EvalInputs, s: EvalSettings):
+    """The model and tokenizer: the ones given, else loaded from `inputs.model_path`."""
+    import torch
+
+    tokenizer, model = inputs.tokenizer, inputs.model
     if tokenizer is None:
         from transformers import PreTrainedTokenizerFast  # not AutoTokenizer: docs/notes.md
 
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(inputs.model_path)
     if model is None:
-        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[dtype]
+        device = s.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, None: None}[s.dtype]
         if torch_dtype is None and torch.device(device).type == "cpu":
             torch_dtype = torch.float32
-        model = load_hf(model_path, dtype=torch_dtype, device=device)
+        model = load_hf(inputs.model_path, dtype=torch_dtype, device=device)
+    return model, tokenizer
 
-    prompts, kept, _ = data.encode_prompts(examples, tokenizer, max_prompt_tokens)
+
+def _encode(examples, model, tokenizer, s: EvalSettings, engine_batches: bool) -> _Prompts:
+    """Chat-templated prompts (over-long ones filtered and counted), the new-token cap the model's context
+    leaves, and the prompts per generate call."""
+    prompts, kept, _ = data.encode_prompts(examples, tokenizer, s.max_prompt_tokens)
     kept_set = set(kept)
     filtered: dict[str, int] = defaultdict(int)
     for i, ex in enumerate(examples):
@@ -245,116 +248,114 @@ def evaluate(
             filtered[ex.data_source] += 1
     context = model.config.max_position_embeddings
     longest = max((len(p) for p in prompts), default=0)
-    max_new = min(max_tokens, context - longest)
+    max_new = min(s.max_tokens, context - longest)
     if prompts and max_new < 1:
         raise ValueError(f"the longest prompt ({longest} tokens) fills the model's context ({context})")
-    engine_batches = getattr(generator, "schedules_batch", False)
     if engine_batches:
-        chunk = min(prompts_per_generate or len(prompts) or 1, host_chunk_size(k, max_new, host_memory_gib))
+        host = host_chunk_size(s.k, max_new, s.host_memory_gib)
+        chunk = min(s.prompts_per_generate or len(prompts) or 1, host)
     else:
-        chunk = min(prompts_per_generate or 64, _chunk_size(model, k, longest + max_new, kv_cache_gib))
-    settings = dict(
+        kv = _chunk_size(model, s.k, longest + max_new, s.kv_cache_gib)
+        chunk = min(s.prompts_per_generate or 64, kv)
+    return _Prompts(prompts, kept, filtered, max_new, chunk)
+
+
+def _settings_record(model_path, model, prompts: _Prompts, s: EvalSettings) -> dict:
+    """The settings written to results.json."""
+    weight = model.embed_tokens.weight
+    return dict(
         model=model_path,
-        backend=backend,
-        k=k,
-        temperature=temperature,
-        top_p=top_p,
-        max_tokens=max_tokens,
-        max_new_tokens=max_new,
-        max_prompt_tokens=max_prompt_tokens,
-        seed=seed,
-        device=str(model.embed_tokens.weight.device),
-        dtype=str(model.embed_tokens.weight.dtype).removeprefix("torch."),
-        correct_threshold=correct_threshold,
-        prompts_per_generate=chunk,
-    )
-    n_filtered = len(examples) - len(kept)
-    log(
-        f"eval: {len(kept)} prompts x {k} samples ({n_filtered} filtered: prompt > {max_prompt_tokens} "
-        f"tokens), max {max_new} new tokens (context {context}), T={temperature}, top-p={top_p}, "
-        f"{chunk} prompts per generate call"
+        backend=s.backend,
+        k=s.k,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        max_tokens=s.max_tokens,
+        max_new_tokens=prompts.max_new,
+        max_prompt_tokens=s.max_prompt_tokens,
+        seed=s.seed,
+        device=str(weight.device),
+        dtype=str(weight.dtype).removeprefix("torch."),
+        correct_threshold=s.correct_threshold,
+        prompts_per_generate=prompts.chunk,
     )
 
-    stops = data.stop_token_ids(tokenizer, model_path)
-    generator = generator or NativeGenerator(model)
-    own_pool = pool is None
-    if own_pool:
-        pool = RewardPool(
-            num_workers=num_workers,
-            timeout_s=timeout_s,
-            preload=builtin_keys(ex.data_source for ex in examples),
-        )
-    was_training = model.training
-    model.eval()
-    records: list[dict] = []
+
+@dataclass
+class _Run:
+    """What one evaluation's generate-and-score loop works with."""
+
+    examples: list
+    prompts: _Prompts
+    settings: EvalSettings
+    tokenizer: Any
+    generator: Any
+    pool: Any
+    log: Any
+    start: float
+
+
+def _generate_and_score(run: _Run, stops) -> tuple[list[dict], int, bool]:
+    """Generate chunk by chunk, each chunk scored in the pool while the next generates; returns the
+    scored per-sample records, the generated token count and whether a KeyboardInterrupt stopped it."""
+    s, ids = run.settings, run.prompts.token_ids
+    chunk = run.prompts.chunk
     pending = []  # (Future of BatchResult, records of that chunk)
-    generated = 0
-    interrupted = False
-    finished, reported = [0], [time.time()]
-
-    def progress(n: int) -> None:  # per finished sample, printed at most every PROGRESS_EVERY_S
-        finished[0] += n
-        if time.time() - reported[0] >= PROGRESS_EVERY_S:
-            reported[0] = time.time()
-            log(f"eval: {finished[0]}/{len(prompts) * k} samples finished, {time.time() - start:.0f} s")
-
+    generated, interrupted = 0, False
+    progress = _Progress(len(ids) * s.k, run.start, run.log)
     try:
-        try:
-            for lo in range(0, len(prompts), chunk):
-                params = SamplingParams(
-                    n=k,
-                    temperature=temperature,
-                    top_p=top_p,
-                    max_new_tokens=max_new,
-                    stop_token_ids=stops,
-                    seed=seed + lo,
-                )
-                out = generator.generate(prompts[lo : lo + chunk], params, on_finished=progress)
-                chunk_records = []
-                for s in out.samples:
-                    i = kept[lo + s.prompt_index]
-                    chunk_records.append(
-                        dict(
-                            index=i,
-                            data_source=examples[i].data_source,
-                            sample=s.sample_index,
-                            finish_reason=s.finish_reason,
-                            response_tokens=len(s.token_ids),
-                            response=tokenizer.decode(s.token_ids, skip_special_tokens=True),
-                        )
-                    )
-                    generated += len(s.token_ids)
-                exs = [examples[r["index"]] for r in chunk_records]
-                future = pool.score_batch_async(
-                    [e.data_source for e in exs],
-                    [r["response"] for r in chunk_records],
-                    [e.ground_truth for e in exs],
-                    [e.extra for e in exs],
-                )
-                pending.append((future, chunk_records))
-                done, rate = min(lo + chunk, len(prompts)), generated / (time.time() - start)
-                log(f"eval: generated {done}/{len(prompts)} prompts, {rate:.0f} tok/s")
-        except KeyboardInterrupt:  # stop generating; what was generated is still scored and reported
-            if not partial_on_interrupt:
-                raise
-            interrupted = True
-            log(f"eval: stopped after {len(pending)} of {-(-len(prompts) // chunk)} generate calls")
-        for future, chunk_records in pending:
-            res = future.result()
-            for r, s, t, e, x in zip(chunk_records, res.scores, res.timed_out, res.errored, res.extras):
-                r.update(score=s, correct=s >= correct_threshold, timed_out=t, errored=e)
-                r["extras"] = numeric_extras(x)
-            records += chunk_records
-    finally:
-        if own_pool:
-            pool.close()
-        model.train(was_training)
+        for lo in range(0, len(ids), chunk):
+            params = SamplingParams(
+                n=s.k,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                max_new_tokens=run.prompts.max_new,
+                stop_token_ids=stops,
+                seed=s.seed + lo,
+            )
+            out = run.generator.generate(ids[lo : lo + chunk], params, on_finished=progress)
+            records = _chunk_records(run, lo, out.samples)
+            generated += sum(r["response_tokens"] for r in records)
+            exs = [run.examples[r["index"]] for r in records]
+            future = run.pool.score_batch_async(
+                [e.data_source for e in exs],
+                [r["response"] for r in records],
+                [e.ground_truth for e in exs],
+                [e.extra for e in exs],
+            )
+            pending.append((future, records))
+            done, rate = min(lo + chunk, len(ids)), generated / (time.time() - run.start)
+            run.log(f"eval: generated {done}/{len(ids)} prompts, {rate:.0f} tok/s")
+    except KeyboardInterrupt:  # stop generating; what was generated is still scored and reported
+        if not s.partial_on_interrupt:
+            raise
+        interrupted = True
+        run.log(f"eval: stopped after {len(pending)} of {-(-len(ids) // chunk)} generate calls")
+    scored = []
+    for future, records in pending:
+        res = future.result()
+        for r, sc, t, e, x in zip(records, res.scores, res.timed_out, res.errored, res.extras):
+            r.update(score=sc, correct=sc >= s.correct_threshold, timed_out=t, errored=e)
+            r["extras"] = numeric_extras(x)
+        scored += records
+    return scored, generated, interrupted
 
-    results = {"settings": settings, "n_examples": len(examples), "n_filtered": n_filtered}
-    results |= {"interrupted": interrupted, "n_evaluated": len({r["index"] for r in records})}
-    results |= summarize(records, k, dict(filtered))
-    results |= {"generated_tokens": generated, "elapsed_s": time.time() - start, "samples": records}
-    return results
+
+def _chunk_records(run: _Run, lo: int, samples) -> list[dict]:
+    """One record per generated sample of the chunk starting at prompt `lo` (unscored yet)."""
+    records = []
+    for s in samples:
+        i = run.prompts.kept[lo + s.prompt_index]
+        records.append(
+            dict(
+                index=i,
+                data_source=run.examples[i].data_source,
+                sample=s.sample_index,
+                finish_reason=s.finish_reason,
+                response_tokens=len(s.token_ids),
+                response=run.tokenizer.decode(s.token_ids, skip_special_tokens=True),
+            )
+        )
+    return records
 
 
 # -- output ------------------------------------------------------------------------------------------------
@@ -371,21 +372,16 @@ def validate(cfg: Config, examples: list, model, tokenizer, pool, generator, log
     rank calls it."""
     info, k, t = dist_info(), cfg.trainer.val_samples, cfg.trainer
     mine = list(range(info.rank, len(examples), info.world_size))
-    results = evaluate(
-        None,
-        [examples[i] for i in mine],
-        k,
+    settings = EvalSettings(
+        k=k,
         temperature=t.val_temperature,
         top_p=t.val_top_p if t.val_temperature > 0 else 1.0,
         max_tokens=cfg.rollout.max_response_tokens,
         max_prompt_tokens=cfg.data.max_prompt_tokens,
         seed=cfg.seed,
-        model=model,
-        tokenizer=tokenizer,
-        pool=pool,
-        generator=generator,
-        log=log,
     )
+    inputs = EvalInputs(model=model, tokenizer=tokenizer, pool=pool, generator=generator)
+    results = evaluate([examples[i] for i in mine], inputs, settings, log=log)
     fields = "data_source score correct timed_out errored finish_reason response_tokens extras".split()
     records = [{"index": mine[r["index"]], **{f: r[f] for f in fields}} for r in results["samples"]]
     if info.world_size > 1:
@@ -454,7 +450,7 @@ def write_results(results: dict, out_dir: str) -> list[str]:
 # -- command line --------------------------------------------------------------------------------------------
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m prorl.eval", description=__doc__.split("\n")[0], allow_abbrev=False
     )
@@ -486,8 +482,47 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-workers", type=int, default=2, help="reward worker processes")
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds per verification")
     ap.add_argument("--out", default=None, help="output directory (default runs/eval-<UTC time>)")
-    args = ap.parse_args(argv)
+    return ap
 
+
+def _examples(args, ap) -> list[data.Example] | None:
+    """The --data files' and --builtin task's examples (None: a file could not be read, said on stderr)."""
+    examples = []
+    try:
+        for path in args.data:
+            examples += data.load_file(path)[: args.limit]
+    except (data.DataError, FileNotFoundError) as exc:
+        print(f"prorl.eval: {exc}", file=sys.stderr)
+        return None
+    if args.builtin:
+        examples += data.builtin(args.builtin, n=args.limit, split="val")
+    if not examples:
+        ap.error("no examples to evaluate")
+    return examples
+
+
+def _settings(args) -> EvalSettings:
+    return EvalSettings(
+        k=args.k,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        max_prompt_tokens=args.max_prompt_tokens,
+        seed=args.seed,
+        backend=args.backend,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_gib=args.kv_cache_gib,
+        prompts_per_generate=args.prompts_per_generate,
+        num_workers=args.num_workers,
+        timeout_s=args.timeout,
+        partial_on_interrupt=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = _parser()
+    args = ap.parse_args(argv)
     if args.backend != "native":
         msg = f"--backend {args.backend} is not implemented yet (the vLLM generator); use --backend native"
         print(f"prorl.eval: {msg}", file=sys.stderr)
@@ -512,38 +547,12 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = export_checkpoint(args.model, exported.name)
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         ap.error(f"--model {args.model!r} is neither a Hugging Face model directory nor a checkpoint step")
-    examples = []
-    try:
-        for path in args.data:
-            examples += data.load_file(path)[: args.limit]
-    except (data.DataError, FileNotFoundError) as exc:
-        print(f"prorl.eval: {exc}", file=sys.stderr)
+    examples = _examples(args, ap)
+    if examples is None:
         return 2
-    if args.builtin:
-        examples += data.builtin(args.builtin, n=args.limit, split="val")
-    if not examples:
-        ap.error("no examples to evaluate")
-
     # SIGTERM (a scheduler's stop) like Ctrl-C: what was generated so far is scored and written
     signal.signal(signal.SIGTERM, signal.default_int_handler)
-    results = evaluate(
-        model_dir,
-        examples,
-        args.k,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        max_tokens=args.max_tokens,
-        max_prompt_tokens=args.max_prompt_tokens,
-        seed=args.seed,
-        backend=args.backend,
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_gib=args.kv_cache_gib,
-        prompts_per_generate=args.prompts_per_generate,
-        num_workers=args.num_workers,
-        timeout_s=args.timeout,
-        partial_on_interrupt=True,
-    )
+    results = evaluate(examples, EvalInputs(model_path=model_dir), _settings(args))
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out_dir = args.out or os.path.join("runs", f"eval-{stamp}")
     results["settings"]["data"] = list(args.data) + ([f"builtin:{args.builtin}"] if args.builtin else [])

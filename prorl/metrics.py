@@ -97,76 +97,107 @@ def _as_tensor(value, device) -> torch.Tensor:
     return torch.tensor(float(value), dtype=torch.float64, device=device)
 
 
+class _Reduced:
+    """The global sums and extrema of a step, read by name (0 for a name nobody registered)."""
+
+    def __init__(self, sums: dict[str, float], maxima: dict[str, float], minima: dict[str, float]):
+        self.sums, self.maxima, self.minima = sums, maxima, minima
+        self.updates = max(maxima.get("updates", 0.0), 1.0)
+
+    def sum(self, key: str) -> float:
+        return self.sums.get(key, 0.0)
+
+    def mean(self, num: str, den: str) -> float:
+        return self.sums.get(num, 0.0) / max(self.sums.get(den, 0.0), 1.0)
+
+    def max(self, key: str) -> float:
+        return _finite(self.maxima.get(key))
+
+    def min(self, key: str) -> float:
+        return _finite(self.minima.get(key))
+
+
+def _finite(x: float | None) -> float:
+    return x if x is not None and math.isfinite(x) else 0.0
+
+
 def step_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, float]]) -> dict[str, float]:
     """The step's metrics (docs/recipe.md §9) from the global sums and extrema the trainer registered."""
-    s, mx, mn = reduced
-
-    def mean(num: str, den: str) -> float:
-        return s.get(num, 0.0) / max(s.get(den, 0.0), 1.0)
-
-    def finite(x: float | None) -> float:
-        return x if x is not None and math.isfinite(x) else 0.0
-
-    updates = max(mx.get("updates", 0.0), 1.0)
-    out = {
-        # sampling and dynamic sampling
-        "dynamic_sampling/rounds": mx.get("rounds", 0.0),
-        "dynamic_sampling/sampled_groups": s.get("groups_seen", 0.0),
-        "dynamic_sampling/kept_groups": s.get("groups_kept", 0.0),
-        "dynamic_sampling/carried_groups": s.get("groups_carried", 0.0),
-        "dynamic_sampling/dropped_groups": s.get("groups_dropped", 0.0),
-        "dynamic_sampling/pass_rate": mean("samples_correct", "samples_seen"),
-        "dynamic_sampling/frac_all_correct": mean("groups_all_correct", "groups_seen"),
-        "dynamic_sampling/frac_all_wrong": mean("groups_all_wrong", "groups_seen"),
-        "dynamic_sampling/kept_group_fraction": mean("groups_passed", "groups_seen"),
-        # every response token generated this step, kept or not, per group that passed the filter
-        "dynamic_sampling/gen_tokens_per_kept_group": mean("generated_tokens", "groups_passed"),
-        "dynamic_sampling/generated_tokens": s.get("generated_tokens", 0.0),
-        "dynamic_sampling/passed_groups": s.get("groups_passed", 0.0),
-        "reward/timeout_frac": mean("samples_timeout", "samples_seen"),
-        "reward/error_frac": mean("samples_error", "samples_seen"),
-        # the trained batch
-        "critic/score/mean": mean("score", "samples"),
-        "critic/score/max": finite(mx.get("score")),
-        "critic/score/min": finite(mn.get("score")),
-        "critic/rewards/mean": mean("reward", "samples"),
-        "critic/rewards/max": finite(mx.get("reward")),
-        "critic/rewards/min": finite(mn.get("reward")),
-        "critic/advantages/mean": mean("advantage", "samples"),
-        "critic/advantages/max": finite(mx.get("advantage")),
-        "critic/advantages/min": finite(mn.get("advantage")),
-        "reward/length_penalty/mean": mean("length_term", "samples"),
-        "response_length/mean": mean("response_length", "samples"),
-        "response_length/max": finite(mx.get("response_length")),
-        "response_length/min": finite(mn.get("response_length")),
-        "response_length/clip_ratio": mean("truncated", "samples"),
-        "prompt_length/mean": mean("prompt_length", "samples"),
-        "prompt_length/max": finite(mx.get("prompt_length")),
-        "prompt_length/min": finite(mn.get("prompt_length")),
-        "prompt_length/clip_ratio": mean("prompt_at_limit", "samples"),  # at data.max_prompt_tokens
-        # the update
-        "actor/pg_loss": s.get("pg_loss", 0.0) / updates,
-        "actor/kl_loss": s.get("kl_loss", 0.0) / updates,
-        "actor/entropy": mean("entropy", "tokens"),
-        "actor/pg_clipfrac": mean("clip_any", "tokens"),
-        "actor/pg_clipfrac_lower": mean("clip_dual", "tokens"),
-        "actor/pg_clipfrac_high": mean("clip_high", "tokens"),
-        "actor/pg_clipfrac_low": mean("clip_low", "tokens"),
-        "actor/ppo_kl": mean("old_minus_new", "tokens"),
-        "actor/kl_mean": mean("kl", "tokens"),
-        "actor/grad_norm": finite(mx.get("grad_norm")) / updates,
-        # sampler vs trainer: |log p_trainer(pi_old) - log p_sampler| per response token
-        "rollout/logprob_mismatch": mean("mismatch", "tokens"),
-        "rollout/logprob_mismatch_max": finite(mx.get("mismatch")),
-    }
+    s, mx, _ = reduced
+    r = _Reduced(*reduced)
+    out = _sampling_metrics(r) | _batch_metrics(r) | _update_metrics(r)
     out.update({k: v for k, v in mx.items() if k.startswith("scheduler/")})
     for key in (k.split("/", 1)[1] for k in s if k.startswith("reward_extra/")):  # prorl/rewards/function.py
-        out[f"reward_extra/{key}/mean"] = mean(f"reward_extra/{key}", f"reward_extra_n/{key}")
+        out[f"reward_extra/{key}/mean"] = r.mean(f"reward_extra/{key}", f"reward_extra_n/{key}")
     if "is_weight" in s:
-        out["rollout/is_mean"] = mean("is_weight", "tokens")
-        out["rollout/is_max"] = finite(mx.get("is_weight"))
-        out["rollout/is_frac_modified"] = mean("is_modified", "tokens")
+        out["rollout/is_mean"] = r.mean("is_weight", "tokens")
+        out["rollout/is_max"] = r.max("is_weight")
+        out["rollout/is_frac_modified"] = r.mean("is_modified", "tokens")
     return out
+
+
+def _sampling_metrics(r: _Reduced) -> dict[str, float]:
+    """Sampling and dynamic sampling: every group generated this step, kept or not."""
+    return {
+        "dynamic_sampling/rounds": r.max("rounds"),
+        "dynamic_sampling/sampled_groups": r.sum("groups_seen"),
+        "dynamic_sampling/kept_groups": r.sum("groups_kept"),
+        "dynamic_sampling/carried_groups": r.sum("groups_carried"),
+        "dynamic_sampling/dropped_groups": r.sum("groups_dropped"),
+        "dynamic_sampling/pass_rate": r.mean("samples_correct", "samples_seen"),
+        "dynamic_sampling/frac_all_correct": r.mean("groups_all_correct", "groups_seen"),
+        "dynamic_sampling/frac_all_wrong": r.mean("groups_all_wrong", "groups_seen"),
+        "dynamic_sampling/kept_group_fraction": r.mean("groups_passed", "groups_seen"),
+        # every response token generated this step, kept or not, per group that passed the filter
+        "dynamic_sampling/gen_tokens_per_kept_group": r.mean("generated_tokens", "groups_passed"),
+        "dynamic_sampling/generated_tokens": r.sum("generated_tokens"),
+        "dynamic_sampling/passed_groups": r.sum("groups_passed"),
+        "reward/timeout_frac": r.mean("samples_timeout", "samples_seen"),
+        "reward/error_frac": r.mean("samples_error", "samples_seen"),
+    }
+
+
+def _batch_metrics(r: _Reduced) -> dict[str, float]:
+    """The trained batch: per sample."""
+    return {
+        "critic/score/mean": r.mean("score", "samples"),
+        "critic/score/max": r.max("score"),
+        "critic/score/min": r.min("score"),
+        "critic/rewards/mean": r.mean("reward", "samples"),
+        "critic/rewards/max": r.max("reward"),
+        "critic/rewards/min": r.min("reward"),
+        "critic/advantages/mean": r.mean("advantage", "samples"),
+        "critic/advantages/max": r.max("advantage"),
+        "critic/advantages/min": r.min("advantage"),
+        "reward/length_penalty/mean": r.mean("length_term", "samples"),
+        "response_length/mean": r.mean("response_length", "samples"),
+        "response_length/max": r.max("response_length"),
+        "response_length/min": r.min("response_length"),
+        "response_length/clip_ratio": r.mean("truncated", "samples"),
+        "prompt_length/mean": r.mean("prompt_length", "samples"),
+        "prompt_length/max": r.max("prompt_length"),
+        "prompt_length/min": r.min("prompt_length"),
+        "prompt_length/clip_ratio": r.mean("prompt_at_limit", "samples"),  # at data.max_prompt_tokens
+    }
+
+
+def _update_metrics(r: _Reduced) -> dict[str, float]:
+    """The update: per token, and per optimizer update."""
+    return {
+        "actor/pg_loss": r.sum("pg_loss") / r.updates,
+        "actor/kl_loss": r.sum("kl_loss") / r.updates,
+        "actor/entropy": r.mean("entropy", "tokens"),
+        "actor/pg_clipfrac": r.mean("clip_any", "tokens"),
+        "actor/pg_clipfrac_lower": r.mean("clip_dual", "tokens"),
+        "actor/pg_clipfrac_high": r.mean("clip_high", "tokens"),
+        "actor/pg_clipfrac_low": r.mean("clip_low", "tokens"),
+        "actor/ppo_kl": r.mean("old_minus_new", "tokens"),
+        "actor/kl_mean": r.mean("kl", "tokens"),
+        "actor/grad_norm": r.max("grad_norm") / r.updates,
+        # sampler vs trainer: |log p_trainer(pi_old) - log p_sampler| per response token
+        "rollout/logprob_mismatch": r.mean("mismatch", "tokens"),
+        "rollout/logprob_mismatch_max": r.max("mismatch"),
+    }
 
 
 def record_loss(acc: StepAccumulator, m: dict, ent_sum, old_logp, sampler_logp) -> None:

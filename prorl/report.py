@@ -320,6 +320,40 @@ def write_summary(run_dir: str) -> str:
     return path
 
 
+def _draw_panel(ax, key: str, steps: list[dict], vals: list, control) -> None:
+    """The curves of one panel of `plot_run`: a metric against step, or a composite (`clipfrac`,
+    `timing`, `scheduler`, held-out accuracy with the SFT control)."""
+    x = [r["step"] for r in steps]
+    if key == "val/accuracy":
+        ax.plot([s for s, _ in vals], [a for _, a in vals], "o-", label="RL")
+        if control:
+            ax.plot([s for s, _ in control], [a for _, a in control], "s--", label="SFT control")
+            ax.legend()
+    elif key == "clipfrac":  # clip-higher: the upper bound (1 + eps_high) and the lower (1 - eps_low)
+        for k, label in (
+            ("actor/pg_clipfrac", "either side"),
+            ("actor/pg_clipfrac_high", "high (A > 0)"),
+            ("actor/pg_clipfrac_low", "low (A < 0)"),
+        ):
+            ax.plot(x, [r.get(k, float("nan")) for r in steps], lw=1, label=label)
+        ax.legend(fontsize=8)
+    elif key == "timing":
+        present = [k for k in TIMING_KEYS if any(k in r for r in steps)]
+        if present:
+            ax.stackplot(
+                x, *[[r.get(k, 0.0) for r in steps] for k in present], labels=[k[9:] for k in present]
+            )
+        ax.plot(x, [r.get("timing_s/step", float("nan")) for r in steps], "k-", lw=0.8, label="step")
+        ax.set_ylim(0, 1.4 * max([r.get("timing_s/step", 0.0) for r in steps] + [1e-3]))  # legend room
+        ax.legend(fontsize=7, loc="upper left", ncol=3)
+    elif key == "scheduler":
+        for state in SCHEDULER_STATES[:4]:
+            ax.plot(x, [r.get(f"scheduler/{state}", float("nan")) for r in steps], lw=1, label=state)
+        ax.legend(fontsize=8)
+    else:
+        ax.plot(x, [r.get(key, float("nan")) for r in steps], lw=1)
+
+
 def plot_run(metrics_path: str, png_path: str, control: list[tuple[int, float]] | None = None) -> str:
     """Reward, accuracy, entropy, KL, response length, truncation, pass rate, clip fractions, grad norm,
     time per phase, kept groups and (with the scheduler on) prompts by state against step; reference
@@ -331,7 +365,6 @@ def plot_run(metrics_path: str, png_path: str, control: list[tuple[int, float]] 
 
     rows = read_metrics(metrics_path)
     steps = [r for r in rows if "critic/score/mean" in r]
-    x = [r["step"] for r in steps]
     vals = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
     resets = [r["step"] for r in steps if r.get("ref/reset_reason")]
     panels = [
@@ -355,34 +388,7 @@ def plot_run(metrics_path: str, png_path: str, control: list[tuple[int, float]] 
     for ax in axes[len(panels) :]:
         ax.axis("off")
     for ax, (key, title) in zip(axes, panels):
-        if key == "val/accuracy":
-            ax.plot([s for s, _ in vals], [a for _, a in vals], "o-", label="RL")
-            if control:
-                ax.plot([s for s, _ in control], [a for _, a in control], "s--", label="SFT control")
-                ax.legend()
-        elif key == "clipfrac":  # clip-higher: the upper bound (1 + eps_high) and the lower (1 - eps_low)
-            for k, label in (
-                ("actor/pg_clipfrac", "either side"),
-                ("actor/pg_clipfrac_high", "high (A > 0)"),
-                ("actor/pg_clipfrac_low", "low (A < 0)"),
-            ):
-                ax.plot(x, [r.get(k, float("nan")) for r in steps], lw=1, label=label)
-            ax.legend(fontsize=8)
-        elif key == "timing":
-            present = [k for k in TIMING_KEYS if any(k in r for r in steps)]
-            if present:
-                ax.stackplot(
-                    x, *[[r.get(k, 0.0) for r in steps] for k in present], labels=[k[9:] for k in present]
-                )
-            ax.plot(x, [r.get("timing_s/step", float("nan")) for r in steps], "k-", lw=0.8, label="step")
-            ax.set_ylim(0, 1.4 * max([r.get("timing_s/step", 0.0) for r in steps] + [1e-3]))  # legend room
-            ax.legend(fontsize=7, loc="upper left", ncol=3)
-        elif key == "scheduler":
-            for state in SCHEDULER_STATES[:4]:
-                ax.plot(x, [r.get(f"scheduler/{state}", float("nan")) for r in steps], lw=1, label=state)
-            ax.legend(fontsize=8)
-        else:
-            ax.plot(x, [r.get(key, float("nan")) for r in steps], lw=1)
+        _draw_panel(ax, key, steps, vals, control)
         for s in resets:
             ax.axvline(s, color="grey", ls="--", lw=0.8)
         if key == "response_length/mean":  # steps where the cosine length penalty was on, shaded

@@ -28,8 +28,8 @@ from prorl.data import dropped_by_source, encode_prompts
 from prorl.engine.parallel import all_reduce, watchdog
 from prorl.engine.rollout import SamplingParams
 from prorl.metrics import StepAccumulator
+from prorl.prompt_schedule import PromptScheduler
 from prorl.rewards.function import numeric_extras
-from prorl.scheduler import PromptScheduler
 
 
 @dataclass
@@ -278,10 +278,8 @@ def shape_rewards(groups: list[Group], rc, step: int, max_new: int) -> torch.Ten
             raw >= 1.0,
             max_len=max_new,
             lam=rc.length_lam,
-            eta_min=rc.length_eta_min,
-            eta_max=rc.length_eta_max,
-            wrong_eta_min=rc.wrong_eta_min,
-            wrong_eta_max=rc.wrong_eta_max,
+            eta=(rc.length_eta_min, rc.length_eta_max),
+            wrong_eta=(rc.wrong_eta_min, rc.wrong_eta_max),
         )
         term = term + cosine
     i = 0

@@ -119,7 +119,7 @@ def greedy_accuracy(model, tokenizer, examples, max_new_tokens: int = 40) -> flo
     return correct / len(examples)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "assets", "tiny-reasoner"))
     ap.add_argument("--steps", type=int, default=3000)
@@ -136,55 +136,56 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--log", default=None, help="JSONL of (step, loss, val accuracy); default <out>/warmstart.jsonl"
     )
-    args = ap.parse_args(argv)
+    return ap
 
-    torch.manual_seed(args.seed)
-    rng = random.Random(args.seed)
+
+def _model_and_tokenizer(args):
+    """The checkpoint `--init` names, or a new tiny decoder over the built tokenizer."""
     if args.init:
         from transformers import PreTrainedTokenizerFast
 
-        tokenizer = PreTrainedTokenizerFast.from_pretrained(args.init)
-        model = load_hf(args.init)
-    else:
-        tokenizer = build_tokenizer()
-        model = Decoder(tiny_config(len(tokenizer), args.layers))
-        model.init_weights(torch.Generator().manual_seed(args.seed))
-    opt = Optimizer(
-        model,
-        OptimizerConfig(
-            lr=args.lr,
-            weight_decay=0.0,
-            schedule="cosine",
-            warmup_steps=100,
-            total_steps=args.steps,
-            min_lr_ratio=0.05,
-            max_grad_norm=1.0,
-        ),
-    )
+        return load_hf(args.init), PreTrainedTokenizerFast.from_pretrained(args.init)
+    tokenizer = build_tokenizer()
+    model = Decoder(tiny_config(len(tokenizer), args.layers))
+    model.init_weights(torch.Generator().manual_seed(args.seed))
+    return model, tokenizer
+
+
+def _sft_batch(train, tokenizer, args, rng: random.Random):
+    """`args.batch` demonstrations, packed: token ids [N], cu_seqlens [B + 1] int32, next-token labels
+    [N] (-100 outside the answers)."""
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    ids, labels, lengths = [], [], []
+    for ex in rng.sample(train, args.batch):
+        text = ex.prompt[-1]["content"]
+        prompt = encode_chat(tokenizer, text)
+        answer = demonstration(text, args.slip, args.verbose, rng)
+        answer = tokenizer.encode(answer, add_special_tokens=False) + [end]
+        seq = prompt + answer
+        ids += seq
+        labels += [-100] * (len(prompt) - 1) + answer + [-100]  # next-token targets of the answer only
+        lengths.append(len(seq))
+    cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    return torch.tensor(ids), cu, torch.tensor(labels)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    model, tokenizer = _model_and_tokenizer(args)
+    schedule = dict(schedule="cosine", warmup_steps=100, total_steps=args.steps, min_lr_ratio=0.05)
+    opt = Optimizer(model, OptimizerConfig(lr=args.lr, weight_decay=0.0, max_grad_norm=1.0, **schedule))
     load_split, max_new_tokens = TASKS[args.task]
     train, val = load_split("train"), load_split("val")
-    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     os.makedirs(args.out, exist_ok=True)
     log = open(args.log or os.path.join(args.out, "warmstart.jsonl"), "w")
     start = time.time()
     for step in range(1, args.steps + 1):
-        ids, labels, lengths = [], [], []
-        for ex in rng.sample(train, args.batch):
-            text = ex.prompt[-1]["content"]
-            prompt = encode_chat(tokenizer, text)
-            answer = demonstration(text, args.slip, args.verbose, rng)
-            answer = tokenizer.encode(answer, add_special_tokens=False) + [end]
-            seq = prompt + answer
-            ids += seq
-            labels += [-100] * (len(prompt) - 1) + answer + [-100]  # next-token targets of the answer only
-            lengths.append(len(seq))
-        ids_t = torch.tensor(ids)
-        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-        hidden = model(ids_t, cu_seqlens=cu)
-        logp, _ = linear_logprob_entropy(
-            hidden, model.lm_head_weight, torch.tensor(labels), return_entropy=False
-        )
-        loss = -logp.sum() / (torch.tensor(labels) != -100).sum()
+        ids, cu, labels = _sft_batch(train, tokenizer, args, rng)
+        hidden = model(ids, cu_seqlens=cu)
+        logp, _ = linear_logprob_entropy(hidden, model.lm_head_weight, labels, return_entropy=False)
+        loss = -logp.sum() / (labels != -100).sum()
         loss.backward()
         opt.step()
         out_of_time = args.minutes is not None and time.time() - start > 60 * args.minutes
@@ -192,12 +193,8 @@ def main(argv: list[str] | None = None) -> int:
             model.eval()
             acc = greedy_accuracy(model, tokenizer, val, max_new_tokens)
             model.train()
-            rec = {
-                "step": step,
-                "loss": round(loss.item(), 4),
-                "val_greedy_accuracy": acc,
-                "elapsed_s": round(time.time() - start, 1),
-            }
+            rec = {"step": step, "loss": round(loss.item(), 4), "val_greedy_accuracy": acc}
+            rec["elapsed_s"] = round(time.time() - start, 1)
             print(json.dumps(rec), flush=True)
             log.write(json.dumps(rec) + "\n")
             log.flush()

@@ -16,6 +16,7 @@ from .native import NativeGenerator
 from .vllm import (  # vllm itself is imported only when one is built
     StaleWeightsError,
     VLLMGenerator,
+    VLLMOptions,
     torchrun_engine_kwargs,
 )
 
@@ -50,22 +51,20 @@ def build_generator(
     *,
     model=None,
     model_path: str | None = None,
-    dtype: torch.dtype = torch.float32,
     compile: bool = False,
     world_size: int = 1,
-    seed: int = 0,
     deterministic: bool = False,
     sleep: bool = False,
-    tensor_parallel_size: int = 1,
-    gpu_memory_utilization: float = 0.5,
-    max_model_len: int | None = None,
+    **vllm_options,
 ) -> Generator:
     """The sampler a trainer colocates with its policy.
 
-    native: a `NativeGenerator` over `model` (the policy itself, or an unsharded copy synced by the caller).
-    vllm: a `VLLMGenerator` started from `model_path` in `dtype`, one independent engine per rank under
+    native: a `NativeGenerator` over `model` (the policy itself, or an unsharded copy synced by the
+    caller). vllm: a `VLLMGenerator` started from `model_path`, one independent engine per rank under
     torchrun (`torchrun_engine_kwargs`), sleeping while the policy trains when `sleep` (GPUs), seeding
-    request by request only when `deterministic` (vLLM then samples request by request).
+    request by request only when `deterministic` (vLLM then samples request by request);
+    `vllm_options` are `VLLMOptions` fields (dtype, default float32; seed, tensor_parallel_size,
+    gpu_memory_utilization, max_model_len, ...).
     """
     if backend == "native":
         if model is None:
@@ -73,18 +72,13 @@ def build_generator(
         return NativeGenerator(model, compile=compile)
     if backend != "vllm":
         raise ValueError(f"rollout backend must be one of {BACKENDS}, got {backend!r}")
-
-    return VLLMGenerator(
-        model_path,
-        tensor_parallel_size=tensor_parallel_size,
-        gpu_memory_utilization=gpu_memory_utilization,
-        dtype=dtype,
+    options = VLLMOptions(
+        **{"dtype": torch.float32, **vllm_options},
         enable_sleep_mode=sleep,
-        seed=seed,
         per_request_seeds=deterministic,
-        max_model_len=max_model_len,
-        **torchrun_engine_kwargs(world_size, tensor_parallel_size),
     )
+    engine = torchrun_engine_kwargs(world_size, options.tensor_parallel_size)
+    return VLLMGenerator(model_path, options, **engine)
 
 
 __all__ = [
@@ -96,6 +90,7 @@ __all__ = [
     "SamplingParams",
     "StaleWeightsError",
     "VLLMGenerator",
+    "VLLMOptions",
     "build_generator",
     "resolve_backend",
 ]

@@ -86,6 +86,41 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, uniform: torch.T
     return tokens, logprobs
 
 
+class _Rows:
+    """The decode loop's per-row state: the working rows (finished ones leave, compacted together with
+    the KV cache) and the output rows they are flushed to (original row order)."""
+
+    def __init__(self, row_len, steps: int, tables, cache):
+        rows, device = row_len.shape[0], row_len.device
+        self.ids = torch.arange(rows, device=device)  # original row of each cache row
+        self.pos = row_len.clone()  # position of the token each row samples next
+        self.tok = torch.zeros(rows, steps, dtype=torch.long, device=device)
+        self.lp = torch.zeros(rows, steps, dtype=torch.float32, device=device)
+        self.alive = torch.ones(rows, dtype=torch.bool, device=device)
+        self.len = torch.zeros(rows, dtype=torch.long, device=device)
+        self.stop = torch.zeros(rows, dtype=torch.bool, device=device)
+        # uniforms [rows, steps], RoPE (cos, sin) [S_max, hd] by position, attention bias [rows, S_max]
+        self.uniforms, self.rope, self.bias = tables
+        self.cache = cache  # (K, V) per layer [rows, Hkv, S_max, hd]
+        self.out = [torch.zeros_like(x) for x in (self.tok, self.lp, self.len, self.stop)]
+
+    def flush(self) -> None:  # working rows -> output rows
+        for out, x in zip(self.out, (self.tok, self.lp, self.len, self.stop)):
+            out[self.ids] = x
+
+    def compact(self, tokens):
+        """Keep the live rows only (cache included); returns their `tokens`."""
+        self.flush()
+        keep = self.alive.nonzero().squeeze(1)
+        self.cache = tuple([c[keep] for c in layers] for layers in self.cache)
+        self.ids, self.pos, self.bias, self.uniforms = (
+            x[keep] for x in (self.ids, self.pos, self.bias, self.uniforms)
+        )
+        self.tok, self.lp, self.len, self.stop = (x[keep] for x in (self.tok, self.lp, self.len, self.stop))
+        self.alive = self.alive[keep]
+        return tokens[keep]
+
+
 class NativeGenerator(Generator):
     """Samples from a `Decoder` (the trained model itself, or a copy kept for inference).
 
@@ -133,103 +168,18 @@ class NativeGenerator(Generator):
     def generate(
         self, prompt_token_ids: list[list[int]], params: SamplingParams, on_finished=None
     ) -> Rollouts:
-        model, cfg = self.model, self.model.config
-        device = model.embed_tokens.weight.device
         if not prompt_token_ids or any(len(p) == 0 for p in prompt_token_ids):
             raise ValueError("generate: every prompt needs at least one token")
-        num_prompts, n, steps = len(prompt_token_ids), params.n, params.max_new_tokens
-        rows = num_prompts * n
+        device = self.model.embed_tokens.weight.device
         host_lengths = [len(p) for p in prompt_token_ids]
         lengths = torch.tensor(host_lengths, device=device)
-        l_max = max(host_lengths)
-        s_max = l_max + steps
-        dtype = model.embed_tokens.weight.dtype
-        cache_shape = (rows, cfg.num_kv_heads, s_max, cfg.head_dim)
-        # zeros, not empty: masked-out slots still enter the products, and garbage there can be NaN
-        k_cache = [torch.zeros(cache_shape, dtype=dtype, device=device) for _ in model.layers]
-        v_cache = [torch.zeros(cache_shape, dtype=dtype, device=device) for _ in model.layers]
-
-        # 1. prefill the distinct prompts, packed; each prompt's K/V go to its n rows
-        flat = torch.tensor([t for p in prompt_token_ids for t in p], device=device)
-        cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-        hidden = self._prefill(flat, cu, lengths, n, k_cache, v_cache)  # [N, D] final-normed
-        last = hidden[cu[1:].long() - 1]  # [P, D] hidden of each prompt's last token
-        logits = model.logits(last).float().repeat_interleave(n, 0)  # [rows, V]
-
-        # per-call tables: uniforms of every (row, step), RoPE of every position, the attention bias
-        row_len = lengths.repeat_interleave(n)  # [rows]
-        prompt_idx = torch.arange(num_prompts, device=device).repeat_interleave(n)
-        sample_idx = torch.arange(n, device=device).repeat(num_prompts)
-        step = torch.arange(steps, device=device)
-        uniforms = counter_uniform(
-            params.seed, prompt_idx[:, None], sample_idx[:, None], row_len[:, None] + step
-        )  # [rows, steps] float64
-        # RoPE: one sequence per position, so `dynamic` RoPE sees length pos + 1, as one decode token would
-        all_pos = torch.arange(s_max, device=device)
-        cos_table, sin_table = rope_cos_sin(cfg, all_pos, torch.arange(s_max + 1, device=device))
-        bias = torch.zeros(rows, s_max, dtype=dtype, device=device)
-        bias.masked_fill_(all_pos[None, :] >= row_len[:, None], float("-inf"))  # [rows, S_max]
-
-        # per-row state, compacted together with the cache
-        row_ids = torch.arange(rows, device=device)  # original row of each cache row
-        pos = row_len.clone()  # position of the token each row samples next
-        w_tok = torch.zeros(rows, steps, dtype=torch.long, device=device)
-        w_lp = torch.zeros(rows, steps, dtype=torch.float32, device=device)
-        stop_ids = list(params.stop_token_ids)
-        stop_t = torch.tensor(stop_ids, device=device)
-        alive = torch.ones(rows, dtype=torch.bool, device=device)
-        w_len = torch.zeros(rows, dtype=torch.long, device=device)
-        w_stop = torch.zeros(rows, dtype=torch.bool, device=device)
-        out_tok, out_lp = torch.zeros_like(w_tok), torch.zeros_like(w_lp)
-        out_len, out_stop = torch.zeros_like(w_len), torch.zeros_like(w_stop)
-
-        def flush():  # working rows -> output rows
-            out_tok[row_ids], out_lp[row_ids] = w_tok, w_lp
-            out_len[row_ids], out_stop[row_ids] = w_len, w_stop
-
-        fused = self._fused_weights()
-        unfinished = rows  # rows not yet reported to on_finished
-        for t in range(steps):
-            tokens, logps = sample_tokens(logits, params, uniforms[:, t])
-            w_tok[:, t] = tokens
-            w_lp[:, t] = logps
-            if stop_ids:
-                w_len += alive
-                hit = alive & (tokens == stop_ids[0] if len(stop_ids) == 1 else torch.isin(tokens, stop_t))
-                w_stop |= hit
-                alive &= ~hit
-                live = int(alive.sum())
-            else:
-                live = alive.shape[0]
-            if on_finished is not None and live < unfinished:  # rows that sampled a stop token
-                on_finished(unfinished - live)
-                unfinished = live
-            if t + 1 == steps or live == 0:
-                break
-            # 2. finished rows leave the work: compact once at most 3/4 of the rows are live
-            if live <= alive.shape[0] * 3 // 4:
-                flush()
-                keep = alive.nonzero().squeeze(1)
-                k_cache = [k[keep] for k in k_cache]
-                v_cache = [v[keep] for v in v_cache]
-                row_ids, pos, bias, uniforms = (x[keep] for x in (row_ids, pos, bias, uniforms))
-                tokens, w_tok, w_lp = tokens[keep], w_tok[keep], w_lp[keep]
-                w_len, w_stop, alive = w_len[keep], w_stop[keep], alive[keep]
-            r = torch.arange(tokens.shape[0], device=device)
-            bias[r, pos] = 0.0  # the slot this step writes becomes visible
-            s = l_max + t + 1  # rows attend to slots < s: every row's pos is below it
-            logits = self._decode(
-                tokens, pos, r, cos_table[pos], sin_table[pos], bias, k_cache, v_cache, s, fused
-            )
-            pos += 1
-        if not stop_ids:
-            w_len.fill_(t + 1)
-        flush()
-        if on_finished is not None and unfinished:  # the rows cut at max_new_tokens
-            on_finished(unfinished)
-
+        l_max, steps = max(host_lengths), params.max_new_tokens
+        logits, k_cache, v_cache = self._start(prompt_token_ids, lengths, params.n, l_max + steps)
+        rows = self._rows(params, lengths, l_max + steps, k_cache, v_cache)
+        self._decode_loop(rows, logits, params, l_max, on_finished)
         # 3. host copies, one per tensor
-        toks, lps, lens, stp = out_tok.tolist(), out_lp.tolist(), out_len.tolist(), out_stop.tolist()
+        toks, lps, lens, stp = (x.tolist() for x in rows.out)
+        n = params.n
         samples = [
             Sample(
                 prompt_index=i // n,
@@ -238,9 +188,85 @@ class NativeGenerator(Generator):
                 logprobs=lps[i][: lens[i]],
                 finish_reason="stop" if stp[i] else "length",
             )
-            for i in range(rows)
+            for i in range(len(toks))
         ]
         return Rollouts(samples)
+
+    def _start(self, prompt_token_ids, lengths, n: int, s_max: int):
+        """1. the KV cache of every row [rows, Hkv, S_max, hd] per layer, the distinct prompts
+        prefilled packed (each prompt's K/V go to its n rows), and the first logits [rows, V] fp32."""
+        model, cfg = self.model, self.model.config
+        device, dtype = lengths.device, model.embed_tokens.weight.dtype
+        cache_shape = (len(prompt_token_ids) * n, cfg.num_kv_heads, s_max, cfg.head_dim)
+        # zeros, not empty: masked-out slots still enter the products, and garbage there can be NaN
+        k_cache = [torch.zeros(cache_shape, dtype=dtype, device=device) for _ in model.layers]
+        v_cache = [torch.zeros(cache_shape, dtype=dtype, device=device) for _ in model.layers]
+        flat = torch.tensor([t for p in prompt_token_ids for t in p], device=device)
+        cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        hidden = self._prefill(flat, cu, lengths, n, k_cache, v_cache)  # [N, D] final-normed
+        last = hidden[cu[1:].long() - 1]  # [P, D] hidden of each prompt's last token
+        logits = model.logits(last).float().repeat_interleave(n, 0)  # [rows, V]
+        return logits, k_cache, v_cache
+
+    def _rows(self, params: SamplingParams, lengths, s_max: int, k_cache, v_cache) -> _Rows:
+        """The per-call tables (uniforms of every (row, step), RoPE of every position, the attention
+        bias) and the per-row state."""
+        cfg, device = self.model.config, lengths.device
+        num_prompts, n, steps = lengths.shape[0], params.n, params.max_new_tokens
+        row_len = lengths.repeat_interleave(n)  # [rows]
+        prompt_idx = torch.arange(num_prompts, device=device).repeat_interleave(n)
+        sample_idx = torch.arange(n, device=device).repeat(num_prompts)
+        step = torch.arange(steps, device=device)
+        uniforms = counter_uniform(
+            params.seed, prompt_idx[:, None], sample_idx[:, None], row_len[:, None] + step
+        )  # [rows, steps] float64
+        # RoPE: one sequence per position, so `dynamic` RoPE sees length pos + 1, as a decode token does
+        all_pos = torch.arange(s_max, device=device)
+        rope = rope_cos_sin(cfg, all_pos, torch.arange(s_max + 1, device=device))
+        bias = torch.zeros(row_len.shape[0], s_max, dtype=k_cache[0].dtype, device=device)
+        bias.masked_fill_(all_pos[None, :] >= row_len[:, None], float("-inf"))  # [rows, S_max]
+        return _Rows(row_len, steps, (uniforms, rope, bias), (k_cache, v_cache))
+
+    def _decode_loop(self, rows: _Rows, logits, params: SamplingParams, l_max: int, on_finished):
+        """2. sample a token for every live row, then decode it, until every row stopped or hit
+        max_new_tokens; finished rows leave the work once at most 3/4 of the rows are live."""
+        steps, device = params.max_new_tokens, logits.device
+        cos_table, sin_table = rows.rope
+        stop_ids = list(params.stop_token_ids)
+        stop_t = torch.tensor(stop_ids, device=device)
+        fused = self._fused_weights()
+        unfinished = rows.alive.shape[0]  # rows not yet reported to on_finished
+        for t in range(steps):
+            tokens, logps = sample_tokens(logits, params, rows.uniforms[:, t])
+            rows.tok[:, t] = tokens
+            rows.lp[:, t] = logps
+            if stop_ids:
+                rows.len += rows.alive
+                one = len(stop_ids) == 1
+                hit = rows.alive & (tokens == stop_ids[0] if one else torch.isin(tokens, stop_t))
+                rows.stop |= hit
+                rows.alive &= ~hit
+                live = int(rows.alive.sum())
+            else:
+                live = rows.alive.shape[0]
+            if on_finished is not None and live < unfinished:  # rows that sampled a stop token
+                on_finished(unfinished - live)
+                unfinished = live
+            if t + 1 == steps or live == 0:
+                break
+            if live <= rows.alive.shape[0] * 3 // 4:
+                tokens = rows.compact(tokens)
+            r = torch.arange(tokens.shape[0], device=device)
+            rows.bias[r, rows.pos] = 0.0  # the slot this step writes becomes visible
+            s = l_max + t + 1  # rows attend to slots < s: every row's pos is below it
+            rope = (cos_table[rows.pos], sin_table[rows.pos])
+            logits = self._decode(tokens, rows.pos, r, rope, rows.bias, rows.cache, s, fused)
+            rows.pos += 1
+        if not stop_ids:
+            rows.len.fill_(t + 1)
+        rows.flush()
+        if on_finished is not None and unfinished:  # the rows cut at max_new_tokens
+            on_finished(unfinished)
 
     # ---------------------------------------------------------------------------------------------
     def _prefill(self, flat, cu, lengths, n, k_cache, v_cache):
@@ -290,10 +316,12 @@ class NativeGenerator(Generator):
             self._fused, self._fused_key = fused, key
         return self._fused
 
-    def _decode_step(self, tokens, pos, rows, cos, sin, bias, k_cache, v_cache, s: int, fused):
-        """One token for every cache row: tokens/pos/rows (= arange) [R], cos/sin [R, hd], bias [R, S_max]
-        -> next logits [R, V] fp32. Attends to cache slots [0, s)."""
+    def _decode_step(self, tokens, pos, rows, rope, bias, cache, s: int, fused):
+        """One token for every cache row: tokens/pos/rows (= arange) [R], rope = (cos, sin) [R, hd],
+        bias [R, S_max], cache = (K, V) per layer -> next logits [R, V] fp32. Attends to cache slots
+        [0, s)."""
         model = self.model
+        (cos, sin), (k_cache, v_cache) = rope, cache
         r = tokens.shape[0]
         mask = bias[:, None, None, :s]  # [R, 1, 1, s]
         x = model.embed_tokens(tokens)

@@ -27,6 +27,8 @@ elementwise passes) with ppo_loss's aggregation weights; with use_bias_correctio
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..ppo_loss import ppo_loss
@@ -76,25 +78,27 @@ def trl_grpo_loss(
     where TRL applies it (use_vllm and vllm_importance_sampling_correction). Returns the 0-d loss TRL's
     `_compute_loss` returns when the entropy bonus and the auxiliary loss are off.
     """
-    loss, _ = _loss_and_metrics(
-        per_token_logps,
-        old_per_token_logps,
-        advantages,
-        completion_mask,
+    settings = TRLLossSettings(
         loss_type=loss_type,
         epsilon_low=epsilon,
         epsilon_high=epsilon if epsilon_high is None else epsilon_high,
         beta=beta,
-        ref_per_token_logps=ref_per_token_logps,
         use_bias_correction_kl=use_bias_correction_kl,
         num_items_in_batch=num_items_in_batch,
         num_processes=num_processes,
         gradient_accumulation_steps=gradient_accumulation_steps,
         steps_per_generation=steps_per_generation,
         max_completion_length=max_completion_length,
-        importance_sampling_ratio=importance_sampling_ratio,
-        backend=backend,
     )
+    tensors = dict(
+        per_token_logps=per_token_logps,
+        old_per_token_logps=old_per_token_logps,
+        advantages=advantages,
+        mask=completion_mask,
+        ref_per_token_logps=ref_per_token_logps,
+        importance_sampling_ratio=importance_sampling_ratio,
+    )
+    loss, _ = _loss_and_metrics(tensors, settings, backend=backend)
     return loss
 
 
@@ -119,26 +123,8 @@ def trl_compute_loss(trainer, model, inputs: dict) -> torch.Tensor:
         **{k: inputs.get(k) for k in _FORWARD_INPUTS},
     )
     train = trainer.model.training
-    use_is = trainer.use_vllm and trainer.vllm_importance_sampling_correction
-    loss, m = _loss_and_metrics(
-        per_token_logps,
-        inputs.get("old_per_token_logps"),
-        inputs["advantages"],
-        mask,
-        loss_type=trainer.loss_type,
-        epsilon_low=trainer.epsilon_low,
-        epsilon_high=trainer.epsilon_high,
-        beta=trainer.beta,
-        ref_per_token_logps=inputs.get("ref_per_token_logps"),
-        use_bias_correction_kl=trainer.args.use_bias_correction_kl,
-        num_items_in_batch=inputs.get("num_items_in_batch"),
-        num_processes=trainer.accelerator.num_processes,
-        gradient_accumulation_steps=trainer.current_gradient_accumulation_steps if train else 1,
-        steps_per_generation=trainer.args.steps_per_generation if train else 1,
-        max_completion_length=trainer.max_completion_length,
-        importance_sampling_ratio=inputs.get("importance_sampling_ratio") if use_is else None,
-        per_row_clip=True,
-    )
+    tensors = trl_loss_tensors(trainer, inputs, per_token_logps, mask)
+    loss, m = _loss_and_metrics(tensors, TRLLossSettings.of(trainer, inputs), per_row_clip=True)
 
     log_trl_metrics(trainer, m, (entropies * mask).sum(), train)
     return loss
@@ -196,79 +182,106 @@ def _check_supported(trainer, who: str = "trl_compute_loss") -> None:
         )
 
 
-def _normaliser(loss_type, b, mask, num_items_in_batch, num_processes, accum, steps_per_generation, max_len):
+@dataclass(frozen=True)
+class TRLLossSettings:
+    """GRPOTrainer's loss settings, named as TRL names them. `gradient_accumulation_steps` is TRL's
+    current_gradient_accumulation_steps; it and `steps_per_generation` are 1 in evaluation."""
+
+    loss_type: str
+    epsilon_low: float
+    epsilon_high: float
+    beta: float
+    use_bias_correction_kl: bool
+    num_items_in_batch: torch.Tensor | float | None
+    num_processes: int
+    gradient_accumulation_steps: int
+    steps_per_generation: int
+    max_completion_length: int | None
+
+    @classmethod
+    def of(cls, trainer, inputs: dict) -> TRLLossSettings:
+        """The settings of `trainer` (a GRPOTrainer) for the batch `inputs`."""
+        train = trainer.model.training
+        return cls(
+            loss_type=trainer.loss_type,
+            epsilon_low=trainer.epsilon_low,
+            epsilon_high=trainer.epsilon_high,
+            beta=trainer.beta,
+            use_bias_correction_kl=trainer.args.use_bias_correction_kl,
+            num_items_in_batch=inputs.get("num_items_in_batch"),
+            num_processes=trainer.accelerator.num_processes,
+            gradient_accumulation_steps=trainer.current_gradient_accumulation_steps if train else 1,
+            steps_per_generation=trainer.args.steps_per_generation if train else 1,
+            max_completion_length=trainer.max_completion_length,
+        )
+
+
+def trl_loss_tensors(trainer, inputs: dict, per_token_logps, mask) -> dict:
+    """The loss's tensors, by TRL's names, from `inputs`; the IS ratio only where TRL applies it
+    (use_vllm and vllm_importance_sampling_correction)."""
+    use_is = trainer.use_vllm and trainer.vllm_importance_sampling_correction
+    return dict(
+        per_token_logps=per_token_logps,
+        old_per_token_logps=inputs.get("old_per_token_logps"),
+        advantages=inputs["advantages"],
+        mask=mask,
+        ref_per_token_logps=inputs.get("ref_per_token_logps"),
+        importance_sampling_ratio=inputs.get("importance_sampling_ratio") if use_is else None,
+    )
+
+
+def _normaliser(s: TRLLossSettings, mask):
     """(ppo_loss agg, D) for TRL's loss_type: what TRL divides the masked sum (per row for grpo) by."""
-    if loss_type == "grpo":
+    b, accum = mask.shape[0], float(s.gradient_accumulation_steps)
+    if s.loss_type == "grpo":
         return "seq-mean-token-mean", float(b * accum)
-    if loss_type == "bnpo":
+    if s.loss_type == "bnpo":
         return "token-mean", mask.sum().clamp(min=1.0) * accum
-    if loss_type == "dr_grpo":
-        if max_len is None:
+    if s.loss_type == "dr_grpo":
+        if s.max_completion_length is None:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length")
-        return "constant", float(b * max_len * accum)
-    if loss_type == "dapo":
-        if num_items_in_batch is None:
+        return "constant", float(b * s.max_completion_length * accum)
+    if s.loss_type == "dapo":
+        if s.num_items_in_batch is None:
             raise ValueError(
                 "loss_type='dapo' needs num_items_in_batch (completion tokens of the generation batch)"
             )
-        items = torch.as_tensor(num_items_in_batch, device=mask.device).clamp(min=1.0)
-        return "token-mean", items / num_processes * accum / steps_per_generation
-    raise ValueError(f"loss_type {loss_type!r} is not fused; use one of {', '.join(LOSS_TYPES)}")
+        items = torch.as_tensor(s.num_items_in_batch, device=mask.device).clamp(min=1.0)
+        return "token-mean", items / s.num_processes * accum / s.steps_per_generation
+    raise ValueError(f"loss_type {s.loss_type!r} is not fused; use one of {', '.join(LOSS_TYPES)}")
 
 
-def _loss_and_metrics(
-    per_token_logps,
-    old_per_token_logps,
-    advantages,
-    mask,
-    *,
-    loss_type,
-    epsilon_low,
-    epsilon_high,
-    beta,
-    ref_per_token_logps,
-    use_bias_correction_kl,
-    num_items_in_batch,
-    num_processes,
-    gradient_accumulation_steps,
-    steps_per_generation,
-    max_completion_length,
-    importance_sampling_ratio,
-    backend=None,
-    per_row_clip=False,
-):
+def _is_weights(ratio, like):
+    """TRL's importance_sampling_ratio as ppo_loss's is_weights: the sequence-level modes' [B, 1]
+    expanded to [B, T]."""
+    return ratio.expand_as(like) if ratio is not None and ratio.shape != like.shape else ratio
+
+
+def _loss_and_metrics(tensors: dict, s: TRLLossSettings, backend=None, per_row_clip=False):
     """The loss and ppo_loss's metrics, plus kl_sum (the masked sum of TRL's per_token_kl) and, with
-    `per_row_clip`, TRL's per-row clip fractions row_clip_low / row_clip_high [B] (NaN for an empty row)."""
-    if old_per_token_logps is None:  # TRL's on-policy shortcut
-        old_per_token_logps = per_token_logps.detach()
-    b = per_token_logps.shape[0]
-    agg, normalizer = _normaliser(
-        loss_type,
-        b,
-        mask,
-        num_items_in_batch,
-        num_processes,
-        float(gradient_accumulation_steps),
-        steps_per_generation,
-        max_completion_length,
-    )
-    is_weights = importance_sampling_ratio
-    if is_weights is not None and is_weights.shape != per_token_logps.shape:
-        is_weights = is_weights.expand_as(per_token_logps)  # the sequence-level modes' [B, 1]
-    with_kl = beta != 0.0
-    fused_kl = with_kl and not use_bias_correction_kl
+    `per_row_clip`, TRL's per-row clip fractions row_clip_low / row_clip_high [B] (NaN for an empty row).
+    `tensors`: TRL's per_token_logps, old_per_token_logps, advantages, mask, ref_per_token_logps,
+    importance_sampling_ratio."""
+    logp, mask, advantages = tensors["per_token_logps"], tensors["mask"], tensors["advantages"]
+    old = tensors["old_per_token_logps"]
+    if old is None:  # TRL's on-policy shortcut
+        old = logp.detach()
+    ref = tensors["ref_per_token_logps"]
+    agg, normalizer = _normaliser(s, mask)
+    with_kl = s.beta != 0.0
+    fused_kl = with_kl and not s.use_bias_correction_kl
     loss, m = ppo_loss(
-        per_token_logps,
-        old_per_token_logps,
+        logp,
+        old,
         advantages,
         mask,
-        eps_low=epsilon_low,
-        eps_high=epsilon_high,
-        ref_logp=ref_per_token_logps if fused_kl else None,
-        kl_coef=beta if fused_kl else 0.0,
+        eps_low=s.epsilon_low,
+        eps_high=s.epsilon_high,
+        ref_logp=ref if fused_kl else None,
+        kl_coef=s.beta if fused_kl else 0.0,
         kl_estimator="k3",
         kl_clamp="none",
-        is_weights=is_weights,
+        is_weights=_is_weights(tensors["importance_sampling_ratio"], logp),
         agg=agg,
         normalizer=normalizer,
         backend=backend,
@@ -278,17 +291,13 @@ def _loss_and_metrics(
         m["kl_sum"] = m["kl_mean"] * m["num_tokens"]
     elif with_kl:  # TRL's per_token_kl = k3(logp - ref) * exp(logp - old), aggregated like the loss
         valid = mask.bool()
-        delta = torch.where(valid, ref_per_token_logps - per_token_logps, 0.0)
-        ratio = torch.exp(torch.where(valid, per_token_logps - old_per_token_logps, 0.0))
+        delta = torch.where(valid, ref - logp, 0.0)
+        ratio = torch.exp(torch.where(valid, logp - old, 0.0))
         per_token_kl = torch.where(valid, (torch.exp(delta) - delta - 1) * ratio, 0.0)
-        loss = loss + beta * _aggregate(per_token_kl, valid, agg, normalizer)
+        loss = loss + s.beta * _aggregate(per_token_kl, valid, agg, normalizer)
         m["kl_sum"] = per_token_kl.detach().sum()
     if per_row_clip:
-        m.update(
-            row_clip_fractions(
-                per_token_logps, old_per_token_logps, advantages, mask, epsilon_low, epsilon_high
-            )
-        )
+        m.update(row_clip_fractions(logp, old, advantages, mask, s.epsilon_low, s.epsilon_high))
     return loss, m
 
 

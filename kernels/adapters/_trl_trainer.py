@@ -31,11 +31,14 @@ from trl import GRPOTrainer
 from ..linear_logprob_entropy import linear_logprob_entropy
 from ..linear_ppo_loss import linear_ppo_loss
 from ._trl import (
+    TRLLossSettings,
     _check_supported,
+    _is_weights,
     _loss_and_metrics,
     _normaliser,
     log_trl_metrics,
     row_clip_fractions,
+    trl_loss_tensors,
 )
 
 __all__ = ["FusedGRPOTrainer"]
@@ -114,54 +117,27 @@ class FusedGRPOTrainer(GRPOTrainer):
         c = completion_ids.size(1)
         mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         train = self.model.training
-        loss_kw = dict(
-            loss_type=self.loss_type,
-            epsilon_low=self.epsilon_low,
-            epsilon_high=self.epsilon_high,
-            beta=self.beta,
-            ref_per_token_logps=inputs.get("ref_per_token_logps"),
-            use_bias_correction_kl=self.args.use_bias_correction_kl,
-            num_items_in_batch=inputs.get("num_items_in_batch"),
-            num_processes=self.accelerator.num_processes,
-            gradient_accumulation_steps=self.current_gradient_accumulation_steps if train else 1,
-            steps_per_generation=self.args.steps_per_generation if train else 1,
-            max_completion_length=self.max_completion_length,
-            importance_sampling_ratio=(
-                inputs.get("importance_sampling_ratio")
-                if self.use_vllm and self.vllm_importance_sampling_correction
-                else None
-            ),
-        )
-        old, advantages = inputs.get("old_per_token_logps"), inputs["advantages"]
+        settings = TRLLossSettings.of(self, inputs)
         hidden, weight = self._completion_hidden(model, input_ids, attention_mask, c)
         labels = self._labels(input_ids, attention_mask, c)
         with torch.autocast(hidden.device.type, enabled=False):
             if self.beta != 0.0 and self.args.use_bias_correction_kl:
                 logp, entropy = linear_logprob_entropy(hidden, weight, labels, self.temperature)
-                loss, m = _loss_and_metrics(logp, old, advantages, mask, per_row_clip=True, **loss_kw)
+                tensors = trl_loss_tensors(self, inputs, logp, mask)
+                loss, m = _loss_and_metrics(tensors, settings, per_row_clip=True)
                 entropy_sum = (entropy.detach() * mask).sum()
             else:
-                loss, m = self._fused_loss(hidden, weight, labels, old, advantages, mask, **loss_kw)
+                tensors = trl_loss_tensors(self, inputs, None, mask)
+                loss, m = self._fused_loss(hidden, weight, labels, tensors, settings)
                 entropy_sum = m["entropy_mean"] * m["num_tokens"]
         log_trl_metrics(self, m, entropy_sum, train)
         return loss
 
-    def _fused_loss(self, hidden, weight, labels, old, advantages, mask, **kw):
+    def _fused_loss(self, hidden, weight, labels, tensors: dict, s: TRLLossSettings):
         """linear_ppo_loss with TRL's arguments: the loss and trl_compute_loss's metrics."""
-        agg, normalizer = _normaliser(
-            kw["loss_type"],
-            mask.shape[0],
-            mask,
-            kw["num_items_in_batch"],
-            kw["num_processes"],
-            float(kw["gradient_accumulation_steps"]),
-            kw["steps_per_generation"],
-            kw["max_completion_length"],
-        )
-        is_weights = kw["importance_sampling_ratio"]
-        if is_weights is not None and is_weights.shape != mask.shape:
-            is_weights = is_weights.expand(mask.shape)  # the sequence-level modes' [B, 1]
-        with_kl = kw["beta"] != 0.0
+        old, advantages, mask = tensors["old_per_token_logps"], tensors["advantages"], tensors["mask"]
+        agg, normalizer = _normaliser(s, mask)
+        with_kl = s.beta != 0.0
         loss, m = linear_ppo_loss(
             hidden,
             weight,
@@ -170,13 +146,13 @@ class FusedGRPOTrainer(GRPOTrainer):
             advantages,
             mask,
             temperature=self.temperature,
-            eps_low=kw["epsilon_low"],
-            eps_high=kw["epsilon_high"],
-            ref_logp=kw["ref_per_token_logps"] if with_kl else None,
-            kl_coef=kw["beta"],
+            eps_low=s.epsilon_low,
+            eps_high=s.epsilon_high,
+            ref_logp=tensors["ref_per_token_logps"] if with_kl else None,
+            kl_coef=s.beta,
             kl_estimator="k3",
             kl_clamp="none",
-            is_weights=is_weights,
+            is_weights=_is_weights(tensors["importance_sampling_ratio"], mask),
             agg=agg,
             normalizer=normalizer,
         )
@@ -184,7 +160,7 @@ class FusedGRPOTrainer(GRPOTrainer):
         if with_kl:
             m["kl_sum"] = m["kl_mean"] * m["num_tokens"]
         old = m["logp"] if old is None else old
-        m.update(row_clip_fractions(m["logp"], old, advantages, mask, kw["epsilon_low"], kw["epsilon_high"]))
+        m.update(row_clip_fractions(m["logp"], old, advantages, mask, s.epsilon_low, s.epsilon_high))
         return loss, m
 
 

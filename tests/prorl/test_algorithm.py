@@ -62,10 +62,8 @@ def test_cosine_shaping_skips_truncated_and_uses_wrong_eta():
         correct,
         max_len=8192,
         lam=1.0,
-        eta_min=1.0,
-        eta_max=2.0,
-        wrong_eta_min=-10.0,
-        wrong_eta_max=0.0,
+        eta=(1.0, 2.0),
+        wrong_eta=(-10.0, 0.0),
     )
     torch.testing.assert_close(term, torch.tensor([1.5, -5.0, 0.0]))
 

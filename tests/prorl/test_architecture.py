@@ -43,3 +43,30 @@ def test_library_has_no_import_cycle_and_few_function_level_imports():
     assert values["import cycles"] == 0, found["import cycles"]
     assert values["library imports of the command line"] == 0, found["library imports of the command line"]
     assert values["function-level imports of own modules"] <= 20
+
+
+def test_functions_are_named_by_their_qualified_names():
+    import ast
+
+    src = (
+        "def f():\n    def g():\n        pass\n"
+        "class C:\n    def m(self):\n        if 1:\n            def h():\n                pass\n"
+    )
+    assert sorted(name for name, _ in architecture.functions(ast.parse(src))) == ["C.m", "C.m.h", "f", "f.g"]
+
+
+def test_a_public_ops_signature_is_not_counted_as_its_length():
+    """ppo_loss's signature has a line per argument (as the peers'); another function's counts."""
+    import ast
+
+    args = "".join(f"    a{i}=None,\n" for i in range(70))
+    src = f"def ppo_loss(\n{args}):\n    return 1\ndef other(\n{args}):\n    return 1\n"
+    fns = dict(architecture.functions(ast.parse(src)))
+    assert architecture.measured_lines("ppo_loss", fns["ppo_loss"]) == 1
+    assert architecture.measured_lines("other", fns["other"]) == 73
+
+
+def test_library_functions_are_short_and_take_few_parameters():
+    values, found = architecture.measure()
+    assert values["functions over 60 lines"] == 0, found["functions over 60 lines"]
+    assert values["functions over 8 parameters"] == 0, found["functions over 8 parameters"]

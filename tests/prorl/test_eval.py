@@ -15,7 +15,8 @@ import torch
 
 import prorl.rewards as rewards
 from prorl import data
-from prorl.eval import evaluate, main, pass_at_k, pass_ks, summarize
+from prorl.eval import EvalInputs, EvalSettings, evaluate, main
+from prorl.eval_metrics import pass_at_k, pass_ks, summarize
 
 
 def brute_pass_at_k(n: int, c: int, k: int) -> float:
@@ -197,17 +198,10 @@ def test_api_with_loaded_model_and_pool(tiny_model_dir, eval_verifier):
     model = load_hf(tiny_model_dir).train()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(tiny_model_dir)
     with RewardPool(num_workers=1, preload=()) as pool:
-        res = evaluate(
-            None,
-            EXAMPLES[:2],
-            2,
-            model=model,
-            tokenizer=tokenizer,
-            pool=pool,
-            max_tokens=4,
-            prompts_per_generate=1,  # two generate calls, the first scored while the second runs
-            log=None,
-        )
+        inputs = EvalInputs(model=model, tokenizer=tokenizer, pool=pool)
+        # two generate calls, the first scored while the second runs
+        settings = EvalSettings(k=2, max_tokens=4, prompts_per_generate=1)
+        res = evaluate(EXAMPLES[:2], inputs, settings, log=None)
     assert model.training  # restored
     assert res["all"]["pass@1"] == 0.5 and res["all"]["pass@2"] == 0.5
     assert [(s["index"], s["sample"]) for s in res["samples"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -218,7 +212,7 @@ def test_unimplemented_backend_is_a_clear_error(tiny_model_dir, capsys):
     assert main(["--model", tiny_model_dir, "--builtin", "digit_sums", "--backend", "vllm"]) == 2
     assert "not implemented yet" in capsys.readouterr().err
     with pytest.raises(NotImplementedError, match="native"):
-        evaluate(tiny_model_dir, [], backend="vllm")
+        evaluate([], EvalInputs(tiny_model_dir), EvalSettings(backend="vllm"))
 
 
 def test_an_interrupted_evaluation_reports_what_it_scored(tmp_path):
@@ -245,8 +239,10 @@ def test_an_interrupted_evaluation_reports_what_it_scored(tmp_path):
             return native.generate(prompts, params, on_finished)
 
     examples = data.builtin("digit_sums", n=6, split="val")
-    kw = dict(model=model, tokenizer=tok, max_tokens=40, prompts_per_generate=2, num_workers=1, log=None)
-    res = evaluate(None, examples, 2, generator=Interrupted(), partial_on_interrupt=True, **kw)
+    kw = dict(k=2, max_tokens=40, prompts_per_generate=2, num_workers=1)
+    inputs = EvalInputs(model=model, tokenizer=tok, generator=Interrupted())
+    res = evaluate(examples, inputs, EvalSettings(partial_on_interrupt=True, **kw), log=None)
     assert res["interrupted"] and res["n_evaluated"] == 2 and res["all"]["prompts"] == 2
+    inputs.generator = Interrupted()
     with pytest.raises(KeyboardInterrupt):
-        evaluate(None, examples, 2, generator=Interrupted(), **kw)
+        evaluate(examples, inputs, EvalSettings(**kw), log=None)

@@ -14,7 +14,7 @@ from prorl.engine.rollout.vllm import _progress_bar
 from transformers import PreTrainedTokenizerFast
 
 from prorl import data
-from prorl.eval import HOST_BYTES_PER_TOKEN, evaluate
+from prorl.eval import HOST_BYTES_PER_TOKEN, EvalInputs, EvalSettings, evaluate
 
 TINY_REASONER = str(Path(__file__).resolve().parents[2] / "prorl" / "assets" / "tiny-reasoner")
 K, MAX_NEW = 2, 40
@@ -45,8 +45,9 @@ def _evaluate(tiny, generator, n=12, **kw):
     model, tok = tiny
     lines = []
     examples = data.builtin("digit_sums", n=n, split="val")
-    res = evaluate(None, examples, K, model=model, tokenizer=tok, generator=generator, max_tokens=MAX_NEW,
-                   num_workers=1, log=lines.append, **kw)  # fmt: skip
+    inputs = EvalInputs(model=model, tokenizer=tok, generator=generator)
+    settings = EvalSettings(k=K, max_tokens=MAX_NEW, num_workers=1, **kw)
+    res = evaluate(examples, inputs, settings, log=lines.append)
     assert res["all"]["prompts"] == n and len(res["samples"]) == n * K
     return lines
 

@@ -107,10 +107,9 @@ def test_evaluation_progress_is_per_finished_sample(tiny, monkeypatch):
     monkeypatch.setattr(eval_module, "PROGRESS_EVERY_S", 0.0)
     lines = []
     examples = data.builtin("digit_sums", n=4, split="val")
-    kw = dict(
-        model=model, tokenizer=tok, max_tokens=30, prompts_per_generate=4, num_workers=1, log=lines.append
-    )
-    eval_module.evaluate(None, examples, 2, **kw)
+    inputs = eval_module.EvalInputs(model=model, tokenizer=tok)
+    settings = eval_module.EvalSettings(k=2, max_tokens=30, prompts_per_generate=4, num_workers=1)
+    eval_module.evaluate(examples, inputs, settings, log=lines.append)
     progress = [line for line in lines if "samples finished" in line]
     generate_calls = [line for line in lines if line.startswith("eval: generated")]
     assert len(generate_calls) == 1 and len(progress) > 1  # several reports within the one call

@@ -368,105 +368,145 @@ def run_python(
     uid = UID_BASE + os.getpid() if root else None
     _remove_stale_dirs()
     outer, lock = tempdirs.make_locked(TMP_PREFIX)
-    cgroup = None
+    launch = None
     try:
         os.chmod(outer, 0o711)
-        code_dir = os.path.join(outer, "code")
-        os.mkdir(code_dir, 0o755)
-        for fname, content in files.items():
-            path = os.path.join(code_dir, fname)
-            with open(path, "wb") as f:
-                f.write(content.encode() if isinstance(content, str) else content)
-            os.chmod(path, 0o644)
-        os.chmod(code_dir, 0o755)
+        code_dir = _write_code(outer, files)
         started_r, status = os.pipe()  # Python writes one byte to `status` when it runs inside
         inner = code_dir if name == "none" else CODE_DIR
         sites = os.pathsep.join(rootfs.user_sites())
         python = [sys.executable, "-I", "-c", _BOOT, str(status), _filter_hex(), sites]
         python += [f"{inner}/{script}", inner, *args]
-        drop_in_preexec = None
-        cwd = outer
-        inherit = [status]  # descriptors the sandbox's first process inherits
+        launch = _Launch(outer, python, [status], cwd=outer)
         try:
-            if name == "unshare":
-                argv = _unshare_command(outer, code_dir, python, limits, uid)
-            elif name == "bwrap":
-                argv = _bwrap_command(outer, code_dir, python, limits, inherit)
-            else:
-                argv, cwd = python, os.path.join(outer, "work")
-                drop_in_preexec = _none_workdir(cwd, uid)
-            setup = cgroups.setup()
-            if setup.parents:
-                pids = limits.nproc + _HELPERS[name]
-                cgroup = cgroups.Cgroup(setup, limits.memory_bytes, pids, limits.cpu_cores)
+            _prepare(launch, name, code_dir, limits, uid)
         except (rootfs.LayoutError, OSError, SandboxError) as exc:
-            for fd in (*inherit, started_r):
+            for fd in (*launch.inherit, started_r):
                 os.close(fd)
             if isinstance(exc, SandboxError):
                 raise
             raise SandboxError(f"cannot set up the `{name}` sandbox: {exc}") from exc
-        out_path, err_path = os.path.join(outer, "stdout"), os.path.join(outer, "stderr")
-        start = time.monotonic()
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            try:
-                proc = subprocess.Popen(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=err,
-                    cwd=cwd,
-                    env={"PATH": SAFE_PATH + ":/usr/sbin:/sbin"},
-                    start_new_session=True,
-                    close_fds=True,
-                    pass_fds=inherit,
-                    preexec_fn=_preexec(limits, drop_in_preexec, cgroup),
-                )
-            except (OSError, subprocess.SubprocessError) as exc:
-                os.close(started_r)
-                raise SandboxError(f"cannot start the `{name}` sandbox ({argv[0]}): {exc}") from exc
-            finally:
-                for fd in inherit:
-                    os.close(fd)
-            started = _python_started(started_r, SETUP_TIMEOUT_S)
-            timed_out = False
-            try:
-                if started:  # the wall clock is the code's: the sandbox's own set-up is not counted
-                    start = time.monotonic()
-                    returncode = proc.wait(timeout=limits.wall_s)
-                else:  # set-up failed (it is exiting) or hangs
-                    returncode = proc.wait(timeout=1.0)
-            except subprocess.TimeoutExpired:
-                timed_out, returncode = True, None
-            finally:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                proc.wait()
-                if drop_in_preexec is not None:
-                    _kill_uid(drop_in_preexec)
-        wall = time.monotonic() - start
-        stderr = _read(err_path, limits.output_bytes)
-        if not started:
-            what = f"within {SETUP_TIMEOUT_S:g} s" if timed_out else f"(exit code {returncode})"
-            detail = stderr.decode(errors="replace").strip()[-2000:] or "no error output"
-            raise SandboxError(f"the `{name}` sandbox did not start Python {what}: {detail}")
-        return Result(
-            returncode,
-            _read(out_path, limits.output_bytes),
-            stderr,
-            timed_out,
-            wall,
-            name,
-            ",".join(setup.parents) or "none",
-            cgroup.oom_kills() if cgroup else 0,
-            cgroup.memory_peak() if cgroup else None,
-        )
+        return _run(launch, name, limits, started_r)
     finally:
-        if cgroup is not None:
-            cgroup.remove()
+        if launch is not None and launch.cgroup is not None:
+            launch.cgroup.remove()
         shutil.rmtree(outer, ignore_errors=True)
         os.close(lock)
+
+
+def _write_code(outer: str, files: dict[str, str | bytes]) -> str:
+    """`files` in `<outer>/code`, readable by the sandbox's user, not writable; returns the directory."""
+    code_dir = os.path.join(outer, "code")
+    os.mkdir(code_dir, 0o755)
+    for fname, content in files.items():
+        path = os.path.join(code_dir, fname)
+        with open(path, "wb") as f:
+            f.write(content.encode() if isinstance(content, str) else content)
+        os.chmod(path, 0o644)
+    os.chmod(code_dir, 0o755)
+    return code_dir
+
+
+@dataclass
+class _Launch:
+    """How the sandbox's first process starts (`argv` in `cwd`, inheriting the descriptors `inherit`)
+    and what bounds and cleans up after it; `outer` is the run's private directory."""
+
+    outer: str
+    argv: list[str]  # the Python command, until `_prepare` wraps it in the backend's
+    inherit: list[int]
+    cwd: str  # `outer`, or the `none` backend's working directory
+    drop_uid: int | None = None  # the `none` backend as root: the uid it runs as, killed after
+    cgroup: cgroups.Cgroup | None = None
+    cgroup_parents: str = "none"  # the controllers that limit the whole run
+
+
+def _prepare(launch: _Launch, name: str, code_dir: str, limits: Limits, uid: int | None) -> None:
+    """The backend's command around the Python one, and the run's cgroup when one can be made."""
+    outer = launch.outer
+    if name == "unshare":
+        launch.argv = _unshare_command(outer, code_dir, launch.argv, limits, uid)
+    elif name == "bwrap":
+        launch.argv = _bwrap_command(outer, code_dir, launch.argv, limits, launch.inherit)
+    else:
+        launch.cwd = os.path.join(outer, "work")
+        launch.drop_uid = _none_workdir(launch.cwd, uid)
+    setup = cgroups.setup()
+    launch.cgroup_parents = ",".join(setup.parents) or "none"
+    if setup.parents:
+        pids = limits.nproc + _HELPERS[name]
+        launch.cgroup = cgroups.Cgroup(setup, limits.memory_bytes, pids, limits.cpu_cores)
+
+
+def _run(launch: _Launch, name: str, limits: Limits, started_r: int) -> Result:
+    """Start the sandbox, wait for Python inside and then for the code (its wall clock), kill what is
+    left of it, and read its output."""
+    out_path, err_path = os.path.join(launch.outer, "stdout"), os.path.join(launch.outer, "stderr")
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        try:
+            proc = subprocess.Popen(
+                launch.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=err,
+                cwd=launch.cwd,
+                env={"PATH": SAFE_PATH + ":/usr/sbin:/sbin"},
+                start_new_session=True,
+                close_fds=True,
+                pass_fds=launch.inherit,
+                preexec_fn=_preexec(limits, launch.drop_uid, launch.cgroup),
+            )
+        except (OSError, subprocess.SubprocessError) as exc:
+            os.close(started_r)
+            raise SandboxError(f"cannot start the `{name}` sandbox ({launch.argv[0]}): {exc}") from exc
+        finally:
+            for fd in launch.inherit:
+                os.close(fd)
+        started, returncode, timed_out, start = _wait(proc, started_r, limits.wall_s, launch.drop_uid)
+    wall = time.monotonic() - start
+    stderr = _read(err_path, limits.output_bytes)
+    if not started:
+        what = f"within {SETUP_TIMEOUT_S:g} s" if timed_out else f"(exit code {returncode})"
+        detail = stderr.decode(errors="replace").strip()[-2000:] or "no error output"
+        raise SandboxError(f"the `{name}` sandbox did not start Python {what}: {detail}")
+    cgroup = launch.cgroup
+    return Result(
+        returncode,
+        _read(out_path, limits.output_bytes),
+        stderr,
+        timed_out,
+        wall,
+        name,
+        launch.cgroup_parents,
+        cgroup.oom_kills() if cgroup else 0,
+        cgroup.memory_peak() if cgroup else None,
+    )
+
+
+def _wait(proc, started_r: int, wall_s: float, drop_uid: int | None):
+    """Wait for Python to start inside, then for the code on its wall clock (the sandbox's own set-up
+    is not counted); then SIGKILL the sandbox's session (and, `none` as root, every process of its
+    uid). Returns (started, returncode or None, timed out, the time the code's clock started)."""
+    start = time.monotonic()
+    started = _python_started(started_r, SETUP_TIMEOUT_S)
+    timed_out = False
+    try:
+        if started:
+            start = time.monotonic()
+            returncode = proc.wait(timeout=wall_s)
+        else:  # set-up failed (it is exiting) or hangs
+            returncode = proc.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        timed_out, returncode = True, None
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        if drop_uid is not None:
+            _kill_uid(drop_uid)
+    return started, returncode, timed_out, start
 
 
 __all__ = ["BACKENDS", "Limits", "Result", "SandboxError", "backend", "describe", "run_python"]

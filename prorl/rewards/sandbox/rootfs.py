@@ -152,6 +152,37 @@ def _copy_bytes(directory: str) -> int:
     return sum(-(-n // 4096) * 4096 for n in sizes) + (64 << 10)
 
 
+_NO_FS = object()  # `_mount_commands`: the mount makes no file system (a directory's owner)
+
+
+def _mount_commands(m: Mount, t: str, work_owner: int | None):
+    """The sh commands that mount `m` at `t` (quoted), each with the file system to populate right after
+    it (or None), and what the new file system needs created on it: (directories, files) for a fresh
+    one, None for an existing tree (a bind, a copy), _NO_FS when no file system is mounted."""
+    q = shlex.quote
+    if m.kind == "ro":
+        return [(f"mount --bind -o ro,nosuid,nodev {q(m.source)} {t}", None)], None
+    if m.kind == "copy":
+        return [
+            (f"mount -t tmpfs -o size={m.size},mode=755,nosuid,nodev tmpfs {t}", None),
+            (f"cp -R {q(m.source)}/. {t}/ && mount -o remount,ro,nosuid,nodev tmpfs {t}", None),
+        ], None
+    if m.kind == "tmpfs":
+        return [(f"mount -t tmpfs -o size={m.size},mode=1777,nosuid,nodev tmpfs {t}", m.target)], ([], [])
+    if m.kind == "proc":
+        return [(f"mount -t proc -o nosuid,nodev,noexec proc {t}", None)], None
+    if m.kind == "dev":
+        steps = [(f"mount -t tmpfs -o size=64k,mode=755,nosuid,noexec tmpfs {t}", m.target)]
+        steps += [(f"mount --bind /dev/{d} {t}/{d}", None) for d in DEVICES]
+        links = {"fd": "/proc/self/fd", "stdin": "fd/0", "stdout": "fd/1", "stderr": "fd/2"}
+        steps += [(f"ln -s {target} {t}/{name}", None) for name, target in links.items()]
+        return steps, ([], [f"{t}/{d}" for d in DEVICES])
+    if m.kind == "dir":
+        owned = m.target == WORK_DIR and work_owner is not None
+        return ([(f"chown {work_owner}:{work_owner} {t}", None)] if owned else []), _NO_FS
+    raise ValueError(f"unknown mount kind {m.kind!r}")
+
+
 def shell_script(mounts: list[Mount], new_root: str, work_owner: int | None) -> list[str]:
     """sh lines that build the root at `new_root` (run as root in new mount and PID namespaces) and
     make it the root (pivot_root; the host's tree is detached). `work_owner`: uid owning /tmp/work.
@@ -174,30 +205,10 @@ def shell_script(mounts: list[Mount], new_root: str, work_owner: int | None) -> 
             continue
         if holder is not None:
             holder[0 if m.kind != "ro" or os.path.isdir(m.source) else 1].append(t)
-        if m.kind == "ro":
-            steps.append((f"mount --bind -o ro,nosuid,nodev {q(m.source)} {t}", None))
-            fresh[m.target] = None
-        elif m.kind == "copy":
-            steps.append((f"mount -t tmpfs -o size={m.size},mode=755,nosuid,nodev tmpfs {t}", None))
-            steps.append((f"cp -R {q(m.source)}/. {t}/ && mount -o remount,ro,nosuid,nodev tmpfs {t}", None))
-            fresh[m.target] = None
-        elif m.kind == "tmpfs":
-            steps.append((f"mount -t tmpfs -o size={m.size},mode=1777,nosuid,nodev tmpfs {t}", m.target))
-            fresh[m.target] = ([], [])
-        elif m.kind == "proc":
-            steps.append((f"mount -t proc -o nosuid,nodev,noexec proc {t}", None))
-            fresh[m.target] = None
-        elif m.kind == "dev":
-            steps.append((f"mount -t tmpfs -o size=64k,mode=755,nosuid,noexec tmpfs {t}", m.target))
-            fresh[m.target] = ([], [f"{t}/{d}" for d in DEVICES])
-            steps += [(f"mount --bind /dev/{d} {t}/{d}", None) for d in DEVICES]
-            links = {"fd": "/proc/self/fd", "stdin": "fd/0", "stdout": "fd/1", "stderr": "fd/2"}
-            steps += [(f"ln -s {target} {t}/{name}", None) for name, target in links.items()]
-        elif m.kind == "dir":
-            if m.target == WORK_DIR and work_owner is not None:
-                steps.append((f"chown {work_owner}:{work_owner} {t}", None))
-        else:
-            raise ValueError(f"unknown mount kind {m.kind!r}")
+        commands, made = _mount_commands(m, t, work_owner)
+        steps += commands
+        if made is not _NO_FS:
+            fresh[m.target] = made
 
     def populate(fs: str) -> list[str]:
         dirs, files = fresh[fs] or ([], [])

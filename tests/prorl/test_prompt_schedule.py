@@ -1,4 +1,4 @@
-"""prorl/scheduler.py: the Beta posterior's P(mixed group) against its closed form, the choice's
+"""prorl/prompt_schedule.py: the Beta posterior's P(mixed group) against its closed form, the choice's
 guarantees (unseen first, no prompt twice in a step, disjoint identical slices on every rank, every prompt
 re-probed within the bound, excluded prompts never chosen, the most likely mixed first), the merge, its
 discount and the population prior, and the record being the same on every rank of a real 2-rank trainer."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 from dist_helpers import run_ranks
 
-from prorl.scheduler import PromptScheduler, mixed_probability
+from prorl.prompt_schedule import PromptScheduler, mixed_probability
 
 
 def cfg(**kw):
