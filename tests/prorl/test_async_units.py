@@ -4,7 +4,9 @@ async metrics. The multi-rank runs are tests/preset/test_async.py."""
 
 import pytest
 import torch
+from prorl.kernels import ppo_loss
 
+from prorl.algorithm import importance_weights
 from prorl.async_rl import transport
 from prorl.async_rl.remote import RemoteRollouts
 from prorl.async_rl.roles import check_async
@@ -101,3 +103,34 @@ def test_bucket_layout_splits_at_the_bucket_size(monkeypatch):
     named = [("a", torch.zeros(8)), ("b", torch.zeros(8)), ("c", torch.zeros(40)), ("d", torch.zeros(2))]
     layout = transport.bucket_layout(named)  # fp32: 32 + 32 bytes fit one bucket; 160 bytes go alone
     assert [[name for name, *_ in bucket] for bucket in layout] == [["a", "b"], ["c"], ["d"]]
+
+
+def test_icepop_with_pi_old_as_proximal_policy_is_areals_decoupled_objective():
+    """AReaL's decoupled PPO loss (its `ppo_actor_loss_fn` with `use_decoupled_loss`), written out in
+    float64: r = pi / pi_prox, loss_t = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) x w, with the
+    behaviour weight w = pi_prox / pi_behav set to 0 where it exceeds the cap, averaged over the valid
+    tokens. prorl's loss with pi_old as the proximal policy, the sampler as the behaviour policy and
+    `is_mode=icepop`, `is_bounds=(0, cap)` must equal it, value and gradient."""
+    gen = torch.Generator().manual_seed(3)
+    n, cap, eps_low, eps_high = 64, 2.0, 0.2, 0.28
+    prox = -torch.rand(n, generator=gen, dtype=torch.float64) * 3
+    behav = prox + 0.8 * torch.randn(n, generator=gen, dtype=torch.float64)  # some weights above the cap
+    logp = (prox + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64)).requires_grad_()
+    adv = torch.randn(n, generator=gen, dtype=torch.float64)
+    mask = torch.rand(n, generator=gen) > 0.2
+
+    w = torch.exp(prox - behav)
+    assert (w > cap).any() and (w <= cap).any()
+    r = torch.exp(logp - prox)
+    per_token = torch.maximum(-adv * r, -adv * r.clamp(1 - eps_low, 1 + eps_high))
+    expected = (per_token * torch.where(w <= cap, w, 0.0))[mask].sum() / mask.sum()
+    (grad_expected,) = torch.autograd.grad(expected, logp)
+
+    loss, _ = ppo_loss(
+        logp, prox, adv, mask, eps_low=eps_low, eps_high=eps_high,
+        is_weights=importance_weights(prox, behav), is_mode="icepop", is_bounds=(0.0, cap),
+        agg="token-mean", backend="torch",
+    )  # fmt: skip
+    (grad,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, grad_expected, rtol=1e-12, atol=1e-12)
