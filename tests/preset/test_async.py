@@ -7,7 +7,8 @@ tiny reasoner under `python -m prorl.launch` on gloo, the native sampler on the 
 - 2 rollout + 2 trainer ranks, k = 2: every group's staleness (step trained - version that sampled it)
   is <= k, the async metrics are in metrics.jsonl, and the trainers checked every batch's weight
   checksum against their own record of that version (a mismatch stops the run: exit 8);
-- a rollout rank that hangs (SIGSTOP) ends the run with exit code 8 after the timeout.
+- a rollout rank that hangs (SIGSTOP) ends the run with exit code 8 after the timeout; one that is
+  killed (SIGKILL) stops it as well.
 
 Each run costs 15-25 s (engine start included); the checks share launches.
 """
@@ -152,3 +153,17 @@ def test_hung_rollout_rank_ends_the_run_with_exit_code_8(tmp_path):
             os.kill(pid, signal.SIGKILL)
     assert code == 8, text[-3000:]
     assert "asynchronous RL" in text and "rollout rank 0" in text, text[-3000:]
+
+
+@pytest.mark.tally("faults")
+def test_killed_rollout_rank_stops_the_run(tmp_path):
+    out, log = tmp_path / "run", tmp_path / "a.log"
+    extra = ["rollout.async.steps_ahead=1", "trainer.collective_timeout_s=8", "algorithm.max_rounds=1"]
+    proc = start(command(out, 2, extra), log)
+    ckpt = os.path.join(out, "checkpoints")
+    assert wait_for(lambda: len(complete_steps(ckpt)) >= 1, proc), open(log).read()[-3000:]
+    os.kill(worker_pid(proc.pid, 1), signal.SIGKILL)  # as the OOM killer would
+    code, text = finish(proc, log, timeout=120)
+    # torchrun stops the trainer; it reports the lost rollout rank (8) unless it is killed first (137)
+    assert code in (8, 128 + signal.SIGKILL), text[-3000:]
+    assert max(complete_steps(ckpt)) < TOTAL

@@ -134,3 +134,13 @@ def test_icepop_with_pi_old_as_proximal_policy_is_areals_decoupled_objective():
     (grad,) = torch.autograd.grad(loss, logp)
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad, grad_expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_config_file_may_spell_the_section_async(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {path: /m}\nrollout:\n  n: 4\n  async: {steps_ahead: 2, rollout_ranks: 2}\n")
+    c = load_config(str(path))
+    assert (c.rollout.n, c.rollout.async_rl.steps_ahead, c.rollout.async_rl.rollout_ranks) == (4, 2, 2)
+    path.write_text("rollout:\n  async:\n    steps_ahead: 2\n  async_rl:\n    steps_ahead: 1\n")
+    with pytest.raises(ConfigError, match="both rollout.async and rollout.async_rl"):
+        load_config(str(path))
