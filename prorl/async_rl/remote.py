@@ -84,6 +84,8 @@ class RemoteRollouts:
                 acc.sum("async_groups", 1)
                 acc.max("async_staleness", step - g.version)
             self._check_weights(version, message["checksum"], what)
+            if message["engine_rms"] is not None:  # vLLM: its post-sync probe against the model copy
+                acc.max("async_engine_rms", message["engine_rms"])
             groups.extend(message["groups"])
             if "state" in message:
                 self.states[j] = message["state"]

@@ -35,7 +35,7 @@ def test_the_async_keys_are_spelt_async_on_the_command_line():
         (["rollout.async.steps_ahead=1", "trainer.prompts_per_step=8"], 4, True, "3 trainer ranks"),
         (["rollout.async.steps_ahead=1", "rollout.async.rollout_ranks=3", "trainer.prompts_per_step=8"],
          4, True, "3 rollout ranks"),
-        (["rollout.async.steps_ahead=1", "rollout.backend=vllm"], 2, True, "rollout.backend=vllm"),
+        (["rollout.async.steps_ahead=1", "rollout.tensor_parallel_size=2"], 2, True, "parallel_size>1"),
         (["rollout.async.steps_ahead=-1"], 2, True, "must be >= 0"),
         (["rollout.async.rollout_ranks=5"], 2, True, None),  # steps_ahead=0: the setting is unused
     ],
@@ -192,7 +192,7 @@ def _worker(step_version: int, carry, schedule):
     w.cfg.rollout.max_response_schedule = schedule
     w.roles = SimpleNamespace(index=0, rollouts=1, trainers=2, store=_Store())
     w.weights = SimpleNamespace(version=step_version, checksum=1.5)
-    w.sampler = _Sampler(carry)
+    w.sampler, w.engine_check = _Sampler(carry), None
     w.slices = [s for s in slices(4, 2, 1) if s[0] == 0]
     return w
 
