@@ -66,6 +66,11 @@ class RemoteRollouts:
         same = len(self.states) == self.roles.rollouts
         self.push(policy, dtype, step, extra=dict(self.states) if same else None)
         self.started = True
+        if os.path.exists(self.trace):  # cut back to the checkpoint, as metrics.jsonl is
+            with open(self.trace) as f:
+                kept = [line for line in f if json.loads(line)["step"] < step]
+            with open(self.trace, "w") as f:
+                f.writelines(kept)
 
     # -- groups -------------------------------------------------------------------------------------
     def take(self, step: int, acc: StepAccumulator) -> tuple[list, dict[str, float]]:
@@ -120,7 +125,8 @@ class RemoteRollouts:
             )
 
     def _trace(self, step: int, groups: list) -> None:
-        """One JSON line per step: the ids and versions of the groups trained (tests, benchmarks)."""
+        """One JSON line per step in `async_trained.rank{r}.jsonl` of the run directory: [id, version,
+        example index] of each group trained (tests, benchmarks); cut back to the step resumed from."""
         with open(self.trace, "a") as f:
             uids = [[g.uid, g.version, g.example_index] for g in groups]
             f.write(json.dumps({"step": step, "groups": uids}) + "\n")

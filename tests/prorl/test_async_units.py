@@ -219,3 +219,50 @@ def test_a_carried_group_older_than_the_bound_is_dropped_and_counted():
     assert first["sums"]["groups_dropped"] == 1 and "sums" not in second  # metrics travel once
     assert [g.version for g in trained] == [1, 1, 1, 1]  # the fresh carry's own, then this version's
     assert first["version"] == 1 and first["checksum"] == 1.5 and first["waited"] == 0.25
+
+
+class _BlockingGroup:
+    """A push group whose broadcasts wait until `release` is set (a rollout rank still generating)."""
+
+    def __init__(self):
+        import threading
+
+        self.release, self.sent = threading.Event(), []
+
+    def broadcast(self, tensors, opts):
+        group = self
+
+        class Work:
+            def wait(self):
+                group.release.wait(10)
+                group.sent.append(tensors[0].clone())
+
+        return Work()
+
+
+def test_a_push_costs_the_trainer_the_copy_only_and_the_newest_version_wins():
+    import time
+
+    store, pg = _Store(), _BlockingGroup()
+    pusher = transport.WeightPusher(store, pg)
+    weights = {v: [("w", torch.full((4,), float(v)))] for v in range(4)}
+    t0 = time.perf_counter()
+    pusher.stage(0, weights[0], extra={0: "resume state"})  # the push thread blocks in its broadcast
+    for _ in range(100):  # until the thread has announced push 0
+        if store.check(["push/0"]):
+            break
+        time.sleep(0.01)
+    pusher.stage(1, weights[1])
+    pusher.stage(2, weights[2])  # replaces version 1, not sent yet
+    assert time.perf_counter() - t0 < 2.0  # stage returned while the rollout rank was not listening
+    pg.release.set()
+    for _ in range(200):
+        if store.check(["push/1"]) and len(pg.sent) == 2:
+            break
+        time.sleep(0.01)
+    pusher.close()
+    headers = [transport.take(store, f"push/{i}", 1.0, "push") for i in range(3)]
+    assert [h["version"] for h in headers] == [0, 2, -1] and headers[2]["stop"]
+    assert headers[0]["extra"] == {0: "resume state"} and headers[1]["extra"] is None
+    sent = [b.view(torch.float32) for b in pg.sent]
+    torch.testing.assert_close(sent, [weights[0][0][1], weights[2][0][1]], rtol=0, atol=0)
