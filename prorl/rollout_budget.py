@@ -30,6 +30,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from prorl.async_rl.roles import is_rollout_rank
 from prorl.config import ConfigError
 from prorl.engine.parallel import all_reduce_max, all_reduce_min
 
@@ -60,8 +61,8 @@ def trainer_growth_bytes(cfg, world: int, sampler_model, device_type: str) -> in
     AdamW's two moments, created at the first update), estimated from the sampler's model: the policy
     itself when replicated (its dtype), an unsharded copy of it under FSDP2 (fp32 master shards over
     world / dp_replicate ranks)."""
-    if cfg.model.cpu_offload and device_type == "cuda":
-        return 0
+    if (cfg.model.cpu_offload and device_type == "cuda") or is_rollout_rank():
+        return 0  # moments on the host; or an asynchronous run's rollout rank, with no trainer beside it
     params = [p for p in sampler_model.parameters()]
     numel = sum(p.numel() for p in params)
     fsdp = cfg.model.fsdp and dist.is_available() and dist.is_initialized()

@@ -92,6 +92,12 @@ def test_native_growth_under_fsdp_and_the_hosts_share(preset, native_1_5b, monke
     assert rollout_budget.trainer_growth_bytes(fsdp, 8, native_1_5b.model, "cuda") == 3 * 4 * params // 4
     offload = dataclasses.replace(fsdp, model=dataclasses.replace(fsdp.model, cpu_offload=True))
     assert rollout_budget.trainer_growth_bytes(offload, 8, native_1_5b.model, "cuda") == 0
+    from prorl.async_rl import roles
+
+    rollout = roles.Roles(rank=7, world=8, trainers=6, rollouts=2, store=None, push=None, timeout_s=1.0)
+    monkeypatch.setattr(roles, "_ROLES", [rollout])  # an asynchronous run's rollout rank: no trainer
+    assert rollout_budget.trainer_growth_bytes(fsdp, 2, native_1_5b.model, "cuda") == 0
+    monkeypatch.setattr(roles, "_ROLES", [])
     monkeypatch.setattr(rollout_budget.dist, "is_initialized", lambda: False)
     tiny = nn.Linear(64, 64, bias=False)  # 4096 fp32 parameters on the CPU
     gen = types.SimpleNamespace(
