@@ -6,13 +6,16 @@ the reference policy and an optional off-policy (sampler vs trainer) importance-
 Per valid token (docs/recipe.md §3-§4; A = advantage, v = kl_clamp_value):
 
     r   = exp(clamp(logp - old_logp, -20, 20))
-    pg  = max(-A r, -A clamp(r, 1 - eps_low, 1 + eps_high))       PPO-Clip, clip-higher (eps_high > eps_low)
-    pg  = min(pg, -c A)            where A < 0, if dual_clip = c   dual clip, OFF by default
-    d   = logp - ref_logp,  d = clamp(d, -v, v)                   kl_clamp="log-ratio" (default)
+    pg  = max(-A r, -A clamp(r, 1 - eps_low, 1 + eps_high))   PPO-Clip, clip-higher
+                                                              (eps_high > eps_low)
+    pg  = min(pg, -c A)  where A < 0, if dual_clip = c        dual clip, OFF by default
+    d   = logp - ref_logp,  d = clamp(d, -v, v)               kl_clamp="log-ratio" (default)
     kl  = d (k1) | d^2 / 2 (k2) | exp(-d) - 1 + d (k3)
-    kl  = clamp(kl, -v, v)                                        kl_clamp="output" (OpenRLHF's choice)
-    w   = is_weights (detached): as given ("none") | min(w, hi) ("tis") | w 1[lo <= w <= hi] ("icepop")
-    l   = w pg + kl_coef kl                                       (w scales the policy term only, as TRL/verl)
+    kl  = clamp(kl, -v, v)                                    kl_clamp="output" (OpenRLHF's choice)
+    w   = is_weights (detached): as given ("none") | min(w, hi) ("tis")
+          | w 1[lo <= w <= hi] ("icepop")
+    l   = w pg + kl_coef kl                                   (w scales the policy term only, as
+                                                              TRL/verl)
 
 and loss = sum_t s_t l_t, with the aggregation weight s_t of `agg` (m_t = 1 on valid tokens, n_j =
 valid tokens of sequence j, D = `normalizer`):
@@ -20,15 +23,16 @@ valid tokens of sequence j, D = `normalizer`):
     token-mean            s_t = m_t / D          D default: valid tokens of this call
     seq-mean-token-mean   s_t = m_t / (n_j D)    D default: sequences of this call with n_j > 0
     seq-mean-token-sum    s_t = m_t / D          D default: as seq-mean-token-mean
-    constant (Dr.GRPO)    s_t = m_t / D          D default: B*T for padded input; required when packed
+    constant (Dr.GRPO)    s_t = m_t / D          D default: B*T for padded input; required when
+                                                 packed
 
 The normaliser must be GLOBAL: when a mini-batch is split over micro-batches and data-parallel
 ranks, each call sees only its share, and a local count makes the gradient scale depend on the split
 (docs/ops.md). Compute it once per mini-batch, before the first micro-batch, without a host sync:
 
-    n = sum(mb.mask.sum() for mb in micro_batches).float()      # this rank's valid tokens (token-mean)
-    torch.distributed.all_reduce(n)                              # every rank's
-    n = n / world_size      # if the gradients are AVERAGED over ranks (DDP, FSDP): undoes that average
+    n = sum(mb.mask.sum() for mb in micro_batches).float()  # this rank's valid tokens (token-mean)
+    torch.distributed.all_reduce(n)                          # every rank's
+    n = n / world_size  # if the gradients are AVERAGED over ranks (DDP, FSDP): undoes that average
     for mb in micro_batches:
         loss, metrics = ppo_loss(..., normalizer=n); loss.backward()
 
@@ -41,7 +45,8 @@ constants). The loss is linear in the per-token terms, so its gradient is known 
 in closed form:
 
     dloss/dlogp_t = s_t (w_t g_pg + kl_coef g_kl)
-    g_pg = -A r   where the unclipped branch is taken (and the ratio and dual clips are inactive), else 0
+    g_pg = -A r   where the unclipped branch is taken (and the ratio and dual clips are inactive),
+                  else 0
     g_kl = 1 | d | 1 - exp(-d)   (k1 | k2 | k3), 0 where a clamp is active
 
 and NaN where logp, old_logp or the advantage is NaN at a valid token (the loss is NaN then too), as
@@ -62,13 +67,13 @@ scale, see below). The aggregation reaches it as s_t = m_t u_t / D with u_t per 
 seq-mean-token-mean has one; else 1) and D a number, a 0-d tensor, or "count the valid tokens"
 (token-mean without a normaliser), so that the kernels compute s_t in their own pass:
     native  (CPU)   one OpenMP pass over the tokens, vectorised (kernels/csrc/ppo_loss.cpp)
-    triton  (CUDA)  ONE launch: each program writes its block's partial sums to a workspace; the last
-                    program to finish (an atomic completion counter) reduces them in a fixed order
-                    (deterministic) into the loss, the statistics and the metric means. Backward: ONE
-                    launch. No host sync either way (kernels/ppo_loss_triton.py). Around it only
-                    allocations and views, for bool masks and padded [B] advantages (read in place); a
-                    numeric mask (`!= 0`), the seq-mean weights and a normaliser tensor of another dtype
-                    each cost one small torch op before the launch.
+    triton  (CUDA)  ONE launch: each program writes its block's partial sums to a workspace; the
+                    last program to finish (an atomic completion counter) reduces them in a fixed
+                    order (deterministic) into the loss, the statistics and the metric means.
+                    Backward: ONE launch. No host sync either way (kernels/ppo_loss_triton.py).
+                    Around it only allocations and views, for bool masks and padded [B] advantages
+                    (read in place); a numeric mask (`!= 0`), the seq-mean weights and a normaliser
+                    tensor of another dtype each cost one small torch op before the launch.
     torch           a dozen elementwise passes (the readable version of the same math)
 
 Layouts. Padded: every per-token input [B, T], advantages [B] (one per sequence) or [B, T]. Packed:
@@ -79,18 +84,20 @@ tokens may hold anything (NaN included): they give 0 and get exactly 0 gradient;
 valid token gives loss 0.
 
 Metrics (detached tensors on the input's device; nothing here syncs with the host):
-    pg_loss, kl_loss        the policy and KL terms aggregated like `loss` (loss = pg_loss + kl_coef kl_loss)
+    pg_loss, kl_loss        the policy and KL terms aggregated like `loss`
+                            (loss = pg_loss + kl_coef kl_loss)
     num_tokens              valid tokens of this call
     clipfrac_low, clipfrac_high, clipfrac
-                            fraction of valid tokens clipped (zero gradient): A < 0 and r < 1 - eps_low;
-                            A > 0 and r > 1 + eps_high; either (TRL's clip_ratio/{low,high,region}_mean)
+                            fraction of valid tokens clipped (zero gradient): A < 0 and
+                            r < 1 - eps_low; A > 0 and r > 1 + eps_high; either
+                            (TRL's clip_ratio/{low,high,region}_mean)
     dualclip_frac           fraction capped by the dual clip (A < 0 and -A r > -c A)
     approx_kl               mean of old_logp - logp (verl's actor/ppo_kl)
     kl_mean                 mean per-token KL estimate (0 without ref_logp)
     ratio_mean, ratio_max   of r over valid tokens (max 0 when empty)
     is_mean, is_max, is_frac_modified
-                            of the raw is_weights, and the fraction truncated (tis) or zeroed (icepop);
-                            only when is_weights is given
+                            of the raw is_weights, and the fraction truncated (tis) or zeroed
+                            (icepop); only when is_weights is given
 Means are over this call's valid tokens: to combine calls weight them by num_tokens.
 """
 
