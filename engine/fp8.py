@@ -114,7 +114,7 @@ def resolve_recipe(backend: str, recipe: str = "auto") -> str:
     return DEFAULT_RECIPE[backend] if recipe == "auto" else recipe
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Transformer Engine availability
 
 
@@ -170,7 +170,7 @@ def make_te_recipe(recipe: str = "current", **kwargs) -> Any:
     raise ValueError(f"unknown Transformer Engine recipe {recipe!r}; choose delayed, current or mxfp8")
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The converter
 
 
@@ -332,7 +332,7 @@ def _te_linear(te, linear: nn.Linear) -> nn.Module:
     return new
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Helpers for parallelize and the state-dict paths
 
 
