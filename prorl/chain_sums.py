@@ -18,57 +18,95 @@ validation a per-level breakdown (`val-core/math/chain_sums/<terms>/pass@1`).
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from prorl.example import SPLITS, Example
 
-LEVELS = (3, 4, 5, 6)  # terms per problem
 SPLIT_SEED = 20261201  # fixed forever: changing it would leak held-out problems into training
-VAL_PER_LEVEL = 50
-TRAIN_SIZE = 4000  # default training set: 1000 problems per level (3 terms: all 950 not held out)
 
 
-def _problem_space(terms: int) -> int:
-    return 10**terms
+@dataclass(frozen=True)
+class Family:
+    """A chain-sum task family: `levels` (terms per problem), terms drawn from `low`..`high` inclusive."""
+
+    name: str  # the built-in task name (`data.builtin_task`) and the data_source's middle part
+    levels: tuple[int, ...]
+    low: int
+    high: int
+    val_per_level: int = 50
+    train_size: int = 4000
+
+    def space(self, terms: int) -> int:
+        return (self.high - self.low + 1) ** terms
+
+    def decode(self, index: int, terms: int) -> tuple[int, ...]:
+        """Problem number `index` of the level: its base-(high-low+1) digits, most significant first."""
+        base, out = self.high - self.low + 1, []
+        for _ in range(terms):
+            index, r = divmod(index, base)
+            out.append(self.low + r)
+        return tuple(reversed(out))
+
+    def label(self, kind: str, terms: int, seed: int = 0) -> str:
+        """The seed string of a level's draws (chain_sums keeps its original ones)."""
+        if kind == "val":
+            return (
+                f"{SPLIT_SEED}:{terms}" if self.name == "chain_sums" else f"{SPLIT_SEED}:{self.name}:{terms}"
+            )
+        return f"{self.name}:{seed}:{terms}"
 
 
-def _decode(index: int, terms: int) -> tuple[int, ...]:
-    return tuple(int(ch) for ch in str(index).zfill(terms))
+CHAIN_SUMS = Family("chain_sums", (3, 4, 5, 6), 0, 9)
+# Two-digit terms: every addition can carry into the tens and the hundreds, so the per-step accuracy is
+# lower and each extra term costs more; 2 to 6 terms (1 to 5 additions).
+LONG_SUMS = Family("long_sums", (2, 3, 4, 5, 6), 10, 99, train_size=5000)
+FAMILIES = {f.name: f for f in (CHAIN_SUMS, LONG_SUMS)}
+LEVELS = CHAIN_SUMS.levels
+VAL_PER_LEVEL = CHAIN_SUMS.val_per_level
+TRAIN_SIZE = CHAIN_SUMS.train_size
 
 
-def held_out(terms: int) -> list[tuple[int, ...]]:
-    """The level's held-out problems: `VAL_PER_LEVEL` distinct draws with `SPLIT_SEED`."""
-    if terms not in LEVELS:
-        raise ValueError(f"chain_sums: terms must be one of {LEVELS}, got {terms}")
-    rng = random.Random(f"{SPLIT_SEED}:{terms}")
-    return [_decode(i, terms) for i in rng.sample(range(_problem_space(terms)), VAL_PER_LEVEL)]
+def _family(terms: int, family: Family) -> Family:
+    if terms not in family.levels:
+        raise ValueError(f"{family.name}: terms must be one of {family.levels}, got {terms}")
+    return family
 
 
-def _train_problems(terms: int, n: int, seed: int) -> list[tuple[int, ...]]:
+def held_out(terms: int, family: Family = CHAIN_SUMS) -> list[tuple[int, ...]]:
+    """The level's held-out problems: `val_per_level` distinct draws with `SPLIT_SEED`."""
+    f = _family(terms, family)
+    rng = random.Random(f.label("val", terms))
+    return [f.decode(i, terms) for i in rng.sample(range(f.space(terms)), f.val_per_level)]
+
+
+def _train_problems(terms: int, n: int, seed: int, family: Family) -> list[tuple[int, ...]]:
     """`n` distinct training problems of the level (all that are not held out when fewer exist)."""
-    excluded = {int("".join(map(str, p))) for p in held_out(terms)}
-    space = _problem_space(terms)
-    rng = random.Random(f"chain_sums:{seed}:{terms}")
+    f = family
+    excluded = set(held_out(terms, f))
+    space = f.space(terms)
+    rng = random.Random(f.label("train", terms, seed))
     if n >= space - len(excluded):
-        pool = [i for i in range(space) if i not in excluded]
+        pool = [i for i in range(space) if f.decode(i, terms) not in excluded]
         rng.shuffle(pool)
-        return [_decode(i, terms) for i in pool]
+        return [f.decode(i, terms) for i in pool]
     picked: set[int] = set()
     while len(picked) < n:
         i = rng.randrange(space)
-        if i not in excluded:
+        if f.decode(i, terms) not in excluded:
             picked.add(i)
     order = sorted(picked)
     rng.shuffle(order)
-    return [_decode(i, terms) for i in order]
+    return [f.decode(i, terms) for i in order]
 
 
 def solution(terms: tuple[int, ...], slip: float = 0.0, rng: random.Random | None = None) -> str:
-    """The worked running-total solution; each step that crosses a multiple of ten forgets its carry with
-    probability `slip` (needs `rng` when slip > 0), and the mistake flows into the boxed answer."""
+    """The worked running-total solution; each step whose units carry (units of the total plus units of
+    the term >= 10) forgets that carry with probability `slip` (needs `rng` when slip > 0), and the
+    mistake flows into the boxed answer. For single-digit terms a units carry is a decade crossing."""
     total, steps = terms[0], []
     for d in terms[1:]:
         s = total + d
-        if s // 10 != total // 10 and slip > 0 and rng.random() < slip:
+        if total % 10 + d % 10 >= 10 and slip > 0 and rng.random() < slip:
             s -= 10
         steps.append(f"{total}+{d}={s}")
         total = s
@@ -80,12 +118,12 @@ def restatement(terms: tuple[int, ...]) -> str:
     return "Terms: " + " ".join(map(str, terms)) + ". "
 
 
-def example(terms: tuple[int, ...], split: str) -> Example:
+def example(terms: tuple[int, ...], split: str, family: Family = CHAIN_SUMS) -> Example:
     return Example(
         prompt=[{"role": "user", "content": "+".join(map(str, terms)) + "="}],
-        data_source=f"math/chain_sums/{len(terms)}",
+        data_source=f"math/{family.name}/{len(terms)}",
         ground_truth=str(sum(terms)),
-        extra={"split": split, "task": "chain_sums", "terms": len(terms), "solution": solution(terms)},
+        extra={"split": split, "task": family.name, "terms": len(terms), "solution": solution(terms)},
         ability="math",
     )
 
@@ -96,23 +134,43 @@ def parse_terms(prompt: str) -> tuple[int, ...]:
 
 
 def chain_sums(
-    n: int | None = None, seed: int = 0, split: str = "train", levels: tuple[int, ...] = LEVELS
+    n: int | None = None,
+    seed: int = 0,
+    split: str = "train",
+    levels: tuple[int, ...] | None = None,
+    family: Family | str = CHAIN_SUMS,
 ) -> list[Example]:
     """`n` problems of `split`, an equal share per level (the remainder to the longest levels), shuffled by
-    `seed`. Train: n defaults to `TRAIN_SIZE`; distinct problems, none held out. Val: the held-out
-    problems (`VAL_PER_LEVEL` per level; n None or 0 takes all of them, a smaller n the first n of a
-    level-balanced order, so a held-out subset is the same whatever the seed)."""
+    `seed`. Train: n defaults to the family's `train_size`; distinct problems, none held out. Val: the
+    held-out problems (`val_per_level` per level; n None or 0 takes all of them, a smaller n the first n
+    of a level-balanced order, so a held-out subset is the same whatever the seed)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if isinstance(family, str):
+        if family not in FAMILIES:
+            raise ValueError(f"unknown chain-sum family {family!r}; known: {sorted(FAMILIES)}")
+        family = FAMILIES[family]
+    levels = family.levels if levels is None else levels
     if split == "val":
-        per_level = [held_out(t) for t in levels]
+        per_level = [held_out(t, family) for t in levels]
         interleaved = [p for row in zip(*per_level) for p in row]  # level-balanced at every prefix
-        return [example(p, split) for p in interleaved[: n or None]]
-    n = TRAIN_SIZE if n is None else n
+        return [example(p, split, family) for p in interleaved[: n or None]]
+    n = family.train_size if n is None else n
     shares = [n // len(levels) + (i >= len(levels) - n % len(levels)) for i in range(len(levels))]
-    problems = [p for t, k in zip(levels, shares) for p in _train_problems(t, k, seed)]
+    problems = [p for t, k in zip(levels, shares) for p in _train_problems(t, k, seed, family)]
     random.Random(seed).shuffle(problems)
-    return [example(p, split) for p in problems]
+    return [example(p, split, family) for p in problems]
 
 
-__all__ = ["LEVELS", "chain_sums", "held_out", "parse_terms", "restatement", "solution"]
+__all__ = [
+    "CHAIN_SUMS",
+    "FAMILIES",
+    "LEVELS",
+    "LONG_SUMS",
+    "Family",
+    "chain_sums",
+    "held_out",
+    "parse_terms",
+    "restatement",
+    "solution",
+]

@@ -75,6 +75,7 @@ def demonstration(prompt: str, slip: float, verbose: float, rng: random.Random) 
 TASKS = {  # task -> (split loader, greedy evaluation budget in tokens)
     "digit_sums": (lambda split: digit_sums(split=split), 40),
     "chain_sums": (lambda split: chain_sums.chain_sums(split=split), 96),
+    "long_sums": (lambda split: chain_sums.chain_sums(split=split, family="long_sums"), 128),
 }
 
 
