@@ -75,6 +75,7 @@ def figures(rows: list[dict], variants: list[str], png: Path) -> list[Path]:
     )
     out = [_save(fig, png, 110)]
 
+    out += _compute_figure(plt, rows, present, png.with_name(png.stem + "_compute.png"))
     levels = sorted(
         {r["metric"].split("/", 1)[1] for r in rows if r["metric"].startswith("val_pass@1/")}, key=int
     )
@@ -90,3 +91,30 @@ def figures(rows: list[dict], variants: list[str], png: Path) -> list[Path]:
         ax.legend(fontsize=8)
         out.append(_save(fig, png.with_name(png.stem + "_levels.png"), 100))
     return out
+
+
+def _compute_figure(plt, rows: list[dict], variants: list[str], png: Path) -> list[Path]:
+    """Held-out pass@1 against generated training tokens (mean over seeds of both, per evaluation step):
+    dynamic sampling's refills cost tokens, so equal steps are not equal compute."""
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    colours = plt.get_cmap("tab10").colors
+    for i, v in enumerate(variants):
+        acc, tok = _by_seed(rows, v, "val_pass@1"), _by_seed(rows, v, "generated_tokens")
+        cums = {}
+        for seed, pts in tok.items():
+            total, cums[seed] = 0.0, {0: 0.0}
+            for step, y in pts:
+                total += y
+                cums[seed][step] = total
+        steps = sorted(set.intersection(*({s for s, _ in pts} for pts in acc.values())))
+        steps = [s for s in steps if all(s in cums.get(seed, {}) for seed in acc)]
+        if not steps:
+            continue
+        xs = [sum(cums[seed][s] for seed in acc) / len(acc) / 1e6 for s in steps]
+        ys = [sum(dict(acc[seed])[s] for seed in acc) / len(acc) for s in steps]
+        ax.plot(xs, ys, "o-", ms=3, color=colours[i % 10], lw=1.6 if v == "full" else 1.0, label=v)
+    ax.set(xlabel="generated training tokens (M, mean over seeds)", ylabel="held-out pass@1")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("equal-compute view: accuracy against generated tokens", fontsize=9)
+    return [_save(fig, png, 100)]

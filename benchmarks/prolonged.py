@@ -61,7 +61,7 @@ VARIANTS = {
     "no-kl": ["algorithm.kl_coef=0.0"],
     "kl-no-reset": ["algorithm.reset.interval=0", "algorithm.reset.kl_spike_factor=0"],
     "no-length-penalty": ["reward.length_penalty=false"],
-    "fixed-context": ["rollout.max_response_schedule={0: 96}"],
+    "fixed-context": ["rollout.max_response_schedule={0: 128}"],
 }
 STEP_METRICS = {  # CSV metric -> metrics.jsonl key, logged every step
     "entropy": "actor/entropy",
@@ -73,7 +73,7 @@ STEP_METRICS = {  # CSV metric -> metrics.jsonl key, logged every step
     "clip_fraction": "actor/pg_clipfrac",
 }
 VAL_METRICS = {"val_pass@1": "val/accuracy", "val_pass@4": "val/pass@4"}
-LEVEL_KEY = "val-core/math/chain_sums/{}/pass@1"
+LEVEL_KEY = "val-core/math/{task}/{level}/pass@1"  # the task's data_source is math/<task>/<terms>
 QUICK = ["trainer.total_steps=4", "trainer.val_every=2", "data.val_size=8"]
 QUICK += ["data.train_size=64", "trainer.prompts_per_step=4"]
 
@@ -145,16 +145,15 @@ def run_all(jobs: list[tuple[str, int]], work: Path, steps: int, extra: list[str
     return walls
 
 
-def rows_of(variant: str, seed: int, metrics: list[dict]) -> list[dict]:
-    """The long-format rows (variant, seed, step, metric, value) of one run."""
+def rows_of(variant: str, seed: int, metrics: list[dict], task: str = "chain_sums") -> list[dict]:
+    """The long-format rows (variant, seed, step, metric, value) of one run of the built-in `task`."""
     out = []
+    levels = {f"val_pass@1/{t}": LEVEL_KEY.format(task=task, level=t) for t in range(1, 16)}
     for r in metrics:
         step = int(r.get("step", 0))
         keys = dict(VAL_METRICS) if "val/accuracy" in r else {}
         if "val/accuracy" in r:
-            keys.update(
-                {f"val_pass@1/{t}": LEVEL_KEY.format(t) for t in range(2, 10) if LEVEL_KEY.format(t) in r}
-            )
+            keys.update({m: k for m, k in levels.items() if k in r})
         if "actor/entropy" in r:
             keys.update(STEP_METRICS)
         for metric, key in keys.items():
@@ -214,6 +213,45 @@ def summary(rows: list[dict], variants: list[str], period: tuple[int, int] = (50
             )
         )
     return table
+
+
+def cumulative_tokens(rows: list[dict], variant: str) -> dict[int, dict[int, float]]:
+    """{seed: {step: generated training tokens up to and including that step}} (step 0: 0)."""
+    out = {}
+    for seed, pts in series(rows, variant, "generated_tokens").items():
+        total, cum = 0.0, {0: 0.0}
+        for step, y in pts:
+            total += y
+            cum[step] = total
+        out[seed] = cum
+    return out
+
+
+def pass_at_tokens(rows: list[dict], variant: str, budget: float) -> list[float]:
+    """Per seed: held-out pass@1 once the run had generated `budget` training tokens, linear between its
+    evaluations (a seed that never reached the budget is left out): the equal-compute view."""
+    cum, out = cumulative_tokens(rows, variant), []
+    for seed, pts in series(rows, variant, "val_pass@1").items():
+        xy = [(cum.get(seed, {}).get(s), y) for s, y in pts]
+        xy = [(x, y) for x, y in xy if x is not None]
+        for (x0, y0), (x1, y1) in zip(xy, xy[1:]):
+            if x0 <= budget <= x1:
+                out.append(y0 + (y1 - y0) * (budget - x0) / max(x1 - x0, 1e-9))
+                break
+    return out
+
+
+def equal_compute(table: list[dict], rows: list[dict]) -> str:
+    """A line per variant: pass@1 at the generated-token total of the cheapest variant's runs."""
+    if not table:
+        return ""
+    budget = min(t["gen_tokens"] for t in table)
+    lines = [f"\nEqual compute: held-out pass@1 % at {budget / 1e3:.0f} K generated training tokens "]
+    lines[0] += "(the cheapest variant's mean total), mean (min-max) over seeds:\n"
+    for t in table:
+        got = pass_at_tokens(rows, t["variant"], budget)
+        lines.append(f"- {t['variant']}: {_mean_range(got) if got else 'n/a'}")
+    return "\n".join(lines) + "\n"
 
 
 def _tail_mean(rows: list[dict], variant: str, metric: str, last: int = 50) -> float:
@@ -286,13 +324,14 @@ def main(argv=None) -> int:
         deadline = None if args.deadline_min is None else t0 + 60 * args.deadline_min
         run_all(jobs, args.work, steps, extra, args.jobs, deadline)
     rows, complete = [], [(v, s) for v, s in jobs if finished(run_dir(args.work, v, s), steps)]
+    task = load_config("prolonged", extra).data.builtin_task
     for v, s in complete:  # a run cut short is left out of the rows, the table and the figures
-        rows += rows_of(v, s, read_metrics(run_dir(args.work, v, s)))
+        rows += rows_of(v, s, read_metrics(run_dir(args.work, v, s)), task)
     args.results.mkdir(parents=True, exist_ok=True)
     write_rows(args.results / f"{NAME}.csv", rows)
     preset = load_config("prolonged", [])
     table = summary(rows, variants, (preset.reward.length_k_on, preset.reward.length_k_off))
-    text = markdown(table)
+    text = markdown(table) + equal_compute(table, rows)
     cmd = shlex.join(["python", "-m", "benchmarks", NAME, *(sys.argv[2:] if argv is None else argv)])
     missing = ", ".join(f"{v} seed {s}" for v, s in jobs if (v, s) not in complete) or "none"
     text += f"\n{len(complete)} of {len(jobs)} runs of {steps} steps complete (missing: {missing}); "
