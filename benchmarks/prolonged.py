@@ -4,35 +4,36 @@
     python -m benchmarks prolonged --quick       # smoke test: 2 variants x 1 seed x 4 tiny steps
     python -m benchmarks prolonged --report-only # tables and figures from the runs already in --work
 
-Every run is `python prorl/train.py --config prolonged` (prorl/configs/prolonged.yaml: the chain reasoner on
-chain sums, prorl/chain_sums.py) in one process with one thread, with the same seed list and step count for
+Every run is `python prorl/train.py --config prolonged` (prorl/configs/prolonged.yaml: the long reasoner on
+sums of 2 to 6 two-digit terms, prorl/chain_sums.py) in one process with one thread, with the same seed list and step count for
 every variant; a variant changes one thing:
 
     full                 clip 0.2/0.28, dynamic sampling, k2 KL 1e-3 with a reference reset every 100
-                         steps, cosine length penalty (on 50 / off 150 steps), context 64 tokens, 96 from
-                         step 150
+                         steps, cosine length penalty (on 50 / off 150 steps), context 80 tokens, 128
+                         from step 150
     no-clip-higher       eps_high = eps_low = 0.2
     no-dynamic-sampling  every group trained on, all-equal ones included
     no-kl                KL coefficient 0 (the KL to the reference is still measured)
     kl-no-reset          the reference is never reset (no interval, no spike rule)
     no-length-penalty    no cosine length term
-    fixed-context        96 tokens from the first step
+    fixed-context        128 tokens from the first step
 
 The full design (the defaults: 7 variants x 2 seeds x 500 steps) is sized for the 2-core machine with
-`--jobs 2`: a step took 0.3-1.4 s on one shared core (500-step runs 163-316 s, 300-step runs 157-436 s),
-so an estimated 40-75 min two at a time. The schedules are functions of the step and the LR is constant,
+`--jobs 2`: a step took ~1.1-1.5 s on one core of the shared machine (6 prompts x 8 samples), so about
+75-100 min two at a time, longer when the machine is busy (README: the measured wall time). The schedules are functions of the step and the LR is constant,
 so a shorter run (`--steps 300`) is the first part of the longer one (seen: the 300- and 500-step runs of
 a seed log the same numbers up to step 300). Runs are ordered seed-major (every variant's first seed
 before any second seed), so a stopped benchmark still covers every variant; a run whose metrics.jsonl
 already reaches the last step is not run again. `--set key=value` applies to every run (the variants'
 own overrides come last); give such runs their own `--work` and `--results`.
 Outputs (benchmarks/results, or --results): `prolonged.csv` with rows (variant, seed, step, metric, value)
-of every evaluation and step (`val_pass@1` = mean over 4 samples at T 0.6 on the 200 held-out problems,
+of every evaluation and step (`val_pass@1` = mean over 4 samples at T 0.6 on the 250 held-out problems,
 `val_pass@4`, per level `val_pass@1/<terms>`, `entropy`, `response_length`, `kl`, `score`, `reset` = 1 at
 a reference reset, `step_time`, `generated_tokens`, `clip_fraction`); `prolonged.png` (held-out pass@1,
 entropy, response length, KL with reset markers: mean over seeds, min-max band); `prolonged_levels.png`
-(pass@1 per level, first variant); `prolonged.md` (the table: final and best pass@1 with the spread across
-seeds, final pass@4, length by length-penalty phase, entropy, generated tokens, training time).
+(pass@1 per level, first variant); `prolonged_compute.png` (pass@1 against generated training tokens);
+`prolonged.md` (the table: final and best pass@1 with the spread across seeds, final pass@4, length by
+length-penalty phase, entropy, generated tokens, training time; then pass@1 at equal generated tokens).
 """
 
 from __future__ import annotations

@@ -1,18 +1,22 @@
-"""Chain sums: the built-in task of the prolonged benchmark (`python -m benchmarks prolonged`).
+"""Chain sums: the built-in tasks of the prolonged benchmark (`python -m benchmarks prolonged`).
 
-A problem is a sum of 3 to 6 single digits, "3+8+5+9+2="; its worked solution keeps a running total,
+Two families (`Family`): `chain_sums` (3 to 6 single digits) and `long_sums` (2 to 6 two-digit terms, the
+benchmark's task since the single-digit one saturated near 97% by step 300). A chain_sums problem is a
+sum of single digits, "3+8+5+9+2="; its worked solution keeps a running total,
 "3+8=11, 11+5=16, 16+9=25, 25+2=27. \\boxed{27}". The number of terms is the difficulty level. Why this
 family: each added term is one more chance to cross a decade (a carry), so the chance of a right answer
 is a product over steps - a per-step accuracy of 0.95 gives ~0.8 on four steps and ~0.77 on five - and
 held-out pass@1 keeps rising long after the short problems are solved (the embedded default's three-term
-sums saturate in ~150 steps). The warm start (`python -m prorl.warmstart --task chain_sums`) imitates
+sums saturate in ~150 steps). In long_sums every addition may carry into the tens and the hundreds and
+the model must copy the right two-digit term from a longer prompt, so each step is less reliable. The
+warm start (`python -m prorl.warmstart --task chain_sums`) imitates
 demonstrations that forget a carry with probability `slip` and, half of the time, restate the terms
 first ("Terms: 3 8 5 9 2. "), so the length penalty and the context schedule have something to remove.
 
 Splits are disjoint by problem: per level the held-out problems are a fixed seeded draw
 (`SPLIT_SEED`, never to change), and the training draw rejects them. Rewards: `data_source`
-"math/chain_sums/<terms>" routes to the math verifier (the `/`-prefix rule of prorl.rewards) and gives
-validation a per-level breakdown (`val-core/math/chain_sums/<terms>/pass@1`).
+"math/<family>/<terms>" routes to the math verifier (the `/`-prefix rule of prorl.rewards) and gives
+validation a per-level breakdown (`val-core/math/<family>/<terms>/pass@1`).
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ demonstrations, saved in Hugging Face format (config.json, model.safetensors, to
 
     python -m prorl.warmstart --out prorl/assets/tiny-reasoner      # ~10 min on one CPU core
     python -m prorl.warmstart --task chain_sums --out prorl/assets/chain-reasoner ...   # prorl/chain_sums.py
+    python -m prorl.warmstart --task long_sums --out prorl/assets/long-reasoner ...     # (README)
 
 Why imperfect demonstrations. ProRL starts from a distilled model that imitation has taken as far as it
 goes; RL must then add what imitation cannot. A tiny model trained on *perfect* worked sums would keep
