@@ -4,9 +4,9 @@
     python -m benchmarks prolonged --quick       # smoke test: 2 variants x 1 seed x 4 tiny steps
     python -m benchmarks prolonged --report-only # tables and figures from the runs already in --work
 
-Every run is `python prorl/train.py --config prolonged` (prorl/configs/prolonged.yaml: the long reasoner on
-sums of 2 to 6 two-digit terms, prorl/chain_sums.py) in one process with one thread, with the same seed list and step count for
-every variant; a variant changes one thing:
+Every run is `python prorl/train.py --config prolonged` (prorl/configs/prolonged.yaml: the long reasoner
+on sums of 2 to 6 two-digit terms, prorl/chain_sums.py) in one process with one thread, with the same seed
+list and step count for every variant; a variant changes one thing:
 
     full                 clip 0.2/0.28, dynamic sampling, k2 KL 1e-3 with a reference reset every 100
                          steps, cosine length penalty (on 50 / off 150 steps), context 80 tokens, 128
@@ -20,12 +20,13 @@ every variant; a variant changes one thing:
 
 The full design (the defaults: 7 variants x 2 seeds x 500 steps) is sized for the 2-core machine with
 `--jobs 2`: a step took ~1.1-1.5 s on one core of the shared machine (6 prompts x 8 samples), so about
-75-100 min two at a time, longer when the machine is busy (README: the measured wall time). The schedules are functions of the step and the LR is constant,
-so a shorter run (`--steps 300`) is the first part of the longer one (seen: the 300- and 500-step runs of
-a seed log the same numbers up to step 300). Runs are ordered seed-major (every variant's first seed
-before any second seed), so a stopped benchmark still covers every variant; a run whose metrics.jsonl
-already reaches the last step is not run again. `--set key=value` applies to every run (the variants'
-own overrides come last); give such runs their own `--work` and `--results`.
+75-100 min two at a time, longer when the machine is busy (README: the measured wall time). The schedules
+are functions of the step and the LR is constant, so a shorter run (`--steps 300`) is the first part of the
+longer one (seen: the 300- and 500-step runs of a seed log the same numbers up to step 300). Runs are
+ordered seed-major (every variant's first seed before any second seed), so a stopped benchmark still covers
+every variant; a run whose metrics.jsonl already reaches the last step is not run again. `--set key=value`
+applies to every run (the variants' own overrides come last); give such runs their own `--work` and
+`--results`.
 Outputs (benchmarks/results, or --results): `prolonged.csv` with rows (variant, seed, step, metric, value)
 of every evaluation and step (`val_pass@1` = mean over 4 samples at T 0.6 on the 250 held-out problems,
 `val_pass@4`, per level `val_pass@1/<terms>`, `entropy`, `response_length`, `kl`, `score`, `reset` = 1 at

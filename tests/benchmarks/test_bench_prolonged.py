@@ -62,8 +62,9 @@ def test_summary_final_best_and_spread_over_seeds():
 
 
 def test_equal_compute_interpolates_pass_at1_at_a_token_budget():
-    """pass@1 once a run had generated the budget's tokens: linear between the evaluations on either side
-    (cumulative generated tokens at each evaluation step), per seed; a seed short of the budget is left out."""
+    """pass@1 once a run had generated the budget's tokens: linear between the evaluations on either
+    side (cumulative generated tokens at each evaluation), per seed; a seed short of the budget is left
+    out."""
     rows = [_val("ds", 1, 0, 0.2), _val("ds", 1, 2, 0.6), _val("ds", 1, 4, 0.8)]
     rows += [dict(variant="ds", seed=1, step=t, metric="generated_tokens", value=100.0) for t in (1, 2, 3, 4)]
     rows += [_val("ds", 2, 0, 0.2), _val("ds", 2, 2, 0.4)]
