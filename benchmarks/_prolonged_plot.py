@@ -71,7 +71,7 @@ def figures(rows: list[dict], variants: list[str], png: Path) -> list[Path]:
     axes.flat[0].legend(fontsize=7, loc="lower right")
     seeds = len(_by_seed(rows, present[0], "val_pass@1"))
     fig.suptitle(
-        f"ProRL pieces on chain sums, 1-core CPU: mean of {seeds} seed(s), band = min-max", fontsize=10
+        f"ProRL pieces, one CPU core per run: mean of {seeds} seed(s), band = min-max", fontsize=10
     )
     out = [_save(fig, png, 110)]
 
