@@ -70,9 +70,7 @@ def figures(rows: list[dict], variants: list[str], png: Path) -> list[Path]:
     ax_kl.text(0.01, 0.02, "| = reference reset (any seed)", transform=ax_kl.transAxes, fontsize=7)
     axes.flat[0].legend(fontsize=7, loc="lower right")
     seeds = len(_by_seed(rows, present[0], "val_pass@1"))
-    fig.suptitle(
-        f"ProRL pieces, one CPU core per run: mean of {seeds} seed(s), band = min-max", fontsize=10
-    )
+    fig.suptitle(f"ProRL pieces, one CPU core per run: mean of {seeds} seed(s), band = min-max", fontsize=10)
     out = [_save(fig, png, 110)]
 
     out += _compute_figure(plt, rows, present, png.with_name(png.stem + "_compute.png"))
@@ -86,7 +84,16 @@ def figures(rows: list[dict], variants: list[str], png: Path) -> list[Path]:
             steps, mean, lo, hi = _band(per_seed, 1)
             ax.plot(steps, mean, "o-", ms=3, color=colours[i % 10], label=f"{level} terms")
             ax.fill_between(steps, lo, hi, color=colours[i % 10], alpha=0.15, lw=0)
-        ax.set(xlabel="RL step", ylabel="held-out pass@1", ylim=(0, 1.02), title=f"{present[0]}: per level")
+            per_seed = _by_seed(rows, present[0], f"val_pass@4/{level}")
+            if per_seed:  # pass@4 dashed: does RL widen what the model can solve, or sharpen it?
+                steps, mean, _, _ = _band(per_seed, 1)
+                ax.plot(steps, mean, "--", lw=0.9, color=colours[i % 10])
+        ax.set(
+            xlabel="RL step",
+            ylabel="held-out pass@1",
+            ylim=(0, 1.02),
+            title=f"{present[0]}: per level (dashed: pass@4)",
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         out.append(_save(fig, png.with_name(png.stem + "_levels.png"), 100))

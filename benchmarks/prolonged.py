@@ -29,12 +29,13 @@ applies to every run (the variants' own overrides come last); give such runs the
 `--results`.
 Outputs (benchmarks/results, or --results): `prolonged.csv` with rows (variant, seed, step, metric, value)
 of every evaluation and step (`val_pass@1` = mean over 4 samples at T 0.6 on the 250 held-out problems,
-`val_pass@4`, per level `val_pass@1/<terms>`, `entropy`, `response_length`, `kl`, `score`, `reset` = 1 at
-a reference reset, `step_time`, `generated_tokens`, `clip_fraction`); `prolonged.png` (held-out pass@1,
-entropy, response length, KL with reset markers: mean over seeds, min-max band); `prolonged_levels.png`
-(pass@1 per level, first variant); `prolonged_compute.png` (pass@1 against generated training tokens);
-`prolonged.md` (the table: final and best pass@1 with the spread across seeds, final pass@4, length by
-length-penalty phase, entropy, generated tokens, training time; then pass@1 at equal generated tokens).
+`val_pass@4`, per level `val_pass@1/<terms>` and `val_pass@4/<terms>`, `entropy`, `response_length`, `kl`,
+`score`, `reset` = 1 at a reference reset, `step_time`, `generated_tokens`, `clip_fraction`);
+`prolonged.png` (held-out pass@1, entropy, response length, KL with reset markers: mean over seeds, min-max
+band); `prolonged_levels.png` (pass@1 per level, first variant); `prolonged_compute.png` (pass@1 against
+generated training tokens); `prolonged.md` (the table: final and best pass@1 with the spread across seeds,
+final pass@4, length by length-penalty phase, entropy, generated tokens, training time; then pass@1 at equal
+generated tokens).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ STEP_METRICS = {  # CSV metric -> metrics.jsonl key, logged every step
     "clip_fraction": "actor/pg_clipfrac",
 }
 VAL_METRICS = {"val_pass@1": "val/accuracy", "val_pass@4": "val/pass@4"}
-LEVEL_KEY = "val-core/math/{task}/{level}/pass@1"  # the task's data_source is math/<task>/<terms>
+LEVEL_KEY = "val-core/math/{task}/{level}/pass@{k}"  # the task's data_source is math/<task>/<terms>
 QUICK = ["trainer.total_steps=4", "trainer.val_every=2", "data.val_size=8"]
 QUICK += ["data.train_size=64", "trainer.prompts_per_step=4"]
 
@@ -150,7 +151,9 @@ def run_all(jobs: list[tuple[str, int]], work: Path, steps: int, extra: list[str
 def rows_of(variant: str, seed: int, metrics: list[dict], task: str = "chain_sums") -> list[dict]:
     """The long-format rows (variant, seed, step, metric, value) of one run of the built-in `task`."""
     out = []
-    levels = {f"val_pass@1/{t}": LEVEL_KEY.format(task=task, level=t) for t in range(1, 16)}
+    levels = {
+        f"val_pass@{k}/{t}": LEVEL_KEY.format(task=task, level=t, k=k) for t in range(1, 16) for k in (1, 4)
+    }
     for r in metrics:
         step = int(r.get("step", 0))
         keys = dict(VAL_METRICS) if "val/accuracy" in r else {}

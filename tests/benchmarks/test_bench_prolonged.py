@@ -20,7 +20,7 @@ def test_quick_run_writes_rows_table_and_figures(tmp_path):
         assert val == [0, 2, 4], variant  # before training, every val_every=2 steps, at the end
         steps = sorted(int(r["step"]) for r in rows if r["variant"] == variant and r["metric"] == "entropy")
         assert steps == [1, 2, 3, 4]
-        for metric in ("val_pass@4", "response_length", "kl", "val_pass@1/3"):
+        for metric in ("val_pass@4", "response_length", "kl", "val_pass@1/3", "val_pass@4/3"):
             assert any(r["variant"] == variant and r["metric"] == metric for r in rows), (variant, metric)
         assert all(r["seed"] == "1" for r in rows)
     table = (results / "prolonged.md").read_text()
