@@ -22,6 +22,8 @@ validation a per-level breakdown (`val-core/math/<family>/<terms>/pass@1`).
 from __future__ import annotations
 
 import random
+import re
+import sys
 from dataclasses import dataclass
 
 from prorl.example import SPLITS, Example
@@ -166,6 +168,62 @@ def chain_sums(
     return [example(p, split, family) for p in problems]
 
 
+_STEP = re.compile(r"(\d+)\+(\d+)=(\d+)")
+_BOX = re.compile(r"\\boxed\{(-?\d+)\}")
+
+
+def first_error(terms: tuple[int, ...], text: str) -> str:
+    """Where a worked solution `text` of the sum of `terms` first goes wrong: "right" (the last boxed answer
+    is the sum), "copied a term wrong" (a step adds another number than the next term), "wrong running
+    total" (a step does not start from the previous result), "forgot the units carry" (exactly 10 short
+    where the units carry), "other arithmetic", "extra step", "too few steps", "no answer" (nothing boxed),
+    "box differs" (every step right, another number boxed)."""
+    boxes = _BOX.findall(text)
+    if boxes and int(boxes[-1]) == sum(terms):
+        return "right"
+    total, steps = terms[0], _STEP.findall(text)
+    for i, (a, b, c) in enumerate(steps):
+        a, b, c = int(a), int(b), int(c)
+        if i + 1 >= len(terms):
+            return "extra step"
+        if a != total:
+            return "wrong running total"
+        if b != terms[i + 1]:
+            return "copied a term wrong"
+        if c == a + b - 10 and a % 10 + b % 10 >= 10:
+            return "forgot the units carry"
+        if c != a + b:
+            return "other arithmetic"
+        total = c
+    if len(steps) < len(terms) - 1:
+        return "too few steps"
+    return "box differs" if boxes else "no answer"
+
+
+def error_table(model_dir: str, family: str = "long_sums", temperature: float = 0.0) -> dict:
+    """{terms: {first_error kind: count}} of the checkpoint's solutions of the family's held-out problems
+    (one sample each; greedy at temperature 0)."""
+    from collections import Counter
+
+    from transformers import PreTrainedTokenizerFast
+
+    from prorl.data import stop_token_ids
+    from prorl.engine.model import load_hf
+    from prorl.engine.rollout import NativeGenerator, SamplingParams
+    from prorl.warmstart import encode_chat
+
+    tok, model = PreTrainedTokenizerFast.from_pretrained(model_dir), load_hf(model_dir)
+    val = chain_sums(split="val", family=family)
+    params = SamplingParams(temperature=temperature, max_new_tokens=128, stop_token_ids=stop_token_ids(tok))
+    out = NativeGenerator(model).generate([encode_chat(tok, e.prompt[0]["content"]) for e in val], params)
+    table: dict[int, Counter] = {}
+    for s in out.samples:
+        terms = parse_terms(val[s.prompt_index].prompt[0]["content"])
+        kind = first_error(terms, tok.decode(s.token_ids, skip_special_tokens=True))
+        table.setdefault(len(terms), Counter())[kind] += 1
+    return {t: dict(c.most_common()) for t, c in sorted(table.items())}
+
+
 __all__ = [
     "CHAIN_SUMS",
     "FAMILIES",
@@ -173,8 +231,15 @@ __all__ = [
     "LONG_SUMS",
     "Family",
     "chain_sums",
+    "error_table",
+    "first_error",
     "held_out",
     "parse_terms",
     "restatement",
     "solution",
 ]
+
+
+if __name__ == "__main__":  # python -m prorl.chain_sums CHECKPOINT [FAMILY]: first errors per level
+    for level, kinds in error_table(*sys.argv[1:3]).items():
+        print(level, kinds)

@@ -111,3 +111,23 @@ def test_long_sums_splits_levels_and_two_digit_slip():
     assert slipped > 100
     with pytest.raises(ValueError, match="long_sums: terms must be one of"):
         chain_sums.held_out(7, chain_sums.LONG_SUMS)
+
+
+def test_first_error_names_the_first_wrong_step():
+    """The classes of chain_sums.first_error, each on a hand-written solution of 47+85+12 (= 144)."""
+    t = (47, 85, 12)
+    cases = {
+        "47+85=132, 132+12=144. \\boxed{144}": "right",
+        "Terms: 47 85 12. 47+85=132, 132+12=144. \\boxed{144}": "right",
+        "47+85=122, 122+12=134. \\boxed{134}": "forgot the units carry",  # 7+5 carries
+        "47+58=105, 105+12=117. \\boxed{117}": "copied a term wrong",
+        "47+85=132, 123+12=135. \\boxed{135}": "wrong running total",
+        "47+85=131, 131+12=143. \\boxed{143}": "other arithmetic",
+        "47+85=132. \\boxed{132}": "too few steps",
+        "47+85=132, 132+12=144, 144+1=145. \\boxed{145}": "extra step",
+        "47+85=132, 132+12=144. \\boxed{145}": "box differs",
+        "47+85=132, 132+12=144.": "no answer",
+    }
+    assert {text: chain_sums.first_error(t, text) for text in cases} == cases
+    # 2+8 carries in the units of single digits too: a chain_sums slip is this class
+    assert chain_sums.first_error((2, 8), "2+8=0. \\boxed{0}") == "forgot the units carry"
