@@ -207,15 +207,14 @@ def error_table(model_dir: str, family: str = "long_sums", temperature: float = 
 
     from transformers import PreTrainedTokenizerFast
 
-    from prorl.data import stop_token_ids
     from prorl.engine.model import load_hf
     from prorl.engine.rollout import NativeGenerator, SamplingParams
-    from prorl.warmstart import encode_chat
 
     tok, model = PreTrainedTokenizerFast.from_pretrained(model_dir), load_hf(model_dir)
     val = chain_sums(split="val", family=family)
-    params = SamplingParams(temperature=temperature, max_new_tokens=128, stop_token_ids=stop_token_ids(tok))
-    out = NativeGenerator(model).generate([encode_chat(tok, e.prompt[0]["content"]) for e in val], params)
+    params = SamplingParams(temperature=temperature, max_new_tokens=128, stop_token_ids=[tok.eos_token_id])
+    chats = [tok.apply_chat_template(e.prompt, add_generation_prompt=True, tokenize=False) for e in val]
+    out = NativeGenerator(model).generate([tok.encode(c, add_special_tokens=False) for c in chats], params)
     table: dict[int, Counter] = {}
     for s in out.samples:
         terms = parse_terms(val[s.prompt_index].prompt[0]["content"])
