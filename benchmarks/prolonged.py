@@ -246,16 +246,18 @@ def pass_at_tokens(rows: list[dict], variant: str, budget: float) -> list[float]
     return out
 
 
-def equal_compute(table: list[dict], rows: list[dict]) -> str:
-    """A line per variant: pass@1 at the generated-token total of the cheapest variant's runs."""
-    if not table:
+def equal_compute(rows: list[dict], variants: list[str]) -> str:
+    """A line per variant: pass@1 at the generated-token total of the cheapest run (every run reached it)."""
+    totals = [max(c.values()) for v in variants for c in cumulative_tokens(rows, v).values()]
+    if not totals:
         return ""
-    budget = min(t["gen_tokens"] for t in table)
+    budget = min(totals)
     lines = [f"\nEqual compute: held-out pass@1 % at {budget / 1e3:.0f} K generated training tokens "]
-    lines[0] += "(the cheapest variant's mean total), mean (min-max) over seeds:\n"
-    for t in table:
-        got = pass_at_tokens(rows, t["variant"], budget)
-        lines.append(f"- {t['variant']}: {_mean_range(got) if got else 'n/a'}")
+    lines[0] += "(the cheapest run's total), mean (min-max) over seeds:\n"
+    for v in variants:
+        got = pass_at_tokens(rows, v, budget)
+        if got:
+            lines.append(f"- {v}: {_mean_range(got)}")
     return "\n".join(lines) + "\n"
 
 
@@ -336,7 +338,7 @@ def main(argv=None) -> int:
     write_rows(args.results / f"{NAME}.csv", rows)
     preset = load_config("prolonged", [])
     table = summary(rows, variants, (preset.reward.length_k_on, preset.reward.length_k_off))
-    text = markdown(table) + equal_compute(table, rows)
+    text = markdown(table) + equal_compute(rows, [t["variant"] for t in table])
     cmd = shlex.join(["python", "-m", "benchmarks", NAME, *(sys.argv[2:] if argv is None else argv)])
     missing = ", ".join(f"{v} seed {s}" for v, s in jobs if (v, s) not in complete) or "none"
     text += f"\n{len(complete)} of {len(jobs)} runs of {steps} steps complete (missing: {missing}); "
