@@ -70,11 +70,10 @@ def figures(rows: list[dict], variants: list[str], png: Path) -> list[Path]:
     ax_kl.text(0.01, 0.02, "| = reference reset (any seed)", transform=ax_kl.transAxes, fontsize=7)
     axes.flat[0].legend(fontsize=7, loc="lower right")
     seeds = len(_by_seed(rows, present[0], "val_pass@1"))
-    fig.suptitle(
-        f"ProRL pieces on chain sums, 1-core CPU: mean of {seeds} seed(s), band = min-max", fontsize=10
-    )
+    fig.suptitle(f"ProRL pieces, one CPU core per run: mean of {seeds} seed(s), band = min-max", fontsize=10)
     out = [_save(fig, png, 110)]
 
+    out += _compute_figure(plt, rows, present, png.with_name(png.stem + "_compute.png"))
     levels = sorted(
         {r["metric"].split("/", 1)[1] for r in rows if r["metric"].startswith("val_pass@1/")}, key=int
     )
@@ -85,8 +84,44 @@ def figures(rows: list[dict], variants: list[str], png: Path) -> list[Path]:
             steps, mean, lo, hi = _band(per_seed, 1)
             ax.plot(steps, mean, "o-", ms=3, color=colours[i % 10], label=f"{level} terms")
             ax.fill_between(steps, lo, hi, color=colours[i % 10], alpha=0.15, lw=0)
-        ax.set(xlabel="RL step", ylabel="held-out pass@1", ylim=(0, 1.02), title=f"{present[0]}: per level")
+            per_seed = _by_seed(rows, present[0], f"val_pass@4/{level}")
+            if per_seed:  # pass@4 dashed: does RL widen what the model can solve, or sharpen it?
+                steps, mean, _, _ = _band(per_seed, 1)
+                ax.plot(steps, mean, "--", lw=0.9, color=colours[i % 10])
+        ax.set(
+            xlabel="RL step",
+            ylabel="held-out pass@1",
+            ylim=(0, 1.02),
+            title=f"{present[0]}: per level (dashed: pass@4)",
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         out.append(_save(fig, png.with_name(png.stem + "_levels.png"), 100))
     return out
+
+
+def _compute_figure(plt, rows: list[dict], variants: list[str], png: Path) -> list[Path]:
+    """Held-out pass@1 against generated training tokens (mean over seeds of both, per evaluation step):
+    dynamic sampling's refills cost tokens, so equal steps are not equal compute."""
+    fig, ax = plt.subplots(figsize=(6.4, 4))
+    colours = plt.get_cmap("tab10").colors
+    for i, v in enumerate(variants):
+        acc, tok = _by_seed(rows, v, "val_pass@1"), _by_seed(rows, v, "generated_tokens")
+        cums = {}
+        for seed, pts in tok.items():
+            total, cums[seed] = 0.0, {0: 0.0}
+            for step, y in pts:
+                total += y
+                cums[seed][step] = total
+        steps = sorted(set.intersection(*({s for s, _ in pts} for pts in acc.values())))
+        steps = [s for s in steps if all(s in cums.get(seed, {}) for seed in acc)]
+        if not steps:
+            continue
+        xs = [sum(cums[seed][s] for seed in acc) / len(acc) / 1e6 for s in steps]
+        ys = [sum(dict(acc[seed])[s] for seed in acc) / len(acc) for s in steps]
+        ax.plot(xs, ys, "o-", ms=3, color=colours[i % 10], lw=1.6 if v == "full" else 1.0, label=v)
+    ax.set(xlabel="generated training tokens (M, mean over seeds)", ylabel="held-out pass@1")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    ax.set_title("equal-compute view: accuracy against generated tokens", fontsize=9)
+    return [_save(fig, png, 100)]

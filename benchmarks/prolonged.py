@@ -4,35 +4,38 @@
     python -m benchmarks prolonged --quick       # smoke test: 2 variants x 1 seed x 4 tiny steps
     python -m benchmarks prolonged --report-only # tables and figures from the runs already in --work
 
-Every run is `python prorl/train.py --config prolonged` (prorl/configs/prolonged.yaml: the chain reasoner on
-chain sums, prorl/chain_sums.py) in one process with one thread, with the same seed list and step count for
-every variant; a variant changes one thing:
+Every run is `python prorl/train.py --config prolonged` (prorl/configs/prolonged.yaml: the long reasoner
+on sums of 2 to 6 two-digit terms, prorl/chain_sums.py) in one process with one thread, with the same seed
+list and step count for every variant; a variant changes one thing:
 
     full                 clip 0.2/0.28, dynamic sampling, k2 KL 1e-3 with a reference reset every 100
-                         steps, cosine length penalty (on 50 / off 150 steps), context 64 tokens, 96 from
-                         step 150
+                         steps, cosine length penalty (on 50 / off 150 steps), context 80 tokens, 128
+                         from step 150
     no-clip-higher       eps_high = eps_low = 0.2
     no-dynamic-sampling  every group trained on, all-equal ones included
     no-kl                KL coefficient 0 (the KL to the reference is still measured)
     kl-no-reset          the reference is never reset (no interval, no spike rule)
     no-length-penalty    no cosine length term
-    fixed-context        96 tokens from the first step
+    fixed-context        128 tokens from the first step
 
 The full design (the defaults: 7 variants x 2 seeds x 500 steps) is sized for the 2-core machine with
-`--jobs 2`: a step took 0.3-1.4 s on one shared core (500-step runs 163-316 s, 300-step runs 157-436 s),
-so an estimated 40-75 min two at a time. The schedules are functions of the step and the LR is constant,
-so a shorter run (`--steps 300`) is the first part of the longer one (seen: the 300- and 500-step runs of
-a seed log the same numbers up to step 300). Runs are ordered seed-major (every variant's first seed
-before any second seed), so a stopped benchmark still covers every variant; a run whose metrics.jsonl
-already reaches the last step is not run again. `--set key=value` applies to every run (the variants'
-own overrides come last); give such runs their own `--work` and `--results`.
+`--jobs 2`: a step took ~1.1-1.5 s on one core of the shared machine (6 prompts x 8 samples), so about
+75-100 min two at a time, longer when the machine is busy (README: the measured wall time). The schedules
+are functions of the step and the LR is constant, so a shorter run (`--steps 300`) is the first part of the
+longer one (seen: the 300- and 500-step runs of a seed log the same numbers up to step 300). Runs are
+ordered seed-major (every variant's first seed before any second seed), so a stopped benchmark still covers
+every variant; a run whose metrics.jsonl already reaches the last step is not run again. `--set key=value`
+applies to every run (the variants' own overrides come last); give such runs their own `--work` and
+`--results`.
 Outputs (benchmarks/results, or --results): `prolonged.csv` with rows (variant, seed, step, metric, value)
-of every evaluation and step (`val_pass@1` = mean over 4 samples at T 0.6 on the 200 held-out problems,
-`val_pass@4`, per level `val_pass@1/<terms>`, `entropy`, `response_length`, `kl`, `score`, `reset` = 1 at
-a reference reset, `step_time`, `generated_tokens`, `clip_fraction`); `prolonged.png` (held-out pass@1,
-entropy, response length, KL with reset markers: mean over seeds, min-max band); `prolonged_levels.png`
-(pass@1 per level, first variant); `prolonged.md` (the table: final and best pass@1 with the spread across
-seeds, final pass@4, length by length-penalty phase, entropy, generated tokens, training time).
+of every evaluation and step (`val_pass@1` = mean over 4 samples at T 0.6 on the 250 held-out problems,
+`val_pass@4`, per level `val_pass@1/<terms>` and `val_pass@4/<terms>`, `entropy`, `response_length`, `kl`,
+`score`, `reset` = 1 at a reference reset, `step_time`, `generated_tokens`, `clip_fraction`);
+`prolonged.png` (held-out pass@1, entropy, response length, KL with reset markers: mean over seeds, min-max
+band); `prolonged_levels.png` (pass@1 per level, first variant); `prolonged_compute.png` (pass@1 against
+generated training tokens); `prolonged.md` (the table: final and best pass@1 with the spread across seeds,
+final pass@4, length by length-penalty phase, entropy, generated tokens, training time; then pass@1 at equal
+generated tokens).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ VARIANTS = {
     "no-kl": ["algorithm.kl_coef=0.0"],
     "kl-no-reset": ["algorithm.reset.interval=0", "algorithm.reset.kl_spike_factor=0"],
     "no-length-penalty": ["reward.length_penalty=false"],
-    "fixed-context": ["rollout.max_response_schedule={0: 96}"],
+    "fixed-context": ["rollout.max_response_schedule={0: 128}"],
 }
 STEP_METRICS = {  # CSV metric -> metrics.jsonl key, logged every step
     "entropy": "actor/entropy",
@@ -73,7 +76,7 @@ STEP_METRICS = {  # CSV metric -> metrics.jsonl key, logged every step
     "clip_fraction": "actor/pg_clipfrac",
 }
 VAL_METRICS = {"val_pass@1": "val/accuracy", "val_pass@4": "val/pass@4"}
-LEVEL_KEY = "val-core/math/chain_sums/{}/pass@1"
+LEVEL_KEY = "val-core/math/{task}/{level}/pass@{k}"  # the task's data_source is math/<task>/<terms>
 QUICK = ["trainer.total_steps=4", "trainer.val_every=2", "data.val_size=8"]
 QUICK += ["data.train_size=64", "trainer.prompts_per_step=4"]
 
@@ -145,16 +148,17 @@ def run_all(jobs: list[tuple[str, int]], work: Path, steps: int, extra: list[str
     return walls
 
 
-def rows_of(variant: str, seed: int, metrics: list[dict]) -> list[dict]:
-    """The long-format rows (variant, seed, step, metric, value) of one run."""
+def rows_of(variant: str, seed: int, metrics: list[dict], task: str = "chain_sums") -> list[dict]:
+    """The long-format rows (variant, seed, step, metric, value) of one run of the built-in `task`."""
     out = []
+    levels = {
+        f"val_pass@{k}/{t}": LEVEL_KEY.format(task=task, level=t, k=k) for t in range(1, 16) for k in (1, 4)
+    }
     for r in metrics:
         step = int(r.get("step", 0))
         keys = dict(VAL_METRICS) if "val/accuracy" in r else {}
         if "val/accuracy" in r:
-            keys.update(
-                {f"val_pass@1/{t}": LEVEL_KEY.format(t) for t in range(2, 10) if LEVEL_KEY.format(t) in r}
-            )
+            keys.update({m: k for m, k in levels.items() if k in r})
         if "actor/entropy" in r:
             keys.update(STEP_METRICS)
         for metric, key in keys.items():
@@ -214,6 +218,47 @@ def summary(rows: list[dict], variants: list[str], period: tuple[int, int] = (50
             )
         )
     return table
+
+
+def cumulative_tokens(rows: list[dict], variant: str) -> dict[int, dict[int, float]]:
+    """{seed: {step: generated training tokens up to and including that step}} (step 0: 0)."""
+    out = {}
+    for seed, pts in series(rows, variant, "generated_tokens").items():
+        total, cum = 0.0, {0: 0.0}
+        for step, y in pts:
+            total += y
+            cum[step] = total
+        out[seed] = cum
+    return out
+
+
+def pass_at_tokens(rows: list[dict], variant: str, budget: float) -> list[float]:
+    """Per seed: held-out pass@1 once the run had generated `budget` training tokens, linear between its
+    evaluations (a seed that never reached the budget is left out): the equal-compute view."""
+    cum, out = cumulative_tokens(rows, variant), []
+    for seed, pts in series(rows, variant, "val_pass@1").items():
+        xy = [(cum.get(seed, {}).get(s), y) for s, y in pts]
+        xy = [(x, y) for x, y in xy if x is not None]
+        for (x0, y0), (x1, y1) in zip(xy, xy[1:]):
+            if x0 <= budget <= x1:
+                out.append(y0 + (y1 - y0) * (budget - x0) / max(x1 - x0, 1e-9))
+                break
+    return out
+
+
+def equal_compute(rows: list[dict], variants: list[str]) -> str:
+    """A line per variant: pass@1 at the generated-token total of the cheapest run (every run reached it)."""
+    totals = [max(c.values()) for v in variants for c in cumulative_tokens(rows, v).values()]
+    if not totals:
+        return ""
+    budget = min(totals)
+    lines = [f"\nEqual compute: held-out pass@1 % at {budget / 1e3:.0f} K generated training tokens "]
+    lines[0] += "(the cheapest run's total), mean (min-max) over seeds:\n"
+    for v in variants:
+        got = pass_at_tokens(rows, v, budget)
+        if got:
+            lines.append(f"- {v}: {_mean_range(got)}")
+    return "\n".join(lines) + "\n"
 
 
 def _tail_mean(rows: list[dict], variant: str, metric: str, last: int = 50) -> float:
@@ -286,13 +331,14 @@ def main(argv=None) -> int:
         deadline = None if args.deadline_min is None else t0 + 60 * args.deadline_min
         run_all(jobs, args.work, steps, extra, args.jobs, deadline)
     rows, complete = [], [(v, s) for v, s in jobs if finished(run_dir(args.work, v, s), steps)]
+    task = load_config("prolonged", extra).data.builtin_task
     for v, s in complete:  # a run cut short is left out of the rows, the table and the figures
-        rows += rows_of(v, s, read_metrics(run_dir(args.work, v, s)))
+        rows += rows_of(v, s, read_metrics(run_dir(args.work, v, s)), task)
     args.results.mkdir(parents=True, exist_ok=True)
     write_rows(args.results / f"{NAME}.csv", rows)
     preset = load_config("prolonged", [])
     table = summary(rows, variants, (preset.reward.length_k_on, preset.reward.length_k_off))
-    text = markdown(table)
+    text = markdown(table) + equal_compute(rows, [t["variant"] for t in table])
     cmd = shlex.join(["python", "-m", "benchmarks", NAME, *(sys.argv[2:] if argv is None else argv)])
     missing = ", ".join(f"{v} seed {s}" for v, s in jobs if (v, s) not in complete) or "none"
     text += f"\n{len(complete)} of {len(jobs)} runs of {steps} steps complete (missing: {missing}); "

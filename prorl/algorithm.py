@@ -131,7 +131,11 @@ class ReferenceResetPolicy:
     """Decides when pi_ref <- current policy: every `interval` steps, on a KL spike, or on stalled validation.
 
     KL spike: this step's mean KL > kl_spike_factor x the median of the last `window` steps' KL, and at
-    least `kl_floor` (a spike of noise near 0 is no reason to reset).
+    least `kl_floor` (a spike of noise near 0 is no reason to reset). The window holds only steps more
+    than `window` steps after the reference was last set (the run's start or a reset): the KL to a new
+    reference starts at 0 and rises for a while, and against a window of that rise the ordinary rise
+    reads as a spike (it fired ~22 steps after every reset); so the rule can first fire 2 x `window` + 1
+    steps after a reset.
     Stall: no validation improvement for `patience` evaluations (0 = off). The optimizer is reset too
     only if `reset_optimizer` (v1 behaviour); the caller does the actual copy. Its state (not its
     settings) is checkpointed.
@@ -166,7 +170,8 @@ class ReferenceResetPolicy:
                 reason = "kl_spike"
         if reason is None and self.patience > 0 and self.evals_since_best >= self.patience:
             reason = "stall"
-        self.kl_history = (self.kl_history + [float(mean_kl)])[-max(self.window, 1) :]
+        if step - self.last_reset_step > self.window:  # past the post-reset rise
+            self.kl_history = (self.kl_history + [float(mean_kl)])[-max(self.window, 1) :]
         return reason
 
     def record_reset(self, step: int) -> None:

@@ -441,16 +441,17 @@ def reasoning_gym_tasks(
 
 
 def builtin(name: str, n: int | None = None, seed: int = 0, split: str = "train") -> list[Example]:
-    """A built-in task set by name: "digit_sums", "chain_sums" (prorl/chain_sums.py),
+    """A built-in task set by name: "digit_sums", "chain_sums" and "long_sums" (prorl/chain_sums.py),
     "reasoning_gym/<task>"."""
     if name == "digit_sums":
         return digit_sums(n, seed, split)
-    if name == "chain_sums":
-        return chain_sums(n, seed, split)
+    if name in ("chain_sums", "long_sums"):
+        return chain_sums(n, seed, split, family=name)
     if name.startswith("reasoning_gym/"):
         return reasoning_gym_tasks(name.split("/", 1)[1], n if n is not None else 1000, seed, split)
     raise ValueError(
-        f"unknown built-in task set {name!r}; known: 'digit_sums', 'chain_sums', 'reasoning_gym/<task>'"
+        f"unknown built-in task set {name!r}; known: 'digit_sums', 'chain_sums', 'long_sums', "
+        "'reasoning_gym/<task>'"
     )
 
 

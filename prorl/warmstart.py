@@ -3,6 +3,7 @@ demonstrations, saved in Hugging Face format (config.json, model.safetensors, to
 
     python -m prorl.warmstart --out prorl/assets/tiny-reasoner      # ~10 min on one CPU core
     python -m prorl.warmstart --task chain_sums --out prorl/assets/chain-reasoner ...   # prorl/chain_sums.py
+    python -m prorl.warmstart --task long_sums --out prorl/assets/long-reasoner ...     # (README)
 
 Why imperfect demonstrations. ProRL starts from a distilled model that imitation has taken as far as it
 goes; RL must then add what imitation cannot. A tiny model trained on *perfect* worked sums would keep
@@ -75,6 +76,7 @@ def demonstration(prompt: str, slip: float, verbose: float, rng: random.Random) 
 TASKS = {  # task -> (split loader, greedy evaluation budget in tokens)
     "digit_sums": (lambda split: digit_sums(split=split), 40),
     "chain_sums": (lambda split: chain_sums.chain_sums(split=split), 96),
+    "long_sums": (lambda split: chain_sums.chain_sums(split=split, family="long_sums"), 128),
 }
 
 

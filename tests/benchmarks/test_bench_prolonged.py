@@ -20,7 +20,7 @@ def test_quick_run_writes_rows_table_and_figures(tmp_path):
         assert val == [0, 2, 4], variant  # before training, every val_every=2 steps, at the end
         steps = sorted(int(r["step"]) for r in rows if r["variant"] == variant and r["metric"] == "entropy")
         assert steps == [1, 2, 3, 4]
-        for metric in ("val_pass@4", "response_length", "kl", "val_pass@1/3"):
+        for metric in ("val_pass@4", "response_length", "kl", "val_pass@1/3", "val_pass@4/3"):
             assert any(r["variant"] == variant and r["metric"] == metric for r in rows), (variant, metric)
         assert all(r["seed"] == "1" for r in rows)
     table = (results / "prolonged.md").read_text()
@@ -61,6 +61,23 @@ def test_summary_final_best_and_spread_over_seeds():
     assert line.startswith("| full | 2 | 60.0 (50.0-70.0) | 65.0 (60.0-70.0) | 85.0 |")
 
 
+def test_equal_compute_interpolates_pass_at1_at_a_token_budget():
+    """pass@1 once a run had generated the budget's tokens: linear between the evaluations on either
+    side (cumulative generated tokens at each evaluation), per seed; a seed short of the budget is left
+    out."""
+    rows = [_val("ds", 1, 0, 0.2), _val("ds", 1, 2, 0.6), _val("ds", 1, 4, 0.8)]
+    rows += [dict(variant="ds", seed=1, step=t, metric="generated_tokens", value=100.0) for t in (1, 2, 3, 4)]
+    rows += [_val("ds", 2, 0, 0.2), _val("ds", 2, 2, 0.4)]
+    rows += [dict(variant="ds", seed=2, step=t, metric="generated_tokens", value=50.0) for t in (1, 2)]
+    # seed 1: 200 tokens at step 2 (0.6), 400 at step 4 (0.8): 300 tokens -> 0.7; seed 2 ends at 100
+    assert prolonged.pass_at_tokens(rows, "ds", 300.0) == [0.7]
+    # 50 tokens: seed 1 a quarter of the way to step 2 (0.3), seed 2 half way (0.3)
+    assert [round(x, 12) for x in prolonged.pass_at_tokens(rows, "ds", 50.0)] == [0.3, 0.3]
+    # the budget is the cheapest run's total (seed 2: 100 tokens), which every run reached: 0.4 and 0.4
+    text = prolonged.equal_compute(rows, ["ds"])
+    assert "at 0 K generated" in text and "- ds: 40.0 (40.0-40.0)" in text
+
+
 def _flat(d, prefix=""):
     out = {}
     for k, v in d.items():
@@ -78,21 +95,21 @@ def test_each_variant_changes_only_its_piece():
     from prorl.config import load_config
 
     full = _flat(asdict(load_config("prolonged", [])))
-    # the full recipe: clip-higher, dynamic sampling, KL with interval resets, length penalty, 64 then 96
+    # the full recipe: clip-higher, dynamic sampling, KL with interval resets, length penalty, 80 then 128
     assert (full["algorithm.eps_low"], full["algorithm.eps_high"]) == (0.2, 0.28)
     assert full["algorithm.dynamic_sampling"] and full["reward.length_penalty"]
     assert full["algorithm.kl_coef"] > 0 and full["algorithm.reset.interval"] == 100
     assert full["scheduler.mode"] == "none"
     sched = full["rollout.max_response_schedule"]
     budgets = [scheduled_value(s, sched, full["rollout.max_response_tokens"]) for s in (0, 149, 150, 499)]
-    assert budgets == [64, 64, 96, 96]
+    assert budgets == [80, 80, 128, 128]
     expected = {
         "no-clip-higher": {"algorithm.eps_high": 0.2},
         "no-dynamic-sampling": {"algorithm.dynamic_sampling": False},
         "no-kl": {"algorithm.kl_coef": 0.0},
         "kl-no-reset": {"algorithm.reset.interval": 0, "algorithm.reset.kl_spike_factor": 0.0},
         "no-length-penalty": {"reward.length_penalty": False},
-        "fixed-context": {"rollout.max_response_schedule": {0: 96, 150: 96}},
+        "fixed-context": {"rollout.max_response_schedule": {0: 128, 150: 128}},
     }
     assert set(expected) | {"full"} == set(prolonged.VARIANTS)
     for variant, changed in expected.items():

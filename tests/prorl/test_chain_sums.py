@@ -75,3 +75,59 @@ def test_routes_to_the_math_verifier():
     right = chain_sums.solution(_terms(ex))
     assert score(ex.data_source, right, ex.ground_truth) == 1.0
     assert score(ex.data_source, right.replace(f"{{{ex.ground_truth}}}", "{100}"), ex.ground_truth) == 0.0
+
+
+def test_long_sums_splits_levels_and_two_digit_slip():
+    """The two-digit family: 50 held-out problems per level (2-6 terms of 10..99), training disjoint from
+    them by problem, every step of a slipped demonstration right or exactly 10 short where the units
+    carry (units of the total + units of the term >= 10)."""
+    val = data.builtin("long_sums", split="val")
+    train = data.builtin("long_sums", split="train")
+    assert {k: sum(len(_terms(e)) == k for e in val) for k in range(2, 7)} == dict.fromkeys(range(2, 7), 50)
+    assert {k: sum(len(_terms(e)) == k for e in train) for k in range(2, 7)} == dict.fromkeys(
+        range(2, 7), 1000
+    )
+    assert not {_terms(e) for e in train} & {_terms(e) for e in val}
+    assert len({_terms(e) for e in train}) == len(train)
+    assert all(10 <= t <= 99 for e in val + train for t in _terms(e))
+    assert [_terms(e) for e in data.builtin("long_sums", seed=3, split="val")] == [_terms(e) for e in val]
+    # the chain_sums held-out problems are not moved by the family machinery (the split seed's draws)
+    assert chain_sums.held_out(3)[0] == chain_sums.CHAIN_SUMS.decode(
+        random.Random(f"{chain_sums.SPLIT_SEED}:3").sample(range(1000), 50)[0], 3
+    )
+    for e in val:
+        assert e.ground_truth == str(sum(_terms(e))) and e.data_source == f"math/long_sums/{len(_terms(e))}"
+    assert chain_sums.solution((47, 85, 12)) == "47+85=132, 132+12=144. \\boxed{144}"
+    # slip 1: 47+85 carries in the units (7+5): 122; 122+12 does not (2+2)
+    assert chain_sums.solution((47, 85, 12), 1.0, random.Random(0)) == "47+85=122, 122+12=134. \\boxed{134}"
+    rng, slipped = random.Random(0), 0
+    for e in train[:300]:
+        for x, d, s in re.findall(
+            r"(\d+)\+(\d+)=(\d+)", demonstration(e.prompt[-1]["content"], 0.6, 0.0, rng)
+        ):
+            x, d, s = int(x), int(d), int(s)
+            assert s == x + d or (s == x + d - 10 and x % 10 + d % 10 >= 10)
+            slipped += s != x + d
+    assert slipped > 100
+    with pytest.raises(ValueError, match="long_sums: terms must be one of"):
+        chain_sums.held_out(7, chain_sums.LONG_SUMS)
+
+
+def test_first_error_names_the_first_wrong_step():
+    """The classes of chain_sums.first_error, each on a hand-written solution of 47+85+12 (= 144)."""
+    t = (47, 85, 12)
+    cases = {
+        "47+85=132, 132+12=144. \\boxed{144}": "right",
+        "Terms: 47 85 12. 47+85=132, 132+12=144. \\boxed{144}": "right",
+        "47+85=122, 122+12=134. \\boxed{134}": "forgot the units carry",  # 7+5 carries
+        "47+58=105, 105+12=117. \\boxed{117}": "copied a term wrong",
+        "47+85=132, 123+12=135. \\boxed{135}": "wrong running total",
+        "47+85=131, 131+12=143. \\boxed{143}": "other arithmetic",
+        "47+85=132. \\boxed{132}": "too few steps",
+        "47+85=132, 132+12=144, 144+1=145. \\boxed{145}": "extra step",
+        "47+85=132, 132+12=144. \\boxed{145}": "box differs",
+        "47+85=132, 132+12=144.": "no answer",
+    }
+    assert {text: chain_sums.first_error(t, text) for text in cases} == cases
+    # 2+8 carries in the units of single digits too: a chain_sums slip is this class
+    assert chain_sums.first_error((2, 8), "2+8=0. \\boxed{0}") == "forgot the units carry"
