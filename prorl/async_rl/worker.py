@@ -29,7 +29,7 @@ from prorl.async_rl.roles import Roles
 from prorl.data import stop_token_ids
 from prorl.engine.model import load_hf
 from prorl.engine.parallel import all_reduce, dist_info
-from prorl.engine.rollout import build_generator, resolve_backend
+from prorl.engine.rollout import StaleWeightsError, build_generator, resolve_backend
 from prorl.metrics import StepAccumulator
 from prorl.sampling import GroupSampler
 
@@ -57,6 +57,7 @@ class RolloutWorker:
 
     def __init__(self, cfg, roles: Roles, model_path: str, tokenizer, examples, pool):
         self.cfg, self.roles = cfg, roles
+        self.heartbeat = transport.Heartbeat(roles.store, f"alive/rollout/{roles.index}")  # trainers watch
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         attention = None if cfg.model.attention == "auto" else cfg.model.attention
         device = dist_info().device
@@ -96,8 +97,13 @@ class RolloutWorker:
         self.weights.receive()
         if not self.weights.stopped and hasattr(self.generator, "calibrate"):
             params = list(self.weights.params.items())
-            # the engine's post-sync probe against the model (raises StaleWeightsError if it lags)
-            self.engine_check = self.generator.update_weights(params, reference=self.model)
+            try:  # the engine's post-sync probe against the model
+                self.engine_check = self.generator.update_weights(params, reference=self.model)
+            except StaleWeightsError as exc:  # the documented exit 8, not a crash
+                raise transport.RolloutLost(
+                    f"rollout rank {self.roles.index}: the vLLM engine does not follow the weights of "
+                    f"version {self.weights.version}: {exc}"
+                ) from exc
 
     def run(self) -> int:
         """Serve until the trainers say stop; returns the exit code (0)."""
@@ -112,6 +118,8 @@ class RolloutWorker:
         while step < self.cfg.trainer.total_steps:
             t0 = time.perf_counter()
             target = int(all_reduce(float(w.visible()), "max", what="the weight pushes announced"))
+            if self.roles.index == 0:  # every rollout rank has taken the pushes before w.next
+                w.release()
             while w.next < target and not w.stopped:
                 self.receive()
             while not w.stopped and w.version < step - k:
