@@ -17,8 +17,9 @@ Liveness: trainer rank 0 and every rollout rank run a `Heartbeat` thread that bu
 `alive/...` in the store; a side waiting for the other (`take` with a `Liveness`) fails once the
 counter it watches has not moved for `HEARTBEAT_STALE_S` (its own clock: no clock is compared across
 nodes), so a long validation or checkpoint save of a live trainer is no timeout and a dead peer is
-seen within minutes. The trainers' `close` also sets `STOP_KEY`, which a rollout rank checks before
-joining any broadcast: a stop is seen even while a push is stuck.
+seen within minutes. The trainers' `close` also sets `STOP_KEY`, which a rollout rank checks while
+waiting for a push, and a broadcast that fails once it is set is a clean stop: a trainer that gave up
+on a push stuck behind a rollout still mid-step (SIGTERM: save, then exit) stops that rollout cleanly.
 
 `checksum` is the yardstick of "the rollout's weights are the version it reports": the trainer records it
 per version over its own full tensors, the rollout computes it over its model after loading a push, and
@@ -255,13 +256,16 @@ class WeightReceiver:
         self.released = self.next
 
     def _header(self):
-        """The next push's header, or None once the trainers set STOP_KEY (checked first)."""
+        """The next push's header, or None once the trainers set STOP_KEY and announced no further
+        push. An announced push is joined even after a stop: its root waits for this rank (the trainer
+        gives it up to `WeightPusher.close`'s timeout), and a root that left meanwhile is a clean stop
+        (`receive`)."""
         key, what = f"push/{self.next}", "weight push from the trainers"
         while True:
-            if ready(self.store, STOP_KEY):
-                return None
             if ready(self.store, key):
                 return pickle.loads(self.store.get(key))
+            if ready(self.store, STOP_KEY):
+                return None
             self.trainer.check(what)
             time.sleep(POLL_S)
 

@@ -316,7 +316,10 @@ def _header(version, layout=(), stop=False):
     return {"version": version, "stop": stop, "extra": None, "layout": list(layout)}
 
 
-def test_a_stop_is_seen_before_joining_a_stuck_push():
+def test_a_stop_while_a_push_is_stuck_ends_the_rollout_cleanly():
+    """SIGTERM while the rollout is mid-step: the trainer gives up on the stuck push and exits; the
+    rollout then joins the announced push, finds its root gone, and stops (exit 0), as it stops at
+    once when no push is announced."""
     store, pg = _Store(), _BlockingGroup()  # the rollout is mid-step: the push thread blocks
     pusher = transport.WeightPusher(store, pg)
     pusher.stage(0, [("weight", torch.zeros(1, 2))])
@@ -326,11 +329,15 @@ def test_a_stop_is_seen_before_joining_a_stuck_push():
         time.sleep(0.01)
     pusher.close(timeout_s=0.05)  # gives up on the stuck thread
     assert store.check([transport.STOP_KEY])
-    failing = _FailingGroup()
+    failing = _FailingGroup()  # the trainer has exited: the broadcast breaks
     receiver = _receiver(store, failing)
-    receiver.receive()  # push/0 is announced, but the stop comes first: no broadcast joined
-    assert receiver.stopped and failing.calls == 0
+    receiver.receive()
+    assert receiver.stopped and failing.calls == 1
     pg.release.set()
+    store.delete_key("push/0")
+    receiver = _receiver(store, failing)
+    receiver.receive()  # nothing announced: the stop key alone
+    assert receiver.stopped and failing.calls == 1
 
 
 def test_a_broadcast_whose_root_left_is_a_stop_only_when_the_trainers_said_stop():
