@@ -19,7 +19,8 @@ COMMANDS = {"readme": "benchmarks.report.readme", "gpu_profile_step": "benchmark
 
 
 def available() -> dict[str, tuple[str, str]]:
-    """name -> (module, first docstring line), for every module here that defines `main` and COMMANDS."""
+    """name -> (module, first docstring line), for every module here that defines `main` and
+    COMMANDS."""
     modules = {p.stem: f"benchmarks.{p.stem}" for p in sorted(_HERE.glob("*.py"))}
     found = {}
     for name, module in {**modules, **COMMANDS}.items():

@@ -9,7 +9,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-CHECKPOINT_DIR = os.path.join(tempfile.gettempdir(), "prorl-bench")  # random_checkpoint's default folder
+# random_checkpoint's default folder
+CHECKPOINT_DIR = os.path.join(tempfile.gettempdir(), "prorl-bench")
 
 
 def qwen2_shape(hidden: int, intermediate: int, layers: int, heads: int, **more) -> dict:

@@ -45,8 +45,8 @@ def _padded_attention_backend(length: int):
 
 
 def padded_logprobs(model, batch, temperature, grad: bool, entropy: bool = False, lle=None):
-    """Updater.logprobs as a padded trainer computes it: every sequence right-padded to the longest one
-    of the batch and run as one [S, Lmax] batch (one batched SDPA call, pad tokens through every
+    """Updater.logprobs as a padded trainer computes it: every sequence right-padded to the longest
+    one of the batch and run as one [S, Lmax] batch (one batched SDPA call, pad tokens through every
     layer and the LM head); the real tokens' values, from `lle` (default the fused op), in packed
     order. Needs plain packing (share_prompts off: a shared-prompt layout has no padded
     equivalent)."""
@@ -155,8 +155,8 @@ _PHASES = ("gen", "reward", "old_logp", "update")
 
 
 class TRLPhases:
-    """Per-optimizer-step phase times of a GRPOTrainer, from wrappers on its instance methods (TRL's own
-    `profiling_context` reports only to W&B / MLflow).
+    """Per-optimizer-step phase times of a GRPOTrainer, from wrappers on its instance methods (TRL's
+    own `profiling_context` reports only to W&B / MLflow).
 
     gen = `_generate` (prompt tokenisation, `generate`, decoding); reward = `_calculate_rewards`;
     old_logp = `_get_per_token_logps_and_entropies` under no_grad (the reference model's pass, and
@@ -235,8 +235,8 @@ class TRLPhases:
 
 
 def run_trl(work: dict, model_path: str, steps: int, memory, gpu: bool, gen: str = "vllm") -> tuple:
-    """TRL's GRPOTrainer on the same model, prompts and settings; returns (per-step records, note). On
-    `gpu`, `gen` = "vllm" (colocated vLLM) or "native" (transformers.generate on CUDA,
+    """TRL's GRPOTrainer on the same model, prompts and settings; returns (per-step records, note).
+    On `gpu`, `gen` = "vllm" (colocated vLLM) or "native" (transformers.generate on CUDA,
     use_vllm=False)."""
     import shutil
     import tempfile

@@ -55,7 +55,8 @@ def grpo_micro_batch(v: int, b: int = B, seed: int = 0) -> dict:
 
 
 def grpo_trainer(cls, model, **config):
-    """`cls` (GRPOTrainer or a subclass) with TRL's defaults on the CPU, on `model`, for compute_loss."""
+    """`cls` (GRPOTrainer or a subclass) with TRL's defaults on the CPU, on `model`, for
+    compute_loss."""
     from datasets import Dataset
     from transformers import PreTrainedTokenizerFast
     from trl import GRPOConfig
@@ -115,7 +116,8 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
             (out.log_probs.sum() + out.entropy.sum()).backward()
     else:
         _stub("openrlhf")
-        sys.modules["flash_attn.ops.triton.cross_entropy"] = None  # a stand-in: take OpenRLHF's torch path
+        # a stand-in: take OpenRLHF's torch path
+        sys.modules["flash_attn.ops.triton.cross_entropy"] = None
         from openrlhf.models import Actor
         from prorl.kernels.adapters import openrlhf_actor_forward
 

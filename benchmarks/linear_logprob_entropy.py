@@ -66,7 +66,8 @@ def inputs(shape: dict, device, requires_grad: bool = True):
 
 
 def floor_step(mode: str, shape: dict, device, flops: float) -> harness.Step:
-    """The op's matmuls alone into preallocated outputs: forward Z; backward Z, dH, dW; full both."""
+    """The op's matmuls alone into preallocated outputs: forward Z; backward Z, dH, dW; full
+    both."""
     import torch
 
     h, w, _, _, _ = inputs(shape, device, requires_grad=False)
@@ -87,7 +88,8 @@ def floor_step(mode: str, shape: dict, device, flops: float) -> harness.Step:
 
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
-    """The Step that measures `provider` in `mode` on `shape` (None: the provider lacks the mode)."""
+    """The Step that measures `provider` in `mode` on `shape` (None: the provider lacks the
+    mode)."""
     import torch
 
     n, d, v, temp = shape["N"], shape["D"], shape["V"], shape["temperature"]

@@ -32,10 +32,12 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     n, d, v = shape["N"], shape["D"], shape["V"]
     flops = float(6 * n * d * v)
     if provider == "sgemm-floor":
-        return floor_step("backward", shape, device, flops)  # Z, then dH and dW: the op's three products
+        # Z, then dH and dW: the op's three products
+        return floor_step("backward", shape, device, flops)
     h, w, y, _, _ = inputs(shape, device)
     g = torch.Generator(device=device).manual_seed(1)
-    old = torch.randn(n, generator=g, device=device) * 0.3 - math.log(v)  # near logp ~ -log V: ratios ~ 1
+    # near logp ~ -log V: ratios ~ 1
+    old = torch.randn(n, generator=g, device=device) * 0.3 - math.log(v)
     ref = old + torch.randn(n, generator=g, device=device) * 0.3
     adv = torch.randn(n, generator=g, device=device)
     mask = torch.ones(n, dtype=torch.bool, device=device)

@@ -51,9 +51,9 @@ def _spread(r: dict) -> tuple[float, float]:
 
 
 def _bars(ax, by: dict, groups: list, providers: list, reference: str | None = None) -> None:
-    """Bars at the p50 with p20-p80 whiskers of `by[(group, provider)]`: one x tick per group, one bar
-    (and colour) per provider; with `reference`, each bar's ratio to its bar of the same run above
-    it."""
+    """Bars at the p50 with p20-p80 whiskers of `by[(group, provider)]`: one x tick per group, one
+    bar (and colour) per provider; with `reference`, each bar's ratio to its bar of the same run
+    above it."""
     width = 0.8 / max(1, len(providers))
     for i, provider in enumerate(providers):
         shown = [(j, by[(g, provider)]) for j, g in enumerate(groups) if (g, provider) in by]
@@ -115,8 +115,9 @@ def plot(csv_path: Path, outdir: Path | None = None) -> list[Path]:
 
 
 def rates(csv_path: Path, png: Path, shapes: list[str], providers: list[str], reference: str):
-    """Tokens/s per shape and provider (the newest row of each, in the given orders), p50 bars with p20-p80
-    whiskers, and the ratio to `reference` above each bar where both rows come from the same run."""
+    """Tokens/s per shape and provider (the newest row of each, in the given orders), p50 bars with
+    p20-p80 whiskers, and the ratio to `reference` above each bar where both rows come from the same
+    run."""
     plt = _pyplot()
     rows = [r for r in load_latest(csv_path) if r["metric"] == "tokens_per_s"]
     shapes = [s for s in shapes if any(r["shape"] == s for r in rows)]
@@ -134,7 +135,8 @@ def rates(csv_path: Path, png: Path, shapes: list[str], providers: list[str], re
 
 
 def phases(rows: list[dict], png: Path, phase_names: list[str]) -> Path | None:
-    """One panel per shape: a stacked bar of the phases per provider (p50 ms), whisker on the step."""
+    """One panel per shape: a stacked bar of the phases per provider (p50 ms), whisker on the
+    step."""
     steps = [r for r in rows if r["mode"] == "step" and r["metric"] == "time"]
     shapes = list(dict.fromkeys(r["shape"] for r in steps))
     if not shapes:
@@ -165,8 +167,8 @@ def phases(rows: list[dict], png: Path, phase_names: list[str]) -> Path | None:
 
 
 def scaling(rows: list[dict], shapes: list[dict], png: Path, keys: dict[str, str]) -> Path | None:
-    """Time per step against the work multiple, one line per quantity of `keys` (shape key -> legend)
-    doubled from `shapes[0]`, with the linear ideal."""
+    """Time per step against the work multiple, one line per quantity of `keys` (shape key ->
+    legend) doubled from `shapes[0]`, with the linear ideal."""
     t = {r["shape"]: r for r in rows if r["mode"] == "step" and r["metric"] == "time"}
     base = shapes[0]
     if base["label"] not in t:
@@ -228,8 +230,8 @@ def curves(lines: dict[str, list[tuple[float, float]]], png: Path, xlabel: str, 
 
 
 def scheduling(tokens: dict, accuracy: dict, png: Path, window: int = 10) -> Path:
-    """Prompt scheduling: generated tokens per kept group (moving mean over `window` steps) and held-out
-    accuracy, against steps, one line per provider."""
+    """Prompt scheduling: generated tokens per kept group (moving mean over `window` steps) and
+    held-out accuracy, against steps, one line per provider."""
     plt = _pyplot()
     fig, (ax_t, ax_a) = plt.subplots(1, 2, figsize=(10, 3.6))
     for name, pts in tokens.items():

@@ -64,7 +64,8 @@ def make_shape(n: int, dtype: str = "float32") -> dict:
 
 
 def _inputs(shape: dict, device):
-    """logp [B, T] (leaf), old/ref near it, adv [B, 1] and [B], mask [B, T] with ~10% of each row padding."""
+    """logp [B, T] (leaf), old/ref near it, adv [B, 1] and [B], mask [B, T] with ~10% of each row
+    padding."""
     import torch
 
     b, t = shape["N"] // shape["T"], shape["T"]

@@ -27,9 +27,9 @@ QUICK_BATCH = {"math": 16, "code": 8}
 
 
 def math_case(i: int) -> tuple[str, str, float]:
-    """(response, ground truth, expected score) of math item i. Numbers change with i, so no two items
-    of a batch are equal strings: math-verify keeps an LRU cache of 20 parsed LaTeX strings, which
-    repeated items would hit."""
+    """(response, ground truth, expected score) of math item i. Numbers change with i, so no two
+    items of a batch are equal strings: math-verify keeps an LRU cache of 20 parsed LaTeX strings,
+    which repeated items would hit."""
     a, b = i + 1, i + 4
     cases = [
         (f"<think>{b}?</think> The answer is \\boxed{{{b}}}.", f"{b}", 1.0),

@@ -72,8 +72,8 @@ EQUAL_WORK = (  # the Trainer's fixed overrides (module docstring)
 
 
 def prorl_overrides(w: dict, path: str, gpu: bool, gen: str = "vllm") -> list[str]:
-    """The Trainer's config overrides; on `gpu`, `gen` is the sampler (vllm | native; CPU: the default
-    backend, which resolves to native there)."""
+    """The Trainer's config overrides; on `gpu`, `gen` is the sampler (vllm | native; CPU: the
+    default backend, which resolves to native there)."""
     if gpu and gen not in GPU_GENS:
         raise ValueError(f"gen must be one of {GPU_GENS}, got {gen!r}")
     backend = []
@@ -226,9 +226,9 @@ def measure(spec: dict, provider: str, mode: str, w: dict, device) -> list[dict]
 
 
 def newest_runs(path: Path, device: str | None, scaling: bool) -> list[dict]:
-    """Rows of the CSV for the plots: per shape, only the newest invocation that measured it (providers
-    are compared within one invocation, never across), on `device` (None: the newest row's
-    device)."""
+    """Rows of the CSV for the plots: per shape, only the newest invocation that measured it
+    (providers are compared within one invocation, never across), on `device` (None: the newest
+    row's device)."""
     rows = [r for r in harness.read_csv(path) if ("nostop" in r["shape"]) == scaling]
     device = device or max(rows, key=lambda r: r["timestamp"], default={}).get("device")
     rows = [r for r in rows if r["device"] == device]

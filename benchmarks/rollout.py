@@ -35,8 +35,8 @@ _ENGINES: dict = {}  # (provider, checkpoint) -> generator; one engine start per
 
 
 def make_shapes(ckpts, batches, news, dtype: str = "float32") -> list[dict]:
-    """Shape dicts; the weight-sync modes run on the first shape of each checkpoint only (`sync`). `dtype`
-    (of DTYPES) travels in every shape to the worker; it is not part of the label."""
+    """Shape dicts; the weight-sync modes run on the first shape of each checkpoint only (`sync`).
+    `dtype` (of DTYPES) travels in every shape to the worker; it is not part of the label."""
     shapes = []
     for c in ckpts:
         for i, (b, n) in enumerate((b, n) for b in batches for n in news):
@@ -117,7 +117,8 @@ def _transformers_step(provider: str, shape: dict, device) -> harness.Step:
 
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
-    """The Step that measures `provider` in `mode` on `shape` (None: the provider has no such mode)."""
+    """The Step that measures `provider` in `mode` on `shape` (None: the provider has no such
+    mode)."""
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"the rollout benchmark runs on cpu or cuda, not {device.type}")
     if provider in ("transformers", "transformers-eager"):

@@ -50,7 +50,8 @@ SEED = 0
 
 
 def make_shape(model: str, seqs: int, min_len: int, max_len: int, dtype: str, ckpt_dir: str):
-    """A shape dict (harness.py) with the sequence lengths drawn here: the parent knows the counts."""
+    """A shape dict (harness.py) with the sequence lengths drawn here: the parent knows the
+    counts."""
     rng = random.Random(SEED)
     lengths = [rng.randint(min_len, max_len) for _ in range(seqs)]
     label = f"{model} B={seqs} len={min_len}-{max_len} {dtype}"
@@ -171,7 +172,8 @@ def _prorl_loss(provider: str, model, b: dict, fp8, device, max_len: int):
     if provider == "prorl-unfused":
 
         def unfused():
-            hidden = model(b["ids"], b["position_ids"], b["cu_seqlens"], max_seqlen=max_len)  # [N, D]
+            # [N, D]
+            hidden = model(b["ids"], b["position_ids"], b["cu_seqlens"], max_seqlen=max_len)
             return nll_from_logits(model.logits(hidden), b["labels"])  # [N, V] logits
 
         return unfused, f"loss_path=logits+log_softmax {attention}"
@@ -182,7 +184,8 @@ def _prorl_loss(provider: str, model, b: dict, fp8, device, max_len: int):
 
     def fused():
         with autocast():  # TE: FP8 forward; torchao: no context
-            hidden = model(b["ids"], b["position_ids"], b["cu_seqlens"], max_seqlen=max_len)  # [N, D]
+            # [N, D]
+            hidden = model(b["ids"], b["position_ids"], b["cu_seqlens"], max_seqlen=max_len)
         logp, _ = linear_logprob_entropy(
             hidden, model.lm_head_weight, b["labels"], return_entropy=False, backend=backend
         )

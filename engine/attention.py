@@ -1,30 +1,32 @@
 """Causal attention over packed (varlen) sequences, behind one small interface.
 
-Every backend takes q [N, Hq, d], k/v [Nk, Hkv, d] (tokens of all sequences concatenated, GQA heads not
-repeated) and an `AttentionContext` built once per forward from `cu_seqlens`, and returns [N, Hq, d].
-Tokens attend only to earlier tokens of their own sequence. The context carries separate q and k
-boundaries (the flash-attn varlen convention). When they differ, sequence i has Lq_i <= Lk_i and its
-queries are the LAST Lq_i positions of its keys (causal mask aligned bottom-right, as flash-attn >= 2.1):
-this is how a group's responses attend to one shared copy of their prompt (`shared_prefix_context`; the
-keys of each response are gathered as [prompt keys, own keys] by `kv_index`, see engine/model/decoder.py).
-`sdpa` and `flash` support it; `flex` supports self-attention only.
+Every backend takes q [N, Hq, d], k/v [Nk, Hkv, d] (tokens of all sequences concatenated, GQA heads
+not repeated) and an `AttentionContext` built once per forward from `cu_seqlens`, and returns [N,
+Hq, d]. Tokens attend only to earlier tokens of their own sequence. The context carries separate q
+and k boundaries (the flash-attn varlen convention). When they differ, sequence i has Lq_i <= Lk_i
+and its queries are the LAST Lq_i positions of its keys (causal mask aligned bottom-right, as
+flash-attn >= 2.1): this is how a group's responses attend to one shared copy of their prompt
+(`shared_prefix_context`; the keys of each response are gathered as [prompt keys, own keys] by
+`kv_index`, see engine/model/decoder.py). `sdpa` and `flash` support it; `flex` supports
+self-attention only.
 
 Backends (`get_attention_backend(name)`):
-- `sdpa`  : `F.scaled_dot_product_attention`, sequences bucketed by length into a few padded calls (one
-            causal call for a sequence alone). Measured earlier on this CPU (1 thread, 14/2 heads, d=64,
-            fwd+bwd): one call per sequence 8x256 tokens 204 ms vs 1553 ms for one call with an [N, N]
-            block-diagonal mask (it pays for all N^2 pairs); buckets pay only for padding within similar
-            lengths, and cut the calls of an RL step's ~150 short segments per layer to a handful
-            (`python -m benchmarks rl_step`). Needs the lengths on the host (one sync per forward) and is
-            excluded from torch.compile graphs.
+- `sdpa`  : `F.scaled_dot_product_attention`, sequences bucketed by length into a few padded calls
+            (one causal call for a sequence alone). Measured earlier on this CPU (1 thread, 14/2
+            heads, d=64, fwd+bwd): one call per sequence 8x256 tokens 204 ms vs 1553 ms for one call
+            with an [N, N] block-diagonal mask (it pays for all N^2 pairs); buckets pay only for
+            padding within similar lengths, and cut the calls of an RL step's ~150 short segments
+            per layer to a handful (`python -m benchmarks rl_step`). Needs the lengths on the host
+            (one sync per forward) and is excluded from torch.compile graphs.
 - `flex`  : FlexAttention with a document-causal BlockMask, no host sync. Compiled by default (the
-            eager fallback materialises all N^2 scores; it is what the CPU tests use, `compile=False`).
-            On this CPU torch 2.13 compiles it in 25-40 s cold. On the CPU torch 2.13 has no FlexAttention
-            backward ("does not support backward on CPU"): there it serves evaluation/rollout only.
+            eager fallback materialises all N^2 scores; it is what the CPU tests use,
+            `compile=False`). On this CPU torch 2.13 compiles it in 25-40 s cold. On the CPU torch
+            2.13 has no FlexAttention backward ("does not support backward on CPU"): there it serves
+            evaluation/rollout only.
 - `flash` : flash-attn 2 `flash_attn_varlen_func` (CUDA, fp16/bf16), from the `[gpu]` extra.
 Default: `flash` on CUDA for fp16/bf16 compute when flash-attn (>= 2.1, whose causal mask is aligned
-bottom-right, as the shared-prompt layout needs) is importable, else `sdpa`; chosen per compute dtype, so
-an fp32 model on a GPU with flash-attn installed runs SDPA.
+bottom-right, as the shared-prompt layout needs) is importable, else `sdpa`; chosen per compute
+dtype, so an fp32 model on a GPU with flash-attn installed runs SDPA.
 """
 
 from __future__ import annotations
@@ -38,14 +40,14 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 
-# SDPA kernels allowed on CUDA: cuDNN's attention is left out. It builds an execution plan for every new
-# shape, and bucketed RL batches bring new shapes every step: on an H200 (torch 2.11) a 3M-parameter
-# policy's RL step spent ~1.4 s of host time in _cudnn_attention_backward/forward per step; without cuDNN
-# the reference pass went from ~420 to ~40 ms and the update from ~840 to ~80 ms
+# SDPA kernels allowed on CUDA: cuDNN's attention is left out. It builds an execution plan for every
+# new shape, and bucketed RL batches bring new shapes every step: on an H200 (torch 2.11) a
+# 3M-parameter policy's RL step spent ~1.4 s of host time in _cudnn_attention_backward/forward per
+# step; without cuDNN the reference pass went from ~420 to ~40 ms and the update from ~840 to ~80 ms
 # (benchmarks/gpu/profile_step.py, the SDPA-family toggles).
 def cuda_sdpa_backends() -> list[SDPBackend]:
-    """The SDPA kernels enabled right now (by default, or by a caller's own `sdpa_kernel` context), minus
-    cuDNN's: what `SDPAAttention` allows on CUDA. Empty when cuDNN is the only one enabled."""
+    """The SDPA kernels enabled right now (by default, or by a caller's own `sdpa_kernel` context),
+    minus cuDNN's: what `SDPAAttention` allows on CUDA. Empty when cuDNN is the only one enabled."""
     b = torch.backends.cuda
     enabled = (
         (SDPBackend.FLASH_ATTENTION, b.flash_sdp_enabled()),
@@ -62,8 +64,8 @@ class AttentionContext:
     num_tokens: N, the number of packed query tokens.
     cu_seqlens_q/k: [B+1] int32 offsets of each sequence in the packed q / k tensors.
     max_seqlen_q/k: longest sequence (host ints, needed by flash-attn; None = computed when needed).
-    kv_index: None (keys are the layer's own k/v) or [Nk] int64 rows of the layer's k/v that form the
-        packed keys (a shared prefix gathered once per sequence that uses it).
+    kv_index: None (keys are the layer's own k/v) or [Nk] int64 rows of the layer's k/v that form
+        the packed keys (a shared prefix gathered once per sequence that uses it).
     extra: per-backend data built by `prepare` (host lengths, a BlockMask, ...).
     """
 
@@ -77,7 +79,8 @@ class AttentionContext:
 
 
 class AttentionBackend:
-    """Interface: `prepare(ctx)` once per forward, then `__call__(q, k, v, ctx, scale)` per layer."""
+    """Interface: `prepare(ctx)` once per forward, then `__call__(q, k, v, ctx, scale)` per
+    layer."""
 
     name = "base"
 
@@ -97,14 +100,15 @@ class AttentionBackend:
 
 
 class SDPAAttention(AttentionBackend):
-    """`scaled_dot_product_attention` over buckets of similar-length sequences (see the module docstring).
+    """`scaled_dot_product_attention` over buckets of similar-length sequences (see the module
+    docstring).
 
-    `prepare` sorts the sequences by key length and groups them while padding stays small (padded area
-    <= PAD_SLACK x the real q x k area, mask <= MAX_MASK elements); each bucket is one SDPA call on
-    [B, H, Lq_max, Lk_max] with a boolean mask (valid keys, causal aligned bottom-right), gathered from and
-    scattered back to the packed rows by index. A bucket of one sequence with as many queries as keys is a
-    plain `is_causal` call. Many short sequences (RL responses) then cost a few calls instead of one each;
-    long ones stay alone.
+    `prepare` sorts the sequences by key length and groups them while padding stays small (padded
+    area <= PAD_SLACK x the real q x k area, mask <= MAX_MASK elements); each bucket is one SDPA
+    call on [B, H, Lq_max, Lk_max] with a boolean mask (valid keys, causal aligned bottom-right),
+    gathered from and scattered back to the packed rows by index. A bucket of one sequence with as
+    many queries as keys is a plain `is_causal` call. Many short sequences (RL responses) then cost
+    a few calls instead of one each; long ones stay alone.
     """
 
     name = "sdpa"
@@ -123,7 +127,8 @@ class SDPAAttention(AttentionBackend):
             start_k.append(start_k[-1] + b)
         device = ctx.cu_seqlens_q.device
         plans = []
-        live = [i for i, n in enumerate(lq) if n > 0]  # sequences without queries produce no output rows
+        # sequences without queries produce no output rows
+        live = [i for i, n in enumerate(lq) if n > 0]
         for part in self._buckets([lq[i] for i in live], [lk[i] for i in live]):
             bucket = [live[j] for j in part]
             if len(bucket) == 1 and lq[bucket[0]] == lk[bucket[0]]:
@@ -136,9 +141,9 @@ class SDPAAttention(AttentionBackend):
 
     @staticmethod
     def _padded_plan(bucket, lq, lk, start_q, start_k, device):
-        """One padded SDPA call for the sequences in `bucket`: gather indices, mask, output rows; built
-        with a few vectorised ops on `device` (a per-sequence loop of small host ops cost ~70 ms per RL
-        step on an H200 host, profiled with benchmarks/gpu/profile_step.py)."""
+        """One padded SDPA call for the sequences in `bucket`: gather indices, mask, output rows;
+        built with a few vectorised ops on `device` (a per-sequence loop of small host ops cost ~70
+        ms per RL step on an H200 host, profiled with benchmarks/gpu/profile_step.py)."""
         as_t = lambda xs: torch.tensor(xs, dtype=torch.long).to(device, non_blocking=True)  # noqa: E731
         bq, bk = as_t([lq[i] for i in bucket]), as_t([lk[i] for i in bucket])
         sq, sk = as_t([start_q[i] for i in bucket]), as_t([start_k[i] for i in bucket])
@@ -309,8 +314,8 @@ def flash_attn_available() -> bool:
 
 
 def default_backend_name(device: torch.device | str, dtype: torch.dtype | None = None) -> str:
-    """`flash` on CUDA for fp16/bf16 compute (`dtype`; None: assume half precision) when flash-attn is
-    installed, otherwise `sdpa`."""
+    """`flash` on CUDA for fp16/bf16 compute (`dtype`; None: assume half precision) when flash-attn
+    is installed, otherwise `sdpa`."""
     half = dtype is None or dtype in (torch.float16, torch.bfloat16)
     if torch.device(device).type == "cuda" and half and flash_attn_available():
         return "flash"
@@ -320,8 +325,8 @@ def default_backend_name(device: torch.device | str, dtype: torch.dtype | None =
 def get_attention_backend(
     name: str | AttentionBackend | None, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
 ):
-    """A backend instance from its name (`sdpa`, `flex`, `flash`), None (the default for `device` and the
-    compute `dtype`), or an instance (returned as is)."""
+    """A backend instance from its name (`sdpa`, `flex`, `flash`), None (the default for `device`
+    and the compute `dtype`), or an instance (returned as is)."""
     if isinstance(name, AttentionBackend):
         return name
     name = name or default_backend_name(device, dtype)
@@ -338,8 +343,9 @@ def make_context(
     cu_seqlens_k: torch.Tensor | None = None,
     kv_index: torch.Tensor | None = None,
 ) -> AttentionContext:
-    """Context for `num_tokens` packed tokens split by [B+1] offsets `cu_seqlens`: self-attention, or with
-    `cu_seqlens_k` and `kv_index` each sequence's keys gathered from the layer's k/v (a shared prefix)."""
+    """Context for `num_tokens` packed tokens split by [B+1] offsets `cu_seqlens`: self-attention,
+    or with `cu_seqlens_k` and `kv_index` each sequence's keys gathered from the layer's k/v (a
+    shared prefix)."""
     cu_seqlens = cu_seqlens.to(torch.int32)
     if cu_seqlens_k is None:
         return AttentionContext(num_tokens, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
@@ -351,13 +357,15 @@ def make_context(
 def shared_prefix_layout(
     prompt_lengths: list[int], response_lengths: list[list[int]]
 ) -> dict[str, list[int]]:
-    """Host-side layout of groups packed as [prompt, response_1, ..., response_n] per group, each prompt once.
+    """Host-side layout of groups packed as [prompt, response_1, ..., response_n] per group, each
+    prompt once.
 
-    Segments (the attention's sequences) are every prompt and every response, in token order. A prompt
-    attends to itself (causal); a response attends to its group's prompt and to its own earlier tokens.
-    Returns lists: `cu_q` [S+1] segment offsets, `cu_k` [S+1] offsets of the gathered keys, `kv_index`
-    [Nk] token row of every gathered key, `position_ids` [N] (a response continues its prompt's
-    positions), `segment_of_response` (segment index of each response, group-major).
+    Segments (the attention's sequences) are every prompt and every response, in token order. A
+    prompt attends to itself (causal); a response attends to its group's prompt and to its own
+    earlier tokens. Returns lists: `cu_q` [S+1] segment offsets, `cu_k` [S+1] offsets of the
+    gathered keys, `kv_index` [Nk] token row of every gathered key, `position_ids` [N] (a response
+    continues its prompt's positions), `segment_of_response` (segment index of each response,
+    group-major).
     """
     cu_q, cu_k, kv_index, positions, seg_of_resp = [0], [0], [], [], []
     start = 0

@@ -1,12 +1,12 @@
 """What makes a checkpoint trustworthy before it is loaded: a manifest of its files, and model identity.
 
-The manifest (`manifest.json`, written by `engine.checkpoint.Checkpointer.save` after every other file of
-the save and before the commit marker) holds the size and SHA-256 of every file of the checkpoint.
-`verify` checks them before a load, so a truncated or zero-filled shard, a truncated `meta.json` or a
-missing `objects.pt` is named file by file instead of surfacing as a deserialisation traceback deep in
-DCP or pickle - and the checkpointer can fall back to the previous checkpoint. Hashing is split over the
-ranks (rank r takes every world-th file), so a save or a load pays about 1/world of the reading, at
-about a second per GB per core (docs/notes.md).
+The manifest (`manifest.json`, written by `engine.checkpoint.Checkpointer.save` after every other
+file of the save and before the commit marker) holds the size and SHA-256 of every file of the
+checkpoint. `verify` checks them before a load, so a truncated or zero-filled shard, a truncated
+`meta.json` or a missing `objects.pt` is named file by file instead of surfacing as a
+deserialisation traceback deep in DCP or pickle - and the checkpointer can fall back to the previous
+checkpoint. Hashing is split over the ranks (rank r takes every world-th file), so a save or a load
+pays about 1/world of the reading, at about a second per GB per core (docs/notes.md).
 
 The per-rank RNG files (`rng/rank_XXXXX.pt`) are optional for a load: one that is missing or damaged
 costs the bit-exact continuation of the run, not the run; `verify` reports them apart (`rng`) so the
@@ -82,8 +82,9 @@ def _shared_list(items: list[str]) -> list[str]:
 
 
 def hash_files(directory: str, skip: tuple[str, ...]) -> dict[str, dict[str, Any]]:
-    """{relative path: {"size", "sha256"}} of every file under `directory` but `skip`; collective, the
-    same dict on every rank. A file that cannot be read is recorded with its error and no hash."""
+    """{relative path: {"size", "sha256"}} of every file under `directory` but `skip`; collective,
+    the same dict on every rank. A file that cannot be read is recorded with its error and no
+    hash."""
     info = parallel.dist_info()
     names = _shared_list(_files(directory, skip) if info.is_main else [])
     local: dict[str, dict[str, Any]] = {}
@@ -98,8 +99,9 @@ def hash_files(directory: str, skip: tuple[str, ...]) -> dict[str, dict[str, Any
 
 @dataclass
 class Verdict:
-    """What `verify` found: `damage` (files a load cannot do without, one line each naming the file),
-    `rng` (RNG files missing or damaged: path -> problem), `checked` (False: no manifest to check)."""
+    """What `verify` found: `damage` (files a load cannot do without, one line each naming the
+    file), `rng` (RNG files missing or damaged: path -> problem), `checked` (False: no manifest to
+    check)."""
 
     damage: list[str] = field(default_factory=list)
     rng: dict[str, str] = field(default_factory=dict)
@@ -111,10 +113,12 @@ def _is_rng(name: str, rng_dir: str) -> bool:
 
 
 def verify(path: str, *, required: tuple[str, ...], rng_dir: str, skip: tuple[str, ...]) -> Verdict:
-    """Check checkpoint directory `path` against its manifest; collective, the same Verdict on every rank.
+    """Check checkpoint directory `path` against its manifest; collective, the same Verdict on every
+    rank.
 
-    Without a manifest (saved by an older prorl) only the presence of `required` files and a readable
-    `meta.json` are checked. `skip`: files outside the manifest (the manifest itself, the commit marker).
+    Without a manifest (saved by an older prorl) only the presence of `required` files and a
+    readable `meta.json` are checked. `skip`: files outside the manifest (the manifest itself, the
+    commit marker).
     """
     verdict = Verdict()
     manifest_path = os.path.join(path, MANIFEST)
@@ -140,7 +144,8 @@ def verify(path: str, *, required: tuple[str, ...], rng_dir: str, skip: tuple[st
             verdict.rng[full] = f"is {what}" if what == "missing" else f"has {what}"
         else:
             verdict.damage.append(f"{full}: {what}")
-    for name in sorted(set(found) - set(manifest)):  # every file is covered: DCP or pickle would read it
+    # every file is covered: DCP or pickle would read it
+    for name in sorted(set(found) - set(manifest)):
         what = f"not listed in {MANIFEST} (added or replaced after the save, or the manifest was edited)"
         if _is_rng(name, rng_dir):
             verdict.rng[os.path.join(path, name)] = f"is {what}"
@@ -165,7 +170,8 @@ def _read_manifest(manifest_path: str) -> tuple[dict | None, str | None]:
             problem = f"{manifest_path}: {problem}" if problem else None
         except FileNotFoundError:
             pass
-        except (OSError, ValueError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        except (OSError, ValueError) as exc:
             problem = f"{manifest_path}: unreadable ({type(exc).__name__}: {exc})"
     if dist.is_initialized():
         box = [(manifest, problem)]
@@ -175,7 +181,8 @@ def _read_manifest(manifest_path: str) -> tuple[dict | None, str | None]:
 
 
 def _file_problem(got: dict | None, want: dict) -> str | None:
-    """What is wrong with a file hashed now (`got`) against its manifest entry (`want`); None: nothing."""
+    """What is wrong with a file hashed now (`got`) against its manifest entry (`want`); None:
+    nothing."""
     if got is None:
         return "missing"
     if "error" in got:
@@ -191,9 +198,10 @@ _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def manifest_problem(manifest: Any) -> str | None:
-    """What makes a parsed manifest unusable, or None: it must be {"files": {relative path: {"size": int
-    >= 0, "sha256": 64 hex digits}}}, the paths inside the checkpoint directory. Checked before any use, so
-    a damaged or edited manifest is a named damage (fall back, or exit 4), never a TypeError mid-resume."""
+    """What makes a parsed manifest unusable, or None: it must be {"files": {relative path: {"size":
+    int >= 0, "sha256": 64 hex digits}}}, the paths inside the checkpoint directory. Checked before
+    any use, so a damaged or edited manifest is a named damage (fall back, or exit 4), never a
+    TypeError mid-resume."""
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
         got = type(manifest.get("files") if isinstance(manifest, dict) else manifest).__name__
         return f"not a manifest: 'files' must be an object of file entries, got {got}"
@@ -225,12 +233,13 @@ def _meta_problems(meta_path: str, manifest_path: str) -> list[str]:
     return []
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Model identity
 
 
 def model_class(model: nn.Module) -> type:
-    """The model's own class: FSDP2's `fully_shard` swaps in a subclass `FSDP<Name>` of FSDPModule."""
+    """The model's own class: FSDP2's `fully_shard` swaps in a subclass `FSDP<Name>` of
+    FSDPModule."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:
@@ -255,9 +264,9 @@ def _parts(model: nn.Module) -> tuple[Any, list]:
 
 
 def model_identity(model: nn.Module) -> dict[str, Any]:
-    """{"hash", "summary"}: the architecture (the model's own class, config without init-only fields) and
-    every parameter's clean name and global shape. Dtypes and wrappers are not part of it (a bf16 export
-    of an fp32 model, or an FSDP2-sharded one, is the same model)."""
+    """{"hash", "summary"}: the architecture (the model's own class, config without init-only
+    fields) and every parameter's clean name and global shape. Dtypes and wrappers are not part of
+    it (a bf16 export of an fp32 model, or an FSDP2-sharded one, is the same model)."""
     config, shapes = _parts(model)
     name = model_class(model).__name__
     summary = {
@@ -272,20 +281,20 @@ def model_identity(model: nn.Module) -> dict[str, Any]:
 
 
 def identity_matches(saved_hash: str, model: nn.Module) -> bool:
-    """Whether a saved identity hash is `model`'s: this spelling, or that of checkpoints written before
-    wrappers were looked through (the FSDP2 class name `FSDP<Name>` in the identity)."""
+    """Whether a saved identity hash is `model`'s: this spelling, or that of checkpoints written
+    before wrappers were looked through (the FSDP2 class name `FSDP<Name>` in the identity)."""
     config, shapes = _parts(model)
     name = model_class(model).__name__
     return saved_hash in {_identity_hash(n, config, shapes) for n in (name, f"FSDP{name}")}
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # RNG states
 
 
 def incompatibility(path: str, meta: dict, keys: set[str], models: dict[str, nn.Module]) -> str | None:
-    """Why checkpoint `path` (its meta.json `meta`) cannot restore a state of `keys` holding `models`:
-    keys it lacks, or a model of another identity under a key; None when it can."""
+    """Why checkpoint `path` (its meta.json `meta`) cannot restore a state of `keys` holding
+    `models`: keys it lacks, or a model of another identity under a key; None when it can."""
     missing = sorted(keys - set(meta["keys"]))
     if missing:
         return f"checkpoint {path} has no {missing} (it holds {meta['keys']})"
@@ -326,9 +335,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def restore_rng(path: str, rng_file: str, saved_world: int, problem: str | None) -> None:
-    """This rank's RNG states from `rng_file` of checkpoint `path`, when the world size is unchanged and
-    the file is whole (`problem`: what `verify` found wrong with it); else a warning that names the file
-    and says the run is no longer bit-identical to an uninterrupted one."""
+    """This rank's RNG states from `rng_file` of checkpoint `path`, when the world size is unchanged
+    and the file is whole (`problem`: what `verify` found wrong with it); else a warning that names
+    the file and says the run is no longer bit-identical to an uninterrupted one."""
     info = parallel.dist_info()
     if saved_world != info.world_size:
         if info.is_main:

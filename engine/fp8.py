@@ -1,8 +1,9 @@
 """FP8 training as a model converter (`model.fp8: none | torchao | te`), applied before `parallelize`.
 
-Like torchtitan's Float8 converter this is not an `if fp8:` inside layers: `FP8Training.convert` swaps the
-`nn.Linear` projections of every decoder Block (q/k/v/o, gate/up/down) for an FP8 Linear in a model that
-is otherwise unchanged, then `parallelize` applies checkpointing / compile / FSDP2 as for any model:
+Like torchtitan's Float8 converter this is not an `if fp8:` inside layers: `FP8Training.convert`
+swaps the `nn.Linear` projections of every decoder Block (q/k/v/o, gate/up/down) for an FP8 Linear
+in a model that is otherwise unchanged, then `parallelize` applies checkpointing / compile / FSDP2
+as for any model:
 
     fp8 = FP8Training("torchao", "tensorwise", fsdp=True)
     model = fp8.convert(load_hf(path, dtype=torch.float32))   # fp32 masters stay fp32
@@ -14,51 +15,54 @@ is otherwise unchanged, then `parallelize` applies checkpointing / compile / FSD
 
 Backends:
 - torchao (`torchao.float8.convert_to_float8_training`, torchao 0.18): dynamic scaling, `tensorwise`
-  (one scale per tensor, e4m3 forward, e5m2 gradients; FSDP2 all-gathers the weights in FP8) or `rowwise`
-  (a scale per row, e4m3 throughout, power-of-2 scales). Runs on the CPU too: the tests run the real
-  `torch._scaled_mm` of torch 2.13's CPU build at small shapes under CUDA's shape and dtype rules
-  (tests/helpers/scaled_mm_standin.py), training runs emulate it (`emulate` below, `model.fp8_emulate`).
-  CUDA's FP8 GEMM needs mat1's inner dim and both dims of mat2 divisible by 16: only such layers are
-  converted, and the trainer pads packed batches to `token_multiple` tokens (the weight-gradient GEMM has
-  the token count as its inner dim). No global state: torch's activation checkpointing and
-  `torch.compile` compose with it.
-- te (Transformer Engine >= 2.9, H100/H200): `te.pytorch.Linear` under `te.pytorch.autocast(enabled=,
-  recipe=)` with `delayed` (DelayedScaling, HYBRID), `current` (Float8CurrentScaling, HYBRID) or `mxfp8`
-  (MXFP8BlockScaling, Blackwell only: TE refuses it on sm_90). TE's FP8 GEMMs need the product of an
-  input's leading dimensions to be a multiple of 8 and its last dimension a multiple of 16 (32 for
-  MXFP8's 32-element blocks): only layers whose in and out features are multiples of `weight_multiple`
-  are converted, and the trainer pads each packed batch to `token_multiple` tokens with an ignored dummy
-  sequence (prorl/packing.py `padded`). Activation checkpointing uses `te.distributed.checkpoint`,
-  which recomputes under the FP8 state of the forward; `parallelize` also restores TE's parameter
-  attributes after `fully_shard` (which replaces every parameter by a DTensor), as TE's FSDP2 tests do.
-  TE cannot be imported without CUDA: the tests run this path against a stand-in that enforces these
-  rules (tests/helpers/te_standin.py).
+  (one scale per tensor, e4m3 forward, e5m2 gradients; FSDP2 all-gathers the weights in FP8) or
+  `rowwise` (a scale per row, e4m3 throughout, power-of-2 scales). Runs on the CPU too: the tests
+  run the real `torch._scaled_mm` of torch 2.13's CPU build at small shapes under CUDA's shape and
+  dtype rules (tests/helpers/scaled_mm_standin.py), training runs emulate it (`emulate` below,
+  `model.fp8_emulate`). CUDA's FP8 GEMM needs mat1's inner dim and both dims of mat2 divisible by
+  16: only such layers are converted, and the trainer pads packed batches to `token_multiple` tokens
+  (the weight-gradient GEMM has the token count as its inner dim). No global state: torch's
+  activation checkpointing and `torch.compile` compose with it.
+- te (Transformer Engine >= 2.9, H100/H200): `te.pytorch.Linear` under
+  `te.pytorch.autocast(enabled=, recipe=)` with `delayed` (DelayedScaling, HYBRID), `current`
+  (Float8CurrentScaling, HYBRID) or `mxfp8` (MXFP8BlockScaling, Blackwell only: TE refuses it on
+  sm_90). TE's FP8 GEMMs need the product of an input's leading dimensions to be a multiple of 8 and
+  its last dimension a multiple of 16 (32 for MXFP8's 32-element blocks): only layers whose in and
+  out features are multiples of `weight_multiple` are converted, and the trainer pads each packed
+  batch to `token_multiple` tokens with an ignored dummy sequence (prorl/packing.py `padded`).
+  Activation checkpointing uses `te.distributed.checkpoint`, which recomputes under the FP8 state of
+  the forward; `parallelize` also restores TE's parameter attributes after `fully_shard` (which
+  replaces every parameter by a DTensor), as TE's FSDP2 tests do. TE cannot be imported without
+  CUDA: the tests run this path against a stand-in that enforces these rules
+  (tests/helpers/te_standin.py).
 
 What is not converted, and why: the embedding and the LM head (the fused log-prob op reads
-`lm_head_weight` in full precision: FP8 logits would cost accuracy exactly where the policy gradient and
-the KL are computed, and the head's [V, D] GEMM is done by the fused op, not by a Linear), norms and
-attention.
+`lm_head_weight` in full precision: FP8 logits would cost accuracy exactly where the policy gradient
+and the KL are computed, and the head's [V, D] GEMM is done by the fused op, not by a Linear), norms
+and attention.
 
 Which models run in FP8 (decided in prorl/trainer.py, documented in docs/architecture.md):
 - the reference policy gets the same conversion as the policy. The KL term compares the two; with a
-  bf16 reference the FP8 quantisation error of the policy (~5% relative on a block's output) would show
-  up as a KL that is never zero, even right after a reference reset, and its gradient would pull the
-  policy towards the bf16 function rather than the reference. With the same conversion and dynamic
-  (per-call) scales the two compute identically when their weights are equal: after a reset the KL and
-  its gradient are exactly zero, as without FP8. (TE's delayed scaling keeps per-module amax histories,
-  which differ between the two models: use `current` when exactness after a reset matters.)
+  bf16 reference the FP8 quantisation error of the policy (~5% relative on a block's output) would
+  show up as a KL that is never zero, even right after a reference reset, and its gradient would
+  pull the policy towards the bf16 function rather than the reference. With the same conversion and
+  dynamic (per-call) scales the two compute identically when their weights are equal: after a reset
+  the KL and its gradient are exactly zero, as without FP8. (TE's delayed scaling keeps per-module
+  amax histories, which differ between the two models: use `current` when exactness after a reset
+  matters.)
 - the sampler samples in bf16: the native sampler under FSDP is an unconverted copy, vLLM gets plain
   weights. FP8 is a training-throughput tool; decode GEMMs of a few rows gain nothing from it. The
   sampler/trainer log-prob mismatch this adds is logged every step (`rollout/logprob_mismatch`) and
   `algorithm.is_mode=tis|icepop` corrects for it.
 
 Weights stay plain. Converted layers keep the parameter names and shapes of `nn.Linear` (`weight`,
-`bias`) and hold high-precision master weights: checkpoints, the model identity, HF export and weight
-pushes see the same tensors as without FP8. torchao's FP8 all-gather wraps each weight in a tensor
-subclass and TE adds `_extra_state` (its scaling metadata) to the state dict: `plain` unwraps the former
-and `engine.parallel.full_state_dict` / `iter_full_tensors` and the checkpoints (`engine.checkpoint.
-ModelState`) drop the latter, so no FP8 tensor subclass, scale or `_extra_state` leaves the trainer, and
-FP8 and bf16 runs resume each other's checkpoints (TE's delayed-scaling amax history restarts then).
+`bias`) and hold high-precision master weights: checkpoints, the model identity, HF export and
+weight pushes see the same tensors as without FP8. torchao's FP8 all-gather wraps each weight in a
+tensor subclass and TE adds `_extra_state` (its scaling metadata) to the state dict: `plain` unwraps
+the former and `engine.parallel.full_state_dict` / `iter_full_tensors` and the checkpoints
+(`engine.checkpoint. ModelState`) drop the latter, so no FP8 tensor subclass, scale or
+`_extra_state` leaves the trainer, and FP8 and bf16 runs resume each other's checkpoints (TE's
+delayed-scaling amax history restarts then).
 """
 
 from __future__ import annotations
@@ -101,8 +105,8 @@ def _import_torchao_float8():
 
 
 def resolve_recipe(backend: str, recipe: str = "auto") -> str:
-    """The recipe a backend runs: `recipe`, or the backend's default for "auto". Raises ValueError for an
-    unknown backend or a recipe the backend does not have."""
+    """The recipe a backend runs: `recipe`, or the backend's default for "auto". Raises ValueError
+    for an unknown backend or a recipe the backend does not have."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown FP8 backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if recipe not in RECIPES[backend]:
@@ -110,13 +114,14 @@ def resolve_recipe(backend: str, recipe: str = "auto") -> str:
     return DEFAULT_RECIPE[backend] if recipe == "auto" else recipe
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Transformer Engine availability
 
 
 def fp8_support(device: torch.device | int | None = None, recipe: str = "current") -> tuple[bool, str]:
-    """(available, reason) of Transformer Engine FP8: CUDA device of capability >= 9.0, TE importable, TE
-    reports support for the recipe (MXFP8: `is_mxfp8_available`). `reason` lists what is missing."""
+    """(available, reason) of Transformer Engine FP8: CUDA device of capability >= 9.0, TE
+    importable, TE reports support for the recipe (MXFP8: `is_mxfp8_available`). `reason` lists what
+    is missing."""
     reasons = []
     if not torch.cuda.is_available():
         reasons.append("no CUDA device in this process")
@@ -145,9 +150,9 @@ def _te_available(check) -> tuple[bool, str]:
 
 
 def make_te_recipe(recipe: str = "current", **kwargs) -> Any:
-    """A `transformer_engine.common.recipe` object: "delayed" (DelayedScaling, HYBRID format: E4M3 forward,
-    E5M2 gradients; amax history of 16 steps, max), "current" (Float8CurrentScaling, HYBRID) or "mxfp8"
-    (MXFP8BlockScaling, its defaults). kwargs override the recipe's fields."""
+    """A `transformer_engine.common.recipe` object: "delayed" (DelayedScaling, HYBRID format: E4M3
+    forward, E5M2 gradients; amax history of 16 steps, max), "current" (Float8CurrentScaling,
+    HYBRID) or "mxfp8" (MXFP8BlockScaling, its defaults). kwargs override the recipe's fields."""
     from transformer_engine.common.recipe import (
         DelayedScaling,
         Float8CurrentScaling,
@@ -165,7 +170,7 @@ def make_te_recipe(recipe: str = "current", **kwargs) -> Any:
     raise ValueError(f"unknown Transformer Engine recipe {recipe!r}; choose delayed, current or mxfp8")
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The converter
 
 
@@ -178,13 +183,13 @@ class FP8Training:
         recipe: "auto" (torchao: tensorwise; TE: current) or one of `RECIPES[backend]`.
         fsdp: the model will be sharded with FSDP2: torchao's tensorwise recipe then all-gathers the
             weights in FP8 (`enable_fsdp_float8_all_gather`, half the bytes of bf16).
-        emulate: torchao only (`model.fp8_emulate`): quantise as FP8 training does, then run the GEMM on
-            the dequantised operands in high precision instead of `torch._scaled_mm`. None or "auto": on
-            CPU models. torch 2.13's CPU
-            `_scaled_mm` is a slow reference kernel (docs/notes.md: seconds for a GEMM bf16 does in a
-            millisecond), and the emulation gives the same outputs and input gradients and weight
-            gradients within one bf16 ulp (tests/engine/test_fp8.py), so CPU runs emulate and the tests
-            run the real kernel at small shapes. On CUDA the real FP8 GEMMs run.
+        emulate: torchao only (`model.fp8_emulate`): quantise as FP8 training does, then run the
+            GEMM on the dequantised operands in high precision instead of `torch._scaled_mm`. None
+            or "auto": on CPU models. torch 2.13's CPU `_scaled_mm` is a slow reference kernel
+            (docs/notes.md: seconds for a GEMM bf16 does in a millisecond), and the emulation gives
+            the same outputs and input gradients and weight gradients within one bf16 ulp
+            (tests/engine/test_fp8.py), so CPU runs emulate and the tests run the real kernel at
+            small shapes. On CUDA the real FP8 GEMMs run.
     """
 
     backend: str = "none"
@@ -201,7 +206,8 @@ class FP8Training:
 
     @classmethod
     def of(cls, model_config, fsdp: bool = False) -> FP8Training:
-        """From a model config's `fp8`, `fp8_recipe` and `fp8_emulate` (prorl.config.ModelConfig)."""
+        """From a model config's `fp8`, `fp8_recipe` and `fp8_emulate`
+        (prorl.config.ModelConfig)."""
         m = model_config
         return cls(m.fp8, m.fp8_recipe, fsdp=fsdp, emulate=getattr(m, "fp8_emulate", None))
 
@@ -215,18 +221,19 @@ class FP8Training:
 
     @property
     def weight_multiple(self) -> int:
-        """Both dims of a converted layer's weight must be multiples of this (TE: 16, MXFP8: 32; torchao:
-        16, CUDA's `torch._scaled_mm` rule on mat2, which is the weight in the forward)."""
+        """Both dims of a converted layer's weight must be multiples of this (TE: 16, MXFP8: 32;
+        torchao: 16, CUDA's `torch._scaled_mm` rule on mat2, which is the weight in the forward)."""
         return {"te": 32 if self.recipe == "mxfp8" else 16, "torchao": 16}.get(self.backend, 1)
 
     @property
     def token_multiple(self) -> int:
-        """Packed token counts are padded to a multiple of this. TE: its rule on the GEMM's leading dims,
-        16 rather than 8 so that the backward's transposed GEMMs, where N is the last dim, qualify too.
-        torchao: CUDA's `_scaled_mm` needs mat1's trailing dim and both dims of mat2 divisible by 16, and
-        the weight-gradient GEMM `grad_out.t() @ input` has the token count as its inner dim. Padding the
-        packed batch (at most 15 ignored tokens per pass) is cheaper than torchao's `pad_inner_dim`, which
-        copies both FP8 operands of every GEMM whose inner dim is not aligned (three GEMMs per Linear)."""
+        """Packed token counts are padded to a multiple of this. TE: its rule on the GEMM's leading
+        dims, 16 rather than 8 so that the backward's transposed GEMMs, where N is the last dim,
+        qualify too. torchao: CUDA's `_scaled_mm` needs mat1's trailing dim and both dims of mat2
+        divisible by 16, and the weight-gradient GEMM `grad_out.t() @ input` has the token count as
+        its inner dim. Padding the packed batch (at most 15 ignored tokens per pass) is cheaper than
+        torchao's `pad_inner_dim`, which copies both FP8 operands of every GEMM whose inner dim is
+        not aligned (three GEMMs per Linear)."""
         return self.weight_multiple
 
     def linear_names(self, model: nn.Module) -> list[str]:
@@ -250,8 +257,8 @@ class FP8Training:
         return names
 
     def convert(self, model: nn.Module) -> nn.Module:
-        """Swap the qualifying Block Linear layers of `model` for FP8 ones (in place; before `parallelize`).
-        Parameter names, shapes, dtypes and values are unchanged. Returns the model.
+        """Swap the qualifying Block Linear layers of `model` for FP8 ones (in place; before
+        `parallelize`). Parameter names, shapes, dtypes and values are unchanged. Returns the model.
         Raises RuntimeError naming the extra to install when the backend is unavailable."""
         if not self.enabled:
             return model
@@ -271,8 +278,9 @@ class FP8Training:
         return model
 
     def autocast(self):
-        """The context to run a converted model's forward in (TE: `te.pytorch.autocast` with the recipe,
-        amaxes reduced over the default group; the backward runs outside it). torchao, none: a no-op."""
+        """The context to run a converted model's forward in (TE: `te.pytorch.autocast` with the
+        recipe, amaxes reduced over the default group; the backward runs outside it). torchao, none:
+        a no-op."""
         if self.backend != "te":
             return contextlib.nullcontext()
         import torch.distributed as dist
@@ -283,7 +291,8 @@ class FP8Training:
 
     def after_optimizer_step(self, model: nn.Module) -> None:
         """torchao's FP8 all-gather: the weights' scales for the next all-gather, in one all-reduce
-        (`precompute_float8_dynamic_scale_for_fsdp`); without it each FP8 weight computes its own."""
+        (`precompute_float8_dynamic_scale_for_fsdp`); without it each FP8 weight computes its
+        own."""
         if self.fsdp_float8_all_gather:
             from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -323,7 +332,7 @@ def _te_linear(te, linear: nn.Linear) -> nn.Module:
     return new
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Helpers for parallelize and the state-dict paths
 
 
@@ -339,18 +348,18 @@ def fp8_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def te_checkpoint_fn():
-    """`te.distributed.checkpoint` (for `checkpoint_wrapper(checkpoint_fn=...)`): recomputes under the
-    FP8 state of the forward, which torch's checkpoint (called from backward, outside the autocast)
-    would not."""
+    """`te.distributed.checkpoint` (for `checkpoint_wrapper(checkpoint_fn=...)`): recomputes under
+    the FP8 state of the forward, which torch's checkpoint (called from backward, outside the
+    autocast) would not."""
     import transformer_engine.pytorch as te
 
     return te.distributed.checkpoint
 
 
 def plain(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` without an FP8 weight wrapper: torchao's FP8 all-gather keeps the high-precision weight
-    of a `WeightWithDynamicFloat8CastTensor` in `_tensor` (returned detached); anything else is returned
-    as is. A DTensor's local shard is unwrapped and the DTensor rebuilt around it."""
+    """`tensor` without an FP8 weight wrapper: torchao's FP8 all-gather keeps the high-precision
+    weight of a `WeightWithDynamicFloat8CastTensor` in `_tensor` (returned detached); anything else
+    is returned as is. A DTensor's local shard is unwrapped and the DTensor rebuilt around it."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(tensor, DTensor):

@@ -1,17 +1,21 @@
 """AdamW with a learning-rate schedule, global-norm gradient clipping and non-finite-gradient skipping.
 
 `Optimizer` is one stateful object (`state_dict` / `load_state_dict`) holding the torch AdamW, its
-LambdaLR schedule and the skip counter, so a checkpoint stores it as one entry. `step()` does, in order:
-global grad norm -> if not finite: skip (weights, moments and schedule untouched, counter + 1) -> else clip
-to `max_grad_norm` and take the AdamW step -> advance the schedule -> zero the grads. It costs one host
-sync per step (reading the norm), which also returns the norm for logging. Under FSDP2 the norm of
-DTensor gradients is already the global one, so every rank takes the same skip decision.
+LambdaLR schedule and the skip counter, so a checkpoint stores it as one entry. `step()` does, in
+order: global grad norm -> if not finite: skip (weights, moments and schedule untouched, counter +
+1) -> else clip to `max_grad_norm` and take the AdamW step -> advance the schedule -> zero the
+grads. It costs one host sync per step (reading the norm), which also returns the norm for logging.
+Under FSDP2 the norm of DTensor gradients is already the global one, so every rank takes the same
+skip decision.
 
-Schedules (factor multiplying `lr`, as a function of the number of optimizer steps already taken, s):
-- warmup: (s + 1) / warmup_steps while s < warmup_steps - the first step uses lr / warmup_steps, not 0.
+Schedules (factor multiplying `lr`, as a function of the number of optimizer steps already taken,
+s):
+- warmup: (s + 1) / warmup_steps while s < warmup_steps - the first step uses lr / warmup_steps, not
+  0.
 - `constant`: 1 after warmup.
-- `cosine`: min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * p)) / 2, p = (s - warmup) / (total - warmup)
-  clipped to [0, 1]: the factor falls from 1 at the end of warmup to min_lr_ratio at `total_steps`.
+- `cosine`: min_lr_ratio + (1 - min_lr_ratio) * (1 + cos(pi * p)) / 2, p = (s - warmup) / (total -
+  warmup) clipped to [0, 1]: the factor falls from 1 at the end of warmup to min_lr_ratio at
+  `total_steps`.
 A skipped step does not advance the schedule (as in Hugging Face's Trainer).
 
 Weight decay applies to matrices (embeddings, projections), not to 1-D parameters (biases, norms).
@@ -37,7 +41,8 @@ class OptimizerConfig:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01
-    max_grad_norm: float | None = 1.0  # None or <= 0: no clipping (the norm is still computed and reported)
+    # None or <= 0: no clipping (the norm is still computed and reported)
+    max_grad_norm: float | None = 1.0
     schedule: str = "constant"  # one of SCHEDULES
     warmup_steps: int = 0
     total_steps: int | None = None  # required by "cosine"
@@ -53,7 +58,8 @@ class StepResult:
 
 
 def lr_factor(step: int, cfg: OptimizerConfig) -> float:
-    """Multiplier of cfg.lr for the optimizer step taken after `step` completed steps (see module doc)."""
+    """Multiplier of cfg.lr for the optimizer step taken after `step` completed steps (see module
+    doc)."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":
@@ -85,8 +91,8 @@ class Optimizer:
         if cfg.schedule == "cosine" and not cfg.total_steps:
             raise ValueError("the cosine schedule needs total_steps")
         self.cfg = cfg
-        # the registered (sharded) parameters: after a forward FSDP2 leaves the root and the last block
-        # unsharded, and their .parameters() are then temporaries it frees on resharding
+        # the registered (sharded) parameters: after a forward FSDP2 leaves the root and the last
+        # block unsharded, and their .parameters() are then temporaries it frees on resharding
 
         reshard(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -120,8 +126,9 @@ class Optimizer:
         return StepResult(norm_value, lr, False, self.skipped_total)
 
     def reset_state(self) -> None:
-        """Forget the AdamW moments and step counts (ProRL v1's reset with the reference policy). The
-        learning-rate schedule and the skip counter go on: a reset is not a restart of the run."""
+        """Forget the AdamW moments and step counts (ProRL v1's reset with the reference policy).
+        The learning-rate schedule and the skip counter go on: a reset is not a restart of the
+        run."""
         self.optimizer.state.clear()
 
     def state_dict(self) -> dict[str, Any]:

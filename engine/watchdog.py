@@ -7,11 +7,12 @@ collective times out.
         with watch.waiting("the round's shortfall"):  # a collective: every rank must join
             dist.all_reduce(x)
 
-When this rank has been inside one `waiting` block for `warn_after_s` (and again every `warn_after_s`
-after that), the thread prints one line naming the rank, the collective, the phase and the time waited,
-e.g. "prorl: rank 0 has waited 600 s for the other ranks (all-reduce of the metrics, in phase 'update'):
-a rank may be stopped, stuck or much slower". Outside `waiting` it says nothing: long local work (a
-sampling round, a checkpoint write) is not a hang. The timeout itself is the process group's.
+When this rank has been inside one `waiting` block for `warn_after_s` (and again every
+`warn_after_s` after that), the thread prints one line naming the rank, the collective, the phase
+and the time waited, e.g. "prorl: rank 0 has waited 600 s for the other ranks (all-reduce of the
+metrics, in phase 'update'): a rank may be stopped, stuck or much slower". Outside `waiting` it says
+nothing: long local work (a sampling round, a checkpoint write) is not a hang. The timeout itself is
+the process group's.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
     from prorl.kernels import linear_logprob_entropy, ppo_loss, linear_ppo_loss
     from prorl.kernels import group_advantages, batch_whiten
 
-Each op runs on one of three backends, chosen by the device of its inputs (see `_backend.py`). The option
-tuples list the values each string option accepts (a trainer's config can check against them):
+Each op runs on one of three backends, chosen by the device of its inputs (see `_backend.py`). The
+option tuples list the values each string option accepts (a trainer's config can check against
+them):
 
     AGG_MODES, KL_ESTIMATORS, KL_CLAMPS, IS_MODES   ppo_loss / linear_ppo_loss: agg, kl_estimator, kl_clamp,
                                                     is_mode

@@ -1,9 +1,9 @@
 """Backend selection for the fused ops, and loading of the native (CMake-built) library.
 
-Every op has three backends: `triton` (CUDA tensors; under `TRITON_INTERPRET=1` also CPU tensors, for
-tests), `native` (CPU, C++/OpenMP, built by setup.py through CMake) and `torch` (chunked, runs anywhere).
-Dispatch is by the device of the inputs; `backend=` on each op, or the environment variable
-`PRORL_KERNEL_BACKEND`, overrides it.
+Every op has three backends: `triton` (CUDA tensors; under `TRITON_INTERPRET=1` also CPU tensors,
+for tests), `native` (CPU, C++/OpenMP, built by setup.py through CMake) and `torch` (chunked, runs
+anywhere). Dispatch is by the device of the inputs; `backend=` on each op, or the environment
+variable `PRORL_KERNEL_BACKEND`, overrides it.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ _native_state: dict[str, object] = {}
 
 
 def native_available() -> bool:
-    """True when the CMake-built library is present and registered its ops under `torch.ops.prorl`."""
+    """True when the CMake-built library is present and registered its ops under
+    `torch.ops.prorl`."""
     if "ok" not in _native_state:
         here = os.path.dirname(os.path.abspath(__file__))
         paths = sorted(glob.glob(os.path.join(here, "_C*.so")))
@@ -64,7 +65,8 @@ def _warn_once(msg: str) -> None:
 
 
 def resolve(device: torch.device, requested: str | None = None) -> str:
-    """The backend that runs an op on `device`: `requested`, else $PRORL_KERNEL_BACKEND, else by device."""
+    """The backend that runs an op on `device`: `requested`, else $PRORL_KERNEL_BACKEND, else by
+    device."""
     name = requested or os.environ.get("PRORL_KERNEL_BACKEND") or None
     if name is not None:
         if name not in BACKENDS:

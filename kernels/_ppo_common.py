@@ -1,9 +1,9 @@
 """What `ppo_loss`, its triton backend and `linear_ppo_loss` share: the option values, the options object,
-the statistics-slot layout, the input layouts and the aggregation weights (ppo_loss.py's docstring has the
-math). Torch code only; no backend lives here.
+the statistics-slot layout, the input layouts and the aggregation weights (ppo_loss.py's docstring
+has the math). Torch code only; no backend lives here.
 
-The option tuples are the public list of allowed values (exported by `prorl.kernels`); an option's position
-in its tuple is the integer code that the native and triton kernels take.
+The option tuples are the public list of allowed values (exported by `prorl.kernels`); an option's
+position in its tuple is the integer code that the native and triton kernels take.
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constan
 KL_ESTIMATORS = ("k1", "k2", "k3")
 KL_CLAMPS = ("log-ratio", "output", "none")
 IS_MODES = ("none", "tis", "icepop")
-RATIO_LOG_CLAMP = 20.0  # |logp - old_logp| bound before exp (kernels/csrc/ppo_loss.cpp and the triton kernel)
+# |logp - old_logp| bound before exp (kernels/csrc/ppo_loss.cpp and the triton kernel)
+RATIO_LOG_CLAMP = 20.0
 
-# Slots of the statistics vector a backend returns: sums, except the maxima in MAX_SLOTS. The native kernel
-# (kernels/csrc/ppo_loss.cpp, enum Slot) and the triton kernel (kernels/ppo_loss_triton.py) write them in
-# this order.
+# Slots of the statistics vector a backend returns: sums, except the maxima in MAX_SLOTS. The native
+# kernel (kernels/csrc/ppo_loss.cpp, enum Slot) and the triton kernel (kernels/ppo_loss_triton.py)
+# write them in this order.
 STATS = tuple(
     "pg kl n clip_low clip_high clip dual old_minus_new ratio ratio_max "
     "kl_sum is_sum is_max is_modified".split()
@@ -54,9 +55,9 @@ MAX_SLOTS = (STATS.index("ratio_max"), STATS.index("is_max"))
 
 @dataclass(frozen=True, kw_only=True)
 class PPOOptions:
-    """The scalar options of one call, in one object that backends read (a triton kernel: as constexprs).
-    Built from the public keyword arguments and checked on construction (ValueError on a bad value);
-    `has_ref` / `has_is`: whether the call passed ref_logp / is_weights."""
+    """The scalar options of one call, in one object that backends read (a triton kernel: as
+    constexprs). Built from the public keyword arguments and checked on construction (ValueError on
+    a bad value); `has_ref` / `has_is`: whether the call passed ref_logp / is_weights."""
 
     eps_low: float
     eps_high: float
@@ -89,7 +90,8 @@ class PPOOptions:
         lo, hi = self.is_bounds
         if not 0.0 <= lo <= hi:
             raise ValueError(f"is_bounds must satisfy 0 <= lo <= hi, got {self.is_bounds}")
-        for name in ("eps_low", "eps_high", "kl_coef", "kl_clamp_value"):  # Python floats for kernels
+        # Python floats for kernels
+        for name in ("eps_low", "eps_high", "kl_coef", "kl_clamp_value"):
             object.__setattr__(self, name, float(getattr(self, name)))
         object.__setattr__(self, "is_bounds", tuple(self.is_bounds))
 
@@ -124,7 +126,8 @@ def flatten_inputs(logp, advantages, cu_seqlens, like_logp: dict, *, need_seq, r
 
     like_logp: {"old_logp", "mask", "ref_logp", "is_weights"}, each shaped like logp (None: absent).
     row_advantages: a padded batch's [B] advantages stay [B] (tok["adv_row_len"] = T, the backend reads
-    advantage offs // T) instead of being broadcast to a [N] copy; tok["adv_row_len"] is 0 otherwise."""
+    advantage offs // T) instead of being broadcast to a [N] copy; tok["adv_row_len"] is 0
+    otherwise."""
     if not logp.is_floating_point():
         raise TypeError(f"logp must be floating point, got {logp.dtype}")
     if logp.dim() not in (1, 2):
@@ -166,8 +169,8 @@ def flatten_inputs(logp, advantages, cu_seqlens, like_logp: dict, *, need_seq, r
 
 
 def _padded_layout(shape, advantages, need_seq: bool, row_advantages: bool):
-    """A padded [B, T] batch: (advantages [N] or [B], their row length T or 0, sequence of each token
-    [N] or None, B)."""
+    """A padded [B, T] batch: (advantages [N] or [B], their row length T or 0, sequence of each
+    token [N] or None, B)."""
     b, t = shape
     dev = advantages.device
     adv_row_len = 0
@@ -224,8 +227,8 @@ class Aggregation:
     """s_t = m_t u_t / D (ppo_loss.py's docstring), in the form the kernels take it.
 
     weight: [N] u_t in the compute dtype, 0 on masked tokens; None means u_t = 1.
-    denom:  D as a Python number > 0, a 0-d tensor on the device (a value <= 0 reads as 1), or None: the
-            number of valid tokens of this call (at least 1), counted by the backend.
+    denom:  D as a Python number > 0, a 0-d tensor on the device (a value <= 0 reads as 1), or None:
+            the number of valid tokens of this call (at least 1), counted by the backend.
     """
 
     weight: torch.Tensor | None
@@ -233,8 +236,8 @@ class Aggregation:
 
 
 def aggregation_weights(tok, agg, normalizer, cdt) -> Aggregation:
-    """The aggregation of `agg`. No host sync: counts stay on the device, and a Python-number denominator
-    stays a Python scalar (no host-to-device copy)."""
+    """The aggregation of `agg`. No host sync: counts stay on the device, and a Python-number
+    denominator stays a Python scalar (no host-to-device copy)."""
     weight, denom = None, normalizer
     if agg == "seq-mean-token-mean" or (agg == "seq-mean-token-sum" and normalizer is None):
         m = tok["valid"].to(cdt)
@@ -242,7 +245,8 @@ def aggregation_weights(tok, agg, normalizer, cdt) -> Aggregation:
         if agg == "seq-mean-token-mean":
             weight = m / per_seq.clamp_min(1.0)[tok["seq"]]
         if normalizer is None:
-            denom = (per_seq > 0).sum()  # sequences with a valid token; 0 reads as 1: loss 0, not 0/0
+            # sequences with a valid token; 0 reads as 1: loss 0, not 0/0
+            denom = (per_seq > 0).sum()
     if normalizer is None and agg == "constant":
         if tok["padded_shape"] is None:
             raise ValueError("agg='constant' on a packed batch needs a normalizer (e.g. S * max_len)")
@@ -269,7 +273,8 @@ def _seq_sum(x, tok):
     """Per-sequence sums of a per-token [N] tensor -> [S]."""
     if tok["padded_shape"] is not None:
         return x.view(tok["padded_shape"]).sum(-1)
-    return x.new_zeros(max(tok["num_seqs"], 1)).index_add_(0, tok["seq"], x)  # S = 0: one empty slot
+    # S = 0: one empty slot
+    return x.new_zeros(max(tok["num_seqs"], 1)).index_add_(0, tok["seq"], x)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -278,8 +283,9 @@ def _seq_sum(x, tok):
 
 
 def metrics_from_stats(stats, opts):
-    """The metrics dict from a statistics vector of sums: two tensor ops, the rest are views (no syncs).
-    A [2, len(STATS)] `stats` (the triton kernel's) holds the per-token means in row 1: views only."""
+    """The metrics dict from a statistics vector of sums: two tensor ops, the rest are views (no
+    syncs). A [2, len(STATS)] `stats` (the triton kernel's) holds the per-token means in row 1:
+    views only."""
     if stats.dim() == 2:
         stats, per_token = stats[0], stats[1]
     else:

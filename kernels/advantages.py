@@ -9,30 +9,31 @@ Modes, for response i of group g (the n responses to one prompt):
     grpo (ProRL v1)                   A_i = (R_i - mean_g R) / (std_g R + eps)   (population or unbiased std)
     dr-grpo                           A_i = R_i - mean_g R
 
-where mu and sigma^2 are the mean and POPULATION variance of c over the whole batch, weighted by each
-response's token count (`weighting="token"`, what NeMo-RL and OpenRLHF do) or one weight per response
-("sequence"). A group of size 1 is centred to 0 (with a warning on CPU, and a count in the metrics).
-Rewards that are not finite (NaN, inf: a crashed verifier) give advantage 0, take no part in any
-statistic, and are counted.
+where mu and sigma^2 are the mean and POPULATION variance of c over the whole batch, weighted by
+each response's token count (`weighting="token"`, what NeMo-RL and OpenRLHF do) or one weight per
+response ("sequence"). A group of size 1 is centred to 0 (with a warning on CPU, and a count in the
+metrics). Rewards that are not finite (NaN, inf: a crashed verifier) give advantage 0, take no part
+in any statistic, and are counted.
 
-Group statistics are segment sums (`index_add_`) over all groups at once: no Python loop over groups.
-`group_index` holds any integer ids (a prompt's index in the dataset, say): they are remapped with
-`torch.unique`, which costs one host sync on CUDA; pass `num_groups` when the ids already lie in
-[0, num_groups) to skip it. Each group must be complete in the call (all n responses on one rank; the
-trainer computes advantages before sharding the batch); only the whitening of reinforce++-baseline merges
-statistics across ranks.
+Group statistics are segment sums (`index_add_`) over all groups at once: no Python loop over
+groups. `group_index` holds any integer ids (a prompt's index in the dataset, say): they are
+remapped with `torch.unique`, which costs one host sync on CUDA; pass `num_groups` when the ids
+already lie in [0, num_groups) to skip it. Each group must be complete in the call (all n responses
+on one rank; the trainer computes advantages before sharding the batch); only the whitening of
+reinforce++-baseline merges statistics across ranks.
 
-Whitening across ranks (`batch_whiten`). Each rank reduces its values to (W, mean, M2) — total weight,
-weighted mean, and weighted sum of squared deviations from its OWN mean — and the ranks exchange these
-triples with ONE all-reduce of a [world, 3] float64 tensor in which each rank fills its own row (an
-all-gather built from an all-reduce; gloo and NCCL both support it, and 24 bytes per rank is nothing).
-Every rank then merges the rows locally with Chan et al.'s parallel formula
+Whitening across ranks (`batch_whiten`). Each rank reduces its values to (W, mean, M2) — total
+weight, weighted mean, and weighted sum of squared deviations from its OWN mean — and the ranks
+exchange these triples with ONE all-reduce of a [world, 3] float64 tensor in which each rank fills
+its own row (an all-gather built from an all-reduce; gloo and NCCL both support it, and 24 bytes per
+rank is nothing). Every rank then merges the rows locally with Chan et al.'s parallel formula
 
     W = sum_r W_r,   mean = sum_r W_r mean_r / W,   M2 = sum_r M2_r + sum_r W_r (mean_r - mean)^2
 
-whose terms are all non-negative: no sum(x^2) - (sum x)^2 / n cancellation. (Reducing [W, sum, sum x^2]
-would also be one all-reduce, but loses every digit of the variance when |mean| >> std; reducing the
-count and sum first to get a shared shift would be two collectives.) All statistics are float64.
+whose terms are all non-negative: no sum(x^2) - (sum x)^2 / n cancellation. (Reducing [W, sum, sum
+x^2] would also be one all-reduce, but loses every digit of the variance when |mean| >> std;
+reducing the count and sum first to get a shared shift would be two collectives.) All statistics are
+float64.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def group_advantages(
     process_group=None,
     return_metrics: bool = False,
 ):
-    """One advantage per response from its scalar reward and its group (module docstring for the math).
+    """One advantage per response from its scalar reward and its group (module docstring for the
+    math).
 
     Args:
         rewards: [B] float rewards (after shaping, after dynamic-sampling filtering).
@@ -82,10 +84,10 @@ def group_advantages(
         weighting: "token" | "sequence": how reinforce++-baseline weighs responses in mu and sigma.
         whiten_eps: floor on the whitening variance.
         num_groups: if given, group_index must lie in [0, num_groups) (skips a host sync on CUDA).
-        process_group: reinforce++-baseline only: merge the whitening statistics over this group of ranks
-            (e.g. torch.distributed.group.WORLD); None: this call's batch only.
-        return_metrics: also return a dict of 0-d tensors: num_singleton_groups, num_invalid_rewards,
-            whiten_mean, whiten_std (the last two 0 for grpo and dr-grpo).
+        process_group: reinforce++-baseline only: merge the whitening statistics over this group of
+            ranks (e.g. torch.distributed.group.WORLD); None: this call's batch only.
+        return_metrics: also return a dict of 0-d tensors: num_singleton_groups,
+            num_invalid_rewards, whiten_mean, whiten_std (the last two 0 for grpo and dr-grpo).
 
     Returns:
         adv [B] in the rewards' dtype (float32 for integer rewards), or (adv, metrics).
@@ -118,7 +120,8 @@ def group_advantages(
         adv = centred / (std[gid] + eps)
     else:
         weight = valid.to(torch.float64)
-        if lengths is not None:  # token weighting: each response weighs its length; a length of 0 drops it
+        # token weighting: each response weighs its length; a length of 0 drops it
+        if lengths is not None:
             n = lengths.to(torch.float64)
             weight = weight * (n if weighting == "token" else (n > 0).to(n.dtype))
         adv, w_mean, w_std = _whiten(centred, weight, weighting, whiten_eps, process_group)
@@ -143,7 +146,8 @@ def _check_group_inputs(rewards, group_index, lengths, mode: str, weighting: str
 
 
 def _warn_degenerate(singletons: int, invalid: int) -> None:
-    """Warn, from group_advantages' caller, of groups of one and of non-finite rewards (advantage 0)."""
+    """Warn, from group_advantages' caller, of groups of one and of non-finite rewards (advantage
+    0)."""
     if singletons > 0:
         warnings.warn(
             f"{singletons} group(s) of size 1: their centred reward is 0", RuntimeWarning, stacklevel=3
@@ -160,17 +164,19 @@ def batch_whiten(
     eps: float = 1e-8,
     process_group=None,
 ) -> torch.Tensor:
-    """(values - mu) / sqrt(max(sigma^2, eps)) with mu, sigma^2 the weighted POPULATION mean and variance.
+    """(values - mu) / sqrt(max(sigma^2, eps)) with mu, sigma^2 the weighted POPULATION mean and
+    variance.
 
     Args:
         values: [B] (one value per sequence) or [B, T] / any shape (per token) floats.
-        mask: values' shape; bool (valid or not) or a non-negative count per element, e.g. response lengths
-            when values holds one value per sequence. Under weighting="token" each element weighs its count
-            (1 for a bool mask); under "sequence" each sequence weighs 1: for 1-D values every element with
-            a nonzero mask, for [B, T] values each row with a valid token, split over its valid tokens.
+        mask: values' shape; bool (valid or not) or a non-negative count per element, e.g. response
+            lengths when values holds one value per sequence. Under weighting="token" each element
+            weighs its count (1 for a bool mask); under "sequence" each sequence weighs 1: for 1-D
+            values every element with a nonzero mask, for [B, T] values each row with a valid token,
+            split over its valid tokens.
         eps: variance floor (1e-8).
-        process_group: merge the statistics over these ranks with one all-reduce (module docstring), e.g.
-            torch.distributed.group.WORLD; None: this call's values only.
+        process_group: merge the statistics over these ranks with one all-reduce (module docstring),
+            e.g. torch.distributed.group.WORLD; None: this call's values only.
 
     Returns:
         whitened values, values' shape and dtype (float32 for integer values), 0 where mask == 0.
@@ -207,7 +213,8 @@ def _whiten(x, weight, weighting, eps, process_group):
 
 
 def _merge_across_ranks(w_tot, mean, m2, process_group):
-    """One all-reduce of a [world, 3] table of per-rank (W, mean, M2), then Chan's merge on every rank."""
+    """One all-reduce of a [world, 3] table of per-rank (W, mean, M2), then Chan's merge on every
+    rank."""
     import torch.distributed as dist
 
     world = dist.get_world_size(process_group)

@@ -2,15 +2,15 @@
 
     logp, entropy = linear_logprob_entropy(hidden [N, D], weight [V, D], labels [N], temperature=1.0)
 
-is what an RL trainer needs from the LM head: log p(label) and the entropy H of the temperature-scaled
-distribution z = (hidden @ weight.T) / temperature, without materialising the [N, V] logits. The op
-streams over tiles of z, keeping per row in fp32 (docs/ops.md):
+is what an RL trainer needs from the LM head: log p(label) and the entropy H of the
+temperature-scaled distribution z = (hidden @ weight.T) / temperature, without materialising the [N,
+V] logits. The op streams over tiles of z, keeping per row in fp32 (docs/ops.md):
 
     m = max z,   s = sum e^(z - m),   b = sum (z - m) e^(z - m),   z_y
     lse = m + log s,   logp = z_y - lse,   H = log s - b / s,   E_p[z] = m + b / s
 
-(b is kept relative to the running max so that H = log s - b/s never subtracts two large numbers). It
-saves lse and E_p[z] for backward, which recomputes each tile of z and forms
+(b is kept relative to the running max so that H = log s - b/s never subtracts two large numbers).
+It saves lse and E_p[z] for backward, which recomputes each tile of z and forms
 
     dL/dz = g_lp * (1[j = y] - p) - g_H * p * (z - E_p[z])
 
@@ -18,15 +18,15 @@ with separate upstream gradients for logp (g_lp) and entropy (g_H); the entropy 
 (z - E_p[z]) rather than (log p + H), which would give 0 * (-inf) = NaN where p underflows. Then
 dhidden = dL/dz @ W / T and dW = (dL/dz)^T @ hidden / T. FLOPs: 2NDV forward, 6NDV backward.
 
-Backends (see `_backend.py`): `native` (C++/OpenMP, CPU), `triton` (CUDA), `torch` (chunked, anywhere).
-All use the same chunked plan: the matmuls go to the vendor BLAS (MKL / cuBLAS) tile by tile, in fp32
-(bf16/fp16 inputs on CUDA multiply in their own dtype with fp32 output), and the backend's own kernel
-does the exponentials and reductions on each tile.
+Backends (see `_backend.py`): `native` (C++/OpenMP, CPU), `triton` (CUDA), `torch` (chunked,
+anywhere). All use the same chunked plan: the matmuls go to the vendor BLAS (MKL / cuBLAS) tile by
+tile, in fp32 (bf16/fp16 inputs on CUDA multiply in their own dtype with fp32 output), and the
+backend's own kernel does the exponentials and reductions on each tile.
 
-Memory: besides inputs, outputs and gradients, the workspace is one tile of z of at most `chunk_bytes`
-(default 16 MiB on CPU, 1 GiB on CUDA; rows are split too when N alone would exceed it), plus O(N)
-statistics, an fp32 [N, D] gradient accumulator and an fp32 copy of one [Vc, D] weight tile: bounded
-independently of N x V.
+Memory: besides inputs, outputs and gradients, the workspace is one tile of z of at most
+`chunk_bytes` (default 16 MiB on CPU, 1 GiB on CUDA; rows are split too when N alone would exceed
+it), plus O(N) statistics, an fp32 [N, D] gradient accumulator and an fp32 copy of one [Vc, D]
+weight tile: bounded independently of N x V.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ def tile_shape(n_rows: int, n_cols: int, chunk_bytes: int) -> tuple[int, int]:
 
 
 def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [M, K] @ b[K, N] with an fp32 result; low-precision CUDA inputs multiply natively (fp32 out)."""
+    """a [M, K] @ b[K, N] with an fp32 result; low-precision CUDA inputs multiply natively (fp32
+    out)."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         return torch.mm(a, b)
     if a.is_cuda and a.dtype == b.dtype:
@@ -246,14 +247,16 @@ def _chunked_backward(hidden, weight, labels, row_stats, grads, plan, need):
 
 
 # --------------------------------------------------------------------------------------------------
-# Tile ops: the elementwise half of the chunked plan, one object per backend with the same two functions
+# Tile ops: the elementwise half of the chunked plan, one object per backend with the same two
+# functions
 # --------------------------------------------------------------------------------------------------
 
 
 class _TorchTileOps:
     @staticmethod
     def update_stats(x, labels, c0, inv_t, m, s, b, zy):
-        """Merge one tile x [r, c] (raw logits, columns c0..c0+c) into the running (m, s, b, z_y)."""
+        """Merge one tile x [r, c] (raw logits, columns c0..c0+c) into the running (m, s, b,
+        z_y)."""
         z = x.mul_(inv_t)
         tile_m = z.amax(dim=1)
         new_m = torch.maximum(m, tile_m)
@@ -271,7 +274,8 @@ class _TorchTileOps:
 
     @staticmethod
     def tile_grad(x, labels, c0, inv_t, lse, ez, g_lp, g_ent):
-        """In place: x [r, c] raw logits -> dL/dx = (g_lp (1[j=y] - p) - g_ent p (z - E_p[z])) / T."""
+        """In place: x [r, c] raw logits -> dL/dx = (g_lp (1[j=y] - p) - g_ent p (z - E_p[z])) /
+        T."""
         z = x.mul_(inv_t)
         p = torch.exp(z - lse[:, None])
         # -(g_lp + g_ent (z - Ez)) * p, then + g_lp at the label column
@@ -283,8 +287,8 @@ class _TorchTileOps:
 
 
 class _NativeTileOps:
-    """The tile ops of softmax_tiles.h, for linear_ppo_loss's native backend (this op's native backend runs
-    its whole chunked plan in C++)."""
+    """The tile ops of softmax_tiles.h, for linear_ppo_loss's native backend (this op's native
+    backend runs its whole chunked plan in C++)."""
 
     @staticmethod
     def update_stats(x, labels, c0, inv_t, m, s, b, zy):
@@ -296,9 +300,9 @@ class _NativeTileOps:
 
 
 def tile_ops(backend: str):
-    """The tile ops of `backend`: update_stats(x, labels, c0, inv_t, m, s, b, zy) merges a raw-logits tile
-    into the running row statistics (the torch one overwrites x, the others only read it), tile_grad(x,
-    labels, c0, inv_t, lse, ez, g_lp, g_ent) overwrites it with dL/dx."""
+    """The tile ops of `backend`: update_stats(x, labels, c0, inv_t, m, s, b, zy) merges a
+    raw-logits tile into the running row statistics (the torch one overwrites x, the others only
+    read it), tile_grad(x, labels, c0, inv_t, lse, ez, g_lp, g_ent) overwrites it with dL/dx."""
     if backend == "torch":
         return _TorchTileOps
     if backend == "native":

@@ -28,11 +28,11 @@ import triton.language as tl
 
 __all__ = ["TritonTileOps", "tile_grad", "update_stats"]
 
-# Widest column block of one program. 4096 fp32 = 16 KiB of registers per program with 8 warps (16 per
-# thread), the size Liger's cross-entropy uses; not tuned.
+# Widest column block of one program. 4096 fp32 = 16 KiB of registers per program with 8 warps (16
+# per thread), the size Liger's cross-entropy uses; not tuned.
 _MAX_BLOCK_V_GPU = 4096
-# Under the interpreter a small block makes tiny test vocabularies span several blocks (exercising the
-# loop and the masked last block); larger blocks would only be faster, not different.
+# Under the interpreter a small block makes tiny test vocabularies span several blocks (exercising
+# the loop and the masked last block); larger blocks would only be faster, not different.
 _MAX_BLOCK_V_INTERPRETER = 128
 
 
@@ -59,7 +59,8 @@ def _update_stats_kernel(
     stride_s,
     stride_b,
     stride_zy,
-    BLOCK_V: tl.constexpr,  # columns per loop step: the width of the register vector each program holds
+    # columns per loop step: the width of the register vector each program holds
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # int64 offsets: rows * stride_xr may exceed 2^31
     x_row = x_ptr + row * stride_xr
@@ -72,11 +73,14 @@ def _update_stats_kernel(
         mask = cols < n_cols  # the last block of a tile whose width is not a multiple of BLOCK_V
         z = tl.load(x_row + cols * stride_xc, mask=mask, other=-float("inf")) * inv_t
         new_m = tl.maximum(m, tl.max(z, axis=0))  # finite: every block has at least one real column
-        # d = z - m_new <= 0; masked lanes get d = 0 and e = 0, so d * e is 0 there (not -inf * 0 = NaN).
+        # d = z - m_new <= 0; masked lanes get d = 0 and e = 0, so d * e is 0 there (not -inf * 0 =
+        # NaN).
         d = tl.where(mask, z - new_m, 0.0)
-        e = tl.where(mask, tl.exp(d), 0.0)  # tl.exp lowers to ex2.approx(d * log2(e)) on NVIDIA GPUs
+        # tl.exp lowers to ex2.approx(d * log2(e)) on NVIDIA GPUs
+        e = tl.where(mask, tl.exp(d), 0.0)
         alpha = tl.exp(m - new_m)
-        # b is sum (z - m) e^(z - m): re-centre the old sum on the new max before adding this block's.
+        # b is sum (z - m) e^(z - m): re-centre the old sum on the new max before adding this
+        # block's.
         b = alpha * (b + (m - new_m) * s) + tl.sum(d * e, axis=0)
         s = alpha * s + tl.sum(e, axis=0)
         m = new_m
@@ -108,7 +112,8 @@ def _tile_grad_kernel(
     stride_ez,
     stride_g_lp,
     stride_g_ent,
-    BLOCK_V: tl.constexpr,  # columns per loop step: the width of the register vector each program holds
+    # columns per loop step: the width of the register vector each program holds
+    BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # int64 offsets: rows * stride_xr may exceed 2^31
     x_row = x_ptr + row * stride_xr
@@ -129,7 +134,8 @@ def _tile_grad_kernel(
         p = tl.exp(z - lse)
         # Entropy term with (z - E_p[z]), not (log p + H): no 0 * (-inf) where p underflows.
         g = tl.where(active, -(g_lp + g_ent * (z - ez)) * p, 0.0)
-        g += tl.where(cols == local, g_lp, 0.0)  # + g_lp at the label column (0 + 0 stays 0 when ignored)
+        # + g_lp at the label column (0 + 0 stays 0 when ignored)
+        g += tl.where(cols == local, g_lp, 0.0)
         tl.store(x_row + cols * stride_xc, g, mask=mask)
 
 
@@ -166,7 +172,8 @@ def _check_tile(x: torch.Tensor, labels: torch.Tensor, rows: tuple[torch.Tensor,
 
 
 def update_stats(x, labels, c0, inv_t, m, s, b, zy, *, block_v: int | None = None) -> None:
-    """In place: merge tile x [r, c] fp32 (raw logits of columns c0..c0+c) into (m, s, b, zy) [r] fp32.
+    """In place: merge tile x [r, c] fp32 (raw logits of columns c0..c0+c) into (m, s, b, zy) [r]
+    fp32.
 
     x is only read. `block_v` overrides the column block (a power of two; for tests).
     """
@@ -186,10 +193,11 @@ def update_stats(x, labels, c0, inv_t, m, s, b, zy, *, block_v: int | None = Non
 
 
 def tile_grad(x, labels, c0, inv_t, lse, ez, g_lp, g_ent, *, block_v: int | None = None) -> None:
-    """In place: x [r, c] fp32 raw logits -> dL/dx = -(g_lp + g_ent (z - ez)) p + g_lp 1[j = label - c0].
+    """In place: x [r, c] fp32 raw logits -> dL/dx = -(g_lp + g_ent (z - ez)) p + g_lp 1[j = label -
+    c0].
 
-    lse, ez, g_lp, g_ent: [r] fp32 (g_lp and g_ent already times 1/T). Rows with g_lp == g_ent == 0 become
-    exact zeros. `block_v` overrides the column block (a power of two; for tests).
+    lse, ez, g_lp, g_ent: [r] fp32 (g_lp and g_ent already times 1/T). Rows with g_lp == g_ent == 0
+    become exact zeros. `block_v` overrides the column block (a power of two; for tests).
     """
     _check_tile(x, labels, (lse, ez, g_lp, g_ent), written=True)
     if x.numel() == 0:
@@ -214,10 +222,12 @@ def tile_grad(x, labels, c0, inv_t, lse, ez, g_lp, g_ent, *, block_v: int | None
 class TritonTileOps:
     @staticmethod
     def update_stats(x, labels, c0, inv_t, m, s, b, zy):
-        """Merge one tile x [r, c] (raw logits, columns c0..c0+c) into the running (m, s, b, z_y)."""
+        """Merge one tile x [r, c] (raw logits, columns c0..c0+c) into the running (m, s, b,
+        z_y)."""
         update_stats(x, labels, c0, inv_t, m, s, b, zy)
 
     @staticmethod
     def tile_grad(x, labels, c0, inv_t, lse, ez, g_lp, g_ent):
-        """In place: x [r, c] raw logits -> dL/dx = (g_lp (1[j=y] - p) - g_ent p (z - E_p[z])) / T."""
+        """In place: x [r, c] raw logits -> dL/dx = (g_lp (1[j=y] - p) - g_ent p (z - E_p[z])) /
+        T."""
         tile_grad(x, labels, c0, inv_t, lse, ez, g_lp, g_ent)

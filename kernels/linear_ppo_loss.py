@@ -2,15 +2,17 @@
 
     loss, metrics = linear_ppo_loss(hidden [N, D], weight [V, D], labels [N], old_logp, advantages, mask, ...)
 
-equals `ppo_loss(linear_logprob_entropy(hidden, weight, labels, T)[0], old_logp, advantages, mask, ...)`
-(optionally minus entropy_coef times the entropy aggregated like the loss), in 6NDV matmul FLOPs instead of 8.
+equals `ppo_loss(linear_logprob_entropy(hidden, weight, labels, T)[0], old_logp, advantages, mask,
+...)` (optionally minus entropy_coef times the entropy aggregated like the loss), in 6NDV matmul
+FLOPs instead of 8.
 
-Why 6 and how. The unfused pair streams the logits once forward (2NDV, for lse) and recomputes them in
-backward (2NDV) before the two gradient products dhidden = dZ W and dweight = dZ^T hidden (4NDV): 8NDV. The
-loss gradient of a token is known in closed form once its logp is (ppo_loss's docstring), so the backward
-products could run during the forward, on logits already computed, if a row's logits were still at hand
-when its lse is known. That needs the row's logits over the WHOLE vocabulary at once, so this op keeps the
-logits of a block of R rows in a workspace [R, V] fp32 and does everything for that block before the next:
+Why 6 and how. The unfused pair streams the logits once forward (2NDV, for lse) and recomputes them
+in backward (2NDV) before the two gradient products dhidden = dZ W and dweight = dZ^T hidden (4NDV):
+8NDV. The loss gradient of a token is known in closed form once its logp is (ppo_loss's docstring),
+so the backward products could run during the forward, on logits already computed, if a row's logits
+were still at hand when its lse is known. That needs the row's logits over the WHOLE vocabulary at
+once, so this op keeps the logits of a block of R rows in a workspace [R, V] fp32 and does
+everything for that block before the next:
 
     for each block of R rows:
         Z = H_R W^T                          2 R D V   one GEMM into the workspace
@@ -20,24 +22,25 @@ logits of a block of R rows in a workspace [R, V] fp32 and does everything for t
         dH_R  = dZ W                         2 R D V   written once
         dW   += dZ^T H_R                     2 R D V   fp32, the first block's GEMM writes it (no zero fill)
 
-6NDV in all, no recompute: the gradients are computed in the forward (as Liger's fused linear cross entropy
-does) and kept until backward, which multiplies them by the upstream scalar (in place, so backward runs once).
-Designs not taken: streaming lse first and recomputing the logits for the gradients is 8NDV with a one-tile
-workspace (that is `linear_logprob_entropy` + `ppo_loss`); accumulating dH online during the lse pass (as
-flash attention accumulates P V) still needs a second logits pass for dW, so it is 8NDV too.
+6NDV in all, no recompute: the gradients are computed in the forward (as Liger's fused linear cross
+entropy does) and kept until backward, which multiplies them by the upstream scalar (in place, so
+backward runs once). Designs not taken: streaming lse first and recomputing the logits for the
+gradients is 8NDV with a one-tile workspace (that is `linear_logprob_entropy` + `ppo_loss`);
+accumulating dH online during the lse pass (as flash attention accumulates P V) still needs a second
+logits pass for dW, so it is 8NDV too.
 
-What the bound costs. Workspace: the [R, V] fp32 block (R = chunk_bytes // (4 V); the torch backend adds a
-copy and its own temporaries), plus an fp32 dW accumulator when the weight is not fp32 (an fp32 weight's
-gradient accumulates in place, never zero-filled), and an fp32 copy of hidden and weight for bf16/fp16 on
-the CPU. With several row blocks dW is read and written once per block (8 V D bytes), which is why R
-should not be small: the default budget is
-room for 256 rows on the CPU (156 MiB at V = 152K; dW traffic ~1/32 of the GEMM time at D = 896 on two
-cores) and 1 GiB on CUDA. Elementwise work is O(N V): two passes over each block.
+What the bound costs. Workspace: the [R, V] fp32 block (R = chunk_bytes // (4 V); the torch backend
+adds a copy and its own temporaries), plus an fp32 dW accumulator when the weight is not fp32 (an
+fp32 weight's gradient accumulates in place, never zero-filled), and an fp32 copy of hidden and
+weight for bf16/fp16 on the CPU. With several row blocks dW is read and written once per block (8 V
+D bytes), which is why R should not be small: the default budget is room for 256 rows on the CPU
+(156 MiB at V = 152K; dW traffic ~1/32 of the GEMM time at D = 896 on two cores) and 1 GiB on CUDA.
+Elementwise work is O(N V): two passes over each block.
 
-The chunked plan's pieces come from linear_logprob_entropy (`mm_f32` and each backend's `tile_ops`; the
-native ones are kernels/csrc/softmax_tiles.h), the per-token loss from ppo_loss's backends (`FORWARDS`).
-Layouts, options and metrics are those of `ppo_loss` (kernels/_ppo_common.py), plus `entropy_mean` (over
-valid tokens) and `entropy_loss` (entropy aggregated like the loss).
+The chunked plan's pieces come from linear_logprob_entropy (`mm_f32` and each backend's `tile_ops`;
+the native ones are kernels/csrc/softmax_tiles.h), the per-token loss from ppo_loss's backends
+(`FORWARDS`). Layouts, options and metrics are those of `ppo_loss` (kernels/_ppo_common.py), plus
+`entropy_mean` (over valid tokens) and `entropy_loss` (entropy aggregated like the loss).
 """
 
 from __future__ import annotations
@@ -95,7 +98,8 @@ def linear_ppo_loss(
     """PPO-Clip-Higher + KL loss from hidden states and the LM head, fused (module docstring).
 
     Args:
-        hidden: [N, D] packed or [B, T, D] padded fp32/bf16/fp16 final hidden states; differentiable.
+        hidden: [N, D] packed or [B, T, D] padded fp32/bf16/fp16 final hidden states;
+            differentiable.
         weight: [V, D] LM-head weight, same dtype; differentiable.
         labels: [N] or [B, T] int64 sampled token ids; `ignore_index` rows count as masked.
         old_logp, advantages, mask, ref_logp, is_weights, cu_seqlens, eps_*, dual_clip, kl_*, is_*, agg,
@@ -103,9 +107,10 @@ def linear_ppo_loss(
             old_logp None: on-policy, old_logp is the current log-prob itself, detached (ratio 1; TRL's
             shortcut when it skips the old log-prob pass).
         temperature: the sampling temperature, applied in fp32 before the log-softmax.
-        entropy_coef: subtracts entropy_coef * sum_t s_t H_t (entropy aggregated like the loss; verl's
-            entropy_coeff). 0 (default) costs nothing.
-        chunk_bytes: budget of the [R, V] fp32 logits workspace; default: 256 rows (CPU), 1 GiB (CUDA).
+        entropy_coef: subtracts entropy_coef * sum_t s_t H_t (entropy aggregated like the loss;
+            verl's entropy_coeff). 0 (default) costs nothing.
+        chunk_bytes: budget of the [R, V] fp32 logits workspace; default: 256 rows (CPU), 1 GiB
+            (CUDA).
         backend: "native" | "triton" | "torch"; default by device.
 
     Returns:
@@ -131,7 +136,8 @@ def linear_ppo_loss(
     tok = flatten_inputs(old_logp, advantages, cu_seqlens, like, need_seq=agg.startswith("seq-"))
     tok["valid"] = tok["valid"] & keep
     aggregation = aggregation_weights(tok, agg, normalizer, torch.float32)
-    if aggregation.denom is None:  # a call-local token count, resolved now: every row block needs the total
+    # a call-local token count, resolved now: every row block needs the total
+    if aggregation.denom is None:
         aggregation = Aggregation(aggregation.weight, tok["valid"].sum().to(torch.float32))
     h = hidden.reshape(-1, hidden.shape[-1])
     name = _backend.resolve(h.device, backend)
@@ -203,7 +209,8 @@ class _LinearPPOLoss(torch.autograd.Function):
 
 
 def _mm_into(out, a, b):
-    """out [M, N] fp32 = a @ b: fp32 operands straight into `out`; bf16/fp16 CUDA ones multiply natively."""
+    """out [M, N] fp32 = a @ b: fp32 operands straight into `out`; bf16/fp16 CUDA ones multiply
+    natively."""
     if a.dtype == torch.float32 and b.dtype == torch.float32:
         torch.mm(a, b, out=out)
         return
@@ -241,9 +248,11 @@ class _FusedRun:
         self.n, self.v = n, v
         f32 = self.f32 = dict(dtype=torch.float32, device=hidden.device)
         self.ops = tile_ops(self.backend)
-        self.copy_before_stats = self.backend == "torch"  # its update_stats overwrites the tile: a copy
+        # its update_stats overwrites the tile: a copy
+        self.copy_before_stats = self.backend == "torch"
         self.low_cuda = low_cuda = hidden.is_cuda and hidden.dtype != torch.float32
-        self.h_all = hidden if low_cuda else hidden.float()  # fp32 on the CPU: GEMMs into fp32 buffers
+        # fp32 on the CPU: GEMMs into fp32 buffers
+        self.h_all = hidden if low_cuda else hidden.float()
         self.w_all = weight if low_cuda else weight.float()
         self.rows = max(1, min(n, chunk_bytes // (4 * v)))
         self.loss = torch.zeros((), **f32)
@@ -251,12 +260,14 @@ class _FusedRun:
         self.ent = torch.zeros(2, **f32)  # sum_t s_t H_t, sum over valid tokens of H_t
         self.tok_logp, self.tok_ent = torch.empty(n, **f32), torch.empty(n, **f32)
         self.gh = torch.empty(n, d, dtype=hidden.dtype, device=hidden.device) if self.need_h else None
-        # fp32 dW: the first row block's GEMM writes it (beta = 0) and the others add to it, so it is
-        # never zero-filled (a [V, D] fill is ~3% of the op at D = 896); low-precision CUDA accumulates.
+        # fp32 dW: the first row block's GEMM writes it (beta = 0) and the others add to it, so it
+        # is never zero-filled (a [V, D] fill is ~3% of the op at D = 896); low-precision CUDA
+        # accumulates.
         self.gw_written = not low_cuda and n > 0
         gw = torch.empty(v, d, **f32) if self.gw_written else torch.zeros(v, d, **f32)
         self.gw = gw if self.need_w else None
-        self.w_cols = max(256, chunk_bytes // (4 * d))  # low-precision CUDA dW: [w_cols, D] at a time
+        # low-precision CUDA dW: [w_cols, D] at a time
+        self.w_cols = max(256, chunk_bytes // (4 * d))
         self.buf = torch.empty(self.rows * v, **f32)
         low_h = self.need_h and hidden.dtype != torch.float32
         self.gh_rows = torch.empty(self.rows, d, **f32) if low_h else None
@@ -278,7 +289,8 @@ class _FusedRun:
 
     def loss_block(self, r0: int, r1: int, per_token, tok, aggregation, opts):
         """The ppo_loss backend on the block's tokens: adds its loss, entropy terms and statistics;
-        returns dloss/dlogp [R] and the entropy's aggregation weights (None without entropy_coef)."""
+        returns dloss/dlogp [R] and the entropy's aggregation weights (None without
+        entropy_coef)."""
         logp, entropy = per_token
         part = {k: (t[r0:r1] if torch.is_tensor(t) and k != "padded_shape" else t) for k, t in tok.items()}
         if self.on_policy:
@@ -321,7 +333,8 @@ class _FusedRun:
             torch.mm(dx.t(), h, out=self.gw)
         elif self.need_w and self.gw_written:
             self.gw.addmm_(dx.t(), h)
-        elif self.need_w:  # bf16/fp16 products, fp32 results, added tile by tile (bf16 ran on an H200)
+        # bf16/fp16 products, fp32 results, added tile by tile (bf16 ran on an H200)
+        elif self.need_w:
             for c0 in range(0, self.v, self.w_cols):
                 self.gw[c0 : c0 + self.w_cols] += mm_f32(dx[:, c0 : c0 + self.w_cols].t(), h)
 

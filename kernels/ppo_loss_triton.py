@@ -2,37 +2,40 @@
 codes in _ppo_common.py).
 
 Forward, ONE launch (`_forward_kernel`, one program per BLOCK tokens):
-    1. every program computes its tokens' loss terms and closed-form gradient dloss/dlogp (written out),
-       reduces its share of every statistic in fp64 and writes it to row `pid` of a [programs, NSTAT]
-       partials workspace (torch.empty: no zeroing launch);
-    2. then it increments a completion counter with an acq_rel atomic (after a barrier, so the whole row
-       is written first); the program that sees `programs - 1` is the last to finish;
-    3. the last program sums (and maxes) ALL partial rows in row order 0, 1, 2, ... — a fixed order, so
-       the result does not depend on which program finishes last or on scheduling (deterministic) — writes
-       the loss and the statistics vector, and resets the counter to 0 for the next call.
+    1. every program computes its tokens' loss terms and closed-form gradient dloss/dlogp (written
+       out), reduces its share of every statistic in fp64 and writes it to row `pid` of a [programs,
+       NSTAT] partials workspace (torch.empty: no zeroing launch);
+    2. then it increments a completion counter with an acq_rel atomic (after a barrier, so the whole
+       row is written first); the program that sees `programs - 1` is the last to finish;
+    3. the last program sums (and maxes) ALL partial rows in row order 0, 1, 2, ... — a fixed order,
+       so the result does not depend on which program finishes last or on scheduling (deterministic)
+       — writes the loss and the statistics vector, and resets the counter to 0 for the next call.
     The host never waits: nothing is read back, no count is taken on the host.
-Token-mean without a normaliser divides by this call's valid-token count, which is known only in step 3:
-the kernel then writes the UNSCALED gradient u_t g_t and the last program writes 1 / count to a 0-d
-`grad_scale`; the backward applies it. With a normaliser (a number, or a 0-d tensor read in-kernel) the
-gradient is written scaled and `grad_scale` is None.
-Backward, ONE launch (`_backward_kernel`): stored gradient x upstream gradient (x grad_scale), cast to
-logp's dtype in the same pass.
+Token-mean without a normaliser divides by this call's valid-token count, which is known only in
+step 3: the kernel then writes the UNSCALED gradient u_t g_t and the last program writes 1 / count
+to a 0-d `grad_scale`; the backward applies it. With a normaliser (a number, or a 0-d tensor read
+in-kernel) the gradient is written scaled and `grad_scale` is None. Backward, ONE launch
+(`_backward_kernel`): stored gradient x upstream gradient (x grad_scale), cast to logp's dtype in
+the same pass.
 
-The completion counter is an int32 on the device, created zeroed once per (device, stream) and left at 0
-by every launch, so concurrent calls on different streams do not share one. (A launch that dies midway
-would leave it non-zero; CUDA cannot continue after such a fault anyway.)
+The completion counter is an int32 on the device, created zeroed once per (device, stream) and left
+at 0 by every launch, so concurrent calls on different streams do not share one. (A launch that dies
+midway would leave it non-zero; CUDA cannot continue after such a fault anyway.)
 
-Memory ordering: a barrier, then an acq_rel atomic, then volatile loads of the other programs' partials in
-the last program — the pattern of Triton's fused layer-norm backward tutorial. On an H200 the results of
-5 repeats of a 4,096-sequence call were bitwise equal (tests/gpu/test_cuda_paths.py); under the
-interpreter (tests/kernels/test_ppo_loss_triton.py) programs run one after another, which exercises the
-counter, the last-program branch, the fixed-order reduction and the reset, but not concurrency.
+Memory ordering: a barrier, then an acq_rel atomic, then volatile loads of the other programs'
+partials in the last program — the pattern of Triton's fused layer-norm backward tutorial. On an
+H200 the results of 5 repeats of a 4,096-sequence call were bitwise equal
+(tests/gpu/test_cuda_paths.py); under the interpreter (tests/kernels/test_ppo_loss_triton.py)
+programs run one after another, which exercises the counter, the last-program branch, the
+fixed-order reduction and the reset, but not concurrency.
 
-Per-token inputs are loaded with `mask=valid`, `other=0`: a masked token's values (NaN included) never enter
-the arithmetic. Math in fp32 (fp64 for fp64 logp); the sums in fp64. The options that change the code (KL
-estimator, clamp, IS mode, dual clip, which optional inputs exist) are constexprs; the numbers are runtime.
+Per-token inputs are loaded with `mask=valid`, `other=0`: a masked token's values (NaN included)
+never enter the arithmetic. Math in fp32 (fp64 for fp64 logp); the sums in fp64. The options that
+change the code (KL estimator, clamp, IS mode, dual clip, which optional inputs exist) are
+constexprs; the numbers are runtime.
 
-Imported only when the triton backend is selected (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1).
+Imported only when the triton backend is selected (CUDA tensors, or CPU tensors under
+TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -47,11 +50,11 @@ from ._ppo_common import STATS
 
 __all__ = ["ppo_backward", "ppo_forward"]
 
-# Tokens per program on a GPU: 1024 fp32 = 8 per thread with 4 warps, a row of partials per 4 KiB of logp.
-# Not tuned.
+# Tokens per program on a GPU: 1024 fp32 = 8 per thread with 4 warps, a row of partials per 4 KiB of
+# logp. Not tuned.
 _BLOCK_GPU = 1024
-# Under the interpreter small blocks make the tiny test batches span several programs (exercising the partial
-# sums, the completion counter and the masked last block).
+# Under the interpreter small blocks make the tiny test batches span several programs (exercising
+# the partial sums, the completion counter and the masked last block).
 _BLOCK_INTERPRETER = 32
 _NSTAT = 16  # partials row width: the 14 statistics of _ppo_common.STATS, padded to a power of two
 
@@ -69,11 +72,13 @@ def _forward_kernel(
     isw_ptr,  # [N] importance weights (read only if HAS_IS)
     weight_ptr,  # [N] aggregation weight u_t (read only if HAS_WEIGHT)
     denom_ptr,  # 0-d D (read only if DENOM_MODE == 1; a value <= 0 reads as 1)
-    grad_ptr,  # [N] out: dloss/dlogp (DENOM_MODE 2: without the 1/D) in the compute dtype (if NEED_GRAD)
+    # [N] out: dloss/dlogp (DENOM_MODE 2: without the 1/D) in the compute dtype (if NEED_GRAD)
+    grad_ptr,
     part_ptr,  # [programs, NSTAT] fp64 workspace: each program's sums and maxima
     counter_ptr,  # int32, 0 on entry: programs finished; the last one resets it to 0
     loss_ptr,  # 0-d out (compute dtype)
-    stats_ptr,  # [NUM_STATS] out (compute dtype); [2, NUM_STATS] if MEANS: row 1 = row 0 / valid tokens
+    # [NUM_STATS] out (compute dtype); [2, NUM_STATS] if MEANS: row 1 = row 0 / valid tokens
+    stats_ptr,
     scale_ptr,  # 0-d out: 1 / max(valid tokens, 1) (written only if DENOM_MODE == 2)
     n,
     adv_row_len,  # T of a padded batch with per-row advantages (read only if ADV_PER_ROW)
@@ -90,7 +95,8 @@ def _forward_kernel(
     HAS_IS: tl.constexpr,
     HAS_WEIGHT: tl.constexpr,
     ADV_PER_ROW: tl.constexpr,
-    DENOM_MODE: tl.constexpr,  # 0 host number, 1 0-d tensor, 2 this call's valid-token count (deferred)
+    # 0 host number, 1 0-d tensor, 2 this call's valid-token count (deferred)
+    DENOM_MODE: tl.constexpr,
     DUAL: tl.constexpr,
     KL_EST: tl.constexpr,  # 0 k1, 1 k2, 2 k3
     KL_CLAMP: tl.constexpr,  # 0 log-ratio, 1 output, 2 none
@@ -128,8 +134,8 @@ def _forward_kernel(
     unclipped = -a * ratio
     clipped = -a * tl.minimum(tl.maximum(ratio, lo), hi)
     pg = tl.maximum(unclipped, clipped)
-    # tl.maximum / tl.minimum return the non-NaN operand: a NaN log-prob or advantage at a valid token
-    # gives a NaN loss (as in torch), and a NaN gradient below
+    # tl.maximum / tl.minimum return the non-NaN operand: a NaN log-prob or advantage at a valid
+    # token gives a NaN loss (as in torch), and a NaN gradient below
     is_nan = (lp - old + a) != (lp - old + a)
     pg = tl.where(is_nan, lp - old + a, pg)
     live = (unclipped >= clipped) & ratio_ok  # the gradient flows through -A r
@@ -220,13 +226,17 @@ def _forward_kernel(
             rows = start + tl.arange(0, BLOCK_P)
             in_rows = rows[:, None] < n_parts
             ptrs = part_ptr + rows[:, None].to(tl.int64) * NSTAT + cols[None, :]
-            used = in_rows & (cols[None, :] < NUM_STATS)  # the row's padding slots are never written
-            x = tl.load(ptrs, mask=used, other=0.0, volatile=True)  # other programs' rows: not from L1
+            # the row's padding slots are never written
+            used = in_rows & (cols[None, :] < NUM_STATS)
+            # other programs' rows: not from L1
+            x = tl.load(ptrs, mask=used, other=0.0, volatile=True)
             acc_sum += tl.sum(x, axis=0)
             acc_max = tl.maximum(acc_max, tl.max(tl.where(in_rows, x, -float("inf")), axis=0))
         res = tl.where(is_max, acc_max, acc_sum)
-        inv = 1.0 / tl.maximum(tl.sum(tl.where(cols == 2, res, 0.0), axis=0), 1.0)  # 1 / valid tokens
-        if DENOM_MODE == 2:  # token-mean of this call: divide the two aggregated sums by the count now
+        # 1 / valid tokens
+        inv = 1.0 / tl.maximum(tl.sum(tl.where(cols == 2, res, 0.0), axis=0), 1.0)
+        # token-mean of this call: divide the two aggregated sums by the count now
+        if DENOM_MODE == 2:
             res = tl.where((cols == 0) | (cols == 1), res * inv, res)
             tl.store(scale_ptr, inv)
         loss = tl.sum(tl.where(cols == 0, res, 0.0), axis=0)
@@ -262,7 +272,8 @@ _counters: dict[tuple, torch.Tensor] = {}
 
 
 def _counter(dev: torch.device) -> torch.Tensor:
-    """The completion counter of (device, current stream): zeroed once, left at 0 by every launch."""
+    """The completion counter of (device, current stream): zeroed once, left at 0 by every
+    launch."""
     stream = torch.cuda.current_stream(dev).cuda_stream if dev.type == "cuda" else 0
     key = (str(dev), stream)
     counter = _counters.get(key)
@@ -276,9 +287,10 @@ def _device_ctx(t: torch.Tensor):
 
 
 def ppo_forward(logp, tok, aggregation, opts, need_grad, with_means=False):
-    """Same contract as ppo_loss._torch_forward: (loss 0-d, stats [14] sums/maxima, grad [N] or None,
-    grad_scale 0-d or None), dloss/dlogp = grad * grad_scale (grad alone when grad_scale is None).
-    with_means: stats is [2, 14], row 1 = row 0 / max(valid tokens, 1) (the means the metrics report)."""
+    """Same contract as ppo_loss._torch_forward: (loss 0-d, stats [14] sums/maxima, grad [N] or
+    None, grad_scale 0-d or None), dloss/dlogp = grad * grad_scale (grad alone when grad_scale is
+    None). with_means: stats is [2, 14], row 1 = row 0 / max(valid tokens, 1) (the means the metrics
+    report)."""
     cdt = torch.float64 if logp.dtype == torch.float64 else torch.float32
     dev = logp.device
     n = logp.numel()
@@ -295,7 +307,8 @@ def ppo_forward(logp, tok, aggregation, opts, need_grad, with_means=False):
     weight = flat(aggregation.weight) if aggregation.weight is not None else lp
     denom = aggregation.denom
     if denom is None:
-        mode = _DENOM_COUNT  # token-mean of this call: counted in the kernel, applied in the backward
+        # token-mean of this call: counted in the kernel, applied in the backward
+        mode = _DENOM_COUNT
     else:
         mode = _DENOM_PTR if torch.is_tensor(denom) else _DENOM_HOST
     grad_scale = torch.empty((), dtype=cdt, device=dev) if mode == _DENOM_COUNT else None
@@ -329,7 +342,8 @@ def ppo_backward(grad, g_loss, grad_scale, dtype):
     if n == 0:
         return out
     block = _BLOCK_GPU if grad.is_cuda else _BLOCK_INTERPRETER
-    g_loss = g_loss.to(device=grad.device).reshape(())  # a no-op for autograd's 0-d upstream gradient
+    # a no-op for autograd's 0-d upstream gradient
+    g_loss = g_loss.to(device=grad.device).reshape(())
     with _device_ctx(grad):
         _backward_kernel[(triton.cdiv(n, block),)](
             grad, g_loss, grad_scale if grad_scale is not None else g_loss, out, n,

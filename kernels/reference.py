@@ -1,6 +1,6 @@
 """The float64 references that every backend of every op is tested against: each op's math written out
-plainly (full logits, one sequence or group at a time), differentiated by autograd where the op has a
-gradient. Nothing here shares code with the ops under test (only the constant RATIO_LOG_CLAMP).
+plainly (full logits, one sequence or group at a time), differentiated by autograd where the op has
+a gradient. Nothing here shares code with the ops under test (only the constant RATIO_LOG_CLAMP).
 
 For tests and benchmarks, not speed. Each is also importable from its op's module
 (`from prorl.kernels.ppo_loss import ppo_loss_reference`).
@@ -16,7 +16,8 @@ __all__ = ["group_advantages_reference", "linear_logprob_entropy_reference", "pp
 
 
 def linear_logprob_entropy_reference(hidden, weight, labels, temperature=1.0, ignore_index=-100):
-    """Unfused float64 reference: full [N, V] logits, log_softmax, gather, entropy; differentiable."""
+    """Unfused float64 reference: full [N, V] logits, log_softmax, gather, entropy;
+    differentiable."""
     h = hidden.reshape(-1, hidden.shape[-1]).double()
     z = (h @ weight.double().t()) / temperature
     logprobs = torch.log_softmax(z, dim=-1)
@@ -51,8 +52,9 @@ def ppo_loss_reference(
 ):
     """Unfused float64 reference, one sequence at a time, differentiated by autograd w.r.t. `logp`.
 
-    Same arguments as `ppo_loss`; masked tokens must hold finite values. Returns (loss, metrics) with
-    pg_loss, kl_loss, num_tokens, clipfrac_low, clipfrac_high, dualclip_frac, approx_kl, kl_mean, ratio_mean.
+    Same arguments as `ppo_loss`; masked tokens must hold finite values. Returns (loss, metrics)
+    with pg_loss, kl_loss, num_tokens, clipfrac_low, clipfrac_high, dualclip_frac, approx_kl,
+    kl_mean, ratio_mean.
     """
     f64 = lambda x: None if x is None else x.double()
     padded_numel = logp.numel()
@@ -160,7 +162,8 @@ def group_advantages_reference(
     weighting="token",
     whiten_eps=1e-8,
 ):
-    """Per-group Python loop in float64 (for tests and benchmarks); finite rewards only, single process."""
+    """Per-group Python loop in float64 (for tests and benchmarks); finite rewards only, single
+    process."""
     r = rewards.double().tolist()
     ids = group_index.tolist()
     lens = (

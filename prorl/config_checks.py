@@ -1,18 +1,20 @@
 """What a config file and the command line may hold, checked before OmegaConf sees them (prorl/config.py).
 
-- A YAML file (`--config FILE` or a preset) must be a mapping of sections: a list, an empty file (once
-  taken silently as "no config": a truncated or wrong file would run the defaults), YAML that does not
-  parse, a key given twice in one mapping and bytes that are not UTF-8 are errors naming the file and
-  the line. A UTF-8 byte-order mark and CRLF line ends are accepted.
+- A YAML file (`--config FILE` or a preset) must be a mapping of sections: a list, an empty file
+  (once taken silently as "no config": a truncated or wrong file would run the defaults), YAML that
+  does not parse, a key given twice in one mapping and bytes that are not UTF-8 are errors naming
+  the file and the line. A UTF-8 byte-order mark and CRLF line ends are accepted.
 - A dotted key given twice on the command line with different values: the last wins, with a warning
-  (prorl/train.py, rank 0) naming the key and both values. Not an error: appending an override to a base
-  command is how this project's own CI and tests shorten a run, and how wrapper scripts pass "$@"; not
-  silent either, since a mistyped repeat would otherwise go unseen. The same value twice says nothing.
+  (prorl/train.py, rank 0) naming the key and both values. Not an error: appending an override to a
+  base command is how this project's own CI and tests shorten a run, and how wrapper scripts pass
+  "$@"; not silent either, since a mistyped repeat would otherwise go unseen. The same value twice
+  says nothing.
 - Sizes and counts that must be positive (`size_problems`): a zero or negative one is named, instead
   of surfacing as an empty validation set, a loop that never ends or an error deep in a component.
 - Values that must lie in a range (`range_problems`): probabilities, clip ranges, coefficients.
 
-Each function raises ValueError or returns problems as text; prorl/config.py turns them into ConfigError.
+Each function raises ValueError or returns problems as text; prorl/config.py turns them into
+ConfigError.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ def read_yaml(path: str) -> DictConfig:
     except UnicodeDecodeError as exc:
         raise ValueError(f"config file {path}: not UTF-8 text (byte {exc.start})") from None
     try:
-        cfg = OmegaConf.create(text) if text.strip() else None  # OmegaConf's loader refuses duplicate keys
+        # OmegaConf's loader refuses duplicate keys
+        cfg = OmegaConf.create(text) if text.strip() else None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -57,12 +60,14 @@ def _has_mapping(text: str) -> bool:
 
 
 def repeated_overrides(overrides: list[str]) -> str | None:
-    """The message for keys given twice, with different values, in `key=value` overrides, or None."""
+    """The message for keys given twice, with different values, in `key=value` overrides, or
+    None."""
     seen: dict[str, list[str]] = {}
     for item in overrides:
         key, _, value = item.partition("=")
         seen.setdefault(key.strip(), []).append(value)
-    twice = {k: v for k, v in seen.items() if len(set(v)) > 1}  # the same value again says nothing new
+    # the same value again says nothing new
+    twice = {k: v for k, v in seen.items() if len(set(v)) > 1}
     if not twice:
         return None
     shown = "; ".join(f"{k} = {' then '.join(map(repr, v))} ({v[-1]!r} is used)" for k, v in twice.items())

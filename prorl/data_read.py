@@ -1,18 +1,19 @@
 """Reading the rows of a data file (.parquet, .jsonl, .json) with what can go wrong named, and memory bounded.
 
-`read_rows(path, max_row_bytes)` yields (row number from 0, row) pairs, or (row number, DataError) for a
-row that cannot be read, so that `prorl.data.load_file` can stop at it or skip and count it. What a row
-may hold is checked there (`_parse_row`); here is what a file may hold:
+`read_rows(path, max_row_bytes)` yields (row number from 0, row) pairs, or (row number, DataError)
+for a row that cannot be read, so that `prorl.data.load_file` can stop at it or skip and count it.
+What a row may hold is checked there (`_parse_row`); here is what a file may hold:
 
-- a row larger than `max_row_bytes` (`data.max_row_bytes`) is refused before it is built: JSONL is read
-  line by line with a bounded `readline`, and the rest of an over-long line is skipped in bounded
-  chunks; parquet is read in record batches and each row's Arrow size (`slice(i, 1).nbytes`, the bytes
-  of its values) is checked before it becomes Python objects. One 50 MB prompt row once drove a process
-  to 17.4 GB (tokenized, templated and sampled from). A .json file is one document, read whole: its
-  over-long rows are refused after parsing, before they go further (use JSONL for large files);
+- a row larger than `max_row_bytes` (`data.max_row_bytes`) is refused before it is built: JSONL is
+  read line by line with a bounded `readline`, and the rest of an over-long line is skipped in
+  bounded chunks; parquet is read in record batches and each row's Arrow size (`slice(i, 1).nbytes`,
+  the bytes of its values) is checked before it becomes Python objects. One 50 MB prompt row once
+  drove a process to 17.4 GB (tokenized, templated and sampled from). A .json file is one document,
+  read whole: its over-long rows are refused after parsing, before they go further (use JSONL for
+  large files);
 - a JSON object with a key twice (json keeps the last silently) names the key;
-- a UTF-8 byte-order mark at the start of a JSONL file is skipped (Windows tools write one); CRLF line
-  ends are whitespace to JSON;
+- a UTF-8 byte-order mark at the start of a JSONL file is skipped (Windows tools write one); CRLF
+  line ends are whitespace to JSON;
 - a last line cut off mid-row (no newline at its end) says the file looks truncated;
 - a file named .parquet that is not parquet (a CSV, say) is named as such.
 """
@@ -51,7 +52,8 @@ def loads(text: str):
 
 
 def not_utf8(line: bytes, exc: UnicodeDecodeError, offset: int | None = None) -> str:
-    """'not UTF-8: byte 0x.. at byte N' for a decode error at `offset` of `line` (default exc.start)."""
+    """'not UTF-8: byte 0x.. at byte N' for a decode error at `offset` of `line` (default
+    exc.start)."""
     offset = exc.start if offset is None else offset
     return f"not UTF-8 text: byte 0x{line[offset]:02x} at byte {offset}"
 
@@ -127,7 +129,8 @@ def _json_rows(path: str, limit: int):
         raise DataError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(rows, list):
         raise DataError(f"{path}: a .json data file must hold a list of rows")
-    for i, row in enumerate(rows):  # the file is in memory already; an over-long row goes no further
+    # the file is in memory already; an over-long row goes no further
+    for i, row in enumerate(rows):
         size = len(json.dumps(row, ensure_ascii=False).encode())
         yield i, DataError(f"{path}: row {i}: {_too_big(size, limit)}") if size > limit else row
 
@@ -156,5 +159,6 @@ def _parquet_rows(path: str, limit: int):
                     else (one.to_pylist()[0]),
                 )
                 i += 1
-    except (pa.ArrowInvalid, OSError) as exc:  # not parquet (a CSV named .parquet), truncated, damaged
+    # not parquet (a CSV named .parquet), truncated, damaged
+    except (pa.ArrowInvalid, OSError) as exc:
         raise DataError(f"{path}: not a readable parquet file ({type(exc).__name__}: {exc})") from None

@@ -7,29 +7,31 @@ pass@k, mean continuous score; a per-data-source table printed and written as JS
 What is computed (docs/recipe.md §8), per data source and over all prompts:
 - `pass@1`: mean over prompts of c / k, where c of the k samples are correct;
 - `pass@j` for j = 2, 4, ... (powers of two) and k: mean over prompts of the unbiased estimator
-  1 - C(k - c, j) / C(k, j) (Chen et al. 2021), the chance that j samples drawn without replacement from
-  the k contain a correct one; with j = k it is the plain "any of the k correct";
-- `mean_score`: mean of the verifier's continuous score over every sample: the headline number for logic
-  puzzles (Reasoning Gym) and instruction following (IFEval), whose scores are fractions. A sample is
-  "correct" when its score reaches `correct_threshold` (1.0: all tests passed, all instructions met);
+  1 - C(k - c, j) / C(k, j) (Chen et al. 2021), the chance that j samples drawn without replacement
+  from the k contain a correct one; with j = k it is the plain "any of the k correct";
+- `mean_score`: mean of the verifier's continuous score over every sample: the headline number for
+  logic puzzles (Reasoning Gym) and instruction following (IFEval), whose scores are fractions. A
+  sample is "correct" when its score reaches `correct_threshold` (1.0: all tests passed, all
+  instructions met);
 - `mean_response_tokens`, `truncated_frac` (hit max tokens), `timeout_frac` / `error_frac` (verifier).
-The `primary` column names the headline metric of each source (`mean_score` for the `reasoning_gym` and
-`ifeval` verifiers, `pass@1` otherwise).
+The `primary` column names the headline metric of each source (`mean_score` for the `reasoning_gym`
+and `ifeval` verifiers, `pass@1` otherwise).
 
-Defaults follow the papers: temperature 0.6, top-p 0.95, k = 16, up to 32K response tokens (capped by
-the model's context, the cap printed). Prompts are the chat-templated messages (`data.encode_prompts`);
-one over `--max-prompt-tokens` is filtered and counted, never truncated. Generation uses prorl's
-`NativeGenerator` (CPU or one GPU) in chunks of prompts sized to a KV-cache budget; chunk i's responses
-are scored in the `RewardPool` while chunk i+1 generates. Draws are fixed by (seed + chunk start, prompt
-index in chunk, sample index, position): reproducible for the same seed and chunk size. `--backend vllm`
-is reserved for the vLLM generator and not implemented yet.
+Defaults follow the papers: temperature 0.6, top-p 0.95, k = 16, up to 32K response tokens (capped
+by the model's context, the cap printed). Prompts are the chat-templated messages
+(`data.encode_prompts`); one over `--max-prompt-tokens` is filtered and counted, never truncated.
+Generation uses prorl's `NativeGenerator` (CPU or one GPU) in chunks of prompts sized to a KV-cache
+budget; chunk i's responses are scored in the `RewardPool` while chunk i+1 generates. Draws are
+fixed by (seed + chunk start, prompt index in chunk, sample index, position): reproducible for the
+same seed and chunk size. `--backend vllm` is reserved for the vLLM generator and not implemented
+yet.
 
 Written to --out (default runs/eval-<UTC time>): `results.json` (settings and every metric),
-`results.csv` (one row per data source plus `all`), `samples.jsonl` (one row per sample: example index,
-data source, sample index, score, correct, flags, response text), from which every number can be
-recomputed. `evaluate(examples, EvalInputs(...), EvalSettings(...))` is the same thing as a function;
-`validate` is the trainer's use of it. The metrics themselves are prorl/eval_metrics.py's (`summarize`
-turns per-sample records, e.g. gathered from several ranks, into them).
+`results.csv` (one row per data source plus `all`), `samples.jsonl` (one row per sample: example
+index, data source, sample index, score, correct, flags, response text), from which every number can
+be recomputed. `evaluate(examples, EvalInputs(...), EvalSettings(...))` is the same thing as a
+function; `validate` is the trainer's use of it. The metrics themselves are prorl/eval_metrics.py's
+(`summarize` turns per-sample records, e.g. gathered from several ranks, into them).
 """
 
 from __future__ import annotations
@@ -63,27 +65,29 @@ PROGRESS_EVERY_S = 10.0  # a progress line at most this often, counted in finish
 BACKENDS = ("native", "vllm")
 
 
-# -- generation and scoring ----------------------------------------------------------------------------
+# -- generation and scoring ------------------------------------------------------------------------
 
 
 def _chunk_size(model, k: int, seq_len: int, kv_cache_gib: float) -> int:
-    """Prompts per generate call so that the KV cache (k rows per prompt, seq_len slots each) fits."""
+    """Prompts per generate call so that the KV cache (k rows per prompt, seq_len slots each)
+    fits."""
     cfg = model.config
     elem = model.embed_tokens.weight.element_size()
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem  # K and V, every layer
     return max(1, int(kv_cache_gib * 2**30 // (k * seq_len * per_token)))
 
 
-# Host memory per sampled token while a call's results are held: a finished vLLM request keeps the token
-# id, a {token: Logprob} dict and the Logprob (~650 bytes in CPython 3.11 by sys.getsizeof), plus the
-# Sample's own lists; rounded up.
+# Host memory per sampled token while a call's results are held: a finished vLLM request keeps the
+# token id, a {token: Logprob} dict and the Logprob (~650 bytes in CPython 3.11 by sys.getsizeof),
+# plus the Sample's own lists; rounded up.
 HOST_BYTES_PER_TOKEN = 1024
 
 
 def host_chunk_size(k: int, max_new: int, host_memory_gib: float | None = None) -> int:
-    """Prompts per generate call for an engine that schedules its own batch (vLLM, `schedules_batch`):
-    as many as the host can hold the k samples of, at most `max_new` tokens each. host_memory_gib None: a
-    quarter of the memory available now, shared by this node's ranks (torchrun's LOCAL_WORLD_SIZE)."""
+    """Prompts per generate call for an engine that schedules its own batch (vLLM,
+    `schedules_batch`): as many as the host can hold the k samples of, at most `max_new` tokens
+    each. host_memory_gib None: a quarter of the memory available now, shared by this node's ranks
+    (torchrun's LOCAL_WORLD_SIZE)."""
     if host_memory_gib is None:
         budget = host_available_bytes() / 4 / max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
     else:
@@ -96,14 +100,14 @@ class EvalSettings:
     """How `evaluate` samples, batches and scores.
 
     dtype: "float32" | "bfloat16" | None (None: float32 on the CPU, the checkpoint's dtype on CUDA);
-    device and dtype apply to a model loaded from `EvalInputs.model_path`. A generate call takes at most
-    `prompts_per_generate` prompts (None: 64), fewer when their KV cache would pass `kv_cache_gib`;
-    scoring overlaps the next call. A generator that schedules its own batch (vLLM: `schedules_batch`)
-    manages its KV cache: it is given every prompt the host can hold the samples of (`host_chunk_size`,
-    `host_memory_gib`; `prompts_per_generate` still caps it when given) and logs progress per finished
-    request. A reward pool made here has `num_workers` workers, `timeout_s` per item.
-    partial_on_interrupt: a KeyboardInterrupt during generation stops it and returns what was generated,
-    scored (`interrupted` True); else it propagates.
+    device and dtype apply to a model loaded from `EvalInputs.model_path`. A generate call takes at
+    most `prompts_per_generate` prompts (None: 64), fewer when their KV cache would pass
+    `kv_cache_gib`; scoring overlaps the next call. A generator that schedules its own batch (vLLM:
+    `schedules_batch`) manages its KV cache: it is given every prompt the host can hold the samples
+    of (`host_chunk_size`, `host_memory_gib`; `prompts_per_generate` still caps it when given) and
+    logs progress per finished request. A reward pool made here has `num_workers` workers,
+    `timeout_s` per item. partial_on_interrupt: a KeyboardInterrupt during generation stops it and
+    returns what was generated, scored (`interrupted` True); else it propagates.
     """
 
     k: int = 16
@@ -128,9 +132,9 @@ class EvalSettings:
 class EvalInputs:
     """What `evaluate` runs on. model_path: a Hugging Face-format directory (weights via `load_hf`,
     tokenizer via `PreTrainedTokenizerFast`), or None when `model` and `tokenizer` are given. model,
-    tokenizer, pool: already loaded objects (the trainer passes its policy, tokenizer and `RewardPool`).
-    generator: a `prorl.engine.rollout.Generator` (the trainer's, native or vLLM); None: a
-    `NativeGenerator` over the model."""
+    tokenizer, pool: already loaded objects (the trainer passes its policy, tokenizer and
+    `RewardPool`). generator: a `prorl.engine.rollout.Generator` (the trainer's, native or vLLM);
+    None: a `NativeGenerator` over the model."""
 
     model_path: str | None = None
     model: Any = None
@@ -151,7 +155,8 @@ class _Prompts:
 
 
 class _Progress:
-    """`on_finished` for the generator: a log line per finished samples, at most every PROGRESS_EVERY_S."""
+    """`on_finished` for the generator: a log line per finished samples, at most every
+    PROGRESS_EVERY_S."""
 
     def __init__(self, total: int, start: float, log):
         self.total, self.start, self.log = total, start, log
@@ -238,8 +243,8 @@ def _load(inputs: EvalInputs, s: EvalSettings):
 
 
 def _encode(examples, model, tokenizer, s: EvalSettings, engine_batches: bool) -> _Prompts:
-    """Chat-templated prompts (over-long ones filtered and counted), the new-token cap the model's context
-    leaves, and the prompts per generate call."""
+    """Chat-templated prompts (over-long ones filtered and counted), the new-token cap the model's
+    context leaves, and the prompts per generate call."""
     prompts, kept, _ = data.encode_prompts(examples, tokenizer, s.max_prompt_tokens)
     kept_set = set(kept)
     filtered: dict[str, int] = defaultdict(int)
@@ -296,7 +301,8 @@ class _Run:
 
 def _generate_and_score(run: _Run, stops) -> tuple[list[dict], int, bool]:
     """Generate chunk by chunk, each chunk scored in the pool while the next generates; returns the
-    scored per-sample records, the generated token count and whether a KeyboardInterrupt stopped it."""
+    scored per-sample records, the generated token count and whether a KeyboardInterrupt stopped
+    it."""
     s, ids = run.settings, run.prompts.token_ids
     chunk = run.prompts.chunk
     pending = []  # (Future of BatchResult, records of that chunk)
@@ -358,18 +364,19 @@ def _chunk_records(run: _Run, lo: int, samples) -> list[dict]:
     return records
 
 
-# -- output ------------------------------------------------------------------------------------------------
+# -- output ----------------------------------------------------------------------------------------
 
 
 def validate(cfg: Config, examples: list, model, tokenizer, pool, generator, log=None) -> dict[str, float]:
-    """The trainer's held-out evaluation: `evaluate` on this rank's share of `examples` with the trainer's
-    sampler (`generator` over `model`; `trainer.val_samples` per prompt at `trainer.val_temperature` /
-    `val_top_p`), the per-sample records gathered from every rank and summarised together.
+    """The trainer's held-out evaluation: `evaluate` on this rank's share of `examples` with the
+    trainer's sampler (`generator` over `model`; `trainer.val_samples` per prompt at
+    `trainer.val_temperature` / `val_top_p`), the per-sample records gathered from every rank and
+    summarised together.
 
-    Returns `val/accuracy` (mean verifier score over every sample; for binary verifiers the mean pass@1),
-    `val/pass@j`, and per data source `val-core/<source>/reward/mean@k` (verl's name) and
-    `val-core/<source>/pass@j` and a reward function's extras (`source_val_metrics`). Collective: every
-    rank calls it."""
+    Returns `val/accuracy` (mean verifier score over every sample; for binary verifiers the mean
+    pass@1), `val/pass@j`, and per data source `val-core/<source>/reward/mean@k` (verl's name) and
+    `val-core/<source>/pass@j` and a reward function's extras (`source_val_metrics`). Collective:
+    every rank calls it."""
     info, k, t = dist_info(), cfg.trainer.val_samples, cfg.trainer
     mine = list(range(info.rank, len(examples), info.world_size))
     settings = EvalSettings(
@@ -430,7 +437,8 @@ def format_table(results: dict) -> str:
 
 
 def write_results(results: dict, out_dir: str) -> list[str]:
-    """results.json (all but the samples), results.csv, samples.jsonl in `out_dir`; returns the paths."""
+    """results.json (all but the samples), results.csv, samples.jsonl in `out_dir`; returns the
+    paths."""
     os.makedirs(out_dir, exist_ok=True)
     paths = [os.path.join(out_dir, f) for f in ("results.json", "results.csv", "samples.jsonl")]
     with open(paths[0], "w") as f:
@@ -447,7 +455,7 @@ def write_results(results: dict, out_dir: str) -> list[str]:
     return paths
 
 
-# -- command line --------------------------------------------------------------------------------------------
+# -- command line ----------------------------------------------------------------------------------
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -486,7 +494,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _examples(args, ap) -> list[data.Example] | None:
-    """The --data files' and --builtin task's examples (None: a file could not be read, said on stderr)."""
+    """The --data files' and --builtin task's examples (None: a file could not be read, said on
+    stderr)."""
     examples = []
     try:
         for path in args.data:
@@ -537,12 +546,14 @@ def main(argv: list[str] | None = None) -> int:
         importlib.import_module(module)
 
     try:
-        use_function(args.reward_function)  # before the data: every row's data_source resolves to it
+        # before the data: every row's data_source resolves to it
+        use_function(args.reward_function)
     except RewardFunctionError as exc:
         print(f"prorl.eval: --reward-function: {exc}", file=sys.stderr)
         return 2
     model_dir, exported = args.model, None
-    if is_checkpoint(args.model):  # a training checkpoint: its policy, exported to a temporary directory
+    # a training checkpoint: its policy, exported to a temporary directory
+    if is_checkpoint(args.model):
         exported = tempfile.TemporaryDirectory(prefix="prorl-eval-")
         model_dir = export_checkpoint(args.model, exported.name)
     if not os.path.isfile(os.path.join(model_dir, "config.json")):

@@ -1,7 +1,7 @@
 """The evaluation metrics of per-sample records: unbiased pass@k (Chen et al. 2021), the mean verifier
 score, response lengths and verifier failures, per data source and over all prompts (prorl/eval.py's
-module docstring says what each means). Pure functions of the records, so the trainer's validation can
-summarise records gathered from several ranks.
+module docstring says what each means). Pure functions of the records, so the trainer's validation
+can summarise records gathered from several ranks.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ CONTINUOUS_KEYS = ("reasoning_gym", "ifeval")  # verifier keys whose headline me
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k from n samples of which c are correct: 1 - C(n - c, k) / C(n, k) (exact integers,
-    one rounding)."""
+    """Unbiased pass@k from n samples of which c are correct: 1 - C(n - c, k) / C(n, k) (exact
+    integers, one rounding)."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass_at_k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
@@ -55,7 +55,8 @@ def _group_metrics(records: list[dict], k: int) -> dict:
     out["truncated_frac"] = sum(r["finish_reason"] == "length" for r in records) / n
     out["timeout_frac"] = sum(r["timed_out"] for r in records) / n
     out["error_frac"] = sum(r["errored"] for r in records) / n
-    for key in sorted({key for r in records for key in r.get("extras") or {}}):  # a verl reward's extras
+    # a verl reward's extras
+    for key in sorted({key for r in records for key in r.get("extras") or {}}):
         vals = [r["extras"][key] for r in records if key in (r.get("extras") or {})]
         out[f"extra/{key}"] = sum(vals) / len(vals)
     return out
@@ -63,8 +64,9 @@ def _group_metrics(records: list[dict], k: int) -> dict:
 
 def source_val_metrics(source: str, m: dict, k: int) -> dict[str, float]:
     """The trainer's validation metrics of one data source's summary `m`, named as verl names them:
-    `val-core/<source>/reward/mean@k` (mean score), `val-core/<source>/pass@j`, a reward function's extra
-    `acc` as `val-core/<source>/acc/mean@k` and any other extra as `val-aux/<source>/<key>/mean@k`."""
+    `val-core/<source>/reward/mean@k` (mean score), `val-core/<source>/pass@j`, a reward function's
+    extra `acc` as `val-core/<source>/acc/mean@k` and any other extra as
+    `val-aux/<source>/<key>/mean@k`."""
     out = {f"val-core/{source}/reward/mean@{k}": m["mean_score"] or 0.0}
     for name, value in m.items():
         if name.startswith("pass@"):

@@ -1,7 +1,7 @@
 """One training or evaluation problem as the data files hold it (verl's row schema), and the split names.
 
-A module of its own so that the task generators (prorl/chain_sums.py) and the readers (prorl/data.py)
-share it without importing each other.
+A module of its own so that the task generators (prorl/chain_sums.py) and the readers
+(prorl/data.py) share it without importing each other.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ class Example:
     ground_truth: Any
     extra: dict = field(default_factory=dict)
     ability: str | None = None
-    source: str | None = field(default=None, compare=False, repr=False)  # the data file it came from
+    # the data file it came from
+    source: str | None = field(default=None, compare=False, repr=False)
 
     def to_row(self) -> dict:
         """The verl-schema row of this example (what `load_file` reads back)."""

@@ -2,12 +2,13 @@
 
     python -m prorl.export runs/<ts>/checkpoints/step_00000300 /models/my-policy [--dtype bfloat16]
 
-A checkpoint (engine/checkpoint.py) holds the policy's shards as torch.distributed.checkpoint writes them,
-whatever the number of ranks that saved it; this reads them into one process (DCP reshards), builds the
-decoder from the run's model (the checkpoint's saved config names it), and writes config.json,
-model.safetensors and the tokenizer: loadable by `transformers`, `prorl.eval --model` and vLLM. The run's
-final export (`checkpoints/final`) is the same thing for the last step; this is for any other step, and
-for a run that was stopped. `--key reference` exports the reference policy instead.
+A checkpoint (engine/checkpoint.py) holds the policy's shards as torch.distributed.checkpoint writes
+them, whatever the number of ranks that saved it; this reads them into one process (DCP reshards),
+builds the decoder from the run's model (the checkpoint's saved config names it), and writes
+config.json, model.safetensors and the tokenizer: loadable by `transformers`, `prorl.eval --model`
+and vLLM. The run's final export (`checkpoints/final`) is the same thing for the last step; this is
+for any other step, and for a run that was stopped. `--key reference` exports the reference policy
+instead.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ from prorl.model_dir import resolve_model_path
 
 
 def export_checkpoint(checkpoint: str, out: str, *, dtype: str | None = None, key: str = "model") -> str:
-    """Write checkpoint `checkpoint`'s `key` model to `out` as a Hugging Face directory; returns `out`."""
+    """Write checkpoint `checkpoint`'s `key` model to `out` as a Hugging Face directory; returns
+    `out`."""
     from transformers import PreTrainedTokenizerFast
 
     if not os.path.isfile(os.path.join(checkpoint, MARKER)):
         raise CheckpointError(f"{checkpoint} is not a complete checkpoint (no {MARKER} marker)")
-    damage = verify_checkpoint(checkpoint).damage  # sizes and checksums of the manifest written at save
+    # sizes and checksums of the manifest written at save
+    damage = verify_checkpoint(checkpoint).damage
     if damage:
         raise CheckpointError(f"checkpoint {checkpoint} is damaged: " + "; ".join(damage))
     with open(os.path.join(checkpoint, META)) as f:
@@ -41,7 +44,8 @@ def export_checkpoint(checkpoint: str, out: str, *, dtype: str | None = None, ke
         raise CheckpointError(f"{checkpoint} holds no {key!r} (it holds {meta.get('keys')})")
     config = (meta.get("extra") or {}).get("config") or {}
     model_path = resolve_model_path(config.get("model", {}).get("path", ""))
-    model = load_hf(model_path, dtype=torch.float32)  # the run's architecture; its weights are replaced
+    # the run's architecture; its weights are replaced
+    model = load_hf(model_path, dtype=torch.float32)
     dcp.load({key: ModelState(model)}, checkpoint_id=checkpoint, no_dist=True)
     dtype = dtype or config.get("model", {}).get("dtype", "float32")
     save_hf(model.to({"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]), out)

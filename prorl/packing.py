@@ -1,28 +1,30 @@
 """Packing a step's responses for the log-prob passes: each prompt once per group, no padding.
 
-GRPO-style RL samples n responses per prompt, and a plain packed batch repeats the prompt n times; when
-prompts are not much shorter than responses that is most of the tokens. Here a group is packed as
-[prompt, response_1, ..., response_n]: the prompt's tokens go through the model once, and every response
-attends to that one copy of the prompt's keys/values plus its own earlier tokens (engine/attention.py,
-`shared_prefix_layout`). The math is the same as packing n full sequences: the prompt's activations are
-identical in every copy, and in backward the gradient reaching the shared prompt is the sum over the
-responses that read it (the `index_select` of the keys does that sum). Tested against the plain packing.
+GRPO-style RL samples n responses per prompt, and a plain packed batch repeats the prompt n times;
+when prompts are not much shorter than responses that is most of the tokens. Here a group is packed
+as [prompt, response_1, ..., response_n]: the prompt's tokens go through the model once, and every
+response attends to that one copy of the prompt's keys/values plus its own earlier tokens
+(engine/attention.py, `shared_prefix_layout`). The math is the same as packing n full sequences: the
+prompt's activations are identical in every copy, and in backward the gradient reaching the shared
+prompt is the sum over the responses that read it (the `index_select` of the keys does that sum).
+Tested against the plain packing.
 
 Outputs live in response-token space: entry t of a [R] tensor is the t-th response token of the step
-(group-major, response-major, in order); `hidden_rows` says which packed position predicts it (the prompt's
-last token for the first response token).
+(group-major, response-major, in order); `hidden_rows` says which packed position predicts it (the
+prompt's last token for the first response token).
 
-The step's side: `StepBatch` flattens the kept groups once (per response and per response token), and the
-planner cuts it into passes:
+The step's side: `StepBatch` flattens the kept groups once (per response and per response token),
+and the planner cuts it into passes:
 
     batch = StepBatch.of(groups, n, device)
     for mini in plan_update(batch, mini_batches=M, budget=B, share=True, agg=..., max_new=T, lockstep=fsdp):
         for micro in mini.passes:      # None: a dummy pass (under FSDP every rank runs as many passes)
             ... micro.packed, batch.tokens.slice(micro) ...   # its tokens' sampler log-probs, pi_old, ...
 
-A pass holds whole groups, or runs of one group's responses when a group alone exceeds the token budget
-(`split_groups`), packed up to `budget` tokens (`token_budget_chunks`); each mini-batch carries the GLOBAL
-loss normaliser of its aggregation (every rank's tokens or sequences: one all-reduce).
+A pass holds whole groups, or runs of one group's responses when a group alone exceeds the token
+budget (`split_groups`), packed up to `budget` tokens (`token_budget_chunks`); each mini-batch
+carries the GLOBAL loss normaliser of its aggregation (every rank's tokens or sequences: one
+all-reduce).
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ from prorl.engine.parallel import all_reduce
 
 @dataclass
 class PackedBatch:
-    """One forward's input. ids/position_ids [N]; cu_seqlens [S+1]; cu_seqlens_k/kv_index: None for plain
-    packing, else the shared-prefix keys; hidden_rows [R] and labels [R]: the response tokens and the
-    positions predicting them; resp_cu [num_responses+1]: response offsets in [R]."""
+    """One forward's input. ids/position_ids [N]; cu_seqlens [S+1]; cu_seqlens_k/kv_index: None for
+    plain packing, else the shared-prefix keys; hidden_rows [R] and labels [R]: the response tokens
+    and the positions predicting them; resp_cu [num_responses+1]: response offsets in [R]."""
 
     ids: torch.Tensor
     position_ids: torch.Tensor | None
@@ -58,15 +60,17 @@ class PackedBatch:
 
 
 def pack(entries: list[tuple[list[int], list[list[int]]]], share: bool, device=None) -> PackedBatch:
-    """entries: (prompt ids, responses that continue it). share=False packs each prompt + response as a
-    sequence of its own (the prompt repeated per response); share=True each entry's prompt once."""
+    """entries: (prompt ids, responses that continue it). share=False packs each prompt + response
+    as a sequence of its own (the prompt repeated per response); share=True each entry's prompt
+    once."""
     ids, rows, labels, resp_lengths = [], [], [], []
     if share:
         layout = shared_prefix_layout(
             [len(p) for p, _ in entries], [[len(r) for r in rs] for _, rs in entries]
         )
         for prompt, responses in entries:
-            last = len(ids) + len(prompt) - 1  # the prompt's last token predicts each response's first
+            # the prompt's last token predicts each response's first
+            last = len(ids) + len(prompt) - 1
             ids += prompt
             for r in responses:
                 start = len(ids)
@@ -107,9 +111,9 @@ def pack(entries: list[tuple[list[int], list[list[int]]]], share: bool, device=N
 
 def padded(batch: PackedBatch, multiple: int) -> PackedBatch:
     """`batch` with a dummy sequence of token 0 appended so that its token count is a multiple of
-    `multiple` (Transformer Engine's FP8 GEMMs; engine/fp8.py). The dummy is a sequence of its own (it
-    attends to nothing else and nothing attends to it) and no response row reads it, so log-probs and
-    gradients are those of `batch`."""
+    `multiple` (Transformer Engine's FP8 GEMMs; engine/fp8.py). The dummy is a sequence of its own
+    (it attends to nothing else and nothing attends to it) and no response row reads it, so
+    log-probs and gradients are those of `batch`."""
     n = batch.num_tokens
     pad = -n % multiple
     if pad == 0:
@@ -134,8 +138,9 @@ def padded(batch: PackedBatch, multiple: int) -> PackedBatch:
 
 
 def hidden_states(model, batch: PackedBatch, pad_multiple: int = 1) -> torch.Tensor:
-    """The final-normed hidden states that predict the batch's response tokens: [R, D]. pad_multiple:
-    run the model on `padded(batch, pad_multiple)` (the padding's rows are not returned)."""
+    """The final-normed hidden states that predict the batch's response tokens: [R, D].
+    pad_multiple: run the model on `padded(batch, pad_multiple)` (the padding's rows are not
+    returned)."""
     batch = padded(batch, pad_multiple) if pad_multiple > 1 else batch
     hidden = model(
         batch.ids,
@@ -155,9 +160,10 @@ def unit_tokens(prompt_length: int, response_lengths: list[int], share: bool) ->
 def split_groups(
     prompt_lengths: list[int], response_lengths: list[list[int]], budget: int, share: bool = True
 ) -> list[tuple[int, int, int]]:
-    """Units of work (group, first response, end response), in order: a group that exceeds `budget` tokens
-    (`unit_tokens`) is split into runs of responses, each run with its own copy of the prompt; a single
-    response longer than the budget is a unit of its own (budget <= 0: whole groups)."""
+    """Units of work (group, first response, end response), in order: a group that exceeds `budget`
+    tokens (`unit_tokens`) is split into runs of responses, each run with its own copy of the
+    prompt; a single response longer than the budget is a unit of its own (budget <= 0: whole
+    groups)."""
     units = []
     for g, (lp, lrs) in enumerate(zip(prompt_lengths, response_lengths)):
         start = 0
@@ -169,16 +175,17 @@ def split_groups(
     return units
 
 
-# -- the step's batch and its passes -------------------------------------------------------------------
+# -- the step's batch and its passes ---------------------------------------------------------------
 
 
 @dataclass
 class TokenInputs:
-    """The update's inputs per response token: [R] for the step, [hi - lo] for a micro-batch (`slice`).
+    """The update's inputs per response token: [R] for the step, [hi - lo] for a micro-batch
+    (`slice`).
 
     sampler_logp fp32: the sampler's log-probs; stored_old fp32: the pi_old stored with carried-over
-    groups (NaN for groups sampled this step); mask bool: valid tokens. advantage, ref_logp, old_logp
-    fp32: filled in by the update (prorl/update.py), None before."""
+    groups (NaN for groups sampled this step); mask bool: valid tokens. advantage, ref_logp,
+    old_logp fp32: filled in by the update (prorl/update.py), None before."""
 
     sampler_logp: torch.Tensor
     stored_old: torch.Tensor
@@ -194,8 +201,9 @@ class TokenInputs:
 
     def pi_old(self, current: torch.Tensor) -> torch.Tensor:
         """pi_old of these tokens, the rule's one home: for carried-over groups the log-probs stored
-        under the policy that sampled them, one update ago (`Updater.store_old_logprobs`); for groups
-        sampled this step `current`, the log-probs of the policy before this update (which sampled them)."""
+        under the policy that sampled them, one update ago (`Updater.store_old_logprobs`); for
+        groups sampled this step `current`, the log-probs of the policy before this update (which
+        sampled them)."""
         return torch.where(torch.isnan(self.stored_old), current, self.stored_old)
 
 
@@ -263,7 +271,8 @@ class StepBatch:
 
 @dataclass
 class MicroBatch:
-    """One forward/backward: its packed input and its response tokens' range [lo, hi) in the step's [R]."""
+    """One forward/backward: its packed input and its response tokens' range [lo, hi) in the step's
+    [R]."""
 
     packed: PackedBatch
     lo: int
@@ -286,8 +295,9 @@ class MiniBatch:
 
 def plan_passes(batch: StepBatch, g0: int, g1: int, *, budget: int, share: bool, lockstep: bool):
     """Groups g0..g1 of `batch` as passes of at most `budget` tokens (module docstring). `lockstep`
-    (every rank runs as many passes - FSDP: every forward all-gathers, every backward reduce-scatters):
-    the list is padded with None - dummy passes - up to the largest count over ranks (one all-reduce)."""
+    (every rank runs as many passes - FSDP: every forward all-gathers, every backward
+    reduce-scatters): the list is padded with None - dummy passes - up to the largest count over
+    ranks (one all-reduce)."""
     groups, n = batch.groups, batch.n
     prompt_lens = [len(g.prompt_ids) for g in groups[g0:g1]]
     response_lens = [[len(t) for t in g.responses] for g in groups[g0:g1]]
@@ -309,8 +319,8 @@ def plan_passes(batch: StepBatch, g0: int, g1: int, *, budget: int, share: bool,
 def plan_update(
     batch: StepBatch, *, mini_batches: int, budget: int, share: bool, agg: str, max_new: int, lockstep: bool
 ) -> list[MiniBatch]:
-    """The update's M mini-batches (each rank's groups split in M consecutive runs, so mini-batch m is the
-    m-th run of every rank), each with its passes and its global loss normaliser."""
+    """The update's M mini-batches (each rank's groups split in M consecutive runs, so mini-batch m
+    is the m-th run of every rank), each with its passes and its global loss normaliser."""
     groups, n = batch.groups, batch.n
     per = max(-(-len(groups) // mini_batches), 1)
     out = []
@@ -320,6 +330,7 @@ def plan_update(
         local = loss_normalizer(agg, batch.tokens.mask[lo:hi], batch.cu[g0 * n : g1 * n + 1] - lo, max_new)
         normalizer = all_reduce(local, what=f"mini-batch {m}'s loss normaliser").float()
         out.append(MiniBatch(normalizer, [], (g0, g1)))
-        if float(normalizer) > 0:  # else no response token in this mini-batch on any rank: nothing to do
+        # else no response token in this mini-batch on any rank: nothing to do
+        if float(normalizer) > 0:
             out[-1].passes = plan_passes(batch, g0, g1, budget=budget, share=share, lockstep=lockstep)
     return out

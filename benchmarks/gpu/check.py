@@ -102,7 +102,8 @@ def results_dir(argv: list[str]) -> str:
 
 
 def step_env() -> dict:
-    """The environment of every step: offline, unbuffered, carried wheels and test helpers importable."""
+    """The environment of every step: offline, unbuffered, carried wheels and test helpers
+    importable."""
     old = os.environ.get("PYTHONPATH")
     return dict(
         os.environ,
@@ -162,7 +163,8 @@ _RUNNING: list[subprocess.Popen] = []  # the step running now (its own session: 
 
 
 def _stop(signum, frame) -> None:
-    """SIGTERM / SIGINT of the runner (the device tool's limit, ^C): the running step's group too."""
+    """SIGTERM / SIGINT of the runner (the device tool's limit, ^C): the running step's group
+    too."""
     for proc in list(_RUNNING):
         _kill_group(proc)
     raise SystemExit(128 + signum)

@@ -38,7 +38,8 @@ class CheckFailed(Exception):
 
 
 def launch(out: str, overrides: list[str], log_path: str) -> float:
-    """One `torchrun --standalone --nproc_per_node=1 prorl/train.py --config prorl_v2_1.5b ...`; seconds."""
+    """One `torchrun --standalone --nproc_per_node=1 prorl/train.py --config prorl_v2_1.5b ...`;
+    seconds."""
     cmd = [
         sys.executable,
         "-m",
@@ -78,7 +79,8 @@ def run(variant: str, results: str, runs: str) -> dict:
     from preset_helpers import preset_overrides, write_bf16_untied_checkpoint, write_data
 
     base = os.path.join(runs, f"preset-{variant}")
-    shutil.rmtree(base, ignore_errors=True)  # a warm machine keeps an earlier call's run: it would resume
+    # a warm machine keeps an earlier call's run: it would resume
+    shutil.rmtree(base, ignore_errors=True)
     os.makedirs(base)
     ckpt = write_bf16_untied_checkpoint(os.path.join(base, "ckpt"))
     overrides = [*preset_overrides(ckpt, *write_data(base)), *VARIANTS[variant]]

@@ -1,10 +1,10 @@
 """`ModelConfig`: the few numbers the decoder needs, read from a Hugging Face `config.json`.
 
-One typed dataclass instead of a `PretrainedConfig`: the model never sees `transformers`. `from_hf` maps
-the three supported families onto one set of switches (qkv bias, o bias, MLP bias, q/k norm), rejects
-what the decoder cannot reproduce (sliding-window layers, non-SiLU MLPs, partial rotary, unknown RoPE
-scaling) with a message that says what is supported, and keeps the original dict so `to_hf` writes back
-every key it did not interpret (token ids, generation fields) unchanged.
+One typed dataclass instead of a `PretrainedConfig`: the model never sees `transformers`. `from_hf`
+maps the three supported families onto one set of switches (qkv bias, o bias, MLP bias, q/k norm),
+rejects what the decoder cannot reproduce (sliding-window layers, non-SiLU MLPs, partial rotary,
+unknown RoPE scaling) with a message that says what is supported, and keeps the original dict so
+`to_hf` writes back every key it did not interpret (token ids, generation fields) unchanged.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class RopeConfig:
     high_freq_factor: float = 4.0  # llama3
     beta_fast: float = 32.0  # yarn
     beta_slow: float = 1.0  # yarn
-    attention_factor: float | None = None  # yarn: scale of cos/sin; None -> derived from factor/mscale
+    # yarn: scale of cos/sin; None -> derived from factor/mscale
+    attention_factor: float | None = None
     mscale: float | None = None  # yarn
     mscale_all_dim: float | None = None  # yarn
     truncate: bool = True  # yarn: round the correction range to whole dimensions
@@ -51,8 +52,8 @@ class RopeConfig:
 class ModelConfig:
     """Shape and switches of one Llama / Qwen2 / Qwen3 decoder.
 
-    Build it with `ModelConfig.from_hf(json.load(...))`, or directly (tests, the built-in tiny model);
-    `to_hf()` gives back a `config.json` dict that `transformers` reads as the same model.
+    Build it with `ModelConfig.from_hf(json.load(...))`, or directly (tests, the built-in tiny
+    model); `to_hf()` gives back a `config.json` dict that `transformers` reads as the same model.
     """
 
     model_type: str  # "llama" | "qwen2" | "qwen3"
@@ -72,7 +73,8 @@ class ModelConfig:
     mlp_bias: bool = False  # Llama `mlp_bias`
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
     initializer_range: float = 0.02
-    hf: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # the source config.json
+    # the source config.json
+    hf: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_ARCHITECTURES:
@@ -89,7 +91,8 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Read a Hugging Face `config.json` dict (transformers 4.x `rope_scaling` or 5.x `rope_parameters`).
+        """Read a Hugging Face `config.json` dict (transformers 4.x `rope_scaling` or 5.x
+        `rope_parameters`).
 
         Raises ValueError naming the supported architectures / options when the config asks for
         something this decoder does not implement.
@@ -143,7 +146,8 @@ class ModelConfig:
         )
 
     def to_hf(self, dtype: str | None = None) -> dict[str, Any]:
-        """A `config.json` dict for this model: the source dict with every interpreted key overwritten."""
+        """A `config.json` dict for this model: the source dict with every interpreted key
+        overwritten."""
         if self.model_type == "qwen2" and (self.qkv_bias, self.o_bias, self.mlp_bias) != (True, False, False):
             raise ValueError("qwen2 has q/k/v bias and no o/MLP bias; this config cannot be written as qwen2")
         if self.model_type == "qwen3" and (self.qkv_bias != self.o_bias or self.mlp_bias or not self.qk_norm):
@@ -184,7 +188,8 @@ class ModelConfig:
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
-    """`rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (transformers 4) -> RopeConfig."""
+    """`rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (transformers 4) ->
+    RopeConfig."""
     params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -202,7 +207,8 @@ def _rope_from_hf(cfg: dict[str, Any]) -> RopeConfig:
     if factor is None:
         if rope_type in ("linear", "dynamic", "llama3"):
             raise ValueError(f"RoPE {rope_type!r} needs a 'factor'")
-        # yarn without a factor: transformers uses the ratio of the extended to the original context.
+        # yarn without a factor: transformers uses the ratio of the extended to the original
+        # context.
         factor = cfg["max_position_embeddings"] / original if rope_type == "yarn" else 1.0
     return RopeConfig(
         rope_type=rope_type,

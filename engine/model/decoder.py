@@ -1,16 +1,17 @@
 """One decoder for the Llama / Qwen2 / Qwen3 family, on packed sequences.
 
-Plain math, no parallelism code (engine/parallel.py shards it; FP8 is a converter). Module and parameter
-names mirror the Hugging Face ones below the `model.` prefix (`layers.3.self_attn.q_proj.weight`), so
-loading and saving are a prefix change and `fully_shard` can wrap each `Block`.
+Plain math, no parallelism code (engine/parallel.py shards it; FP8 is a converter). Module and
+parameter names mirror the Hugging Face ones below the `model.` prefix
+(`layers.3.self_attn.q_proj.weight`), so loading and saving are a prefix change and `fully_shard`
+can wrap each `Block`.
 
-Sequences are packed: `input_ids [N]` holds all tokens back to back and `cu_seqlens [B+1]` the offsets,
-so no compute is spent on padding. `forward` returns the final-normed hidden states; the LM head belongs
-to the loss (`prorl.kernels.linear_logprob_entropy(hidden, model.lm_head_weight, ...)`), which never
-materialises [N, V] logits. `logits()` exists for evaluation and tests.
+Sequences are packed: `input_ids [N]` holds all tokens back to back and `cu_seqlens [B+1]` the
+offsets, so no compute is spent on padding. `forward` returns the final-normed hidden states; the LM
+head belongs to the loss (`prorl.kernels.linear_logprob_entropy(hidden, model.lm_head_weight,
+...)`), which never materialises [N, V] logits. `logits()` exists for evaluation and tests.
 
-Precision: RMSNorm statistics and RoPE are computed in fp32 and cast back, as `transformers` does for
-norms (it applies RoPE in the activation dtype; fp32 here is at least as accurate).
+Precision: RMSNorm statistics and RoPE are computed in fp32 and cast back, as `transformers` does
+for norms (it applies RoPE in the activation dtype; fp32 here is at least as accurate).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from .rope import apply_rope, rope_cos_sin
 
 
 class RMSNorm(nn.Module):
-    """y = weight * x / sqrt(mean(x^2) + eps), statistics in fp32, the product in the input dtype."""
+    """y = weight * x / sqrt(mean(x^2) + eps), statistics in fp32, the product in the input
+    dtype."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -39,7 +41,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """GQA self-attention with optional qkv/o bias and q/k RMSNorm (Qwen3), RoPE, varlen backends."""
+    """GQA self-attention with optional qkv/o bias and q/k RMSNorm (Qwen3), RoPE, varlen
+    backends."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -65,7 +68,8 @@ class Attention(nn.Module):
     def forward(self, x, cos, sin, attn: AttentionBackend, ctx: AttentionContext) -> torch.Tensor:
         """x [N, D], cos/sin [N, head_dim] fp32 -> [N, D]."""
         q, k, v = self.qkv(x, cos, sin)
-        if ctx.kv_index is not None:  # shared prefix: each sequence's keys gathered (backward sums them)
+        # shared prefix: each sequence's keys gathered (backward sums them)
+        if ctx.kv_index is not None:
             k, v = k.index_select(0, ctx.kv_index), v.index_select(0, ctx.kv_index)
         out = attn(q, k, v, ctx, self.head_dim**-0.5)  # [N, Hq, hd]
         return self.o_proj(out.reshape(x.shape[0], self.num_heads * self.head_dim))
@@ -126,13 +130,14 @@ class Decoder(nn.Module):
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., D] -> logits [..., V] in the weight dtype (evaluation and tests; training uses the
-        fused loss ops on `lm_head_weight`)."""
+        """hidden [..., D] -> logits [..., V] in the weight dtype (evaluation and tests; training
+        uses the fused loss ops on `lm_head_weight`)."""
         return F.linear(hidden, self.lm_head_weight)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Random init like `transformers`: normal(0, initializer_range) weights, zero biases, unit norms."""
+        """Random init like `transformers`: normal(0, initializer_range) weights, zero biases, unit
+        norms."""
         std = self.config.initializer_range
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
@@ -143,9 +148,9 @@ class Decoder(nn.Module):
                 module.weight.fill_(1.0)
 
     def attention_backend(self, device: torch.device, dtype: torch.dtype | None = None) -> AttentionBackend:
-        """The backend for compute on `device` in `dtype` (the default depends on both: flash-attn only
-        for fp16/bf16); `dtype` None: the embedding's, which under FSDP mixed precision is the compute
-        dtype while a forward runs."""
+        """The backend for compute on `device` in `dtype` (the default depends on both: flash-attn
+        only for fp16/bf16); `dtype` None: the embedding's, which under FSDP mixed precision is the
+        compute dtype while a forward runs."""
         if isinstance(self.attention, AttentionBackend):
             return self.attention
         dtype = dtype or self.embed_tokens.weight.dtype
@@ -167,7 +172,8 @@ class Decoder(nn.Module):
     ) -> torch.Tensor:
         """Hidden states after the final norm.
 
-        Packed (training): input_ids [N] int64, cu_seqlens [B+1] int32 (None: one sequence), position_ids
+        Packed (training): input_ids [N] int64, cu_seqlens [B+1] int32 (None: one sequence),
+            position_ids
         [N] (None: 0, 1, ... restarting at each sequence start) -> [N, D].
         Padded (convenience): input_ids [B, T], attention_mask [B, T] (1 = token, 0 = padding; None = all
         tokens) -> [B, T, D], zeros at padding. Each row's tokens are packed in order and, unless
@@ -216,5 +222,6 @@ class Decoder(nn.Module):
 def packed_position_ids(cu_seqlens: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Positions 0..len-1 of every packed sequence: cu_seqlens [B+1] -> [N] int64 (no host sync)."""
     tokens = torch.arange(num_tokens, device=cu_seqlens.device)
-    seq = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)  # [N] sequence of each token
+    # [N] sequence of each token
+    seq = torch.searchsorted(cu_seqlens[1:].long(), tokens, right=True)
     return tokens - cu_seqlens.long()[seq]

@@ -1,11 +1,11 @@
 """Read and write Hugging Face checkpoint directories (`config.json` + `*.safetensors`) without transformers.
 
-Layout: a single `model.safetensors`, or shards named in `model.safetensors.index.json` (`weight_map`:
-tensor name -> file). Tensor names are ours with a `model.` prefix, except `lm_head.weight`.
-Loading builds the decoder on the meta device and assigns the tensors read straight onto the target
-device, so no random init is paid for and nothing is held twice. Before any assignment the names and
-shapes in the checkpoint are checked against the config, and a mismatch is reported in one error listing
-what is missing, unexpected and of the wrong shape.
+Layout: a single `model.safetensors`, or shards named in `model.safetensors.index.json`
+(`weight_map`: tensor name -> file). Tensor names are ours with a `model.` prefix, except
+`lm_head.weight`. Loading builds the decoder on the meta device and assigns the tensors read
+straight onto the target device, so no random init is paid for and nothing is held twice. Before any
+assignment the names and shapes in the checkpoint are checked against the config, and a mismatch is
+reported in one error listing what is missing, unexpected and of the wrong shape.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def _dtype_from_config(cfg: dict) -> torch.dtype | None:
 
 
 def _read_json(file: str, what: str) -> dict:
-    """A JSON object from `file`; ValueError naming the file when it is damaged (truncated, not text)."""
+    """A JSON object from `file`; ValueError naming the file when it is damaged (truncated, not
+    text)."""
     try:
         with open(file, encoding="utf-8") as f:
             value = json.load(f)
@@ -63,14 +64,16 @@ def _read_json(file: str, what: str) -> dict:
 
 
 def read_config(path: str) -> dict:
-    """The config.json of checkpoint directory `path` as a dict (ValueError naming it when damaged)."""
+    """The config.json of checkpoint directory `path` as a dict (ValueError naming it when
+    damaged)."""
     return _read_json(os.path.join(path, "config.json"), "config.json")
 
 
 def check_safetensors(file: str) -> None:
-    """ValueError naming `file` unless its layout adds up: an 8-byte little-endian header length, a JSON
-    header, then exactly the tensor bytes the header describes. Catches truncated and zero-filled files
-    (the safetensors library's own error names neither the file nor the cause); reads the header only."""
+    """ValueError naming `file` unless its layout adds up: an 8-byte little-endian header length, a
+    JSON header, then exactly the tensor bytes the header describes. Catches truncated and
+    zero-filled files (the safetensors library's own error names neither the file nor the cause);
+    reads the header only."""
     size = os.path.getsize(file)
     with open(file, "rb") as f:
         head = f.read(8)
@@ -113,8 +116,9 @@ def _tensor_files(path: str) -> dict[str, str]:
 
 
 def check_hf_dir(path: str) -> None:
-    """Fail now, naming the file, if `path` cannot be loaded: a damaged or unsupported config.json, a
-    missing, truncated or zero-filled safetensors file (headers only are read: cheap for any size)."""
+    """Fail now, naming the file, if `path` cannot be loaded: a damaged or unsupported config.json,
+    a missing, truncated or zero-filled safetensors file (headers only are read: cheap for any
+    size)."""
     ModelConfig.from_hf(read_config(path))
     _tensor_files(path)
 
@@ -131,10 +135,11 @@ def load_hf(
         path: directory with config.json and model.safetensors (or sharded files + index).
         dtype: parameter dtype; None = the config's `dtype`/`torch_dtype`, else as stored.
         device: where the parameters go (default: cpu).
-        attention: attention backend name or instance (default: per device, see engine/attention.py).
+        attention: attention backend name or instance (default: per device, see
+            engine/attention.py).
     Raises:
-        ValueError: unsupported architecture/options, tensors that do not match the config, a damaged
-            config.json or safetensors file (named).
+        ValueError: unsupported architecture/options, tensors that do not match the config, a
+            damaged config.json or safetensors file (named).
     """
     hf_cfg = read_config(path)
     cfg = ModelConfig.from_hf(hf_cfg)
@@ -162,7 +167,8 @@ def load_hf(
 
 
 def _check_checkpoint(path, cfg: ModelConfig, expected: dict, files: dict, by_file: dict) -> None:
-    """Names and shapes (read from the safetensors headers) against the config; one error listing all."""
+    """Names and shapes (read from the safetensors headers) against the config; one error listing
+    all."""
     missing = sorted(set(expected) - set(files))
     unexpected = sorted(n for n in set(files) - set(expected) if not _ignored(n, cfg))
     wrong_shape = []
@@ -189,9 +195,10 @@ def _check_checkpoint(path, cfg: ModelConfig, expected: dict, files: dict, by_fi
 
 
 def save_hf(model: Decoder, path: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> None:
-    """Write `model` as a Hugging Face directory: config.json + model.safetensors, or shards + index when
-    larger than `max_shard_bytes`. `transformers.AutoModelForCausalLM.from_pretrained(path)` loads it.
-    Tensors are written as they are (dtype kept; moved to the CPU). Full (unsharded) parameters only.
+    """Write `model` as a Hugging Face directory: config.json + model.safetensors, or shards + index
+    when larger than `max_shard_bytes`. `transformers.AutoModelForCausalLM.from_pretrained(path)`
+    loads it. Tensors are written as they are (dtype kept; moved to the CPU). Full (unsharded)
+    parameters only.
     """
     os.makedirs(path, exist_ok=True)
     state = {hf_name(n): t.detach().to("cpu").contiguous() for n, t in model.state_dict().items()}

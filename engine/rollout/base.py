@@ -7,9 +7,9 @@
     gen.generate(prompts, params, on_finished=lambda k: ...)  # k more samples done (progress reports)
 
 `logprobs` are the sampler's log-probabilities of each sampled token under the temperature-scaled
-distribution softmax(logits / T) over the whole vocabulary (before top-k / top-p truncation): the same
-quantity the trainer recomputes, so their difference measures sampler/trainer drift. With temperature 0
-(greedy) they are taken at T = 1.
+distribution softmax(logits / T) over the whole vocabulary (before top-k / top-p truncation): the
+same quantity the trainer recomputes, so their difference measures sampler/trainer drift. With
+temperature 0 (greedy) they are taken at T = 1.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 
 def host_available_bytes() -> int:
-    """Memory the host can give now without swapping: /proc/meminfo's MemAvailable (free + reclaimable
-    page cache), else the free physical pages."""
+    """Memory the host can give now without swapping: /proc/meminfo's MemAvailable (free +
+    reclaimable page cache), else the free physical pages."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -69,12 +69,14 @@ class Rollouts:
 
 
 class Generator:
-    """Interface: `generate(prompt_token_ids, params, on_finished=None) -> Rollouts` (`on_finished(k)`: k
-    more samples finished, as they finish, for progress reports), `update_weights(named_tensors)`, `close()`
-    (release the engine; before the caller tears down its process group).
+    """Interface: `generate(prompt_token_ids, params, on_finished=None) -> Rollouts`
+    (`on_finished(k)`: k more samples finished, as they finish, for progress reports),
+    `update_weights(named_tensors)`, `close()` (release the engine; before the caller tears down its
+    process group).
 
-    `schedules_batch`: the engine batches and schedules requests itself within its own KV-cache budget
-    (vLLM's continuous batching): callers hand it every prompt they have, not chunks sized to a KV cache."""
+    `schedules_batch`: the engine batches and schedules requests itself within its own KV-cache
+    budget (vLLM's continuous batching): callers hand it every prompt they have, not chunks sized to
+    a KV cache."""
 
     schedules_batch = False
 

@@ -2,23 +2,23 @@
 
 One `generate` call:
 1. prefill: every distinct prompt once, packed (no padding), through the decoder's own layers; each
-   layer's keys/values are written to a preallocated cache [rows, Hkv, S_max, hd] (one row per sample;
-   a prompt's K/V go to its n rows);
-2. decode: one token per cache row per step, all rows at once (static shapes between compactions). Row r
-   writes its step-t token at its own position len_r + t, so prompts of different lengths need no padding
-   recomputed; an additive -inf bias [rows, S_max], opened one slot per step, hides the unwritten slots.
-   Rows that sampled a stop token leave the work: once at most 3/4 of the cache rows are live, the cache
-   (and every per-row tensor) is compacted to the live rows;
-3. sampling: logits in fp32, / temperature, top-k / top-p, then inverse-CDF sampling with one uniform per
-   row drawn from a counter-based hash of (seed, prompt index, sample index, position): the same tokens
-   whatever the batch composition, resumable, and without a generator per row. The uniforms of the whole
-   call are hashed up front (one [rows, max_new_tokens] table) and RoPE cos/sin come from one table of
-   positions, so a step runs no setup work.
+   layer's keys/values are written to a preallocated cache [rows, Hkv, S_max, hd] (one row per
+   sample; a prompt's K/V go to its n rows);
+2. decode: one token per cache row per step, all rows at once (static shapes between compactions).
+   Row r writes its step-t token at its own position len_r + t, so prompts of different lengths need
+   no padding recomputed; an additive -inf bias [rows, S_max], opened one slot per step, hides the
+   unwritten slots. Rows that sampled a stop token leave the work: once at most 3/4 of the cache
+   rows are live, the cache (and every per-row tensor) is compacted to the live rows;
+3. sampling: logits in fp32, / temperature, top-k / top-p, then inverse-CDF sampling with one
+   uniform per row drawn from a counter-based hash of (seed, prompt index, sample index, position):
+   the same tokens whatever the batch composition, resumable, and without a generator per row. The
+   uniforms of the whole call are hashed up front (one [rows, max_new_tokens] table) and RoPE
+   cos/sin come from one table of positions, so a step runs no setup work.
 
-Attention in decode is two batched matmuls over a view of the cache (q grouped [rows, Hkv, G, hd] for
-GQA, softmax in fp32): no copy of the cache per step. Measured on this 2-core CPU (1 thread, tiny
-checkpoint, B=64), the cache gather and SDPA's flash kernel for one query took 53% of the old decode
-step; see benchmarks/rollout.py for the numbers against `transformers.generate`.
+Attention in decode is two batched matmuls over a view of the cache (q grouped [rows, Hkv, G, hd]
+for GQA, softmax in fp32): no copy of the cache per step. Measured on this 2-core CPU (1 thread,
+tiny checkpoint, B=64), the cache gather and SDPA's flash kernel for one query took 53% of the old
+decode step; see benchmarks/rollout.py for the numbers against `transformers.generate`.
 
 The decode step is a plain function of tensors and can be wrapped by torch.compile (`compile=True`,
 dynamic shapes: one compile serves every batch size, attended length and compaction).
@@ -38,15 +38,16 @@ _MASK32 = 0xFFFFFFFF
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (xorshift-multiply) on int64 tensors holding values < 2^32; no overflow:
-    both multipliers are < 2^31."""
+    """A 32-bit integer hash (xorshift-multiply) on int64 tensors holding values < 2^32; no
+    overflow: both multipliers are < 2^31."""
     x = ((x ^ (x >> 16)) * 0x7FEB352D) & _MASK32
     x = ((x ^ (x >> 15)) * 0x68E31DA5) & _MASK32
     return x ^ (x >> 16)
 
 
 def counter_uniform(seed: int, prompt_index, sample_index, position) -> torch.Tensor:
-    """Uniform [0, 1) float64 per element from the counters (int64 tensors that broadcast together)."""
+    """Uniform [0, 1) float64 per element from the counters (int64 tensors that broadcast
+    together)."""
     prompt_index, sample_index, position = torch.broadcast_tensors(prompt_index, sample_index, position)
     h = _mix32(torch.full_like(prompt_index, seed & _MASK32))
     h = _mix32(h ^ (prompt_index & _MASK32))
@@ -59,8 +60,9 @@ def counter_uniform(seed: int, prompt_index, sample_index, position) -> torch.Te
 def sample_tokens(logits: torch.Tensor, params: SamplingParams, uniform: torch.Tensor):
     """logits [B, V] fp32 -> (tokens [B] int64, logprobs [B] fp32 under softmax(logits / T)).
 
-    The draw: the token whose interval of the (truncated, unnormalised) float64 CDF holds uniform x total.
-    Top-k uses `topk` (k entries sorted), top-p alone a full sort; neither is paid when not requested.
+    The draw: the token whose interval of the (truncated, unnormalised) float64 CDF holds uniform x
+    total. Top-k uses `topk` (k entries sorted), top-p alone a full sort; neither is paid when not
+    requested.
     """
     if params.temperature == 0:
         tokens = logits.argmax(-1)
@@ -87,8 +89,8 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, uniform: torch.T
 
 
 class _Rows:
-    """The decode loop's per-row state: the working rows (finished ones leave, compacted together with
-    the KV cache) and the output rows they are flushed to (original row order)."""
+    """The decode loop's per-row state: the working rows (finished ones leave, compacted together
+    with the KV cache) and the output rows they are flushed to (original row order)."""
 
     def __init__(self, row_len, steps: int, tables, cache):
         rows, device = row_len.shape[0], row_len.device
@@ -99,7 +101,8 @@ class _Rows:
         self.alive = torch.ones(rows, dtype=torch.bool, device=device)
         self.len = torch.zeros(rows, dtype=torch.long, device=device)
         self.stop = torch.zeros(rows, dtype=torch.bool, device=device)
-        # uniforms [rows, steps], RoPE (cos, sin) [S_max, hd] by position, attention bias [rows, S_max]
+        # uniforms [rows, steps], RoPE (cos, sin) [S_max, hd] by position, attention bias [rows,
+        # S_max]
         self.uniforms, self.rope, self.bias = tables
         self.cache = cache  # (K, V) per layer [rows, Hkv, S_max, hd]
         self.out = [torch.zeros_like(x) for x in (self.tok, self.lp, self.len, self.stop)]
@@ -125,13 +128,13 @@ class NativeGenerator(Generator):
     """Samples from a `Decoder` (the trained model itself, or a copy kept for inference).
 
     Args:
-        model: the decoder. The generator holds a reference; `update_weights` copies new values into its
-            parameters in place (no reallocation), so a colocated trainer that samples from the very
-            model it trains needs no update at all.
+        model: the decoder. The generator holds a reference; `update_weights` copies new values into
+            its parameters in place (no reallocation), so a colocated trainer that samples from the
+            very model it trains needs no update at all.
         compile: wrap the decode step with torch.compile (dynamic shapes). Measured on this CPU in
-            benchmarks/rollout.py (provider `prorl-compile`): it compiles once per process (~25 s cold on
-            the 2-core machine) and then removes most of the per-op overhead, which matters only for
-            small models; for larger ones the matmuls dominate.
+            benchmarks/rollout.py (provider `prorl-compile`): it compiles once per process (~25 s
+            cold on the 2-core machine) and then removes most of the per-op overhead, which matters
+            only for small models; for larger ones the matmuls dominate.
     """
 
     def __init__(self, model: Decoder, compile: bool = False):
@@ -149,15 +152,18 @@ class NativeGenerator(Generator):
             params[name].copy_(value)
 
     def cache_bytes(self, num_prompts: int, n: int, seq_len: int) -> int:
-        """Peak bytes of the KV cache of one `generate` call of `num_prompts` prompts x n samples, at most
-        `seq_len` tokens each: K and V of every layer [rows, Hkv, seq_len, hd], allocated at once, plus up
-        to 3/4 of it again while the rows are compacted (the new cache is built before the old one goes)."""
+        """Peak bytes of the KV cache of one `generate` call of `num_prompts` prompts x n samples,
+        at most `seq_len` tokens each: K and V of every layer [rows, Hkv, seq_len, hd], allocated at
+        once, plus up to 3/4 of it again while the rows are compacted (the new cache is built before
+        the old one goes)."""
         cfg, elem = self.model.config, self.model.embed_tokens.weight.element_size()
-        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem  # K and V, every layer
+        # K and V, every layer
+        per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem
         return int(1.75 * num_prompts * n * seq_len * per_token)
 
     def free_bytes(self) -> int:
-        """Memory free now where the cache would go: the GPU's (cudaMemGetInfo), or the host's available."""
+        """Memory free now where the cache would go: the GPU's (cudaMemGetInfo), or the host's
+        available."""
         device = self.model.embed_tokens.weight.device
         if device.type == "cuda":
             return torch.cuda.mem_get_info(device)[0]
@@ -194,7 +200,8 @@ class NativeGenerator(Generator):
 
     def _start(self, prompt_token_ids, lengths, n: int, s_max: int):
         """1. the KV cache of every row [rows, Hkv, S_max, hd] per layer, the distinct prompts
-        prefilled packed (each prompt's K/V go to its n rows), and the first logits [rows, V] fp32."""
+        prefilled packed (each prompt's K/V go to its n rows), and the first logits [rows, V]
+        fp32."""
         model, cfg = self.model, self.model.config
         device, dtype = lengths.device, model.embed_tokens.weight.dtype
         cache_shape = (len(prompt_token_ids) * n, cfg.num_kv_heads, s_max, cfg.head_dim)
@@ -220,7 +227,8 @@ class NativeGenerator(Generator):
         uniforms = counter_uniform(
             params.seed, prompt_idx[:, None], sample_idx[:, None], row_len[:, None] + step
         )  # [rows, steps] float64
-        # RoPE: one sequence per position, so `dynamic` RoPE sees length pos + 1, as a decode token does
+        # RoPE: one sequence per position, so `dynamic` RoPE sees length pos + 1, as a decode token
+        # does
         all_pos = torch.arange(s_max, device=device)
         rope = rope_cos_sin(cfg, all_pos, torch.arange(s_max + 1, device=device))
         bias = torch.zeros(row_len.shape[0], s_max, dtype=k_cache[0].dtype, device=device)
@@ -290,11 +298,13 @@ class NativeGenerator(Generator):
         return model.norm(x)
 
     def _fused_weights(self) -> list[tuple]:
-        """Per layer (W_qkv, b_qkv, W_gate_up, b_gate_up): the decode step's matmuls fused, 5 -> 2 per layer.
+        """Per layer (W_qkv, b_qkv, W_gate_up, b_gate_up): the decode step's matmuls fused, 5 -> 2
+        per layer.
 
-        Copies of the model's weights, rebuilt when any parameter changed since the last call (tensor
-        version counters: an optimizer step, `update_weights`, `load_state_dict` and `.data` swaps all
-        change them), so a sampler on the very model being trained never samples stale weights.
+        Copies of the model's weights, rebuilt when any parameter changed since the last call
+        (tensor version counters: an optimizer step, `update_weights`, `load_state_dict` and `.data`
+        swaps all change them), so a sampler on the very model being trained never samples stale
+        weights.
         """
         params = list(self.model.parameters())
         key = tuple((p.data_ptr(), p._version) for p in params)

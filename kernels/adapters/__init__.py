@@ -8,10 +8,11 @@
                      trl_compute_loss        GRPOTrainer._compute_loss, metrics included
                      trl_grpo_loss           the same loss from tensors
 
-Each takes the trainer's own argument names and conventions (normalisers, clipping, IS correction), runs one
-fused `ppo_loss` call and returns what the trainer's own code returns. kernels/ADAPTERS.md has the snippets
-to paste and the tested versions; importing this package warns (PeerVersionWarning) when an installed peer
-is outside its tested range. No peer is imported here: each adapter imports its peer, if at all, when used.
+Each takes the trainer's own argument names and conventions (normalisers, clipping, IS correction),
+runs one fused `ppo_loss` call and returns what the trainer's own code returns. kernels/ADAPTERS.md
+has the snippets to paste and the tested versions; importing this package warns (PeerVersionWarning)
+when an installed peer is outside its tested range. No peer is imported here: each adapter imports
+its peer, if at all, when used.
 """
 
 from ._openrlhf import OpenRLHFPolicyLoss

@@ -8,7 +8,8 @@ OpenRLHF's actor builds it from its config and calls it per micro-batch (trainer
         log_probs, old_log_probs, advantages, action_mask=, rollout_log_probs=,
         dp_size=, batch_num_tokens=, global_batch_size=)
 
-Mapping onto `ppo_loss` (r = exp(clamp(log_probs - old_log_probs, -20, 20)), as OpenRLHF computes it):
+Mapping onto `ppo_loss` (r = exp(clamp(log_probs - old_log_probs, -20, 20)), as OpenRLHF computes
+it):
 
     token_level_loss=True   sum(l m) / batch_num_tokens * dp_size         token-mean, D = batch_num_tokens/dp
                             (batch_num_tokens None: the masked mean)      (D: this call's valid tokens)
@@ -18,10 +19,10 @@ Mapping onto `ppo_loss` (r = exp(clamp(log_probs - old_log_probs, -20, 20)), as 
       mode "mask"           w where low <= w <= high, else 0              is_mode="icepop", bounds (low, high)
       mode "clip"           clamp(w, low, high)                           the clamped w, as given
 
-Not fused, rejected with an error naming the setting: policy_loss_type "gspo" (a sequence-level ratio),
-is_correction_level "seq" and the binary_kl / tv gatings. The KL loss stays the actor's own
-(compute_approx_kl + aggregate_loss after this call). The `+ 1e-8` counts as in verl's adapter: it changes
-only a float64 mask's numbers, and then rides on the per-token weights.
+Not fused, rejected with an error naming the setting: policy_loss_type "gspo" (a sequence-level
+ratio), is_correction_level "seq" and the binary_kl / tv gatings. The KL loss stays the actor's own
+(compute_approx_kl + aggregate_loss after this call). The `+ 1e-8` counts as in verl's adapter: it
+changes only a float64 mask's numbers, and then rides on the per-token weights.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ _EPS = 1e-8  # aggregate_loss's per-row denominator adds it
 
 
 class OpenRLHFPolicyLoss(nn.Module):
-    """Drop-in for `openrlhf.models.PolicyLoss` (0.11.2), policy_loss_type "ppo"; arguments as there."""
+    """Drop-in for `openrlhf.models.PolicyLoss` (0.11.2), policy_loss_type "ppo"; arguments as
+    there."""
 
     def __init__(
         self,
@@ -101,7 +103,8 @@ class OpenRLHFPolicyLoss(nn.Module):
     ):
         """[B, A] inputs -> (loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio), as OpenRLHF's.
 
-        clip_ratio: fraction of valid tokens on the clipped branch; ppo_kl: mean of old - new log-prob
+        clip_ratio: fraction of valid tokens on the clipped branch; ppo_kl: mean of old - new
+            log-prob
         (unclamped); vllm_kl: mean of rollout - old log-prob and is_filter_ratio: fraction of valid tokens
         outside the IS band, both None without IS correction. All detached 0-d tensors.
         """

@@ -4,13 +4,14 @@
     Actor.forward = openrlhf_actor_forward(Actor.forward)
 
 OpenRLHF's actor runs the whole causal LM, casts the [B, L, V] logits to fp32, divides them by the
-temperature, and takes log-probs of the next tokens and (with return_entropy) entropies from them. Here the
-backbone's last hidden state [B, L, D] goes straight to `linear_logprob_entropy` with the LM-head weight
-(autocast off, the weight's dtype, fp32 accumulation): the same outputs, positions and masking as
-OpenRLHF's, without the logits. `output` (return_output=True) carries `entropy` as OpenRLHF's does, but no
-`logits`; a call that asks only for the logits (no action_mask, no return_logprobs) runs OpenRLHF's own
-forward. Refused with a ValueError: packed samples (packing_samples=True, ring attention), vision-language
-inputs, MoE router logits (the aux loss), a DeepSpeed ZeRO-3 partitioned LM head.
+temperature, and takes log-probs of the next tokens and (with return_entropy) entropies from them.
+Here the backbone's last hidden state [B, L, D] goes straight to `linear_logprob_entropy` with the
+LM-head weight (autocast off, the weight's dtype, fp32 accumulation): the same outputs, positions
+and masking as OpenRLHF's, without the logits. `output` (return_output=True) carries `entropy` as
+OpenRLHF's does, but no `logits`; a call that asks only for the logits (no action_mask, no
+return_logprobs) runs OpenRLHF's own forward. Refused with a ValueError: packed samples
+(packing_samples=True, ring attention), vision-language inputs, MoE router logits (the aux loss), a
+DeepSpeed ZeRO-3 partitioned LM head.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ __all__ = ["openrlhf_actor_forward"]
 
 
 def openrlhf_actor_forward(original_forward):
-    """`openrlhf.models.Actor.forward`, fused, built on the original (which serves logits-only calls).
+    """`openrlhf.models.Actor.forward`, fused, built on the original (which serves logits-only
+    calls).
 
-    The returned forward gives the action log-probs [B, A] (times action_mask), or with return_logprobs
-    and no action_mask every next-token log-prob [B, L - 1]; `(..., output)` with return_output,
-    output.entropy [B, L - 1] with return_entropy, as OpenRLHF's.
+    The returned forward gives the action log-probs [B, A] (times action_mask), or with
+    return_logprobs and no action_mask every next-token log-prob [B, L - 1]; `(..., output)` with
+    return_output, output.entropy [B, L - 1] with return_entropy, as OpenRLHF's.
     """
 
     @functools.wraps(original_forward)

@@ -4,9 +4,9 @@
         def _compute_loss(self, model, inputs):
             return trl_compute_loss(self, model, inputs)
 
-It runs the model forward as TRL does, computes the loss with one `ppo_loss` call and logs the metrics TRL's
-own method logs (kl, entropy, clip_ratio/low_mean, high_mean, region_mean, low_min, high_max).
-`trl_grpo_loss` is the loss alone, from tensors. TRL's names -> ppo_loss:
+It runs the model forward as TRL does, computes the loss with one `ppo_loss` call and logs the
+metrics TRL's own method logs (kl, entropy, clip_ratio/low_mean, high_mean, region_mean, low_min,
+high_max). `trl_grpo_loss` is the loss alone, from tensors. TRL's names -> ppo_loss:
 
     per_token_logps, old_per_token_logps            logp, old_logp (old None: TRL's on-policy shortcut)
     completion_mask (x tool_mask), advantages       mask, advantages [B] or [B, T]
@@ -17,12 +17,13 @@ own method logs (kl, entropy, clip_ratio/low_mean, high_mean, region_mean, low_m
     loss_type grpo / bnpo / dr_grpo / dapo          agg seq-mean-token-mean / token-mean / constant /
                                                     token-mean with TRL's normaliser (_normaliser below)
 
-One difference from TRL, outside normal operation: the policy ratio is clamped at |logp - old| <= 20 (as
-verl and OpenRLHF do; TRL does not). A token beyond it on the clipped side gives TRL's numbers; on the other
-side TRL's loss follows exp(logp - old) and ours stays at exp(+-20) with zero gradient.
+One difference from TRL, outside normal operation: the policy ratio is clamped at |logp - old| <= 20
+(as verl and OpenRLHF do; TRL does not). A token beyond it on the clipped side gives TRL's numbers;
+on the other side TRL's loss follows exp(logp - old) and ours stays at exp(+-20) with zero gradient.
 
-The bias-corrected KL, k3(d) exp(logp - old), is not one of ppo_loss's terms: it is added in torch (a few
-elementwise passes) with ppo_loss's aggregation weights; with use_bias_correction_kl=False the KL is fused.
+The bias-corrected KL, k3(d) exp(logp - old), is not one of ppo_loss's terms: it is added in torch
+(a few elementwise passes) with ppo_loss's aggregation weights; with use_bias_correction_kl=False
+the KL is fused.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ from ..ppo_loss import ppo_loss
 __all__ = ["trl_compute_loss", "trl_grpo_loss"]
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
-# what TRL's _compute_loss passes on to the model forward besides the token ids and the attention mask
+# what TRL's _compute_loss passes on to the model forward besides the token ids and the attention
+# mask
 _FORWARD_INPUTS = (
     "pixel_values",
     "image_grid_thw",
@@ -71,12 +73,14 @@ def trl_grpo_loss(
     importance_sampling_ratio: torch.Tensor | None = None,
     backend: str | None = None,
 ) -> torch.Tensor:
-    """TRL GRPOTrainer's training loss (token-level importance sampling) on [B, T] inputs; defaults as TRL's.
+    """TRL GRPOTrainer's training loss (token-level importance sampling) on [B, T] inputs; defaults
+    as TRL's.
 
-    `gradient_accumulation_steps` is TRL's current_gradient_accumulation_steps; pass 1 for it and for
-    `steps_per_generation` in evaluation. `importance_sampling_ratio` is TRL's inputs entry, applied only
-    where TRL applies it (use_vllm and vllm_importance_sampling_correction). Returns the 0-d loss TRL's
-    `_compute_loss` returns when the entropy bonus and the auxiliary loss are off.
+    `gradient_accumulation_steps` is TRL's current_gradient_accumulation_steps; pass 1 for it and
+    for `steps_per_generation` in evaluation. `importance_sampling_ratio` is TRL's inputs entry,
+    applied only where TRL applies it (use_vllm and vllm_importance_sampling_correction). Returns
+    the 0-d loss TRL's `_compute_loss` returns when the entropy bonus and the auxiliary loss are
+    off.
     """
     settings = TRLLossSettings(
         loss_type=loss_type,
@@ -105,9 +109,9 @@ def trl_grpo_loss(
 def trl_compute_loss(trainer, model, inputs: dict) -> torch.Tensor:
     """`GRPOTrainer._compute_loss(model, inputs)` of TRL 1.16 on `trainer`, with the loss fused.
 
-    Settings TRL's method handles and this does not raise a ValueError naming them: loss types other than
-    grpo / bnpo / dr_grpo / dapo, importance_sampling_level="sequence", top_entropy_quantile < 1,
-    off_policy_mask_threshold, delta, the entropy bonus and the router auxiliary loss.
+    Settings TRL's method handles and this does not raise a ValueError naming them: loss types other
+    than grpo / bnpo / dr_grpo / dapo, importance_sampling_level="sequence", top_entropy_quantile <
+    1, off_policy_mask_threshold, delta, the entropy bonus and the router auxiliary loss.
     """
     _check_supported(trainer)
     prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
@@ -231,7 +235,8 @@ def trl_loss_tensors(trainer, inputs: dict, per_token_logps, mask) -> dict:
 
 
 def _normaliser(s: TRLLossSettings, mask):
-    """(ppo_loss agg, D) for TRL's loss_type: what TRL divides the masked sum (per row for grpo) by."""
+    """(ppo_loss agg, D) for TRL's loss_type: what TRL divides the masked sum (per row for grpo)
+    by."""
     b, accum = mask.shape[0], float(s.gradient_accumulation_steps)
     if s.loss_type == "grpo":
         return "seq-mean-token-mean", float(b * accum)
@@ -259,9 +264,9 @@ def _is_weights(ratio, like):
 
 def _loss_and_metrics(tensors: dict, s: TRLLossSettings, backend=None, per_row_clip=False):
     """The loss and ppo_loss's metrics, plus kl_sum (the masked sum of TRL's per_token_kl) and, with
-    `per_row_clip`, TRL's per-row clip fractions row_clip_low / row_clip_high [B] (NaN for an empty row).
-    `tensors`: TRL's per_token_logps, old_per_token_logps, advantages, mask, ref_per_token_logps,
-    importance_sampling_ratio."""
+    `per_row_clip`, TRL's per-row clip fractions row_clip_low / row_clip_high [B] (NaN for an empty
+    row). `tensors`: TRL's per_token_logps, old_per_token_logps, advantages, mask,
+    ref_per_token_logps, importance_sampling_ratio."""
     logp, mask, advantages = tensors["per_token_logps"], tensors["mask"], tensors["advantages"]
     old = tensors["old_per_token_logps"]
     if old is None:  # TRL's on-policy shortcut

@@ -2,22 +2,24 @@
 
     from prorl.kernels.adapters import FusedGRPOTrainer   # same constructor and GRPOConfig as GRPOTrainer
 
-TRL's own passes run the backbone, then its LM head in [4096, 32768] tiles (trl/kernels/chunked_logprob.py:
-the tile recomputed in backward, 8NDV matmul FLOPs). Here the model's forward gains a `prorl_hidden=True`
-mode that returns the backbone's output before the LM head (the way TRL adds `fused_lm_head=True`, so DDP,
-FSDP and DeepSpeed wrappers pass it through), and
+TRL's own passes run the backbone, then its LM head in [4096, 32768] tiles
+(trl/kernels/chunked_logprob.py: the tile recomputed in backward, 8NDV matmul FLOPs). Here the
+model's forward gains a `prorl_hidden=True` mode that returns the backbone's output before the LM
+head (the way TRL adds `fused_lm_head=True`, so DDP, FSDP and DeepSpeed wrappers pass it through),
+and
 
     training forward   hidden [B, C, D] -> linear_ppo_loss (loss, entropy, metrics; 6NDV, one [R, V] block)
                        or, for beta != 0 with use_bias_correction_kl (TRL's default: k3 times the ratio is
                        not a linear_ppo_loss term), linear_logprob_entropy + trl_compute_loss's loss
     old / ref passes   hidden -> linear_logprob_entropy (no grad: 2NDV, one tile at a time)
 
-The LM head runs in the weight's dtype with autocast off: fp32 master weights under TRL's `bf16=True` give
-an fp32 head (as `cast_lm_head_to_fp32=True` does; TRL's own head multiplies in bf16 then). The loss, its
-normalisers, IS correction and logged metrics are trl_compute_loss's (_trl.py: every loss_type it fuses,
-beta with and without use_bias_correction_kl, tool_mask, evaluation). Generation is TRL's, untouched.
-Refused when the trainer is built, with a ValueError naming the setting: what trl_compute_loss refuses,
-vision-language models, an LM head with a bias, logit scaling or soft-capping.
+The LM head runs in the weight's dtype with autocast off: fp32 master weights under TRL's
+`bf16=True` give an fp32 head (as `cast_lm_head_to_fp32=True` does; TRL's own head multiplies in
+bf16 then). The loss, its normalisers, IS correction and logged metrics are trl_compute_loss's
+(_trl.py: every loss_type it fuses, beta with and without use_bias_correction_kl, tool_mask,
+evaluation). Generation is TRL's, untouched. Refused when the trainer is built, with a ValueError
+naming the setting: what trl_compute_loss refuses, vision-language models, an LM head with a bias,
+logit scaling or soft-capping.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplie
 
 
 class FusedGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer (TRL 1.16) with the update and the old/reference log-prob passes on prorl's fused LM
-    head; arguments and config as GRPOTrainer's (module docstring)."""
+    """GRPOTrainer (TRL 1.16) with the update and the old/reference log-prob passes on prorl's fused
+    LM head; arguments and config as GRPOTrainer's (module docstring)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -59,15 +61,16 @@ class FusedGRPOTrainer(GRPOTrainer):
                 _check_head(self.accelerator.unwrap_model(model))
                 _add_hidden_forward(self.accelerator.unwrap_model(model))
 
-    # ---- the shared pieces: hidden states before the LM head, the head's weight, the labels -------------
+    # ---- the shared pieces: hidden states before the LM head, the head's weight, the labels ------
 
     def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
-        """[B, C, D] backbone outputs at the positions that predict the last C tokens, in the weight's
-        dtype, and the [V, D] LM-head weight."""
+        """[B, C, D] backbone outputs at the positions that predict the last C tokens, in the
+        weight's dtype, and the [V, D] LM-head weight."""
         with self.accelerator.autocast():
             hidden = model(input_ids=input_ids, attention_mask=attention_mask, prorl_hidden=True)
         weight = self.accelerator.unwrap_model(model).get_output_embeddings().weight
-        if hasattr(weight, "full_tensor"):  # FSDP2 shards the head; the op takes it whole, as TRL's does
+        # FSDP2 shards the head; the op takes it whole, as TRL's does
+        if hasattr(weight, "full_tensor"):
             weight = weight.full_tensor()
         return hidden[:, -logits_to_keep - 1 : -1].to(weight.dtype), weight
 
@@ -108,7 +111,7 @@ class FusedGRPOTrainer(GRPOTrainer):
             entropies.append(ent)
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
 
-    # ---- the training forward ------------------------------------------------------------------------
+    # ---- the training forward --------------------------------------------------------------------
 
     def _compute_loss(self, model, inputs):
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -187,9 +190,10 @@ def _check_head(model) -> None:
 
 
 def _add_hidden_forward(model) -> None:
-    """model(..., prorl_hidden=True) returns the backbone's last hidden state [B, L, D]; other calls are
-    the model's own forward (generation included)."""
-    target = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the base model
+    """model(..., prorl_hidden=True) returns the backbone's last hidden state [B, L, D]; other calls
+    are the model's own forward (generation included)."""
+    # PEFT: the base model
+    target = model.get_base_model() if hasattr(model, "get_base_model") else model
     if getattr(target, "_prorl_hidden_forward", False):
         return
     inner = target.forward

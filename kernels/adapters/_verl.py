@@ -6,13 +6,14 @@ verl (0.9.1) looks a policy loss up by `actor.policy_loss.loss_mode` and calls i
                              config=actor_config, rollout_is_weights=)
 
 (verl/workers/utils/losses.py). `verl_policy_loss` has that signature and returns what
-`core_algos.compute_policy_loss_vanilla` returns, so `register_policy_loss("prorl")(verl_policy_loss)` is
-all a verl run needs (kernels/ADAPTERS.md). The KL and entropy terms stay verl's own: the actor adds them
-after this call.
+`core_algos.compute_policy_loss_vanilla` returns, so
+`register_policy_loss("prorl")(verl_policy_loss)` is all a verl run needs (kernels/ADAPTERS.md). The
+KL and entropy terms stay verl's own: the actor adds them after this call.
 
-What it reads from `config` (an ActorConfig or DictConfig), as verl does: clip_ratio, clip_ratio_low,
-clip_ratio_high (None -> clip_ratio), clip_ratio_c (dual clip, always on, default 3) and global_batch_info,
-which verl's engines fill before every micro-batch with the global normalisers that agg_loss takes:
+What it reads from `config` (an ActorConfig or DictConfig), as verl does: clip_ratio,
+clip_ratio_low, clip_ratio_high (None -> clip_ratio), clip_ratio_c (dual clip, always on, default 3)
+and global_batch_info, which verl's engines fill before every micro-batch with the global
+normalisers that agg_loss takes:
 
     loss_agg_mode            loss (m = response_mask, n_j = valid tokens of row j)        ppo_loss agg
     token-mean               sum(l m) / batch_num_tokens * dp_size                         token-mean
@@ -22,10 +23,11 @@ which verl's engines fill before every micro-batch with the global normalisers t
     seq-mean-token-mean      sum_j [sum_t(l m) / (n_j + 1e-8)] / global_batch_size * dp_size
                                                                                            seq-mean-token-mean
 
-batch_num_tokens / global_batch_size default to this call's valid tokens / rows with a valid token (verl
-refuses the default when dp_size > 1, and so does this). verl's `+ 1e-8` only changes a float64 mask's
-numbers (in fp32, n + 1e-8 rounds to n; a bool mask's count becomes fp32): for those the factor
-n_j / (n_j + 1e-8) rides on the per-token weights, so that float64 results agree to round-off.
+batch_num_tokens / global_batch_size default to this call's valid tokens / rows with a valid token
+(verl refuses the default when dp_size > 1, and so does this). verl's `+ 1e-8` only changes a
+float64 mask's numbers (in fp32, n + 1e-8 rounds to n; a bool mask's count becomes fp32): for those
+the factor n_j / (n_j + 1e-8) rides on the per-token weights, so that float64 results agree to
+round-off.
 """
 
 from __future__ import annotations
@@ -57,7 +59,8 @@ def verl_policy_loss(
     config=None,
     rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """verl 0.9.1's `compute_policy_loss_vanilla`, fused: same arguments, same (pg_loss, pg_metrics).
+    """verl 0.9.1's `compute_policy_loss_vanilla`, fused: same arguments, same (pg_loss,
+    pg_metrics).
 
     Args:
         old_log_prob, log_prob: [bs, L] log-probs under the rollout-time and the current policy.
@@ -65,7 +68,8 @@ def verl_policy_loss(
         response_mask: [bs, L], bool or numeric.
         loss_agg_mode: one of verl's five (module docstring).
         config: verl's actor config (clip ratios, clip_ratio_c, global_batch_info).
-        rollout_is_weights: [bs, L] rollout-correction weights that multiply the per-token policy loss.
+        rollout_is_weights: [bs, L] rollout-correction weights that multiply the per-token policy
+            loss.
 
     Returns:
         (pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}): the 0-d loss and

@@ -1,6 +1,7 @@
 """The peer versions the adapters are tested against, and the warning when another one is installed.
 
-The check reads the installed distribution's metadata (importlib.metadata): it never imports the peer.
+The check reads the installed distribution's metadata (importlib.metadata): it never imports the
+peer.
 """
 
 from __future__ import annotations
@@ -9,8 +10,9 @@ import importlib.metadata
 import re
 import warnings
 
-# distribution -> the release the adapter is tested against; a version whose release starts with it is in
-# range ("1.16" takes 1.16.0, 1.16.1, ...). .ci/peers.sh installs verl and openrlhf at exactly these.
+# distribution -> the release the adapter is tested against; a version whose release starts with it
+# is in range ("1.16" takes 1.16.0, 1.16.1, ...). .ci/peers.sh installs verl and openrlhf at exactly
+# these.
 TESTED = {"verl": "0.9.1", "openrlhf": "0.11.2", "trl": "1.16"}
 
 
@@ -29,9 +31,11 @@ def in_tested_range(dist: str, version: str) -> bool:
 
 
 def check_peer_version(dist: str, version: str | None = None) -> bool:
-    """Warn (PeerVersionWarning) if `dist` is installed outside its tested range; False then, else True.
+    """Warn (PeerVersionWarning) if `dist` is installed outside its tested range; False then, else
+    True.
 
-    version: the installed version (default: read from the distribution's metadata; not installed -> True).
+    version: the installed version (default: read from the distribution's metadata; not installed ->
+    True).
     """
     if version is None:
         try:

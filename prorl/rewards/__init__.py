@@ -4,8 +4,8 @@
     register(data_source, fn)     # fn(response, ground_truth, extra) -> float | {"score": float, ...}
 
 Built-in keys: `math` (math-verify on the last `\\boxed{}`), `code` (tests in an OS-level sandbox),
-`stem` (multiple-choice letter or boxed answer), `ifeval` (fraction of verifiable instructions met) and
-`reasoning_gym` (the task's own `score_answer`; data sources are `reasoning_gym/<task>`).
+`stem` (multiple-choice letter or boxed answer), `ifeval` (fraction of verifiable instructions met)
+and `reasoning_gym` (the task's own `score_answer`; data sources are `reasoning_gym/<task>`).
 
 Lookup order for a data_source: a reward function set with `use_function` (verl's custom
 `compute_score` by file path, prorl/rewards/function.py) for every data_source; else the exact key;
@@ -103,8 +103,9 @@ class UnknownDataSourceError(LookupError):
 
 def use_function(spec: str | None) -> Verifier | None:
     """Score every data_source with verl's `compute_score(data_source, solution_str, ground_truth,
-    extra_info)` from a file: spec "path/to/file.py[:name]" (`reward.function`); None or "" unsets it.
-    The file is imported now, so that a bad one fails at start (RewardFunctionError names it)."""
+    extra_info)` from a file: spec "path/to/file.py[:name]" (`reward.function`); None or "" unsets
+    it. The file is imported now, so that a bad one fails at start (RewardFunctionError names
+    it)."""
     global _FUNCTION
     if not spec:
         _FUNCTION = None
@@ -118,7 +119,8 @@ def use_function(spec: str | None) -> Verifier | None:
 
 
 def register(data_source: str, fn: Verifier | str) -> None:
-    """Register `fn(response, ground_truth, extra) -> float | dict` for `data_source` (replaces any).
+    """Register `fn(response, ground_truth, extra) -> float | dict` for `data_source` (replaces
+    any).
 
     `fn` may also be a "module:function" string, imported on first use. For the process pool, `fn`
     must be a module-level function of an importable module.
@@ -135,7 +137,8 @@ def registered_keys() -> list[str]:
 
 
 def lookup(data_source: str) -> tuple[str, Verifier | str]:
-    """(registry key, entry) for `data_source`, without importing anything. Raises UnknownDataSourceError."""
+    """(registry key, entry) for `data_source`, without importing anything. Raises
+    UnknownDataSourceError."""
     if _FUNCTION is not None:
         return "function", _FUNCTION
     if data_source in _REGISTRY:
@@ -158,8 +161,9 @@ def lookup(data_source: str) -> tuple[str, Verifier | str]:
 
 
 def builtin_keys(data_sources) -> tuple[str, ...]:
-    """Registry keys of the built-in verifiers behind `data_sources`: what reward workers can preload (a
-    fresh worker knows only the built-ins; a user's verifier is imported with its first item)."""
+    """Registry keys of the built-in verifiers behind `data_sources`: what reward workers can
+    preload (a fresh worker knows only the built-ins; a user's verifier is imported with its first
+    item)."""
     keys = {lookup(ds) for ds in data_sources}
     return tuple(sorted(k for k, entry in keys if isinstance(entry, str) and entry.startswith("prorl.")))
 
@@ -177,8 +181,8 @@ def resolve(data_source: str) -> Verifier:
 
 
 def normalize_result(result: Any, data_source: str, bounded: bool = True) -> tuple[float, dict]:
-    """A verifier's return value as (score in [0, 1], extras). Raises on anything else. `bounded=False`
-    (a verl reward function, `entry.bounded`) only requires a finite score."""
+    """A verifier's return value as (score in [0, 1], extras). Raises on anything else.
+    `bounded=False` (a verl reward function, `entry.bounded`) only requires a finite score."""
     extras: dict = {}
     if isinstance(result, dict):
         if "score" not in result:

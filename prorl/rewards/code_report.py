@@ -1,16 +1,16 @@
 """Reading the code harness's report: bounded and validated before any use.
 
-The report comes from inside the sandbox, where the policy's code shares the process with the harness:
-it may write any bytes to the report's descriptor and exit. So, before anything looks at it, the raw
-bytes are checked with linear-time byte scans, without building any object:
+The report comes from inside the sandbox, where the policy's code shares the process with the
+harness: it may write any bytes to the report's descriptor and exit. So, before anything looks at
+it, the raw bytes are checked with linear-time byte scans, without building any object:
 
 - size: at most `MAX_BYTES` (the sandbox reads no more than that; a cut report fails to parse);
 - weight: at most `max_items` separators, brackets and quotes (`,` `:` `[` `{` `"`, counted by
   `bytes.count`). Every value the JSON parser would build, and every string literal the depth scan
-  must skip, needs one, so this bounds both. The code verifier allows twice the weight of its expected
-  outputs plus slack per test (for error tracebacks): a right answer weighs about what the expected
-  one does, and a report of 16 MiB of `{}` items would otherwise become ~5 million dicts (a 420 MiB
-  peak);
+  must skip, needs one, so this bounds both. The code verifier allows twice the weight of its
+  expected outputs plus slack per test (for error tracebacks): a right answer weighs about what the
+  expected one does, and a report of 16 MiB of `{}` items would otherwise become ~5 million dicts (a
+  420 MiB peak);
 - depth: at most `MAX_DEPTH` nested containers (a 200,000-deep report would raise RecursionError in
   the JSON parser, a 3,000-deep return value in the comparison).
 
@@ -61,8 +61,8 @@ def skeleton_of(raw: bytes) -> bytes:
 
 
 def parse(raw: bytes, total: int, mode: str, max_items: int) -> dict:
-    """The report as {"compile_error": str | None, "results": [{"out", "error"}] * total}, checked as
-    the module doc says. Raises InvalidReport."""
+    """The report as {"compile_error": str | None, "results": [{"out", "error"}] * total}, checked
+    as the module doc says. Raises InvalidReport."""
     if not raw.strip():
         raise InvalidReport("no report (the process exited before the harness wrote one)")
     if len(raw) > MAX_BYTES:

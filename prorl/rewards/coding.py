@@ -9,16 +9,16 @@ here, outside the sandbox, so expected outputs are never visible to the code.
 Test formats accepted as the ground truth (a dict/list, or its JSON string; `extra["fn_name"]` also
 names the function):
 - APPS / TACO / PRIME: `{"inputs": [...], "outputs": [...], "fn_name"?: str}`, or an APPS row with
-  `input_output` holding that JSON. Without fn_name, inputs are stdin texts and outputs stdout texts;
-  with it, each input is the argument list and the output the return value (APPS often wraps it in
-  a one-element list; both forms count).
+  `input_output` holding that JSON. Without fn_name, inputs are stdin texts and outputs stdout
+  texts; with it, each input is the argument list and the output the return value (APPS often wraps
+  it in a one-element list; both forms count).
 - Codeforces / DeepCoder / LiveCodeBench: `[{"input": ..., "output": ..., "testtype"?: "stdin" |
-  "functional"}, ...]` (also under a `tests` or `official_tests` key). Functional inputs are one JSON
-  value per line.
+  "functional"}, ...]` (also under a `tests` or `official_tests` key). Functional inputs are one
+  JSON value per line.
 
-The harness's report is checked before use (`code_report`: bytes, weight, depth, types); a report the
-code forged or broke scores 0 with `invalid_report` saying why, and `score` never raises for anything
-the response's code does (only for a bad ground truth or a sandbox that cannot start).
+The harness's report is checked before use (`code_report`: bytes, weight, depth, types); a report
+the code forged or broke scores 0 with `invalid_report` saying why, and `score` never raises for
+anything the response's code does (only for a bad ground truth or a sandbox that cannot start).
 
 Comparison: stdout equal after stripping trailing spaces on each line and blank lines at the end;
 else token by token with numbers equal within 1e-6 (absolute or relative). Return values equal after
@@ -41,7 +41,8 @@ TIME_LIMIT_S = 5.0
 
 
 def load_tests(ground_truth: Any, extra: dict | None = None) -> tuple[str, str | None, list, list]:
-    """(mode "stdio" | "call", fn_name, inputs, outputs) from any of the formats in the module doc."""
+    """(mode "stdio" | "call", fn_name, inputs, outputs) from any of the formats in the module
+    doc."""
     extra = extra or {}
     gt = json.loads(ground_truth) if isinstance(ground_truth, (str, bytes)) else ground_truth
     if isinstance(gt, dict) and "input_output" in gt:
@@ -177,7 +178,8 @@ def score(response: str, ground_truth: Any, extra: dict | None = None) -> dict:
     if block is None:
         return {"score": 0.0, "format_ok": False}
     lang, code = block
-    code = code.encode("utf-8", "replace").decode("utf-8")  # lone surrogates cannot be written to a file
+    # lone surrogates cannot be written to a file
+    code = code.encode("utf-8", "replace").decode("utf-8")
     if lang not in PYTHON_TAGS:
         return {"score": 0.0, "format_ok": False, "language": lang}
     limit = float((extra or {}).get("time_limit_s") or TIME_LIMIT_S)

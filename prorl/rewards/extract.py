@@ -14,7 +14,8 @@ _THINK_CLOSE = "</think>"
 
 
 def final_text(response: str) -> str:
-    """The text after the last `</think>`; the whole response if it never thinks; "" if it never stops."""
+    """The text after the last `</think>`; the whole response if it never thinks; "" if it never
+    stops."""
     if _THINK_CLOSE in response:
         return response.rsplit(_THINK_CLOSE, 1)[1]
     if _THINK_OPEN in response:
@@ -23,7 +24,8 @@ def final_text(response: str) -> str:
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`, or `\\boxed 5`) in `text`, braces balanced.
+    """Content of the last `\\boxed{...}` (or `\\fbox{...}`, or `\\boxed 5`) in `text`, braces
+    balanced.
 
     Returns None when there is none or its braces never close.
     """
@@ -49,16 +51,17 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
-# the answer conventions of public math data (verl's data preprocessing and verifiers): GSM8K's "#### 72"
-# and DAPO-Math's "Answer: 72" line
+# the answer conventions of public math data (verl's data preprocessing and verifiers): GSM8K's
+# "#### 72" and DAPO-Math's "Answer: 72" line
 _HASHES = re.compile(r"####\s*([^\n]+)")
 _ANSWER_LINE = re.compile(r"(?i)\banswer\s*:\s*([^\n]+)")
 
 
 def final_answer(text: str) -> str | None:
     """The final answer of a math response: the last `\\boxed{}`; else GSM8K's last `#### X`; else
-    DAPO-Math's last `Answer: X` line (so verl-format data scores whatever convention its prompt asks
-    for). Trailing `.` and `$` signs are dropped from the last two. None when there is no answer."""
+    DAPO-Math's last `Answer: X` line (so verl-format data scores whatever convention its prompt
+    asks for). Trailing `.` and `$` signs are dropped from the last two. None when there is no
+    answer."""
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed

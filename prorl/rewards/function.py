@@ -1,24 +1,25 @@
 """A verl-style reward function given by file path: `reward.function=path/to/file.py:compute_score`.
 
-verl's custom reward (`custom_reward_function.path` / `.name`) is a plain Python file, not an importable
-module, with the signature
+verl's custom reward (`custom_reward_function.path` / `.name`) is a plain Python file, not an
+importable module, with the signature
 
     compute_score(data_source, solution_str, ground_truth, extra_info) -> float | {"score": float, ...}
 
-and it replaces the built-in verifiers for every data source. `use_function(spec)` does the same here:
-while it is set every data_source resolves to it (`prorl.rewards.lookup` gives the key `function`).
+and it replaces the built-in verifiers for every data source. `use_function(spec)` does the same
+here: while it is set every data_source resolves to it (`prorl.rewards.lookup` gives the key
+`function`).
 
-Return conventions are verl's: a number (bool and int included), or a dict whose `score` is the reward
-and whose other numeric entries are logged as metrics (`reward_extra/<key>/mean` in training,
-`val-aux/<source>/<key>/mean@k` in validation, the per-source table of `prorl.eval`). Unlike the built-in
-verifiers the score may lie outside [0, 1] (DAPO's -1 / +1 is common): it must only be finite. As
-everywhere in prorl a sample counts as correct when its score reaches 1.
+Return conventions are verl's: a number (bool and int included), or a dict whose `score` is the
+reward and whose other numeric entries are logged as metrics (`reward_extra/<key>/mean` in training,
+`val-aux/<source>/<key>/mean@k` in validation, the per-source table of `prorl.eval`). Unlike the
+built-in verifiers the score may lie outside [0, 1] (DAPO's -1 / +1 is common): it must only be
+finite. As everywhere in prorl a sample counts as correct when its score reaches 1.
 
-The reward workers (prorl/rewards/pool.py) are separate interpreters, and verifiers travel to them by
-reference: `VerlFunction` is a small picklable object holding the file's absolute path and the
+The reward workers (prorl/rewards/pool.py) are separate interpreters, and verifiers travel to them
+by reference: `VerlFunction` is a small picklable object holding the file's absolute path and the
 function's name, and each worker imports the file by path on first use. Errors name the file and the
-function: at start (missing file, import error, no such function, a signature that cannot take verl's
-four arguments) and when it raises or returns something else than a number or such a dict.
+function: at start (missing file, import error, no such function, a signature that cannot take
+verl's four arguments) and when it raises or returns something else than a number or such a dict.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ def _module_name(path: str) -> str:
 
 
 def load_function(path: str, name: str):
-    """Import `path` (once per process) and return its callable `name`; RewardFunctionError otherwise."""
+    """Import `path` (once per process) and return its callable `name`; RewardFunctionError
+    otherwise."""
     where = f"reward function {name!r} in {path}"
     if not os.path.isfile(path):
         raise RewardFunctionError(f"{where}: the file does not exist")
@@ -99,9 +101,11 @@ def load_function(path: str, name: str):
 
 
 class VerlFunction:
-    """prorl's verifier interface `fn(response, ground_truth, extra)` over a verl `compute_score` file.
+    """prorl's verifier interface `fn(response, ground_truth, extra)` over a verl `compute_score`
+    file.
 
-    Picklable by value (path and name only); the function is imported in each process on first call."""
+    Picklable by value (path and name only); the function is imported in each process on first
+    call."""
 
     bounded = False  # scores need only be finite (verl's convention), not in [0, 1]
 
@@ -133,8 +137,8 @@ class VerlFunction:
 
 
 def check_result(result: Any, where: str) -> dict:
-    """verl's return conventions: a finite number, or a dict with a finite `score` (other keys kept).
-    Returns {"score": float, ...}; raises naming `where` otherwise."""
+    """verl's return conventions: a finite number, or a dict with a finite `score` (other keys
+    kept). Returns {"score": float, ...}; raises naming `where` otherwise."""
     if isinstance(result, dict):
         if "score" not in result:
             raise ValueError(f"reward function {where} returned a dict without 'score': {result!r:.200}")

@@ -1,14 +1,14 @@
 """Instruction following: IFEval's verifiable instructions, reward = fraction of them satisfied.
 
-The ground truth is an IFEval row's `{"instruction_id_list": [...], "kwargs": [{...}, ...]}` (a dict or
-its JSON string; `None`-valued kwargs, as the Hugging Face copy pads them, are ignored). Only the text
-after `</think>` is checked; an unclosed `<think>` satisfies nothing.
+The ground truth is an IFEval row's `{"instruction_id_list": [...], "kwargs": [{...}, ...]}` (a dict
+or its JSON string; `None`-valued kwargs, as the Hugging Face copy pads them, are ignored). Only the
+text after `</think>` is checked; an unclosed `<think>` satisfies nothing.
 
 Why not a package: on PyPI, `ifeval` is an unrelated tool, `if-verifiable` (0.1.2, one author) needs
 `datasets` and nltk's punkt data (a download at first use), and lm-eval's copy pulls the whole
 harness. This file re-implements Google's checkers (github.com/google-research/google-research,
-instruction_following_eval/instructions.py) with the same ids, kwargs and "strict" semantics, with two
-simplifications: sentences are split by a regex (IFEval uses a longer regex that knows
+instruction_following_eval/instructions.py) with the same ids, kwargs and "strict" semantics, with
+two simplifications: sentences are split by a regex (IFEval uses a longer regex that knows
 abbreviations such as "Mr."), and the all-upper/all-lower checks do not also require the text to be
 English. `language:response_language` needs `langdetect` and raises without it.
 """
@@ -40,7 +40,7 @@ def count_sentences(text: str) -> int:
     return sum(1 for p in parts if re.search(r"\w", p))
 
 
-# -- the checkers: fn(text, **kwargs) -> bool, keyed by IFEval's instruction ids ------------------------
+# -- the checkers: fn(text, **kwargs) -> bool, keyed by IFEval's instruction ids -------------------
 
 
 def keywords_existence(text, keywords):

@@ -1,18 +1,20 @@
 """Logic puzzles from Reasoning Gym, scored by each task's own `score_answer` (a float in [0, 1]).
 
-The answer is the last `<answer>...</answer>` after `</think>` (Reasoning Gym's own convention); no tag
-scores 0. The task comes from the data_source (`reasoning_gym/<task>`) or the entry's
+The answer is the last `<answer>...</answer>` after `</think>` (Reasoning Gym's own convention); no
+tag scores 0. The task comes from the data_source (`reasoning_gym/<task>`) or the entry's
 `metadata.source_dataset`. What `score_answer` needs is found, in order of preference, in:
 
 1. a generator reference `{"task", "seed", "size", "index", "config"?}` in `extra["reasoning_gym"]`
    or as the ground truth: the entry is regenerated exactly (Reasoning Gym is deterministic by
    seed and index). `prorl.data` writes this form. It is the only lossless one: a JSON round trip
-   turns tuples into lists, which breaks e.g. `arc_agi` and `rearc` (seen with reasoning-gym 0.1.25).
-2. the entry dict itself (`question`, `answer`, `metadata`), or its JSON string, as the ground truth.
+   turns tuples into lists, which breaks e.g. `arc_agi` and `rearc` (seen with reasoning-gym
+   0.1.25).
+2. the entry dict itself (`question`, `answer`, `metadata`), or its JSON string, as the ground
+   truth.
 3. the answer string as the ground truth, with `extra["metadata"]` if the task needs it.
 
-A `score_answer` that raises on a malformed answer (prime_factorization does on non-integers) scores 0
-with the exception in the extras: the model's answer is at fault, not the verifier.
+A `score_answer` that raises on a malformed answer (prime_factorization does on non-integers) scores
+0 with the exception in the extras: the model's answer is at fault, not the verifier.
 """
 
 from __future__ import annotations

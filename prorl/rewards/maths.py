@@ -1,11 +1,12 @@
 """Math: the final answer - the last `\\boxed{}`, else GSM8K's `#### X`, else DAPO-Math's `Answer: X` line
 (the conventions verl's data asks for) - checked with math-verify against a LaTeX gold answer.
 
-Binary reward. No answer after `</think>` (or an unclosed `<think>`) scores 0: the format is part of the
-task. math-verify (HuggingFace) parses both sides to sympy and compares numerically and
+Binary reward. No answer after `</think>` (or an unclosed `<think>`) scores 0: the format is part of
+the task. math-verify (HuggingFace) parses both sides to sympy and compares numerically and
 symbolically, so `\\frac{1}{2}` = `0.5`, `\\frac{\\sqrt2}{2}` = `\\frac{1}{\\sqrt2}`, `\\{1,2\\}` =
 `\\{2,1\\}`, `1,000` = `1000`, `x=3` = `3`. Gold answers are LaTeX (`sqrt(2)/2` as plain text does
-not parse); a gold that already contains `\\boxed{}` is used as written, otherwise it is read as `$gold$`.
+not parse); a gold that already contains `\\boxed{}` is used as written, otherwise it is read as
+`$gold$`.
 
 math-verify times out with `signal.alarm`, which only works on a process's main thread; called from
 any other thread this module turns its timeouts off (the pool's hard timeout then bounds it).

@@ -10,16 +10,18 @@ the item scores 0 and is flagged, so the trainer logs `reward/timeout_frac` and 
 What counts as an error: only failures of the verifier itself (it raised: a bug, a ground truth it
 cannot read, a sandbox that cannot start; or its worker died). What a response makes happen is never
 an error: the code verifier scores a crash, a timeout inside its sandbox or a forged, malformed,
-oversized or too-deep report 0 with the reason in the item's extras (`prorl.rewards.code_report`), so a
-policy cannot raise `reward/error_frac` at will and the metric stays a signal of the harness's health.
+oversized or too-deep report 0 with the reason in the item's extras (`prorl.rewards.code_report`),
+so a policy cannot raise `reward/error_frac` at will and the metric stays a signal of the harness's
+health.
 
 Workers are fresh interpreters started with subprocess (fork+exec, like multiprocessing's "spawn"),
-never a bare fork of the trainer (which holds torch threads and CUDA state); unlike multiprocessing's
-spawn they do not re-import the trainer's `__main__`. They start with the parent's `sys.path`, import
-`prorl.rewards` (so the built-in keys are registered) and the modules of the keys in `preload`, then
-say "ready"; an item's clock starts only when it is handed to a ready worker. The verifier itself is
-sent with every item by reference (module + name, as pickle does), so user-registered verifiers must
-be module-level functions of modules the workers can import; the pool checks this when it scores.
+never a bare fork of the trainer (which holds torch threads and CUDA state); unlike
+multiprocessing's spawn they do not re-import the trainer's `__main__`. They start with the parent's
+`sys.path`, import `prorl.rewards` (so the built-in keys are registered) and the modules of the keys
+in `preload`, then say "ready"; an item's clock starts only when it is handed to a ready worker. The
+verifier itself is sent with every item by reference (module + name, as pickle does), so
+user-registered verifiers must be module-level functions of modules the workers can import; the pool
+checks this when it scores.
 
 Talk is over a socketpair with multiprocessing's Connection framing (pickle). A worker that dies is
 seen as EOF on its connection. A worker that dies during start-up (or does not start in time) is
@@ -79,8 +81,8 @@ class BatchResult:
 
 
 def _item_key(data_source, response, ground_truth, extra):
-    """A hashable identity of one item (ground truths and extras may be lists / dicts); items that cannot be
-    represented get a key of their own."""
+    """A hashable identity of one item (ground truths and extras may be lists / dicts); items that
+    cannot be represented get a key of their own."""
     try:
         return (data_source, response, repr(ground_truth), repr(extra))
     except Exception:  # noqa: BLE001 - a failing __repr__: never merged with another item
@@ -97,7 +99,8 @@ class _Worker:
         # a temporary directory of its own, removed when the worker is killed: a code sandbox killed
         # with its worker cannot clean up after itself. The worker inherits the directory's lock.
         self.tmpdir, lock = tempdirs.make_locked(TMP_PREFIX)
-        os.chmod(self.tmpdir, 0o711)  # the sandbox's unprivileged uid must reach its directory inside
+        # the sandbox's unprivileged uid must reach its directory inside
+        os.chmod(self.tmpdir, 0o711)
         env = dict(
             os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=self.tmpdir
         )
@@ -134,9 +137,11 @@ class _Worker:
 
 
 def _worker_main(fd: int) -> None:
-    """Worker: init, say ready, then score items until the pool closes the connection or vanishes."""
-    # Ctrl-C / SIGTERM go to the whole process group: the trainer decides when to stop, and still needs
-    # its verifiers to finish the step. A worker ends when its connection closes (or by SIGKILL).
+    """Worker: init, say ready, then score items until the pool closes the connection or
+    vanishes."""
+    # Ctrl-C / SIGTERM go to the whole process group: the trainer decides when to stop, and still
+    # needs its verifiers to finish the step. A worker ends when its connection closes (or by
+    # SIGKILL).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
@@ -174,7 +179,8 @@ def _serve(conn: Connection) -> None:
 
 
 class RewardPool:
-    """A pool of `num_workers` verifier processes; `score_batch` blocks, `score_batch_async` does not.
+    """A pool of `num_workers` verifier processes; `score_batch` blocks, `score_batch_async` does
+    not.
 
     timeout_s: hard limit per item (wall clock, from hand-off to a ready worker). The code verifier
         has its own 5 s budget inside, so keep this above that.
@@ -207,10 +213,10 @@ class RewardPool:
     ) -> BatchResult:
         """Score every item; never raises for a verifier's failure (it scores 0 and is flagged).
 
-        Identical items (same data_source, response, ground truth and extra) are verified once and share
-        the outcome: a group's samples often repeat, and a verifier is a function of its inputs.
-        Raises for caller bugs: unknown data_source, mismatched lengths, a verifier that cannot be
-        sent to the workers (lambda, closure), a worker that cannot start.
+        Identical items (same data_source, response, ground truth and extra) are verified once and
+        share the outcome: a group's samples often repeat, and a verifier is a function of its
+        inputs. Raises for caller bugs: unknown data_source, mismatched lengths, a verifier that
+        cannot be sent to the workers (lambda, closure), a worker that cannot start.
         """
         n = len(responses)
         extras = list(extras) if extras is not None else [None] * n
@@ -292,7 +298,8 @@ class RewardPool:
         return result
 
     def score_batch_async(self, *args, **kwargs) -> Future:
-        """`score_batch` on a background thread; returns a Future of BatchResult. One batch at a time."""
+        """`score_batch` on a background thread; returns a Future of BatchResult. One batch at a
+        time."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="reward-pool")
         return self._executor.submit(self.score_batch, *args, **kwargs)
@@ -358,7 +365,8 @@ class RewardPool:
         while True:
             try:
                 return _Worker(self.preload)
-            except OSError as exc:  # fork/exec failed (no memory, process limit): retried like a death
+            # fork/exec failed (no memory, process limit): retried like a death
+            except OSError as exc:
                 self._start_failed(f"could not be spawned ({exc})")
                 time.sleep(0.1 * self._start_failures)
 

@@ -1,11 +1,11 @@
 """Start-up self-test: a known-right and a known-wrong answer through every configured verifier.
 
-A verifier that silently scores everything 0 (a missing dependency swallowed somewhere, a sandbox that
-cannot start on this host, math-verify called from a thread) wastes a whole run, so the trainer calls
-`self_test(data_sources, pool)` before step 0 and stops with this module's message if any built-in
-verifier does not give the right answer 1 and the wrong answer 0, or times out, or errors. The message
-carries the underlying error (a sandbox that cannot start names what failed) and, for a wrong score,
-the verifier's own diagnostics (e.g. the code run's stderr).
+A verifier that silently scores everything 0 (a missing dependency swallowed somewhere, a sandbox
+that cannot start on this host, math-verify called from a thread) wastes a whole run, so the trainer
+calls `self_test(data_sources, pool)` before step 0 and stops with this module's message if any
+built-in verifier does not give the right answer 1 and the wrong answer 0, or times out, or errors.
+The message carries the underlying error (a sandbox that cannot start names what failed) and, for a
+wrong score, the verifier's own diagnostics (e.g. the code run's stderr).
 """
 
 from __future__ import annotations
@@ -44,14 +44,15 @@ _DIAGNOSTICS = ("timed_out", "crashed", "compile_error", "stderr")
 
 
 def _diagnostics(info: dict | None) -> str:
-    """What a verifier reported about a wrong score (a code run's stderr, compile error, timeout)."""
+    """What a verifier reported about a wrong score (a code run's stderr, compile error,
+    timeout)."""
     shown = [f"{k}: {str(info[k]).strip()[-500:]}" for k in _DIAGNOSTICS if (info or {}).get(k)]
     return f" ({'; '.join(shown)})" if shown else ""
 
 
 def self_test(data_sources, pool=None) -> dict[str, str]:
-    """Check the verifier behind each data source (once per verifier). Returns {key: "ok" | "skipped:
-    no sample"}; raises RuntimeError naming every verifier that misbehaved and how."""
+    """Check the verifier behind each data source (once per verifier). Returns {key: "ok" |
+    "skipped: no sample"}; raises RuntimeError naming every verifier that misbehaved and how."""
     keys = sorted({lookup(ds)[0] for ds in data_sources})
     status, failures = {}, []
     todo = [k for k in keys if k in SAMPLES]
@@ -92,9 +93,10 @@ def self_test(data_sources, pool=None) -> dict[str, str]:
 
 
 def check_function(examples, pool) -> str:
-    """A verl reward function (`reward.function`) on one example of each data source, its ground truth as
-    the response: any finite score passes (its right answers are unknown here), an error or a timeout
-    raises RuntimeError with the function's own message (which names its file and name)."""
+    """A verl reward function (`reward.function`) on one example of each data source, its ground
+    truth as the response: any finite score passes (its right answers are unknown here), an error or
+    a timeout raises RuntimeError with the function's own message (which names its file and
+    name)."""
     first = {}
     for ex in examples:
         first.setdefault(ex.data_source, ex)

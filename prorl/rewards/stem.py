@@ -1,11 +1,11 @@
 """STEM: a multiple-choice letter (A-J, as in GPQA / MMLU-Pro) or a boxed answer, binary reward.
 
-Gold a single letter A-J (also "(C)", "C."): the response's choice is, from the text after `</think>`,
-the last `\\boxed{}` that holds a letter ("C", "(C)", "\\text{C}", "C) 4.2 eV"), else the last
-"answer is C" / "Answer: (C)" phrase, else the last `<answer>` tag. If `extra["choices"]` lists the
-option texts, boxing the gold option's text instead of its letter also counts.
-Gold anything else: the last `\\boxed{}` must equal it — math-verify equivalence (numbers, LaTeX), or
-the same text ignoring case, spaces and `\\text{}`.
+Gold a single letter A-J (also "(C)", "C."): the response's choice is, from the text after
+`</think>`, the last `\\boxed{}` that holds a letter ("C", "(C)", "\\text{C}", "C) 4.2 eV"), else
+the last "answer is C" / "Answer: (C)" phrase, else the last `<answer>` tag. If `extra["choices"]`
+lists the option texts, boxing the gold option's text instead of its letter also counts. Gold
+anything else: the last `\\boxed{}` must equal it — math-verify equivalence (numbers, LaTeX), or the
+same text ignoring case, spaces and `\\text{}`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from prorl.rewards.extract import final_text, last_boxed, last_tag
 LETTERS = "ABCDEFGHIJ"
 _GOLD_LETTER = re.compile(r"^\(?([A-J])[).:]?$")
 _LETTER_IN_BOX = re.compile(r"^(?:\\text(?:bf)?\{)?\s*\(?([A-J])\b\)?[}.:)]*(?:\s|$)")
-# "answer is C", "Answer: (C)", "**Answer:** C", "answer: option C"; the letter itself is case-sensitive
-# so that "the answer is a ..." is not read as A.
+# "answer is C", "Answer: (C)", "**Answer:** C", "answer: option C"; the letter itself is
+# case-sensitive so that "the answer is a ..." is not read as A.
 _ANSWER_PHRASE = re.compile(r"(?i:answer)\s*(?:(?i:is)|:)?[\s:*]*(?:(?i:option)\s*)?\(?([A-J])(?![\w'])")
 
 

@@ -1,42 +1,44 @@
 """verl configurations on prorl: `prorl/train.py --verl-config ppo_trainer.yaml [verl.key=value ...]`.
 
-A verl run is a YAML file (verl's `ppo_trainer.yaml`, a composed `_generated_ppo_trainer.yaml`, or the
-`.hydra/config.yaml` a verl run saved) plus dotted overrides. `translate` maps every leaf key of it
-onto prorl's keys (verl 0.9.1's names and meanings) and sorts each key into one of four kinds:
+A verl run is a YAML file (verl's `ppo_trainer.yaml`, a composed `_generated_ppo_trainer.yaml`, or
+the `.hydra/config.yaml` a verl run saved) plus dotted overrides. `translate` maps every leaf key of
+it onto prorl's keys (verl 0.9.1's names and meanings) and sorts each key into one of four kinds:
 
 - mapped: prorl has the setting; the verl value is translated (`data.train_batch_size` ->
-  `trainer.prompts_per_step`, `actor_rollout_ref.actor.ppo_mini_batch_size` -> `trainer.mini_batches` =
-  train_batch_size / ppo_mini_batch_size, `use_kl_loss` + `kl_loss_coef` + `kl_loss_type` ->
-  `algorithm.kl_coef` + `kl_estimator` + `kl_clamp`, ...). verl's values count, its defaults included: a
-  verl file describes verl's algorithm (verl's clip_ratio_high 0.2, not the recipe's 0.28; no KL loss
-  unless use_kl_loss).
+  `trainer.prompts_per_step`, `actor_rollout_ref.actor.ppo_mini_batch_size` ->
+  `trainer.mini_batches` = train_batch_size / ppo_mini_batch_size, `use_kl_loss` + `kl_loss_coef` +
+  `kl_loss_type` -> `algorithm.kl_coef` + `kl_estimator` + `kl_clamp`, ...). verl's values count,
+  its defaults included: a verl file describes verl's algorithm (verl's clip_ratio_high 0.2, not the
+  recipe's 0.28; no KL loss unless use_kl_loss).
 - matched: prorl has no key, but does what the value asks (`actor.ppo_epochs: 1`,
   `algorithm.use_kl_in_reward: false`); another value is refused.
-- ignored: a setting that does not change what prorl trains (Ray, FSDP wrapping, micro-batch sizes in
-  sequences - prorl's are in tokens -, profilers, the critic when no estimator uses one, logging
+- ignored: a setting that does not change what prorl trains (Ray, FSDP wrapping, micro-batch sizes
+  in sequences - prorl's are in tokens -, profilers, the critic when no estimator uses one, logging
   formats): accepted at any value and counted in the table.
 - refused: a key prorl cannot honour - a value that changes the algorithm with no prorl counterpart
-  (`algorithm.adv_estimator: gae`, verl's default: prorl has no critic), or a key this table does not
-  know. A key it does not know is taken as a feature left off when its value is null, false or empty;
-  any other value is refused. Each refused key is named with why; the run exits 2 before anything starts.
+  (`algorithm.adv_estimator: gae`, verl's default: prorl has no critic), or a key this table does
+  not know. A key it does not know is taken as a feature left off when its value is null, false or
+  empty; any other value is refused. Each refused key is named with why; the run exits 2 before
+  anything starts.
 
-The prorl-only parts of the recipe that verl does not have (the cosine length penalty, reference resets,
-the stop-properly multiplier) are switched off, and so is dynamic sampling unless the file turns verl's
-on (`algorithm.filter_groups.enable`), so that the translated run is the verl run; prorl keys on
-the same command line (`reward.length_penalty=true`, `algorithm.reset.interval=300`) apply after the
-translation and turn them on: that is how a verl recipe becomes a ProRL one.
+The prorl-only parts of the recipe that verl does not have (the cosine length penalty, reference
+resets, the stop-properly multiplier) are switched off, and so is dynamic sampling unless the file
+turns verl's on (`algorithm.filter_groups.enable`), so that the translated run is the verl run;
+prorl keys on the same command line (`reward.length_penalty=true`, `algorithm.reset.interval=300`)
+apply after the translation and turn them on: that is how a verl recipe becomes a ProRL one.
 
 A file with a hydra `defaults:` list is composed the way verl's own configs use it (config groups in
 folders beside the file, `group@package: option`, `${group}` in option names, `_self_`, `# @package
-_global_`); other hydra features need the composed file. Overrides may carry hydra's `+` (add a key).
-Without `--verl-config`, verl keys among the command line's overrides are translated the same way, from
-the keys given alone: a rule whose other keys are absent leaves their prorl settings as they are
-(`data.train_batch_size=8` sets trainer.prompts_per_step and keeps trainer.mini_batches), and prorl's
-own additions stay on.
+_global_`); other hydra features need the composed file. Overrides may carry hydra's `+` (add a
+key). Without `--verl-config`, verl keys among the command line's overrides are translated the same
+way, from the keys given alone: a rule whose other keys are absent leaves their prorl settings as
+they are (`data.train_batch_size=8` sets trainer.prompts_per_step and keeps trainer.mini_batches),
+and prorl's own additions stay on.
 
-Decided for keys left at verl's defaults: they count like keys set by hand. A default prorl cannot honour
-is refused (verl's `adv_estimator: gae`, `total_training_steps: null`: the user names an estimator and a
-step count, as ProRL's recipe does anyway); a default that does not change the result is ignored.
+Decided for keys left at verl's defaults: they count like keys set by hand. A default prorl cannot
+honour is refused (verl's `adv_estimator: gae`, `total_training_steps: null`: the user names an
+estimator and a step count, as ProRL's recipe does anyway); a default that does not change the
+result is ignored.
 
 The full table: docs/verl.md (`python -m prorl.verl_compat > docs/verl.md`).
 """
@@ -62,15 +64,16 @@ from prorl.verl_compat.rules import (
 @dataclass
 class Translation:
     values: dict[str, Any] = field(default_factory=dict)  # prorl dotted key -> value
-    rows: list[tuple[str, str]] = field(default_factory=list)  # ("verl k=v, ...", "prorl k=v, ..." or note)
+    # ("verl k=v, ...", "prorl k=v, ..." or note)
+    rows: list[tuple[str, str]] = field(default_factory=list)
     ignored: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # "key=value: why"
 
 
 MATCHED = "(as prorl does)"
 
-# what a verl file sets before its keys are translated: prorl's own additions off (prorl keys given after
-# turn them on), and dynamic sampling off as verl's algorithm.filter_groups.enable defaults to
+# what a verl file sets before its keys are translated: prorl's own additions off (prorl keys given
+# after turn them on), and dynamic sampling off as verl's algorithm.filter_groups.enable defaults to
 PRORL_ONLY_OFF = {
     "reward.length_penalty": False,
     "reward.c_stop": 1.0,
@@ -148,9 +151,9 @@ def format_table(t: Translation, path: str | None) -> str:
 
 
 def is_verl_key(key: str, tree: dict | None = None) -> bool:
-    """A dotted key that is verl's: in the verl config `tree`; else (not one of prorl's keys) under a
-    section prorl lacks, read by a rule (`data.train_batch_size`), or one of verl's keys in the sections
-    prorl shares (`trainer.n_gpus_per_node`: not a misspelt prorl key)."""
+    """A dotted key that is verl's: in the verl config `tree`; else (not one of prorl's keys) under
+    a section prorl lacks, read by a rule (`data.train_batch_size`), or one of verl's keys in the
+    sections prorl shares (`trainer.n_gpus_per_node`: not a misspelt prorl key)."""
     from prorl.config import fields
 
     key = key.lstrip("+")
@@ -166,8 +169,8 @@ def is_verl_key(key: str, tree: dict | None = None) -> bool:
 def from_command_line(
     verl_file: str | None, overrides: list[str]
 ) -> tuple[dict, list[str], Translation | None]:
-    """(prorl values from verl, prorl's own overrides, the translation or None) of a command line: the
-    verl file (if any) with the verl keys among `overrides`; the other overrides are prorl's."""
+    """(prorl values from verl, prorl's own overrides, the translation or None) of a command line:
+    the verl file (if any) with the verl keys among `overrides`; the other overrides are prorl's."""
     tree = load_file(verl_file) if verl_file else None
     verl_over = [o for o in overrides if "=" in o and is_verl_key(o.split("=", 1)[0], tree)]
     own = [o for o in overrides if o not in verl_over]
@@ -182,7 +185,8 @@ def from_command_line(
 
 
 def reference_markdown() -> str:
-    """docs/verl.md: every rule and ignored pattern (`python -m prorl.verl_compat > docs/verl.md`)."""
+    """docs/verl.md: every rule and ignored pattern (`python -m prorl.verl_compat >
+    docs/verl.md`)."""
     doc = __doc__.split("\n\n", 1)[1].rsplit("\n\nThe full table", 1)[0]
     lines = ["# Coming from verl: the key table", "", "Generated from prorl/verl_compat/ by "
              "`python -m prorl.verl_compat > docs/verl.md` (a test checks it is current).", "", doc, "",

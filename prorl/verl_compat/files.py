@@ -13,7 +13,8 @@ from prorl.config import ConfigError
 
 
 def load_file(path: str) -> dict:
-    """A verl YAML file as a nested dict, its hydra `defaults:` composed (unresolved interpolations)."""
+    """A verl YAML file as a nested dict, its hydra `defaults:` composed (unresolved
+    interpolations)."""
     if not os.path.isfile(path):
         raise ConfigError(f"--verl-config {path!r}: no such file")
     try:
@@ -33,7 +34,8 @@ def _compose(path: str, package: str, choices: dict):
     if not OmegaConf.is_dict(node):
         raise ConfigError(f"--verl-config {path}: not a mapping of keys")
     entries = []
-    if "defaults" in node:  # unresolved: its entries may name other groups' choices (${model_engine})
+    # unresolved: its entries may name other groups' choices (${model_engine})
+    if "defaults" in node:
         entries = OmegaConf.to_container(node._get_node("defaults"), resolve=False)
         del node["defaults"]
     folder = os.path.dirname(path)
@@ -83,7 +85,8 @@ def flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
 
 
 def resolve(tree: dict, overrides: list[str]) -> dict[str, Any]:
-    """verl's overrides merged into the tree, interpolations resolved: the flat leaves verl would run."""
+    """verl's overrides merged into the tree, interpolations resolved: the flat leaves verl would
+    run."""
     dotlist = [o.lstrip("+") for o in overrides]
     try:
         cfg = OmegaConf.merge(OmegaConf.create(tree), OmegaConf.from_dotlist(dotlist))

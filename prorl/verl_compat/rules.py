@@ -1,6 +1,6 @@
 """The verl 0.9.1 key table: one `Rule` per verl setting (what it reads, what prorl makes of it), and the
-patterns of the keys that do not change what prorl trains. prorl/verl_compat/__init__.py explains the
-kinds; docs/verl.md lists them all."""
+patterns of the keys that do not change what prorl trains. prorl/verl_compat/__init__.py explains
+the kinds; docs/verl.md lists them all."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from typing import Any
 
 ABSENT = object()  # a verl key the file or the command line did not give
 
-# verl sections that prorl does not have: a dotted key under one of them is verl's (`reward` is prorl's
-# too: a verl key there is one a rule reads, so that a misspelt prorl reward key still gets a suggestion)
+# verl sections that prorl does not have: a dotted key under one of them is verl's (`reward` is
+# prorl's too: a verl key there is one a rule reads, so that a misspelt prorl reward key still gets
+# a suggestion)
 VERL_SECTIONS = (
     "actor_rollout_ref", "critic", "reward_model", "custom_reward_function", "ray_kwargs",
     "global_profiler", "transfer_queue", "distillation", "sandbox_fusion", "model_engine", "skip",
@@ -22,8 +23,8 @@ VERL_SECTIONS = (
 
 @dataclass
 class Rule:
-    """One verl setting: the keys it reads, and what it makes of their values (`apply(get)`, returning
-    prorl assignments, raising Refused). `kind`: mapped | matched | ignored (docs)."""
+    """One verl setting: the keys it reads, and what it makes of their values (`apply(get)`,
+    returning prorl assignments, raising Refused). `kind`: mapped | matched | ignored (docs)."""
 
     keys: tuple[str, ...]
     apply: Callable[[Callable[[str], Any]], dict[str, Any]]
@@ -71,7 +72,7 @@ def _given(get, key):
     return None if value is ABSENT else value
 
 
-# -- data ------------------------------------------------------------------------------------------------
+# -- data ------------------------------------------------------------------------------------------
 def _files(v):
     files = [] if v is None else [v] if isinstance(v, str) else list(v)
     return [os.path.expanduser(str(f)) for f in files]
@@ -100,7 +101,7 @@ def _data_seed(get):
     return {} if seed is None else {"seed": int(seed)}
 
 
-# -- model -----------------------------------------------------------------------------------------------
+# -- model -----------------------------------------------------------------------------------------
 simple(M + "path", "model.path", lambda v: os.path.expanduser(str(v)))
 simple(M + "enable_gradient_checkpointing", "model.activation_checkpointing", bool)
 only(M + "lora_rank", 0, why="prorl trains every weight (no LoRA)")
@@ -112,7 +113,7 @@ only(M + "tokenizer_path", None, why="prorl loads the tokenizer from model.path"
 only(M + "hf_config_path", None, why="prorl loads config.json from model.path")
 
 
-# -- actor: optimizer ------------------------------------------------------------------------------------
+# -- actor: optimizer ------------------------------------------------------------------------------
 simple(A + "optim.lr", "optim.lr", float)
 simple(A + "optim.weight_decay", "optim.weight_decay", float)
 simple(A + "optim.betas", "optim.betas", lambda v: [float(x) for x in v])
@@ -172,7 +173,7 @@ def _warmup(get):
     return {"optim.warmup_steps": int(steps) * minis}
 
 
-# -- actor: batch, loss ----------------------------------------------------------------------------------
+# -- actor: batch, loss ----------------------------------------------------------------------------
 def _mini_batches(get) -> int | None:
     prompts, mini = _given(get, "data.train_batch_size"), _given(get, A + "ppo_mini_batch_size")
     if prompts is None or mini is None:
@@ -192,8 +193,8 @@ def _minis(get):
 @rule(A + "use_dynamic_bsz", A + "ppo_max_token_len_per_gpu", A + "ppo_micro_batch_size_per_gpu",
       A + "ppo_micro_batch_size")  # fmt: skip
 def _micro(get):
-    """trainer.micro_batch_tokens = ppo_max_token_len_per_gpu with use_dynamic_bsz; sequence counts are
-    ignored (prorl sizes micro-batches in tokens; the result is the same)"""
+    """trainer.micro_batch_tokens = ppo_max_token_len_per_gpu with use_dynamic_bsz; sequence counts
+    are ignored (prorl sizes micro-batches in tokens; the result is the same)"""
     if _given(get, A + "use_dynamic_bsz") and _given(get, A + "ppo_max_token_len_per_gpu"):
         return {"trainer.micro_batch_tokens": int(get(A + "ppo_max_token_len_per_gpu"))}
     return {}
@@ -229,7 +230,8 @@ def _agg(get):
     return {"algorithm.agg": AGG[mode]}
 
 
-# verl kl_loss_type -> (kl_estimator, kl_clamp): verl clamps low_var_kl's output to [-10, 10], nothing else
+# verl kl_loss_type -> (kl_estimator, kl_clamp): verl clamps low_var_kl's output to [-10, 10],
+# nothing else
 KL_TYPES = {"kl": ("k1", "none"), "k1": ("k1", "none"), "mse": ("k2", "none"), "k2": ("k2", "none"),
             "low_var_kl": ("k3", "output"), "k3": ("k3", "output")}  # fmt: skip
 
@@ -250,7 +252,7 @@ def _kl(get):
     return out
 
 
-# -- rollout ---------------------------------------------------------------------------------------------
+# -- rollout ---------------------------------------------------------------------------------------
 @rule(R + "name")
 def _backend(get):
     """rollout.backend (vllm; hf: prorl's native sampler)"""
@@ -278,7 +280,8 @@ simple(R + "gpu_memory_utilization", "rollout.gpu_memory_utilization", float)
 
 @rule(R + "response_length", "data.max_response_length", R + "prompt_length", "data.max_prompt_length")
 def _lengths(get):
-    """(checked) rollout.response_length / prompt_length equal data.max_response_length / prompt_length"""
+    """(checked) rollout.response_length / prompt_length equal data.max_response_length /
+    prompt_length"""
     for rollout_key, data_key in (
         ("response_length", "max_response_length"),
         ("prompt_length", "max_prompt_length"),
@@ -307,10 +310,11 @@ only(R + "over_sample_rate", 0, 0.0, None, why="prorl finishes every request")
 only("actor_rollout_ref.hybrid_engine", True, why="prorl colocates the sampler with the trainer")
 
 
-# -- algorithm -------------------------------------------------------------------------------------------
+# -- algorithm -------------------------------------------------------------------------------------
 @rule("algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo")
 def _advantage(get):
-    """algorithm.advantage: grpo (dr-grpo without norm_adv_by_std_in_grpo), reinforce_plus_plus_baseline"""
+    """algorithm.advantage: grpo (dr-grpo without norm_adv_by_std_in_grpo),
+    reinforce_plus_plus_baseline"""
     est, norm = get("algorithm.adv_estimator"), _given(get, "algorithm.norm_adv_by_std_in_grpo")
     if est is ABSENT:
         return {}
@@ -345,7 +349,7 @@ def _rounds(get):
     return {"algorithm.max_rounds": int(n)} if n and n > 0 else {}
 
 
-# -- trainer ---------------------------------------------------------------------------------------------
+# -- trainer ---------------------------------------------------------------------------------------
 @rule("trainer.total_training_steps", "trainer.total_epochs")
 def _steps(get):
     """trainer.total_steps (prorl counts steps: total_epochs needs total_training_steps)"""
@@ -388,7 +392,7 @@ def _logger(get):
     return out
 
 
-# -- reward ----------------------------------------------------------------------------------------------
+# -- reward ----------------------------------------------------------------------------------------
 @rule("reward.custom_reward_function.path", "reward.custom_reward_function.name",
       "custom_reward_function.path", "custom_reward_function.name")  # fmt: skip
 def _reward_function(get):
@@ -414,7 +418,7 @@ only("distillation.enable", None, False, why="prorl has no distillation")
 simple("reward.num_workers", "reward.num_workers", int)
 
 
-# -- keys that do not change what prorl trains -----------------------------------------------------------
+# -- keys that do not change what prorl trains -----------------------------------------------------
 IGNORED = [  # (pattern on the dotted key, why)
     (r"(^|\.)_target_$", "verl's dataclass targets"),
     (r"^(ray_kwargs|global_profiler|transfer_queue|skip|model_engine)(\.|$)", "verl's infrastructure"),
@@ -455,9 +459,10 @@ IGNORED = [  # (pattern on the dotted key, why)
 _IGNORED = [(re.compile(p), why) for p, why in IGNORED]
 
 
-# verl 0.9.1's keys in the sections prorl shares (data, trainer, algorithm) that prorl does not have: on a
-# prorl command line they are verl's (translated, ignored or refused), never a misspelt prorl key
-# (tests/peers/test_verl_config.py checks the list against verl's _generated_ppo_trainer.yaml)
+# verl 0.9.1's keys in the sections prorl shares (data, trainer, algorithm) that prorl does not
+# have: on a prorl command line they are verl's (translated, ignored or refused), never a misspelt
+# prorl key (tests/peers/test_verl_config.py checks the list against verl's
+# _generated_ppo_trainer.yaml)
 _IN_SHARED_SECTIONS = {
     "algorithm": (
         "adv_estimator filter_groups.enable filter_groups.max_inflight_gen_batches "

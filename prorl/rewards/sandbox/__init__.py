@@ -2,25 +2,27 @@
 
 A run sees a minimal root (`rootfs`): read-only system directories and the Python installation
 (wherever it lives: a venv under /tmp, conda under /opt, a user site), its own files read-only at
-/sandbox/code, private size-limited tmpfs scratch (/tmp, /var/tmp, /dev/shm), empty /run and /var; no
-other host file, socket or writable directory. Limits apply to the run as a whole through a cgroup
-(`cgroups`: memory.max, pids.max, cpu.max; v2, or v1 on older hosts) where this process can create
-one, and always per process through rlimits (CPU seconds, address space, file size, open files,
-processes of the uid, no core dumps). The cgroup's memory counts the tmpfs files a run writes as well
-as every process's memory (`Result.memory_peak_bytes` is its own peak). A seccomp filter (`seccomp`),
-installed by the interpreter before any sandboxed code runs, denies keyrings, new user namespaces,
-mounts, ptrace and other kernel surface a judge never needs, on every backend. The environment is
-emptied (PATH, HOME, LANG); stdout/stderr go to size-limited files; on the wall clock the whole run is
-SIGKILLed; it dies with its starter. /proc inside shows no host path: the namespace's pid 1 is
-`timeout` (unshare) or bwrap reading its options from a file, and the run's files are a tmpfs copy.
+/sandbox/code, private size-limited tmpfs scratch (/tmp, /var/tmp, /dev/shm), empty /run and /var;
+no other host file, socket or writable directory. Limits apply to the run as a whole through a
+cgroup (`cgroups`: memory.max, pids.max, cpu.max; v2, or v1 on older hosts) where this process can
+create one, and always per process through rlimits (CPU seconds, address space, file size, open
+files, processes of the uid, no core dumps). The cgroup's memory counts the tmpfs files a run writes
+as well as every process's memory (`Result.memory_peak_bytes` is its own peak). A seccomp filter
+(`seccomp`), installed by the interpreter before any sandboxed code runs, denies keyrings, new user
+namespaces, mounts, ptrace and other kernel surface a judge never needs, on every backend. The
+environment is emptied (PATH, HOME, LANG); stdout/stderr go to size-limited files; on the wall clock
+the whole run is SIGKILLed; it dies with its starter. /proc inside shows no host path: the
+namespace's pid 1 is `timeout` (unshare) or bwrap reading its options from a file, and the run's
+files are a tmpfs copy.
 
-Backends, picked once per process by trying each in turn (override with PRORL_SANDBOX=unshare|bwrap|none):
-`unshare` (root: the default) util-linux `unshare` gives mount, PID, network, IPC, UTS and cgroup
-namespaces, a sh script builds the root with `mount` + `pivot_root` (the host's tree is detached),
-`setpriv` drops to a uid of its own (1e9 + the scorer's pid) with no capabilities and no_new_privs;
-as non-root it adds a user namespace and the code is its uid 0 (the caller outside), every capability
-dropped. `bwrap` (non-root: the default) bubblewrap builds the same root in the same namespaces; the
-code keeps the caller's uid, no capabilities. `none` (nothing else works; logged): no namespaces.
+Backends, picked once per process by trying each in turn (override with
+PRORL_SANDBOX=unshare|bwrap|none): `unshare` (root: the default) util-linux `unshare` gives mount,
+PID, network, IPC, UTS and cgroup namespaces, a sh script builds the root with `mount` +
+`pivot_root` (the host's tree is detached), `setpriv` drops to a uid of its own (1e9 + the scorer's
+pid) with no capabilities and no_new_privs; as non-root it adds a user namespace and the code is its
+uid 0 (the caller outside), every capability dropped. `bwrap` (non-root: the default) bubblewrap
+builds the same root in the same namespaces; the code keeps the caller's uid, no capabilities.
+`none` (nothing else works; logged): no namespaces.
 
 What each guarantees (tests/rewards/test_sandbox*.py check it on the backends a machine has):
 
@@ -31,19 +33,19 @@ What each guarantees (tests/rewards/test_sandbox*.py check it on the backends a 
     none                   readable    world-wr.    reachable         (4)       cgroup, else (1)(2)
 
 All modes: the seccomp filter (keyrings, user namespaces, ptrace, ...; none on architectures other
-than x86_64 and aarch64, with a warning), rlimits that the code cannot raise (4: `none` as root keeps
-the code root when the interpreter is hidden from other users, e.g. under /root: such a run is refused
-unless PRORL_SANDBOX_ROOT_OK=1, since the code could then raise them, and signal or write anything root
-can, including every process of the machine).
+than x86_64 and aarch64, with a warning), rlimits that the code cannot raise (4: `none` as root
+keeps the code root when the interpreter is hidden from other users, e.g. under /root: such a run is
+refused unless PRORL_SANDBOX_ROOT_OK=1, since the code could then raise them, and signal or write
+anything root can, including every process of the machine).
 
 "host files: none" means nothing outside the minimal root (datasets, checkpoints, home directories,
 /run's sockets); "host writes: none": every writable place is a private tmpfs, gone after the run.
 (1) rlimits only: memory per process (`memory_bytes` × up to `nproc` processes), CPU seconds per
-process and the wall clock; a warning is logged when a controller is missing. (2) RLIMIT_NPROC counts
-every process of the calling user. (3) no process limit: uid 0 is exempt from RLIMIT_NPROC.
-Not protected against by any mode: kernel exploits through the syscalls the filter allows (a VM is the
-answer for hostile code), side channels, what the system directories themselves hold (keep data out
-of /usr).
+process and the wall clock; a warning is logged when a controller is missing. (2) RLIMIT_NPROC
+counts every process of the calling user. (3) no process limit: uid 0 is exempt from RLIMIT_NPROC.
+Not protected against by any mode: kernel exploits through the syscalls the filter allows (a VM is
+the answer for hostile code), side channels, what the system directories themselves hold (keep data
+out of /usr).
 """
 
 from __future__ import annotations
@@ -75,9 +77,9 @@ TMP_PREFIX = "prorl-sbx-"
 SETUP_TIMEOUT_S = 30.0  # a sandbox that has not started Python by then is broken
 # tasks a backend runs beside Python: unshare + sh + timeout, bwrap × 2 + timeout
 _HELPERS = {"unshare": 3, "bwrap": 3, "none": 0}
-# Runs inside, as `python -I -c _BOOT <status fd> <filter hex> <user sites> <script> <code dir> args...`:
-# installs the seccomp filter (before any sandboxed code), says that Python started (what tells a broken
-# sandbox from failing code), adds the user site, runs the script.
+# Runs inside, as `python -I -c _BOOT <status fd> <filter hex> <user sites> <script> <code dir>
+# args...`: installs the seccomp filter (before any sandboxed code), says that Python started (what
+# tells a broken sandbox from failing code), adds the user site, runs the script.
 _BOOT = (
     "import os, runpy, site, sys\n"
     + seccomp.INSTALL
@@ -95,7 +97,8 @@ class SandboxError(RuntimeError):
 
 @dataclass(frozen=True)
 class Limits:
-    wall_s: float = 5.0  # the run, from when Python runs inside (set-up and interpreter start excluded)
+    # the run, from when Python runs inside (set-up and interpreter start excluded)
+    wall_s: float = 5.0
     cpu_s: int = 6  # CPU seconds per process
     memory_bytes: int = 1 << 30  # the whole run (cgroup) and the address space of each process
     cpu_cores: float = 1.0  # CPU time per wall-clock time of the whole run (cgroup)
@@ -116,10 +119,11 @@ class Result:
     backend: str
     cgroup: str = "none"  # the controllers that limited the whole run, e.g. "memory,pids,cpu"
     oom_kills: int = 0  # processes killed for the run's memory limit
-    memory_peak_bytes: int | None = None  # the run's peak by its cgroup's accounting (tmpfs included)
+    # the run's peak by its cgroup's accounting (tmpfs included)
+    memory_peak_bytes: int | None = None
 
 
-# -- backends -------------------------------------------------------------------------------------------
+# -- backends --------------------------------------------------------------------------------------
 
 
 def _unshare_flags() -> list[str]:
@@ -148,7 +152,8 @@ def _works(name: str) -> str | None:
 
 @functools.cache
 def backend() -> str:
-    """The sandbox backend of this process (cached): PRORL_SANDBOX, else the strongest that works."""
+    """The sandbox backend of this process (cached): PRORL_SANDBOX, else the strongest that
+    works."""
     forced = os.environ.get("PRORL_SANDBOX", "").strip()
     if forced:
         if forced not in BACKENDS:
@@ -183,7 +188,8 @@ def backend() -> str:
 
 @functools.cache
 def _filter_hex() -> str:
-    """The seccomp program every run installs, hex-encoded for the interpreter's argv ("" when none)."""
+    """The seccomp program every run installs, hex-encoded for the interpreter's argv ("" when
+    none)."""
     if not seccomp.wanted():
         log.warning("code sandbox: the seccomp filter is turned off by PRORL_SANDBOX_SECCOMP=0")
         return ""
@@ -200,8 +206,8 @@ def _filter_hex() -> str:
 
 
 def describe() -> dict[str, str]:
-    """What this process's sandbox enforces: backend, seccomp filter, cgroup controllers (with the reason
-    if some lack)."""
+    """What this process's sandbox enforces: backend, seccomp filter, cgroup controllers (with the
+    reason if some lack)."""
     cg = cgroups.setup()
     return {
         "backend": backend(),
@@ -211,7 +217,7 @@ def describe() -> dict[str, str]:
     }
 
 
-# -- one run ----------------------------------------------------------------------------------------------
+# -- one run ---------------------------------------------------------------------------------------
 
 
 def _preexec(limits: Limits, uid: int | None, cgroup: cgroups.Cgroup | None):
@@ -241,16 +247,18 @@ def _preexec(limits: Limits, uid: int | None, cgroup: cgroups.Cgroup | None):
 
 
 def _unshare_command(outer: str, code_dir: str, python: list[str], limits: Limits, uid: int | None):
-    os.mkdir(os.path.join(outer, "root"))  # the new root's mount point (on the host, an empty directory)
+    # the new root's mount point (on the host, an empty directory)
+    os.mkdir(os.path.join(outer, "root"))
     sh = rootfs.shell_script(rootfs.plan(code_dir, limits.tmpfs_bytes), os.path.join(outer, "root"), uid)
     env = ["env", "-i", f"PATH={SAFE_PATH}", f"HOME={WORK_DIR}", "LANG=C.UTF-8"]
     drop = ["setpriv", "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all"]
     if uid is not None:
         drop[1:1] = [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
-    # pid 1 of the namespace must keep the parent-death signal that `--kill-child` gave it (when pid 1
-    # dies the kernel kills every process in the namespace), which a uid change would clear: sh execs
-    # `timeout` (still root; exec keeps the signal), whose child drops privileges. That also replaces
-    # pid 1's command line, the mount script, by an innocuous one. Without `timeout`, sh stays pid 1.
+    # pid 1 of the namespace must keep the parent-death signal that `--kill-child` gave it (when pid
+    # 1 dies the kernel kills every process in the namespace), which a uid change would clear: sh
+    # execs `timeout` (still root; exec keeps the signal), whose child drops privileges. That also
+    # replaces pid 1's command line, the mount script, by an innocuous one. Without `timeout`, sh
+    # stays pid 1.
     deadline = _own_deadline(limits)
     run = [*deadline, *drop, *env, *python]
     sh.append(f"cd {WORK_DIR} && {'exec ' if deadline else ''}" + " ".join(shlex.quote(a) for a in run))
@@ -258,9 +266,9 @@ def _unshare_command(outer: str, code_dir: str, python: list[str], limits: Limit
 
 
 def _bwrap_command(outer: str, code_dir: str, python: list[str], limits: Limits, fds: list[int]):
-    """bwrap's command line; its options go in a file it reads (`--args`), so that the command line of
-    the namespace's pid 1 (bwrap) does not spell out the host paths it mounts. Descriptors bwrap must
-    inherit are appended to `fds`."""
+    """bwrap's command line; its options go in a file it reads (`--args`), so that the command line
+    of the namespace's pid 1 (bwrap) does not spell out the host paths it mounts. Descriptors bwrap
+    must inherit are appended to `fds`."""
 
     def open_fd(path: str) -> int:
         fds.append(os.open(path, os.O_RDONLY))
@@ -278,9 +286,9 @@ def _bwrap_command(outer: str, code_dir: str, python: list[str], limits: Limits,
 
 
 def _own_deadline(limits: Limits) -> list[str]:
-    """coreutils `timeout` inside the namespaces: a run outlives its wall clock by at most 10 s even if
-    its starter dies at the instant the parent-death signal is not armed yet (unshare arms it for its
-    child only after forking it)."""
+    """coreutils `timeout` inside the namespaces: a run outlives its wall clock by at most 10 s even
+    if its starter dies at the instant the parent-death signal is not armed yet (unshare arms it for
+    its child only after forking it)."""
     timeout = shutil.which("timeout")
     if not timeout or not timeout.startswith(("/usr/", "/bin/")):  # must be inside the minimal root
         return []
@@ -310,7 +318,8 @@ def _none_workdir(work: str, uid: int | None) -> int | None:
 
 
 def _kill_uid(uid: int) -> None:
-    """SIGKILL every process of `uid` (the `none` backend as root: catches daemons that left the group)."""
+    """SIGKILL every process of `uid` (the `none` backend as root: catches daemons that left the
+    group)."""
     for _ in range(3):
         found = False
         for pid in os.listdir("/proc"):
@@ -328,7 +337,8 @@ def _kill_uid(uid: int) -> None:
 
 
 def _python_started(fd: int, timeout_s: float) -> bool:
-    """Wait until Python inside reports (True), or the sandbox ends or hangs before it does (False)."""
+    """Wait until Python inside reports (True), or the sandbox ends or hangs before it does
+    (False)."""
     try:
         ready, _, _ = select.select([fd], [], [], timeout_s)
         return bool(ready) and os.read(fd, 1) == b"1"
@@ -357,8 +367,8 @@ def run_python(
 ) -> Result:
     """Run `python -I <dir>/<script> <dir> *args` in a sandbox, `<dir>` holding `files` (read-only).
 
-    The working directory is a private, writable, size-limited one. Never raises for what the code does;
-    raises SandboxError when the sandbox itself cannot be set up or cannot start Python."""
+    The working directory is a private, writable, size-limited one. Never raises for what the code
+    does; raises SandboxError when the sandbox itself cannot be set up or cannot start Python."""
     limits = limits or Limits()
     args = list(args or [])
     name = backend_name or backend()
@@ -395,7 +405,8 @@ def run_python(
 
 
 def _write_code(outer: str, files: dict[str, str | bytes]) -> str:
-    """`files` in `<outer>/code`, readable by the sandbox's user, not writable; returns the directory."""
+    """`files` in `<outer>/code`, readable by the sandbox's user, not writable; returns the
+    directory."""
     code_dir = os.path.join(outer, "code")
     os.mkdir(code_dir, 0o755)
     for fname, content in files.items():
@@ -409,8 +420,8 @@ def _write_code(outer: str, files: dict[str, str | bytes]) -> str:
 
 @dataclass
 class _Launch:
-    """How the sandbox's first process starts (`argv` in `cwd`, inheriting the descriptors `inherit`)
-    and what bounds and cleans up after it; `outer` is the run's private directory."""
+    """How the sandbox's first process starts (`argv` in `cwd`, inheriting the descriptors
+    `inherit`) and what bounds and cleans up after it; `outer` is the run's private directory."""
 
     outer: str
     argv: list[str]  # the Python command, until `_prepare` wraps it in the backend's
@@ -439,8 +450,8 @@ def _prepare(launch: _Launch, name: str, code_dir: str, limits: Limits, uid: int
 
 
 def _run(launch: _Launch, name: str, limits: Limits, started_r: int) -> Result:
-    """Start the sandbox, wait for Python inside and then for the code (its wall clock), kill what is
-    left of it, and read its output."""
+    """Start the sandbox, wait for Python inside and then for the code (its wall clock), kill what
+    is left of it, and read its output."""
     out_path, err_path = os.path.join(launch.outer, "stdout"), os.path.join(launch.outer, "stderr")
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         try:
@@ -484,9 +495,10 @@ def _run(launch: _Launch, name: str, limits: Limits, started_r: int) -> Result:
 
 
 def _wait(proc, started_r: int, wall_s: float, drop_uid: int | None):
-    """Wait for Python to start inside, then for the code on its wall clock (the sandbox's own set-up
-    is not counted); then SIGKILL the sandbox's session (and, `none` as root, every process of its
-    uid). Returns (started, returncode or None, timed out, the time the code's clock started)."""
+    """Wait for Python to start inside, then for the code on its wall clock (the sandbox's own
+    set-up is not counted); then SIGKILL the sandbox's session (and, `none` as root, every process
+    of its uid). Returns (started, returncode or None, timed out, the time the code's clock
+    started)."""
     start = time.monotonic()
     started = _python_started(started_r, SETUP_TIMEOUT_S)
     timed_out = False

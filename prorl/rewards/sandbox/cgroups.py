@@ -1,15 +1,17 @@
 """Limits for a sandbox as a whole: one cgroup per run with memory, process and CPU limits.
 
 cgroup v2: `memory.max` (+ `memory.swap.max` 0), `pids.max`, `cpu.max`; v1: `memory.limit_in_bytes`
-(+ `memory.memsw.limit_in_bytes`), `pids.max`, `cpu.cfs_quota_us`. Each controller is taken from v2 where
-it is enabled there, else from a v1 hierarchy, else it is missing (hybrid hosts mix both).
+(+ `memory.memsw.limit_in_bytes`), `pids.max`, `cpu.cfs_quota_us`. Each controller is taken from v2
+where it is enabled there, else from a v1 hierarchy, else it is missing (hybrid hosts mix both).
 
-Where a run's cgroup goes (found once per process, nothing on the host is changed to make it possible):
-- v2: a cgroup that holds processes cannot give controllers to children, so the run's cgroup is a sibling
-  of this process's own cgroup, inside its parent (the root cgroup itself is the exception). That parent
-  must be writable by this process and have the controllers in `cgroup.subtree_control`: true for root
-  on most hosts, and for users where a cgroup is delegated to them (systemd `Delegate=yes`, Slurm,
-  `systemd-run --user --scope -p Delegate=yes`). Limits of enclosing cgroups (a job's) still apply.
+Where a run's cgroup goes (found once per process, nothing on the host is changed to make it
+possible):
+- v2: a cgroup that holds processes cannot give controllers to children, so the run's cgroup is a
+  sibling of this process's own cgroup, inside its parent (the root cgroup itself is the exception).
+  That parent must be writable by this process and have the controllers in `cgroup.subtree_control`:
+  true for root on most hosts, and for users where a cgroup is delegated to them (systemd
+  `Delegate=yes`, Slurm, `systemd-run --user --scope -p Delegate=yes`). Limits of enclosing cgroups
+  (a job's) still apply.
 - v1: a child of this process's own cgroup in each hierarchy, where writable (in practice, as root).
 
 The run's first process joins the cgroup before it execs (`join`, in the child), so everything it
@@ -39,7 +41,8 @@ _counter = itertools.count()
 
 @dataclass(frozen=True)
 class Setup:
-    """Where this process's sandboxes get their cgroups: controller -> (version, parent directory)."""
+    """Where this process's sandboxes get their cgroups: controller -> (version, parent
+    directory)."""
 
     parents: dict[str, tuple[str, str]]
     reason: str  # why controllers are missing ("" when none is)
@@ -70,7 +73,8 @@ def _mounts(mountinfo: str) -> list[tuple[str, str, str, set[str]]]:
 
 
 def _own(proc_cgroup: str) -> dict[str, str]:
-    """Controller ("" for the v2 hierarchy) -> this process's cgroup path, from /proc/self/cgroup."""
+    """Controller ("" for the v2 hierarchy) -> this process's cgroup path, from
+    /proc/self/cgroup."""
     out = {}
     for line in proc_cgroup.splitlines():
         hid, ctrls, path = line.split(":", 2)
@@ -100,11 +104,13 @@ def _read(path: str) -> str:
 
 
 def _v2_parent(mount_root: str, mount_point: str, path: str) -> tuple[str, set[str], str]:
-    """The v2 cgroup sandboxes go in and the wanted controllers it gives them, or why there is none."""
+    """The v2 cgroup sandboxes go in and the wanted controllers it gives them, or why there is
+    none."""
     here = _under(mount_root, mount_point, path)
     if here is None:
         return "", set(), f"this process's cgroup {path} is outside the mounted hierarchy"
-    # a cgroup that holds processes cannot give its children controllers: the own one only if it is the root
+    # a cgroup that holds processes cannot give its children controllers: the own one only if it is
+    # the root
     parent = here if here == os.path.normpath(mount_point) else os.path.dirname(here)
     try:
         enabled = set(_read(os.path.join(parent, "cgroup.subtree_control")).split()) & set(CONTROLLERS)
@@ -250,7 +256,8 @@ class Cgroup:
             return None
 
     def remove(self) -> None:
-        """SIGKILL everything inside, wait until empty, remove the directories (a warning if it cannot)."""
+        """SIGKILL everything inside, wait until empty, remove the directories (a warning if it
+        cannot)."""
         for d in self.dirs.values():
             _kill_and_remove(d)
         self.dirs = {}
@@ -307,7 +314,8 @@ def _remove_stale(parent: str) -> None:
             continue
         try:
             os.kill(int(m.group(1)), 0)
-            continue  # its process lives (or a process with its pid does: kept, never removed wrongly)
+            # its process lives (or a process with its pid does: kept, never removed wrongly)
+            continue
         except ProcessLookupError:
             pass
         except OSError:

@@ -3,16 +3,17 @@
 Visible inside, and nothing else of the host:
 - read-only: /usr and the other top-level system directories (/bin, /lib, ...; symlinks into /usr on
   merged-/usr systems), the dynamic loader's configuration and /etc/localtime, and the Python
-  installation wherever it lives: sys.prefix / base_prefix / exec_prefix, the directory of every hop on
-  the executable's symlink chain, the directories of its shared libraries and those of lib-dynload (ldd),
-  and the user site directory when this process uses one;
+  installation wherever it lives: sys.prefix / base_prefix / exec_prefix, the directory of every hop
+  on the executable's symlink chain, the directories of its shared libraries and those of
+  lib-dynload (ldd), and the user site directory when this process uses one;
 - read-only at /sandbox/code: a copy of the run's own files on a tmpfs of its own (so that
   /proc/self/mountinfo names no host path that is not visible at the same place inside);
 - private and size-limited (tmpfs): /tmp (the working directory is /tmp/work), /var/tmp, /dev/shm;
 - a minimal /dev (null, zero, full, random, urandom), a /proc of the sandbox's own PID namespace,
   empty /run and /var (so /var/lock, /run/lock and the host's sockets do not exist).
-The root itself and /dev are read-only. `plan` lists the mounts in order; `shell_script` (util-linux,
-for the `unshare` backend) and `bwrap_args` (bubblewrap) turn the same list into commands.
+The root itself and /dev are read-only. `plan` lists the mounts in order; `shell_script`
+(util-linux, for the `unshare` backend) and `bwrap_args` (bubblewrap) turn the same list into
+commands.
 """
 
 from __future__ import annotations
@@ -34,18 +35,21 @@ DEVICES = ("null", "zero", "full", "random", "urandom")
 SCRATCH = ("/tmp", "/var/tmp", "/dev/shm")
 CODE_DIR = "/sandbox/code"
 WORK_DIR = "/tmp/work"
-# paths the sandbox builds itself: the interpreter may live below the scratch ones, never at or above any
+# paths the sandbox builds itself: the interpreter may live below the scratch ones, never at or
+# above any
 OWN_PATHS = ("/", "/proc", "/dev", "/sandbox", "/run", "/var", *SCRATCH, CODE_DIR)
 _NO_INTERPRETER_BELOW = ("/proc", "/dev", "/sandbox")
 
 
 class LayoutError(RuntimeError):
-    """The Python installation cannot be placed in a minimal root (it overlaps the sandbox's own paths)."""
+    """The Python installation cannot be placed in a minimal root (it overlaps the sandbox's own
+    paths)."""
 
 
 @dataclass(frozen=True)
 class Mount:
-    kind: str  # "ro" (read-only bind of `source`), "copy" (of directory `source`, read-only), "symlink"
+    # "ro" (read-only bind of `source`), "copy" (of directory `source`, read-only), "symlink"
+    kind: str
     # (to `source`), "tmpfs", "dir", "proc", "dev"
     target: str
     source: str = ""
@@ -57,7 +61,8 @@ def _inside(path: str, tree: str) -> bool:
 
 
 def _library_dirs(executable: str) -> list[str]:
-    """Directories of the shared libraries of the interpreter and its lib-dynload extensions (ldd)."""
+    """Directories of the shared libraries of the interpreter and its lib-dynload extensions
+    (ldd)."""
     ldd = shutil.which("ldd")
     if not ldd:
         return []
@@ -76,7 +81,8 @@ def _library_dirs(executable: str) -> list[str]:
 
 
 def hidden_from_others(path: str) -> bool:
-    """Whether a directory on `path` cannot be traversed by other users (the `none` backend's uid drop)."""
+    """Whether a directory on `path` cannot be traversed by other users (the `none` backend's uid
+    drop)."""
     parts = path.strip(os.sep).split(os.sep)
     for i in range(1, len(parts)):
         try:
@@ -88,7 +94,8 @@ def hidden_from_others(path: str) -> bool:
 
 
 def user_sites() -> list[str]:
-    """The user site directory, when this process uses one (the sandbox adds it with site.addsitedir)."""
+    """The user site directory, when this process uses one (the sandbox adds it with
+    site.addsitedir)."""
     if not site.ENABLE_USER_SITE:
         return []
     d = site.getusersitepackages()
@@ -109,9 +116,11 @@ def python_paths() -> tuple[str, ...]:
     paths = {os.path.normpath(q) for p in paths if os.path.isdir(p) for q in (p, os.path.realpath(p))}
     covered = [os.path.realpath(d) for d in SYSTEM_DIRS if os.path.isdir(d)]
 
-    def needed(p: str) -> bool:  # not already visible through a bind of a parent on the same file system
+    # not already visible through a bind of a parent on the same file system
+    def needed(p: str) -> bool:
         dev, real = os.stat(p).st_dev, os.path.realpath(p)
-        in_system = any(_inside(p, d) for d in SYSTEM_DIRS)  # /lib/x86_64-linux-gnu, via the /lib symlink
+        # /lib/x86_64-linux-gnu, via the /lib symlink
+        in_system = any(_inside(p, d) for d in SYSTEM_DIRS)
         if in_system and any(_inside(real, q) and os.stat(q).st_dev == dev for q in covered):
             return False
         return not any(q != p and _inside(p, q) and os.stat(q).st_dev == dev for q in paths)
@@ -127,7 +136,8 @@ def plan(code_dir: str, tmpfs_bytes: int) -> list[Mount]:
             mounts.append(Mount("symlink", d, os.readlink(d)))
         elif os.path.isdir(d):
             mounts.append(Mount("ro", d, d))
-    for f in ETC_FILES:  # a link to a file under /usr (zoneinfo) stays a link: no bind of a host path
+    # a link to a file under /usr (zoneinfo) stays a link: no bind of a host path
+    for f in ETC_FILES:
         real = os.path.realpath(f)
         if os.path.exists(f):
             under_usr = os.path.islink(f) and _inside(real, "/usr") and not os.path.islink("/usr")
@@ -147,7 +157,8 @@ def plan(code_dir: str, tmpfs_bytes: int) -> list[Mount]:
 
 
 def _copy_bytes(directory: str) -> int:
-    """A tmpfs size that holds a copy of the files in `directory` (whole pages, plus room for inodes)."""
+    """A tmpfs size that holds a copy of the files in `directory` (whole pages, plus room for
+    inodes)."""
     sizes = [os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)]
     return sum(-(-n // 4096) * 4096 for n in sizes) + (64 << 10)
 
@@ -156,9 +167,9 @@ _NO_FS = object()  # `_mount_commands`: the mount makes no file system (a direct
 
 
 def _mount_commands(m: Mount, t: str, work_owner: int | None):
-    """The sh commands that mount `m` at `t` (quoted), each with the file system to populate right after
-    it (or None), and what the new file system needs created on it: (directories, files) for a fresh
-    one, None for an existing tree (a bind, a copy), _NO_FS when no file system is mounted."""
+    """The sh commands that mount `m` at `t` (quoted), each with the file system to populate right
+    after it (or None), and what the new file system needs created on it: (directories, files) for a
+    fresh one, None for an existing tree (a bind, a copy), _NO_FS when no file system is mounted."""
     q = shlex.quote
     if m.kind == "ro":
         return [(f"mount --bind -o ro,nosuid,nodev {q(m.source)} {t}", None)], None
@@ -194,7 +205,8 @@ def shell_script(mounts: list[Mount], new_root: str, work_owner: int | None) -> 
     def at(path: str) -> str:
         return q(new_root + path)
 
-    # file systems we mount -> (directories, files) to create on them; None: an existing tree (a bind)
+    # file systems we mount -> (directories, files) to create on them; None: an existing tree (a
+    # bind)
     fresh: dict[str, tuple[list[str], list[str]] | None] = {"/": ([], [])}
     steps: list[tuple[str, str | None]] = []  # (command, file system to populate right after it)
     for m in mounts:

@@ -1,22 +1,24 @@
 """A seccomp filter for sandboxed code: the kernel surface a judge never needs is denied.
 
-Namespaces do not isolate everything: kernel keyrings are per uid (a key `add_key`ed into `@u` by one
-run was read back by the next run of the same uid), and user namespaces let code become uid 0 of a
-namespace of its own and mount file systems there (a much wider kernel surface). So, as nsjail-style
-judges and Docker's default profile do, every sandboxed process runs under a filter that denies:
+Namespaces do not isolate everything: kernel keyrings are per uid (a key `add_key`ed into `@u` by
+one run was read back by the next run of the same uid), and user namespaces let code become uid 0 of
+a namespace of its own and mount file systems there (a much wider kernel surface). So, as
+nsjail-style judges and Docker's default profile do, every sandboxed process runs under a filter
+that denies:
 
 - keyrings: `add_key`, `keyctl`, `request_key`;
-- new namespaces: `unshare` and `clone` with CLONE_NEWUSER, `setns`; `clone3` answers ENOSYS (its flags
-  live in memory a classic-BPF filter cannot read), so glibc falls back to `clone`;
+- new namespaces: `unshare` and `clone` with CLONE_NEWUSER, `setns`; `clone3` answers ENOSYS (its
+  flags live in memory a classic-BPF filter cannot read), so glibc falls back to `clone`;
 - mounts (`mount`, `umount2`, `pivot_root`, the new mount API), `ptrace` and `process_vm_*`, `bpf`,
   `perf_event_open`, `userfaultfd`, io_uring, module and kexec loading, `reboot`, swap, `acct`,
   file handles (`open_by_handle_at`).
 
-Denied calls fail with EPERM (ENOSYS for `clone3`). A call made through another ABI (`int 0x80`'s i386
-table on x86_64, whose numbers differ, or the x32 ABI) kills the process: the filter checks the audit
-architecture first, as every hand-built filter must. The program is classic BPF built here, with the
-syscall numbers of x86_64 and aarch64 written out (tests check them against the kernel's headers); on
-another architecture `program()` is None and the sandbox runs without a filter, with a warning.
+Denied calls fail with EPERM (ENOSYS for `clone3`). A call made through another ABI (`int 0x80`'s
+i386 table on x86_64, whose numbers differ, or the x32 ABI) kills the process: the filter checks the
+audit architecture first, as every hand-built filter must. The program is classic BPF built here,
+with the syscall numbers of x86_64 and aarch64 written out (tests check them against the kernel's
+headers); on another architecture `program()` is None and the sandbox runs without a filter, with a
+warning.
 
 Why not libseccomp: its Python bindings are Debian's `python3-seccomp` (importable only by Debian's
 own interpreter, not a venv's or conda's) or the small `pyseccomp` ctypes wrapper, and it would need

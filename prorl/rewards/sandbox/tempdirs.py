@@ -1,11 +1,11 @@
 """Private temporary directories that are removed even when their owner is SIGKILLed.
 
 Each directory is created with an exclusive `flock` held on it for as long as its owner lives: the
-process that made it, or the child it handed the descriptor to (a reward worker). A later start calls
-`remove_stale` to delete the ones nobody holds any more. A lock, not a pid, tells whether the owner is
-alive: it cannot be confused by a reused pid or by a run in another PID namespace sharing /tmp. A
-directory whose lock is free is still kept while a process has it as TMPDIR (a run of a version that
-did not lock its directories).
+process that made it, or the child it handed the descriptor to (a reward worker). A later start
+calls `remove_stale` to delete the ones nobody holds any more. A lock, not a pid, tells whether the
+owner is alive: it cannot be confused by a reused pid or by a run in another PID namespace sharing
+/tmp. A directory whose lock is free is still kept while a process has it as TMPDIR (a run of a
+version that did not lock its directories).
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ import time
 def make_locked(prefix: str, parent: str | None = None) -> tuple[str, int]:
     """A new directory `<parent>/<prefix>XXXXXXXX` (mode 0700) and a descriptor holding its lock.
 
-    The lock lives until every copy of the descriptor is closed (close it, or let the process die)."""
+    The lock lives until every copy of the descriptor is closed (close it, or let the process
+    die)."""
     parent = parent or tempfile.gettempdir()
     # made under a hidden name and renamed once locked, so `remove_stale` never sees it unlocked
     staging = tempfile.mkdtemp(prefix="." + prefix, dir=parent)
@@ -35,8 +36,8 @@ def make_locked(prefix: str, parent: str | None = None) -> tuple[str, int]:
 def remove_stale(prefix: str, parent: str | None = None, min_age_s: float = 0.0) -> list[str]:
     """Delete this user's `<parent>/<prefix>*` directories whose lock nobody holds; returns them.
 
-    min_age_s: keep directories modified more recently (for short-lived ones that older versions made
-    without a lock and use as neither TMPDIR nor anything else a scan could see)."""
+    min_age_s: keep directories modified more recently (for short-lived ones that older versions
+    made without a lock and use as neither TMPDIR nor anything else a scan could see)."""
     parent = parent or tempfile.gettempdir()
     removed, in_use = [], None
     try:
