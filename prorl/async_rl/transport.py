@@ -74,10 +74,12 @@ def take(store, key: str, timeout_s: float, what: str, delete: bool = True, aliv
 
 
 class Heartbeat:
-    """A thread bumping a counter under `key` every HEARTBEAT_S until `stop` (module docstring)."""
+    """A thread bumping a counter under `key` every HEARTBEAT_S until `stop` (module docstring), while
+    `healthy()` (None: always) says the process makes progress."""
 
-    def __init__(self, store, key: str, every_s: float = HEARTBEAT_S):
+    def __init__(self, store, key: str, every_s: float = HEARTBEAT_S, healthy=None):
         self.store, self.key, self.every_s, self.done = store, key, every_s, threading.Event()
+        self.healthy = healthy
         put(store, key, 0)
         self.thread = threading.Thread(target=self._loop, name=f"prorl-{key}", daemon=True)
         self.thread.start()
@@ -85,6 +87,8 @@ class Heartbeat:
     def _loop(self) -> None:
         beat = 0
         while not self.done.wait(self.every_s):
+            if self.healthy is not None and not self.healthy():
+                continue  # a hung main thread: the other side sees the counter stop
             beat += 1
             try:
                 put(self.store, self.key, beat)

@@ -57,7 +57,9 @@ class RolloutWorker:
 
     def __init__(self, cfg, roles: Roles, model_path: str, tokenizer, examples, pool):
         self.cfg, self.roles = cfg, roles
-        self.heartbeat = transport.Heartbeat(roles.store, f"alive/rollout/{roles.index}")  # trainers watch
+        self.progress: float | None = None  # while sampling: when a round's generation or scoring began
+        key = f"alive/rollout/{roles.index}"  # the trainers watch it
+        self.heartbeat = transport.Heartbeat(roles.store, key, healthy=self.healthy)
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         attention = None if cfg.model.attention == "auto" else cfg.model.attention
         device = dist_info().device
@@ -70,6 +72,28 @@ class RolloutWorker:
         self.weights = transport.WeightReceiver(roles.store, roles.push, self.model, roles.timeout_s)
         self.engine_check = None  # vLLM: the last post-sync probe report
         self.slices = [s for s in slices(cfg.trainer.prompts_per_step, roles.trainers, r) if s[0] == j]
+        self.watch_sampler()
+
+    def healthy(self) -> bool:
+        """False once one round's generation or scoring has run past this side's collective timeout
+        (one sampling round's bound, prorl/config.py): the heartbeat stops, and the trainers end the run
+        (exit 8) about HEARTBEAT_STALE_S later instead of after every round's timeout."""
+        since = self.progress
+        return since is None or time.monotonic() - since <= self.roles.timeout_s
+
+    def watch_sampler(self) -> None:
+        """Mark progress at each start and end of the sampler's generation and scoring calls."""
+        for name in ("rollout", "verify"):
+            call = getattr(self.sampler, name)
+
+            def watched(*args, _call=call, **kwargs):
+                self.progress = time.monotonic()
+                try:
+                    return _call(*args, **kwargs)
+                finally:
+                    self.progress = time.monotonic()
+
+            setattr(self.sampler, name, watched)
 
     def _generator(self, model_path: str, dtype, device):
         """The native sampler on the received model itself, or a vLLM engine beside it: the model then
@@ -144,7 +168,11 @@ class RolloutWorker:
         )
         t0, sampler.reward_time = time.perf_counter(), 0.0
         need = cfg.trainer.prompts_per_step // self.roles.rollouts
-        groups = sampler.collect(need, max_new, step, acc)
+        self.progress = time.monotonic()
+        try:
+            groups = sampler.collect(need, max_new, step, acc)
+        finally:
+            self.progress = None
         timing = {"gen": time.perf_counter() - t0 - sampler.reward_time, "reward": sampler.reward_time}
         for i, g in enumerate([*groups, *sampler.carry]):
             if g.uid is None:

@@ -542,3 +542,42 @@ def test_a_vllm_engine_that_does_not_follow_the_push_is_a_lost_rollout():
     w.weights = SimpleNamespace(receive=lambda: None, stopped=False, params={}, version=3)
     with pytest.raises(transport.RolloutLost, match="version 3: rms gap 0.3"):
         w.receive()
+
+
+def test_a_rollout_hung_in_one_round_stops_its_heartbeat():
+    """A round's generation (or scoring) running past one round's timeout stops the rollout's heartbeat
+    (the trainers then end the run within HEARTBEAT_STALE_S, not after every round's timeout); rounds
+    each within it do not."""
+    seen = []
+
+    class Sampler(_Sampler):
+        def rollout(self, seconds):
+            time.sleep(seconds)
+            seen.append(w.healthy())
+
+        def verify(self, groups, acc):
+            pass
+
+        def collect(self, need, max_new, step, acc):
+            time.sleep(0.4)  # choosing prompts, a collective: the bound is timed from each call
+            self.rollout(0.3)  # two rounds of 0.3 s each: within the 0.6 s bound
+            self.rollout(0.3)
+            self.rollout(1.2)  # a hung round
+            return super().collect(need, max_new, step, acc)
+
+    w = _worker(2, [], {})
+    w.roles.timeout_s, w.sampler = 0.6, Sampler([])
+    w.watch_sampler()
+    w.produce(3, waited=0.0)
+    assert seen == [True, True, False]
+    time.sleep(0.7)
+    assert w.healthy()  # between steps (waiting for a push): no round to time
+    store, state = _Store(), {"ok": True}
+    beat = transport.Heartbeat(store, "alive/rollout/0", every_s=0.01, healthy=lambda: state["ok"])
+    time.sleep(0.2)
+    state["ok"] = False
+    time.sleep(0.05)
+    stalled = transport.take(store, "alive/rollout/0", 1.0, "beat", delete=False)
+    time.sleep(0.2)
+    assert stalled > 0 and transport.take(store, "alive/rollout/0", 1.0, "beat") == stalled
+    beat.stop()
