@@ -4,12 +4,13 @@
     groups, timing = remote.take(step, acc)   # this trainer's slice of step s, sampled with v >= s - k
     remote.push(policy, dtype, version)       # after each update (every trainer: collective under FSDP)
 
-`take` checks every batch against the bound (s - v <= steps_ahead, else RolloutLost: never trained on) and
-against the trainers' own checksum of version v (the rollout's weights are the version it reports), adds
-the rollout ranks' sampling metrics to this step's, and keeps the newest sampler state of the rollout
-ranks whose metrics it carries, which the checkpoint saves (`state_dict`). Groups sampled for later steps
-and not yet taken when a run stops are dropped (counted at `close`): a resumed run's rollout ranks start
-from the state that produced the last trained step, so no group is trained twice.
+`take` checks every batch and every group in it against the bound (s - v <= steps_ahead and v <= s,
+else RolloutLost: never trained on) and against the trainers' own checksum of version v (the rollout's
+weights are the version it reports), adds the rollout ranks' sampling metrics to this step's, and keeps
+the newest sampler state of the rollout ranks whose metrics it carries, which the checkpoint saves
+(`state_dict`). Once the last step's batch is taken the rollout ranks are told to stop. Groups sampled
+for later steps and not yet taken when a run stops are dropped (counted at `close`): a resumed run's
+rollout ranks start from the state that produced the last trained step, so no group is trained twice.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import os
 import time
 
 from prorl.async_rl import transport
-from prorl.async_rl.roles import Roles
+from prorl.async_rl.roles import Roles, timeouts
 from prorl.async_rl.worker import batch_key, slices
-from prorl.config import Config, collective_timeout_s
+from prorl.config import Config
 from prorl.engine.parallel import iter_full_tensors
 from prorl.metrics import StepAccumulator
 
@@ -36,9 +37,14 @@ class RemoteRollouts:
         self.checksums: dict[int, float] = {}
         self.states: dict[int, dict] = {}  # rollout rank -> newest sampler state received
         self.started, self.taken = False, -1
-        rounds = cfg.algorithm.max_rounds if cfg.algorithm.dynamic_sampling else 1
-        # the longest a batch may take: every sampling round of the rollout ranks (prorl/config.py)
-        self.timeout_s = collective_timeout_s(cfg, world=roles.rollouts) * rounds
+        # the longest a batch may take: every sampling round of the rollout ranks (prorl/config.py); a
+        # dead rollout rank is seen sooner, by its heartbeat
+        self.timeout_s = timeouts(cfg, roles.trainers, roles.rollouts)["step"]
+        self.heartbeat = transport.Heartbeat(roles.store, "alive/trainer") if rank == 0 else None
+        self.alive = [
+            transport.Liveness(roles.store, f"alive/rollout/{j}", f"rollout rank {j}", self.timeout_s)
+            for j in sorted({s[0] for s in self.slices})
+        ]
         self.trace = os.path.join(cfg.output_dir, f"async_trained.rank{rank}.jsonl")
         if rank == 0 and cfg.algorithm.is_mode == "none":
             print(
@@ -51,13 +57,23 @@ class RemoteRollouts:
     # -- weights ------------------------------------------------------------------------------------
     def push(self, policy, dtype, version: int, extra=None) -> None:
         """The policy's weights as `version` (completed updates) to the rollout ranks: every trainer
-        records their checksum, trainer 0 stages them for its push thread."""
-        named = [(name, t) for name, t in iter_full_tensors(policy, dtype)]
-        self.checksums[version] = transport.checksum(t for _, t in named)
+        records their checksum, trainer 0 stages them for its push thread. Tensor by tensor (as
+        iter_full_tensors gathers them): only trainer 0 keeps a host copy."""
+        total = transport.Checksum()
+
+        def named():
+            for name, t in iter_full_tensors(policy, dtype):
+                total.add(t)
+                yield name, t
+
+        if self.pusher is not None:
+            self.pusher.stage(version, named(), extra=extra)
+        else:
+            for _ in named():
+                pass
+        self.checksums[version] = total.value
         for old in [v for v in self.checksums if v < version - self.k - 1]:
             del self.checksums[old]
-        if self.pusher is not None:
-            self.pusher.stage(version, named, extra=extra)
 
     def start(self, policy, dtype, step: int) -> None:
         """The first push (the weights the run starts or resumes from), with the rollout ranks' saved
@@ -79,10 +95,12 @@ class RemoteRollouts:
         queued = self.queued(step)
         for j, t, _, _ in self.slices:
             what = f"groups of step {step + 1} from rollout rank {j}"
-            message = transport.take(self.roles.store, batch_key(step, j, t), self.timeout_s, what)
+            key = batch_key(step, j, t)
+            message = transport.take(self.roles.store, key, self.timeout_s, what, alive=self.alive)
             version = message["version"]
-            if step - version > self.k or version > step:
-                raise transport.RolloutLost(f"{what} were sampled with weights of version {version}")
+            for v in {version, *(g.version for g in message["groups"])}:
+                if step - v > self.k or v > step:
+                    raise transport.RolloutLost(f"{what} hold groups sampled with weights of version {v}")
             for g in message["groups"]:
                 g.old_logps = None  # pi_old is the trainer's own (recomputed before the update)
                 acc.sum("async_staleness", step - g.version)
@@ -103,6 +121,8 @@ class RemoteRollouts:
         acc.sum("async_queue_groups", queued)
         acc.max("async_wait_trainer", waited)
         self.taken = step
+        if step + 1 >= self.cfg.trainer.total_steps:  # the last batch: the rollout ranks may go now
+            self.stop_rollouts()
         self._trace(step, groups)
         wait = time.perf_counter() - t0
         return groups, {"timing_s/gen": gen, "timing_s/reward": reward, "timing_s/wait_rollout": wait}
@@ -147,5 +167,10 @@ class RemoteRollouts:
                 f"{self.taken + 1} dropped (never trained)",
                 flush=True,
             )
+        self.stop_rollouts()
+
+    def stop_rollouts(self) -> None:
         if self.pusher is not None:
             self.pusher.close()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()

@@ -40,7 +40,7 @@ class Roles:
     rollouts: int
     store: object  # the job's store under STORE_PREFIX
     push: object | None  # gloo group of trainer 0 + the rollout ranks (None on the other trainers)
-    timeout_s: float
+    timeout_s: float  # this side's own collective timeout (`timeouts`)
 
     @property
     def is_rollout(self) -> bool:
@@ -102,6 +102,16 @@ def check_async(cfg: Config, world: int, torchrun: bool) -> None:
         )
 
 
+def timeouts(cfg: Config, trainers: int, rollouts: int) -> dict[str, float]:
+    """Seconds: `train` and `rollout`, each side's own collectives (a sampling round of its own world,
+    prorl/config.py); `step`, the longest one rollout step may take (every round of dynamic sampling):
+    the push group's (its root waits for rollout ranks that join only between steps) and the trainers'
+    wait for a batch (prorl/async_rl/remote.py)."""
+    rounds = cfg.algorithm.max_rounds if cfg.algorithm.dynamic_sampling else 1
+    rollout = collective_timeout_s(cfg, world=rollouts)
+    return {"train": collective_timeout_s(cfg, world=trainers), "rollout": rollout, "step": rollout * rounds}
+
+
 def init_async(cfg: Config, backend: str) -> Roles:
     """Split the torchrun job (module docstring): each side's default process group, the push group and
     the store. Returns this process's Roles (also `roles()`)."""
@@ -111,9 +121,10 @@ def init_async(cfg: Config, backend: str) -> Roles:
     trainers = world - r
     rollout = rank >= trainers
     store, _, _ = next(dist.rendezvous("env://"))
-    timeout_s = collective_timeout_s(cfg, world=trainers)
-    timeout = datetime.timedelta(seconds=timeout_s)
     side = "rollout" if rollout else "train"
+    limits = timeouts(cfg, trainers, r)
+    timeout_s = limits[side]
+    timeout = datetime.timedelta(seconds=timeout_s)
     device_id = None
     if "nccl" in backend:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
@@ -130,7 +141,10 @@ def init_async(cfg: Config, backend: str) -> Roles:
     push = None
     if rank == 0 or rollout:  # trainer 0 is the push group's rank 0
         push_store = dist.PrefixStore("prorl/push/", store)
-        push = dist.ProcessGroupGloo(push_store, rank - trainers + 1 if rollout else 0, r + 1, timeout)
-    store = dist.PrefixStore(STORE_PREFIX, store)
+        step = datetime.timedelta(seconds=limits["step"])
+        push = dist.ProcessGroupGloo(push_store, rank - trainers + 1 if rollout else 0, r + 1, step)
+    # a torchrun restart reuses the store: its attempt's keys (stop, pushes, batches) start afresh
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"{STORE_PREFIX}{attempt}/", store)
     _ROLES[:] = [Roles(rank, world, trainers, r, store, push, timeout_s)]
     return _ROLES[0]

@@ -29,7 +29,7 @@ from prorl.async_rl.roles import Roles
 from prorl.data import stop_token_ids
 from prorl.engine.model import load_hf
 from prorl.engine.parallel import all_reduce, dist_info
-from prorl.engine.rollout import build_generator, resolve_backend
+from prorl.engine.rollout import StaleWeightsError, build_generator, resolve_backend
 from prorl.metrics import StepAccumulator
 from prorl.sampling import GroupSampler
 
@@ -57,6 +57,9 @@ class RolloutWorker:
 
     def __init__(self, cfg, roles: Roles, model_path: str, tokenizer, examples, pool):
         self.cfg, self.roles = cfg, roles
+        self.progress: float | None = None  # while sampling: when a round's generation or scoring began
+        key = f"alive/rollout/{roles.index}"  # the trainers watch it
+        self.heartbeat = transport.Heartbeat(roles.store, key, healthy=self.healthy)
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         attention = None if cfg.model.attention == "auto" else cfg.model.attention
         device = dist_info().device
@@ -69,6 +72,28 @@ class RolloutWorker:
         self.weights = transport.WeightReceiver(roles.store, roles.push, self.model, roles.timeout_s)
         self.engine_check = None  # vLLM: the last post-sync probe report
         self.slices = [s for s in slices(cfg.trainer.prompts_per_step, roles.trainers, r) if s[0] == j]
+        self.watch_sampler()
+
+    def healthy(self) -> bool:
+        """False once one round's generation or scoring has run past this side's collective timeout
+        (one sampling round's bound, prorl/config.py): the heartbeat stops, and the trainers end the run
+        (exit 8) about HEARTBEAT_STALE_S later instead of after every round's timeout."""
+        since = self.progress
+        return since is None or time.monotonic() - since <= self.roles.timeout_s
+
+    def watch_sampler(self) -> None:
+        """Mark progress at each start and end of the sampler's generation and scoring calls."""
+        for name in ("rollout", "verify"):
+            call = getattr(self.sampler, name)
+
+            def watched(*args, _call=call, **kwargs):
+                self.progress = time.monotonic()
+                try:
+                    return _call(*args, **kwargs)
+                finally:
+                    self.progress = time.monotonic()
+
+            setattr(self.sampler, name, watched)
 
     def _generator(self, model_path: str, dtype, device):
         """The native sampler on the received model itself, or a vLLM engine beside it: the model then
@@ -96,8 +121,13 @@ class RolloutWorker:
         self.weights.receive()
         if not self.weights.stopped and hasattr(self.generator, "calibrate"):
             params = list(self.weights.params.items())
-            # the engine's post-sync probe against the model (raises StaleWeightsError if it lags)
-            self.engine_check = self.generator.update_weights(params, reference=self.model)
+            try:  # the engine's post-sync probe against the model
+                self.engine_check = self.generator.update_weights(params, reference=self.model)
+            except StaleWeightsError as exc:  # the documented exit 8, not a crash
+                raise transport.RolloutLost(
+                    f"rollout rank {self.roles.index}: the vLLM engine does not follow the weights of "
+                    f"version {self.weights.version}: {exc}"
+                ) from exc
 
     def run(self) -> int:
         """Serve until the trainers say stop; returns the exit code (0)."""
@@ -112,6 +142,8 @@ class RolloutWorker:
         while step < self.cfg.trainer.total_steps:
             t0 = time.perf_counter()
             target = int(all_reduce(float(w.visible()), "max", what="the weight pushes announced"))
+            if self.roles.index == 0:  # every rollout rank has taken the pushes before w.next
+                w.release()
             while w.next < target and not w.stopped:
                 self.receive()
             while not w.stopped and w.version < step - k:
@@ -136,7 +168,11 @@ class RolloutWorker:
         )
         t0, sampler.reward_time = time.perf_counter(), 0.0
         need = cfg.trainer.prompts_per_step // self.roles.rollouts
-        groups = sampler.collect(need, max_new, step, acc)
+        self.progress = time.monotonic()
+        try:
+            groups = sampler.collect(need, max_new, step, acc)
+        finally:
+            self.progress = None
         timing = {"gen": time.perf_counter() - t0 - sampler.reward_time, "reward": sampler.reward_time}
         for i, g in enumerate([*groups, *sampler.carry]):
             if g.uid is None:

@@ -2,6 +2,8 @@
 the split of a step's groups between rollout and trainer ranks, the weight checksum and its check, and the
 async metrics. The multi-rank runs are tests/preset/test_async.py."""
 
+import time
+
 import pytest
 import torch
 from prorl.kernels import ppo_loss
@@ -12,7 +14,7 @@ from prorl.async_rl.remote import RemoteRollouts
 from prorl.async_rl.roles import check_async
 from prorl.async_rl.worker import slices
 from prorl.config import ConfigError, load_config
-from prorl.metrics import async_metrics
+from prorl.metrics import StepAccumulator, async_metrics
 from prorl.sampling import Group
 
 
@@ -266,3 +268,316 @@ def test_a_push_costs_the_trainer_the_copy_only_and_the_newest_version_wins():
     assert headers[0]["extra"] == {0: "resume state"} and headers[1]["extra"] is None
     sent = [b.view(torch.float32) for b in pg.sent]
     torch.testing.assert_close(sent, [weights[0][0][1], weights[2][0][1]], rtol=0, atol=0)
+
+
+# -- the reviewer's findings (issue 27) ----------------------------------------------------------
+
+
+def test_each_side_times_out_on_its_own_world_and_the_push_on_every_round():
+    """collective_timeout_s's documented rule: 600 s + 0.1 s per response token + ceil(round samples /
+    reward workers) x reward.timeout_s, a round being ceil(prompts per rank x oversample) x rollout.n."""
+    import math
+
+    from prorl.async_rl.roles import timeouts
+
+    c = cfg(
+        "trainer.prompts_per_step=48", "rollout.n=4", "rollout.max_response_tokens=1000",
+        "reward.num_workers=2", "reward.timeout_s=10", "algorithm.dynamic_sampling=true",
+        "algorithm.oversample=1.5", "algorithm.max_rounds=5",
+    )  # fmt: skip
+
+    def rule(world):
+        return 600 + 0.1 * 1000 + math.ceil(math.ceil(48 // world * 1.5) * 4 / 2) * 10
+
+    got = timeouts(c, trainers=6, rollouts=2)
+    assert got == {"train": rule(6), "rollout": rule(2), "step": 5 * rule(2)}
+    assert rule(6) != rule(2)
+
+
+class _FailingGroup:
+    """A push group whose broadcast fails (the root left); `before` runs first."""
+
+    def __init__(self, before=None):
+        self.before, self.calls = before, 0
+
+    def broadcast(self, tensors, opts):
+        self.calls += 1
+        if self.before is not None:
+            self.before()
+        raise RuntimeError("Connection closed by peer")
+
+
+def _receiver(store, pg=None, startup_s=5.0, stale_s=5.0):
+    model = torch.nn.Linear(2, 1, bias=False)
+    return transport.WeightReceiver(store, pg, model, startup_s=startup_s, stale_s=stale_s)
+
+
+def _header(version, layout=(), stop=False):
+    return {"version": version, "stop": stop, "extra": None, "layout": list(layout)}
+
+
+def test_a_stop_while_a_push_is_stuck_ends_the_rollout_cleanly():
+    """SIGTERM while the rollout is mid-step: the trainer gives up on the stuck push and exits; the
+    rollout then joins the announced push, finds its root gone, and stops (exit 0), as it stops at
+    once when no push is announced."""
+    store, pg = _Store(), _BlockingGroup()  # the rollout is mid-step: the push thread blocks
+    pusher = transport.WeightPusher(store, pg)
+    pusher.stage(0, [("weight", torch.zeros(1, 2))])
+    for _ in range(100):
+        if store.check(["push/0"]):
+            break
+        time.sleep(0.01)
+    pusher.close(timeout_s=0.05)  # gives up on the stuck thread
+    assert store.check([transport.STOP_KEY])
+    failing = _FailingGroup()  # the trainer has exited: the broadcast breaks
+    receiver = _receiver(store, failing)
+    receiver.receive()
+    assert receiver.stopped and failing.calls == 1
+    pg.release.set()
+    store.delete_key("push/0")
+    receiver = _receiver(store, failing)
+    receiver.receive()  # nothing announced: the stop key alone
+    assert receiver.stopped and failing.calls == 1
+
+
+def test_a_broadcast_whose_root_left_is_a_stop_only_when_the_trainers_said_stop():
+    layout = [[("weight", (1, 2), torch.float32)]]
+    store = _Store()
+    transport.put(store, "push/0", _header(0, layout))
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        _receiver(store, _FailingGroup()).receive()
+    pg = _FailingGroup(before=lambda: transport.put(store, transport.STOP_KEY, True))
+    receiver = _receiver(store, pg)
+    receiver.receive()
+    assert receiver.stopped and pg.calls == 1
+
+
+def test_a_heartbeat_that_stops_moving_is_a_lost_peer(monkeypatch):
+    monkeypatch.setattr(transport.Liveness, "look_s", 0.0)
+    store = _Store()
+    never = transport.Liveness(store, "alive/rollout/0", "rollout rank 0", startup_s=0.2, stale_s=0.2)
+    never.check("batch")  # still starting
+    t0 = time.monotonic()
+    with pytest.raises(transport.RolloutLost, match=r"rollout rank 0 sent no heartbeat .*\(never started\)"):
+        transport.take(store, "batch/0/0/0", 30.0, "batch", alive=[never])
+    assert time.monotonic() - t0 < 5.0  # not the 30 s bound
+    beat = transport.Heartbeat(store, "alive/trainer", every_s=0.02)
+    live = transport.Liveness(store, "alive/trainer", "trainer rank 0", startup_s=0.2, stale_s=0.2)
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.6:  # three times the staleness: the counter moves
+        live.check("push")
+        time.sleep(0.01)
+    beat.stop()
+    with pytest.raises(transport.RolloutLost, match=r"trainer rank 0 sent no heartbeat .*\(dead\)"):
+        while time.monotonic() - t0 < 5.0:
+            live.check("push")
+            time.sleep(0.01)
+
+
+def test_a_rollout_waits_for_a_push_as_long_as_the_trainer_beats(monkeypatch):
+    """Validation, a checkpoint save or val_before_train before the next push: no timeout while trainer
+    rank 0's heartbeat moves, however long (here 4 x the staleness and the start-up allowance)."""
+    import threading
+
+    monkeypatch.setattr(transport.Liveness, "look_s", 0.0)
+    store = _Store()
+    beat = transport.Heartbeat(store, "alive/trainer", every_s=0.02)
+    timer = threading.Timer(0.8, lambda: transport.put(store, "push/0", _header(4)))
+    timer.start()
+    receiver = _receiver(store, startup_s=0.2, stale_s=0.2)
+    receiver.receive()
+    beat.stop()
+    timer.join()
+    assert receiver.version == 4 and not receiver.stopped
+
+
+def test_push_headers_are_deleted_once_every_rollout_rank_took_them():
+    from types import SimpleNamespace
+
+    from prorl.async_rl.worker import RolloutWorker
+
+    store = _Store()
+    for i, header in enumerate([_header(0), _header(1), _header(-1, stop=True)]):
+        transport.put(store, f"push/{i}", header)
+    receiver = _receiver(store)
+    receiver.receive()
+    receiver.receive()
+    receiver.release()
+    assert not store.check(["push/0"]) and not store.check(["push/1"]) and store.check(["push/2"])
+    # the rollout loop releases them (rollout index 0, after the all-reduce of the announced pushes)
+    for i, header in enumerate([_header(0), _header(1), _header(-1, stop=True)]):
+        transport.put(store, f"push/{i}", header)
+    w = RolloutWorker.__new__(RolloutWorker)
+    w.cfg = cfg("rollout.async.steps_ahead=1", "trainer.total_steps=3")
+    w.roles = SimpleNamespace(index=0, rollouts=1, trainers=1, store=store)
+    w.weights, w.generator = _receiver(store), object()
+    w.produce = lambda step, waited: None
+    assert w.run() == 0
+    assert not store.check(["push/0"])
+
+
+def test_checksum_is_the_position_weighted_float64_sum_in_chunks(monkeypatch):
+    monkeypatch.setattr(transport, "CHECKSUM_CHUNK", 700)
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(50, 50, generator=gen), torch.randn(3, generator=gen).bfloat16()]
+    expected = 0.0
+    for i, t in enumerate(tensors):  # the rule, element by element position: p % 1009 + 1 + i
+        flat = t.reshape(-1).double()
+        expected += sum(float(x) * (p % 1009 + 1 + i) for p, x in enumerate(flat.tolist()))
+    assert transport.same_checksum(transport.checksum(tensors), expected)
+
+
+def test_a_push_holds_one_full_tensor_at_a_time(monkeypatch):
+    """Every trainer records the checksum as the full tensors are gathered, none keeps a list of them;
+    trainer 0's pusher receives them one at a time too."""
+    import gc
+    import weakref
+
+    from prorl.async_rl import remote as remote_module
+
+    alive, made = [], []
+
+    def full_tensors(policy, dtype):
+        for i in range(6):
+            gc.collect()
+            alive.append(sum(r() is not None for r in made))
+            t = torch.full((4,), float(i))
+            made.append(weakref.ref(t))
+            yield f"w{i}", t
+
+    monkeypatch.setattr(remote_module, "iter_full_tensors", full_tensors)
+    r = RemoteRollouts.__new__(RemoteRollouts)
+    r.k, r.checksums, r.pusher = 1, {}, None
+    r.push(None, torch.float32, 3)
+    assert max(alive) <= 1  # at most the previous tensor, still bound while the next is made
+    reference = transport.checksum([torch.full((4,), float(i)) for i in range(6)])
+    assert transport.same_checksum(r.checksums[3], reference)
+    store, pg = _Store(), _BlockingGroup()
+    pg.release.set()
+    r.pusher, alive[:], made[:] = transport.WeightPusher(store, pg), [], []
+    r.push(None, torch.float32, 4)
+    assert max(alive) <= 1
+    for _ in range(200):  # until the push thread has sent it
+        if pg.sent:
+            break
+        time.sleep(0.01)
+    r.pusher.close()
+    sent = pg.sent[0].view(torch.float32)
+    torch.testing.assert_close(sent, torch.arange(6.0).repeat_interleave(4), rtol=0, atol=0)
+
+
+def _remote(tmp_path, checksums, total_steps=10):
+    from types import SimpleNamespace
+
+    r = RemoteRollouts.__new__(RemoteRollouts)
+    r.cfg = cfg(f"trainer.total_steps={total_steps}", "rollout.async.steps_ahead=1")
+    r.roles, r.rank, r.k = SimpleNamespace(store=_Store()), 0, 1
+    r.slices, r.timeout_s, r.alive = [(0, 0, 0, 2)], 1.0, []
+    r.checksums, r.states, r.taken = checksums, {}, -1
+    r.trace, r.pusher, r.heartbeat = str(tmp_path / "trace.jsonl"), None, None
+    return r
+
+
+def _batch(version, group_versions, checksum):
+    groups = [
+        Group(i, [1], [[2]], [[-0.5]], [False], version=v, uid=f"u{i}") for i, v in enumerate(group_versions)
+    ]
+    return {"groups": groups, "version": version, "checksum": checksum, "engine_rms": None}
+
+
+@pytest.mark.parametrize(
+    "version, group_versions, words",
+    [
+        (3, [3, 3], None),
+        (3, [3, 2], "version 2"),  # a carried group 2 updates old at step 4 (k = 1)
+        (3, [3, 5], "version 5"),  # a group from the future
+        (2, [2, 2], "version 2"),  # the batch itself out of bound
+        (3, [3, 3], "not version 3"),  # weights that are not the version reported
+    ],
+)
+def test_take_refuses_a_batch_out_of_bound_or_with_other_weights(tmp_path, version, group_versions, words):
+    weights = {v: [torch.full((3,), float(v))] for v in (2, 3)}
+    sums = {v: transport.checksum(w) for v, w in weights.items()}
+    r = _remote(tmp_path, dict(sums))
+    reported = sums[version] + (1.0 if words == "not version 3" else 0.0)
+    transport.put(r.roles.store, "batch/4/0/0", _batch(version, group_versions, reported))
+    acc = StepAccumulator()
+    if words is None:
+        groups, _ = r.take(4, acc)
+        assert [g.uid for g in groups] == ["u0", "u1"]
+        return
+    with pytest.raises(transport.RolloutLost, match=words):
+        r.take(4, acc)
+
+
+def test_the_rollouts_are_told_to_stop_once_the_last_batch_is_taken(tmp_path):
+    store, pg = _Store(), _BlockingGroup()
+    pg.release.set()
+    r = _remote(tmp_path, {4: transport.checksum([])}, total_steps=6)
+    r.roles.store, r.pusher = store, transport.WeightPusher(store, pg)
+    transport.put(store, "batch/4/0/0", _batch(4, [4, 4], r.checksums[4]))
+    r.take(4, StepAccumulator())
+    assert not store.check([transport.STOP_KEY])  # step 5 of 6: more to come
+    transport.put(store, "batch/5/0/0", _batch(4, [4, 4], r.checksums[4]))
+    r.take(5, StepAccumulator())
+    assert store.check([transport.STOP_KEY]) and transport.take(store, "push/0", 1.0, "stop")["stop"]
+
+
+def test_a_vllm_engine_that_does_not_follow_the_push_is_a_lost_rollout():
+    from types import SimpleNamespace
+
+    from prorl.engine.rollout import StaleWeightsError
+
+    from prorl.async_rl.worker import RolloutWorker
+
+    class Engine:
+        def calibrate(self, model):
+            pass
+
+        def update_weights(self, params, reference):
+            raise StaleWeightsError("rms gap 0.3 after the sync")
+
+    w = RolloutWorker.__new__(RolloutWorker)
+    w.roles, w.generator, w.model = SimpleNamespace(index=1), Engine(), None
+    w.weights = SimpleNamespace(receive=lambda: None, stopped=False, params={}, version=3)
+    with pytest.raises(transport.RolloutLost, match="version 3: rms gap 0.3"):
+        w.receive()
+
+
+def test_a_rollout_hung_in_one_round_stops_its_heartbeat():
+    """A round's generation (or scoring) running past one round's timeout stops the rollout's heartbeat
+    (the trainers then end the run within HEARTBEAT_STALE_S, not after every round's timeout); rounds
+    each within it do not."""
+    seen = []
+
+    class Sampler(_Sampler):
+        def rollout(self, seconds):
+            time.sleep(seconds)
+            seen.append(w.healthy())
+
+        def verify(self, groups, acc):
+            pass
+
+        def collect(self, need, max_new, step, acc):
+            time.sleep(0.4)  # choosing prompts, a collective: the bound is timed from each call
+            self.rollout(0.3)  # two rounds of 0.3 s each: within the 0.6 s bound
+            self.rollout(0.3)
+            self.rollout(1.2)  # a hung round
+            return super().collect(need, max_new, step, acc)
+
+    w = _worker(2, [], {})
+    w.roles.timeout_s, w.sampler = 0.6, Sampler([])
+    w.watch_sampler()
+    w.produce(3, waited=0.0)
+    assert seen == [True, True, False]
+    time.sleep(0.7)
+    assert w.healthy()  # between steps (waiting for a push): no round to time
+    store, state = _Store(), {"ok": True}
+    beat = transport.Heartbeat(store, "alive/rollout/0", every_s=0.01, healthy=lambda: state["ok"])
+    time.sleep(0.2)
+    state["ok"] = False
+    time.sleep(0.05)
+    stalled = transport.take(store, "alive/rollout/0", 1.0, "beat", delete=False)
+    time.sleep(0.2)
+    assert stalled > 0 and transport.take(store, "alive/rollout/0", 1.0, "beat") == stalled
+    beat.stop()

@@ -200,3 +200,24 @@ def test_vllm_preemptions_are_counted_per_call_and_the_cache_size_read():
         raise AssertionError("Stat logging disabled")
 
     assert _engine(disabled).preempted_since_last() == 0 and _engine(disabled).kv_capacity_tokens() is None
+
+
+def test_an_async_runs_trainer_ranks_do_not_check_training_rounds(preset, native_1_5b, monkeypatch):
+    """Async trainer ranks run the native sampler for validation only: the preset's training round on
+    2 x 8 GPUs (its 330.8 GiB of KV) must not refuse them; their rollout ranks still check it."""
+    from prorl.async_rl import roles
+
+    monkeypatch.setattr(NativeGenerator, "free_bytes", lambda self: 140 * GiB)
+    native = dataclasses.replace(preset.rollout, backend="native")
+    cfg = dataclasses.replace(preset, rollout=native)
+    with pytest.raises(ConfigError, match="768 sequences x 9216 tokens"):  # synchronous: refused
+        rollout_budget.report(cfg, 8, native_1_5b)
+    split = dataclasses.replace(native, async_rl=dataclasses.replace(native.async_rl, steps_ahead=1))
+    cfg = dataclasses.replace(preset, rollout=split)
+    trainer = roles.Roles(rank=0, world=16, trainers=8, rollouts=8, store=None, push=None, timeout_s=1.0)
+    monkeypatch.setattr(roles, "_ROLES", [trainer])
+    assert rollout_budget.report(cfg, 8, native_1_5b) is None
+    rollout = dataclasses.replace(trainer, rank=8)
+    monkeypatch.setattr(roles, "_ROLES", [rollout])
+    with pytest.raises(ConfigError, match="768 sequences x 9216 tokens"):
+        rollout_budget.report(cfg, 8, native_1_5b)
