@@ -1,17 +1,18 @@
 """Chain sums: the built-in tasks of the prolonged benchmark (`python -m benchmarks prolonged`).
 
-Two families (`Family`): `chain_sums` (3 to 6 single digits) and `long_sums` (2 to 6 two-digit terms, the
-benchmark's task since the single-digit one saturated near 97% by step 300). A chain_sums problem is a
-sum of single digits, "3+8+5+9+2="; its worked solution keeps a running total,
-"3+8=11, 11+5=16, 16+9=25, 25+2=27. \\boxed{27}". The number of terms is the difficulty level. Why this
-family: each added term is one more chance to cross a decade (a carry), so the chance of a right answer
-is a product over steps - a per-step accuracy of 0.95 gives ~0.8 on four steps and ~0.77 on five - and
-held-out pass@1 keeps rising long after the short problems are solved (the embedded default's three-term
-sums saturate in ~150 steps). In long_sums every addition may carry into the tens and the hundreds and
-the model must copy the right two-digit term from a longer prompt, so each step is less reliable. The
-warm start (`python -m prorl.warmstart --task chain_sums`) imitates
+Two families (`Family`): `chain_sums` (3 to 6 single digits) and `long_sums` (2 to 6 two-digit
+terms, the benchmark's task since the single-digit one saturated near 97% by step 300). A chain_sums
+problem is a sum of single digits, "3+8+5+9+2="; its worked solution keeps a running total, "3+8=11,
+11+5=16, 16+9=25, 25+2=27. \\boxed{27}". The number of terms is the difficulty level. Why this
+family: each added term is one more chance to cross a decade (a carry), so the chance of a right
+answer is a product over steps - a per-step accuracy of 0.95 gives ~0.8 on four steps and ~0.77 on
+five - and held-out pass@1 keeps rising long after the short problems are solved (the embedded
+default's three-term sums saturate in ~150 steps). In long_sums every addition may carry into the
+tens and the hundreds and the model must copy the right two-digit term from a longer prompt, so each
+step is less reliable. The warm start (`python -m prorl.warmstart --task chain_sums`) imitates
 demonstrations that forget a carry with probability `slip` and, half of the time, restate the terms
-first ("Terms: 3 8 5 9 2. "), so the length penalty and the context schedule have something to remove.
+first ("Terms: 3 8 5 9 2. "), so the length penalty and the context schedule have something to
+remove.
 
 Splits are disjoint by problem: per level the held-out problems are a fixed seeded draw
 (`SPLIT_SEED`, never to change), and the training draw rejects them. Rewards: `data_source`
@@ -33,7 +34,8 @@ SPLIT_SEED = 20261201  # fixed forever: changing it would leak held-out problems
 
 @dataclass(frozen=True)
 class Family:
-    """A chain-sum task family: `levels` (terms per problem), terms drawn from `low`..`high` inclusive."""
+    """A chain-sum task family: `levels` (terms per problem), terms drawn from `low`..`high`
+    inclusive."""
 
     name: str  # the built-in task name (`data.builtin_task`) and the data_source's middle part
     levels: tuple[int, ...]
@@ -46,7 +48,8 @@ class Family:
         return (self.high - self.low + 1) ** terms
 
     def decode(self, index: int, terms: int) -> tuple[int, ...]:
-        """Problem number `index` of the level: its base-(high-low+1) digits, most significant first."""
+        """Problem number `index` of the level: its base-(high-low+1) digits, most significant
+        first."""
         base, out = self.high - self.low + 1, []
         for _ in range(terms):
             index, r = divmod(index, base)
@@ -63,8 +66,8 @@ class Family:
 
 
 CHAIN_SUMS = Family("chain_sums", (3, 4, 5, 6), 0, 9)
-# Two-digit terms: every addition can carry into the tens and the hundreds, so the per-step accuracy is
-# lower and each extra term costs more; 2 to 6 terms (1 to 5 additions).
+# Two-digit terms: every addition can carry into the tens and the hundreds, so the per-step accuracy
+# is lower and each extra term costs more; 2 to 6 terms (1 to 5 additions).
 LONG_SUMS = Family("long_sums", (2, 3, 4, 5, 6), 10, 99, train_size=5000)
 FAMILIES = {f.name: f for f in (CHAIN_SUMS, LONG_SUMS)}
 LEVELS = CHAIN_SUMS.levels
@@ -106,9 +109,10 @@ def _train_problems(terms: int, n: int, seed: int, family: Family) -> list[tuple
 
 
 def solution(terms: tuple[int, ...], slip: float = 0.0, rng: random.Random | None = None) -> str:
-    """The worked running-total solution; each step whose units carry (units of the total plus units of
-    the term >= 10) forgets that carry with probability `slip` (needs `rng` when slip > 0), and the
-    mistake flows into the boxed answer. For single-digit terms a units carry is a decade crossing."""
+    """The worked running-total solution; each step whose units carry (units of the total plus units
+    of the term >= 10) forgets that carry with probability `slip` (needs `rng` when slip > 0), and
+    the mistake flows into the boxed answer. For single-digit terms a units carry is a decade
+    crossing."""
     total, steps = terms[0], []
     for d in terms[1:]:
         s = total + d
@@ -146,10 +150,11 @@ def chain_sums(
     levels: tuple[int, ...] | None = None,
     family: Family | str = CHAIN_SUMS,
 ) -> list[Example]:
-    """`n` problems of `split`, an equal share per level (the remainder to the longest levels), shuffled by
-    `seed`. Train: n defaults to the family's `train_size`; distinct problems, none held out. Val: the
-    held-out problems (`val_per_level` per level; n None or 0 takes all of them, a smaller n the first n
-    of a level-balanced order, so a held-out subset is the same whatever the seed)."""
+    """`n` problems of `split`, an equal share per level (the remainder to the longest levels),
+    shuffled by `seed`. Train: n defaults to the family's `train_size`; distinct problems, none held
+    out. Val: the held-out problems (`val_per_level` per level; n None or 0 takes all of them, a
+    smaller n the first n of a level-balanced order, so a held-out subset is the same whatever the
+    seed)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if isinstance(family, str):
@@ -173,11 +178,11 @@ _BOX = re.compile(r"\\boxed\{(-?\d+)\}")
 
 
 def first_error(terms: tuple[int, ...], text: str) -> str:
-    """Where a worked solution `text` of the sum of `terms` first goes wrong: "right" (the last boxed answer
-    is the sum), "copied a term wrong" (a step adds another number than the next term), "wrong running
-    total" (a step does not start from the previous result), "forgot the units carry" (exactly 10 short
-    where the units carry), "other arithmetic", "extra step", "too few steps", "no answer" (nothing boxed),
-    "box differs" (every step right, another number boxed)."""
+    """Where a worked solution `text` of the sum of `terms` first goes wrong: "right" (the last
+    boxed answer is the sum), "copied a term wrong" (a step adds another number than the next term),
+    "wrong running total" (a step does not start from the previous result), "forgot the units carry"
+    (exactly 10 short where the units carry), "other arithmetic", "extra step", "too few steps", "no
+    answer" (nothing boxed), "box differs" (every step right, another number boxed)."""
     boxes = _BOX.findall(text)
     if boxes and int(boxes[-1]) == sum(terms):
         return "right"
@@ -201,8 +206,8 @@ def first_error(terms: tuple[int, ...], text: str) -> str:
 
 
 def error_table(model_dir: str, family: str = "long_sums", temperature: float = 0.0) -> dict:
-    """{terms: {first_error kind: count}} of the checkpoint's solutions of the family's held-out problems
-    (one sample each; greedy at temperature 0)."""
+    """{terms: {first_error kind: count}} of the checkpoint's solutions of the family's held-out
+    problems (one sample each; greedy at temperature 0)."""
     from collections import Counter
 
     from transformers import PreTrainedTokenizerFast

@@ -2,16 +2,16 @@
 
     cfg = load_config("prorl_v2_1.5b", ["trainer.total_steps=10", "rollout.n=8"])
 
-Built on OmegaConf structured configs: a key that no dataclass declares, or a value of the wrong type,
-is rejected with a message naming the key (and the key it was renamed to, or the nearest one). The
-dataclass defaults are the ProRL v2 recipe's (docs/recipe.md; "recipe §N" in help texts is its section
-N); presets in `prorl/configs/<name>.yaml` hold only what differs from them: `default` is the embedded
-default (the tiny reasoner on the CPU), `prorl_v2_1.5b` the published recipe on GPUs; `--config FILE`
-takes any YAML of the same shape. Each field's help text is its `metadata["help"]` (`reference()` lists
-them: `python -m prorl.train --help`; docs/config.md is generated from it).
+Built on OmegaConf structured configs: a key that no dataclass declares, or a value of the wrong
+type, is rejected with a message naming the key (and the key it was renamed to, or the nearest one).
+The dataclass defaults are the ProRL v2 recipe's (docs/recipe.md; "recipe §N" in help texts is its
+section N); presets in `prorl/configs/<name>.yaml` hold only what differs from them: `default` is
+the embedded default (the tiny reasoner on the CPU), `prorl_v2_1.5b` the published recipe on GPUs;
+`--config FILE` takes any YAML of the same shape. Each field's help text is its `metadata["help"]`
+(`reference()` lists them: `python -m prorl.train --help`; docs/config.md is generated from it).
 
-The allowed values of every choice come from the component that implements it (the kernels' modes, the
-attention and rollout backends, the optimizer's schedules): one source per choice.
+The allowed values of every choice come from the component that implements it (the kernels' modes,
+the attention and rollout backends, the optimizer's schedules): one source per choice.
 """
 
 from __future__ import annotations
@@ -264,7 +264,8 @@ def _engine_choices() -> dict[str, tuple]:
     }
 
 
-# keys that moved: old dotted name -> new (an old key in a file or an override is named with its new one)
+# keys that moved: old dotted name -> new (an old key in a file or an override is named with its new
+# one)
 RENAMED = {
     "optim.grad_clip": "optim.max_grad_norm",
     "trainer.tensorboard": "logging.tensorboard",
@@ -353,8 +354,8 @@ def _normalise_overrides(overrides: list[str]) -> list[str]:
 
 
 def _listify(node, prefix: str = "") -> None:
-    """A bare string where a list-typed key is expected in a YAML file becomes a one-element list, as
-    on the command line (`data.train_files: /d/x.parquet`, as verl configs write it)."""
+    """A bare string where a list-typed key is expected in a YAML file becomes a one-element list,
+    as on the command line (`data.train_files: /d/x.parquet`, as verl configs write it)."""
     lists = {key for key, f in fields() if str(f.type).startswith("list")}
     for key in list(node.keys()) if OmegaConf.is_dict(node) else []:
         value, dotted = node[key], f"{prefix}{key}"
@@ -418,8 +419,8 @@ def _get(cfg: Config, dotted: str):
 
 
 def validate(cfg: Config) -> None:
-    """Value checks that types alone cannot express: choices, ranges and sizes (prorl/config_checks.py),
-    then the model's combinations."""
+    """Value checks that types alone cannot express: choices, ranges and sizes
+    (prorl/config_checks.py), then the model's combinations."""
     for dotted, allowed in choices().items():
         value = _get(cfg, dotted)
         if value not in allowed:
@@ -450,8 +451,8 @@ def _check_model(m: ModelConfig) -> None:
 
 
 def check_world(cfg: Config, world: int) -> None:
-    """Checks that need the number of ranks: each rank trains prompts_per_step / world prompts; HSDP's
-    replicas split the ranks evenly."""
+    """Checks that need the number of ranks: each rank trains prompts_per_step / world prompts;
+    HSDP's replicas split the ranks evenly."""
     rep = cfg.model.dp_replicate
     if world % rep:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
@@ -470,12 +471,13 @@ def check_world(cfg: Config, world: int) -> None:
 
 
 def collective_timeout_s(cfg: Config, world: int | None = None) -> float:
-    """The process group's collective timeout: `trainer.collective_timeout_s`, or when that is 0 one sized
-    from the config. The longest legitimate wait in one collective is a sampling round of another rank:
-    generating up to the longest response budget, then verifying the round's samples, at worst every one
-    at `reward.timeout_s` (sampling rounds are collective: prorl/sampling.py). Hence 600 s (engine start,
-    checkpoint writes) + 0.1 s per response token + ceil(round samples / reward workers) x reward.timeout_s,
-    with a round of ceil(prompts per rank x oversample) prompts x rollout.n samples."""
+    """The process group's collective timeout: `trainer.collective_timeout_s`, or when that is 0 one
+    sized from the config. The longest legitimate wait in one collective is a sampling round of
+    another rank: generating up to the longest response budget, then verifying the round's samples,
+    at worst every one at `reward.timeout_s` (sampling rounds are collective: prorl/sampling.py).
+    Hence 600 s (engine start, checkpoint writes) + 0.1 s per response token + ceil(round samples /
+    reward workers) x reward.timeout_s, with a round of ceil(prompts per rank x oversample) prompts
+    x rollout.n samples."""
     if cfg.trainer.collective_timeout_s > 0:
         return cfg.trainer.collective_timeout_s
     world = world or int(os.environ.get("WORLD_SIZE", "1"))
@@ -486,11 +488,12 @@ def collective_timeout_s(cfg: Config, world: int | None = None) -> float:
     return 600.0 + 0.1 * max_new + verify
 
 
-# -- resuming ----------------------------------------------------------------------------------------------
+# -- resuming --------------------------------------------------------------------------------------
 
 # Settings that fix what a resumed run trains on and how its batch is built: changing them between a
-# checkpoint and its resume would silently make a different run, so resuming refuses. Anything else (log
-# and eval intervals, total steps, learning rate, timeouts, worker counts) is allowed and reported.
+# checkpoint and its resume would silently make a different run, so resuming refuses. Anything else
+# (log and eval intervals, total steps, learning rate, timeouts, worker counts) is allowed and
+# reported.
 INCOMPATIBLE_ON_RESUME = (
     "seed",
     "model.path",
@@ -507,7 +510,8 @@ def config_changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:
     out: dict[str, tuple] = {}
     for key in sorted(set(old) | set(new)):
         a, b = old.get(key), new.get(key)
-        a, b = (list(v) if isinstance(v, tuple) else v for v in (a, b))  # a tuple comes back from JSON a list
+        # a tuple comes back from JSON a list
+        a, b = (list(v) if isinstance(v, tuple) else v for v in (a, b))
         if isinstance(a, dict) and isinstance(b, dict):
             out.update(config_changes(a, b, f"{prefix}{key}."))
         elif a != b and f"{prefix}{key}" != "output_dir":
@@ -516,13 +520,13 @@ def config_changes(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:
 
 
 def resume_conflicts(saved: dict, cfg: Config) -> tuple[list[str], dict[str, tuple]]:
-    """(keys that forbid resuming, every changed key -> (saved, now)) between a checkpoint's config dict
-    and this run's."""
+    """(keys that forbid resuming, every changed key -> (saved, now)) between a checkpoint's config
+    dict and this run's."""
     changed = config_changes(saved, to_dict(cfg))
     return sorted(k for k in changed if k.startswith(INCOMPATIBLE_ON_RESUME)), changed
 
 
-# -- output ------------------------------------------------------------------------------------------------
+# -- output ----------------------------------------------------------------------------------------
 
 
 def non_default(cfg: Config) -> dict[str, tuple]:
@@ -549,7 +553,8 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 
 def reference_markdown() -> str:
-    """docs/config.md: every key, its default and its help (`python -m prorl.config > docs/config.md`)."""
+    """docs/config.md: every key, its default and its help (`python -m prorl.config >
+    docs/config.md`)."""
     head = (
         "# Configuration reference\n\n"
         "Generated from the dataclasses in prorl/config.py by `python -m prorl.config > docs/config.md` "

@@ -1,6 +1,7 @@
 """Training data: verl's parquet schema, JSONL with the same fields, and built-in generated task sets.
 
-One row, whatever the file format (verl's schema; what `prorl.rewards.score` receives is in brackets):
+One row, whatever the file format (verl's schema; what `prorl.rewards.score` receives is in
+brackets):
 
     data_source              str, selects the verifier            [data_source]
     prompt                   chat messages [{"role", "content"}, ...] (a plain string is taken as
@@ -9,12 +10,12 @@ One row, whatever the file format (verl's schema; what `prorl.rewards.score` rec
     extra_info               dict, optional                        [extra]
     ability                  str, optional (verl's domain tag)
 
-A row missing a field, with a wrong type, an empty prompt or ground truth, a NaN or infinite ground truth,
-a math ground truth that is not a string or number, a chat role no template knows, a byte that is not
-UTF-8, or a data_source no verifier is registered for is an error at load time naming the file, the row
-and the field, never a surprise hours into a run - such a row can never score (`skip_bad=True` drops such
-rows and counts them instead). An empty file is an error; so are rows over `max_row_bytes` and duplicate
-keys (prorl/data_read.py reads the files).
+A row missing a field, with a wrong type, an empty prompt or ground truth, a NaN or infinite ground
+truth, a math ground truth that is not a string or number, a chat role no template knows, a byte
+that is not UTF-8, or a data_source no verifier is registered for is an error at load time naming
+the file, the row and the field, never a surprise hours into a run - such a row can never score
+(`skip_bad=True` drops such rows and counts them instead). An empty file is an error; so are rows
+over `max_row_bytes` and duplicate keys (prorl/data_read.py reads the files).
 
 Built-in task sets (no download; deterministic by seed):
 - `digit_sums`: sums of three single-digit numbers, answer in `\\boxed{}`, scored by the math
@@ -25,17 +26,18 @@ Built-in task sets (no download; deterministic by seed):
 
 Mixing files (`load_mixture`, `mix`). A file spec is `path` or `path:weight` (as in
 `data.train_files=[math.parquet:3,code.parquet:1]`). Without weights the files are concatenated, in
-order. With weights (all specs must then have one) the weights are SHARES of the mixture, normalised,
-as Megatron's blend weights are: `n` examples (default: the files' total size) are apportioned by
-largest remainder, and each file gives its share as seeded shuffled passes over its rows (subsampled
-when its share is smaller than the file; repeated, every row once per pass, when larger); the mixture
-is then shuffled so the domains interleave. A path that exists as given, or whose text after the last
-`:` is not a number, is taken whole.
+order. With weights (all specs must then have one) the weights are SHARES of the mixture,
+normalised, as Megatron's blend weights are: `n` examples (default: the files' total size) are
+apportioned by largest remainder, and each file gives its share as seeded shuffled passes over its
+rows (subsampled when its share is smaller than the file; repeated, every row once per pass, when
+larger); the mixture is then shuffled so the domains interleave. A path that exists as given, or
+whose text after the last `:` is not a number, is taken whole.
 
 Tokenizing (`encode_prompts`): the model's chat template with the generation prompt, then the token
 ids without added special tokens; a prompt over `max_prompt_tokens` is FILTERED and counted, never
-truncated (a truncated problem statement is a different problem, and its reward is noise); the trainer
-prints the count per data file (`dropped_by_source`; `Example.source` is the file a row came from).
+truncated (a truncated problem statement is a different problem, and its reward is noise); the
+trainer prints the count per data file (`dropped_by_source`; `Example.source` is the file a row came
+from).
 """
 
 from __future__ import annotations
@@ -61,10 +63,11 @@ class LoadReport:
     errors: list[str] = field(default_factory=list)  # the first few, when skipping
 
 
-# -- files -----------------------------------------------------------------------------------------------
+# -- files -----------------------------------------------------------------------------------------
 
 
-ROLES = ("system", "user", "assistant", "tool")  # the chat roles of prompts (transformers' templates)
+# the chat roles of prompts (transformers' templates)
+ROLES = ("system", "user", "assistant", "tool")
 
 
 def _non_finite(value: Any) -> bool:
@@ -79,7 +82,8 @@ def _bad(where: str, field_name: str, problem: str) -> DataError:
 
 
 def _parse_row(row: Any, where: str, check_data_source: bool, prompt_key: str = "prompt") -> Example:
-    """One row as an Example; DataError naming `where` (file and row) and the field when it is bad."""
+    """One row as an Example; DataError naming `where` (file and row) and the field when it is
+    bad."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be an object, got {type(row).__name__}")
     data_source = row.get("data_source")
@@ -139,8 +143,8 @@ def _prompt(row: dict, where: str, prompt_key: str) -> list[dict[str, str]]:
 
 
 def _ground_truth(row: dict, where: str, verifier: str | None) -> Any:
-    """reward_model.ground_truth (or a flat TRL-style ground_truth column): present, not empty, finite,
-    and a string or number (or a list of them) for the math verifier."""
+    """reward_model.ground_truth (or a flat TRL-style ground_truth column): present, not empty,
+    finite, and a string or number (or a list of them) for the math verifier."""
     reward_model = row.get("reward_model")
     truth_key = "reward_model.ground_truth"
     if reward_model is None and "ground_truth" in row:  # flat TRL-style column
@@ -177,8 +181,8 @@ def load_file(
     max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
 ) -> list[Example]:
     """Every row of `path` as an Example. Raises DataError on the first bad row unless `skip_bad`
-    (then bad rows are dropped and counted in `report`). A row over `max_row_bytes` is a bad row, refused
-    before it is read into memory (prorl/data_read.py)."""
+    (then bad rows are dropped and counted in `report`). A row over `max_row_bytes` is a bad row,
+    refused before it is read into memory (prorl/data_read.py)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"data file not found: {path}")
     report = report if report is not None else LoadReport()
@@ -220,7 +224,7 @@ def write_parquet(examples: list[Example], path: str) -> None:
     pq.write_table(pa.Table.from_pylist(rows), path)
 
 
-# -- mixing and tokenizing ---------------------------------------------------------------------------------
+# -- mixing and tokenizing -------------------------------------------------------------------------
 
 
 def parse_file_spec(spec: str) -> tuple[str, float | None]:
@@ -238,7 +242,8 @@ def parse_file_spec(spec: str) -> tuple[str, float | None]:
 
 
 def _shuffled_passes(items: list, n: int, rng: random.Random) -> list:
-    """`n` items drawn as successive shuffled passes over `items`: no repeat before every item is used."""
+    """`n` items drawn as successive shuffled passes over `items`: no repeat before every item is
+    used."""
     picked: list = []
     while len(picked) < n:
         order = items[:]
@@ -248,11 +253,13 @@ def _shuffled_passes(items: list, n: int, rng: random.Random) -> list:
 
 
 def mix(sources: list[tuple[list[Example], float]], n: int | None = None, seed: int = 0) -> list[Example]:
-    """A shuffled mixture of `n` examples (default: the sources' total size) in which source i holds the
-    share weight_i / sum(weights), apportioned by largest remainder (ties to the earlier source).
+    """A shuffled mixture of `n` examples (default: the sources' total size) in which source i holds
+    the share weight_i / sum(weights), apportioned by largest remainder (ties to the earlier
+    source).
 
-    Each source gives its count as seeded shuffled passes over its examples (subsampled or repeated);
-    each source has its own random stream, so changing one weight does not redraw the others.
+    Each source gives its count as seeded shuffled passes over its examples (subsampled or
+    repeated); each source has its own random stream, so changing one weight does not redraw the
+    others.
     """
     if not sources:
         raise ValueError("mix: no sources")
@@ -322,8 +329,8 @@ def load_mixture(
 def encode_prompts(
     examples: list[Example], tokenizer, max_prompt_tokens: int | None = None
 ) -> tuple[list[list[int]], list[int], int]:
-    """Prompt token ids for generation: the tokenizer's chat template with the generation prompt, then
-    ids without added special tokens (the template already holds them).
+    """Prompt token ids for generation: the tokenizer's chat template with the generation prompt,
+    then ids without added special tokens (the template already holds them).
 
     Returns (token id lists of the kept examples, their indices in `examples`, number filtered): an
     example whose prompt is longer than `max_prompt_tokens` is dropped and counted, never truncated.
@@ -347,8 +354,8 @@ def encode_prompts(
 
 
 def dropped_by_source(examples: list[Example], kept: list[int]) -> dict[str, tuple[int, int]]:
-    """{data file (or "the builtin task"): (prompts dropped, prompts)} for the files that lost any, from
-    `encode_prompts`' kept indices; rows a weighted mixture repeats count once per repeat."""
+    """{data file (or "the builtin task"): (prompts dropped, prompts)} for the files that lost any,
+    from `encode_prompts`' kept indices; rows a weighted mixture repeats count once per repeat."""
     kept_set, counts = set(kept), {}
     for i, ex in enumerate(examples):
         dropped, total = counts.get(ex.source or "the builtin task", (0, 0))
@@ -357,9 +364,9 @@ def dropped_by_source(examples: list[Example], kept: list[int]) -> dict[str, tup
 
 
 def stop_token_ids(tokenizer, model_path: str | None = None) -> list[int]:
-    """End-of-turn ids a sample stops at: the tokenizer's eos, ChatML's <|im_end|> when in the vocabulary,
-    and the `eos_token_id` (int or list) of the model's generation_config.json. The one definition the
-    trainer, the evaluator and the warm-start use."""
+    """End-of-turn ids a sample stops at: the tokenizer's eos, ChatML's <|im_end|> when in the
+    vocabulary, and the `eos_token_id` (int or list) of the model's generation_config.json. The one
+    definition the trainer, the evaluator and the warm-start use."""
     ids = []
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
@@ -373,9 +380,10 @@ def stop_token_ids(tokenizer, model_path: str | None = None) -> list[int]:
     return sorted(set(ids))
 
 
-# -- built-in task sets -----------------------------------------------------------------------------------
+# -- built-in task sets ----------------------------------------------------------------------------
 
-DIGIT_SUMS_SPLIT_SEED = 20251129  # fixed forever: changing it would leak validation problems into training
+# fixed forever: changing it would leak validation problems into training
+DIGIT_SUMS_SPLIT_SEED = 20251129
 DIGIT_SUMS_VAL_SIZE = 200
 
 
@@ -388,9 +396,10 @@ def _digit_sum_problems(split: str) -> list[tuple[int, int, int]]:
 
 
 def digit_sums(n: int | None = None, seed: int = 0, split: str = "train") -> list[Example]:
-    """`n` problems "a+b+c=" (a, b, c in 0..9) from `split`, shuffled by `seed` (all of them when n is
-    None; cycling through fresh shuffles when n exceeds the split). ground_truth is the sum;
-    extra_info["solution"] is a worked answer ("3+5=8, 8+7=15. \\boxed{15}") for a supervised warm-start."""
+    """`n` problems "a+b+c=" (a, b, c in 0..9) from `split`, shuffled by `seed` (all of them when n
+    is None; cycling through fresh shuffles when n exceeds the split). ground_truth is the sum;
+    extra_info["solution"] is a worked answer ("3+5=8, 8+7=15. \\boxed{15}") for a supervised
+    warm-start."""
     problems = _digit_sum_problems(split)
     n = len(problems) if n is None else n
     out = []
@@ -441,8 +450,8 @@ def reasoning_gym_tasks(
 
 
 def builtin(name: str, n: int | None = None, seed: int = 0, split: str = "train") -> list[Example]:
-    """A built-in task set by name: "digit_sums", "chain_sums" and "long_sums" (prorl/chain_sums.py),
-    "reasoning_gym/<task>"."""
+    """A built-in task set by name: "digit_sums", "chain_sums" and "long_sums"
+    (prorl/chain_sums.py), "reasoning_gym/<task>"."""
     if name == "digit_sums":
         return digit_sums(n, seed, split)
     if name in ("chain_sums", "long_sums"):

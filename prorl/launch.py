@@ -2,23 +2,24 @@
 
     python -m prorl.launch --standalone --nproc_per_node=2 prorl/train.py [overrides ...]
 
-Takes exactly torchrun's arguments (it runs torchrun's own launcher in this process). Under `torchrun`
-the documented exit codes of `prorl/train.py` (prorl/lifecycle.py: 2 config, 3 reward self-test, 4
-resume, 5 output directory, 6 stalled, 7 peer lost, 8 rollout ranks lost) reach the shell only inside
-torchrun's per-rank summary: torchrun itself exits 1 whenever a worker fails. Slurm, Kubernetes and CI
-read the process's exit status, so this launcher returns the code the failed workers returned (`exit_status`):
+Takes exactly torchrun's arguments (it runs torchrun's own launcher in this process). Under
+`torchrun` the documented exit codes of `prorl/train.py` (prorl/lifecycle.py: 2 config, 3 reward
+self-test, 4 resume, 5 output directory, 6 stalled, 7 peer lost, 8 rollout ranks lost) reach the
+shell only inside torchrun's per-rank summary: torchrun itself exits 1 whenever a worker fails.
+Slurm, Kubernetes and CI read the process's exit status, so this launcher returns the code the
+failed workers returned (`exit_status`):
 
 - the code of the first failure (its time, to the second, then the lowest rank), ranked by what
   causes rather than follows a failure: a code the worker returned itself; then a death by a signal
-  other than SIGTERM (SIGKILL: the OOM killer, say); then 7 (the rank saw its peer vanish: the peer's
-  code is the cause); last SIGTERM (what the agent sends the other workers once one has failed - the
-  trainer itself exits 0 on SIGTERM);
+  other than SIGTERM (SIGKILL: the OOM killer, say); then 7 (the rank saw its peer vanish: the
+  peer's code is the cause); last SIGTERM (what the agent sends the other workers once one has
+  failed - the trainer itself exits 0 on SIGTERM);
 - a worker killed by signal N gives 128 + N (the shell's convention: 137 for SIGKILL); the launcher
   itself stopped by signal N gives 128 + N as well;
 - 0 when every worker returned 0 (a run stopped by SIGTERM that saved its checkpoint included).
 
-On several nodes each node's launcher reports its own workers: the node whose rank failed first returns
-the cause, the others what their ranks saw (often 7, or a signal from the shutdown).
+On several nodes each node's launcher reports its own workers: the node whose rank failed first
+returns the cause, the others what their ranks saw (often 7, or a signal from the shutdown).
 """
 
 from __future__ import annotations

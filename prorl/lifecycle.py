@@ -1,16 +1,16 @@
 """What keeps a multi-rank run safe to stop, kill and restart: fatal errors raised on every rank, signals as
-stop requests agreed on by every rank, the output directory's lock, seeding, and telling a lost peer from
-a bug. Used by prorl/train.py; nothing here knows about RL.
+stop requests agreed on by every rank, the output directory's lock, seeding, and telling a lost peer
+from a bug. Used by prorl/train.py; nothing here knows about RL.
 
-Exit codes (train.py): 0 done (or stopped cleanly by a signal), 2 config error (a damaged model directory
-or data file included, named), 3 reward self-test failed, 4 checkpoint cannot be resumed (incompatible
-settings or model, or every checkpoint damaged: the files are named), 5 output directory unusable,
-6 training stalled (steps without a group to train on, or non-finite gradients,
-`trainer.max_consecutive_skips` times in a row), 7 another rank stopped answering (a collective timed out
-or lost its peer), 8 asynchronous RL's rollout ranks stopped delivering groups or weights (died,
-hung past the timeout, or hold weights other than the version they report). In every case the last
-complete checkpoint is kept. Under torchrun the shell sees 1 for any of them; `python -m prorl.launch`
-(prorl/launch.py) returns the code itself.
+Exit codes (train.py): 0 done (or stopped cleanly by a signal), 2 config error (a damaged model
+directory or data file included, named), 3 reward self-test failed, 4 checkpoint cannot be resumed
+(incompatible settings or model, or every checkpoint damaged: the files are named), 5 output
+directory unusable, 6 training stalled (steps without a group to train on, or non-finite gradients,
+`trainer.max_consecutive_skips` times in a row), 7 another rank stopped answering (a collective
+timed out or lost its peer), 8 asynchronous RL's rollout ranks stopped delivering groups or weights
+(died, hung past the timeout, or hold weights other than the version they report). In every case the
+last complete checkpoint is kept. Under torchrun the shell sees 1 for any of them; `python -m
+prorl.launch` (prorl/launch.py) returns the code itself.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ EXIT_ROLLOUT_LOST = 8  # asynchronous RL: the rollout ranks stopped delivering (
 
 
 class Fatal(Exception):
-    """Stop before (or instead of) training with a message and an exit code; raised on every rank."""
+    """Stop before (or instead of) training with a message and an exit code; raised on every
+    rank."""
 
     def __init__(self, code: int, message: str):
         super().__init__(message)
@@ -39,8 +40,9 @@ class Fatal(Exception):
 
 
 def on_every_rank(code: int, fn, *args):
-    """fn(*args) on every rank; if it fails with an OSError or CheckpointError anywhere, every rank raises
-    Fatal (the failing rank with its own message) instead of the others waiting in the next collective."""
+    """fn(*args) on every rank; if it fails with an OSError or CheckpointError anywhere, every rank
+    raises Fatal (the failing rank with its own message) instead of the others waiting in the next
+    collective."""
     error, result = None, None
     try:
         result = fn(*args)
@@ -67,19 +69,20 @@ def seed_everything(seed: int, deterministic: bool) -> None:
     torch.manual_seed(seed)
     numpy.random.seed(seed % 2**32)
     if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS needs it to be deterministic
+        # cuBLAS needs it to be deterministic
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
 
 
 class StopRequest:
-    """SIGTERM / SIGINT set a flag; the training loop asks `requested()` after each step (collective, so
-    that every rank stops after the same step). A second signal 2 s or more after the first raises
-    KeyboardInterrupt (one request can arrive twice: a scheduler such as Slurm signals every process of
-    the job, and torchrun forwards the signal to its workers as well).
+    """SIGTERM / SIGINT set a flag; the training loop asks `requested()` after each step
+    (collective, so that every rank stops after the same step). A second signal 2 s or more after
+    the first raises KeyboardInterrupt (one request can arrive twice: a scheduler such as Slurm
+    signals every process of the job, and torchrun forwards the signal to its workers as well).
 
-    Under torchrun a worker whose agent has died (`kill -9` of torchrun: the workers run in sessions of
-    their own and would train on, unseen) stops the same way once it notices its new parent."""
+    Under torchrun a worker whose agent has died (`kill -9` of torchrun: the workers run in sessions
+    of their own and would train on, unseen) stops the same way once it notices its new parent."""
 
     def __init__(self):
         self.reason: str | None = None
@@ -107,9 +110,9 @@ class StopRequest:
 
 
 def ignoring_stop_signals(fn, *args, **kwargs):
-    """fn(...) with SIGINT / SIGTERM ignored, restored after: processes started inside (reward workers)
-    inherit the ignore through exec, so a terminal's Ctrl-C or a scheduler's signal to the whole process
-    group leaves them to finish the step; their owner stops them."""
+    """fn(...) with SIGINT / SIGTERM ignored, restored after: processes started inside (reward
+    workers) inherit the ignore through exec, so a terminal's Ctrl-C or a scheduler's signal to the
+    whole process group leaves them to finish the step; their owner stops them."""
     previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return fn(*args, **kwargs)
@@ -119,8 +122,8 @@ def ignoring_stop_signals(fn, *args, **kwargs):
 
 
 def lock_output_dir(path: str):
-    """An exclusive lock on `path` held for this process's lifetime (released by the kernel however it
-    ends): a second run on the same directory, or workers left over from a killed torchrun, would
+    """An exclusive lock on `path` held for this process's lifetime (released by the kernel however
+    it ends): a second run on the same directory, or workers left over from a killed torchrun, would
     interleave checkpoints and metrics with this one. Returns the open lock file; raises OSError."""
     import fcntl
     import socket

@@ -4,20 +4,20 @@
     acc.sum("tokens", n); acc.max("response_length", lengths.max()); acc.min(...)   # anywhere in the step
     metrics = step_metrics(acc.reduce())                                          # global, by name
 
-Values may be Python numbers or 0-d device tensors (they stay on the device until `reduce`, so the update
-loop adds no host sync). `reduce` stacks every sum into one float64 vector and every extremum into another
-(minima negated) and all-reduces each once, matched by key: the ranks first agree on the union of their
-keys (a rank without data for a key - no token in a micro-batch, no group kept - contributes 0 to a sum
-and nothing to an extremum).
+Values may be Python numbers or 0-d device tensors (they stay on the device until `reduce`, so the
+update loop adds no host sync). `reduce` stacks every sum into one float64 vector and every extremum
+into another (minima negated) and all-reduces each once, matched by key: the ranks first agree on
+the union of their keys (a rank without data for a key - no token in a micro-batch, no group kept -
+contributes 0 to a sum and nothing to an extremum).
 
 Names and meanings (docs/recipe.md §9). A name that verl uses carries verl's meaning (verl 0.9.1,
-`compute_policy_loss_vanilla` and `compute_data_metrics`): `actor/pg_clipfrac` is the fraction of response
-tokens whose ratio clip is active on either side, `actor/pg_clipfrac_lower` the fraction capped by the dual
-clip (0 without it), `actor/ppo_kl` the mean of old - new log-prob (log-ratio clamped at +-20),
-`critic/score/*` the verifier's raw scores, `critic/rewards/*` the rewards trained on (after the
-stop-properly and length shaping), `response_length/*` and `prompt_length/*` per sample. prorl's own
-splits have names of their own: `actor/pg_clipfrac_high` (A > 0, r > 1 + eps_high) and
-`actor/pg_clipfrac_low` (A < 0, r < 1 - eps_low).
+`compute_policy_loss_vanilla` and `compute_data_metrics`): `actor/pg_clipfrac` is the fraction of
+response tokens whose ratio clip is active on either side, `actor/pg_clipfrac_lower` the fraction
+capped by the dual clip (0 without it), `actor/ppo_kl` the mean of old - new log-prob (log-ratio
+clamped at +-20), `critic/score/*` the verifier's raw scores, `critic/rewards/*` the rewards trained
+on (after the stop-properly and length shaping), `response_length/*` and `prompt_length/*` per
+sample. prorl's own splits have names of their own: `actor/pg_clipfrac_high` (A > 0, r > 1 +
+eps_high) and `actor/pg_clipfrac_low` (A < 0, r < 1 - eps_low).
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ import torch.distributed as dist
 
 from prorl.engine.parallel import all_reduce, watchdog
 
-# names every step carries with verl 0.9.1's meaning (metric_utils.compute_data_metrics, compute_timing_
-# metrics, compute_throughout_metrics; the marked_timer phases of RayPPOTrainer.fit; dp_actor's actor/*);
-# timing_s/testing is on validation steps. docs/recipe.md §9 lists prorl's own names beside them.
+# names every step carries with verl 0.9.1's meaning (metric_utils.compute_data_metrics,
+# compute_timing_ metrics, compute_throughout_metrics; the marked_timer phases of RayPPOTrainer.fit;
+# dp_actor's actor/*); timing_s/testing is on validation steps. docs/recipe.md §9 lists prorl's own
+# names beside them.
 VERL_METRICS = (
     "critic/score/mean", "critic/score/max", "critic/score/min",
     "critic/rewards/mean", "critic/rewards/max", "critic/rewards/min",
@@ -66,7 +67,8 @@ class StepAccumulator:
         self.max("-" + key, -value)
 
     def reduce(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-        """(sums, maxima, minima) over every rank; extrema no rank registered come back as -inf / inf."""
+        """(sums, maxima, minima) over every rank; extrema no rank registered come back as -inf /
+        inf."""
         keys = (sorted(self._sum), sorted(self._max))
         if dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size()
@@ -122,12 +124,14 @@ def _finite(x: float | None) -> float:
 
 
 def step_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, float]]) -> dict[str, float]:
-    """The step's metrics (docs/recipe.md §9) from the global sums and extrema the trainer registered."""
+    """The step's metrics (docs/recipe.md §9) from the global sums and extrema the trainer
+    registered."""
     s, mx, _ = reduced
     r = _Reduced(*reduced)
     out = _sampling_metrics(r) | _batch_metrics(r) | _update_metrics(r)
     out.update({k: v for k, v in mx.items() if k.startswith("scheduler/")})
-    for key in (k.split("/", 1)[1] for k in s if k.startswith("reward_extra/")):  # prorl/rewards/function.py
+    # prorl/rewards/function.py
+    for key in (k.split("/", 1)[1] for k in s if k.startswith("reward_extra/")):
         out[f"reward_extra/{key}/mean"] = r.mean(f"reward_extra/{key}", f"reward_extra_n/{key}")
     if "is_weight" in s:
         out["rollout/is_mean"] = r.mean("is_weight", "tokens")
@@ -177,7 +181,8 @@ def _batch_metrics(r: _Reduced) -> dict[str, float]:
         "prompt_length/mean": r.mean("prompt_length", "samples"),
         "prompt_length/max": r.max("prompt_length"),
         "prompt_length/min": r.min("prompt_length"),
-        "prompt_length/clip_ratio": r.mean("prompt_at_limit", "samples"),  # at data.max_prompt_tokens
+        # at data.max_prompt_tokens
+        "prompt_length/clip_ratio": r.mean("prompt_at_limit", "samples"),
     }
 
 
@@ -202,12 +207,12 @@ def _update_metrics(r: _Reduced) -> dict[str, float]:
 
 def async_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, float]]) -> dict[str, float]:
     """An asynchronous run's own metrics (prorl/async_rl/remote.py registers the sums): staleness in
-    updates (the step trained minus the policy version that sampled the group) over the step's groups;
-    the groups of later steps already waiting for the trainers when they took this step's; the rollout
-    ranks' longest wait for weights within the staleness bound before sampling this step
-    (timing_s/wait_trainer; the trainers' wait for groups is timing_s/wait_rollout, rank 0's); with a
-    vLLM rollout engine, the largest RMS log-prob gap of its post-sync probe against the rollout rank's
-    model copy (async/engine_rms_diff)."""
+    updates (the step trained minus the policy version that sampled the group) over the step's
+    groups; the groups of later steps already waiting for the trainers when they took this step's;
+    the rollout ranks' longest wait for weights within the staleness bound before sampling this step
+    (timing_s/wait_trainer; the trainers' wait for groups is timing_s/wait_rollout, rank 0's); with
+    a vLLM rollout engine, the largest RMS log-prob gap of its post-sync probe against the rollout
+    rank's model copy (async/engine_rms_diff)."""
     s, mx, _ = reduced
     most = mx.get("async_staleness", 0.0)
     return {
@@ -219,8 +224,9 @@ def async_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, f
 
 
 def record_loss(acc: StepAccumulator, m: dict, ent_sum, old_logp, sampler_logp) -> None:
-    """One micro-batch's loss metrics: ppo_loss's `m` (means over its tokens) weighted back to sums, the
-    entropy sum, and the sampler-vs-trainer gap |old_logp - sampler_logp| over its tokens [T]."""
+    """One micro-batch's loss metrics: ppo_loss's `m` (means over its tokens) weighted back to sums,
+    the entropy sum, and the sampler-vs-trainer gap |old_logp - sampler_logp| over its tokens
+    [T]."""
     n_tok = m["num_tokens"].double()
     acc.sum("tokens", n_tok)
     acc.sum("pg_loss", m["pg_loss"])
@@ -245,8 +251,8 @@ def record_loss(acc: StepAccumulator, m: dict, ent_sum, old_logp, sampler_logp) 
 
 
 def record_batch(acc: StepAccumulator, groups: list, term: torch.Tensor) -> None:
-    """Per-sample statistics of the groups trained on (prorl.sampling.Group: scores, rewards, lengths);
-    `term` [S]: the length-shaping term of each sample."""
+    """Per-sample statistics of the groups trained on (prorl.sampling.Group: scores, rewards,
+    lengths); `term` [S]: the length-shaping term of each sample."""
 
     def values(per_sample):
         return torch.tensor(list(per_sample), dtype=torch.float64)
@@ -266,10 +272,10 @@ def record_batch(acc: StepAccumulator, groups: list, term: torch.Tensor) -> None
 
 
 def perf_metrics(sums: dict[str, float], elapsed: float, world: int) -> dict[str, float]:
-    """Time and throughput of a step that took `elapsed` seconds: `timing_s/step`, `perf/tokens_per_s`
-    (response tokens trained on per second, all ranks), and verl's `perf/total_num_tokens` (prompt +
-    response tokens of the batch), `perf/time_per_step` and `perf/throughput` (total tokens per second
-    per rank, verl's "per GPU")."""
+    """Time and throughput of a step that took `elapsed` seconds: `timing_s/step`,
+    `perf/tokens_per_s` (response tokens trained on per second, all ranks), and verl's
+    `perf/total_num_tokens` (prompt + response tokens of the batch), `perf/time_per_step` and
+    `perf/throughput` (total tokens per second per rank, verl's "per GPU")."""
     total = sums.get("prompt_length", 0.0) + sums.get("response_length", 0.0)
     seconds = max(elapsed, 1e-9)
     return {

@@ -5,10 +5,11 @@ scores -> dynamic sampling (docs/recipe.md §6) -> reward shaping (docs/recipe.m
     groups = sampler.collect(need, max_new, step, acc)         # kept groups, raw rewards, carry-over
     term = shape_rewards(groups, cfg.reward, step, max_new)    # Group.shaped; returns the length term
 
-A `Group` is one prompt's n responses as they travel through a step. Sampling rounds are collective: every
-rank runs the same rounds (one all-reduce per round agrees whether any rank still lacks groups), so no rank
-waits in a collective for longer than one round of another's sampling. The carry-over (kept groups beyond
-this step's need) is this object's state, with the data position: `state_dict` / `load_state_dict`.
+A `Group` is one prompt's n responses as they travel through a step. Sampling rounds are collective:
+every rank runs the same rounds (one all-reduce per round agrees whether any rank still lacks
+groups), so no rank waits in a collective for longer than one round of another's sampling. The
+carry-over (kept groups beyond this step's need) is this object's state, with the data position:
+`state_dict` / `load_state_dict`.
 """
 
 from __future__ import annotations
@@ -46,8 +47,8 @@ class Group:
     # carried-over groups only: the trainer's log-probs under the policy that sampled them (pi_old;
     # Updater.store_old_logprobs writes them, TokenInputs.pi_old reads them)
     old_logps: list[list[float]] | None = None
-    # asynchronous RL (prorl/async_rl/): the policy version (completed updates) that sampled it, and an
-    # id "step/rollout rank/position" given where it was sampled
+    # asynchronous RL (prorl/async_rl/): the policy version (completed updates) that sampled it, and
+    # an id "step/rollout rank/position" given where it was sampled
     version: int | None = None
     uid: str | None = None
 
@@ -58,10 +59,12 @@ class Group:
 
 
 class GroupSampler:
-    """Groups of `rollout.n` responses from `generator`, verified by `pool`, for one rank (see module doc).
+    """Groups of `rollout.n` responses from `generator`, verified by `pool`, for one rank (see
+    module doc).
 
     Training prompts are encoded once; those over `data.max_prompt_tokens` are dropped and counted
-    (`filtered`), never truncated. Each rank walks its own shuffled order of all prompts (seeded by rank).
+    (`filtered`), never truncated. Each rank walks its own shuffled order of all prompts (seeded by
+    rank).
     """
 
     def __init__(self, cfg, tokenizer, examples, generator, pool, stop_ids, *, rank: int = 0, world: int = 1):
@@ -87,12 +90,13 @@ class GroupSampler:
             pps, n = cfg.trainer.prompts_per_step, cfg.rollout.n
             self.scheduler = PromptScheduler(cfg.scheduler, len(self.kept), n, pps, cfg.seed)
         self.carry: list[Group] = []  # kept groups beyond this step's need, used first next step
-        budget = rollout_budget.report(cfg, world, generator)  # native: refuses a round that cannot fit
+        # native: refuses a round that cannot fit
+        budget = rollout_budget.report(cfg, world, generator)
         if rank == 0 and budget:
             print(f"prorl: rollout: {budget}")
         self.reward_time = 0.0  # seconds spent verifying since the last reset of this counter
 
-    # -- data -------------------------------------------------------------------------------------------
+    # -- data --------------------------------------------------------------------------------------
     def next_examples(self, k: int) -> list[int]:
         """Positions in `kept` of the next k prompts (reshuffled at each epoch boundary)."""
         out = []
@@ -111,7 +115,7 @@ class GroupSampler:
         base = int(np.random.SeedSequence([self.cfg.seed, step]).generate_state(1)[0])
         return (base + round_ * self.world + self.rank) % 2**32
 
-    # -- sampling and verification ---------------------------------------------------------------------
+    # -- sampling and verification -----------------------------------------------------------------
     def rollout(self, example_indices: list[int], seed: int, max_new: int) -> list[Group]:
         r = self.cfg.rollout
         prompts = [self.prompts[i] for i in example_indices]
@@ -151,7 +155,8 @@ class GroupSampler:
             g.raw = impute_failed(res.scores[i : i + n], failed)
             i += n
         acc.sum("samples_seen", len(texts))
-        for info in res.extras:  # a verifier's numeric extras (verl's reward_extra_info), per sample
+        # a verifier's numeric extras (verl's reward_extra_info), per sample
+        for info in res.extras:
             for key, value in numeric_extras(info).items():
                 acc.sum(f"reward_extra/{key}", value)
                 acc.sum(f"reward_extra_n/{key}", 1)
@@ -160,16 +165,19 @@ class GroupSampler:
         self.reward_time += time.perf_counter() - t0
 
     def collect(self, need: int, max_new: int, step: int, acc: StepAccumulator) -> list[Group]:
-        """Dynamic sampling (docs/recipe.md §6): keep groups whose RAW rewards differ, refill to `need`.
+        """Dynamic sampling (docs/recipe.md §6): keep groups whose RAW rewards differ, refill to
+        `need`.
 
-        Before each round the ranks agree (one all-reduce) whether any of them still lacks groups, and
-        every rank then samples as many prompts as the largest shortfall asks for (oversampled after the
-        first round). Kept groups beyond `need` - a rank that was already full keeps sampling with the
-        others - are carried into the next step, at most `need` of them (the rest are dropped and
-        counted), and are used first there; the trainer records their log-probs under the policy that
-        sampled them before this step's update. A carried group is never carried twice."""
+        Before each round the ranks agree (one all-reduce) whether any of them still lacks groups,
+        and every rank then samples as many prompts as the largest shortfall asks for (oversampled
+        after the first round). Kept groups beyond `need` - a rank that was already full keeps
+        sampling with the others - are carried into the next step, at most `need` of them (the rest
+        are dropped and counted), and are used first there; the trainer records their log-probs
+        under the policy that sampled them before this step's update. A carried group is never
+        carried twice."""
         algo = self.cfg.algorithm
-        kept, self.carry = list(self.carry), []  # carried groups first: they are one update old already
+        # carried groups first: they are one update old already
+        kept, self.carry = list(self.carry), []
         acc.sum("groups_carried", len(kept))
         if self.scheduler is not None:
             self.scheduler.new_step()
@@ -211,7 +219,8 @@ class GroupSampler:
         kept, leftover = kept[:need], kept[need:]
         self.carry = [g for g in leftover if not g.carried][:need]
         acc.sum("groups_kept", len(kept))
-        limit = self.cfg.data.max_prompt_tokens  # verl's prompt_length/clip_ratio: prompts at the limit
+        # verl's prompt_length/clip_ratio: prompts at the limit
+        limit = self.cfg.data.max_prompt_tokens
         acc.sum("prompt_at_limit", sum(len(g.prompt_ids) >= limit for g in kept for _ in g.raw))
         acc.sum("groups_dropped", len(leftover) - len(self.carry))
         return kept
@@ -230,7 +239,7 @@ class GroupSampler:
         for state, count in self.scheduler.counts(step + 1).items():
             acc.max(f"scheduler/{state}", count)
 
-    # -- checkpointed state ----------------------------------------------------------------------------
+    # -- checkpointed state ------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {
             "data_order": list(self.data_order),
@@ -240,8 +249,8 @@ class GroupSampler:
         }
 
     def load_state_dict(self, state: dict, record_only: bool = False) -> None:
-        """This rank's saved state; `record_only`: just the prompt record, the same on every rank (a run
-        resumed on another number of ranks starts a fresh pass over the data)."""
+        """This rank's saved state; `record_only`: just the prompt record, the same on every rank (a
+        run resumed on another number of ranks starts a fresh pass over the data)."""
         if not record_only:
             self.data_order = list(state["data_order"])
             self.data_rng.setstate(state["data_rng"])
@@ -251,19 +260,21 @@ class GroupSampler:
 
 
 def impute_failed(scores: list[float], failed: list[bool]) -> list[float]:
-    """A group's raw scores with each failed verification (the verifier raised, died or timed out) set
-    to the mean of the group's other scores: a harness failure carries no information about the
-    response, and at the group mean it leaves the group's baseline and every other sample's advantage
-    as they were (a fixed 0 would rank it below a wrong answer scored -1, or above one scored 0). A
-    group with no successful verification scores 0 throughout: all equal, it carries no signal."""
+    """A group's raw scores with each failed verification (the verifier raised, died or timed out)
+    set to the mean of the group's other scores: a harness failure carries no information about the
+    response, and at the group mean it leaves the group's baseline and every other sample's
+    advantage as they were (a fixed 0 would rank it below a wrong answer scored -1, or above one
+    scored 0). A group with no successful verification scores 0 throughout: all equal, it carries no
+    signal."""
     ok = [s for s, f in zip(scores, failed) if not f]
     fill = math.fsum(ok) / len(ok) if ok else 0.0
     return [fill if f else s for s, f in zip(scores, failed)]
 
 
 def shape_rewards(groups: list[Group], rc, step: int, max_new: int) -> torch.Tensor:
-    """docs/recipe.md §5 on the raw scores: stop-properly, then DAPO's overlong buffer when configured, then
-    the cosine length term while its schedule is on. Sets `Group.shaped`; returns the length terms [S]."""
+    """docs/recipe.md §5 on the raw scores: stop-properly, then DAPO's overlong buffer when
+    configured, then the cosine length term while its schedule is on. Sets `Group.shaped`; returns
+    the length terms [S]."""
     raw = torch.tensor([r for g in groups for r in g.raw], dtype=torch.float32)
     trunc = torch.tensor([t for g in groups for t in g.truncated], dtype=torch.bool)
     lengths = torch.tensor([len(t) for g in groups for t in g.responses], dtype=torch.long)

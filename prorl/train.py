@@ -6,36 +6,38 @@
     torchrun ... -m prorl.train ...                                              # the same, as a module
     torchrun ... prorl/train.py --verl-config ppo_trainer.yaml [verl.key=value ...]  # a verl config
 
-With no arguments it runs the embedded default on the CPU: the shipped tiny reasoner trained with the full
-recipe on the built-in digit-sum task, held-out accuracy printed before and after, metrics, a checkpoint
-and a PNG of the training curves in the run directory. With `model.path=` and no `--config` it runs the
-recipe's own defaults (prorl/config.py) on that model: the embedded default's toy settings (a 40-token
-budget, lr 3e-5, ...) belong to the no-argument run only. The preset and every non-default value are
-printed at start; `--print-config` prints the resolved configuration and exits; `--help` lists every key.
+With no arguments it runs the embedded default on the CPU: the shipped tiny reasoner trained with
+the full recipe on the built-in digit-sum task, held-out accuracy printed before and after, metrics,
+a checkpoint and a PNG of the training curves in the run directory. With `model.path=` and no
+`--config` it runs the recipe's own defaults (prorl/config.py) on that model: the embedded default's
+toy settings (a 40-token budget, lr 3e-5, ...) belong to the no-argument run only. The preset and
+every non-default value are printed at start; `--print-config` prints the resolved configuration and
+exits; `--help` lists every key.
 
 Lifecycle (prorl/lifecycle.py has the exit codes):
 - Re-running the same command on the same `output_dir` resumes from its latest complete checkpoint;
   `metrics.jsonl` is cut back to that step, so the resumed run's rows follow on as if never stopped.
   With `trainer.deterministic=true` on the CPU the result is bit-identical to an uninterrupted run
-  (tests/prorl/test_resume.py and tests/preset kill runs with SIGKILL to check it). A resume with settings
-  that fix the run's data and batch changed is refused before anything is touched.
-- SIGTERM or Ctrl-C: the current step is finished, a checkpoint saved (if `trainer.save_every` > 0), and
-  the process exits 0. All ranks agree on the step to stop after. Under torchrun the agent forwards the
-  signal and kills workers that are still alive after `--shutdown-timeout` (default 30 s) - raise it
-  when a step plus a save takes longer. A second signal, 2 s or more after the first, aborts at once.
-- A dead, frozen or hung rank: a rank waiting long in a collective says which (trainer.wait_warning_s);
-  collectives time out (trainer.collective_timeout_s, sized from the config) and the run ends with exit
-  code 7; the last complete checkpoint is untouched.
-- An unwritable output directory, or too little disk for one checkpoint: a clear error and exit code 5
-  before the first step.
-- A damaged checkpoint (a file whose size or checksum differs from the manifest written at save, or is
-  missing): the previous complete one is resumed, with a warning naming the file; when every one is
-  damaged, exit code 4 naming the files. A missing RNG file: resumed with a warning naming it.
-- Asynchronous RL (rollout.async.steps_ahead >= 1): rollout ranks that stop delivering groups or weights
-  (dead, hung past the timeout, or holding weights other than the version they report) end the run with
-  exit code 8 on the trainers; a dead rank also makes torchrun stop the others.
-- A broken model directory (config.json, a truncated safetensors file) or data file (not UTF-8, an empty
-  prompt or ground truth, an empty file): exit code 2 naming the file (and row and field).
+  (tests/prorl/test_resume.py and tests/preset kill runs with SIGKILL to check it). A resume with
+  settings that fix the run's data and batch changed is refused before anything is touched.
+- SIGTERM or Ctrl-C: the current step is finished, a checkpoint saved (if `trainer.save_every` > 0),
+  and the process exits 0. All ranks agree on the step to stop after. Under torchrun the agent
+  forwards the signal and kills workers that are still alive after `--shutdown-timeout` (default 30
+  s) - raise it when a step plus a save takes longer. A second signal, 2 s or more after the first,
+  aborts at once.
+- A dead, frozen or hung rank: a rank waiting long in a collective says which
+  (trainer.wait_warning_s); collectives time out (trainer.collective_timeout_s, sized from the
+  config) and the run ends with exit code 7; the last complete checkpoint is untouched.
+- An unwritable output directory, or too little disk for one checkpoint: a clear error and exit code
+  5 before the first step.
+- A damaged checkpoint (a file whose size or checksum differs from the manifest written at save, or
+  is missing): the previous complete one is resumed, with a warning naming the file; when every one
+  is damaged, exit code 4 naming the files. A missing RNG file: resumed with a warning naming it.
+- Asynchronous RL (rollout.async.steps_ahead >= 1): rollout ranks that stop delivering groups or
+  weights (dead, hung past the timeout, or holding weights other than the version they report) end
+  the run with exit code 8 on the trainers; a dead rank also makes torchrun stop the others.
+- A broken model directory (config.json, a truncated safetensors file) or data file (not UTF-8, an
+  empty prompt or ground truth, an empty file): exit code 2 naming the file (and row and field).
 """
 
 from __future__ import annotations
@@ -88,8 +90,9 @@ from prorl.trainer import Trainer, TrainingStalled
 
 
 def load_examples(cfg, split: str):
-    """The training or held-out examples: the data files, or the builtin task's split. With training files
-    but no validation files there is no held-out set (the builtin task's would say nothing about them)."""
+    """The training or held-out examples: the data files, or the builtin task's split. With training
+    files but no validation files there is no held-out set (the builtin task's would say nothing
+    about them)."""
     files = cfg.data.train_files if split == "train" else cfg.data.val_files
     if files:  # "path" or "path:weight" (weighted mixing, see prorl.data)
         try:
@@ -108,9 +111,9 @@ def load_examples(cfg, split: str):
 
 
 def parse_config(argv: list[str] | None):
-    """(config, preset name) from the command line; raises ConfigError. Without --config the embedded
-    default applies to the no-argument run (and runs that only resize it), the recipe's defaults when a
-    model is given (`model.path=`)."""
+    """(config, preset name) from the command line; raises ConfigError. Without --config the
+    embedded default applies to the no-argument run (and runs that only resize it), the recipe's
+    defaults when a model is given (`model.path=`)."""
     ap = argparse.ArgumentParser(
         description="ProRL v2 trainer",
         allow_abbrev=False,
@@ -130,7 +133,8 @@ def parse_config(argv: list[str] | None):
     if preset is None:
         own_model = "model.path" in values or any(o.startswith("model.path=") for o in overrides)
         preset = None if own_model else "default"
-    if verl is not None and int(os.environ.get("RANK", "0")) == 0:  # stderr beside --print-config's YAML
+    # stderr beside --print-config's YAML
+    if verl is not None and int(os.environ.get("RANK", "0")) == 0:
         print(
             verl_compat.format_table(verl, args.verl_config), file=sys.stderr if args.print_config else None
         )
@@ -142,8 +146,9 @@ def parse_config(argv: list[str] | None):
 
 def check_training_data(cfg, preset: str | None, explicit: bool) -> None:
     """A preset for another model than the embedded one (`--config prorl_v2_1.5b`) without
-    data.train_files would validate and train the builtin task at the preset's sizes for hours: refused
-    (ConfigError) unless data.builtin_task is given on purpose, on the command line or in the file."""
+    data.train_files would validate and train the builtin task at the preset's sizes for hours:
+    refused (ConfigError) unless data.builtin_task is given on purpose, on the command line or in
+    the file."""
     from omegaconf import OmegaConf
 
     if preset in (None, "default") or cfg.data.train_files or cfg.model.path.startswith("builtin:"):
@@ -188,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         if str(exc):
             print(f"prorl: {exc}", file=sys.stderr)
         return exc.code
-    except RuntimeError as exc:  # a collective timed out, or a peer's connection broke: say so plainly
+    # a collective timed out, or a peer's connection broke: say so plainly
+    except RuntimeError as exc:
         if not lifecycle.peer_failure(exc):
             raise
         first = str(exc).strip().splitlines()[0][:300]
@@ -213,10 +219,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def init_process_groups(cfg):
-    """(DistInfo, whether the run is asynchronous). gloo on the CPU, NCCL on GPUs; collectives time out,
-    so a dead or stuck rank ends the job, and a rank that waits long in one says which
-    (engine/watchdog.py). Asynchronous RL: rollout ranks and trainer ranks, each side its own process
-    group (prorl/async_rl/roles.py); ConfigError when its settings do not fit the world."""
+    """(DistInfo, whether the run is asynchronous). gloo on the CPU, NCCL on GPUs; collectives time
+    out, so a dead or stuck rank ends the job, and a rank that waits long in one says which
+    (engine/watchdog.py). Asynchronous RL: rollout ranks and trainer ranks, each side its own
+    process group (prorl/async_rl/roles.py); ConfigError when its settings do not fit the world."""
     backend = parallel.process_group_backend(torch.cuda.is_available(), cfg.model.cpu_offload)
     async_roles.check_async(cfg, int(os.environ.get("WORLD_SIZE", "1")), "RANK" in os.environ)
     if not async_roles.enabled(cfg):
@@ -282,9 +288,9 @@ def run(cfg, preset: str | None, rank: int) -> int:
 
 
 def run_rollout(cfg, roles) -> int:
-    """A rollout rank of an asynchronous run (prorl/async_rl/worker.py): samples and verifies until the
-    trainers say stop. SIGTERM and SIGINT are left to the trainers, which finish their step, save and
-    then stop this rank."""
+    """A rollout rank of an asynchronous run (prorl/async_rl/worker.py): samples and verifies until
+    the trainers say stop. SIGTERM and SIGINT are left to the trainers, which finish their step,
+    save and then stop this rank."""
     from transformers import PreTrainedTokenizerFast
 
     lifecycle.seed_everything(cfg.seed + roles.rank, cfg.trainer.deterministic)
@@ -300,7 +306,8 @@ def run_rollout(cfg, roles) -> int:
 
 def load_reward_code(plugins, function: str) -> None:
     """User verifiers: modules that call prorl.rewards.register(...) (`reward.plugins`), and verl's
-    compute_score by file path (`reward.function`); a bad one is a config error (exit 2) naming it."""
+    compute_score by file path (`reward.function`); a bad one is a config error (exit 2) naming
+    it."""
     for module in plugins:
         if module.endswith(".py") or os.sep in module:
             raise Fatal(
@@ -319,8 +326,9 @@ def load_reward_code(plugins, function: str) -> None:
 
 
 def check_context(cfg, model_path: str, reporter_say=None) -> None:
-    """The prompt and response budgets against the model's context (config.json max_position_embeddings):
-    a response budget that alone fills it is an error (exit 2), a sum over it a warning."""
+    """The prompt and response budgets against the model's context (config.json
+    max_position_embeddings): a response budget that alone fills it is an error (exit 2), a sum over
+    it a warning."""
     with open(os.path.join(model_path, "config.json")) as f:
         context = json.load(f).get("max_position_embeddings")
     if not context:
@@ -346,9 +354,9 @@ def check_context(cfg, model_path: str, reporter_say=None) -> None:
 
 
 def make_pool(cfg, examples):
-    """The reward workers (started with SIGINT / SIGTERM ignored: lifecycle.ignoring_stop_signals), after
-    the start-up self-test of every verifier the data needs (a verifier that silently scores 0 would waste
-    the whole run: exit code 3)."""
+    """The reward workers (started with SIGINT / SIGTERM ignored: lifecycle.ignoring_stop_signals),
+    after the start-up self-test of every verifier the data needs (a verifier that silently scores 0
+    would waste the whole run: exit code 3)."""
     sources = tuple(sorted({e.data_source for e in examples}))
     kw = dict(
         num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, preload=builtin_keys(sources)
@@ -367,9 +375,11 @@ def make_pool(cfg, examples):
 
 
 def refuse_incompatible_resume(ckpt, cfg, rank: int) -> None:
-    """A checkpoint to resume whose settings that fix the run's data and batch differ, or no checkpoint
-    that is not damaged: refuse (exit 4) before the run's files are touched."""
-    try:  # the newest checkpoint whose files match their manifest; a damaged newer one is named and skipped
+    """A checkpoint to resume whose settings that fix the run's data and batch differ, or no
+    checkpoint that is not damaged: refuse (exit 4) before the run's files are touched."""
+    # the newest checkpoint whose files match their manifest; a damaged newer one is named and
+    # skipped
+    try:
         path = ckpt.usable()
     except CheckpointError as exc:
         raise Fatal(lifecycle.EXIT_RESUME, f"cannot resume: {exc}" if rank == 0 else "") from None
@@ -390,8 +400,9 @@ def refuse_incompatible_resume(ckpt, cfg, rank: int) -> None:
 
 
 def resume_or_validate(cfg, trainer, ckpt, reporter, state: dict, chash: str, validate: bool) -> None:
-    """Restore `state` from the latest complete checkpoint (naming the settings that changed since), or
-    start the run's metrics and, with trainer.val_before_train, measure the accuracy before RL."""
+    """Restore `state` from the latest complete checkpoint (naming the settings that changed since),
+    or start the run's metrics and, with trainer.val_before_train, measure the accuracy before
+    RL."""
     try:
         resumed = ckpt.load(state, config_hash=chash)
     except CheckpointError as exc:
@@ -420,7 +431,8 @@ def resume_or_validate(cfg, trainer, ckpt, reporter, state: dict, chash: str, va
 
 
 def train_loop(cfg, trainer, ckpt, reporter, stop, rank: int, validate: bool) -> int:
-    """Resume or validate first, then train to trainer.total_steps, saving and validating on schedule."""
+    """Resume or validate first, then train to trainer.total_steps, saving and validating on
+    schedule."""
     chash = config_hash(to_yaml(cfg))  # changed settings are reported on resume
     state = {
         "model": trainer.policy,

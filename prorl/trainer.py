@@ -124,7 +124,8 @@ class Trainer:
         return metrics
 
     def sample(self, max_new: int, acc: StepAccumulator, t_start: float):
-        """This rank's groups of the step (sampled here, or by the rollout ranks) and the timings."""
+        """This rank's groups of the step (sampled here, or by the rollout ranks) and the
+        timings."""
         if self.remote is not None:
             if not self.remote.started:  # after a resume restored the policy
                 self.remote.start(self.policy, self.models.dtype, self.step_count)
@@ -227,7 +228,8 @@ class Trainer:
         # the prompt record is the same on every rank
         local = ranks[self.rank] if same_world else ranks[0]
         self.sampler.load_state_dict(local["sampler"], record_only=not same_world)
-        if self.remote is not None:  # the rollout ranks' sampler states, whichever trainer held them
+        # the rollout ranks' sampler states, whichever trainer held them
+        if self.remote is not None:
             for r in ranks:
                 self.remote.load_state_dict(r.get("remote", {}))
         if same_world:

@@ -1,18 +1,20 @@
 """Make the embedded default's starting point: a tiny reasoner, supervised to its plateau on imperfect
-demonstrations, saved in Hugging Face format (config.json, model.safetensors, tokenizer, chat template).
+demonstrations, saved in Hugging Face format (config.json, model.safetensors, tokenizer, chat
+template).
 
     python -m prorl.warmstart --out prorl/assets/tiny-reasoner      # ~10 min on one CPU core
     python -m prorl.warmstart --task chain_sums --out prorl/assets/chain-reasoner ...   # prorl/chain_sums.py
     python -m prorl.warmstart --task long_sums --out prorl/assets/long-reasoner ...     # (README)
 
-Why imperfect demonstrations. ProRL starts from a distilled model that imitation has taken as far as it
-goes; RL must then add what imitation cannot. A tiny model trained on *perfect* worked sums would keep
-improving with more supervised steps, and RL would only race imitation. So the demonstrations here have a
-systematic slip: whenever an addition crosses a multiple of ten, the worked solution forgets the carry
-with probability `--slip` (default 0.6) - "7+5=2" - and carries the mistake to a wrong boxed answer.
-Imitation learns the majority habit at each carry, so its greedy accuracy plateaus near the share of
-problems without a carry (about 30%), however long it trains (the README shows that control). The
-verifier rewards only correct answers, so RL can find and reinforce the minority, correct, behaviour.
+Why imperfect demonstrations. ProRL starts from a distilled model that imitation has taken as far as
+it goes; RL must then add what imitation cannot. A tiny model trained on *perfect* worked sums would
+keep improving with more supervised steps, and RL would only race imitation. So the demonstrations
+here have a systematic slip: whenever an addition crosses a multiple of ten, the worked solution
+forgets the carry with probability `--slip` (default 0.6) - "7+5=2" - and carries the mistake to a
+wrong boxed answer. Imitation learns the majority habit at each carry, so its greedy accuracy
+plateaus near the share of problems without a carry (about 30%), however long it trains (the README
+shows that control). The verifier rewards only correct answers, so RL can find and reinforce the
+minority, correct, behaviour.
 
 The model: Qwen2 architecture (hidden 128, 2 layers, 4 heads / 2 KV heads, tied embeddings, ~0.5M
 parameters) over a character vocabulary built with the `tokenizers` library, ChatML-style template.
@@ -51,7 +53,8 @@ def build_tokenizer():
     chars = ["\n"] + [chr(c) for c in range(32, 127)]
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + chars + ["<unk>"])}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")  # one token per character
+    # one token per character
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(SPECIAL_TOKENS)
     return PreTrainedTokenizerFast(
@@ -65,9 +68,10 @@ def build_tokenizer():
 
 
 def demonstration(prompt: str, slip: float, verbose: float, rng: random.Random) -> str:
-    """A worked solution of the sum `prompt` ("a+b+c=") in which each decade-crossing addition forgets
-    its carry with probability `slip`; with probability `verbose` it first restates the terms (chain_sums'
-    length-penalty bait; 0 for digit_sums, whose demonstrations are the embedded default's)."""
+    """A worked solution of the sum `prompt` ("a+b+c=") in which each decade-crossing addition
+    forgets its carry with probability `slip`; with probability `verbose` it first restates the
+    terms (chain_sums' length-penalty bait; 0 for digit_sums, whose demonstrations are the embedded
+    default's)."""
     terms = chain_sums.parse_terms(prompt)
     opening = chain_sums.restatement(terms) if verbose > 0 and rng.random() < verbose else ""
     return opening + chain_sums.solution(terms, slip, rng)
@@ -106,8 +110,9 @@ def encode_chat(tokenizer, user: str) -> list[int]:
 
 @torch.no_grad()
 def greedy_accuracy(model, tokenizer, examples, max_new_tokens: int = 40) -> float:
-    """Greedy accuracy on `examples`, scored by exact match of the last \\boxed{} (the math verifier's job in
-    training; exact match suffices for integer sums and keeps this script free of worker processes)."""
+    """Greedy accuracy on `examples`, scored by exact match of the last \\boxed{} (the math
+    verifier's job in training; exact match suffices for integer sums and keeps this script free of
+    worker processes)."""
     prompts = [encode_chat(tokenizer, ex.prompt[-1]["content"]) for ex in examples]
     stops = stop_token_ids(tokenizer)
     out = NativeGenerator(model).generate(
@@ -154,8 +159,8 @@ def _model_and_tokenizer(args):
 
 
 def _sft_batch(train, tokenizer, args, rng: random.Random):
-    """`args.batch` demonstrations, packed: token ids [N], cu_seqlens [B + 1] int32, next-token labels
-    [N] (-100 outside the answers)."""
+    """`args.batch` demonstrations, packed: token ids [N], cu_seqlens [B + 1] int32, next-token
+    labels [N] (-100 outside the answers)."""
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     ids, labels, lengths = [], [], []
     for ex in rng.sample(train, args.batch):
@@ -165,7 +170,8 @@ def _sft_batch(train, tokenizer, args, rng: random.Random):
         answer = tokenizer.encode(answer, add_special_tokens=False) + [end]
         seq = prompt + answer
         ids += seq
-        labels += [-100] * (len(prompt) - 1) + answer + [-100]  # next-token targets of the answer only
+        # next-token targets of the answer only
+        labels += [-100] * (len(prompt) - 1) + answer + [-100]
         lengths.append(len(seq))
     cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
     return torch.tensor(ids), cu, torch.tensor(labels)

@@ -5,12 +5,13 @@
     remote.push(policy, dtype, version)       # after each update (every trainer: collective under FSDP)
 
 `take` checks every batch and every group in it against the bound (s - v <= steps_ahead and v <= s,
-else RolloutLost: never trained on) and against the trainers' own checksum of version v (the rollout's
-weights are the version it reports), adds the rollout ranks' sampling metrics to this step's, and keeps
-the newest sampler state of the rollout ranks whose metrics it carries, which the checkpoint saves
-(`state_dict`). Once the last step's batch is taken the rollout ranks are told to stop. Groups sampled
-for later steps and not yet taken when a run stops are dropped (counted at `close`): a resumed run's
-rollout ranks start from the state that produced the last trained step, so no group is trained twice.
+else RolloutLost: never trained on) and against the trainers' own checksum of version v (the
+rollout's weights are the version it reports), adds the rollout ranks' sampling metrics to this
+step's, and keeps the newest sampler state of the rollout ranks whose metrics it carries, which the
+checkpoint saves (`state_dict`). Once the last step's batch is taken the rollout ranks are told to
+stop. Groups sampled for later steps and not yet taken when a run stops are dropped (counted at
+`close`): a resumed run's rollout ranks start from the state that produced the last trained step, so
+no group is trained twice.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ class RemoteRollouts:
         self.checksums: dict[int, float] = {}
         self.states: dict[int, dict] = {}  # rollout rank -> newest sampler state received
         self.started, self.taken = False, -1
-        # the longest a batch may take: every sampling round of the rollout ranks (prorl/config.py); a
-        # dead rollout rank is seen sooner, by its heartbeat
+        # the longest a batch may take: every sampling round of the rollout ranks (prorl/config.py);
+        # a dead rollout rank is seen sooner, by its heartbeat
         self.timeout_s = timeouts(cfg, roles.trainers, roles.rollouts)["step"]
         self.heartbeat = transport.Heartbeat(roles.store, "alive/trainer") if rank == 0 else None
         self.alive = [
@@ -54,7 +55,7 @@ class RemoteRollouts:
                 flush=True,
             )
 
-    # -- weights ------------------------------------------------------------------------------------
+    # -- weights -----------------------------------------------------------------------------------
     def push(self, policy, dtype, version: int, extra=None) -> None:
         """The policy's weights as `version` (completed updates) to the rollout ranks: every trainer
         records their checksum, trainer 0 stages them for its push thread. Tensor by tensor (as
@@ -76,8 +77,8 @@ class RemoteRollouts:
             del self.checksums[old]
 
     def start(self, policy, dtype, step: int) -> None:
-        """The first push (the weights the run starts or resumes from), with the rollout ranks' saved
-        sampler states on resume."""
+        """The first push (the weights the run starts or resumes from), with the rollout ranks'
+        saved sampler states on resume."""
         # saved by as many rollout ranks as now, else each starts a fresh pass over the data
         same = len(self.states) == self.roles.rollouts
         self.push(policy, dtype, step, extra=dict(self.states) if same else None)
@@ -88,7 +89,7 @@ class RemoteRollouts:
             with open(self.trace, "w") as f:
                 f.writelines(kept)
 
-    # -- groups -------------------------------------------------------------------------------------
+    # -- groups ------------------------------------------------------------------------------------
     def take(self, step: int, acc: StepAccumulator) -> tuple[list, dict[str, float]]:
         """This trainer's groups of `step` and the step's timings (module docstring)."""
         t0, groups, gen, reward, waited = time.perf_counter(), [], 0.0, 0.0, 0.0
@@ -107,7 +108,8 @@ class RemoteRollouts:
                 acc.sum("async_groups", 1)
                 acc.max("async_staleness", step - g.version)
             self._check_weights(version, message["checksum"], what)
-            if message["engine_rms"] is not None:  # vLLM: its post-sync probe against the model copy
+            # vLLM: its post-sync probe against the model copy
+            if message["engine_rms"] is not None:
                 acc.max("async_engine_rms", message["engine_rms"])
             groups.extend(message["groups"])
             if "state" in message:
@@ -128,7 +130,8 @@ class RemoteRollouts:
         return groups, {"timing_s/gen": gen, "timing_s/reward": reward, "timing_s/wait_rollout": wait}
 
     def queued(self, after: int) -> int:
-        """Groups of steps after `after` already waiting in the store for this trainer (nominal sizes)."""
+        """Groups of steps after `after` already waiting in the store for this trainer (nominal
+        sizes)."""
         return sum(
             hi - lo
             for s in range(after + 1, after + self.k + 2)
@@ -145,13 +148,14 @@ class RemoteRollouts:
             )
 
     def _trace(self, step: int, groups: list) -> None:
-        """One JSON line per step in `async_trained.rank{r}.jsonl` of the run directory: [id, version,
-        example index] of each group trained (tests, benchmarks); cut back to the step resumed from."""
+        """One JSON line per step in `async_trained.rank{r}.jsonl` of the run directory: [id,
+        version, example index] of each group trained (tests, benchmarks); cut back to the step
+        resumed from."""
         with open(self.trace, "a") as f:
             uids = [[g.uid, g.version, g.example_index] for g in groups]
             f.write(json.dumps({"step": step, "groups": uids}) + "\n")
 
-    # -- state and shutdown -------------------------------------------------------------------------
+    # -- state and shutdown ------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"rollout_states": dict(self.states)}
 

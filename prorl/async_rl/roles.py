@@ -1,19 +1,20 @@
 """The role split of an asynchronous run under torchrun, and the process groups of each side.
 
-With `rollout.async_rl.steps_ahead` = k >= 1 and `rollout_ranks` = r, of W ranks the first W - r train
-and the last r sample and verify. Each side gets a DEFAULT process group of its own (over its own ranks,
-from the job's rendezvous store under a prefix), so that everything written for "all ranks" -
-`dist_info()`, `all_reduce`, the FSDP2 mesh, DCP checkpoints, the collective sampling rounds and the
-prompt scheduler's merged record - runs unchanged over one side's ranks: the trainers are an ordinary
-FSDP2 job of W - r ranks, the rollout ranks an ordinary sampling job of r ranks. Across the sides:
+With `rollout.async_rl.steps_ahead` = k >= 1 and `rollout_ranks` = r, of W ranks the first W - r
+train and the last r sample and verify. Each side gets a DEFAULT process group of its own (over its
+own ranks, from the job's rendezvous store under a prefix), so that everything written for "all
+ranks" - `dist_info()`, `all_reduce`, the FSDP2 mesh, DCP checkpoints, the collective sampling
+rounds and the prompt scheduler's merged record - runs unchanged over one side's ranks: the trainers
+are an ordinary FSDP2 job of W - r ranks, the rollout ranks an ordinary sampling job of r ranks.
+Across the sides:
 
 - the job's store (torchrun's TCPStore, under `prorl/async/`) carries the step's groups (rollout ->
   trainers) and the weight-push headers (trainer rank 0 -> rollouts): small pickled objects, with
   non-blocking probes and timeouts (prorl/async_rl/transport.py);
 - a gloo group of trainer rank 0 and the rollout ranks (`push`) carries the weights (broadcast, bucketed).
 
-Why not one default group over all ranks with sub-groups: every collective and checkpoint of the trainer
-would then have to be told its group, and one missed call would hang both sides.
+Why not one default group over all ranks with sub-groups: every collective and checkpoint of the
+trainer would then have to be told its group, and one missed call would hang both sides.
 """
 
 from __future__ import annotations
@@ -103,18 +104,18 @@ def check_async(cfg: Config, world: int, torchrun: bool) -> None:
 
 
 def timeouts(cfg: Config, trainers: int, rollouts: int) -> dict[str, float]:
-    """Seconds: `train` and `rollout`, each side's own collectives (a sampling round of its own world,
-    prorl/config.py); `step`, the longest one rollout step may take (every round of dynamic sampling):
-    the push group's (its root waits for rollout ranks that join only between steps) and the trainers'
-    wait for a batch (prorl/async_rl/remote.py)."""
+    """Seconds: `train` and `rollout`, each side's own collectives (a sampling round of its own
+    world, prorl/config.py); `step`, the longest one rollout step may take (every round of dynamic
+    sampling): the push group's (its root waits for rollout ranks that join only between steps) and
+    the trainers' wait for a batch (prorl/async_rl/remote.py)."""
     rounds = cfg.algorithm.max_rounds if cfg.algorithm.dynamic_sampling else 1
     rollout = collective_timeout_s(cfg, world=rollouts)
     return {"train": collective_timeout_s(cfg, world=trainers), "rollout": rollout, "step": rollout * rounds}
 
 
 def init_async(cfg: Config, backend: str) -> Roles:
-    """Split the torchrun job (module docstring): each side's default process group, the push group and
-    the store. Returns this process's Roles (also `roles()`)."""
+    """Split the torchrun job (module docstring): each side's default process group, the push group
+    and the store. Returns this process's Roles (also `roles()`)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     check_async(cfg, world, torchrun=True)
     r = cfg.rollout.async_rl.rollout_ranks

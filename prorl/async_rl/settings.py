@@ -24,7 +24,8 @@ class AsyncConfig:
 
 
 def rename_async_section(node) -> None:
-    """A config file's `rollout: {async: ...}` read as `rollout.async_rl` (an OmegaConf DictConfig)."""
+    """A config file's `rollout: {async: ...}` read as `rollout.async_rl` (an OmegaConf
+    DictConfig)."""
     rollout = node.get("rollout") if hasattr(node, "get") else None
     if hasattr(rollout, "keys") and "async" in rollout:
         if "async_rl" in rollout:

@@ -1,29 +1,30 @@
 """What travels between the two sides of an asynchronous run (prorl/async_rl/roles.py).
 
-Objects (a step's groups, push headers) go through the job's store: `put` pickles under a key, `take`
-waits for it (with a timeout), reads and deletes it, `ready` probes without blocking. The store is the
-rendezvous TCPStore torchrun already runs; a step's groups are token ids and log-probs, about 8 bytes
-per response token.
+Objects (a step's groups, push headers) go through the job's store: `put` pickles under a key,
+`take` waits for it (with a timeout), reads and deletes it, `ready` probes without blocking. The
+store is the rendezvous TCPStore torchrun already runs; a step's groups are token ids and log-probs,
+about 8 bytes per response token.
 
-Weights go from trainer rank 0 to every rollout rank over the gloo `push` group, in buckets of at most
-`BUCKET_BYTES` (bytes of the sampler's dtype, so bf16 travels as bf16). Trainer rank 0 copies them into
-host buckets (`WeightPusher.stage`: the only time the trainer spends on a push) and a thread of its own
-announces the push in the store and broadcasts the buckets; when the rollouts are still generating, the
-thread waits, and a newer staged version replaces an unsent older one (rollouts only ever want the
-newest). The rollout ranks take pushes only between two steps' sampling (`WeightReceiver`), all of them
-the same pushes.
+Weights go from trainer rank 0 to every rollout rank over the gloo `push` group, in buckets of at
+most `BUCKET_BYTES` (bytes of the sampler's dtype, so bf16 travels as bf16). Trainer rank 0 copies
+them into host buckets (`WeightPusher.stage`: the only time the trainer spends on a push) and a
+thread of its own announces the push in the store and broadcasts the buckets; when the rollouts are
+still generating, the thread waits, and a newer staged version replaces an unsent older one
+(rollouts only ever want the newest). The rollout ranks take pushes only between two steps' sampling
+(`WeightReceiver`), all of them the same pushes.
 
 Liveness: trainer rank 0 and every rollout rank run a `Heartbeat` thread that bumps a counter under
 `alive/...` in the store; a side waiting for the other (`take` with a `Liveness`) fails once the
 counter it watches has not moved for `HEARTBEAT_STALE_S` (its own clock: no clock is compared across
 nodes), so a long validation or checkpoint save of a live trainer is no timeout and a dead peer is
 seen within minutes. The trainers' `close` also sets `STOP_KEY`, which a rollout rank checks while
-waiting for a push, and a broadcast that fails once it is set is a clean stop: a trainer that gave up
-on a push stuck behind a rollout still mid-step (SIGTERM: save, then exit) stops that rollout cleanly.
+waiting for a push, and a broadcast that fails once it is set is a clean stop: a trainer that gave
+up on a push stuck behind a rollout still mid-step (SIGTERM: save, then exit) stops that rollout
+cleanly.
 
-`checksum` is the yardstick of "the rollout's weights are the version it reports": the trainer records it
-per version over its own full tensors, the rollout computes it over its model after loading a push, and
-every received batch is checked against the record (`RemoteRollouts.take`).
+`checksum` is the yardstick of "the rollout's weights are the version it reports": the trainer
+records it per version over its own full tensors, the rollout computes it over its model after
+loading a push, and every received batch is checked against the record (`RemoteRollouts.take`).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ STOP_KEY = "stop"
 
 
 class RolloutLost(RuntimeError):
-    """The rollout side stopped answering (died, hung past the timeout, or sent weights that are not the
-    version it reports); train.py exits with lifecycle.EXIT_ROLLOUT_LOST."""
+    """The rollout side stopped answering (died, hung past the timeout, or sent weights that are not
+    the version it reports); train.py exits with lifecycle.EXIT_ROLLOUT_LOST."""
 
 
 def put(store, key: str, obj) -> None:
@@ -58,8 +59,10 @@ def ready(store, key: str) -> bool:
 
 def take(store, key: str, timeout_s: float, what: str, delete: bool = True, alive=()):
     """The object under `key`, waited for at most timeout_s (and while every Liveness of `alive`
-    holds), then deleted from the store (`delete`: a push header stays, every rollout rank reads it)."""
-    # polled, not store.wait: a waiting client holds its connection's lock, and the push thread shares it
+    holds), then deleted from the store (`delete`: a push header stays, every rollout rank reads
+    it)."""
+    # polled, not store.wait: a waiting client holds its connection's lock, and the push thread
+    # shares it
     deadline = time.monotonic() + timeout_s
     while not store.check([key]):
         if time.monotonic() > deadline:
@@ -74,8 +77,8 @@ def take(store, key: str, timeout_s: float, what: str, delete: bool = True, aliv
 
 
 class Heartbeat:
-    """A thread bumping a counter under `key` every HEARTBEAT_S until `stop` (module docstring), while
-    `healthy()` (None: always) says the process makes progress."""
+    """A thread bumping a counter under `key` every HEARTBEAT_S until `stop` (module docstring),
+    while `healthy()` (None: always) says the process makes progress."""
 
     def __init__(self, store, key: str, every_s: float = HEARTBEAT_S, healthy=None):
         self.store, self.key, self.every_s, self.done = store, key, every_s, threading.Event()
@@ -100,8 +103,8 @@ class Heartbeat:
 
 
 class Liveness:
-    """The other side's heartbeat under `key`, seen from here: `check` raises RolloutLost once it has
-    not moved for `stale_s` of this process's clock; before its first beat (the other side still
+    """The other side's heartbeat under `key`, seen from here: `check` raises RolloutLost once it
+    has not moved for `stale_s` of this process's clock; before its first beat (the other side still
     starting: model load, engine start), once `startup_s` have passed since construction."""
 
     look_s = 1.0  # at most one store read per this many seconds
@@ -162,13 +165,14 @@ def _broadcast(pg, tensor: torch.Tensor) -> None:
 
 
 def bucket_layout(named) -> list[list[tuple[str, tuple, torch.dtype]]]:
-    """(name, shape, dtype) of each tensor, in buckets of at most BUCKET_BYTES (a larger tensor alone)."""
+    """(name, shape, dtype) of each tensor, in buckets of at most BUCKET_BYTES (a larger tensor
+    alone)."""
     return pack(named, copy=False)[0]
 
 
 def pack(named, copy: bool = True) -> tuple[list, list[torch.Tensor]]:
-    """`bucket_layout` of the (name, tensor) pairs, taken one at a time (an iterator: each tensor may be
-    freed once copied), and with `copy` the host buckets of their bytes."""
+    """`bucket_layout` of the (name, tensor) pairs, taken one at a time (an iterator: each tensor
+    may be freed once copied), and with `copy` the host buckets of their bytes."""
     layout, buckets, parts, size = [], [], [], 0
     for name, t in named:
         nbytes = t.numel() * t.element_size()
@@ -187,8 +191,8 @@ def pack(named, copy: bool = True) -> tuple[list, list[torch.Tensor]]:
 
 
 class WeightPusher:
-    """Trainer rank 0's side of the weight push (module docstring). `stage` raises RolloutLost once the
-    push thread failed (a rollout rank died or timed out)."""
+    """Trainer rank 0's side of the weight push (module docstring). `stage` raises RolloutLost once
+    the push thread failed (a rollout rank died or timed out)."""
 
     def __init__(self, store, pg):
         self.store, self.pg, self.sent = store, pg, 0
@@ -198,8 +202,9 @@ class WeightPusher:
         self.thread.start()
 
     def stage(self, version: int, named, extra=None, stop: bool = False) -> None:
-        """Copy (name, tensor) pairs, one at a time, into host buckets and hand them to the push thread.
-        `named` is consumed whole before a failed push raises: it may be a collective's iterator."""
+        """Copy (name, tensor) pairs, one at a time, into host buckets and hand them to the push
+        thread. `named` is consumed whole before a failed push raises: it may be a collective's
+        iterator."""
         layout, buckets = pack(named)
         if self.error is not None:
             raise RolloutLost(f"the weight push to the rollout ranks failed: {self.error}")
@@ -241,9 +246,9 @@ class WeightPusher:
 
 class WeightReceiver:
     """A rollout rank's side of the weight push into `model` (module docstring). `version` and
-    `checksum` describe the weights the model holds now; `stopped` once the trainers said stop. A push
-    is waited for as long as trainer rank 0's heartbeat moves (validation, checkpoints, val_before_train
-    take what they take)."""
+    `checksum` describe the weights the model holds now; `stopped` once the trainers said stop. A
+    push is waited for as long as trainer rank 0's heartbeat moves (validation, checkpoints,
+    val_before_train take what they take)."""
 
     def __init__(self, store, pg, model, startup_s: float, stale_s: float = HEARTBEAT_STALE_S):
         self.store, self.pg = store, pg
@@ -261,9 +266,9 @@ class WeightReceiver:
 
     def _header(self):
         """The next push's header, or None once the trainers set STOP_KEY and announced no further
-        push. An announced push is joined even after a stop: its root waits for this rank (the trainer
-        gives it up to `WeightPusher.close`'s timeout), and a root that left meanwhile is a clean stop
-        (`receive`)."""
+        push. An announced push is joined even after a stop: its root waits for this rank (the
+        trainer gives it up to `WeightPusher.close`'s timeout), and a root that left meanwhile is a
+        clean stop (`receive`)."""
         key, what = f"push/{self.next}", "weight push from the trainers"
         while True:
             if ready(self.store, key):

@@ -10,11 +10,11 @@ version v >= s - steps_ahead, send them to the trainers, take newer weights betw
     take pushes until the trainers say stop
 
 Recipe semantics (docs/recipe.md, "Asynchronous RL"): the step s a batch is for is known when it is
-sampled, so `max_response_schedule`, the length penalty and every other per-step schedule use s, the step
-that trains it. Dynamic sampling and the prompt scheduler run here, collectively over the rollout ranks
-(their own process group), exactly as the synchronous step runs them over all ranks. A carried-over group
-keeps the version that sampled it and is dropped (counted in dynamic_sampling/dropped_groups) when it
-would be trained more than k updates after it.
+sampled, so `max_response_schedule`, the length penalty and every other per-step schedule use s, the
+step that trains it. Dynamic sampling and the prompt scheduler run here, collectively over the
+rollout ranks (their own process group), exactly as the synchronous step runs them over all ranks. A
+carried-over group keeps the version that sampled it and is dropped (counted in
+dynamic_sampling/dropped_groups) when it would be trained more than k updates after it.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ from prorl.sampling import GroupSampler
 
 
 def slices(pps: int, trainers: int, rollouts: int) -> list[tuple[int, int, int, int]]:
-    """(rollout j, trainer t, lo, hi): the step's prompts_per_step groups are rollout 0's batch, then
-    rollout 1's, ...; trainer t trains positions [t * pps / trainers, (t + 1) * pps / trainers). lo:hi is
-    the part of rollout j's batch that goes to trainer t (by nominal positions: a batch short of groups
-    after max_rounds gives its trainers fewer)."""
+    """(rollout j, trainer t, lo, hi): the step's prompts_per_step groups are rollout 0's batch,
+    then rollout 1's, ...; trainer t trains positions [t * pps / trainers, (t + 1) * pps /
+    trainers). lo:hi is the part of rollout j's batch that goes to trainer t (by nominal positions:
+    a batch short of groups after max_rounds gives its trainers fewer)."""
     per_r, per_t, out = pps // rollouts, pps // trainers, []
     for j in range(rollouts):
         for t in range(trainers):
@@ -57,7 +57,8 @@ class RolloutWorker:
 
     def __init__(self, cfg, roles: Roles, model_path: str, tokenizer, examples, pool):
         self.cfg, self.roles = cfg, roles
-        self.progress: float | None = None  # while sampling: when a round's generation or scoring began
+        # while sampling: when a round's generation or scoring began
+        self.progress: float | None = None
         key = f"alive/rollout/{roles.index}"  # the trainers watch it
         self.heartbeat = transport.Heartbeat(roles.store, key, healthy=self.healthy)
         dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
@@ -76,8 +77,8 @@ class RolloutWorker:
 
     def healthy(self) -> bool:
         """False once one round's generation or scoring has run past this side's collective timeout
-        (one sampling round's bound, prorl/config.py): the heartbeat stops, and the trainers end the run
-        (exit 8) about HEARTBEAT_STALE_S later instead of after every round's timeout."""
+        (one sampling round's bound, prorl/config.py): the heartbeat stops, and the trainers end the
+        run (exit 8) about HEARTBEAT_STALE_S later instead of after every round's timeout."""
         since = self.progress
         return since is None or time.monotonic() - since <= self.roles.timeout_s
 
@@ -96,9 +97,9 @@ class RolloutWorker:
             setattr(self.sampler, name, watched)
 
     def _generator(self, model_path: str, dtype, device):
-        """The native sampler on the received model itself, or a vLLM engine beside it: the model then
-        receives the pushes (and their checksum) and the engine is loaded from it and checked against it
-        after every push (engine/rollout/vllm.py's post-sync probe)."""
+        """The native sampler on the received model itself, or a vLLM engine beside it: the model
+        then receives the pushes (and their checksum) and the engine is loaded from it and checked
+        against it after every push (engine/rollout/vllm.py's post-sync probe)."""
         cfg, r = self.cfg, self.cfg.rollout
         if resolve_backend(r.backend, device) == "native":
             return build_generator("native", model=self.model, compile=r.compile)
@@ -178,7 +179,8 @@ class RolloutWorker:
             if g.uid is None:
                 g.version, g.uid = w.version, f"{step}/{self.roles.index}/{i}"
         for g in sampler.carry:
-            g.old_logps = []  # marks it carried (GroupSampler carries a group once); no pi_old travels
+            # marks it carried (GroupSampler carries a group once); no pi_old travels
+            g.old_logps = []
         sums = {key: float(v) for key, v in acc._sum.items()}
         extrema = {key: float(v) for key, v in acc._max.items()}
         for n, (j, t, lo, hi) in enumerate(self.slices):
