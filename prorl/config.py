@@ -26,6 +26,7 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from prorl.async_rl.settings import AsyncConfig
 from prorl.config_checks import read_yaml, size_problems
 from prorl.engine.attention import BACKENDS as ATTENTION
 from prorl.engine.fp8 import BACKENDS as FP8_BACKENDS
@@ -123,6 +124,7 @@ class RolloutConfig:
         "at most 0.9; prorl/rollout_budget.py)",
     )
     tensor_parallel_size: int = _f(1, "vLLM tensor parallelism (one process only; not under torchrun)")
+    async_rl: AsyncConfig = _f(AsyncConfig)  # asynchronous RL (prorl/async_rl/)
 
 
 @dataclass
@@ -299,7 +301,8 @@ def fields(cls=Config, prefix: str = ""):
 
 _SECTIONS = {"model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "reward": RewardConfig,
              "algorithm": AlgorithmConfig, "reset": ResetConfig, "optim": OptimConfig,
-             "trainer": TrainerConfig, "scheduler": SchedulerConfig, "logging": LoggingConfig}  # fmt: skip
+             "trainer": TrainerConfig, "scheduler": SchedulerConfig, "logging": LoggingConfig,
+             "async_rl": AsyncConfig}  # fmt: skip
 
 
 def choices() -> dict[str, tuple]:
@@ -340,6 +343,7 @@ def _normalise_overrides(overrides: list[str]) -> list[str]:
     out = []
     for o in overrides:
         key, value = o.split("=", 1)
+        key = key.replace("rollout.async.", "rollout.async_rl.", 1)  # `async` is a Python keyword
         if RENAMED.get(key):
             raise ConfigError(f"config key {key!r} is now {RENAMED[key]!r}")
         if key in lists and value and not value.lstrip().startswith("["):

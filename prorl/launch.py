@@ -4,9 +4,9 @@
 
 Takes exactly torchrun's arguments (it runs torchrun's own launcher in this process). Under `torchrun`
 the documented exit codes of `prorl/train.py` (prorl/lifecycle.py: 2 config, 3 reward self-test, 4
-resume, 5 output directory, 6 stalled, 7 peer lost) reach the shell only inside torchrun's per-rank
-summary: torchrun itself exits 1 whenever a worker fails. Slurm, Kubernetes and CI read the process's
-exit status, so this launcher returns the code the failed workers returned (`exit_status`):
+resume, 5 output directory, 6 stalled, 7 peer lost, 8 rollout ranks lost) reach the shell only inside
+torchrun's per-rank summary: torchrun itself exits 1 whenever a worker fails. Slurm, Kubernetes and CI
+read the process's exit status, so this launcher returns the code the failed workers returned (`exit_status`):
 
 - the code of the first failure (its time, to the second, then the lowest rank), ranked by what
   causes rather than follows a failure: a code the worker returned itself; then a death by a signal

@@ -7,8 +7,10 @@ or data file included, named), 3 reward self-test failed, 4 checkpoint cannot be
 settings or model, or every checkpoint damaged: the files are named), 5 output directory unusable,
 6 training stalled (steps without a group to train on, or non-finite gradients,
 `trainer.max_consecutive_skips` times in a row), 7 another rank stopped answering (a collective timed out
-or lost its peer). In every case the last complete checkpoint is kept. Under torchrun the shell sees 1
-for any of them; `python -m prorl.launch` (prorl/launch.py) returns the code itself.
+or lost its peer), 8 asynchronous RL's rollout ranks stopped delivering groups or weights (died,
+hung past the timeout, or hold weights other than the version they report). In every case the last
+complete checkpoint is kept. Under torchrun the shell sees 1 for any of them; `python -m prorl.launch`
+(prorl/launch.py) returns the code itself.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from prorl.engine import parallel
 from prorl.engine.checkpoint import CheckpointError
 
 EXIT_CONFIG, EXIT_SELF_TEST, EXIT_RESUME, EXIT_OUTPUT_DIR, EXIT_STALLED, EXIT_PEER_LOST = 2, 3, 4, 5, 6, 7
+EXIT_ROLLOUT_LOST = 8  # asynchronous RL: the rollout ranks stopped delivering (prorl/async_rl/)
 
 
 class Fatal(Exception):

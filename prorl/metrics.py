@@ -169,6 +169,22 @@ def step_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, fl
     return out
 
 
+def async_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, float]]) -> dict[str, float]:
+    """An asynchronous run's own metrics (prorl/async_rl/remote.py registers the sums): staleness in
+    updates (the step trained minus the policy version that sampled the group) over the step's groups;
+    the groups of later steps already waiting for the trainers when they took this step's; the rollout
+    ranks' longest wait for weights within the staleness bound before sampling this step
+    (timing_s/wait_trainer; the trainers' wait for groups is timing_s/wait_rollout, rank 0's)."""
+    s, mx, _ = reduced
+    most = mx.get("async_staleness", 0.0)
+    return {
+        "async/staleness/mean": s.get("async_staleness", 0.0) / max(s.get("async_groups", 0.0), 1.0),
+        "async/staleness/max": most if math.isfinite(most) else 0.0,
+        "async/queue_groups": s.get("async_queue_groups", 0.0),
+        "timing_s/wait_trainer": max(mx.get("async_wait_trainer", 0.0), 0.0),
+    }
+
+
 def record_loss(acc: StepAccumulator, m: dict, ent_sum, old_logp, sampler_logp) -> None:
     """One micro-batch's loss metrics: ppo_loss's `m` (means over its tokens) weighted back to sums, the
     entropy sum, and the sampler-vs-trainer gap |old_logp - sampler_logp| over its tokens [T]."""

@@ -46,6 +46,10 @@ class Group:
     # carried-over groups only: the trainer's log-probs under the policy that sampled them (pi_old;
     # Updater.store_old_logprobs writes them, TokenInputs.pi_old reads them)
     old_logps: list[list[float]] | None = None
+    # asynchronous RL (prorl/async_rl/): the policy version (completed updates) that sampled it, and an
+    # id "step/rollout rank/position" given where it was sampled
+    version: int | None = None
+    uid: str | None = None
 
     @property
     def carried(self) -> bool:

@@ -31,6 +31,9 @@ Lifecycle (prorl/lifecycle.py has the exit codes):
 - A damaged checkpoint (a file whose size or checksum differs from the manifest written at save, or is
   missing): the previous complete one is resumed, with a warning naming the file; when every one is
   damaged, exit code 4 naming the files. A missing RNG file: resumed with a warning naming it.
+- Asynchronous RL (rollout.async.steps_ahead >= 1): rollout ranks that stop delivering groups or weights
+  (dead, hung past the timeout, or holding weights other than the version they report) end the run with
+  exit code 8 on the trainers; a dead rank also makes torchrun stop the others.
 - A broken model directory (config.json, a truncated safetensors file) or data file (not UTF-8, an empty
   prompt or ground truth, an empty file): exit code 2 naming the file (and row and field).
 """
@@ -43,6 +46,7 @@ import importlib
 import importlib.util
 import json
 import os
+import signal
 import sys
 import time
 
@@ -50,6 +54,9 @@ import torch
 import torch.distributed as dist
 
 from prorl import data, lifecycle, rewards, verl_compat
+from prorl.async_rl import roles as async_roles
+from prorl.async_rl.transport import RolloutLost
+from prorl.async_rl.worker import RolloutWorker
 from prorl.config import (
     ConfigError,
     check_world,
@@ -160,14 +167,20 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"prorl: config error: {exc}", file=sys.stderr)
         return lifecycle.EXIT_CONFIG
-    # gloo on the CPU, NCCL on GPUs; collectives time out, so a dead or stuck rank ends the job, and a rank
-    # that waits long in one says which (engine/watchdog.py)
-    backend = parallel.process_group_backend(torch.cuda.is_available(), cfg.model.cpu_offload)
-    info = parallel.init_distributed(timeout_s=collective_timeout_s(cfg), backend=backend)
+    try:
+        info, split = init_process_groups(cfg)
+    except ConfigError as exc:
+        print(f"prorl: config error: {exc}", file=sys.stderr)
+        return lifecycle.EXIT_CONFIG
     parallel.set_watchdog(Watchdog(cfg.trainer.wait_warning_s, info.rank))
     try:
+        if split and async_roles.roles().is_rollout:
+            return run_rollout(cfg, async_roles.roles())
         check_world(cfg, info.world_size)
         return run(cfg, preset, info.rank)
+    except RolloutLost as exc:
+        print(f"prorl: rank {info.rank}: asynchronous RL: {exc}", file=sys.stderr)
+        return lifecycle.EXIT_ROLLOUT_LOST
     except ConfigError as exc:
         print(f"prorl: config error: {exc}", file=sys.stderr)
         return lifecycle.EXIT_CONFIG
@@ -191,9 +204,25 @@ def main(argv: list[str] | None = None) -> int:
         parallel.watchdog().close()
         if dist.is_initialized():
             dist.destroy_process_group()
-        if info.rank == 0 and cfg.output_dir:  # a start that failed leaves no empty checkpoints/ behind
+        rollout = split and async_roles.roles().is_rollout  # its rank 0 is not the run's
+        if (
+            info.rank == 0 and cfg.output_dir and not rollout
+        ):  # a start that failed leaves no empty checkpoints/ behind
             with contextlib.suppress(OSError):
                 os.rmdir(os.path.join(cfg.output_dir, "checkpoints"))
+
+
+def init_process_groups(cfg):
+    """(DistInfo, whether the run is asynchronous). gloo on the CPU, NCCL on GPUs; collectives time out,
+    so a dead or stuck rank ends the job, and a rank that waits long in one says which
+    (engine/watchdog.py). Asynchronous RL: rollout ranks and trainer ranks, each side its own process
+    group (prorl/async_rl/roles.py); ConfigError when its settings do not fit the world."""
+    backend = parallel.process_group_backend(torch.cuda.is_available(), cfg.model.cpu_offload)
+    async_roles.check_async(cfg, int(os.environ.get("WORLD_SIZE", "1")), "RANK" in os.environ)
+    if not async_roles.enabled(cfg):
+        return parallel.init_distributed(timeout_s=collective_timeout_s(cfg), backend=backend), False
+    async_roles.init_async(cfg, backend)
+    return parallel.dist_info(), True
 
 
 def check_sampler(cfg) -> None:
@@ -247,7 +276,26 @@ def run(cfg, preset: str | None, rank: int) -> int:
         if trainer.models.fp8.enabled:
             reporter.say(f"prorl: fp8: {trainer.models.fp8_summary}")
         stack.callback(trainer.models.close)  # the sampler's engine goes before the process group
+        if trainer.remote is not None:
+            stack.callback(trainer.remote.close)  # the rollout ranks stop once the trainers do
         return train_loop(cfg, trainer, ckpt, reporter, stop, rank, bool(val))
+
+
+def run_rollout(cfg, roles) -> int:
+    """A rollout rank of an asynchronous run (prorl/async_rl/worker.py): samples and verifies until the
+    trainers say stop. SIGTERM and SIGINT are left to the trainers, which finish their step, save and
+    then stop this rank."""
+    from transformers import PreTrainedTokenizerFast
+
+    lifecycle.seed_everything(cfg.seed + roles.rank, cfg.trainer.deterministic)
+    load_reward_code(cfg.reward.plugins, cfg.reward.function)
+    model_path = resolve_model_path(cfg.model.path)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
+    train = load_examples(cfg, "train")
+    with make_pool(cfg, train) as pool:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
+        return RolloutWorker(cfg, roles, model_path, tokenizer, train, pool).run()
 
 
 def load_reward_code(plugins, function: str) -> None:

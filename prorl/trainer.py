@@ -33,11 +33,13 @@ import torch
 import torch.distributed as dist
 
 from prorl import algorithm
+from prorl.async_rl.remote import RemoteRollouts
+from prorl.async_rl.roles import roles
 from prorl.config import Config, check_world
 from prorl.data import stop_token_ids
 from prorl.engine.parallel import all_reduce, dist_info, watchdog
 from prorl.eval import validate
-from prorl.metrics import StepAccumulator, perf_metrics, record_batch, step_metrics
+from prorl.metrics import StepAccumulator, async_metrics, perf_metrics, record_batch, step_metrics
 from prorl.packing import StepBatch
 from prorl.policy import PolicyModels
 from prorl.sampling import GroupSampler, shape_rewards
@@ -75,6 +77,8 @@ class Trainer:
             world=self.world,
         )
         self.val_examples = val_examples
+        # asynchronous RL: the step's groups come from the rollout ranks (prorl/async_rl/)
+        self.remote = RemoteRollouts(cfg, roles(), self.rank, self.world) if roles() else None
         self.step_count = 0
         self.empty_steps = 0  # RL steps in a row that kept no group on any rank
 
@@ -85,12 +89,7 @@ class Trainer:
         max_new = algorithm.scheduled_value(
             self.step_count, cfg.rollout.max_response_schedule, cfg.rollout.max_response_tokens
         )
-        self.sampler.reward_time = 0.0
-        groups = self.sampler.collect(
-            cfg.trainer.prompts_per_step // self.world, max_new, self.step_count, acc
-        )
-        timing = {"timing_s/reward": self.sampler.reward_time}
-        timing["timing_s/gen"] = time.perf_counter() - t_start - self.sampler.reward_time
+        groups, timing = self.sample(max_new, acc, t_start)
         trained = int(all_reduce(float(len(groups)), what="the kept-group count"))  # every rank's
         if trained:
             self.models.sleep_sampler()  # vLLM: free the engine's GPU memory while we train
@@ -117,7 +116,25 @@ class Trainer:
         metrics.update(perf_metrics(reduced[0], clock(self.device) - t_start, self.world))
         self.step_count += 1
         metrics["step"] = self.step_count
+        if self.remote is not None:
+            metrics |= async_metrics(reduced)
+            if self.step_count < cfg.trainer.total_steps:
+                self.remote.push(self.policy, self.models.dtype, self.step_count)
         return metrics
+
+    def sample(self, max_new: int, acc: StepAccumulator, t_start: float):
+        """This rank's groups of the step (sampled here, or by the rollout ranks) and the timings."""
+        if self.remote is not None:
+            if not self.remote.started:  # after a resume restored the policy
+                self.remote.start(self.policy, self.models.dtype, self.step_count)
+            return self.remote.take(self.step_count, acc)
+        self.sampler.reward_time = 0.0
+        groups = self.sampler.collect(
+            self.cfg.trainer.prompts_per_step // self.world, max_new, self.step_count, acc
+        )
+        timing = {"timing_s/reward": self.sampler.reward_time}
+        timing["timing_s/gen"] = time.perf_counter() - t_start - self.sampler.reward_time
+        return groups, timing
 
     def update(self, batch: StepBatch, max_new: int, acc: StepAccumulator) -> dict[str, float]:
         """The policy update (prorl/update.py: `Updater.run`), then the new weights to the sampler.
@@ -180,6 +197,8 @@ class Trainer:
             "consecutive_skips": self.updater.consecutive_skips,
             "empty_steps": self.empty_steps,
         }
+        if self.remote is not None:
+            local["remote"] = self.remote.state_dict()
         ranks = [local]
         if self.world > 1:
             ranks = [None] * self.world
@@ -204,6 +223,9 @@ class Trainer:
         # the prompt record is the same on every rank
         local = ranks[self.rank] if same_world else ranks[0]
         self.sampler.load_state_dict(local["sampler"], record_only=not same_world)
+        if self.remote is not None:  # the rollout ranks' sampler states, whichever trainer held them
+            for r in ranks:
+                self.remote.load_state_dict(r.get("remote", {}))
         if same_world:
             self.updater.consecutive_skips = local["consecutive_skips"]
             self.empty_steps = local.get("empty_steps", 0)

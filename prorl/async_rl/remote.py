@@ -1,0 +1,136 @@
+"""The trainer ranks' side of an asynchronous run: the Trainer's rollout component.
+
+    remote = RemoteRollouts(cfg, roles, rank, world)
+    groups, timing = remote.take(step, acc)   # this trainer's slice of step s, sampled with v >= s - k
+    remote.push(policy, dtype, version)       # after each update (every trainer: collective under FSDP)
+
+`take` checks every batch against the bound (s - v <= steps_ahead, else RolloutLost: never trained on) and
+against the trainers' own checksum of version v (the rollout's weights are the version it reports), adds
+the rollout ranks' sampling metrics to this step's, and keeps the newest sampler state of the rollout
+ranks whose metrics it carries, which the checkpoint saves (`state_dict`). Groups sampled for later steps
+and not yet taken when a run stops are dropped (counted at `close`): a resumed run's rollout ranks start
+from the state that produced the last trained step, so no group is trained twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from prorl.async_rl import transport
+from prorl.async_rl.roles import Roles
+from prorl.async_rl.worker import batch_key, slices
+from prorl.config import Config, collective_timeout_s
+from prorl.engine.parallel import iter_full_tensors
+from prorl.metrics import StepAccumulator
+
+
+class RemoteRollouts:
+    def __init__(self, cfg: Config, roles: Roles, rank: int, world: int):
+        self.cfg, self.roles, self.rank = cfg, roles, rank
+        self.k = cfg.rollout.async_rl.steps_ahead
+        pps = cfg.trainer.prompts_per_step
+        self.slices = [s for s in slices(pps, roles.trainers, roles.rollouts) if s[1] == rank]
+        self.pusher = transport.WeightPusher(roles.store, roles.push) if rank == 0 else None
+        self.checksums: dict[int, float] = {}
+        self.states: dict[int, dict] = {}  # rollout rank -> newest sampler state received
+        self.started, self.taken = False, -1
+        rounds = cfg.algorithm.max_rounds if cfg.algorithm.dynamic_sampling else 1
+        # the longest a batch may take: every sampling round of the rollout ranks (prorl/config.py)
+        self.timeout_s = collective_timeout_s(cfg, world=roles.rollouts) * rounds
+        self.trace = os.path.join(cfg.output_dir, f"async_trained.rank{rank}.jsonl")
+
+    # -- weights ------------------------------------------------------------------------------------
+    def push(self, policy, dtype, version: int, extra=None) -> None:
+        """The policy's weights as `version` (completed updates) to the rollout ranks: every trainer
+        records their checksum, trainer 0 stages them for its push thread."""
+        named = [(name, t) for name, t in iter_full_tensors(policy, dtype)]
+        self.checksums[version] = transport.checksum(t for _, t in named)
+        for old in [v for v in self.checksums if v < version - self.k - 1]:
+            del self.checksums[old]
+        if self.pusher is not None:
+            self.pusher.stage(version, named, extra=extra)
+
+    def start(self, policy, dtype, step: int) -> None:
+        """The first push (the weights the run starts or resumes from), with the rollout ranks' saved
+        sampler states on resume."""
+        # saved by as many rollout ranks as now, else each starts a fresh pass over the data
+        same = len(self.states) == self.roles.rollouts
+        self.push(policy, dtype, step, extra=dict(self.states) if same else None)
+        self.started = True
+
+    # -- groups -------------------------------------------------------------------------------------
+    def take(self, step: int, acc: StepAccumulator) -> tuple[list, dict[str, float]]:
+        """This trainer's groups of `step` and the step's timings (module docstring)."""
+        t0, groups, gen, reward, waited = time.perf_counter(), [], 0.0, 0.0, 0.0
+        queued = self.queued(step)
+        for j, t, _, _ in self.slices:
+            what = f"groups of step {step + 1} from rollout rank {j}"
+            message = transport.take(self.roles.store, batch_key(step, j, t), self.timeout_s, what)
+            version = message["version"]
+            if step - version > self.k or version > step:
+                raise transport.RolloutLost(f"{what} were sampled with weights of version {version}")
+            for g in message["groups"]:
+                g.old_logps = None  # pi_old is the trainer's own (recomputed before the update)
+                acc.sum("async_staleness", step - g.version)
+                acc.sum("async_groups", 1)
+                acc.max("async_staleness", step - g.version)
+            self._check_weights(version, message["checksum"], what)
+            groups.extend(message["groups"])
+            if "state" in message:
+                self.states[j] = message["state"]
+                for key, value in message["sums"].items():
+                    acc.sum(key, value)
+                for key, value in message["extrema"].items():
+                    acc.max(key, value)
+                gen, reward = max(gen, message["timing"]["gen"]), max(reward, message["timing"]["reward"])
+                waited = max(waited, message["waited"])
+        acc.sum("async_queue_groups", queued)
+        acc.max("async_wait_trainer", waited)
+        self.taken = step
+        self._trace(step, groups)
+        wait = time.perf_counter() - t0
+        return groups, {"timing_s/gen": gen, "timing_s/reward": reward, "timing_s/wait_rollout": wait}
+
+    def queued(self, after: int) -> int:
+        """Groups of steps after `after` already waiting in the store for this trainer (nominal sizes)."""
+        return sum(
+            hi - lo
+            for s in range(after + 1, after + self.k + 2)
+            for j, t, lo, hi in self.slices
+            if transport.ready(self.roles.store, batch_key(s, j, t))
+        )
+
+    def _check_weights(self, version: int, reported: float, what: str) -> None:
+        expected = self.checksums.get(version)
+        if expected is None or not transport.same_checksum(expected, reported):
+            raise transport.RolloutLost(
+                f"{what}: the rollout's weights (checksum {reported!r}) are not version {version} "
+                f"(checksum {expected!r})"
+            )
+
+    def _trace(self, step: int, groups: list) -> None:
+        """One JSON line per step: the ids and versions of the groups trained (tests, benchmarks)."""
+        with open(self.trace, "a") as f:
+            uids = [[g.uid, g.version, g.example_index] for g in groups]
+            f.write(json.dumps({"step": step, "groups": uids}) + "\n")
+
+    # -- state and shutdown -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"rollout_states": dict(self.states)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.states.update(state.get("rollout_states") or {})
+
+    def close(self) -> None:
+        """Tell the rollout ranks to stop; count the groups sampled but never trained."""
+        dropped = self.queued(self.taken)
+        if dropped:
+            print(
+                f"prorl: async: rank {self.rank}: {dropped} groups sampled for steps after "
+                f"{self.taken + 1} dropped (never trained)",
+                flush=True,
+            )
+        if self.pusher is not None:
+            self.pusher.close()

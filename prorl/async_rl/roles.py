@@ -1,0 +1,136 @@
+"""The role split of an asynchronous run under torchrun, and the process groups of each side.
+
+With `rollout.async_rl.steps_ahead` = k >= 1 and `rollout_ranks` = r, of W ranks the first W - r train
+and the last r sample and verify. Each side gets a DEFAULT process group of its own (over its own ranks,
+from the job's rendezvous store under a prefix), so that everything written for "all ranks" -
+`dist_info()`, `all_reduce`, the FSDP2 mesh, DCP checkpoints, the collective sampling rounds and the
+prompt scheduler's merged record - runs unchanged over one side's ranks: the trainers are an ordinary
+FSDP2 job of W - r ranks, the rollout ranks an ordinary sampling job of r ranks. Across the sides:
+
+- the job's store (torchrun's TCPStore, under `prorl/async/`) carries the step's groups (rollout ->
+  trainers) and the weight-push headers (trainer rank 0 -> rollouts): small pickled objects, with
+  non-blocking probes and timeouts (prorl/async_rl/transport.py);
+- a gloo group of trainer rank 0 and the rollout ranks (`push`) carries the weights (broadcast, bucketed).
+
+Why not one default group over all ranks with sub-groups: every collective and checkpoint of the trainer
+would then have to be told its group, and one missed call would hang both sides.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from prorl.config import Config, ConfigError, collective_timeout_s
+
+STORE_PREFIX = "prorl/async/"
+
+
+@dataclass
+class Roles:
+    """Where this process sits in an asynchronous run. `index`: its rank within its own side."""
+
+    rank: int  # global (torchrun's RANK)
+    world: int
+    trainers: int
+    rollouts: int
+    store: object  # the job's store under STORE_PREFIX
+    push: object | None  # gloo group of trainer 0 + the rollout ranks (None on the other trainers)
+    timeout_s: float
+
+    @property
+    def is_rollout(self) -> bool:
+        return self.rank >= self.trainers
+
+    @property
+    def index(self) -> int:
+        return self.rank - self.trainers if self.is_rollout else self.rank
+
+
+_ROLES: list[Roles] = []
+
+
+def roles() -> Roles | None:
+    """This process's roles, or None outside an asynchronous run."""
+    return _ROLES[0] if _ROLES else None
+
+
+def enabled(cfg: Config) -> bool:
+    return cfg.rollout.async_rl.steps_ahead > 0
+
+
+def check_async(cfg: Config, world: int, torchrun: bool) -> None:
+    """The settings an asynchronous run needs, against the world of `world` ranks (ConfigError)."""
+    a, pps = cfg.rollout.async_rl, cfg.trainer.prompts_per_step
+    if a.steps_ahead < 0 or a.rollout_ranks < 1:
+        raise ConfigError(
+            f"rollout.async.steps_ahead={a.steps_ahead} must be >= 0 and rollout.async.rollout_ranks="
+            f"{a.rollout_ranks} >= 1"
+        )
+    if a.steps_ahead == 0:
+        return
+    if not torchrun:
+        raise ConfigError(
+            f"rollout.async.steps_ahead={a.steps_ahead} puts sampling and training on different ranks: "
+            "launch with torchrun (e.g. --nproc_per_node=2 for 1 rollout + 1 trainer rank)"
+        )
+    if a.rollout_ranks >= world:
+        raise ConfigError(
+            f"rollout.async.rollout_ranks={a.rollout_ranks} leaves no trainer rank among the {world} "
+            f"ranks: at most {world - 1}"
+        )
+    trainers = world - a.rollout_ranks
+    for count, who in ((trainers, "trainer"), (a.rollout_ranks, "rollout")):
+        if pps % count:
+            raise ConfigError(
+                f"trainer.prompts_per_step={pps} is not a multiple of the {count} {who} ranks "
+                f"({world} ranks, rollout.async.rollout_ranks={a.rollout_ranks})"
+            )
+    refused = {
+        "rollout.backend=vllm": cfg.rollout.backend == "vllm",
+        "rollout.tensor_parallel_size>1": cfg.rollout.tensor_parallel_size > 1,
+    }
+    named = [k for k, on in refused.items() if on]
+    if named:
+        raise ConfigError(
+            f"{', '.join(named)} does not work with rollout.async.steps_ahead yet: the rollout ranks run "
+            "the native sampler (set rollout.backend=native, or rollout.async.steps_ahead=0)"
+        )
+
+
+def init_async(cfg: Config, backend: str) -> Roles:
+    """Split the torchrun job (module docstring): each side's default process group, the push group and
+    the store. Returns this process's Roles (also `roles()`)."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    check_async(cfg, world, torchrun=True)
+    r = cfg.rollout.async_rl.rollout_ranks
+    trainers = world - r
+    rollout = rank >= trainers
+    store, _, _ = next(dist.rendezvous("env://"))
+    timeout_s = collective_timeout_s(cfg, world=trainers)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    side = "rollout" if rollout else "train"
+    device_id = None
+    if "nccl" in backend:
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        torch.cuda.set_device(device_id)
+    dist.init_process_group(
+        backend=backend,
+        store=dist.PrefixStore(f"prorl/{side}/", store),
+        rank=rank - trainers if rollout else rank,
+        world_size=r if rollout else trainers,
+        timeout=timeout,
+        device_id=device_id,
+    )
+    push = None
+    if rank == 0 or rollout:  # trainer 0 is the push group's rank 0
+        push_store = dist.PrefixStore("prorl/push/", store)
+        push = dist.ProcessGroupGloo(push_store, rank - trainers + 1 if rollout else 0, r + 1, timeout)
+    store = dist.PrefixStore(STORE_PREFIX, store)
+    _ROLES[:] = [Roles(rank, world, trainers, r, store, push, timeout_s)]
+    return _ROLES[0]

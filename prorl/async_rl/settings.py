@@ -1,0 +1,23 @@
+"""`rollout.async_rl.*` (also spelt `rollout.async.*` on the command line; `async` is a Python keyword,
+so the section's field cannot carry that name). Plain dataclass, no project imports: prorl/config.py
+embeds it in `RolloutConfig`, and prorl/async_rl/roles.py checks it against the world."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def _help(default, text: str):
+    return field(default=default, metadata={"help": text, "choices": None})
+
+
+@dataclass
+class AsyncConfig:
+    steps_ahead: int = _help(
+        0,
+        "asynchronous RL: a group trained at step s was sampled with weights at most this many updates "
+        "old (0: the synchronous colocated step; >= 1 needs torchrun and rollout_ranks)",
+    )
+    rollout_ranks: int = _help(
+        1, "with steps_ahead >= 1: the last this-many ranks sample and verify, the others train"
+    )

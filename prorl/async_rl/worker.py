@@ -1,0 +1,123 @@
+"""The rollout ranks' loop of an asynchronous run: sample and verify the groups of step s with weights of
+version v >= s - steps_ahead, send them to the trainers, take newer weights between steps.
+
+    weights <- the first push (the trainers' weights at the step they start from, and on resume each
+    rollout rank's saved sampler state)
+    for s = start, start + 1, ...:
+        take every push announced by now (all rollout ranks the same ones); block while v < s - k
+        groups = GroupSampler.collect(prompts_per_step / rollout_ranks, max_new(s), s)   # collective
+        send each trainer its slice of the step's groups (`slices`), with v and the weights' checksum
+    take pushes until the trainers say stop
+
+Recipe semantics (docs/recipe.md, "Asynchronous RL"): the step s a batch is for is known when it is
+sampled, so `max_response_schedule`, the length penalty and every other per-step schedule use s, the step
+that trains it. Dynamic sampling and the prompt scheduler run here, collectively over the rollout ranks
+(their own process group), exactly as the synchronous step runs them over all ranks. A carried-over group
+keeps the version that sampled it and is dropped (counted in dynamic_sampling/dropped_groups) when it
+would be trained more than k updates after it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from prorl import algorithm
+from prorl.async_rl import transport
+from prorl.async_rl.roles import Roles
+from prorl.data import stop_token_ids
+from prorl.engine.model import load_hf
+from prorl.engine.parallel import all_reduce, dist_info
+from prorl.engine.rollout import build_generator
+from prorl.metrics import StepAccumulator
+from prorl.sampling import GroupSampler
+
+
+def slices(pps: int, trainers: int, rollouts: int) -> list[tuple[int, int, int, int]]:
+    """(rollout j, trainer t, lo, hi): the step's prompts_per_step groups are rollout 0's batch, then
+    rollout 1's, ...; trainer t trains positions [t * pps / trainers, (t + 1) * pps / trainers). lo:hi is
+    the part of rollout j's batch that goes to trainer t (by nominal positions: a batch short of groups
+    after max_rounds gives its trainers fewer)."""
+    per_r, per_t, out = pps // rollouts, pps // trainers, []
+    for j in range(rollouts):
+        for t in range(trainers):
+            lo, hi = max(j * per_r, t * per_t), min((j + 1) * per_r, (t + 1) * per_t)
+            if lo < hi:
+                out.append((j, t, lo - j * per_r, hi - j * per_r))
+    return out
+
+
+def batch_key(step: int, j: int, t: int) -> str:
+    return f"batch/{step}/{j}/{t}"
+
+
+class RolloutWorker:
+    """One rollout rank (module docstring)."""
+
+    def __init__(self, cfg, roles: Roles, model_path: str, tokenizer, examples, pool):
+        self.cfg, self.roles = cfg, roles
+        dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
+        attention = None if cfg.model.attention == "auto" else cfg.model.attention
+        device = dist_info().device
+        self.model = load_hf(model_path, dtype=dtype, device=device, attention=attention)
+        self.model.requires_grad_(False).eval()
+        generator = build_generator("native", model=self.model, compile=cfg.rollout.compile)
+        stop_ids = stop_token_ids(tokenizer, model_path)
+        j, r = roles.index, roles.rollouts
+        self.sampler = GroupSampler(cfg, tokenizer, examples, generator, pool, stop_ids, rank=j, world=r)
+        self.weights = transport.WeightReceiver(roles.store, roles.push, self.model, roles.timeout_s)
+        self.slices = [s for s in slices(cfg.trainer.prompts_per_step, roles.trainers, r) if s[0] == j]
+
+    def run(self) -> int:
+        """Serve until the trainers say stop; returns the exit code (0)."""
+        w, k = self.weights, self.cfg.rollout.async_rl.steps_ahead
+        w.receive()
+        if w.stopped:
+            return 0
+        state = (w.extra or {}).get(self.roles.index)
+        if state is not None:
+            self.sampler.load_state_dict(state)
+        step = w.version
+        while step < self.cfg.trainer.total_steps:
+            t0 = time.perf_counter()
+            target = int(all_reduce(float(w.visible()), "max", what="the weight pushes announced"))
+            while w.next < target and not w.stopped:
+                w.receive()
+            while not w.stopped and w.version < step - k:
+                w.receive()
+            if w.stopped:
+                return 0
+            self.produce(step, time.perf_counter() - t0)
+            step += 1
+        while not w.stopped:  # the trainers' last pushes, then their stop
+            w.receive()
+        return 0
+
+    def produce(self, step: int, waited: float) -> None:
+        """Sample and verify step `step`'s groups and put each trainer's slice in the store."""
+        cfg, w, sampler, acc = self.cfg, self.weights, self.sampler, StepAccumulator()
+        k = cfg.rollout.async_rl.steps_ahead
+        stale = [g for g in sampler.carry if step - g.version > k]
+        sampler.carry = [g for g in sampler.carry if step - g.version <= k]
+        acc.sum("groups_dropped", len(stale))
+        max_new = algorithm.scheduled_value(
+            step, cfg.rollout.max_response_schedule, cfg.rollout.max_response_tokens
+        )
+        t0, sampler.reward_time = time.perf_counter(), 0.0
+        need = cfg.trainer.prompts_per_step // self.roles.rollouts
+        groups = sampler.collect(need, max_new, step, acc)
+        timing = {"gen": time.perf_counter() - t0 - sampler.reward_time, "reward": sampler.reward_time}
+        for i, g in enumerate([*groups, *sampler.carry]):
+            if g.uid is None:
+                g.version, g.uid = w.version, f"{step}/{self.roles.index}/{i}"
+        for g in sampler.carry:
+            g.old_logps = []  # marks it carried (GroupSampler carries a group once); no pi_old travels
+        sums = {key: float(v) for key, v in acc._sum.items()}
+        extrema = {key: float(v) for key, v in acc._max.items()}
+        for n, (j, t, lo, hi) in enumerate(self.slices):
+            message = {"groups": groups[lo:hi], "version": w.version, "checksum": w.checksum}
+            if n == 0:  # the rollout rank's metrics and state travel with its first slice
+                message.update(sums=sums, extrema=extrema, timing=timing, waited=waited)
+                message["state"] = sampler.state_dict()
+            transport.put(self.roles.store, batch_key(step, j, t), message)
