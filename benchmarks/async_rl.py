@@ -7,16 +7,17 @@
 Every run is the README's main job, `torchrun --standalone --nproc_per_node=2 prorl/train.py` (the
 embedded default, one thread per rank, no checkpoints), for `--steps` steps (default 100 of its 150,
 so that three runs fit in 15 minutes of a shared 2-core machine), validated on its 200 held-out
-problems every `--val-every` steps. A variant changes only the placement: `sync` (2 colocated ranks,
-each samples and trains), `async-k1` / `async-k2` (1 rollout + 1 trainer rank,
-rollout.async.steps_ahead = 1 / 2).
+problems before RL and at the end (`--val-every N`: every N steps too; off by default because an
+async rollout rank keeps sampling up to k steps ahead while the trainer validates, time the sync run
+cannot use). A variant changes only the placement: `sync` (2 colocated ranks, each samples and
+trains), `async-k1` / `async-k2` (1 rollout + 1 trainer rank, rollout.async.steps_ahead = 1 / 2).
 
 Rows (benchmarks/results/async_rl.csv, provider = the variant): `wall_time` (s, the whole command),
 `train_time` (s, first step's start to last step's end less the validations, seen from when each
 metrics row appeared; the time base of the rest), `steps_per_min`, `gen_tokens_per_s`
 (dynamic_sampling/generated_tokens), `rollout_idle` / `trainer_idle` (fractions),
 `overlap_efficiency` (train_time / the busier side's busy time; goal <= 1.1), `staleness_mean` /
-`staleness_max` (updates), `val_accuracy` (greedy, at the last step) and `val_accuracy_delta`
+`staleness_max` (updates), `final_val_accuracy` (greedy, at the last step) and `val_accuracy_delta`
 (points against sync; goal within 2; one problem is 0.5), `phase_*` (s per step; `push`: the weight
 sync and the time between steps). Idle: async, each side's own waits (timing_s/wait_rollout on the
 trainer, timing_s/wait_trainer on the rollout rank); sync, both ranks run both sides in turn: the
@@ -47,9 +48,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from benchmarks import harness
+from benchmarks.report import readme
 
 NAME = "async_rl"
-ROOT = harness.REPO_ROOT
 VARIANTS = {
     "sync": [],
     "async-k1": ["rollout.async.steps_ahead=1", "rollout.async.rollout_ranks=1"],
@@ -85,7 +86,7 @@ def launch(out: Path, cmd: list[str]) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     metrics, seen, arrivals, t0 = out / "metrics.jsonl", 0, [], time.time()
     with open(out / "train.log", "w") as log:
-        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=harness.REPO_ROOT, env=env, stdout=log, stderr=log)
         while proc.poll() is None:
             time.sleep(POLL_S)
             if metrics.exists() and metrics.stat().st_size > seen:
@@ -186,7 +187,7 @@ def csv_rows(runs: dict[str, dict], shape: str, note: str) -> list[dict]:
         values = [(m, u, s[m]) for m, u in UNITS.items() if s[m] is not None]
         values += [(f"phase_{phase}", "s", seconds) for phase, seconds in s["phases"].items()]
         if at is not None:
-            values.append(("val_accuracy", "fraction", s["accuracy"][at]))
+            values.append(("final_val_accuracy", "fraction", s["accuracy"][at]))
         if at is not None and "sync" in runs:
             delta = 100 * (s["accuracy"][at] - runs["sync"]["accuracy"][at])
             values.append(("val_accuracy_delta", "points", delta))
@@ -198,8 +199,7 @@ def csv_rows(runs: dict[str, dict], shape: str, note: str) -> list[dict]:
         ranks = runs["sync"].get("ranks", 2)
         for mode, where, p in projections(runs["sync"], async_push, ranks):
             case = dict(common, provider="projection", mode=mode, shape=where)
-            r = p["rollout"]
-            case["versions"] = f"projection, not measured: {ranks}-rank sync phases, r={r}"
+            case["versions"] = f"projection, not measured: {ranks}-rank sync, r={p['rollout']}"
             for key, unit in (("sync_s", "s"), ("async_s", "s"), ("speedup", "x")):
                 rows.append(harness.single_row(key, unit, p[key], **case))
     return rows
@@ -243,7 +243,8 @@ def run_variants(args, variants: list[str], extra: list[str]) -> dict[str, dict]
             out = args.sync_run
         elif not args.report_only:
             ranks = args.sync_ranks if variant == "sync" else 2
-            cmd = command(out, args.steps, args.val_every, ranks, extra + VARIANTS[variant])
+            every = args.val_every or args.steps
+            cmd = command(out, args.steps, every, ranks, extra + VARIANTS[variant])
             print(f"{NAME}: {variant}: {' '.join(cmd[1:])}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
             print(f"{NAME}: {variant}: {launch(out, cmd)['wall_s']:.0f} s", flush=True)
@@ -264,12 +265,12 @@ def main(argv=None) -> int:
     doc = __doc__.splitlines()[0]
     ap = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=doc)
     ap.add_argument("--steps", type=int, default=100, help="RL steps per run (default config: 150)")
-    ap.add_argument("--val-every", type=int, default=25, help="validate every this many steps")
+    ap.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: at end)")
     ap.add_argument("--variants", type=harness.subset_of(tuple(VARIANTS)), default=list(VARIANTS))
     ap.add_argument("--sync-ranks", type=int, default=2, help="the sync run's (1 on one GPU)")
     ap.add_argument("--sync-run", type=Path, help="a finished run to read as sync")
     ap.add_argument("--set", action="append", default=[], help="a dotted override for every run")
-    ap.add_argument("--work", type=Path, default=ROOT / "runs" / NAME, help="run directories")
+    ap.add_argument("--work", type=Path, default=harness.REPO_ROOT / "runs" / NAME, help="run dirs")
     ap.add_argument("--out", type=Path, default=harness.RESULTS_DIR / f"{NAME}.csv")
     ap.add_argument("--report-only", action="store_true", help="report the runs in --work")
     ap.add_argument("--quick", action="store_true", help="4 tiny steps per variant: a smoke test")
@@ -283,12 +284,13 @@ def main(argv=None) -> int:
         print(f"{NAME}: no run to report", file=sys.stderr)
         return 1
     shape = f"embedded default, {args.steps} steps" + (" (quick)" if args.quick else "")
-    note = f"OMP_NUM_THREADS=1 per rank, 2 processes; load average {load:.1f} at the start"
+    note = f"OMP_NUM_THREADS=1 per rank, sync {args.sync_ranks} ranks, async 1 + 1"
+    note += f"; load average {load:.1f} at the start"
     rows = csv_rows(runs, shape, note)
     harness.append_csv(args.out, rows)
-    for r in rows:
-        where = f"{r['provider']:<10} {r['mode']:<8} {r['shape'][:24]:<24}"
-        print(f"  {where} {r['metric']:<22} {r['p50']:.4g}")
+    print(readme.summary(NAME, rows))
+    for r in [r for r in rows if r["provider"] == "projection"]:
+        print(f"projection (not measured) {r['mode']} {r['shape']}: {r['metric']} {r['p50']:.4g}")
     png = plot(runs, args.out.with_suffix(".png"))
     print(f"wrote {args.out}" + (f" and {png}" if png else ""))
     return 0

@@ -26,7 +26,7 @@ def test_quick_run_writes_rows_plot_and_projection(tmp_path):
         for side in ("rollout_idle", "trainer_idle"):
             assert 0 <= measured(variant, side) < 1, (variant, side)
         assert measured(variant, "overlap_efficiency") >= 1
-        assert 0 <= measured(variant, "val_accuracy") <= 1
+        assert 0 <= measured(variant, "final_val_accuracy") <= 1
     assert measured("sync", "val_accuracy_delta") == 0 and measured("sync", "staleness_max") == 0
     assert measured("async-k1", "staleness_max") <= 1  # never more than k updates old
     # sync idles each side for the other's phases: the two fractions cover the step
