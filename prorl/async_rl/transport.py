@@ -43,14 +43,16 @@ def ready(store, key: str) -> bool:
     return store.check([key])
 
 
-def take(store, key: str, timeout_s: float, what: str):
-    """The object under `key`, waited for at most timeout_s, then deleted from the store."""
+def take(store, key: str, timeout_s: float, what: str, delete: bool = True):
+    """The object under `key`, waited for at most timeout_s, then deleted from the store (`delete`: a
+    push header stays, every rollout rank reads it)."""
     try:
         store.wait([key], datetime.timedelta(seconds=timeout_s))
     except (RuntimeError, dist.DistError) as exc:
         raise RolloutLost(f"no {what} within {timeout_s:.0f} s ({str(exc).splitlines()[0][:200]})") from None
     obj = pickle.loads(store.get(key))
-    store.delete_key(key)
+    if delete:
+        store.delete_key(key)
     return obj
 
 
@@ -162,7 +164,8 @@ class WeightReceiver:
 
     def receive(self) -> None:
         """Take the next push (waiting for its announcement) and load it into the model."""
-        header = take(self.store, f"push/{self.next}", self.timeout_s, "weight push from the trainers")
+        what = "weight push from the trainers"
+        header = take(self.store, f"push/{self.next}", self.timeout_s, what, delete=False)
         self.next += 1
         if header["extra"] is not None:
             self.extra = header["extra"]
