@@ -12,6 +12,7 @@ from benchmarks import async_rl
 from benchmarks.gpu import plan
 
 
+@pytest.mark.slow
 def test_quick_run_writes_rows_plot_and_projection(tmp_path):
     out, work = tmp_path / "async_rl.csv", tmp_path / "runs"
     argv = ["--quick", "--variants", "sync,async-k1", "--work", str(work), "--out", str(out)]
