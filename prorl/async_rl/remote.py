@@ -40,6 +40,13 @@ class RemoteRollouts:
         # the longest a batch may take: every sampling round of the rollout ranks (prorl/config.py)
         self.timeout_s = collective_timeout_s(cfg, world=roles.rollouts) * rounds
         self.trace = os.path.join(cfg.output_dir, f"async_trained.rank{rank}.jsonl")
+        if rank == 0 and cfg.algorithm.is_mode == "none":
+            print(
+                "prorl: warning: asynchronous RL with algorithm.is_mode=none: the gap between the sampler's "
+                "(older) weights and the trainer's pi_old is not corrected; set is_mode=tis or icepop "
+                "(docs/recipe.md §11)",
+                flush=True,
+            )
 
     # -- weights ------------------------------------------------------------------------------------
     def push(self, policy, dtype, version: int, extra=None) -> None:

@@ -20,14 +20,15 @@ every received batch is checked against the record (`RemoteRollouts.take`).
 
 from __future__ import annotations
 
-import datetime
 import pickle
 import threading
+import time
 
 import torch
 import torch.distributed as dist
 
 BUCKET_BYTES = 256 * 2**20
+POLL_S = 0.005  # how often a waiting side looks for its key in the store
 
 
 class RolloutLost(RuntimeError):
@@ -46,10 +47,12 @@ def ready(store, key: str) -> bool:
 def take(store, key: str, timeout_s: float, what: str, delete: bool = True):
     """The object under `key`, waited for at most timeout_s, then deleted from the store (`delete`: a
     push header stays, every rollout rank reads it)."""
-    try:
-        store.wait([key], datetime.timedelta(seconds=timeout_s))
-    except (RuntimeError, dist.DistError) as exc:
-        raise RolloutLost(f"no {what} within {timeout_s:.0f} s ({str(exc).splitlines()[0][:200]})") from None
+    # polled, not store.wait: a waiting client holds its connection's lock, and the push thread shares it
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if time.monotonic() > deadline:
+            raise RolloutLost(f"no {what} within {timeout_s:.0f} s")
+        time.sleep(POLL_S)
     obj = pickle.loads(store.get(key))
     if delete:
         store.delete_key(key)

@@ -1,0 +1,154 @@
+"""Asynchronous RL (`rollout.async.steps_ahead`, prorl/async_rl/) in miniature: the embedded default's
+tiny reasoner under `python -m prorl.launch` on gloo, the native sampler on the rollout ranks.
+
+- 1 rollout + 1 trainer rank, k = 1, stopped by SIGTERM after a few checkpoints and resumed: every step
+  of 0..total-1 is trained exactly once, no group (by its id) is trained twice, and no prompt twice
+  within the epoch (scheduler off: the rollout rank's data position travels with the checkpoint);
+- 2 rollout + 2 trainer ranks, k = 2: every group's staleness (step trained - version that sampled it)
+  is <= k, the async metrics are in metrics.jsonl, and the trainers checked every batch's weight
+  checksum against their own record of that version (a mismatch stops the run: exit 8);
+- a rollout rank that hangs (SIGSTOP) ends the run with exit code 8 after the timeout.
+
+Each run costs 15-25 s (engine start included); the checks share launches.
+"""
+
+import collections
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+from train_helpers import ENV, ROOT, TINY, complete_steps, process_tree, wait_for
+
+pytestmark = pytest.mark.slow
+
+TOTAL = 10
+
+
+def command(out, nproc: int, extra=()) -> list[str]:
+    launcher = [sys.executable, "-m", "prorl.launch", "--standalone", f"--nproc_per_node={nproc}"]
+    overrides = [*TINY, f"trainer.total_steps={TOTAL}", "algorithm.is_mode=tis", "scheduler.mode=none"]
+    return [*launcher, "prorl/train.py", f"output_dir={out}", *overrides, *extra]
+
+
+def start(cmd, log_path) -> subprocess.Popen:
+    log = open(log_path, "w")
+    return subprocess.Popen(
+        cmd, cwd=ROOT, env=ENV, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def finish(proc, log_path, timeout=240) -> tuple[int, str]:
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGKILL)
+        raise
+    return proc.returncode, open(log_path).read()
+
+
+def rows(out) -> list[dict]:
+    return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+
+
+def trained(out, trainers: int) -> list[dict]:
+    """Every trainer's trace rows (prorl/async_rl/remote.py: one per step, the groups trained)."""
+    out_rows = []
+    for t in range(trainers):
+        with open(os.path.join(out, f"async_trained.rank{t}.jsonl")) as f:
+            out_rows += [dict(json.loads(line), trainer=t) for line in f]
+    return out_rows
+
+
+def worker_pid(launcher_pid: int, rank: int) -> int:
+    """The pid of the launcher's worker of global rank `rank` (a direct child: prorl.launch runs torchrun's
+    agent in its own process)."""
+    for pid in process_tree(launcher_pid):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            parent = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError):
+            continue
+        if parent == launcher_pid and f"RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no worker of rank {rank} under {launcher_pid}")
+
+
+def test_one_plus_one_sigterm_resume_trains_every_step_once(tmp_path):
+    out, log = tmp_path / "run", tmp_path / "a.log"
+    cmd = command(out, 2, ["rollout.async.steps_ahead=1"])
+    proc = start(cmd, log)
+    ckpt = os.path.join(out, "checkpoints")
+    assert wait_for(lambda: len(complete_steps(ckpt)) >= 1 and max(complete_steps(ckpt)) >= 3, proc), open(
+        log
+    ).read()[-3000:]
+    proc.send_signal(signal.SIGTERM)  # the launcher forwards it to its workers, as a scheduler's would
+    code, text = finish(proc, log)
+    stopped = max(complete_steps(ckpt))
+    assert stopped < TOTAL and f"stopped by SIGTERM after step {stopped}" in text, text[-3000:]
+    assert code in (0, 128 + signal.SIGTERM), text[-3000:]
+    code, text = finish(start(cmd, tmp_path / "b.log"), tmp_path / "b.log")
+    assert code == 0, text[-3000:]
+    assert f"resumed from {ckpt}" in text
+
+    trace = trained(out, 1)
+    steps = [r["step"] for r in trace]
+    assert steps == list(range(TOTAL)), steps  # the killed run's untaken batches were never trained
+    uids = collections.Counter(g[0] for r in trace for g in r["groups"])
+    assert [u for u, n in uids.items() if n > 1] == []
+    prompts = collections.Counter(g[2] for r in trace for g in r["groups"])
+    assert [p for p, n in prompts.items() if n > 1] == []  # 80 of the 800 prompts: one epoch
+    for r in trace:
+        assert all(0 <= r["step"] - g[1] <= 1 for g in r["groups"]), r
+    assert [r["step"] for r in rows(out)] == list(range(TOTAL + 1))
+
+
+def test_two_plus_two_staleness_bounded_and_weights_checked(tmp_path):
+    out, log = tmp_path / "run", tmp_path / "a.log"
+    extra = ["rollout.async.steps_ahead=2", "rollout.async.rollout_ranks=2", "trainer.save_every=0"]
+    code, text = finish(start(command(out, 4, extra), log), log)
+    assert code == 0, text[-3000:]
+    metrics = [r for r in rows(out) if r["step"] > 0]
+    assert len(metrics) == TOTAL
+    for r in metrics:
+        for key in (
+            "async/staleness/mean",
+            "async/queue_groups",
+            "timing_s/wait_rollout",
+            "timing_s/wait_trainer",
+        ):
+            assert key in r, key
+        assert 0 <= r["async/staleness/mean"] <= r["async/staleness/max"] <= 2, r
+        assert r["dynamic_sampling/kept_groups"] <= 8
+    trace = trained(out, 2)
+    for t in (0, 1):
+        assert [r["step"] for r in trace if r["trainer"] == t] == list(range(TOTAL))
+    staleness = [r["step"] - g[1] for r in trace for g in r["groups"]]
+    assert min(staleness) >= 0 and max(staleness) <= 2, staleness
+    # the rollout ranks sampled ahead: some group was trained with older weights than the current ones
+    assert max(staleness) >= 1
+    # trainer t trains rollout t's batch (prompts_per_step / 2 each side): ids name the sampling rank
+    for r in trace:
+        assert {g[0].split("/")[1] for g in r["groups"]} <= {str(r["trainer"])}, r
+
+
+@pytest.mark.tally("faults")
+def test_hung_rollout_rank_ends_the_run_with_exit_code_8(tmp_path):
+    out, log = tmp_path / "run", tmp_path / "a.log"
+    extra = ["rollout.async.steps_ahead=1", "trainer.collective_timeout_s=8", "algorithm.max_rounds=1"]
+    proc = start(command(out, 2, extra), log)
+    ckpt = os.path.join(out, "checkpoints")
+    assert wait_for(lambda: len(complete_steps(ckpt)) >= 1, proc), open(log).read()[-3000:]
+    pid = worker_pid(proc.pid, 1)  # rank 1 of 2: the rollout rank
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        code, text = finish(proc, log, timeout=120)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    assert code == 8, text[-3000:]
+    assert "asynchronous RL" in text and "rollout rank 0" in text, text[-3000:]
