@@ -9,8 +9,9 @@ embedded default, one thread per rank, no checkpoints), for `--steps` steps (def
 so that three runs fit in 15 minutes of a shared 2-core machine), validated on its 200 held-out
 problems before RL and at the end (`--val-every N`: every N steps too; off by default because an
 async rollout rank keeps sampling up to k steps ahead while the trainer validates, time the sync run
-cannot use). A variant changes only the placement: `sync` (2 colocated ranks, each samples and
-trains), `async-k1` / `async-k2` (1 rollout + 1 trainer rank, rollout.async.steps_ahead = 1 / 2).
+cannot use). The variants: `sync` (2 colocated ranks, each samples and trains), `async-k1` /
+`async-k2` (1 rollout + 1 trainer rank, rollout.async.steps_ahead = 1 / 2, with the off-policy
+correction docs/recipe.md §11 asks for, algorithm.is_mode=tis; sync samples with the policy, w = 1).
 
 Rows (benchmarks/results/async_rl.csv, provider = the variant): `wall_time` (s, the whole command),
 `train_time` (s, first step's start to last step's end less the validations, seen from when each
@@ -51,11 +52,8 @@ from benchmarks import harness
 from benchmarks.report import readme
 
 NAME = "async_rl"
-VARIANTS = {
-    "sync": [],
-    "async-k1": ["rollout.async.steps_ahead=1", "rollout.async.rollout_ranks=1"],
-    "async-k2": ["rollout.async.steps_ahead=2", "rollout.async.rollout_ranks=1"],
-}
+ASYNC = ["rollout.async.rollout_ranks=1", "algorithm.is_mode=tis"]  # tis: docs/recipe.md §11
+VARIANTS = {"sync": [], **{f"async-k{k}": [f"rollout.async.steps_ahead={k}", *ASYNC] for k in "12"}}
 POLL_S = 0.1  # how often launch() looks for new metrics rows (the time base's resolution)
 QUICK = ["data.train_size=64", "data.val_size=16", "trainer.prompts_per_step=8"]
 # phase -> the metrics.jsonl keys summed into it (seconds per step); push: + the time between steps

@@ -34,7 +34,7 @@ def test_quick_run_writes_rows_plot_and_projection(tmp_path):
     assert abs(measured("sync", "rollout_idle") + measured("sync", "trainer_idle") - 1) < 1e-3
     # the async run really was 1 rollout + 1 trainer rank with k = 1
     config = (work / "async-k1" / "config.yaml").read_text()
-    assert "steps_ahead: 1" in config and "rollout_ranks: 1" in config
+    assert "steps_ahead: 1" in config and "rollout_ranks: 1" in config and "is_mode: tis" in config
     assert (work / "async-k1" / "timing.json").exists()
     projected = [r for r in rows if r["provider"] == "projection"]
     assert {(r["mode"], r["shape"]) for r in projected} == {
