@@ -26,7 +26,7 @@ from typing import Any
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from prorl.async_rl.settings import AsyncConfig
+from prorl.async_rl.settings import AsyncConfig, rename_async_section
 from prorl.config_checks import read_yaml, size_problems
 from prorl.engine.attention import BACKENDS as ATTENTION
 from prorl.engine.fp8 import BACKENDS as FP8_BACKENDS
@@ -374,6 +374,7 @@ def load_config(
     try:
         if preset:
             loaded = read_yaml(preset_path(preset))
+            rename_async_section(loaded)
             _listify(loaded)
             cfg = OmegaConf.merge(cfg, loaded)
         if values:

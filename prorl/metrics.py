@@ -174,7 +174,9 @@ def async_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, f
     updates (the step trained minus the policy version that sampled the group) over the step's groups;
     the groups of later steps already waiting for the trainers when they took this step's; the rollout
     ranks' longest wait for weights within the staleness bound before sampling this step
-    (timing_s/wait_trainer; the trainers' wait for groups is timing_s/wait_rollout, rank 0's)."""
+    (timing_s/wait_trainer; the trainers' wait for groups is timing_s/wait_rollout, rank 0's); with a
+    vLLM rollout engine, the largest RMS log-prob gap of its post-sync probe against the rollout rank's
+    model copy (async/engine_rms_diff)."""
     s, mx, _ = reduced
     most = mx.get("async_staleness", 0.0)
     return {
@@ -182,7 +184,7 @@ def async_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, f
         "async/staleness/max": most if math.isfinite(most) else 0.0,
         "async/queue_groups": s.get("async_queue_groups", 0.0),
         "timing_s/wait_trainer": max(mx.get("async_wait_trainer", 0.0), 0.0),
-    }
+    } | ({"async/engine_rms_diff": mx["async_engine_rms"]} if "async_engine_rms" in mx else {})
 
 
 def record_loss(acc: StepAccumulator, m: dict, ent_sum, old_logp, sampler_logp) -> None:

@@ -43,6 +43,8 @@ class PolicyModels:
         self.rank, self.world, self.device = info.rank, info.world_size, info.device
         self.dtype = torch.bfloat16 if cfg.model.dtype == "bfloat16" else torch.float32
         self.backend = resolve_backend(cfg.rollout.backend, self.device)
+        if cfg.rollout.async_rl.steps_ahead > 0:  # the rollout ranks run rollout.backend; this sampler
+            self.backend = "native"  # only validates, on the trainer ranks (prorl/async_rl/)
         self.fsdp = cfg.model.fsdp and dist.is_available() and dist.is_initialized()
         if cfg.model.fp8 != "none" and not self.fsdp:
             raise RuntimeError(

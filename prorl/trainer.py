@@ -116,10 +116,11 @@ class Trainer:
         metrics.update(perf_metrics(reduced[0], clock(self.device) - t_start, self.world))
         self.step_count += 1
         metrics["step"] = self.step_count
-        if self.remote is not None:
-            metrics |= async_metrics(reduced)
+        if self.remote is not None:  # after every step: a version is a count of completed steps
+            t0 = clock(self.device)
             if self.step_count < cfg.trainer.total_steps:
                 self.remote.push(self.policy, self.models.dtype, self.step_count)
+            metrics |= async_metrics(reduced) | {"timing_s/update_weights": clock(self.device) - t0}
         return metrics
 
     def sample(self, max_new: int, acc: StepAccumulator, t_start: float):
@@ -142,7 +143,8 @@ class Trainer:
         timing = self.updater.run(batch, max_new, acc, self.step_count)
         t0 = clock(self.device)
         with watchdog().phase(f"step {self.step_count + 1}, weight sync"):
-            self.models.sync_sampler()
+            if self.remote is None:  # asynchronous: the rollout ranks get them after the step
+                self.models.sync_sampler()
         timing["timing_s/update_weights"] = clock(self.device) - t0
         return timing
 
@@ -181,6 +183,8 @@ class Trainer:
         """Held-out evaluation with the trainer's own sampler (prorl/eval.py: `validate`,
         collective); the reference-reset policy sees its accuracy."""
         m = self.models
+        if self.remote is not None:  # asynchronous: this sampler is synced for validation only
+            m.sync_sampler()
         model = m.sampler_model if m.sampler_model is not None else self.policy
         examples, tokenizer = self.val_examples, self.tokenizer
         out = validate(self.cfg, examples, model, tokenizer, self.pool, m.generator, log)

@@ -66,6 +66,11 @@ class RemoteRollouts:
         same = len(self.states) == self.roles.rollouts
         self.push(policy, dtype, step, extra=dict(self.states) if same else None)
         self.started = True
+        if os.path.exists(self.trace):  # cut back to the checkpoint, as metrics.jsonl is
+            with open(self.trace) as f:
+                kept = [line for line in f if json.loads(line)["step"] < step]
+            with open(self.trace, "w") as f:
+                f.writelines(kept)
 
     # -- groups -------------------------------------------------------------------------------------
     def take(self, step: int, acc: StepAccumulator) -> tuple[list, dict[str, float]]:
@@ -84,6 +89,8 @@ class RemoteRollouts:
                 acc.sum("async_groups", 1)
                 acc.max("async_staleness", step - g.version)
             self._check_weights(version, message["checksum"], what)
+            if message["engine_rms"] is not None:  # vLLM: its post-sync probe against the model copy
+                acc.max("async_engine_rms", message["engine_rms"])
             groups.extend(message["groups"])
             if "state" in message:
                 self.states[j] = message["state"]
@@ -118,7 +125,8 @@ class RemoteRollouts:
             )
 
     def _trace(self, step: int, groups: list) -> None:
-        """One JSON line per step: the ids and versions of the groups trained (tests, benchmarks)."""
+        """One JSON line per step in `async_trained.rank{r}.jsonl` of the run directory: [id, version,
+        example index] of each group trained (tests, benchmarks); cut back to the step resumed from."""
         with open(self.trace, "a") as f:
             uids = [[g.uid, g.version, g.example_index] for g in groups]
             f.write(json.dumps({"step": step, "groups": uids}) + "\n")

@@ -90,15 +90,10 @@ def check_async(cfg: Config, world: int, torchrun: bool) -> None:
                 f"trainer.prompts_per_step={pps} is not a multiple of the {count} {who} ranks "
                 f"({world} ranks, rollout.async.rollout_ranks={a.rollout_ranks})"
             )
-    refused = {
-        "rollout.backend=vllm": cfg.rollout.backend == "vllm",
-        "rollout.tensor_parallel_size>1": cfg.rollout.tensor_parallel_size > 1,
-    }
-    named = [k for k, on in refused.items() if on]
-    if named:
+    if cfg.rollout.tensor_parallel_size > 1:
         raise ConfigError(
-            f"{', '.join(named)} does not work with rollout.async.steps_ahead yet: the rollout ranks run "
-            "the native sampler (set rollout.backend=native, or rollout.async.steps_ahead=0)"
+            "rollout.tensor_parallel_size>1 does not work with rollout.async.steps_ahead yet: each rollout "
+            "rank runs its own engine (set rollout.tensor_parallel_size=1)"
         )
 
 

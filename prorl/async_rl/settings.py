@@ -21,3 +21,12 @@ class AsyncConfig:
     rollout_ranks: int = _help(
         1, "with steps_ahead >= 1: the last this-many ranks sample and verify, the others train"
     )
+
+
+def rename_async_section(node) -> None:
+    """A config file's `rollout: {async: ...}` read as `rollout.async_rl` (an OmegaConf DictConfig)."""
+    rollout = node.get("rollout") if hasattr(node, "get") else None
+    if hasattr(rollout, "keys") and "async" in rollout:
+        if "async_rl" in rollout:
+            raise ValueError("the config file sets both rollout.async and rollout.async_rl: keep one")
+        rollout["async_rl"] = rollout.pop("async")

@@ -29,7 +29,7 @@ from prorl.async_rl.roles import Roles
 from prorl.data import stop_token_ids
 from prorl.engine.model import load_hf
 from prorl.engine.parallel import all_reduce, dist_info
-from prorl.engine.rollout import build_generator
+from prorl.engine.rollout import build_generator, resolve_backend
 from prorl.metrics import StepAccumulator
 from prorl.sampling import GroupSampler
 
@@ -62,17 +62,47 @@ class RolloutWorker:
         device = dist_info().device
         self.model = load_hf(model_path, dtype=dtype, device=device, attention=attention)
         self.model.requires_grad_(False).eval()
-        generator = build_generator("native", model=self.model, compile=cfg.rollout.compile)
+        self.generator = self._generator(model_path, dtype, device)
         stop_ids = stop_token_ids(tokenizer, model_path)
         j, r = roles.index, roles.rollouts
-        self.sampler = GroupSampler(cfg, tokenizer, examples, generator, pool, stop_ids, rank=j, world=r)
+        self.sampler = GroupSampler(cfg, tokenizer, examples, self.generator, pool, stop_ids, rank=j, world=r)
         self.weights = transport.WeightReceiver(roles.store, roles.push, self.model, roles.timeout_s)
+        self.engine_check = None  # vLLM: the last post-sync probe report
         self.slices = [s for s in slices(cfg.trainer.prompts_per_step, roles.trainers, r) if s[0] == j]
+
+    def _generator(self, model_path: str, dtype, device):
+        """The native sampler on the received model itself, or a vLLM engine beside it: the model then
+        receives the pushes (and their checksum) and the engine is loaded from it and checked against it
+        after every push (engine/rollout/vllm.py's post-sync probe)."""
+        cfg, r = self.cfg, self.cfg.rollout
+        if resolve_backend(r.backend, device) == "native":
+            return build_generator("native", model=self.model, compile=r.compile)
+        budget = max([r.max_response_tokens, *r.max_response_schedule.values()])
+        generator = build_generator(
+            "vllm",
+            model_path=model_path,
+            dtype=dtype,
+            world_size=self.roles.rollouts,
+            seed=cfg.seed + self.roles.rank,
+            deterministic=cfg.trainer.deterministic,
+            gpu_memory_utilization=0.9 if r.gpu_memory_utilization == "auto" else r.gpu_memory_utilization,
+            max_model_len=cfg.data.max_prompt_tokens + budget,
+        )
+        generator.calibrate(self.model)
+        return generator
+
+    def receive(self) -> None:
+        """The next push into the model, and from it into a vLLM engine."""
+        self.weights.receive()
+        if not self.weights.stopped and hasattr(self.generator, "calibrate"):
+            params = list(self.weights.params.items())
+            # the engine's post-sync probe against the model (raises StaleWeightsError if it lags)
+            self.engine_check = self.generator.update_weights(params, reference=self.model)
 
     def run(self) -> int:
         """Serve until the trainers say stop; returns the exit code (0)."""
         w, k = self.weights, self.cfg.rollout.async_rl.steps_ahead
-        w.receive()
+        self.receive()
         if w.stopped:
             return 0
         state = (w.extra or {}).get(self.roles.index)
@@ -83,15 +113,15 @@ class RolloutWorker:
             t0 = time.perf_counter()
             target = int(all_reduce(float(w.visible()), "max", what="the weight pushes announced"))
             while w.next < target and not w.stopped:
-                w.receive()
+                self.receive()
             while not w.stopped and w.version < step - k:
-                w.receive()
+                self.receive()
             if w.stopped:
                 return 0
             self.produce(step, time.perf_counter() - t0)
             step += 1
         while not w.stopped:  # the trainers' last pushes, then their stop
-            w.receive()
+            self.receive()
         return 0
 
     def produce(self, step: int, waited: float) -> None:
@@ -117,6 +147,7 @@ class RolloutWorker:
         extrema = {key: float(v) for key, v in acc._max.items()}
         for n, (j, t, lo, hi) in enumerate(self.slices):
             message = {"groups": groups[lo:hi], "version": w.version, "checksum": w.checksum}
+            message["engine_rms"] = (self.engine_check or {}).get("rms_diff")
             if n == 0:  # the rollout rank's metrics and state travel with its first slice
                 message.update(sums=sums, extrema=extrema, timing=timing, waited=waited)
                 message["state"] = sampler.state_dict()

@@ -13,6 +13,7 @@ from prorl.async_rl.roles import check_async
 from prorl.async_rl.worker import slices
 from prorl.config import ConfigError, load_config
 from prorl.metrics import async_metrics
+from prorl.sampling import Group
 
 
 def cfg(*overrides):
@@ -34,7 +35,7 @@ def test_the_async_keys_are_spelt_async_on_the_command_line():
         (["rollout.async.steps_ahead=1", "trainer.prompts_per_step=8"], 4, True, "3 trainer ranks"),
         (["rollout.async.steps_ahead=1", "rollout.async.rollout_ranks=3", "trainer.prompts_per_step=8"],
          4, True, "3 rollout ranks"),
-        (["rollout.async.steps_ahead=1", "rollout.backend=vllm"], 2, True, "rollout.backend=vllm"),
+        (["rollout.async.steps_ahead=1", "rollout.tensor_parallel_size=2"], 2, True, "parallel_size>1"),
         (["rollout.async.steps_ahead=-1"], 2, True, "must be >= 0"),
         (["rollout.async.rollout_ranks=5"], 2, True, None),  # steps_ahead=0: the setting is unused
     ],
@@ -134,3 +135,134 @@ def test_icepop_with_pi_old_as_proximal_policy_is_areals_decoupled_objective():
     (grad,) = torch.autograd.grad(loss, logp)
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(grad, grad_expected, rtol=1e-12, atol=1e-12)
+
+
+def test_a_config_file_may_spell_the_section_async(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {path: /m}\nrollout:\n  n: 4\n  async: {steps_ahead: 2, rollout_ranks: 2}\n")
+    c = load_config(str(path))
+    assert (c.rollout.n, c.rollout.async_rl.steps_ahead, c.rollout.async_rl.rollout_ranks) == (4, 2, 2)
+    path.write_text("rollout:\n  async:\n    steps_ahead: 2\n  async_rl:\n    steps_ahead: 1\n")
+    with pytest.raises(ConfigError, match="both rollout.async and rollout.async_rl"):
+        load_config(str(path))
+
+
+class _Store:
+    """The store's set/check/get as a dict (transport.put / take)."""
+
+    def __init__(self):
+        self.data = {}
+
+    def set(self, key, value):
+        self.data[key] = value
+
+    def check(self, keys):
+        return all(k in self.data for k in keys)
+
+    def get(self, key):
+        return self.data[key]
+
+    def delete_key(self, key):
+        del self.data[key]
+
+
+class _Sampler:
+    """GroupSampler's surface that RolloutWorker.produce uses; records the budget it is given."""
+
+    def __init__(self, carry):
+        self.carry, self.reward_time, self.calls = carry, 0.0, []
+
+    def collect(self, need, max_new, step, acc):
+        self.calls.append((need, max_new, step))
+        kept = [*self.carry, *[Group(100 + i, [1], [[2]], [[-0.5]], [False]) for i in range(need)]][:need]
+        self.carry = []
+        return kept
+
+    def state_dict(self):
+        return {"data_order": [7]}
+
+
+def _worker(step_version: int, carry, schedule):
+    from types import SimpleNamespace
+
+    from prorl.async_rl.worker import RolloutWorker
+
+    w = RolloutWorker.__new__(RolloutWorker)
+    w.cfg = cfg("rollout.async.steps_ahead=1", "trainer.prompts_per_step=4", "rollout.max_response_tokens=40")
+    w.cfg.rollout.max_response_schedule = schedule
+    w.roles = SimpleNamespace(index=0, rollouts=1, trainers=2, store=_Store())
+    w.weights = SimpleNamespace(version=step_version, checksum=1.5)
+    w.sampler, w.engine_check = _Sampler(carry), None
+    w.slices = [s for s in slices(4, 2, 1) if s[0] == 0]
+    return w
+
+
+def test_a_rollout_samples_with_the_budget_of_the_step_that_trains_the_batch():
+    w = _worker(2, [], {3: 20})
+    w.produce(3, waited=0.0)  # sampled with version 2, trained at step 3: step 3's budget
+    w.produce(4, waited=0.0)
+    assert [c[1] for c in w.sampler.calls] == [20, 20]
+    w = _worker(2, [], {4: 20})
+    w.produce(3, waited=0.0)
+    assert w.sampler.calls[0][1] == 40
+
+
+def test_a_carried_group_older_than_the_bound_is_dropped_and_counted():
+    old = Group(5, [1], [[2]], [[-0.5]], [False], version=0, uid="0/0/9")
+    fresh = Group(6, [1], [[2]], [[-0.5]], [False], version=1, uid="1/0/9")
+    w = _worker(1, [old, fresh], {})
+    w.produce(2, waited=0.25)  # k = 1: version 0 would be 2 updates old at step 2, version 1 is 1
+    first = transport.take(w.roles.store, "batch/2/0/0", 1.0, "batch")
+    second = transport.take(w.roles.store, "batch/2/0/1", 1.0, "batch")
+    trained = first["groups"] + second["groups"]
+    assert [g.uid for g in trained][:1] == ["1/0/9"] and "0/0/9" not in [g.uid for g in trained]
+    assert first["sums"]["groups_dropped"] == 1 and "sums" not in second  # metrics travel once
+    assert [g.version for g in trained] == [1, 1, 1, 1]  # the fresh carry's own, then this version's
+    assert first["version"] == 1 and first["checksum"] == 1.5 and first["waited"] == 0.25
+
+
+class _BlockingGroup:
+    """A push group whose broadcasts wait until `release` is set (a rollout rank still generating)."""
+
+    def __init__(self):
+        import threading
+
+        self.release, self.sent = threading.Event(), []
+
+    def broadcast(self, tensors, opts):
+        group = self
+
+        class Work:
+            def wait(self):
+                group.release.wait(10)
+                group.sent.append(tensors[0].clone())
+
+        return Work()
+
+
+def test_a_push_costs_the_trainer_the_copy_only_and_the_newest_version_wins():
+    import time
+
+    store, pg = _Store(), _BlockingGroup()
+    pusher = transport.WeightPusher(store, pg)
+    weights = {v: [("w", torch.full((4,), float(v)))] for v in range(4)}
+    t0 = time.perf_counter()
+    pusher.stage(0, weights[0], extra={0: "resume state"})  # the push thread blocks in its broadcast
+    for _ in range(100):  # until the thread has announced push 0
+        if store.check(["push/0"]):
+            break
+        time.sleep(0.01)
+    pusher.stage(1, weights[1])
+    pusher.stage(2, weights[2])  # replaces version 1, not sent yet
+    assert time.perf_counter() - t0 < 2.0  # stage returned while the rollout rank was not listening
+    pg.release.set()
+    for _ in range(200):
+        if store.check(["push/1"]) and len(pg.sent) == 2:
+            break
+        time.sleep(0.01)
+    pusher.close()
+    headers = [transport.take(store, f"push/{i}", 1.0, "push") for i in range(3)]
+    assert [h["version"] for h in headers] == [0, 2, -1] and headers[2]["stop"]
+    assert headers[0]["extra"] == {0: "resume state"} and headers[1]["extra"] is None
+    sent = [b.view(torch.float32) for b in pg.sent]
+    torch.testing.assert_close(sent, [weights[0][0][1], weights[2][0][1]], rtol=0, atol=0)
