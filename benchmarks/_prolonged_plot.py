@@ -41,9 +41,9 @@ def _band(per_seed: dict[int, list[tuple[int, float]]], window: int):
 
 
 def figures(rows: list[dict], variants: list[str], png: Path) -> list[Path]:
-    """`png`: the four panels, one colour per variant (mean over seeds, min-max band), reference resets
-    marked on the KL panel (ticks at the bottom, one row per variant); `<png>_levels.png`: held-out
-    pass@1 per level of the first variant. Returns the paths written."""
+    """`png`: the four panels, one colour per variant (mean over seeds, min-max band), reference
+    resets marked on the KL panel (ticks at the bottom, one row per variant); `<png>_levels.png`:
+    held-out pass@1 per level of the first variant. Returns the paths written."""
     plt = _pyplot()
     present = [v for v in variants if _by_seed(rows, v, "val_pass@1")]
     if not present:
@@ -101,8 +101,8 @@ def figures(rows: list[dict], variants: list[str], png: Path) -> list[Path]:
 
 
 def _compute_figure(plt, rows: list[dict], variants: list[str], png: Path) -> list[Path]:
-    """Held-out pass@1 against generated training tokens (mean over seeds of both, per evaluation step):
-    dynamic sampling's refills cost tokens, so equal steps are not equal compute."""
+    """Held-out pass@1 against generated training tokens (mean over seeds of both, per evaluation
+    step): dynamic sampling's refills cost tokens, so equal steps are not equal compute."""
     fig, ax = plt.subplots(figsize=(6.4, 4))
     colours = plt.get_cmap("tab10").colors
     for i, v in enumerate(variants):

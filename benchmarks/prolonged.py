@@ -4,9 +4,9 @@
     python -m benchmarks prolonged --quick       # smoke test: 2 variants x 1 seed x 4 tiny steps
     python -m benchmarks prolonged --report-only # tables and figures from the runs already in --work
 
-Every run is `python prorl/train.py --config prolonged` (prorl/configs/prolonged.yaml: the long reasoner
-on sums of 2 to 6 two-digit terms, prorl/chain_sums.py) in one process with one thread, with the same seed
-list and step count for every variant; a variant changes one thing:
+Every run is `python prorl/train.py --config prolonged` (prorl/configs/prolonged.yaml: the long
+reasoner on sums of 2 to 6 two-digit terms, prorl/chain_sums.py) in one process with one thread,
+with the same seed list and step count for every variant; a variant changes one thing:
 
     full                 clip 0.2/0.28, dynamic sampling, k2 KL 1e-3 with a reference reset every 100
                          steps, cosine length penalty (on 50 / off 150 steps), context 80 tokens, 128
@@ -18,24 +18,24 @@ list and step count for every variant; a variant changes one thing:
     no-length-penalty    no cosine length term
     fixed-context        128 tokens from the first step
 
-The full design (the defaults: 7 variants x 2 seeds x 500 steps) is sized for the 2-core machine with
-`--jobs 2`: a step took ~1.1-1.5 s on one core of the shared machine (6 prompts x 8 samples), so about
-75-100 min two at a time, longer when the machine is busy (README: the measured wall time). The schedules
-are functions of the step and the LR is constant, so a shorter run (`--steps 300`) is the first part of the
-longer one (seen: the 300- and 500-step runs of a seed log the same numbers up to step 300). Runs are
-ordered seed-major (every variant's first seed before any second seed), so a stopped benchmark still covers
-every variant; a run whose metrics.jsonl already reaches the last step is not run again. `--set key=value`
-applies to every run (the variants' own overrides come last); give such runs their own `--work` and
-`--results`.
-Outputs (benchmarks/results, or --results): `prolonged.csv` with rows (variant, seed, step, metric, value)
-of every evaluation and step (`val_pass@1` = mean over 4 samples at T 0.6 on the 250 held-out problems,
-`val_pass@4`, per level `val_pass@1/<terms>` and `val_pass@4/<terms>`, `entropy`, `response_length`, `kl`,
-`score`, `reset` = 1 at a reference reset, `step_time`, `generated_tokens`, `clip_fraction`);
-`prolonged.png` (held-out pass@1, entropy, response length, KL with reset markers: mean over seeds, min-max
-band); `prolonged_levels.png` (pass@1 per level, first variant); `prolonged_compute.png` (pass@1 against
-generated training tokens); `prolonged.md` (the table: final and best pass@1 with the spread across seeds,
-final pass@4, length by length-penalty phase, entropy, generated tokens, training time; then pass@1 at equal
-generated tokens).
+The full design (the defaults: 7 variants x 2 seeds x 500 steps) is sized for the 2-core machine
+with `--jobs 2`: a step took ~1.1-1.5 s on one core of the shared machine (6 prompts x 8 samples),
+so about 75-100 min two at a time, longer when the machine is busy (README: the measured wall time).
+The schedules are functions of the step and the LR is constant, so a shorter run (`--steps 300`) is
+the first part of the longer one (seen: the 300- and 500-step runs of a seed log the same numbers up
+to step 300). Runs are ordered seed-major (every variant's first seed before any second seed), so a
+stopped benchmark still covers every variant; a run whose metrics.jsonl already reaches the last
+step is not run again. `--set key=value` applies to every run (the variants' own overrides come
+last); give such runs their own `--work` and `--results`. Outputs (benchmarks/results, or
+--results): `prolonged.csv` with rows (variant, seed, step, metric, value) of every evaluation and
+step (`val_pass@1` = mean over 4 samples at T 0.6 on the 250 held-out problems, `val_pass@4`, per
+level `val_pass@1/<terms>` and `val_pass@4/<terms>`, `entropy`, `response_length`, `kl`, `score`,
+`reset` = 1 at a reference reset, `step_time`, `generated_tokens`, `clip_fraction`); `prolonged.png`
+(held-out pass@1, entropy, response length, KL with reset markers: mean over seeds, min-max band);
+`prolonged_levels.png` (pass@1 per level, first variant); `prolonged_compute.png` (pass@1 against
+generated training tokens); `prolonged.md` (the table: final and best pass@1 with the spread across
+seeds, final pass@4, length by length-penalty phase, entropy, generated tokens, training time; then
+pass@1 at equal generated tokens).
 """
 
 from __future__ import annotations
@@ -107,8 +107,9 @@ def command(variant: str, seed: int, out: Path, steps: int, extra: list[str]) ->
 
 
 def run_all(jobs: list[tuple[str, int]], work: Path, steps: int, extra: list[str], parallel: int, deadline):
-    """Run the (variant, seed) jobs `parallel` at a time, one thread each; returns {job: wall seconds}.
-    Jobs not started by `deadline` (a time.time() value, or None) are left out, and said so."""
+    """Run the (variant, seed) jobs `parallel` at a time, one thread each; returns {job: wall
+    seconds}. Jobs not started by `deadline` (a time.time() value, or None) are left out, and said
+    so."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1")
     pending, running, walls = list(jobs), {}, {}
     while pending or running:
@@ -121,7 +122,8 @@ def run_all(jobs: list[tuple[str, int]], work: Path, steps: int, extra: list[str
             if deadline is not None and time.time() > deadline:
                 print(f"prolonged: deadline reached, not run: {variant} seed {seed}", flush=True)
                 continue
-            shutil.rmtree(out, ignore_errors=True)  # a partial run restarts (runs keep no checkpoints)
+            # a partial run restarts (runs keep no checkpoints)
+            shutil.rmtree(out, ignore_errors=True)
             out.mkdir(parents=True)
             log = open(out / "train.log", "w")
             proc = subprocess.Popen(
@@ -149,7 +151,8 @@ def run_all(jobs: list[tuple[str, int]], work: Path, steps: int, extra: list[str
 
 
 def rows_of(variant: str, seed: int, metrics: list[dict], task: str = "chain_sums") -> list[dict]:
-    """The long-format rows (variant, seed, step, metric, value) of one run of the built-in `task`."""
+    """The long-format rows (variant, seed, step, metric, value) of one run of the built-in
+    `task`."""
     out = []
     levels = {
         f"val_pass@{k}/{t}": LEVEL_KEY.format(task=task, level=t, k=k) for t in range(1, 16) for k in (1, 4)
@@ -186,10 +189,10 @@ def series(rows: list[dict], variant: str, metric: str) -> dict[int, list[tuple[
 
 
 def summary(rows: list[dict], variants: list[str], period: tuple[int, int] = (50, 150)) -> list[dict]:
-    """Per variant: final and best held-out pass@1 (mean over seeds and min-max), final pass@4, mean response
-    length over the steps with the length penalty on and off (`period` = its (k_on, k_off); the phase is
-    that of the full recipe, whichever variant), the first and the last 50 steps' mean entropy, generated
-    tokens and training time per run, the number of seeds."""
+    """Per variant: final and best held-out pass@1 (mean over seeds and min-max), final pass@4, mean
+    response length over the steps with the length penalty on and off (`period` = its (k_on, k_off);
+    the phase is that of the full recipe, whichever variant), the first and the last 50 steps' mean
+    entropy, generated tokens and training time per run, the number of seeds."""
     table = []
     for v in variants:
         acc = series(rows, v, "val_pass@1")
@@ -233,8 +236,8 @@ def cumulative_tokens(rows: list[dict], variant: str) -> dict[int, dict[int, flo
 
 
 def pass_at_tokens(rows: list[dict], variant: str, budget: float) -> list[float]:
-    """Per seed: held-out pass@1 once the run had generated `budget` training tokens, linear between its
-    evaluations (a seed that never reached the budget is left out): the equal-compute view."""
+    """Per seed: held-out pass@1 once the run had generated `budget` training tokens, linear between
+    its evaluations (a seed that never reached the budget is left out): the equal-compute view."""
     cum, out = cumulative_tokens(rows, variant), []
     for seed, pts in series(rows, variant, "val_pass@1").items():
         xy = [(cum.get(seed, {}).get(s), y) for s, y in pts]
@@ -247,7 +250,8 @@ def pass_at_tokens(rows: list[dict], variant: str, budget: float) -> list[float]
 
 
 def equal_compute(rows: list[dict], variants: list[str]) -> str:
-    """A line per variant: pass@1 at the generated-token total of the cheapest run (every run reached it)."""
+    """A line per variant: pass@1 at the generated-token total of the cheapest run (every run
+    reached it)."""
     totals = [max(c.values()) for v in variants for c in cumulative_tokens(rows, v).values()]
     if not totals:
         return ""
@@ -268,7 +272,8 @@ def _tail_mean(rows: list[dict], variant: str, metric: str, last: int = 50) -> f
 
 
 def _phase_mean(rows: list[dict], variant: str, metric: str, period: tuple[int, int], on: bool) -> float:
-    """The mean over seeds of the mean over the steps (1-based) whose length-penalty phase is `on`."""
+    """The mean over seeds of the mean over the steps (1-based) whose length-penalty phase is
+    `on`."""
     k_on, k_off = period
     per_seed = [
         [y for s, y in pts if ((s - 1) % (k_on + k_off) < k_on) == on]

@@ -2,10 +2,10 @@
 
 Order: first the paths that pass on the CPU but can crash on a GPU (CUDA's FP8 GEMM shape rules,
 NCCL, CPU offload, the sampler and validation on CUDA), then the CUDA tests of the kernels and
-attention, then the embedded default, then benchmark rows while the budget lasts. Limits are
-ceilings, sized from the H200 runs of 2026-11-30 (benchmarks/results/gpu/gpu_check_run*.log:
-tests/gpu with attention took 83 s, the embedded default's 60 steps 44 s); the budget cuts the last
-ones.
+attention, then the embedded default and its asynchronous run, then benchmark rows while the budget
+lasts. Limits are ceilings, sized from the H200 runs of 2026-11-30
+(benchmarks/results/gpu/gpu_check_run*.log: tests/gpu with attention took 83 s, the embedded
+default's 60 steps 44 s); the budget cuts the last ones.
 """
 
 from __future__ import annotations
@@ -80,6 +80,12 @@ def plan(python: str, env: dict, results: str) -> list[Step]:
                               f" --standalone --nproc_per_node=1 prorl/train.py output_dir={RUNS}/default"
                               " trainer.total_steps=30 trainer.val_every=30 trainer.save_every=0"],
              "the embedded default on cuda:0, 30 of its 150 steps (accuracy before/after)"),
+        # main_job's run is the sync side; both processes share cuda:0 (each side a 1-rank NCCL
+        # group)
+        Step("async_rl", 75, [*bench, "async_rl", "--variants", "sync,async-k1", "--sync-ranks", "1",
+                              "--sync-run", f"{RUNS}/default", "--steps", "30", "--val-every", "30",
+                              "--work", f"{RUNS}/async_rl", "--out", f"{results}/async_rl.csv"],
+             "asynchronous RL on cuda:0: 1 rollout + 1 trainer process, k=1, 30 steps, vs main_job"),
         Step("ppo_loss", 45, [*bench, "ppo_loss", "--device", "cuda", "--reps", "20", "--warmup", "3",
                               "--out", f"{results}/ppo_loss.csv"], "ppo_loss rows on CUDA"),
         Step("llpe", 60, [*bench, "linear_logprob_entropy", "--gpu", "--warmup", "1", "--reps", "3",
@@ -91,7 +97,7 @@ def plan(python: str, env: dict, results: str) -> list[Step]:
     if env.get("omegaconf") is None or env.get("math_verify") is None:
         missing = [n for n in ("omegaconf", "math_verify") if env.get(n) is None]
         for step in steps:
-            if step.name.startswith(("preset", "main_job")) and not step.skip:
+            if step.name.startswith(("preset", "main_job", "async_rl")) and not step.skip:
                 carry = "carry the wheels (benchmarks/gpu/check.py)"
                 step.skip = f"{', '.join(missing)} not importable: {carry}"
     return steps

@@ -72,6 +72,12 @@ VIEWS: dict[str, View] = {
     "embedded_default": View(
         primary="accuracy_after_mean_last3", extras=("accuracy_before", "accuracy_max", "wall_time")
     ),
+    "async_rl": View(
+        primary="train_time",
+        extras=("steps_per_min", "gen_tokens_per_s", "rollout_idle", "trainer_idle", "overlap_efficiency")
+        + ("final_val_accuracy", "val_accuracy_delta"),
+        ratios=(("sync", "speedup"),),
+    ),
     "prompt_scheduling": View(
         primary="gen_tokens_per_kept_group",
         extras=("kept_group_fraction", "val_accuracy", "wall_time"),
@@ -91,6 +97,9 @@ LABELS = {
     "gen_tokens_per_kept_group": "generated tokens per kept group",
     "kept_group_fraction": "kept groups",
     "val_accuracy": "held-out accuracy (mean of last 3)",
+    "train_time": "training time",
+    "final_val_accuracy": "held-out accuracy (last step)",
+    "val_accuracy_delta": "accuracy vs sync",
 }
 
 
