@@ -145,16 +145,27 @@ def test_two_plus_two_preset_staleness_bounded_and_weights_checked(tmp_path):
         assert {g[0].split("/")[1] for g in r["groups"]} <= {str(r["trainer"])}, r
 
 
-@pytest.mark.tally("faults")
-def test_hung_rollout_rank_ends_the_run_with_exit_code_8(tmp_path):
+def start_and_save_once(tmp_path):
+    """A 1 + 1 run with short timeouts, once it has saved a checkpoint: (launcher, log, checkpoints)."""
     out, log = tmp_path / "run", tmp_path / "a.log"
     extra = ["rollout.async.steps_ahead=1", "trainer.collective_timeout_s=8", "algorithm.max_rounds=1"]
     proc = start(command(out, 2, extra), log)
     ckpt = os.path.join(out, "checkpoints")
     assert wait_for(lambda: len(complete_steps(ckpt)) >= 1, proc), open(log).read()[-3000:]
-    pid = worker_pid(proc.pid, 1)  # rank 1 of 2: the rollout rank
+    return proc, log, ckpt
+
+
+@pytest.mark.tally("faults")
+def test_hung_rollout_rank_ends_the_run_with_exit_code_8(tmp_path):
+    proc, log, _ = start_and_save_once(tmp_path)
+    pid, trainer = worker_pid(proc.pid, 1), worker_pid(proc.pid, 0)  # rank 1 of 2: the rollout rank
     os.kill(pid, signal.SIGSTOP)
     try:
+        # once the trainer has exited, the stopped rank is killed: torchrun would otherwise wait its 30 s
+        # shutdown grace for a process that cannot act on SIGTERM
+        wait_for(lambda: not os.path.exists(f"/proc/{trainer}"), proc, timeout=120)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         code, text = finish(proc, log, timeout=120)
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -165,11 +176,7 @@ def test_hung_rollout_rank_ends_the_run_with_exit_code_8(tmp_path):
 
 @pytest.mark.tally("faults")
 def test_killed_rollout_rank_stops_the_run(tmp_path):
-    out, log = tmp_path / "run", tmp_path / "a.log"
-    extra = ["rollout.async.steps_ahead=1", "trainer.collective_timeout_s=8", "algorithm.max_rounds=1"]
-    proc = start(command(out, 2, extra), log)
-    ckpt = os.path.join(out, "checkpoints")
-    assert wait_for(lambda: len(complete_steps(ckpt)) >= 1, proc), open(log).read()[-3000:]
+    proc, log, ckpt = start_and_save_once(tmp_path)
     os.kill(worker_pid(proc.pid, 1), signal.SIGKILL)  # as the OOM killer would
     code, text = finish(proc, log, timeout=120)
     # torchrun stops the trainer; it reports the lost rollout rank (8) unless it is killed first (137)
