@@ -66,10 +66,9 @@ def trainer_growth_bytes(cfg, world: int, sampler_model, device_type: str) -> in
     if (cfg.model.cpu_offload and device_type == "cuda") or is_rollout_rank():
         # moments on the host; or an asynchronous run's rollout rank, with no trainer beside it
         return 0
-    params = [p for p in sampler_model.parameters()]
-    numel = sum(p.numel() for p in params)
-    fsdp = cfg.model.fsdp and dist.is_available() and dist.is_initialized()
-    if fsdp:
+    params = list(sampler_model.parameters())
+    if cfg.model.fsdp and dist.is_available() and dist.is_initialized():
+        numel = sum(p.numel() for p in params)
         return 3 * 4 * math.ceil(numel / max(world // cfg.model.dp_replicate, 1))
     return 3 * sum(p.numel() * p.element_size() for p in params)
 

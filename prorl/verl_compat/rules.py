@@ -263,13 +263,18 @@ def _backend(get):
     return {"rollout.backend": backends[name]}
 
 
+def _sampling_temperature(get, prefix: str, target: str) -> dict:
+    """`target` from verl's `<prefix>temperature`, or 0 (greedy) when `<prefix>do_sample` is false."""
+    if _given(get, prefix + "do_sample") is False:
+        return {target: 0.0}
+    t = _given(get, prefix + "temperature")
+    return {} if t is None else {target: float(t)}
+
+
 @rule(R + "temperature", R + "do_sample")
 def _temperature(get):
     """rollout.temperature (do_sample false: 0, greedy)"""
-    if _given(get, R + "do_sample") is False:
-        return {"rollout.temperature": 0.0}
-    t = _given(get, R + "temperature")
-    return {} if t is None else {"rollout.temperature": float(t)}
+    return _sampling_temperature(get, R, "rollout.temperature")
 
 
 simple(R + "top_p", "rollout.top_p", float)
@@ -285,7 +290,7 @@ def _lengths(get):
     for rollout_key, data_key in (
         ("response_length", "max_response_length"),
         ("prompt_length", "max_prompt_length"),
-    ):  # noqa: E501
+    ):
         a, b = _given(get, R + rollout_key), _given(get, "data." + data_key)
         if a is not None and b is not None and a != b:
             raise Refused(f"{R}{rollout_key}={a} differs from data.{data_key}={b}: make them equal")
@@ -295,10 +300,7 @@ def _lengths(get):
 @rule(R + "val_kwargs.temperature", R + "val_kwargs.do_sample")
 def _val_temperature(get):
     """trainer.val_temperature (do_sample false: 0, greedy)"""
-    if _given(get, R + "val_kwargs.do_sample") is False:
-        return {"trainer.val_temperature": 0.0}
-    t = _given(get, R + "val_kwargs.temperature")
-    return {} if t is None else {"trainer.val_temperature": float(t)}
+    return _sampling_temperature(get, R + "val_kwargs.", "trainer.val_temperature")
 
 
 simple(R + "val_kwargs.top_p", "trainer.val_top_p", float)
