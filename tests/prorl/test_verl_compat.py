@@ -144,3 +144,15 @@ def test_the_key_table_is_current():
     """docs/verl.md is generated from the rules: `python -m prorl.verl_compat > docs/verl.md`."""
     path = Path(ROOT) / "docs" / "verl.md"
     assert path.read_text() == verl_compat.reference_markdown(), "regenerate docs/verl.md"
+
+
+def test_do_sample_false_means_greedy_in_training_and_validation(capsys):
+    """verl's do_sample=false samples greedily whatever the temperature says (its vLLM rollout sets
+    temperature 0); do_sample=true keeps the temperature given."""
+    R = "actor_rollout_ref.rollout."
+    greedy = [f"{R}temperature=0.7", f"{R}do_sample=false", f"{R}val_kwargs.temperature=0.6"]
+    cfg, _, _ = quiet_parse(["model.path=/m", *greedy, f"{R}val_kwargs.do_sample=false"], capsys)
+    assert (cfg.rollout.temperature, cfg.trainer.val_temperature) == (0.0, 0.0)
+    sampled = [f"{R}temperature=0.7", f"{R}do_sample=true", f"{R}val_kwargs.temperature=0.6"]
+    cfg, _, _ = quiet_parse(["model.path=/m", *sampled, f"{R}val_kwargs.do_sample=true"], capsys)
+    assert (cfg.rollout.temperature, cfg.trainer.val_temperature) == (0.7, 0.6)
