@@ -67,7 +67,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import parallel
+from . import distributed, parallel
 from .checkpoint_verify import (
     MANIFEST,
     Verdict,
@@ -264,12 +264,12 @@ def _all_ranks_ok(fn, main_only: bool = False) -> None:
     """Run fn (on rank 0 only if main_only), then agree: if it failed anywhere, every rank raises - the
     failing rank its own error, the others a CheckpointError - instead of waiting at a barrier."""
     error = None
-    if not main_only or parallel.dist_info().is_main:
+    if not main_only or distributed.dist_info().is_main:
         try:
             fn()
         except Exception as exc:  # re-raised below, after the other ranks have heard of it
             error = exc
-    failed = parallel.all_reduce_max(1.0 if error is not None else 0.0)
+    failed = distributed.all_reduce_max(1.0 if error is not None else 0.0)
     if error is not None:
         raise error
     if failed:
@@ -384,9 +384,9 @@ class Checkpointer:
 
     def _check_space(self, local_bytes: int) -> None:
         """All ranks agree: the estimated total size of one save must fit in the free space."""
-        needed = int(parallel.all_reduce_sum(local_bytes) * 1.05) + self.min_free_bytes
+        needed = int(distributed.all_reduce_sum(local_bytes) * 1.05) + self.min_free_bytes
         free = shutil.disk_usage(self.directory).free
-        ok = parallel.all_reduce_min(1.0 if free >= needed else 0.0)
+        ok = distributed.all_reduce_min(1.0 if free >= needed else 0.0)
         if ok < 1.0:
             raise CheckpointError(
                 f"not enough free disk space for a checkpoint in {self.directory}: about {_gib(needed)} "
@@ -412,7 +412,7 @@ class Checkpointer:
         """
         import torch.distributed.checkpoint as dcp
 
-        info = parallel.dist_info()
+        info = distributed.dist_info()
         self._usable = None  # usable() looks again after a save
         dcp_state, objects, models = _split(state)
         state_dicts = {k: v.state_dict() for k, v in dcp_state.items()}
@@ -508,12 +508,12 @@ class Checkpointer:
             path = self.step_dir(step)
             verdict = verify_checkpoint(path)
             if not verdict.damage:
-                if damaged and parallel.dist_info().is_main:
+                if damaged and distributed.dist_info().is_main:
                     logger.warning("resuming from the previous checkpoint %s", path)
                 self._usable = (path, verdict)
                 return path
             damaged.append(f"{path}: " + "; ".join(verdict.damage))
-            if parallel.dist_info().is_main:
+            if distributed.dist_info().is_main:
                 logger.warning("checkpoint %s is damaged, not loaded: %s", path, "; ".join(verdict.damage))
         if damaged:
             raise CheckpointError(
@@ -555,7 +555,7 @@ class Checkpointer:
         """
         import torch.distributed.checkpoint as dcp
 
-        info = parallel.dist_info()
+        info = distributed.dist_info()
         path, verdict = self._source(path, step)
         if path is None:
             return None

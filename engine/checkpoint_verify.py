@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import parallel
+from . import distributed, parallel
 
 logger = logging.getLogger("prorl.engine.checkpoint")  # one logger for saving and loading
 
@@ -85,7 +85,7 @@ def hash_files(directory: str, skip: tuple[str, ...]) -> dict[str, dict[str, Any
     """{relative path: {"size", "sha256"}} of every file under `directory` but `skip`; collective,
     the same dict on every rank. A file that cannot be read is recorded with its error and no
     hash."""
-    info = parallel.dist_info()
+    info = distributed.dist_info()
     names = _shared_list(_files(directory, skip) if info.is_main else [])
     local: dict[str, dict[str, Any]] = {}
     for name in names[info.rank :: info.world_size]:
@@ -161,7 +161,7 @@ def _read_manifest(manifest_path: str) -> tuple[dict | None, str | None]:
     """(the manifest's files, None), (None, None) when there is no manifest, or (None, the problem):
     read on rank 0, broadcast to every rank."""
     manifest, problem = None, None
-    if parallel.dist_info().is_main:
+    if distributed.dist_info().is_main:
         try:
             with open(manifest_path, "rb") as f:
                 manifest = json.loads(f.read().decode("utf-8"))
@@ -338,7 +338,7 @@ def restore_rng(path: str, rng_file: str, saved_world: int, problem: str | None)
     """This rank's RNG states from `rng_file` of checkpoint `path`, when the world size is unchanged
     and the file is whole (`problem`: what `verify` found wrong with it); else a warning that names
     the file and says the run is no longer bit-identical to an uninterrupted one."""
-    info = parallel.dist_info()
+    info = distributed.dist_info()
     if saved_world != info.world_size:
         if info.is_main:
             logger.warning(

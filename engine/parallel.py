@@ -1,8 +1,9 @@
-"""Process-group set-up and the one function that applies the parallel plan (FSDP2) to a decoder.
+"""The one function that applies the parallel plan (FSDP2) to a decoder, and the state-dict helpers
+over sharded models (weight sync, exact copies, the HF export).
 
 The model (`engine/model`) holds no parallelism code. The order of operations is always the same:
 
-    info = init_distributed()                          # torchrun env -> gloo (CPU) / NCCL (CUDA)
+    info = init_distributed()                          # engine/distributed.py: gloo (CPU) / NCCL (CUDA)
     model = meta_decoder(ModelConfig.from_hf(...))     # on the meta device: no memory, no init cost
     model = FP8Training("torchao").convert(model)       # optional converters come first (engine/fp8.py)
     model = parallelize(model, param_dtype=torch.bfloat16, activation_checkpointing=True)
@@ -21,43 +22,24 @@ resharded after forward: between forward and backward `model.lm_head_weight` is 
 (all-gathered, param-dtype) tensor, and its gradient is reduce-scattered by FSDP's end-of-backward
 callback. Read it only between a forward and its backward.
 
-Single process. Without torchrun (`python script.py`, tests, notebooks) `init_distributed` creates no
-process group and `parallelize` applies checkpointing / compile but no sharding (FSDP2 needs a process
-group; under `torchrun --nproc_per_node=1` it runs with a world of one). Every helper here (the
-all-reduces, the state-dict helpers) works in both modes.
+Single process. Without torchrun (`python script.py`, tests, notebooks) there is no process
+group (engine/distributed.py) and `parallelize` applies checkpointing / compile but no sharding
+(FSDP2 needs a process group; under `torchrun --nproc_per_node=1` it runs with a world of one).
+Every helper here (the state-dict helpers, the export) works in both modes.
 
 Gradients are SUMMED over ranks (`grad_reduce="sum"`): each rank normalises its loss by the global
 token count (the kernels' `normalizer`), so per-rank losses add up to the single-process loss and the
 summed gradient is the single-process gradient, whatever the token count of each rank.
 
-Failure. Every collective has a timeout (`timeout_s`, default 600 s: long enough for a slow checkpoint
-write or a rank compiling, short enough that a stuck job ends within minutes). Measured with gloo and a
-2 s timeout (tests/engine/test_parallel.py): a peer that is alive but never joins -> RuntimeError
-"Timed out waiting 2000ms for recv operation" after 2.0 s; a peer that dies -> RuntimeError
-"Connection closed by peer ... typically caused by a remote worker crashing" as soon as its process
-exits. On NCCL a timed-out collective makes the watchdog abort the process. Under torchrun the elastic
-agent also stops the surviving workers once one exits with an error. The last complete checkpoint is
-never touched (engine/checkpoint.py commits by rename).
-
-Multi-node: start the same command on every node with torchrun's rendezvous flags, one process per GPU,
-e.g. 2 nodes of 8 GPUs with the c10d rendezvous (ranks assigned on arrival):
-
-    torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 \
-             --rdzv_id=$JOB_ID prorl/train.py ...
-
-or with static ranks: `--nnodes=2 --node_rank=$NODE_RANK --master_addr=$HEAD_NODE --master_port=29500`.
-torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, which `init_distributed`
-reads. Checkpoint directories must be on a filesystem every node sees (each rank writes its shards).
-Across nodes, `parallelize(dp_replicate=NODES)` shards within each node and replicates across nodes
-(HSDP, `data_parallel_mesh`); everything else data-parallel (the batch split, the global token count,
-metrics, checkpoints) runs over all ranks of the default group in both layouts.
+Multi-node (the launch: engine/distributed.py): `parallelize(dp_replicate=NODES)` shards within each
+node and replicates across nodes (HSDP, `data_parallel_mesh`); everything else data-parallel (the
+batch split, the global token count, metrics, checkpoints) runs over all ranks of the default group
+in both layouts.
 """
 
 from __future__ import annotations
 
-import datetime
 import logging
-import os
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import Any
@@ -67,96 +49,15 @@ import torch.distributed as dist
 from torch import nn
 
 from . import fp8
+from .distributed import barrier, dist_info
 from .model import Decoder, ModelConfig, save_hf
 from .model.hf_io import _tensor_files, hf_name, read_config
-from .watchdog import Watchdog, null_watchdog
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TIMEOUT_S = 600.0
 # Name segments that wrappers insert into parameter names (checkpoint_wrapper, torch.compile); the
 # state-dict helpers below and torch.distributed.checkpoint strip them.
 WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-@dataclass(frozen=True)
-class DistInfo:
-    """Where this process sits. `backend` is None in single-process mode (no process group)."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    backend: str | None
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def _default_device(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
-def dist_info() -> DistInfo:
-    """The current process's `DistInfo` (from the process group if one exists; never creates one)."""
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if not dist.is_initialized():
-        return DistInfo(0, 1, 0, _default_device(0), None)
-    backend = dist.get_backend()
-    device = _default_device(local_rank) if "nccl" in backend else torch.device("cpu")
-    return DistInfo(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
-
-
-def process_group_backend(cuda: bool, cpu_offload: bool = False) -> str:
-    """gloo on the CPU; NCCL on GPUs, with gloo beside it for CPU tensors when FSDP offloads parameters
-    and gradients to host memory (the gradient norm's all-reduce then runs on CPU tensors, which NCCL
-    cannot reduce; torchtitan does the same)."""
-    if not cuda:
-        return "gloo"
-    return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
-
-
-def init_distributed(*, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> DistInfo:
-    """Create the default process group from torchrun's environment; one process per device.
-
-    Args:
-        timeout_s: collective timeout: a collective that a peer never joins raises after this long.
-        backend: "gloo" | "nccl" | "cuda:nccl,cpu:gloo" | None (NCCL when CUDA is available, else gloo;
-            see `process_group_backend`).
-    Returns:
-        DistInfo. Not under torchrun (no RANK / WORLD_SIZE in the environment): single-process mode,
-        no process group, device cuda:0 or cpu. A group created earlier by the caller is reused.
-    """
-    if dist.is_initialized():
-        return dist_info()
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return dist_info()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    device_id = None
-    if "nccl" in backend:
-        # Tear the process down on a failed or timed-out NCCL collective instead of hanging (torch's
-        # default in recent versions; stated here so the behaviour does not depend on the version).
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        device_id = _default_device(local_rank)
-        torch.cuda.set_device(device_id)
-    dist.init_process_group(
-        backend=backend,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=device_id,  # NCCL: eager communicator creation on this GPU
-    )
-    info = dist_info()
-    if info.is_main:
-        logger.info("distributed: %s, world size %d, device %s", backend, info.world_size, info.device)
-    return info
-
-
-def destroy_distributed() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -505,79 +406,6 @@ def load_full_state_dict(
 
 
 # ---------------------------------------------------------------------------------------------------
-# Metrics across ranks (single-process mode: identity)
-
-_OPS = {
-    "sum": dist.ReduceOp.SUM,
-    "mean": dist.ReduceOp.SUM,
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-}
-
-
-_WATCHDOG = null_watchdog()
-
-
-def set_watchdog(watchdog: Watchdog) -> None:
-    """The watchdog that `all_reduce` reports its waits to (engine/watchdog.py); one per process."""
-    global _WATCHDOG
-    _WATCHDOG = watchdog
-
-
-def watchdog() -> Watchdog:
-    return _WATCHDOG
-
-
-def all_reduce(value: Any, op: str = "sum", group=None, *, what: str | None = None) -> Any:
-    """Reduce a float, a tensor or a dict of floats/scalar tensors over ranks; returns the same kind.
-
-    op: "sum" | "mean" | "max" | "min". A dict costs one collective (values stacked in fp64); dict values
-    come back as floats. Tensors come back as new tensors (the input is not modified). No process group:
-    the value itself (mean of one rank = the value). `what` names the collective in the watchdog's
-    message should this rank wait long in it.
-    """
-    if op not in _OPS:
-        raise ValueError(f"unknown op {op!r}; choose one of {sorted(_OPS)}")
-    if isinstance(value, dict):
-        keys = list(value)
-        flat = torch.tensor([float(value[k]) for k in keys], dtype=torch.float64)
-        out = all_reduce(flat, op, group, what=what)
-        return {k: float(v) for k, v in zip(keys, out.tolist())}
-    if not isinstance(value, torch.Tensor):
-        return float(all_reduce(torch.tensor(float(value), dtype=torch.float64), op, group, what=what))
-    if not dist.is_initialized():
-        return value.clone()
-    # NCCL reduces only CUDA tensors: host values travel through this rank's GPU
-    nccl = dist.get_backend(group) == "nccl"
-    device = dist_info().device if nccl and value.device.type == "cpu" else value.device
-    out = value.detach().to(device, copy=True)
-    with _WATCHDOG.waiting(f"all-reduce of {what or 'a value'}"):
-        dist.all_reduce(out, op=_OPS[op], group=group)
-    if op == "mean":
-        out = out / dist.get_world_size(group)
-    return out.to(value.device)
-
-
-def all_reduce_sum(value: Any, group=None, *, what: str | None = None) -> Any:
-    return all_reduce(value, "sum", group, what=what)
-
-
-def all_reduce_mean(value: Any, group=None, *, what: str | None = None) -> Any:
-    return all_reduce(value, "mean", group, what=what)
-
-
-def all_reduce_max(value: Any, group=None, *, what: str | None = None) -> Any:
-    return all_reduce(value, "max", group, what=what)
-
-
-def all_reduce_min(value: Any, group=None, *, what: str | None = None) -> Any:
-    return all_reduce(value, "min", group, what=what)
-
-
-def barrier() -> None:
-    """Wait for every rank (no-op in single-process mode)."""
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def export_hf(model: nn.Module, path: str, dtype: torch.dtype | None = None) -> None:

@@ -51,8 +51,8 @@ import torch.distributed as dist
 
 from prorl import data
 from prorl.config import Config
+from prorl.engine.distributed import dist_info, watchdog
 from prorl.engine.model import load_hf
-from prorl.engine.parallel import dist_info, watchdog
 from prorl.engine.rollout import NativeGenerator, SamplingParams
 from prorl.engine.rollout.base import host_available_bytes
 from prorl.eval_metrics import pass_ks, source_val_metrics, summarize

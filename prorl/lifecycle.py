@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from prorl.engine import parallel
+from prorl.engine import distributed
 from prorl.engine.checkpoint import CheckpointError
 
 EXIT_CONFIG, EXIT_SELF_TEST, EXIT_RESUME, EXIT_OUTPUT_DIR, EXIT_STALLED, EXIT_PEER_LOST = 2, 3, 4, 5, 6, 7
@@ -48,7 +48,7 @@ def on_every_rank(code: int, fn, *args):
         result = fn(*args)
     except (OSError, CheckpointError) as exc:
         error = str(exc)
-    if parallel.all_reduce_max(1.0 if error else 0.0, what="the check that every rank succeeded") > 0:
+    if distributed.all_reduce_max(1.0 if error else 0.0, what="the check that every rank succeeded") > 0:
         raise Fatal(code, error or "")  # ranks that did not fail exit quietly
     return result
 
@@ -102,7 +102,9 @@ class StopRequest:
     def requested(self) -> bool:
         if self.reason is None and self.parent is not None and os.getppid() != self.parent:
             self.reason = "the loss of torchrun (its agent process died)"
-        return parallel.all_reduce_max(1.0 if self.reason is not None else 0.0, what="the stop request") > 0
+        return (
+            distributed.all_reduce_max(1.0 if self.reason is not None else 0.0, what="the stop request") > 0
+        )
 
     @property
     def name(self) -> str:

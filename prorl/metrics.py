@@ -27,7 +27,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from prorl.engine.parallel import all_reduce, watchdog
+from prorl.engine.distributed import all_reduce, watchdog
 
 # names every step carries with verl 0.9.1's meaning (metric_utils.compute_data_metrics,
 # compute_timing_ metrics, compute_throughout_metrics; the marked_timer phases of RayPPOTrainer.fit;

@@ -36,7 +36,7 @@ import torch
 
 from prorl.algorithm import loss_normalizer, token_budget_chunks
 from prorl.engine.attention import shared_prefix_layout
-from prorl.engine.parallel import all_reduce
+from prorl.engine.distributed import all_reduce
 
 
 @dataclass

@@ -19,9 +19,10 @@ import torch.distributed as dist
 from prorl import rollout_budget
 from prorl.config import Config
 from prorl.engine import parallel
+from prorl.engine.distributed import dist_info
 from prorl.engine.fp8 import FP8Training, fp8_layers
 from prorl.engine.model import load_hf
-from prorl.engine.parallel import copy_parameters_, dist_info, iter_full_tensors
+from prorl.engine.parallel import copy_parameters_, iter_full_tensors
 from prorl.engine.rollout import build_generator, resolve_backend
 
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from prorl.async_rl.roles import is_rollout_rank
 from prorl.config import ConfigError
-from prorl.engine.parallel import all_reduce_max, all_reduce_min
+from prorl.engine.distributed import all_reduce_max, all_reduce_min
 
 GiB = 2**30
 # CUDA context, NCCL communicators (created at the first collective), fragments

@@ -26,7 +26,7 @@ import torch
 from prorl import algorithm, rollout_budget
 from prorl.config import ConfigError
 from prorl.data import dropped_by_source, encode_prompts
-from prorl.engine.parallel import all_reduce, watchdog
+from prorl.engine.distributed import all_reduce, watchdog
 from prorl.engine.rollout import SamplingParams
 from prorl.metrics import StepAccumulator
 from prorl.prompt_schedule import PromptScheduler

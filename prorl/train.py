@@ -74,9 +74,9 @@ from prorl.config import (
     to_yaml,
 )
 from prorl.config_checks import repeated_overrides
-from prorl.engine import parallel
+from prorl.engine import distributed
 from prorl.engine.checkpoint import META, Checkpointer, CheckpointError, config_hash
-from prorl.engine.parallel import dist_info
+from prorl.engine.distributed import dist_info
 from prorl.engine.rollout import resolve_backend
 from prorl.engine.watchdog import Watchdog
 from prorl.lifecycle import Fatal, on_every_rank
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"prorl: config error: {exc}", file=sys.stderr)
         return lifecycle.EXIT_CONFIG
-    parallel.set_watchdog(Watchdog(cfg.trainer.wait_warning_s, info.rank))
+    distributed.set_watchdog(Watchdog(cfg.trainer.wait_warning_s, info.rank))
     try:
         if split and async_roles.roles().is_rollout:
             return run_rollout(cfg, async_roles.roles())
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         return lifecycle.EXIT_PEER_LOST
     finally:
-        parallel.watchdog().close()
+        distributed.watchdog().close()
         if dist.is_initialized():
             dist.destroy_process_group()
         rollout = split and async_roles.roles().is_rollout  # its rank 0 is not the run's
@@ -223,12 +223,12 @@ def init_process_groups(cfg):
     out, so a dead or stuck rank ends the job, and a rank that waits long in one says which
     (engine/watchdog.py). Asynchronous RL: rollout ranks and trainer ranks, each side its own
     process group (prorl/async_rl/roles.py); ConfigError when its settings do not fit the world."""
-    backend = parallel.process_group_backend(torch.cuda.is_available(), cfg.model.cpu_offload)
+    backend = distributed.process_group_backend(torch.cuda.is_available(), cfg.model.cpu_offload)
     async_roles.check_async(cfg, int(os.environ.get("WORLD_SIZE", "1")), "RANK" in os.environ)
     if not async_roles.enabled(cfg):
-        return parallel.init_distributed(timeout_s=collective_timeout_s(cfg), backend=backend), False
+        return distributed.init_distributed(timeout_s=collective_timeout_s(cfg), backend=backend), False
     async_roles.init_async(cfg, backend)
-    return parallel.dist_info(), True
+    return distributed.dist_info(), True
 
 
 def check_sampler(cfg) -> None:

@@ -37,7 +37,7 @@ from prorl.async_rl.remote import RemoteRollouts
 from prorl.async_rl.roles import roles
 from prorl.config import Config, check_world
 from prorl.data import stop_token_ids
-from prorl.engine.parallel import all_reduce, dist_info, watchdog
+from prorl.engine.distributed import all_reduce, dist_info, watchdog
 from prorl.eval import validate
 from prorl.metrics import StepAccumulator, async_metrics, perf_metrics, record_batch, step_metrics
 from prorl.packing import StepBatch

@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 from prorl import algorithm, packing
 from prorl.config import Config
+from prorl.engine.distributed import watchdog
 from prorl.engine.optim import Optimizer
-from prorl.engine.parallel import watchdog
 from prorl.kernels import group_advantages, linear_logprob_entropy, ppo_loss
 from prorl.metrics import StepAccumulator, record_loss
 from prorl.packing import MicroBatch, StepBatch, TokenInputs

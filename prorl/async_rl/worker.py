@@ -27,8 +27,8 @@ from prorl import algorithm
 from prorl.async_rl import transport
 from prorl.async_rl.roles import Roles
 from prorl.data import stop_token_ids
+from prorl.engine.distributed import all_reduce, dist_info
 from prorl.engine.model import load_hf
-from prorl.engine.parallel import all_reduce, dist_info
 from prorl.engine.rollout import StaleWeightsError, build_generator, resolve_backend
 from prorl.metrics import StepAccumulator
 from prorl.sampling import GroupSampler

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import LENGTHS, TINY_QWEN2, random_decoder, run_ranks
-from prorl.engine import checkpoint, parallel
+from prorl.engine import checkpoint, distributed, parallel
 from prorl.engine.checkpoint import Checkpointer, CheckpointError
 from prorl.engine.model import load_hf, save_hf
 from prorl.engine.optim import Optimizer, OptimizerConfig
@@ -225,14 +225,14 @@ def _fsdp_resume_worker(rank, world, hf_dir, ckpt_dir, export_dir):
     for _ in range(2):
         rng_step(model, opt, counter, seqs)
     ckpt.save(2, {"model": model, "optimizer": opt, "counter": counter})
-    want_loss = parallel.all_reduce_sum(rng_step(model, opt, counter, seqs))
+    want_loss = distributed.all_reduce_sum(rng_step(model, opt, counter, seqs))
     want = parallel.full_state_dict(model)
     export_hf(model, export_dir)
 
     _seed(7)
     model2, opt2, counter2 = build(None, 5)  # random init, other RNG state
     info = ckpt.load({"model": model2, "optimizer": opt2, "counter": counter2})
-    loss = parallel.all_reduce_sum(rng_step(model2, opt2, counter2, seqs))
+    loss = distributed.all_reduce_sum(rng_step(model2, opt2, counter2, seqs))
     got = parallel.full_state_dict(model2)
     identical = torch.equal(loss, want_loss) and all(torch.equal(got[k], v) for k, v in want.items())
     return info.step, identical, float(loss), want

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import random_decoder, run_ranks
-from prorl.engine import parallel
+from prorl.engine import distributed, parallel
 from prorl.engine.checkpoint import Checkpointer, CheckpointError, model_identity
 
 
@@ -227,10 +227,10 @@ def _fsdp_worker(rank, world, ckpt_dir):
     model = sharded()
     ckpt.save(2, {"model": model})
     saved_2 = parallel.full_state_dict(model)
-    parallel.barrier()
+    distributed.barrier()
     if rank == 0:
         _zero_fill(_shard(ckpt.step_dir(2), rank=1))
-    parallel.barrier()
+    distributed.barrier()
     fresh = sharded()  # model.fsdp switched on for a run saved replicated: the same model, resharded
     info = Checkpointer(ckpt_dir).load({"model": fresh})
     got = parallel.full_state_dict(fresh)

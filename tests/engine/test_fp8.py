@@ -11,7 +11,7 @@ import pytest
 import scaled_mm_standin
 import torch
 from dist_helpers import TINY_QWEN2, packed_batch, random_decoder, rank_slice, run_ranks, train_step
-from prorl.engine import parallel
+from prorl.engine import distributed, parallel
 from prorl.engine.checkpoint import Checkpointer, model_identity
 from prorl.engine.fp8 import FP8Training, resolve_recipe
 from prorl.engine.optim import Optimizer, OptimizerConfig
@@ -201,7 +201,7 @@ def _fsdp_worker(rank, world, tmp):
         losses = []
         for step in range(3):  # each rank's batch padded to 16 tokens, as the trainer pads (CUDA's rule)
             loss = train_step(model, opt, step, rank_slice(rank, world), pad_multiple=fp8.token_multiple)
-            losses.append(float(parallel.all_reduce_sum(loss)))
+            losses.append(float(distributed.all_reduce_sum(loss)))
             fp8.after_optimizer_step(model)
         out[name] = losses
         models[name] = (model, opt, fp8)
@@ -229,7 +229,7 @@ def _fsdp_worker(rank, world, tmp):
         again = parallel.full_state_dict(fresh, cpu_offload=True)
         out[name] = all(torch.equal(again[k], full[k]) for k in full) and set(again) == set(full)
         if backend == "torchao":
-            next_loss = [float(parallel.all_reduce_sum(train_step(m, o, 3, rank_slice(rank, world), 16)))
+            next_loss = [float(distributed.all_reduce_sum(train_step(m, o, 3, rank_slice(rank, world), 16)))
                          for m, o in ((model, opt), (fresh, fresh_opt))]  # fmt: skip
             out["next_losses"] = next_loss
             fp8.after_optimizer_step(model)  # as the trainer does after every step: scales of the new weights

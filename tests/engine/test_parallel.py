@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_helpers import TINY_QWEN2, packed_batch, random_decoder, rank_slice, run_ranks, train_step
-from prorl.engine import parallel
+from prorl.engine import distributed, parallel
 from prorl.engine.model import load_hf, save_hf
 from prorl.engine.optim import Optimizer, OptimizerConfig
 
@@ -44,9 +44,9 @@ def _reference(hf_dir, dtype=torch.float32):
 
 
 def _fsdp_worker(rank, world, hf_dir, option_sets):
-    metrics = parallel.all_reduce_mean({"rank": rank, "tokens": torch.tensor(10.0 * (rank + 1))})
+    metrics = distributed.all_reduce_mean({"rank": rank, "tokens": torch.tensor(10.0 * (rank + 1))})
     assert metrics == {"rank": 0.5, "tokens": 15.0}, metrics
-    assert parallel.all_reduce_max(float(rank)) == 1.0 and parallel.all_reduce_min(float(rank)) == 0.0
+    assert distributed.all_reduce_max(float(rank)) == 1.0 and distributed.all_reduce_min(float(rank)) == 0.0
     out = []
     for options in option_sets:
         model = parallel.meta_decoder(parallel.hf_model_config(hf_dir))
@@ -56,7 +56,7 @@ def _fsdp_worker(rank, world, hf_dir, option_sets):
         losses = []
         for step in range(STEPS):
             loss = train_step(model, opt, step, rank_slice(rank, world))
-            losses.append(float(parallel.all_reduce_sum(loss)))  # per-rank losses add up to the global one
+            losses.append(float(distributed.all_reduce_sum(loss)))  # per-rank losses add up to the global one
         master_dtypes = {p.dtype for p in model.parameters()}
         out.append((losses, parallel.full_state_dict(model, cpu_offload=True), master_dtypes))
     return out
@@ -104,13 +104,13 @@ def test_fsdp2_two_ranks_match_single_process(hf_dir, tmp_path):
 def test_single_process_mode_is_plain():
     """No torchrun: no process group, no sharding; helpers act on the one process."""
     assert not dist.is_initialized()
-    info = parallel.init_distributed()
+    info = distributed.init_distributed()
     assert (info.rank, info.world_size, info.backend, info.is_main) == (0, 1, None, True)
     assert not dist.is_initialized()
     model = parallel.parallelize(random_decoder(), activation_checkpointing=True)
     assert all(not hasattr(p, "device_mesh") for p in model.parameters())
-    assert parallel.all_reduce_mean({"a": 1.5, "b": torch.tensor(2.0)}) == {"a": 1.5, "b": 2.0}
-    assert parallel.all_reduce_sum(3) == 3.0
+    assert distributed.all_reduce_mean({"a": 1.5, "b": torch.tensor(2.0)}) == {"a": 1.5, "b": 2.0}
+    assert distributed.all_reduce_sum(3) == 3.0
     with pytest.raises(ValueError, match="torchrun"):
         parallel.parallelize(random_decoder(), param_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="dp_replicate=2 is HSDP over ranks: run under torchrun"):
@@ -165,7 +165,7 @@ def _failure_worker(rank, world, port, timeout_s):
     collective), then it dies (os._exit); rank 0 must get an error both times instead of hanging."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    info = parallel.init_distributed(timeout_s=timeout_s)
+    info = distributed.init_distributed(timeout_s=timeout_s)
     assert (info.rank, info.world_size, info.backend) == (rank, world, "gloo")
     second = dist.new_group(backend="gloo")
     if rank == 1:
@@ -202,19 +202,18 @@ def _slow_peer(rank, world):
     """Rank 1 joins the all-reduce 1.5 s late: rank 0's watchdog (0.5 s) names what it waits for."""
     import time
 
-    from prorl.engine import parallel
-    from prorl.engine.watchdog import Watchdog
+    from prorl.engine.watchdog import Watchdog, null_watchdog
 
     lines = []
-    parallel.set_watchdog(Watchdog(0.5, rank, log=lines.append, poll_s=0.05))
+    distributed.set_watchdog(Watchdog(0.5, rank, log=lines.append, poll_s=0.05))
     try:
-        with parallel.watchdog().phase("sampling round 3"):
+        with distributed.watchdog().phase("sampling round 3"):
             if rank == 1:
                 time.sleep(1.5)
-            parallel.all_reduce(1.0, what="round 3's shortfall")
+            distributed.all_reduce(1.0, what="round 3's shortfall")
     finally:
-        parallel.watchdog().close()
-        parallel.set_watchdog(parallel.null_watchdog())
+        distributed.watchdog().close()
+        distributed.set_watchdog(null_watchdog())
     return lines
 
 
@@ -227,7 +226,7 @@ def test_a_waiting_rank_says_what_it_waits_for(tmp_path):
 
 
 def test_process_group_backend():
-    from prorl.engine.parallel import process_group_backend
+    from prorl.engine.distributed import process_group_backend
 
     assert process_group_backend(cuda=False) == "gloo" and process_group_backend(False, True) == "gloo"
     assert process_group_backend(cuda=True) == "nccl"

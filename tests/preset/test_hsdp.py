@@ -68,7 +68,7 @@ def _mesh_layout():
     bytes a checkpoint's disk-space check expects from all ranks, 1-D and 2 x 2 (DCP writes a replicated
     shard once)."""
     from dist_helpers import random_decoder
-    from prorl.engine import checkpoint, parallel
+    from prorl.engine import checkpoint, distributed, parallel
 
     mesh = parallel.data_parallel_mesh(2)
     try:
@@ -79,7 +79,9 @@ def _mesh_layout():
     save_bytes = {}
     for replicate in (1, 2):
         model = parallel.parallelize(random_decoder(), dp_replicate=replicate)
-        save_bytes[replicate] = parallel.all_reduce_sum(float(checkpoint._tensor_bytes(model.state_dict())))
+        save_bytes[replicate] = distributed.all_reduce_sum(
+            float(checkpoint._tensor_bytes(model.state_dict()))
+        )
     unsharded = sum(v.numel() * v.element_size() for v in random_decoder().state_dict().values())
     layout = mesh.mesh_dim_names, mesh.get_coordinate(), mesh["dp_shard"].mesh.tolist(), error
     return layout, save_bytes, unsharded
