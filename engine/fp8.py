@@ -60,7 +60,7 @@ Weights stay plain. Converted layers keep the parameter names and shapes of `nn.
 weight pushes see the same tensors as without FP8. torchao's FP8 all-gather wraps each weight in a
 tensor subclass and TE adds `_extra_state` (its scaling metadata) to the state dict: `plain` unwraps
 the former and `engine.parallel.full_state_dict` / `iter_full_tensors` and the checkpoints
-(`engine.checkpoint. ModelState`) drop the latter, so no FP8 tensor subclass, scale or
+(`engine.checkpoint_state.ModelState`) drop the latter, so no FP8 tensor subclass, scale or
 `_extra_state` leaves the trainer, and FP8 and bf16 runs resume each other's checkpoints (TE's
 delayed-scaling amax history restarts then).
 """

@@ -21,7 +21,8 @@ import sys
 import torch
 import torch.distributed.checkpoint as dcp
 
-from prorl.engine.checkpoint import MARKER, META, CheckpointError, ModelState, verify_checkpoint
+from prorl.engine.checkpoint import MARKER, META, CheckpointError, verify_checkpoint
+from prorl.engine.checkpoint_state import ModelState
 from prorl.engine.model import load_hf, save_hf
 from prorl.lifecycle import Fatal
 from prorl.model_dir import resolve_model_path

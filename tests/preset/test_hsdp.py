@@ -95,7 +95,7 @@ def step_rows(run_dir) -> dict[int, dict]:
 def saved_weights(step_dir, ckpt) -> dict[str, torch.Tensor]:
     """The policy's fp32 master weights in a DCP checkpoint, read into one process (DCP reshards)."""
     import torch.distributed.checkpoint as dcp
-    from prorl.engine.checkpoint import ModelState
+    from prorl.engine.checkpoint_state import ModelState
     from prorl.engine.model import load_hf
 
     model = load_hf(ckpt, dtype=torch.float32)

@@ -59,7 +59,7 @@ def step_rows(run_dir) -> dict[int, dict]:
 def checkpoint_models(step_dir, ckpt):
     """The policy and reference of a DCP checkpoint, loaded into plain fp32 Decoders in this process."""
     import torch.distributed.checkpoint as dcp
-    from prorl.engine.checkpoint import ModelState
+    from prorl.engine.checkpoint_state import ModelState
     from prorl.engine.model import load_hf
 
     models = {"model": load_hf(ckpt, dtype=torch.float32), "reference": load_hf(ckpt, dtype=torch.float32)}
