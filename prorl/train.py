@@ -61,19 +61,21 @@ from prorl.async_rl.transport import RolloutLost
 from prorl.async_rl.worker import RolloutWorker
 from prorl.config import (
     ConfigError,
-    check_world,
-    collective_timeout_s,
-    config_changes,
     load_config,
-    non_default,
     preset_path,
     reference,
     resolve_output_dir,
-    resume_conflicts,
     to_dict,
     to_yaml,
 )
 from prorl.config_checks import repeated_overrides
+from prorl.config_runtime import (
+    check_world,
+    collective_timeout_s,
+    config_changes,
+    non_default,
+    resume_conflicts,
+)
 from prorl.engine import distributed
 from prorl.engine.checkpoint import META, Checkpointer, CheckpointError, config_hash
 from prorl.engine.distributed import dist_info

@@ -35,7 +35,8 @@ import torch.distributed as dist
 from prorl import algorithm
 from prorl.async_rl.remote import RemoteRollouts
 from prorl.async_rl.roles import roles
-from prorl.config import Config, check_world
+from prorl.config import Config
+from prorl.config_runtime import check_world
 from prorl.data import stop_token_ids
 from prorl.engine.distributed import all_reduce, dist_info, watchdog
 from prorl.eval import validate

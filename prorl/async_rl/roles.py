@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from prorl.config import Config, ConfigError, collective_timeout_s
+from prorl.config import Config, ConfigError
+from prorl.config_runtime import collective_timeout_s
 
 STORE_PREFIX = "prorl/async/"
 

@@ -77,7 +77,7 @@ def test_fp8_keys_are_validated():
 
 def test_dp_replicate_is_validated_naming_the_key(capsys):
     from prorl import train
-    from prorl.config import check_world
+    from prorl.config_runtime import check_world
 
     cfg = load_config("default", ["model.fsdp=true", "model.dp_replicate=2", "trainer.prompts_per_step=12"])
     check_world(cfg, 2)

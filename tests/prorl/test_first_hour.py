@@ -11,7 +11,8 @@ import pytest
 from train_helpers import ENV, ROOT, TINY
 
 from prorl import data
-from prorl.config import Config, ConfigError, ModelConfig, load_config, non_default, reference
+from prorl.config import Config, ConfigError, ModelConfig, load_config, reference
+from prorl.config_runtime import non_default
 from prorl.train import parse_config
 
 

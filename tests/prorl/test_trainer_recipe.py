@@ -22,7 +22,8 @@ from rollout_checkpoints import recompute_logprobs
 from transformers import PreTrainedTokenizerFast
 
 import prorl.update as update_module
-from prorl.config import ConfigError, check_world, load_config
+from prorl.config import ConfigError, load_config
+from prorl.config_runtime import check_world
 from prorl.data import builtin
 from prorl.metrics import StepAccumulator, record_batch, record_loss, step_metrics
 from prorl.packing import StepBatch
