@@ -29,17 +29,16 @@ yet.
 Written to --out (default runs/eval-<UTC time>): `results.json` (settings and every metric),
 `results.csv` (one row per data source plus `all`), `samples.jsonl` (one row per sample: example
 index, data source, sample index, score, correct, flags, response text), from which every number can
-be recomputed. `evaluate(examples, EvalInputs(...), EvalSettings(...))` is the same thing as a
-function; `validate` is the trainer's use of it. The metrics themselves are prorl/eval_metrics.py's
-(`summarize` turns per-sample records, e.g. gathered from several ranks, into them).
+be recomputed (prorl/eval_results.py writes them). `evaluate(examples, EvalInputs(...),
+EvalSettings(...))` is the same thing as a function; `validate` is the trainer's use of it. The
+metrics themselves are prorl/eval_metrics.py's (`summarize` turns per-sample records, e.g. gathered
+from several ranks, into them).
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
-import json
 import os
 import sys
 import time
@@ -55,7 +54,8 @@ from prorl.engine.distributed import dist_info, watchdog
 from prorl.engine.model import load_hf
 from prorl.engine.rollout import NativeGenerator, SamplingParams
 from prorl.engine.rollout.base import host_available_bytes
-from prorl.eval_metrics import pass_ks, source_val_metrics, summarize
+from prorl.eval_metrics import source_val_metrics, summarize
+from prorl.eval_results import format_table, write_results
 from prorl.export import export_checkpoint, is_checkpoint
 from prorl.rewards import builtin_keys, use_function
 from prorl.rewards.function import RewardFunctionError, numeric_extras
@@ -364,7 +364,7 @@ def _chunk_records(run: _Run, lo: int, samples) -> list[dict]:
     return records
 
 
-# -- output ----------------------------------------------------------------------------------------
+# -- the trainer's validation ----------------------------------------------------------------------
 
 
 def validate(cfg: Config, examples: list, model, tokenizer, pool, generator, log=None) -> dict[str, float]:
@@ -402,57 +402,6 @@ def validate(cfg: Config, examples: list, model, tokenizer, pool, generator, log
     for source, m in summary["by_source"].items():
         out.update(source_val_metrics(source, m, k))
     return out
-
-
-def table_rows(results: dict) -> list[dict]:
-    """One flat dict per data source plus `all` (the CSV rows)."""
-    rows = [{"data_source": ds} | m for ds, m in results["by_source"].items()]
-    return rows + [{"data_source": "all"} | results["all"]]
-
-
-def format_table(results: dict) -> str:
-    """The plain-text per-data-source table (pass@j and mean_score in %)."""
-    k = results["settings"]["k"]
-    metrics = [f"pass@{j}" for j in pass_ks(k)] + ["mean_score"]
-    rows = table_rows(results)
-    width = max(len("data_source"), *(len(r["data_source"]) for r in rows))
-    head = f"{'data_source':<{width}} {'prompts':>7} {'filtered':>8} " + " ".join(f"{m:>10}" for m in metrics)
-    head += f" {'primary':>10} {'resp tok':>8} {'trunc %':>7} {'fail %':>6}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        cells = [f"{100 * r[m]:>10.1f}" if r.get(m) is not None else f"{'-':>10}" for m in metrics]
-        tail = (
-            f" {r['mean_response_tokens']:>8.1f} {100 * r['truncated_frac']:>7.1f} "
-            f"{100 * (r['timeout_frac'] + r['error_frac']):>6.1f}"
-            if r["samples"]
-            else f" {'-':>8} {'-':>7} {'-':>6}"
-        )
-        lines.append(
-            f"{r['data_source']:<{width}} {r['prompts']:>7} {r['filtered']:>8} "
-            + " ".join(cells)
-            + f" {r['primary']:>10}"
-            + tail
-        )
-    return "\n".join(lines)
-
-
-def write_results(results: dict, out_dir: str) -> list[str]:
-    """results.json (all but the samples), results.csv, samples.jsonl in `out_dir`; returns the
-    paths."""
-    os.makedirs(out_dir, exist_ok=True)
-    paths = [os.path.join(out_dir, f) for f in ("results.json", "results.csv", "samples.jsonl")]
-    with open(paths[0], "w") as f:
-        json.dump({key: v for key, v in results.items() if key != "samples"}, f, indent=1)
-    rows = table_rows(results)
-    columns = list(dict.fromkeys(key for r in rows for key in r))
-    with open(paths[1], "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
-    with open(paths[2], "w") as f:
-        for r in results["samples"]:
-            f.write(json.dumps(r) + "\n")
-    return paths
 
 
 # -- command line ----------------------------------------------------------------------------------
