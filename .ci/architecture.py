@@ -3,15 +3,15 @@
     python .ci/architecture.py            # print the table
     python .ci/architecture.py --check    # exit 1 when a target in CHECKED does not hold
 
-Measured over the library's three layers (prorl/, engine/, kernels/ — imported as prorl, prorl.engine,
-prorl.kernels) and benchmarks/:
-- imports point down the layers (prorl -> engine -> kernels) and form no cycle, counting imports inside
-  functions (an import inside a function hides a cycle from the interpreter, not from a reader); no
-  library module imports the command line (prorl/train.py);
-- line counts (the trainer, the longest files, benchmarks/), long lines, long functions and functions
-  with many parameters. Triton kernels and the float64 references are exempt from both function rules,
-  the public ops (whose signatures follow the peers') from the parameter rule, and their signatures
-  from the length rule (their docstring and body are measured).
+Measured over the library's three layers (prorl/, engine/, kernels/ — imported as prorl,
+prorl.engine, prorl.kernels) and benchmarks/:
+- imports point down the layers (prorl -> engine -> kernels) and form no cycle, counting imports
+  inside functions (an import inside a function hides a cycle from the interpreter, not from a
+  reader); no library module imports the command line (prorl/train.py);
+- line counts (the trainer, the longest files, benchmarks/), long lines, long functions and
+  functions with many parameters. Triton kernels and the float64 references are exempt from both
+  function rules, the public ops (whose signatures follow the peers') from the parameter rule, and
+  their signatures from the length rule (their docstring and body are measured).
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ CLI = "prorl.train"  # the trainer's command line: an entry point, never a libra
 LAYERS = {"kernels": "prorl.kernels", "engine": "prorl.engine", "prorl": "prorl"}
 RANK = {"prorl.kernels": 0, "prorl.engine": 1, "prorl": 2}
 KERNEL_EXEMPT = ("kernels/reference.py", "_triton.py")  # Triton kernels, float64 references
-PARAM_EXEMPT = {  # the public ops and the drop-in adapters (qualified names): signatures as the peers'
+# the public ops and the drop-in adapters (qualified names): signatures as the peers'
+PARAM_EXEMPT = {
     "ppo_loss",
     "linear_ppo_loss",
     "linear_logprob_entropy",
@@ -104,7 +105,9 @@ def imports_of(tree: ast.Module, mod: str, is_pkg: bool, modules: set[str]):
                 anchor = anchor[: len(anchor) - node.level + 1]
                 base = ".".join(anchor + ([base] if base else []))
             # `from pkg import name`: the submodule when `name` is one, else the package itself
-            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            names = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names
+            ]
         else:
             continue
         targets = set()
@@ -188,7 +191,9 @@ def measure() -> tuple[dict[str, int], dict[str, list[str]]]:
                 if RANK[layer(target)] > RANK[layer(mod)]:
                     found["imports pointing up the layers"].append(f"{rel}:{line} imports {target}")
                 if target == CLI:
-                    found["library imports of the command line"].append(f"{rel}:{line} imports {target}")
+                    found["library imports of the command line"].append(
+                        f"{rel}:{line} imports {target}"
+                    )
         for qualname, fn in functions(tree):
             n_lines = measured_lines(qualname, fn)
             exempt = (
@@ -202,7 +207,9 @@ def measure() -> tuple[dict[str, int], dict[str, list[str]]]:
             params = [p.arg for p in a.posonlyargs + a.args + a.kwonlyargs]
             n_params = len(params) - bool(params[:1] in (["self"], ["cls"]))
             if n_params > 8 and not exempt and qualname not in PARAM_EXEMPT:
-                found["functions over 8 parameters"].append(f"{rel}:{fn.lineno} {fn.name} ({n_params})")
+                found["functions over 8 parameters"].append(
+                    f"{rel}:{fn.lineno} {fn.name} ({n_params})"
+                )
     for comp in cycles(graph):
         found["import cycles"].append(" <-> ".join(comp))
     counted = files + sorted((ROOT / "benchmarks").rglob("*.py"))

@@ -94,7 +94,8 @@ class AttentionBackend:
     def _self_attention_only(ctx: AttentionContext) -> None:
         if ctx.cu_seqlens_k is not ctx.cu_seqlens_q:
             raise NotImplementedError(
-                "this attention backend supports self-attention only (no separate key boundaries, e.g. a "
+                "this attention backend supports "
+                "self-attention only (no separate key boundaries, e.g. a "
                 "shared prompt prefix): use 'sdpa' or 'flash'"
             )
 
@@ -205,8 +206,12 @@ class SDPAAttention(AttentionBackend):
         for plan in ctx.extra["sdpa_plans"]:
             if plan[0] == "causal":
                 _, s0, length, k0, _ = plan
-                qs, ks, vs = (t[a : a + length].transpose(0, 1)[None] for t, a in ((q, s0), (k, k0), (v, k0)))
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
+                qs, ks, vs = (
+                    t[a : a + length].transpose(0, 1)[None] for t, a in ((q, s0), (k, k0), (v, k0))
+                )
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True
+                )
                 pieces.append((o[0].transpose(0, 1), (s0, s0 + length)))
             else:
                 _, q_idx, k_idx, mask, rows_out, where = plan
@@ -214,8 +219,12 @@ class SDPAAttention(AttentionBackend):
                 qs = q.index_select(0, q_idx).view(b, mq, hq, d).transpose(1, 2)
                 ks = k.index_select(0, k_idx).view(b, mk, k.shape[1], d).transpose(1, 2)
                 vs = v.index_select(0, k_idx).view(b, mk, v.shape[1], v.shape[-1]).transpose(1, 2)
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True)
-                pieces.append((o.transpose(1, 2).reshape(b * mq, hq, -1).index_select(0, rows_out), where))
+                o = F.scaled_dot_product_attention(
+                    qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=True
+                )
+                pieces.append(
+                    (o.transpose(1, 2).reshape(b * mq, hq, -1).index_select(0, rows_out), where)
+                )
         if len(pieces) == 1 and isinstance(pieces[0][1], tuple) and pieces[0][1] == (0, n):
             return pieces[0][0]  # one plan covering every row, in order
         out = q.new_zeros(n, hq, v.shape[-1])  # zeros: rows of zero-length sequences stay defined
@@ -249,14 +258,18 @@ class FlexAttention(AttentionBackend):
         def document_causal(b, h, q_idx, kv_idx):
             return (doc[q_idx] == doc[kv_idx]) & (q_idx >= kv_idx)
 
-        ctx.extra["block_mask"] = create_block_mask(document_causal, None, None, n, n, device=cu.device)
+        ctx.extra["block_mask"] = create_block_mask(
+            document_causal, None, None, n, n, device=cu.device
+        )
         return ctx
 
     def __call__(self, q, k, v, ctx, scale):
         q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, H, N, d]
         with warnings.catch_warnings():  # eager was asked for; torch warns that it is unfused
             warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")
-            out = self._fn(q4, k4, v4, block_mask=ctx.extra["block_mask"], scale=scale, enable_gqa=True)
+            out = self._fn(
+                q4, k4, v4, block_mask=ctx.extra["block_mask"], scale=scale, enable_gqa=True
+            )
         return out[0].transpose(0, 1)  # [N, Hq, d]
 
 
@@ -286,7 +299,8 @@ class FlashAttention(AttentionBackend):
     def __call__(self, q, k, v, ctx, scale):
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(
-                f"flash-attn computes in fp16/bf16 only, got {q.dtype}: use model.dtype=bfloat16, or "
+                "flash-attn computes in fp16/bf16 only, "
+                f"got {q.dtype}: use model.dtype=bfloat16, or "
                 "attention='sdpa' (the default picks SDPA for fp32)"
             )
         return self._fn(
@@ -323,7 +337,9 @@ def default_backend_name(device: torch.device | str, dtype: torch.dtype | None =
 
 
 def get_attention_backend(
-    name: str | AttentionBackend | None, device: torch.device | str = "cpu", dtype: torch.dtype | None = None
+    name: str | AttentionBackend | None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
 ):
     """A backend instance from its name (`sdpa`, `flex`, `flash`), None (the default for `device`
     and the compute `dtype`), or an instance (returned as is)."""
@@ -351,7 +367,9 @@ def make_context(
         return AttentionContext(num_tokens, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen)
     if kv_index is None:
         raise ValueError("cu_seqlens_k needs kv_index (the rows of k/v that form the packed keys)")
-    return AttentionContext(num_tokens, cu_seqlens, cu_seqlens_k.to(torch.int32), kv_index=kv_index.long())
+    return AttentionContext(
+        num_tokens, cu_seqlens, cu_seqlens_k.to(torch.int32), kv_index=kv_index.long()
+    )
 
 
 def shared_prefix_layout(
@@ -385,5 +403,9 @@ def shared_prefix_layout(
             r0 += lr
         start = r0
     return dict(
-        cu_q=cu_q, cu_k=cu_k, kv_index=kv_index, position_ids=positions, segment_of_response=seg_of_resp
+        cu_q=cu_q,
+        cu_k=cu_k,
+        kv_index=kv_index,
+        position_ids=positions,
+        segment_of_response=seg_of_resp,
     )

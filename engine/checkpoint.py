@@ -7,16 +7,16 @@
     ckpt.save(step, state, config_hash=h)         # state = {"model": model, "optimizer": opt, "trainer": ...}
 
 What goes where. Models (`nn.Module`) and optimizers (a torch optimizer, or an object holding one as
-`.optimizer` and its state under `state_dict()["optimizer"]`, like engine.optim.Optimizer) go through
-DCP's sharded path: each rank writes only its shards (FSDP2 DTensors), names are the clean parameter
-names (`get_model_state_dict` / `get_optimizer_state_dict`), so DCP can reshard a checkpoint into
-another world size (tests/preset reads a 2-rank checkpoint into one process; the adapters are
-engine/checkpoint_state.py). Everything else - anything
-with `state_dict`/`load_state_dict`, or a plain dict - is pickled whole from rank 0 into `objects.pt` and
+`.optimizer` and its state under `state_dict()["optimizer"]`, like engine.optim.Optimizer) go
+through DCP's sharded path: each rank writes only its shards (FSDP2 DTensors), names are the clean
+parameter names (`get_model_state_dict` / `get_optimizer_state_dict`), so DCP can reshard a
+checkpoint into another world size (tests/preset reads a 2-rank checkpoint into one process; the
+adapters are engine/checkpoint_state.py). Everything else - anything with
+`state_dict`/`load_state_dict`, or a plain dict - is pickled whole from rank 0 into `objects.pt` and
 restored exactly, whatever its structure (lists that grew, new keys): such state must be the same on
-every rank (`state_dict` is called on every rank, so it may gather per-rank parts itself). The RNG states
-(python, numpy, torch CPU, CUDA) of every rank go to `rng/rank_XXXXX.pt` and are restored on load (when
-the world size is unchanged).
+every rank (`state_dict` is called on every rank, so it may gather per-rank parts itself). The RNG
+states (python, numpy, torch CPU, CUDA) of every rank go to `rng/rank_XXXXX.pt` and are restored on
+load (when the world size is unchanged).
 
 Layout and commit protocol:
 
@@ -29,23 +29,24 @@ Layout and commit protocol:
         COMPLETE
     step_00000150.tmp/      a save in progress or interrupted: never loaded; removed by the next save
 
-A save writes everything into `step_X.tmp/`, then rank 0 renames it to `step_X/` and only then writes
-`COMPLETE` (via a temporary file and a rename, fsynced). `latest()` takes the highest step whose
-directory has no `.tmp` suffix and holds `COMPLETE`, so a crash at any point (mid-write, between rename
-and marker, a full disk) leaves nothing that looks complete. Retention deletes a checkpoint's marker
-before its files for the same reason.
+A save writes everything into `step_X.tmp/`, then rank 0 renames it to `step_X/` and only then
+writes `COMPLETE` (via a temporary file and a rename, fsynced). `latest()` takes the highest step
+whose directory has no `.tmp` suffix and holds `COMPLETE`, so a crash at any point (mid-write,
+between rename and marker, a full disk) leaves nothing that looks complete. Retention deletes a
+checkpoint's marker before its files for the same reason.
 
 Checks. The constructor fails with a clear message if the directory cannot be created or written;
 `preflight` / `save` compare the estimated size of one save (all ranks' shards) with the free space.
-`meta.json` records a model identity (architecture + parameter names and shapes, hashed) per model key:
-loading a checkpoint of a different model raises `CheckpointError` naming both (replicated and FSDP2
-runs of one model are the same model: DCP reshards). A differing config hash is only reported
+`meta.json` records a model identity (architecture + parameter names and shapes, hashed) per model
+key: loading a checkpoint of a different model raises `CheckpointError` naming both (replicated and
+FSDP2 runs of one model are the same model: DCP reshards). A differing config hash is only reported
 (`CheckpointInfo.config_changed`, and a warning): the caller decides.
 
 Damage. Before a load every file is checked against `manifest.json` (sizes and checksums written at
-save). `load()` without a path takes the newest checkpoint that passes (`usable()`): a damaged newer one
-is skipped with a warning naming each damaged file; when all are damaged, `CheckpointError` names them.
-A missing or damaged RNG file only costs determinism: a warning names it and the rest is loaded.
+save). `load()` without a path takes the newest checkpoint that passes (`usable()`): a damaged newer
+one is skipped with a warning naming each damaged file; when all are damaged, `CheckpointError`
+names them. A missing or damaged RNG file only costs determinism: a warning names it and the rest is
+loaded.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or must not be loaded; the message says why and where."""
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # What goes through DCP (engine/checkpoint_state.py) and what is pickled
 
 
@@ -129,17 +130,20 @@ def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[
             dcp_state[key] = value
         elif _is_optimizer(value):
             dcp_state[key] = OptimizerState(_owner_model(value, models, key), value)
-        elif isinstance(value, dict) or (hasattr(value, "state_dict") and hasattr(value, "load_state_dict")):
+        elif isinstance(value, dict) or (
+            hasattr(value, "state_dict") and hasattr(value, "load_state_dict")
+        ):
             objects[key] = value
         else:
             raise CheckpointError(
-                f"state[{key!r}] ({type(value).__name__}) is neither a module, an optimizer, a dict nor an "
+                f"state[{key!r}] ({type(value).__name__}) is "
+                "neither a module, an optimizer, a dict nor an "
                 "object with state_dict/load_state_dict"
             )
     return dcp_state, objects, models
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Identity, hashing, RNG
 
 
@@ -151,7 +155,7 @@ def config_hash(config: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Files
 
 
@@ -182,8 +186,9 @@ def _torch_save_file(obj: Any, path: str) -> None:
 
 
 def _all_ranks_ok(fn, main_only: bool = False) -> None:
-    """Run fn (on rank 0 only if main_only), then agree: if it failed anywhere, every rank raises - the
-    failing rank its own error, the others a CheckpointError - instead of waiting at a barrier."""
+    """Run fn (on rank 0 only if main_only), then agree: if it failed anywhere, every rank raises -
+    the failing rank its own error, the others a CheckpointError - instead of waiting at a
+    barrier."""
     error = None
     if not main_only or distributed.dist_info().is_main:
         try:
@@ -199,15 +204,18 @@ def _all_ranks_ok(fn, main_only: bool = False) -> None:
 
 @contextlib.contextmanager
 def _single_process_quiet():
-    """DCP warns on every call without a process group that it assumes a single process; so do we."""
+    """DCP warns on every call without a process group that it assumes a single process; so do
+    we."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled", category=UserWarning
+        )
         yield
 
 
 def _tensor_bytes(obj: Any) -> int:
-    """This rank's share of what DCP writes: a shard replicated over a mesh dim (HSDP) is written once, so
-    it counts only on the ranks at coordinate 0 of every replicated dim."""
+    """This rank's share of what DCP writes: a shard replicated over a mesh dim (HSDP) is written
+    once, so it counts only on the ranks at coordinate 0 of every replicated dim."""
     if isinstance(obj, torch.Tensor):
         if hasattr(obj, "to_local"):
             coordinate = obj.device_mesh.get_coordinate() or []
@@ -232,13 +240,16 @@ def _write_manifest(tmp: str) -> None:
     files = hash_files(tmp, skip=_UNLISTED)
     unreadable = [f"{name}: {v['error']}" for name, v in files.items() if "error" in v]
     if unreadable:  # the same dict on every rank: all raise
-        raise CheckpointError(f"checkpoint {tmp}: files unreadable right after writing: {unreadable}")
+        raise CheckpointError(
+            f"checkpoint {tmp}: files unreadable right after writing: {unreadable}"
+        )
     manifest = json.dumps({"files": files}, indent=1, sort_keys=True).encode()
     _all_ranks_ok(lambda: _write_file(os.path.join(tmp, MANIFEST), manifest), main_only=True)
 
 
 def verify_checkpoint(path: str) -> Verdict:
-    """Checkpoint directory `path` against its manifest (engine/checkpoint_verify.py); collective."""
+    """Checkpoint directory `path` against its manifest (engine/checkpoint_verify.py);
+    collective."""
     return verify(path, required=_REQUIRED, rng_dir=RNG_DIR, skip=_UNLISTED)
 
 
@@ -249,7 +260,8 @@ class CheckpointInfo:
     step: int
     path: str
     meta: dict[str, Any]
-    config_changed: bool  # the saved config hash differs from the one passed to load (None: not compared)
+    # the saved config hash differs from the one passed to load (None: not compared)
+    config_changed: bool
 
 
 class Checkpointer:
@@ -257,7 +269,8 @@ class Checkpointer:
 
     Args:
         directory: where `step_XXXXXXXX/` checkpoints live (shared by all ranks and nodes).
-        keep_last: complete checkpoints to keep (older ones are deleted after each save); None = all.
+        keep_last: complete checkpoints to keep (older ones are deleted after each save); None =
+            all.
         min_free_bytes: free space required beyond the estimated size of a save.
     Raises:
         CheckpointError: the directory cannot be created or written.
@@ -269,7 +282,8 @@ class Checkpointer:
         self.directory = os.path.abspath(directory)
         self.keep_last = keep_last
         self.min_free_bytes = min_free_bytes
-        self._usable: tuple[str | None, Verdict | None] | None = None  # usable()'s answer, once asked
+        # usable()'s answer, once asked
+        self._usable: tuple[str | None, Verdict | None] | None = None
         self._check_writable()
 
     # -- discovery ---------------------------------------------------------------------------------
@@ -301,7 +315,9 @@ class Checkpointer:
                 f.write(b"ok")
             os.remove(probe)
         except OSError as exc:
-            raise CheckpointError(f"checkpoint directory {self.directory} is not writable: {exc}") from exc
+            raise CheckpointError(
+                f"checkpoint directory {self.directory} is not writable: {exc}"
+            ) from exc
 
     def _check_space(self, local_bytes: int) -> None:
         """All ranks agree: the estimated total size of one save must fit in the free space."""
@@ -310,14 +326,16 @@ class Checkpointer:
         ok = distributed.all_reduce_min(1.0 if free >= needed else 0.0)
         if ok < 1.0:
             raise CheckpointError(
-                f"not enough free disk space for a checkpoint in {self.directory}: about {_gib(needed)} "
-                f"needed (shards of all ranks + {_gib(self.min_free_bytes)} margin), {_gib(free)} free"
+                "not enough free disk space for a "
+                f"checkpoint in {self.directory}: about {_gib(needed)} "
+                "needed (shards of all ranks + "
+                f"{_gib(self.min_free_bytes)} margin), {_gib(free)} free"
                 + ("" if free < needed else " here but less on another rank's filesystem")
             )
 
     def preflight(self, state: dict[str, Any]) -> int:
-        """Fail now (CheckpointError) if a save of `state` would not fit; returns its estimated bytes.
-        Collective under torchrun (every rank must call it)."""
+        """Fail now (CheckpointError) if a save of `state` would not fit; returns its estimated
+        bytes. Collective under torchrun (every rank must call it)."""
         self._check_writable()
         dcp_state, objects, _ = _split(state)
         local = _tensor_bytes({k: v.state_dict() for k, v in dcp_state.items()})
@@ -326,7 +344,9 @@ class Checkpointer:
 
     # -- save --------------------------------------------------------------------------------------
 
-    def save(self, step: int, state: dict[str, Any], *, config_hash: str | None = None, extra=None) -> str:
+    def save(
+        self, step: int, state: dict[str, Any], *, config_hash: str | None = None, extra=None
+    ) -> str:
         """Save `state` as checkpoint `step`; collective under torchrun. Returns the committed path.
 
         extra: JSON-able dict stored in meta.json (e.g. the run's metrics at this step).
@@ -338,7 +358,9 @@ class Checkpointer:
         dcp_state, objects, models = _split(state)
         state_dicts = {k: v.state_dict() for k, v in dcp_state.items()}
         # on every rank: an object's state_dict may be a collective (gathering per-rank parts)
-        saved_objects = {k: v if isinstance(v, dict) else v.state_dict() for k, v in objects.items()}
+        saved_objects = {
+            k: v if isinstance(v, dict) else v.state_dict() for k, v in objects.items()
+        }
         self._check_space(_tensor_bytes(state_dicts))
 
         final, tmp = self.step_dir(step), self.step_dir(step) + ".tmp"
@@ -403,8 +425,8 @@ class Checkpointer:
                 shutil.rmtree(path)
 
     def _retain(self, saved: int) -> None:
-        """Keep the newest `keep_last` checkpoints up to the one just saved; a newer one (a damaged one the
-        run fell back from) neither counts nor is deleted."""
+        """Keep the newest `keep_last` checkpoints up to the one just saved; a newer one (a damaged
+        one the run fell back from) neither counts nor is deleted."""
         if self.keep_last is None:
             return
         for step in [s for s in self.complete_steps() if s <= saved][: -self.keep_last]:
@@ -413,10 +435,11 @@ class Checkpointer:
     # -- load --------------------------------------------------------------------------------------
 
     def usable(self) -> str | None:
-        """The newest complete checkpoint that passes `verify` (sizes and checksums of its manifest), or
-        None when there is no complete checkpoint. A damaged one is skipped with a warning naming each
-        damaged file; when every one is damaged, CheckpointError names them all. Collective under
-        torchrun (every rank gets rank 0's answer); the answer is kept for the next call and `load`."""
+        """The newest complete checkpoint that passes `verify` (sizes and checksums of its
+        manifest), or None when there is no complete checkpoint. A damaged one is skipped with a
+        warning naming each damaged file; when every one is damaged, CheckpointError names them all.
+        Collective under torchrun (every rank gets rank 0's answer); the answer is kept for the next
+        call and `load`."""
         if self._usable is not None:
             return self._usable[0]
         steps = self.complete_steps()
@@ -435,16 +458,20 @@ class Checkpointer:
                 return path
             damaged.append(f"{path}: " + "; ".join(verdict.damage))
             if distributed.dist_info().is_main:
-                logger.warning("checkpoint %s is damaged, not loaded: %s", path, "; ".join(verdict.damage))
+                logger.warning(
+                    "checkpoint %s is damaged, not loaded: %s", path, "; ".join(verdict.damage)
+                )
         if damaged:
             raise CheckpointError(
-                f"no usable checkpoint in {self.directory}: every one is damaged: " + " | ".join(damaged)
+                f"no usable checkpoint in {self.directory}: every one is damaged: "
+                + " | ".join(damaged)
             )
         self._usable = (None, None)
         return None
 
     def _source(self, path: str | None, step: int | None) -> tuple[str | None, Verdict | None]:
-        """The checkpoint `load` reads and its verdict: `path`, `step`'s, or the newest usable one."""
+        """The checkpoint `load` reads and its verdict: `path`, `step`'s, or the newest usable
+        one."""
         if path is None and step is not None:
             path = self.step_dir(step)
         if path is None:
@@ -465,14 +492,14 @@ class Checkpointer:
         step: int | None = None,
         config_hash: str | None = None,
     ) -> CheckpointInfo | None:
-        """Restore `state` in place from `path`, checkpoint `step`, or the newest usable one (`usable`:
-        a damaged newest checkpoint is skipped with a warning).
+        """Restore `state` in place from `path`, checkpoint `step`, or the newest usable one
+        (`usable`: a damaged newest checkpoint is skipped with a warning).
 
         Returns None when there is no complete checkpoint (and neither path nor step was given).
-        Raises CheckpointError, naming the checkpoint and file: incomplete or damaged checkpoint, a model
-        of another architecture, keys of `state` missing from the checkpoint, a failed load. A different
-        `config_hash` is reported, not refused; a missing or damaged RNG file is a warning naming it (the
-        run continues, no longer bit-identical). Collective under torchrun.
+        Raises CheckpointError, naming the checkpoint and file: incomplete or damaged checkpoint, a
+        model of another architecture, keys of `state` missing from the checkpoint, a failed load. A
+        different `config_hash` is reported, not refused; a missing or damaged RNG file is a warning
+        naming it (the run continues, no longer bit-identical). Collective under torchrun.
         """
         import torch.distributed.checkpoint as dcp
 
@@ -506,9 +533,20 @@ class Checkpointer:
                     obj.update(saved_objects[key])
                 else:
                     obj.load_state_dict(saved_objects[key])
-        except (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError) as exc:
-            first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-            raise CheckpointError(f"loading checkpoint {path} failed: {type(exc).__name__}: {first}") from exc
+        except (
+            OSError,
+            RuntimeError,
+            ValueError,
+            KeyError,
+            EOFError,
+            pickle.UnpicklingError,
+        ) as exc:
+            first = (
+                str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+            )
+            raise CheckpointError(
+                f"loading checkpoint {path} failed: {type(exc).__name__}: {first}"
+            ) from exc
         rng_file = os.path.join(path, RNG_DIR, f"rank_{info.rank:05d}.pt")
         restore_rng(path, rng_file, meta["world_size"], verdict.rng.get(rng_file))
         return CheckpointInfo(meta["step"], path, meta, config_changed)

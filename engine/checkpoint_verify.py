@@ -213,7 +213,9 @@ def manifest_problem(manifest: Any) -> str | None:
             return f"entry {name!r}: must be an object with 'size' and 'sha256', got {type(entry).__name__}"
         size, sha = entry.get("size"), entry.get("sha256")
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
-            return f"entry {name!r}: 'size' must be a byte count (an integer >= 0), got {size!r:.60}"
+            return (
+                f"entry {name!r}: 'size' must be a byte count (an integer >= 0), got {size!r:.60}"
+            )
         if not isinstance(sha, str) or not _SHA256.match(sha):
             return f"entry {name!r}: 'sha256' must be 64 hexadecimal digits, got {sha!r:.80}"
     return None
@@ -252,13 +254,19 @@ def model_class(model: nn.Module) -> type:
 
 def _identity_hash(class_name: str, config: Any, shapes: list) -> str:
     identity = {"class": class_name, "config": config, "shapes": shapes}
-    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[
+        :16
+    ]
 
 
 def _parts(model: nn.Module) -> tuple[Any, list]:
     config = getattr(model, "config", None)
     if dataclasses.is_dataclass(config):
-        config = {k: v for k, v in dataclasses.asdict(config).items() if k not in ("hf", "initializer_range")}
+        config = {
+            k: v
+            for k, v in dataclasses.asdict(config).items()
+            if k not in ("hf", "initializer_range")
+        }
     shapes = sorted((parallel.clean_name(n), list(p.shape)) for n, p in model.named_parameters())
     return config, shapes
 
@@ -275,7 +283,14 @@ def model_identity(model: nn.Module) -> dict[str, Any]:
         "tensors": len(shapes),
     }
     if isinstance(config, dict):
-        keys = ("model_type", "num_layers", "hidden_size", "intermediate_size", "num_heads", "vocab_size")
+        keys = (
+            "model_type",
+            "num_layers",
+            "hidden_size",
+            "intermediate_size",
+            "num_heads",
+            "vocab_size",
+        )
         summary.update({k: config[k] for k in keys if k in config})
     return {"hash": _identity_hash(name, config, shapes), "summary": summary}
 
@@ -292,7 +307,9 @@ def identity_matches(saved_hash: str, model: nn.Module) -> bool:
 # RNG states
 
 
-def incompatibility(path: str, meta: dict, keys: set[str], models: dict[str, nn.Module]) -> str | None:
+def incompatibility(
+    path: str, meta: dict, keys: set[str], models: dict[str, nn.Module]
+) -> str | None:
     """Why checkpoint `path` (its meta.json `meta`) cannot restore a state of `keys` holding
     `models`: keys it lacks, or a model of another identity under a key; None when it can."""
     missing = sorted(keys - set(meta["keys"]))

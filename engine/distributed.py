@@ -5,30 +5,31 @@ sits (`DistInfo`), and all-reduces of floats, tensors and dicts of metrics.
     total = all_reduce_sum(local_tokens, what="the token count")
     metrics = all_reduce_mean({"loss": loss, "tokens": n})   # one collective for the dict
 
-Single process. Without torchrun (`python script.py`, tests, notebooks) `init_distributed` creates no
-process group and every function here works on this process alone (a reduction returns its input;
+Single process. Without torchrun (`python script.py`, tests, notebooks) `init_distributed` creates
+no process group and every function here works on this process alone (a reduction returns its input;
 under `torchrun --nproc_per_node=1` there is a world of one). FSDP2 and the state-dict helpers over
 ranks are engine/parallel.py.
 
-Failure. Every collective has a timeout (`timeout_s`, default 600 s: long enough for a slow checkpoint
-write or a rank compiling, short enough that a stuck job ends within minutes). Measured with gloo and a
-2 s timeout (tests/engine/test_parallel.py): a peer that is alive but never joins -> RuntimeError
-"Timed out waiting 2000ms for recv operation" after 2.0 s; a peer that dies -> RuntimeError
-"Connection closed by peer ... typically caused by a remote worker crashing" as soon as its process
-exits. On NCCL a timed-out collective makes the watchdog abort the process. Under torchrun the elastic
-agent also stops the surviving workers once one exits with an error. The last complete checkpoint is
-never touched (engine/checkpoint.py commits by rename). A rank that waits long in `all_reduce` says so
-through the process's `Watchdog` (engine/watchdog.py, `set_watchdog`).
+Failure. Every collective has a timeout (`timeout_s`, default 600 s: long enough for a slow
+checkpoint write or a rank compiling, short enough that a stuck job ends within minutes). Measured
+with gloo and a 2 s timeout (tests/engine/test_parallel.py): a peer that is alive but never joins ->
+RuntimeError "Timed out waiting 2000ms for recv operation" after 2.0 s; a peer that dies ->
+RuntimeError "Connection closed by peer ... typically caused by a remote worker crashing" as soon as
+its process exits. On NCCL a timed-out collective makes the watchdog abort the process. Under
+torchrun the elastic agent also stops the surviving workers once one exits with an error. The last
+complete checkpoint is never touched (engine/checkpoint.py commits by rename). A rank that waits
+long in `all_reduce` says so through the process's `Watchdog` (engine/watchdog.py, `set_watchdog`).
 
-Multi-node: start the same command on every node with torchrun's rendezvous flags, one process per GPU,
-e.g. 2 nodes of 8 GPUs with the c10d rendezvous (ranks assigned on arrival):
+Multi-node: start the same command on every node with torchrun's rendezvous flags, one process per
+GPU, e.g. 2 nodes of 8 GPUs with the c10d rendezvous (ranks assigned on arrival):
 
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HEAD_NODE:29500 \
              --rdzv_id=$JOB_ID prorl/train.py ...
 
-or with static ranks: `--nnodes=2 --node_rank=$NODE_RANK --master_addr=$HEAD_NODE --master_port=29500`.
-torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, which `init_distributed`
-reads. Checkpoint directories must be on a filesystem every node sees (each rank writes its shards).
+or with static ranks: `--nnodes=2 --node_rank=$NODE_RANK --master_addr=$HEAD_NODE
+--master_port=29500`. torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, which
+`init_distributed` reads. Checkpoint directories must be on a filesystem every node sees (each rank
+writes its shards).
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def _default_device(local_rank: int) -> torch.device:
 
 
 def dist_info() -> DistInfo:
-    """The current process's `DistInfo` (from the process group if one exists; never creates one)."""
+    """The current process's `DistInfo` (from the process group if one exists; never creates
+    one)."""
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if not dist.is_initialized():
         return DistInfo(0, 1, 0, _default_device(0), None)
@@ -81,21 +83,23 @@ def dist_info() -> DistInfo:
 
 
 def process_group_backend(cuda: bool, cpu_offload: bool = False) -> str:
-    """gloo on the CPU; NCCL on GPUs, with gloo beside it for CPU tensors when FSDP offloads parameters
-    and gradients to host memory (the gradient norm's all-reduce then runs on CPU tensors, which NCCL
-    cannot reduce; torchtitan does the same)."""
+    """gloo on the CPU; NCCL on GPUs, with gloo beside it for CPU tensors when FSDP offloads
+    parameters and gradients to host memory (the gradient norm's all-reduce then runs on CPU
+    tensors, which NCCL cannot reduce; torchtitan does the same)."""
     if not cuda:
         return "gloo"
     return "cuda:nccl,cpu:gloo" if cpu_offload else "nccl"
 
 
-def init_distributed(*, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None) -> DistInfo:
+def init_distributed(
+    *, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | None = None
+) -> DistInfo:
     """Create the default process group from torchrun's environment; one process per device.
 
     Args:
         timeout_s: collective timeout: a collective that a peer never joins raises after this long.
-        backend: "gloo" | "nccl" | "cuda:nccl,cpu:gloo" | None (NCCL when CUDA is available, else gloo;
-            see `process_group_backend`).
+        backend: "gloo" | "nccl" | "cuda:nccl,cpu:gloo" | None (NCCL when CUDA is available, else
+            gloo; see `process_group_backend`).
     Returns:
         DistInfo. Not under torchrun (no RANK / WORLD_SIZE in the environment): single-process mode,
         no process group, device cuda:0 or cpu. A group created earlier by the caller is reused.
@@ -120,7 +124,9 @@ def init_distributed(*, timeout_s: float = DEFAULT_TIMEOUT_S, backend: str | Non
     )
     info = dist_info()
     if info.is_main:
-        logger.info("distributed: %s, world size %d, device %s", backend, info.world_size, info.device)
+        logger.info(
+            "distributed: %s, world size %d, device %s", backend, info.world_size, info.device
+        )
     return info
 
 
@@ -129,7 +135,7 @@ def destroy_distributed() -> None:
         dist.destroy_process_group()
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Collectives (single-process mode: identity)
 
 _OPS = {
@@ -154,12 +160,13 @@ def watchdog() -> Watchdog:
 
 
 def all_reduce(value: Any, op: str = "sum", group=None, *, what: str | None = None) -> Any:
-    """Reduce a float, a tensor or a dict of floats/scalar tensors over ranks; returns the same kind.
+    """Reduce a float, a tensor or a dict of floats/scalar tensors over ranks; returns the same
+    kind.
 
-    op: "sum" | "mean" | "max" | "min". A dict costs one collective (values stacked in fp64); dict values
-    come back as floats. Tensors come back as new tensors (the input is not modified). No process group:
-    the value itself (mean of one rank = the value). `what` names the collective in the watchdog's
-    message should this rank wait long in it.
+    op: "sum" | "mean" | "max" | "min". A dict costs one collective (values stacked in fp64); dict
+    values come back as floats. Tensors come back as new tensors (the input is not modified). No
+    process group: the value itself (mean of one rank = the value). `what` names the collective in
+    the watchdog's message should this rank wait long in it.
     """
     if op not in _OPS:
         raise ValueError(f"unknown op {op!r}; choose one of {sorted(_OPS)}")
@@ -169,7 +176,9 @@ def all_reduce(value: Any, op: str = "sum", group=None, *, what: str | None = No
         out = all_reduce(flat, op, group, what=what)
         return {k: float(v) for k, v in zip(keys, out.tolist())}
     if not isinstance(value, torch.Tensor):
-        return float(all_reduce(torch.tensor(float(value), dtype=torch.float64), op, group, what=what))
+        return float(
+            all_reduce(torch.tensor(float(value), dtype=torch.float64), op, group, what=what)
+        )
     if not dist.is_initialized():
         return value.clone()
     # NCCL reduces only CUDA tensors: host values travel through this rank's GPU

@@ -110,7 +110,9 @@ def resolve_recipe(backend: str, recipe: str = "auto") -> str:
     if backend not in BACKENDS:
         raise ValueError(f"unknown FP8 backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     if recipe not in RECIPES[backend]:
-        raise ValueError(f"FP8 recipe {recipe!r} is not one of {backend}'s: {', '.join(RECIPES[backend])}")
+        raise ValueError(
+            f"FP8 recipe {recipe!r} is not one of {backend}'s: {', '.join(RECIPES[backend])}"
+        )
     return DEFAULT_RECIPE[backend] if recipe == "auto" else recipe
 
 
@@ -118,7 +120,9 @@ def resolve_recipe(backend: str, recipe: str = "auto") -> str:
 # Transformer Engine availability
 
 
-def fp8_support(device: torch.device | int | None = None, recipe: str = "current") -> tuple[bool, str]:
+def fp8_support(
+    device: torch.device | int | None = None, recipe: str = "current"
+) -> tuple[bool, str]:
     """(available, reason) of Transformer Engine FP8: CUDA device of capability >= 9.0, TE
     importable, TE reports support for the recipe (MXFP8: `is_mxfp8_available`). `reason` lists what
     is missing."""
@@ -128,7 +132,9 @@ def fp8_support(device: torch.device | int | None = None, recipe: str = "current
     else:
         capability = torch.cuda.get_device_capability(device)
         if tuple(capability) < MIN_CAPABILITY:
-            reasons.append(f"GPU compute capability {capability[0]}.{capability[1]} < 9.0 (needs H100/H200)")
+            reasons.append(
+                f"GPU compute capability {capability[0]}.{capability[1]} < 9.0 (needs H100/H200)"
+            )
     try:
         te = _import_te()
     except ImportError as exc:
@@ -139,7 +145,8 @@ def fp8_support(device: torch.device | int | None = None, recipe: str = "current
         available, why = _te_available(getattr(te, check))
         if not available:
             reasons.append(
-                f"Transformer Engine reports no {'MXFP8' if recipe == 'mxfp8' else 'FP8'} support: {why}"
+                "Transformer Engine reports no "
+                f"{'MXFP8' if recipe == 'mxfp8' else 'FP8'} support: {why}"
             )
     return not reasons, "; ".join(reasons)
 
@@ -167,7 +174,9 @@ def make_te_recipe(recipe: str = "current", **kwargs) -> Any:
         return Float8CurrentScaling(**{"fp8_format": Format.HYBRID, **kwargs})
     if recipe == "mxfp8":
         return MXFP8BlockScaling(**kwargs)
-    raise ValueError(f"unknown Transformer Engine recipe {recipe!r}; choose delayed, current or mxfp8")
+    raise ValueError(
+        f"unknown Transformer Engine recipe {recipe!r}; choose delayed, current or mxfp8"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -274,7 +283,9 @@ class FP8Training:
                 parent_name, _, child = name.rpartition(".")
                 parent = model.get_submodule(parent_name)
                 setattr(parent, child, _te_linear(te, getattr(parent, child)))
-        logger.info("fp8: converted %d Linear layers (%s, %s)", len(names), self.backend, self.recipe)
+        logger.info(
+            "fp8: converted %d Linear layers (%s, %s)", len(names), self.backend, self.recipe
+        )
         return model
 
     def autocast(self):
@@ -287,7 +298,9 @@ class FP8Training:
 
         te = _import_te()
         group = dist.group.WORLD if dist.is_initialized() else None
-        return te.autocast(enabled=True, recipe=make_te_recipe(self.recipe), amax_reduction_group=group)
+        return te.autocast(
+            enabled=True, recipe=make_te_recipe(self.recipe), amax_reduction_group=group
+        )
 
     def after_optimizer_step(self, model: nn.Module) -> None:
         """torchao's FP8 all-gather: the weights' scales for the next all-gather, in one all-reduce
@@ -303,12 +316,16 @@ def _convert_torchao(model: nn.Module, names: list[str], spec: FP8Training) -> N
     float8 = _import_torchao_float8()
     config = float8.Float8LinearConfig.from_recipe_name(spec.recipe)
     config = dataclasses.replace(
-        config, emulate=bool(spec.emulate), enable_fsdp_float8_all_gather=spec.fsdp_float8_all_gather
+        config,
+        emulate=bool(spec.emulate),
+        enable_fsdp_float8_all_gather=spec.fsdp_float8_all_gather,
     )
     chosen = set(names)
     if spec.emulate is None:
         config = dataclasses.replace(config, emulate=_on_cpu(model))
-    float8.convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen)
+    float8.convert_to_float8_training(
+        model, config=config, module_filter_fn=lambda m, fqn: fqn in chosen
+    )
 
 
 def _on_cpu(model: nn.Module) -> bool:

@@ -99,7 +99,9 @@ class Optimizer:
         self.optimizer = torch.optim.AdamW(
             param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, cfg))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, cfg)
+        )
         self.skipped_total = 0
 
     @property
@@ -119,7 +121,9 @@ class Optimizer:
             self.optimizer.zero_grad(set_to_none=True)
             return StepResult(norm_value, lr, True, self.skipped_total)
         if self.cfg.max_grad_norm and self.cfg.max_grad_norm > 0:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.cfg.max_grad_norm, norm, foreach=True)
+            torch.nn.utils.clip_grads_with_norm_(
+                self.params, self.cfg.max_grad_norm, norm, foreach=True
+            )
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)

@@ -19,7 +19,11 @@ from .advantages import ADVANTAGE_MODES, WHITEN_WEIGHTINGS, batch_whiten, group_
 from .linear_logprob_entropy import linear_logprob_entropy
 from .linear_ppo_loss import linear_ppo_loss
 from .ppo_loss import ppo_loss
-from .reference import group_advantages_reference, linear_logprob_entropy_reference, ppo_loss_reference
+from .reference import (
+    group_advantages_reference,
+    linear_logprob_entropy_reference,
+    ppo_loss_reference,
+)
 
 __all__ = [
     "ADVANTAGE_MODES",

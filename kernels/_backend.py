@@ -70,7 +70,9 @@ def resolve(device: torch.device, requested: str | None = None) -> str:
     name = requested or os.environ.get("PRORL_KERNEL_BACKEND") or None
     if name is not None:
         if name not in BACKENDS:
-            raise ValueError(f"unknown kernel backend {name!r}; choose one of {', '.join(BACKENDS)}")
+            raise ValueError(
+                f"unknown kernel backend {name!r}; choose one of {', '.join(BACKENDS)}"
+            )
         if name == "native":
             if device.type != "cpu":
                 raise ValueError(f"the native backend runs on CPU tensors, got {device}")
@@ -82,12 +84,16 @@ def resolve(device: torch.device, requested: str | None = None) -> str:
                     "triton backend requested but triton is not installed (pip install triton)"
                 )
             if device.type == "cpu" and not interpreting():
-                raise RuntimeError("triton on CPU tensors needs TRITON_INTERPRET=1 set before import")
+                raise RuntimeError(
+                    "triton on CPU tensors needs TRITON_INTERPRET=1 set before import"
+                )
         return name
     if device.type == "cuda":
         if triton_available():
             return "triton"
-        _warn_once("triton is not installed: prorl's fused ops use the chunked torch backend on CUDA")
+        _warn_once(
+            "triton is not installed: prorl's fused ops use the chunked torch backend on CUDA"
+        )
         return "torch"
     if device.type == "cpu" and native_available():
         return "native"

@@ -121,7 +121,9 @@ def check_aggregation(agg, normalizer) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def flatten_inputs(logp, advantages, cu_seqlens, like_logp: dict, *, need_seq, row_advantages=False):
+def flatten_inputs(
+    logp, advantages, cu_seqlens, like_logp: dict, *, need_seq, row_advantages=False
+):
     """Check shapes and return the per-token inputs flattened to [N], plus the sequence layout.
 
     like_logp: {"old_logp", "mask", "ref_logp", "is_weights"}, each shaped like logp (None: absent).
@@ -131,7 +133,9 @@ def flatten_inputs(logp, advantages, cu_seqlens, like_logp: dict, *, need_seq, r
     if not logp.is_floating_point():
         raise TypeError(f"logp must be floating point, got {logp.dtype}")
     if logp.dim() not in (1, 2):
-        raise ValueError(f"logp must be [B, T] (padded) or [N] (packed), got shape {tuple(logp.shape)}")
+        raise ValueError(
+            f"logp must be [B, T] (padded) or [N] (packed), got shape {tuple(logp.shape)}"
+        )
     for name, t in like_logp.items():
         if t is None:
             continue
@@ -149,10 +153,16 @@ def flatten_inputs(logp, advantages, cu_seqlens, like_logp: dict, *, need_seq, r
     valid = mask.reshape(-1) if mask.dtype == torch.bool else mask.reshape(-1) != 0
     if logp.dim() == 2:
         if cu_seqlens is not None:
-            raise ValueError("cu_seqlens is for packed [N] inputs; padded [B, T] rows are the sequences")
-        adv, adv_row_len, seq, num_seqs = _padded_layout(logp.shape, advantages, need_seq, row_advantages)
+            raise ValueError(
+                "cu_seqlens is for packed [N] inputs; padded [B, T] rows are the sequences"
+            )
+        adv, adv_row_len, seq, num_seqs = _padded_layout(
+            logp.shape, advantages, need_seq, row_advantages
+        )
     else:
-        adv, seq, num_seqs, valid = _packed_layout(logp.numel(), advantages, cu_seqlens, need_seq, valid)
+        adv, seq, num_seqs, valid = _packed_layout(
+            logp.numel(), advantages, cu_seqlens, need_seq, valid
+        )
         adv_row_len = 0
     flat = lambda x: None if x is None else x.reshape(-1)
     return {
@@ -181,7 +191,9 @@ def _padded_layout(shape, advantages, need_seq: bool, row_advantages: bool):
     elif advantages.shape == (b, t):
         adv = advantages.reshape(-1)
     else:
-        raise ValueError(f"advantages {tuple(advantages.shape)} must be [B]={b} or [B, T]=({b}, {t})")
+        raise ValueError(
+            f"advantages {tuple(advantages.shape)} must be [B]={b} or [B, T]=({b}, {t})"
+        )
     seq = torch.arange(b, device=dev)[:, None].expand(b, t).reshape(-1) if need_seq else None
     return adv, adv_row_len, seq, b
 
@@ -249,7 +261,9 @@ def aggregation_weights(tok, agg, normalizer, cdt) -> Aggregation:
             denom = (per_seq > 0).sum()
     if normalizer is None and agg == "constant":
         if tok["padded_shape"] is None:
-            raise ValueError("agg='constant' on a packed batch needs a normalizer (e.g. S * max_len)")
+            raise ValueError(
+                "agg='constant' on a packed batch needs a normalizer (e.g. S * max_len)"
+            )
         denom = float(math.prod(tok["padded_shape"]))
     if torch.is_tensor(denom):
         denom = denom.to(device=tok["valid"].device, dtype=cdt)

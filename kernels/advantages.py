@@ -136,13 +136,23 @@ def _check_group_inputs(rewards, group_index, lengths, mode: str, weighting: str
     if mode not in ADVANTAGE_MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {', '.join(ADVANTAGE_MODES)}")
     if weighting not in WHITEN_WEIGHTINGS:
-        raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WHITEN_WEIGHTINGS)}")
+        raise ValueError(
+            f"unknown weighting {weighting!r}; choose one of {', '.join(WHITEN_WEIGHTINGS)}"
+        )
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be [B], got shape {tuple(rewards.shape)}")
-    if group_index.shape != rewards.shape or group_index.dtype.is_floating_point or group_index.is_complex():
-        raise ValueError(f"group_index must be an integer tensor of rewards' shape {tuple(rewards.shape)}")
+    if (
+        group_index.shape != rewards.shape
+        or group_index.dtype.is_floating_point
+        or group_index.is_complex()
+    ):
+        raise ValueError(
+            f"group_index must be an integer tensor of rewards' shape {tuple(rewards.shape)}"
+        )
     if lengths is not None and lengths.shape != rewards.shape:
-        raise ValueError(f"lengths {tuple(lengths.shape)} must have rewards' shape {tuple(rewards.shape)}")
+        raise ValueError(
+            f"lengths {tuple(lengths.shape)} must have rewards' shape {tuple(rewards.shape)}"
+        )
 
 
 def _warn_degenerate(singletons: int, invalid: int) -> None:
@@ -150,7 +160,9 @@ def _warn_degenerate(singletons: int, invalid: int) -> None:
     0)."""
     if singletons > 0:
         warnings.warn(
-            f"{singletons} group(s) of size 1: their centred reward is 0", RuntimeWarning, stacklevel=3
+            f"{singletons} group(s) of size 1: their centred reward is 0",
+            RuntimeWarning,
+            stacklevel=3,
         )
     if invalid > 0:
         warnings.warn(f"{invalid} non-finite reward(s): advantage 0", RuntimeWarning, stacklevel=3)
@@ -182,11 +194,15 @@ def batch_whiten(
         whitened values, values' shape and dtype (float32 for integer values), 0 where mask == 0.
     """
     if weighting not in WHITEN_WEIGHTINGS:
-        raise ValueError(f"unknown weighting {weighting!r}; choose one of {', '.join(WHITEN_WEIGHTINGS)}")
+        raise ValueError(
+            f"unknown weighting {weighting!r}; choose one of {', '.join(WHITEN_WEIGHTINGS)}"
+        )
     if mask.shape != values.shape:
         raise ValueError(f"mask {tuple(mask.shape)} must have values' shape {tuple(values.shape)}")
     out_dtype = values.dtype if values.is_floating_point() else torch.float32
-    out, _, _ = _whiten(values.to(torch.float64), mask.to(torch.float64), weighting, eps, process_group)
+    out, _, _ = _whiten(
+        values.to(torch.float64), mask.to(torch.float64), weighting, eps, process_group
+    )
     return out.to(out_dtype)
 
 

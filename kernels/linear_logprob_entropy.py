@@ -75,12 +75,15 @@ def linear_logprob_entropy(
         backward takes upstream gradients for both outputs.
     """
     if hidden.shape[-1] != weight.shape[-1]:
-        raise ValueError(f"hidden [..., {hidden.shape[-1]}] and weight [V, {weight.shape[-1]}] disagree on D")
+        raise ValueError(
+            f"hidden [..., {hidden.shape[-1]}] and weight [V, {weight.shape[-1]}] disagree on D"
+        )
     if weight.dim() != 2:
         raise ValueError(f"weight must be [V, D], got shape {tuple(weight.shape)}")
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(
-            f"labels {tuple(labels.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}"
+            f"labels {tuple(labels.shape)} must match "
+            f"hidden's leading dims {tuple(hidden.shape[:-1])}"
         )
     if hidden.dtype != weight.dtype:
         raise TypeError(f"hidden ({hidden.dtype}) and weight ({weight.dtype}) must share a dtype")
@@ -113,7 +116,9 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
         inv_t = 1.0 / temperature
         if backend == "native":
-            logp, ent, lse, ez = torch.ops.prorl.lle_forward(hidden, weight, safe_labels, inv_t, chunk_bytes)
+            logp, ent, lse, ez = torch.ops.prorl.lle_forward(
+                hidden, weight, safe_labels, inv_t, chunk_bytes
+            )
         else:
             logp, ent, lse, ez = _chunked_forward(
                 hidden, weight, safe_labels, inv_t, chunk_bytes, tile_ops(backend)
@@ -137,7 +142,17 @@ class _LinearLogprobEntropy(torch.autograd.Function):
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if ctx.backend == "native":
             gh, gw = torch.ops.prorl.lle_backward(
-                hidden, weight, labels, lse, ez, g_lp, g_ent, ctx.inv_t, ctx.chunk_bytes, need_h, need_w
+                hidden,
+                weight,
+                labels,
+                lse,
+                ez,
+                g_lp,
+                g_ent,
+                ctx.inv_t,
+                ctx.chunk_bytes,
+                need_h,
+                need_w,
             )
         else:
             plan = (ctx.inv_t, ctx.chunk_bytes, tile_ops(ctx.backend))
@@ -204,7 +219,12 @@ def _chunked_backward(hidden, weight, labels, row_stats, grads, plan, need):
     """dloss/dhidden and dloss/dweight, tile by tile. row_stats = (lse, ez) [N] from the forward;
     grads = (g_lp, g_ent) [N], already multiplied by 1/T and zeroed on ignored rows; plan = (inv_t,
     chunk_bytes, tile ops); need = (dhidden needed, dweight needed)."""
-    (lse, ez), (g_lp, g_ent), (inv_t, chunk_bytes, ops), (need_h, need_w) = row_stats, grads, plan, need
+    (lse, ez), (g_lp, g_ent), (inv_t, chunk_bytes, ops), (need_h, need_w) = (
+        row_stats,
+        grads,
+        plan,
+        need,
+    )
     n, v = hidden.shape[0], weight.shape[0]
     low_cuda = hidden.is_cuda and hidden.dtype != torch.float32
     h_all = hidden if low_cuda else hidden.float()
@@ -229,7 +249,9 @@ def _chunked_backward(hidden, weight, labels, row_stats, grads, plan, need):
             w = weight[c0:c1]
             x = mm_f32(h, w.t())
             # in place: x becomes dL/dx for this tile, [rows, cols] fp32
-            ops.tile_grad(x, labels[r0:r1], c0, inv_t, lse[r0:r1], ez[r0:r1], g_lp[r0:r1], g_ent[r0:r1])
+            ops.tile_grad(
+                x, labels[r0:r1], c0, inv_t, lse[r0:r1], ez[r0:r1], g_lp[r0:r1], g_ent[r0:r1]
+            )
             dx = x.to(hidden.dtype) if low_cuda else x
             if need_h:
                 gh[r0:r1] += mm_f32(dx, w if low_cuda else w.float())

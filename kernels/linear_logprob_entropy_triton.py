@@ -157,16 +157,24 @@ def _device_guard(x: torch.Tensor):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
-def _check_tile(x: torch.Tensor, labels: torch.Tensor, rows: tuple[torch.Tensor, ...], written: bool) -> None:
+def _check_tile(
+    x: torch.Tensor, labels: torch.Tensor, rows: tuple[torch.Tensor, ...], written: bool
+) -> None:
     if x.dim() != 2 or x.dtype != torch.float32:
-        raise ValueError(f"tile must be a 2-D float32 tensor, got {x.dtype} of shape {tuple(x.shape)}")
+        raise ValueError(
+            f"tile must be a 2-D float32 tensor, got {x.dtype} of shape {tuple(x.shape)}"
+        )
     if written and any(st <= 0 and n > 1 for st, n in zip(x.stride(), x.shape)):
         raise ValueError(f"tile written in place must not overlap itself, got strides {x.stride()}")
     if labels.shape != (x.shape[0],) or labels.dtype != torch.int64:
-        raise ValueError(f"labels must be int64 [{x.shape[0]}], got {labels.dtype} {tuple(labels.shape)}")
+        raise ValueError(
+            f"labels must be int64 [{x.shape[0]}], got {labels.dtype} {tuple(labels.shape)}"
+        )
     for t in rows:
         if t.shape != (x.shape[0],) or t.dtype != torch.float32:
-            raise ValueError(f"row statistics must be float32 [{x.shape[0]}], got {t.dtype} {tuple(t.shape)}")
+            raise ValueError(
+                f"row statistics must be float32 [{x.shape[0]}], got {t.dtype} {tuple(t.shape)}"
+            )
     if any(t.device != x.device for t in (labels, *rows)):
         raise ValueError("tile, labels and row statistics must be on one device")
 

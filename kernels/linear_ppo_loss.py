@@ -129,7 +129,9 @@ def linear_ppo_loss(
     if on_policy:
         old_logp = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
     if old_logp.shape != labels.shape:
-        raise ValueError(f"old_logp {tuple(old_logp.shape)} must have labels' shape {tuple(labels.shape)}")
+        raise ValueError(
+            f"old_logp {tuple(old_logp.shape)} must have labels' shape {tuple(labels.shape)}"
+        )
     y = labels.reshape(-1).long()
     keep = _kept_labels(y, ignore_index, weight.shape[0])
     like = {"old_logp": old_logp, "mask": mask, "ref_logp": ref_logp, "is_weights": is_weights}
@@ -142,7 +144,9 @@ def linear_ppo_loss(
     h = hidden.reshape(-1, hidden.shape[-1])
     name = _backend.resolve(h.device, backend)
     if chunk_bytes is None:
-        chunk_bytes = (1 << 30) if h.is_cuda else max(16 << 20, 4 * weight.shape[0] * _DEFAULT_CPU_ROWS)
+        chunk_bytes = (
+            (1 << 30) if h.is_cuda else max(16 << 20, 4 * weight.shape[0] * _DEFAULT_CPU_ROWS)
+        )
     safe_y = torch.where(keep, y, torch.zeros_like(y))
     settings = (float(entropy_coef), 1.0 / float(temperature), name, int(chunk_bytes), on_policy)
     loss, stats, ent, tok_logp, tok_ent = _LinearPPOLoss.apply(
@@ -160,15 +164,22 @@ def _check_head(hidden, weight, labels, temperature) -> None:
     """hidden [..., D], weight [V, D] of one fp32/bf16/fp16 dtype, labels [...], temperature > 0."""
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(
-            f"need hidden [..., D] and weight [V, D], got {tuple(hidden.shape)}, {tuple(weight.shape)}"
+            "need hidden [..., D] and weight [V, D], got "
+            f"{tuple(hidden.shape)}, {tuple(weight.shape)}"
         )
     if hidden.shape[:-1] != labels.shape:
         raise ValueError(
-            f"labels {tuple(labels.shape)} must match hidden's leading dims {tuple(hidden.shape[:-1])}"
+            f"labels {tuple(labels.shape)} must match "
+            f"hidden's leading dims {tuple(hidden.shape[:-1])}"
         )
-    if hidden.dtype != weight.dtype or hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+    if hidden.dtype != weight.dtype or hidden.dtype not in (
+        torch.float32,
+        torch.bfloat16,
+        torch.float16,
+    ):
         raise TypeError(
-            f"hidden and weight must share a dtype among fp32/bf16/fp16, got {hidden.dtype}, {weight.dtype}"
+            "hidden and weight must share a dtype among "
+            f"fp32/bf16/fp16, got {hidden.dtype}, {weight.dtype}"
         )
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -179,7 +190,9 @@ def _kept_labels(y, ignore_index: int, vocab: int):
     keep = y != ignore_index
     if y.device.type == "cpu" and bool(keep.any()):  # cheap here; on CUDA it would be a host sync
         if y[keep].min() < 0 or y[keep].max() >= vocab:
-            raise IndexError(f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}")
+            raise IndexError(
+                f"labels must lie in [0, {vocab}) or equal ignore_index={ignore_index}"
+            )
     return keep
 
 
@@ -198,14 +211,24 @@ class _LinearPPOLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_loss, *_):
         if ctx.consumed:
-            raise RuntimeError("linear_ppo_loss: backward runs once (its gradients are scaled in place)")
+            raise RuntimeError(
+                "linear_ppo_loss: backward runs once (its gradients are scaled in place)"
+            )
         ctx.consumed = True
         gh, gw = ctx.saved_tensors
         # computed in the forward: scale by the upstream gradient (skip 1.0 where checking is free)
         if not (g_loss.device.type == "cpu" and float(g_loss) == 1.0):
             gh = gh.mul_(g_loss.to(gh.dtype)) if ctx.need[0] else gh
             gw = gw.mul_(g_loss.to(gw.dtype)) if ctx.need[1] else gw
-        return (gh if ctx.need[0] else None), (gw if ctx.need[1] else None), None, None, None, None, None
+        return (
+            (gh if ctx.need[0] else None),
+            (gw if ctx.need[1] else None),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _mm_into(out, a, b):
@@ -259,7 +282,9 @@ class _FusedRun:
         self.stats = torch.zeros(len(STATS), **f32)
         self.ent = torch.zeros(2, **f32)  # sum_t s_t H_t, sum over valid tokens of H_t
         self.tok_logp, self.tok_ent = torch.empty(n, **f32), torch.empty(n, **f32)
-        self.gh = torch.empty(n, d, dtype=hidden.dtype, device=hidden.device) if self.need_h else None
+        self.gh = (
+            torch.empty(n, d, dtype=hidden.dtype, device=hidden.device) if self.need_h else None
+        )
         # fp32 dW: the first row block's GEMM writes it (beta = 0) and the others add to it, so it
         # is never zero-filled (a [V, D] fill is ~3% of the op at D = 896); low-precision CUDA
         # accumulates.
@@ -280,7 +305,9 @@ class _FusedRun:
         _mm_into(x, self.h_all[r0:r1], self.w_all.t())
         m = torch.full((nr,), -3.0e38, **f32)
         s, b, zy = torch.zeros(nr, **f32), torch.zeros(nr, **f32), torch.zeros(nr, **f32)
-        self.ops.update_stats(x.clone() if self.copy_before_stats else x, y, 0, self.inv_t, m, s, b, zy)
+        self.ops.update_stats(
+            x.clone() if self.copy_before_stats else x, y, 0, self.inv_t, m, s, b, zy
+        )
         log_s = torch.log(s)
         lse, ez = m + log_s, m + b / s
         logp, entropy = zy - lse, log_s - b / s
@@ -292,14 +319,19 @@ class _FusedRun:
         returns dloss/dlogp [R] and the entropy's aggregation weights (None without
         entropy_coef)."""
         logp, entropy = per_token
-        part = {k: (t[r0:r1] if torch.is_tensor(t) and k != "padded_shape" else t) for k, t in tok.items()}
+        part = {
+            k: (t[r0:r1] if torch.is_tensor(t) and k != "padded_shape" else t)
+            for k, t in tok.items()
+        }
         if self.on_policy:
             part["old"] = logp
         part["padded_shape"] = None  # rows of the block are tokens; the aggregation weights are set
         weights = aggregation.weight[r0:r1] if aggregation.weight is not None else None
         block_agg = Aggregation(weights, aggregation.denom)
         forward = FORWARDS[self.backend]
-        block_loss, block_stats, g_lp, g_scale = forward(logp, part, block_agg, opts, self.need_grad)
+        block_loss, block_stats, g_lp, g_scale = forward(
+            logp, part, block_agg, opts, self.need_grad
+        )
         if g_scale is not None:  # not reached: the denominator is always resolved above
             g_lp = g_lp * g_scale
         coef = self.entropy_coef
@@ -319,7 +351,9 @@ class _FusedRun:
         """dL/dZ in the workspace, then the block's dH rows and its share of dW."""
         x, y, lse, ez = block
         inv_t = self.inv_t
-        g_ent = (-self.entropy_coef * inv_t) * scale if scale is not None else torch.zeros_like(g_lp)
+        g_ent = (
+            (-self.entropy_coef * inv_t) * scale if scale is not None else torch.zeros_like(g_lp)
+        )
         g = (g_lp * inv_t).contiguous()
         self.ops.tile_grad(x, y, 0, inv_t, lse, ez, g, g_ent.contiguous())  # x <- dL/dx
         dx = x.to(self.hidden_dtype) if self.low_cuda else x  # [R, V]

@@ -184,7 +184,9 @@ def ppo_loss(
     like = {"old_logp": old_logp, "mask": mask, "ref_logp": ref_logp, "is_weights": is_weights}
     # triton reads a padded batch's [B] advantages in place: row_advantages
     seq = agg.startswith("seq-")
-    tok = flatten_inputs(logp, advantages, cu_seqlens, like, need_seq=seq, row_advantages=name == "triton")
+    tok = flatten_inputs(
+        logp, advantages, cu_seqlens, like, need_seq=seq, row_advantages=name == "triton"
+    )
     cdt = torch.float64 if logp.dtype == torch.float64 else torch.float32
     aggregation = aggregation_weights(tok, agg, normalizer, cdt)
     loss, stats = _PPOLoss.apply(logp, tok, aggregation, opts, name)
@@ -288,7 +290,9 @@ def _clipped_terms(lp, old, adv, valid, opts) -> dict:
         dual = valid & capped
     else:
         dual = torch.zeros_like(valid)
-    return dict(pg=pg, live=live, ratio=ratio, clip_low=clip_low, clip_high=clip_high, dual=dual, w=None)
+    return dict(
+        pg=pg, live=live, ratio=ratio, clip_low=clip_low, clip_high=clip_high, dual=dual, w=None
+    )
 
 
 def _torch_stats(t: dict, sums, inputs, zero):

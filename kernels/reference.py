@@ -26,7 +26,9 @@ def linear_logprob_entropy_reference(hidden, weight, labels, temperature=1.0, ig
     lp = logprobs.gather(1, torch.where(valid, y, 0)[:, None]).squeeze(1)
     ent = -(logprobs.exp() * logprobs).sum(-1)
     zero = torch.zeros((), dtype=torch.float64)
-    return torch.where(valid, lp, zero).view(labels.shape), torch.where(valid, ent, zero).view(labels.shape)
+    return torch.where(valid, lp, zero).view(labels.shape), torch.where(valid, ent, zero).view(
+        labels.shape
+    )
 
 
 def ppo_loss_reference(
@@ -72,7 +74,9 @@ def ppo_loss_reference(
     for j in range(len(bounds) - 1):
         a, b = bounds[j], bounds[j + 1]
         adv = advantages[j].expand(b - a) if per_seq_adv else advantages[a:b]
-        rows.append([None if x is None else x[a:b] for x in (logp, old_logp, mask, ref_logp, is_weights)])
+        rows.append(
+            [None if x is None else x[a:b] for x in (logp, old_logp, mask, ref_logp, is_weights)]
+        )
         rows[-1].insert(2, adv)
     lo, hi = 1 - eps_low, 1 + eps_high
     seq_pg, seq_kl, counts, tot = (
@@ -82,7 +86,14 @@ def ppo_loss_reference(
         {"low": 0.0, "high": 0.0, "dual": 0.0, "akl": 0.0, "kl": 0.0, "ratio": 0.0},
     )
     for lp, old, adv, m, ref, isw in rows:
-        lp, old, adv, ref, isw, m = f64(lp), f64(old), f64(adv), f64(ref), f64(isw), (m != 0).double()
+        lp, old, adv, ref, isw, m = (
+            f64(lp),
+            f64(old),
+            f64(adv),
+            f64(ref),
+            f64(isw),
+            (m != 0).double(),
+        )
         ratio = torch.exp(torch.clamp(lp - old, -RATIO_LOG_CLAMP, RATIO_LOG_CLAMP))
         pg = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, lo, hi))
         if dual_clip is not None:
@@ -134,7 +145,11 @@ def ppo_loss_reference(
         pg_l = pg_l + 0.0 * logp.double().sum()
     loss = pg_l + kl_coef * kl_l
     nn = max(n_tok, 1.0)
-    metrics = {"pg_loss": pg_l.detach(), "kl_loss": torch.as_tensor(kl_l).detach(), "num_tokens": n_tok}
+    metrics = {
+        "pg_loss": pg_l.detach(),
+        "kl_loss": torch.as_tensor(kl_l).detach(),
+        "num_tokens": n_tok,
+    }
     metrics.update(
         {
             f"{k}": tot[v] / nn
@@ -167,7 +182,9 @@ def group_advantages_reference(
     r = rewards.double().tolist()
     ids = group_index.tolist()
     lens = (
-        [1.0] * len(r) if lengths is None or weighting == "sequence" else [float(n) for n in lengths.tolist()]
+        [1.0] * len(r)
+        if lengths is None or weighting == "sequence"
+        else [float(n) for n in lengths.tolist()]
     )
     centred, adv = [0.0] * len(r), [0.0] * len(r)
     for g in set(ids):

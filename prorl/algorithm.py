@@ -29,18 +29,24 @@ import torch
 # --------------------------------------------------------------------------------------------------
 
 
-def stop_properly(rewards: torch.Tensor, truncated: torch.Tensor, c_stop: float = 0.0) -> torch.Tensor:
+def stop_properly(
+    rewards: torch.Tensor, truncated: torch.Tensor, c_stop: float = 0.0
+) -> torch.Tensor:
     """A response cut by the length limit gets R * c_stop (default 0) - never more than R itself, so
     that with a verifier whose wrong answers score below 0 (verl-style -1/+1) running out of length
     does not beat answering wrong. rewards [B], truncated [B] bool."""
     return torch.where(truncated, torch.minimum(rewards * c_stop, rewards), rewards)
 
 
-def cosine_length_eta(lengths: torch.Tensor, max_len: int, eta_min: float, eta_max: float) -> torch.Tensor:
+def cosine_length_eta(
+    lengths: torch.Tensor, max_len: int, eta_min: float, eta_max: float
+) -> torch.Tensor:
     """eta(t) = eta_min + 0.5 (eta_max - eta_min)(1 + cos(pi t / T)); t = response tokens, T =
     max_len."""
     t = lengths.to(torch.float64).clamp(0, max_len)
-    return (eta_min + 0.5 * (eta_max - eta_min) * (1.0 + torch.cos(math.pi * t / max_len))).to(torch.float32)
+    return (eta_min + 0.5 * (eta_max - eta_min) * (1.0 + torch.cos(math.pi * t / max_len))).to(
+        torch.float32
+    )
 
 
 def length_penalty_on(step: int, k_on: int, k_off: int) -> bool:
@@ -85,7 +91,9 @@ def cosine_length_shaping(
     return rewards + term, term
 
 
-def overlong_buffer_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float = 1.0):
+def overlong_buffer_penalty(
+    lengths: torch.Tensor, max_len: int, buffer_len: int, factor: float = 1.0
+):
     """DAPO's soft overlong punishment: 0 up to max_len - buffer_len, then linear down to
     -factor."""
     over = (lengths.to(torch.float32) - (max_len - buffer_len)).clamp(min=0)
@@ -97,7 +105,9 @@ def overlong_buffer_penalty(lengths: torch.Tensor, max_len: int, buffer_len: int
 # --------------------------------------------------------------------------------------------------
 
 
-def keep_groups(raw_rewards: torch.Tensor, group_index: torch.Tensor, num_groups: int | None = None):
+def keep_groups(
+    raw_rewards: torch.Tensor, group_index: torch.Tensor, num_groups: int | None = None
+):
     """The dynamic-sampling keep rule (GroupSampler.collect runs it): per group, True iff its RAW
     rewards are not all equal. Decided per group, never per sample.
 
@@ -110,13 +120,17 @@ def keep_groups(raw_rewards: torch.Tensor, group_index: torch.Tensor, num_groups
     return hi > lo
 
 
-def group_pass_counts(raw_rewards: torch.Tensor, group_index: torch.Tensor, num_groups: int) -> dict:
+def group_pass_counts(
+    raw_rewards: torch.Tensor, group_index: torch.Tensor, num_groups: int
+) -> dict:
     """The sums behind the pass-rate metrics (binary rewards: correct iff reward >= 1), by the
     StepAccumulator keys prorl/metrics.py turns into `dynamic_sampling/pass_rate`,
     `frac_all_correct` and `frac_all_wrong`: groups seen, all-correct and all-wrong groups, correct
     samples."""
     correct = (raw_rewards >= 1.0).to(torch.float64)
-    count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, torch.ones_like(correct))
+    count = torch.zeros(num_groups, dtype=torch.float64).index_add_(
+        0, group_index, torch.ones_like(correct)
+    )
     n_correct = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group_index, correct)
     return {
         "groups_seen": num_groups,
@@ -190,7 +204,11 @@ class ReferenceResetPolicy:
     def state_dict(self) -> dict:
         """What the decisions so far left behind; the settings come from this run's config (a resume
         may change them)."""
-        return {k: (list(v) if isinstance(v, list) else v) for k, v in vars(self).items() if k in self.STATE}
+        return {
+            k: (list(v) if isinstance(v, list) else v)
+            for k, v in vars(self).items()
+            if k in self.STATE
+        }
 
     def load_state_dict(self, state: dict) -> None:
         for k, v in state.items():
@@ -248,7 +266,9 @@ def token_budget_chunks(lengths: list[int], budget: int) -> list[tuple[int, int]
     return chunks
 
 
-def loss_normalizer(agg: str, mask: torch.Tensor, cu_seqlens: torch.Tensor, max_new: int) -> torch.Tensor:
+def loss_normalizer(
+    agg: str, mask: torch.Tensor, cu_seqlens: torch.Tensor, max_new: int
+) -> torch.Tensor:
     """This rank's share of the ppo_loss normaliser D of one mini-batch (sum it over ranks).
 
     token-mean: valid tokens; seq-mean-token-mean / seq-mean-token-sum: sequences with a valid
@@ -262,5 +282,7 @@ def loss_normalizer(agg: str, mask: torch.Tensor, cu_seqlens: torch.Tensor, max_
     if agg in ("seq-mean-token-mean", "seq-mean-token-sum"):
         return (per_seq > 0).sum().double()
     if agg == "constant":
-        return torch.tensor(float(per_seq.numel() * max_new), dtype=torch.float64, device=mask.device)
+        return torch.tensor(
+            float(per_seq.numel() * max_new), dtype=torch.float64, device=mask.device
+        )
     raise ValueError(f"unknown aggregation {agg!r}")

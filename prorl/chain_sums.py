@@ -60,7 +60,9 @@ class Family:
         """The seed string of a level's draws (chain_sums keeps its original ones)."""
         if kind == "val":
             return (
-                f"{SPLIT_SEED}:{terms}" if self.name == "chain_sums" else f"{SPLIT_SEED}:{self.name}:{terms}"
+                f"{SPLIT_SEED}:{terms}"
+                if self.name == "chain_sums"
+                else f"{SPLIT_SEED}:{self.name}:{terms}"
             )
         return f"{self.name}:{seed}:{terms}"
 
@@ -133,7 +135,12 @@ def example(terms: tuple[int, ...], split: str, family: Family = CHAIN_SUMS) -> 
         prompt=[{"role": "user", "content": "+".join(map(str, terms)) + "="}],
         data_source=f"math/{family.name}/{len(terms)}",
         ground_truth=str(sum(terms)),
-        extra={"split": split, "task": family.name, "terms": len(terms), "solution": solution(terms)},
+        extra={
+            "split": split,
+            "task": family.name,
+            "terms": len(terms),
+            "solution": solution(terms),
+        },
         ability="math",
     )
 
@@ -217,9 +224,15 @@ def error_table(model_dir: str, family: str = "long_sums", temperature: float = 
 
     tok, model = PreTrainedTokenizerFast.from_pretrained(model_dir), load_hf(model_dir)
     val = chain_sums(split="val", family=family)
-    params = SamplingParams(temperature=temperature, max_new_tokens=128, stop_token_ids=[tok.eos_token_id])
-    chats = [tok.apply_chat_template(e.prompt, add_generation_prompt=True, tokenize=False) for e in val]
-    out = NativeGenerator(model).generate([tok.encode(c, add_special_tokens=False) for c in chats], params)
+    params = SamplingParams(
+        temperature=temperature, max_new_tokens=128, stop_token_ids=[tok.eos_token_id]
+    )
+    chats = [
+        tok.apply_chat_template(e.prompt, add_generation_prompt=True, tokenize=False) for e in val
+    ]
+    out = NativeGenerator(model).generate(
+        [tok.encode(c, add_special_tokens=False) for c in chats], params
+    )
     table: dict[int, Counter] = {}
     for s in out.samples:
         terms = parse_terms(val[s.prompt_index].prompt[0]["content"])

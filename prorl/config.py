@@ -59,34 +59,45 @@ def _f(default: Any = MISSING, help: str = "", choices: tuple | None = None, **k
 
 @dataclass
 class ModelConfig:
-    path: str = _f(help="Hugging Face-format directory (config.json, *.safetensors, tokenizer); builtin:NAME")
+    path: str = _f(
+        help="Hugging Face-format directory (config.json, *.safetensors, tokenizer); builtin:NAME"
+    )
     dtype: str = _f(
-        "float32", "compute dtype (bf16: over fp32 master weights under FSDP)", ("float32", "bfloat16")
+        "float32",
+        "compute dtype (bf16: over fp32 master weights under FSDP)",
+        ("float32", "bfloat16"),
     )
     attention: str = _f("auto", "attention backend (auto: flash-attn for bf16 on CUDA, else SDPA)")
-    fsdp: bool = _f(False, "shard policy and reference with FSDP2 (under torchrun; one rank is enough)")
+    fsdp: bool = _f(
+        False, "shard policy and reference with FSDP2 (under torchrun; one rank is enough)"
+    )
     activation_checkpointing: bool = _f(False, "recompute each block's activations in backward")
     compile: bool = _f(False, "torch.compile each decoder block")
     cpu_offload: bool = _f(
         False, "FSDP2 CPUOffloadPolicy (needs CUDA; the process group pairs NCCL with gloo)"
     )
     dp_replicate: int = _f(
-        1, "HSDP: model copies, each FSDP2-sharded over world / dp_replicate ranks (the nodes; 1: one copy)"
+        1,
+        "HSDP: model copies, each FSDP2-sharded over "
+        "world / dp_replicate ranks (the nodes; 1: one copy)",
     )
     fp8: str = _f(
         "none",
-        "FP8 GEMMs in the decoder blocks of policy and reference (torchao: also on the CPU; te: Transformer "
+        "FP8 GEMMs in the decoder blocks of policy and "
+        "reference (torchao: also on the CPU; te: Transformer "
         "Engine on H100/H200); needs model.fsdp=true; the sampler stays bf16 (engine/fp8.py)",
         FP8_BACKENDS,
     )
     fp8_recipe: str = _f(
         "auto",
-        "FP8 scaling: torchao tensorwise|rowwise; te delayed|current|mxfp8 (auto: tensorwise / current)",
+        "FP8 scaling: torchao tensorwise|rowwise; te "
+        "delayed|current|mxfp8 (auto: tensorwise / current)",
         tuple(dict.fromkeys(r for rs in FP8_RECIPES.values() for r in rs)),
     )
     fp8_emulate: bool | str = _f(
         "auto",
-        "torchao: quantise as FP8 but multiply in high precision (auto: on the CPU only; false: the real "
+        "torchao: quantise as FP8 but multiply in high "
+        "precision (auto: on the CPU only; false: the real "
         "torch._scaled_mm everywhere, slow on the CPU but what a GPU runs)",
         ("auto", True, False),
     )
@@ -97,44 +108,65 @@ class DataConfig:
     train_files: list[str] = _f(
         list, "verl-schema parquet / JSONL files, 'path' or 'path:weight'; empty: builtin"
     )
-    val_files: list[str] = _f(list, "held-out files; empty: the builtin task's held-out split, or none")
+    val_files: list[str] = _f(
+        list, "held-out files; empty: the builtin task's held-out split, or none"
+    )
     builtin_task: str = _f("digit_sums", "generated task used when train_files is empty")
     train_size: int = _f(0, "builtin task size (0: the whole split or the generator's default)")
     val_size: int = _f(200, "builtin held-out size (0: the whole split)")
     prompt_key: str = _f("prompt", "the row field holding the prompt (chat messages or a string)")
-    max_prompt_tokens: int = _f(1024, "prompts longer than this are dropped and counted, never truncated")
-    max_row_bytes: int = _f(16 * 2**20, "a data row larger than this is an error, found before it is read")
+    max_prompt_tokens: int = _f(
+        1024, "prompts longer than this are dropped and counted, never truncated"
+    )
+    max_row_bytes: int = _f(
+        16 * 2**20, "a data row larger than this is an error, found before it is read"
+    )
     shuffle: bool = _f(True, "reshuffle the training prompts every epoch")
 
 
 @dataclass
 class RolloutConfig:
     backend: str = _f("auto", "sampler (auto: native on the CPU, vLLM on CUDA when installed)")
-    compile: bool = _f(False, "native sampler: torch.compile its decode step (~25 s once, then faster)")
+    compile: bool = _f(
+        False, "native sampler: torch.compile its decode step (~25 s once, then faster)"
+    )
     n: int = _f(16, "responses per prompt (a group)")
-    temperature: float = _f(1.0, "sampling temperature; the trainer divides logits by it too (0: greedy)")
+    temperature: float = _f(
+        1.0, "sampling temperature; the trainer divides logits by it too (0: greedy)"
+    )
     top_p: float = _f(1.0, "nucleus sampling")
     top_k: int = _f(-1, "top-k sampling (-1: off)")
     max_response_tokens: int = _f(8192, "response budget (recipe §1: 8192 in v2)")
-    max_response_schedule: dict[int, int] = _f(dict, "step -> response budget (a context-length schedule)")
+    max_response_schedule: dict[int, int] = _f(
+        dict, "step -> response budget (a context-length schedule)"
+    )
     gpu_memory_utilization: float | str = _f(
         "auto",
-        "vLLM: fraction of GPU memory for its weights and KV cache (auto: what the colocated trainer leaves, "
+        "vLLM: fraction of GPU memory for its weights and "
+        "KV cache (auto: what the colocated trainer leaves, "
         "at most 0.9; prorl/rollout_budget.py)",
     )
-    tensor_parallel_size: int = _f(1, "vLLM tensor parallelism (one process only; not under torchrun)")
+    tensor_parallel_size: int = _f(
+        1, "vLLM tensor parallelism (one process only; not under torchrun)"
+    )
     async_rl: AsyncConfig = _f(AsyncConfig)  # asynchronous RL (prorl/async_rl/)
 
 
 @dataclass
 class RewardConfig:
-    plugins: list[str] = _f(list, "modules that call prorl.rewards.register(...) (imported by every worker)")
+    plugins: list[str] = _f(
+        list, "modules that call prorl.rewards.register(...) (imported by every worker)"
+    )
     function: str = _f(
-        "", "verl's compute_score for every data source: 'path/to/file.py:name' (prorl/rewards/function.py)"
+        "",
+        "verl's compute_score for every data source: "
+        "'path/to/file.py:name' (prorl/rewards/function.py)",
     )
     num_workers: int = _f(2, "verifier processes")
     timeout_s: float = _f(10.0, "per-item verifier timeout (a timed-out item scores 0)")
-    c_stop: float = _f(0.0, "reward multiplier of responses cut at the length limit (stop-properly)")
+    c_stop: float = _f(
+        0.0, "reward multiplier of responses cut at the length limit (stop-properly)"
+    )
     length_penalty: bool = _f(True, "the scheduled cosine length term (recipe §5)")
     length_k_on: int = _f(100, "steps with the length term on ...")
     length_k_off: int = _f(500, "... then off, repeating")
@@ -143,15 +175,21 @@ class RewardConfig:
     length_eta_max: float = _f(0.0, "cosine term at length 0")
     wrong_eta_min: float | None = _f(None, "wrong answers' eta_min (None: as correct ones)")
     wrong_eta_max: float | None = _f(None, "wrong answers' eta_max (None: as correct ones)")
-    overlong_buffer_len: int = _f(0, "DAPO's overlong buffer: linear penalty over the last N tokens (0: off)")
+    overlong_buffer_len: int = _f(
+        0, "DAPO's overlong buffer: linear penalty over the last N tokens (0: off)"
+    )
     overlong_penalty: float = _f(1.0, "DAPO's overlong penalty at the budget")
 
 
 @dataclass
 class ResetConfig:
     interval: int = _f(300, "reset the reference every N completed steps (0: never on schedule)")
-    kl_spike_factor: float = _f(5.0, "... or when a step's KL exceeds this x the median of the window")
-    kl_floor: float = _f(1e-6, "... and that KL is at least this (no resets on spikes of noise at ~0)")
+    kl_spike_factor: float = _f(
+        5.0, "... or when a step's KL exceeds this x the median of the window"
+    )
+    kl_floor: float = _f(
+        1e-6, "... and that KL is at least this (no resets on spikes of noise at ~0)"
+    )
     window: int = _f(20, "steps in the KL median")
     patience: int = _f(0, "... or after this many validations without improvement (0: off)")
     reset_optimizer: bool = _f(False, "also reset AdamW's moments (ProRL v1); v2 keeps them")
@@ -177,7 +215,9 @@ class AlgorithmConfig:
     )
     is_low: float = _f(0.5, "icepop lower bound")
     is_high: float = _f(5.0, "tis / icepop upper bound")
-    dynamic_sampling: bool = _f(True, "drop groups whose raw rewards are all equal; refill (recipe §6)")
+    dynamic_sampling: bool = _f(
+        True, "drop groups whose raw rewards are all equal; refill (recipe §6)"
+    )
     oversample: float = _f(1.5, "refill rounds sample this x the shortfall")
     max_rounds: int = _f(10, "sampling rounds per step at most")
     reset: ResetConfig = _f(ResetConfig, "reference-policy resets (recipe §7)")
@@ -195,19 +235,29 @@ class OptimConfig(OptimizerConfig):
 @dataclass
 class TrainerConfig:
     total_steps: int = _f(3000, "RL steps")
-    prompts_per_step: int = _f(256, "prompts per step, all ranks together (a multiple of the world size)")
+    prompts_per_step: int = _f(
+        256, "prompts per step, all ranks together (a multiple of the world size)"
+    )
     mini_batches: int = _f(4, "optimizer updates per RL step")
     micro_batch_tokens: int = _f(
         16384, "tokens per forward/backward (a longer sequence goes alone; <=0: no limit)"
     )
-    recompute_old_logp: bool = _f(False, "first mini-batch: old_logp = logp.detach(); true recomputes it")
-    share_prompts: bool = _f(True, "each prompt through the model once per group (prorl/packing.py)")
-    save_every: int = _f(50, "checkpoint every N steps (0: none; the final HF export is always written)")
+    recompute_old_logp: bool = _f(
+        False, "first mini-batch: old_logp = logp.detach(); true recomputes it"
+    )
+    share_prompts: bool = _f(
+        True, "each prompt through the model once per group (prorl/packing.py)"
+    )
+    save_every: int = _f(
+        50, "checkpoint every N steps (0: none; the final HF export is always written)"
+    )
     keep_last: int = _f(2, "complete checkpoints kept")
     val_every: int = _f(25, "validate every N steps (0: never during training)")
     val_before_train: bool = _f(True, "validate once before the first step")
     val_temperature: float = _f(0.0, "validation sampling temperature (0: greedy)")
-    val_top_p: float = _f(0.95, "validation top-p, with val_temperature > 0 (the papers: T 0.6, top-p 0.95)")
+    val_top_p: float = _f(
+        0.95, "validation top-p, with val_temperature > 0 (the papers: T 0.6, top-p 0.95)"
+    )
     val_samples: int = _f(1, "samples per validation prompt")
     max_consecutive_skips: int = _f(
         5, "stop after this many skipped steps in a row (no group / non-finite grads)"
@@ -216,21 +266,32 @@ class TrainerConfig:
         False, "deterministic kernels and per-request seeds (bit-identical resume on CPU)"
     )
     collective_timeout_s: float = _f(0.0, "collective timeout (0: sized from this config)")
-    wait_warning_s: float = _f(300.0, "a rank waiting this long in one collective says so (0: never)")
+    wait_warning_s: float = _f(
+        300.0, "a rank waiting this long in one collective says so (0: never)"
+    )
 
 
 @dataclass
 class SchedulerConfig:
-    mode: str = _f("none", "prompt scheduling before generation (prorl/prompt_schedule.py)", SCHEDULER_MODES)
+    mode: str = _f(
+        "none", "prompt scheduling before generation (prorl/prompt_schedule.py)", SCHEDULER_MODES
+    )
     prior_strength: float = _f(
         2.0, "pseudo-trials of a prompt's Beta prior, whose mean is the population's pass rate"
     )
-    discount: float = _f(0.95, "evidence kept per step since a prompt's last update (the policy moves)")
-    reprobe_epochs: float = _f(2.0, "a prompt not probed for this many epochs is probed again first")
-    min_yield: float = _f(
-        0.1, "a refill round runs only if its prompts' expected fraction of mixed groups reaches this"
+    discount: float = _f(
+        0.95, "evidence kept per step since a prompt's last update (the policy moves)"
     )
-    solved_threshold: float = _f(1.0, "exclude-solved: a group's mean reward at which its prompt leaves")
+    reprobe_epochs: float = _f(
+        2.0, "a prompt not probed for this many epochs is probed again first"
+    )
+    min_yield: float = _f(
+        0.1,
+        "a refill round runs only if its prompts' expected fraction of mixed groups reaches this",
+    )
+    solved_threshold: float = _f(
+        1.0, "exclude-solved: a group's mean reward at which its prompt leaves"
+    )
 
 
 @dataclass
@@ -293,7 +354,10 @@ OPTIM_HELP = {
 def fields(cls=Config, prefix: str = ""):
     """(dotted key, dataclass field) of every leaf setting, in declaration order."""
     for f in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None) or f.name in _SECTIONS:
+        if (
+            dataclasses.is_dataclass(f.type if isinstance(f.type, type) else None)
+            or f.name in _SECTIONS
+        ):
             yield from fields(_SECTIONS.get(f.name) or f.type, f"{prefix}{f.name}.")
         else:
             yield f"{prefix}{f.name}", f
@@ -329,7 +393,9 @@ def preset_path(name: str) -> str:
     path = name if name.endswith((".yaml", ".yml")) else os.path.join(PRESET_DIR, f"{name}.yaml")
     if not os.path.isfile(path):
         known = sorted(f[:-5] for f in os.listdir(PRESET_DIR) if f.endswith(".yaml"))
-        raise ConfigError(f"config {name!r} not found; presets: {', '.join(known)}, or a path to a YAML file")
+        raise ConfigError(
+            f"config {name!r} not found; presets: {', '.join(known)}, or a path to a YAML file"
+        )
     return path
 
 
@@ -404,7 +470,11 @@ def _explain(exc: OmegaConfBaseException) -> str:
         if key in RENAMED:
             return f"config key {key!r} is now {RENAMED[key]!r}"
         near = difflib.get_close_matches(str(key), [k for k, _ in fields()], n=1, cutoff=0.6)
-        return f"unknown config key {key!r}" + (f" (did you mean {near[0]!r}?)" if near else "") + f": {msg}"
+        return (
+            f"unknown config key {key!r}"
+            + (f" (did you mean {near[0]!r}?)" if near else "")
+            + f": {msg}"
+        )
     if "missing mandatory value" in msg.lower():
         return f"{key} is required (set it in the config file or as {key}=...)"
     return f"bad config value for {key!r}: {msg}" if key else msg
@@ -434,17 +504,20 @@ def _check_model(m: ModelConfig) -> None:
     """The model section's combinations: the FP8 recipe of the FP8 backend, what needs FSDP."""
     if m.fp8_recipe not in FP8_RECIPES[m.fp8]:
         raise ConfigError(
-            f"model.fp8_recipe={m.fp8_recipe!r} is not a recipe of model.fp8={m.fp8!r}: choose one of "
+            f"model.fp8_recipe={m.fp8_recipe!r} is not a "
+            f"recipe of model.fp8={m.fp8!r}: choose one of "
             f"{', '.join(FP8_RECIPES[m.fp8])}"
         )
     if m.dp_replicate < 1 or (m.dp_replicate > 1 and not m.fsdp):
         raise ConfigError(
-            f"model.dp_replicate={m.dp_replicate}: must be >= 1, and above 1 needs model.fsdp=true (HSDP: "
+            f"model.dp_replicate={m.dp_replicate}: must be "
+            ">= 1, and above 1 needs model.fsdp=true (HSDP: "
             "FSDP2 within each of dp_replicate groups of ranks, replicated across them)"
         )
     if m.fp8 != "none" and not m.fsdp:
         raise ConfigError(
-            f"model.fp8={m.fp8} needs model.fsdp=true (under torchrun; one process is enough): FP8 layers "
+            f"model.fp8={m.fp8} needs model.fsdp=true "
+            "(under torchrun; one process is enough): FP8 layers "
             "train over fp32 master weights, and the sampler gets an unconverted bf16 copy"
         )
 
@@ -474,9 +547,12 @@ def reference_markdown() -> str:
     docs/config.md`)."""
     head = (
         "# Configuration reference\n\n"
-        "Generated from the dataclasses in prorl/config.py by `python -m prorl.config > docs/config.md` "
-        "(a test checks it is current). Set a key in a YAML file given with `--config FILE` or on the "
-        "command line as `key=value`; the defaults below are the ProRL v2 recipe's (docs/recipe.md). "
+        "Generated from the dataclasses in "
+        "prorl/config.py by `python -m prorl.config > docs/config.md` "
+        "(a test checks it is current). Set a key in a "
+        "YAML file given with `--config FILE` or on the "
+        "command line as `key=value`; the defaults "
+        "below are the ProRL v2 recipe's (docs/recipe.md). "
         "Presets: `default` (the embedded default, for the no-argument run) and `prorl_v2_1.5b` "
         "(prorl/configs/).\n\n"
     )

@@ -48,7 +48,8 @@ def read_yaml(path: str) -> DictConfig:
         )
     if not isinstance(cfg, DictConfig):
         raise ValueError(
-            f"config file {path} must be a mapping of sections (model:, data:, trainer:, ...), got a "
+            f"config file {path} must be a mapping of "
+            "sections (model:, data:, trainer:, ...), got a "
             f"{type(OmegaConf.to_container(cfg)).__name__}"
         )
     return cfg
@@ -70,7 +71,9 @@ def repeated_overrides(overrides: list[str]) -> str | None:
     twice = {k: v for k, v in seen.items() if len(set(v)) > 1}
     if not twice:
         return None
-    shown = "; ".join(f"{k} = {' then '.join(map(repr, v))} ({v[-1]!r} is used)" for k, v in twice.items())
+    shown = "; ".join(
+        f"{k} = {' then '.join(map(repr, v))} ({v[-1]!r} is used)" for k, v in twice.items()
+    )
     return f"config keys given more than once on the command line, the last wins: {shown}"
 
 

@@ -81,7 +81,9 @@ def _bad(where: str, field_name: str, problem: str) -> DataError:
     return DataError(f"{where}: field '{field_name}' {problem}")
 
 
-def _parse_row(row: Any, where: str, check_data_source: bool, prompt_key: str = "prompt") -> Example:
+def _parse_row(
+    row: Any, where: str, check_data_source: bool, prompt_key: str = "prompt"
+) -> Example:
     """One row as an Example; DataError naming `where` (file and row) and the field when it is
     bad."""
     if not isinstance(row, dict):
@@ -134,7 +136,9 @@ def _prompt(row: dict, where: str, prompt_key: str) -> list[dict[str, str]]:
         if not (typed and isinstance(msg.get("content"), str)):
             raise _bad(where, name, f"must be {{'role': str, 'content': str}}, got {msg!r:.200}")
         if msg["role"] not in ROLES:
-            problem = f"is {msg['role']!r:.60}, not one of {', '.join(ROLES)} (what chat templates know)"
+            problem = (
+                f"is {msg['role']!r:.60}, not one of {', '.join(ROLES)} (what chat templates know)"
+            )
             raise _bad(where, f"{name}.role", problem)
     prompt = [{"role": m["role"], "content": m["content"]} for m in prompt]
     if not any(m["content"].strip() for m in prompt):
@@ -155,10 +159,14 @@ def _ground_truth(row: dict, where: str, verifier: str | None) -> Any:
     truth = reward_model.get("ground_truth")
     if truth is None:
         raise _bad(where, truth_key, "is missing")
-    if (isinstance(truth, str) and not truth.strip()) or (isinstance(truth, (list, dict)) and not truth):
+    if (isinstance(truth, str) and not truth.strip()) or (
+        isinstance(truth, (list, dict)) and not truth
+    ):
         raise _bad(where, truth_key, "is empty: no response can match it")
     if _non_finite(truth):
-        raise _bad(where, truth_key, f"is {truth!r:.60}: not a finite number, so no answer can equal it")
+        raise _bad(
+            where, truth_key, f"is {truth!r:.60}: not a finite number, so no answer can equal it"
+        )
     scalar = (str, int, float)
     scalars = isinstance(truth, list) and all(isinstance(t, scalar) for t in truth)
     if verifier == "math" and not (isinstance(truth, scalar) or scalars):
@@ -252,7 +260,9 @@ def _shuffled_passes(items: list, n: int, rng: random.Random) -> list:
     return picked
 
 
-def mix(sources: list[tuple[list[Example], float]], n: int | None = None, seed: int = 0) -> list[Example]:
+def mix(
+    sources: list[tuple[list[Example], float]], n: int | None = None, seed: int = 0
+) -> list[Example]:
     """A shuffled mixture of `n` examples (default: the sources' total size) in which source i holds
     the share weight_i / sum(weights), apportioned by largest remainder (ties to the earlier
     source).
@@ -304,7 +314,8 @@ def load_mixture(
     unweighted = [s for s, (_, w) in zip(specs, parsed) if w is None]
     if unweighted and len(unweighted) < len(specs):
         raise DataError(
-            f"data files {unweighted} have no ':weight' while others do; give every file a weight or none"
+            f"data files {unweighted} have no ':weight' "
+            "while others do; give every file a weight or none"
         )
     loaded = [
         load_file(
@@ -349,7 +360,11 @@ def encode_prompts(
     )
     texts = [template(ex.prompt) for ex in examples]
     all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"]  # batched: one call into Rust
-    kept = [i for i, ids in enumerate(all_ids) if max_prompt_tokens is None or len(ids) <= max_prompt_tokens]
+    kept = [
+        i
+        for i, ids in enumerate(all_ids)
+        if max_prompt_tokens is None or len(ids) <= max_prompt_tokens
+    ]
     return [list(all_ids[i]) for i in kept], kept, len(examples) - len(kept)
 
 

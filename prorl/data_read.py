@@ -105,7 +105,9 @@ def _json_line(raw: bytes, where: str, last: bool):
     try:
         return loads(line)
     except _DuplicateKey as exc:
-        return DataError(f"{where}: key {exc.key!r} appears twice in one object (which one is meant?)")
+        return DataError(
+            f"{where}: key {exc.key!r} appears twice in one object (which one is meant?)"
+        )
     except json.JSONDecodeError as exc:
         cut = " - the last line has no newline at its end: a truncated file?" if last else ""
         return DataError(f"{where}: not valid JSON ({exc}){cut}")
@@ -161,4 +163,6 @@ def _parquet_rows(path: str, limit: int):
                 i += 1
     # not parquet (a CSV named .parquet), truncated, damaged
     except (pa.ArrowInvalid, OSError) as exc:
-        raise DataError(f"{path}: not a readable parquet file ({type(exc).__name__}: {exc})") from None
+        raise DataError(
+            f"{path}: not a readable parquet file ({type(exc).__name__}: {exc})"
+        ) from None

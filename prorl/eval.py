@@ -171,7 +171,10 @@ class _Progress:
 
 
 def evaluate(
-    examples: list[data.Example], inputs: EvalInputs, settings: EvalSettings | None = None, log=print
+    examples: list[data.Example],
+    inputs: EvalInputs,
+    settings: EvalSettings | None = None,
+    log=print,
 ) -> dict:
     """Generate `settings.k` samples per example, score them, and summarise (module docstring).
 
@@ -185,14 +188,17 @@ def evaluate(
     s = settings or EvalSettings()
     if s.backend != "native":
         raise NotImplementedError(
-            f"eval backend {s.backend!r} is not implemented yet; use backend='native' (prorl's own generator)"
+            f"eval backend {s.backend!r} is not implemented "
+            "yet; use backend='native' (prorl's own generator)"
         )
     if s.k < 1:
         raise ValueError(f"k must be >= 1, got {s.k}")
     log = log or (lambda *a, **kw: None)
     start = time.time()
     model, tokenizer = _load(inputs, s)
-    prompts = _encode(examples, model, tokenizer, s, getattr(inputs.generator, "schedules_batch", False))
+    prompts = _encode(
+        examples, model, tokenizer, s, getattr(inputs.generator, "schedules_batch", False)
+    )
     n_filtered = len(examples) - len(prompts.kept)
     log(
         f"eval: {len(prompts.kept)} prompts x {s.k} samples ({n_filtered} filtered: prompt > "
@@ -255,7 +261,9 @@ def _encode(examples, model, tokenizer, s: EvalSettings, engine_batches: bool) -
     longest = max((len(p) for p in prompts), default=0)
     max_new = min(s.max_tokens, context - longest)
     if prompts and max_new < 1:
-        raise ValueError(f"the longest prompt ({longest} tokens) fills the model's context ({context})")
+        raise ValueError(
+            f"the longest prompt ({longest} tokens) fills the model's context ({context})"
+        )
     if engine_batches:
         host = host_chunk_size(s.k, max_new, s.host_memory_gib)
         chunk = min(s.prompts_per_generate or len(prompts) or 1, host)
@@ -367,7 +375,9 @@ def _chunk_records(run: _Run, lo: int, samples) -> list[dict]:
 # -- the trainer's validation ----------------------------------------------------------------------
 
 
-def validate(cfg: Config, examples: list, model, tokenizer, pool, generator, log=None) -> dict[str, float]:
+def validate(
+    cfg: Config, examples: list, model, tokenizer, pool, generator, log=None
+) -> dict[str, float]:
     """The trainer's held-out evaluation: `evaluate` on this rank's share of `examples` with the
     trainer's sampler (`generator` over `model`; `trainer.val_samples` per prompt at
     `trainer.val_temperature` / `val_top_p`), the per-sample records gathered from every rank and
@@ -389,7 +399,9 @@ def validate(cfg: Config, examples: list, model, tokenizer, pool, generator, log
     )
     inputs = EvalInputs(model=model, tokenizer=tokenizer, pool=pool, generator=generator)
     results = evaluate([examples[i] for i in mine], inputs, settings, log=log)
-    fields = "data_source score correct timed_out errored finish_reason response_tokens extras".split()
+    fields = (
+        "data_source score correct timed_out errored finish_reason response_tokens extras".split()
+    )
     records = [{"index": mine[r["index"]], **{f: r[f] for f in fields}} for r in results["samples"]]
     if info.world_size > 1:
         gathered = [None] * info.world_size
@@ -412,30 +424,49 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m prorl.eval", description=__doc__.split("\n")[0], allow_abbrev=False
     )
     ap.add_argument(
-        "--model", required=True, help="Hugging Face-format model directory, or a training checkpoint step"
+        "--model",
+        required=True,
+        help="Hugging Face-format model directory, or a training checkpoint step",
     )
     ap.add_argument(
-        "--plugins", nargs="*", default=[], help="modules that register verifiers (as reward.plugins)"
+        "--plugins",
+        nargs="*",
+        default=[],
+        help="modules that register verifiers (as reward.plugins)",
     )
     ap.add_argument(
         "--reward-function",
         default="",
         help="verl's compute_score for every row: FILE.py[:NAME] (reward.function)",
     )
-    ap.add_argument("--data", nargs="+", default=[], help="benchmark files (verl parquet / JSONL / JSON)")
-    ap.add_argument("--builtin", default=None, help="a built-in task's validation split (digit_sums, ...)")
-    ap.add_argument("--limit", type=int, default=None, help="at most this many examples per file / task")
+    ap.add_argument(
+        "--data", nargs="+", default=[], help="benchmark files (verl parquet / JSONL / JSON)"
+    )
+    ap.add_argument(
+        "--builtin", default=None, help="a built-in task's validation split (digit_sums, ...)"
+    )
+    ap.add_argument(
+        "--limit", type=int, default=None, help="at most this many examples per file / task"
+    )
     ap.add_argument("--k", type=int, default=16, help="samples per prompt")
     ap.add_argument("--temperature", type=float, default=0.6)
     ap.add_argument("--top-p", type=float, default=0.95)
-    ap.add_argument("--max-tokens", type=int, default=32768, help="max response tokens (capped by context)")
-    ap.add_argument("--max-prompt-tokens", type=int, default=1024, help="longer prompts are filtered")
+    ap.add_argument(
+        "--max-tokens", type=int, default=32768, help="max response tokens (capped by context)"
+    )
+    ap.add_argument(
+        "--max-prompt-tokens", type=int, default=1024, help="longer prompts are filtered"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--backend", choices=BACKENDS, default="native")
     ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
-    ap.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV-cache budget per generate call")
-    ap.add_argument("--prompts-per-generate", type=int, default=64, help="most prompts per generate call")
+    ap.add_argument(
+        "--kv-cache-gib", type=float, default=2.0, help="KV-cache budget per generate call"
+    )
+    ap.add_argument(
+        "--prompts-per-generate", type=int, default=64, help="most prompts per generate call"
+    )
     ap.add_argument("--num-workers", type=int, default=2, help="reward worker processes")
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds per verification")
     ap.add_argument("--out", default=None, help="output directory (default runs/eval-<UTC time>)")
@@ -506,7 +537,10 @@ def main(argv: list[str] | None = None) -> int:
         exported = tempfile.TemporaryDirectory(prefix="prorl-eval-")
         model_dir = export_checkpoint(args.model, exported.name)
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        ap.error(f"--model {args.model!r} is neither a Hugging Face model directory nor a checkpoint step")
+        ap.error(
+            f"--model {args.model!r} is neither a "
+            "Hugging Face model directory nor a checkpoint step"
+        )
     examples = _examples(args, ap)
     if examples is None:
         return 2
@@ -515,15 +549,23 @@ def main(argv: list[str] | None = None) -> int:
     results = evaluate(examples, EvalInputs(model_path=model_dir), _settings(args))
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
     out_dir = args.out or os.path.join("runs", f"eval-{stamp}")
-    results["settings"]["data"] = list(args.data) + ([f"builtin:{args.builtin}"] if args.builtin else [])
+    results["settings"]["data"] = list(args.data) + (
+        [f"builtin:{args.builtin}"] if args.builtin else []
+    )
     results["settings"]["model"] = args.model
     paths = write_results(results, out_dir)
     if exported is not None:
         exported.cleanup()
     print(format_table(results))
     if results.get("interrupted"):
-        print(f"prorl.eval: stopped early: {results['n_evaluated']} of {len(examples)} prompts evaluated")
-    print(f"{results['generated_tokens']} tokens in {results['elapsed_s']:.1f} s; wrote {', '.join(paths)}")
+        print(
+            "prorl.eval: stopped early: "
+            f"{results['n_evaluated']} of {len(examples)} prompts evaluated"
+        )
+    print(
+        f"{results['generated_tokens']} tokens in "
+        f"{results['elapsed_s']:.1f} s; wrote {', '.join(paths)}"
+    )
     return 0
 
 

@@ -24,7 +24,9 @@ def format_table(results: dict) -> str:
     metrics = [f"pass@{j}" for j in pass_ks(k)] + ["mean_score"]
     rows = table_rows(results)
     width = max(len("data_source"), *(len(r["data_source"]) for r in rows))
-    head = f"{'data_source':<{width}} {'prompts':>7} {'filtered':>8} " + " ".join(f"{m:>10}" for m in metrics)
+    head = f"{'data_source':<{width}} {'prompts':>7} {'filtered':>8} " + " ".join(
+        f"{m:>10}" for m in metrics
+    )
     head += f" {'primary':>10} {'resp tok':>8} {'trunc %':>7} {'fail %':>6}"
     lines = [head, "-" * len(head)]
     for r in rows:

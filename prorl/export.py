@@ -28,7 +28,9 @@ from prorl.lifecycle import Fatal
 from prorl.model_dir import resolve_model_path
 
 
-def export_checkpoint(checkpoint: str, out: str, *, dtype: str | None = None, key: str = "model") -> str:
+def export_checkpoint(
+    checkpoint: str, out: str, *, dtype: str | None = None, key: str = "model"
+) -> str:
     """Write checkpoint `checkpoint`'s `key` model to `out` as a Hugging Face directory; returns
     `out`."""
     from transformers import PreTrainedTokenizerFast
@@ -62,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m prorl.export", description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint", help="a checkpoint directory: RUN_DIR/checkpoints/step_NNNNNNNN")
     ap.add_argument("out", help="the Hugging Face directory to write")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None, help="default: the run's")
+    ap.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default=None, help="default: the run's"
+    )
     ap.add_argument("--key", choices=("model", "reference"), default="model")
     args = ap.parse_args(argv)
     try:

@@ -59,7 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         failures = {rank: (f.exitcode, f.timestamp) for rank, f in exc.failures.items()}
         status = exit_status(failures)
         per_rank = ", ".join(f"rank {r}: {c}" for r, (c, _) in sorted(failures.items()))
-        print(f"prorl.launch: exit status {status} ({per_rank}; codes: prorl/lifecycle.py)", file=sys.stderr)
+        print(
+            f"prorl.launch: exit status {status} ({per_rank}; codes: prorl/lifecycle.py)",
+            file=sys.stderr,
+        )
         return status
     except SignalException as exc:
         print(f"prorl.launch: stopped by {exc.sigval.name}", file=sys.stderr)

@@ -26,7 +26,14 @@ import torch.distributed as dist
 from prorl.engine import distributed
 from prorl.engine.checkpoint import CheckpointError
 
-EXIT_CONFIG, EXIT_SELF_TEST, EXIT_RESUME, EXIT_OUTPUT_DIR, EXIT_STALLED, EXIT_PEER_LOST = 2, 3, 4, 5, 6, 7
+EXIT_CONFIG, EXIT_SELF_TEST, EXIT_RESUME, EXIT_OUTPUT_DIR, EXIT_STALLED, EXIT_PEER_LOST = (
+    2,
+    3,
+    4,
+    5,
+    6,
+    7,
+)
 EXIT_ROLLOUT_LOST = 8  # asynchronous RL: the rollout ranks stopped delivering (prorl/async_rl/)
 
 
@@ -48,7 +55,12 @@ def on_every_rank(code: int, fn, *args):
         result = fn(*args)
     except (OSError, CheckpointError) as exc:
         error = str(exc)
-    if distributed.all_reduce_max(1.0 if error else 0.0, what="the check that every rank succeeded") > 0:
+    if (
+        distributed.all_reduce_max(
+            1.0 if error else 0.0, what="the check that every rank succeeded"
+        )
+        > 0
+    ):
         raise Fatal(code, error or "")  # ranks that did not fail exit quietly
     return result
 
@@ -57,7 +69,8 @@ def peer_failure(exc: BaseException) -> bool:
     """Whether `exc` is a collective that timed out or lost a peer (gloo and NCCL word it so)."""
     text = str(exc).lower()
     return isinstance(exc, dist.DistError) or any(
-        s in text for s in ("timed out", "timeout", "connection closed by peer", "connection reset by peer")
+        s in text
+        for s in ("timed out", "timeout", "connection closed by peer", "connection reset by peer")
     )
 
 
@@ -103,7 +116,10 @@ class StopRequest:
         if self.reason is None and self.parent is not None and os.getppid() != self.parent:
             self.reason = "the loss of torchrun (its agent process died)"
         return (
-            distributed.all_reduce_max(1.0 if self.reason is not None else 0.0, what="the stop request") > 0
+            distributed.all_reduce_max(
+                1.0 if self.reason is not None else 0.0, what="the stop request"
+            )
+            > 0
         )
 
     @property

@@ -123,7 +123,9 @@ def _finite(x: float | None) -> float:
     return x if x is not None and math.isfinite(x) else 0.0
 
 
-def step_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, float]]) -> dict[str, float]:
+def step_metrics(
+    reduced: tuple[dict[str, float], dict[str, float], dict[str, float]],
+) -> dict[str, float]:
     """The step's metrics (docs/recipe.md §9) from the global sums and extrema the trainer
     registered."""
     s, mx, _ = reduced
@@ -205,7 +207,9 @@ def _update_metrics(r: _Reduced) -> dict[str, float]:
     }
 
 
-def async_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, float]]) -> dict[str, float]:
+def async_metrics(
+    reduced: tuple[dict[str, float], dict[str, float], dict[str, float]],
+) -> dict[str, float]:
     """An asynchronous run's own metrics (prorl/async_rl/remote.py registers the sums): staleness in
     updates (the step trained minus the policy version that sampled the group) over the step's
     groups; the groups of later steps already waiting for the trainers when they took this step's;
@@ -216,7 +220,8 @@ def async_metrics(reduced: tuple[dict[str, float], dict[str, float], dict[str, f
     s, mx, _ = reduced
     most = mx.get("async_staleness", 0.0)
     return {
-        "async/staleness/mean": s.get("async_staleness", 0.0) / max(s.get("async_groups", 0.0), 1.0),
+        "async/staleness/mean": s.get("async_staleness", 0.0)
+        / max(s.get("async_groups", 0.0), 1.0),
         "async/staleness/max": most if math.isfinite(most) else 0.0,
         "async/queue_groups": s.get("async_queue_groups", 0.0),
         "timing_s/wait_trainer": max(mx.get("async_wait_trainer", 0.0), 0.0),

@@ -133,7 +133,12 @@ def padded(batch: PackedBatch, multiple: int) -> PackedBatch:
         cu_k = torch.cat([ck, (ck[-1] + pad).view(1).to(ck.dtype)])
         kv_index = torch.cat([batch.kv_index, extra.to(batch.kv_index.dtype)])
     return dataclasses.replace(
-        batch, ids=ids, position_ids=position_ids, cu_seqlens=cu, cu_seqlens_k=cu_k, kv_index=kv_index
+        batch,
+        ids=ids,
+        position_ids=position_ids,
+        cu_seqlens=cu,
+        cu_seqlens_k=cu_k,
+        kv_index=kv_index,
     )
 
 
@@ -154,7 +159,9 @@ def hidden_states(model, batch: PackedBatch, pad_multiple: int = 1) -> torch.Ten
 
 def unit_tokens(prompt_length: int, response_lengths: list[int], share: bool) -> int:
     """Tokens one forward spends on a prompt and these of its responses."""
-    return (prompt_length if share else prompt_length * len(response_lengths)) + sum(response_lengths)
+    return (prompt_length if share else prompt_length * len(response_lengths)) + sum(
+        response_lengths
+    )
 
 
 def split_groups(
@@ -244,7 +251,11 @@ class StepBatch:
             groups=groups,
             n=n,
             rewards=torch.tensor(
-                [r for g in groups for r in (g.shaped if g.shaped is not None else [nan] * len(g.responses))],
+                [
+                    r
+                    for g in groups
+                    for r in (g.shaped if g.shaped is not None else [nan] * len(g.responses))
+                ],
                 dtype=torch.float32,
                 device=device,
             ),
@@ -311,13 +322,24 @@ def plan_passes(batch: StepBatch, g0: int, g1: int, *, budget: int, share: bool,
         lo, hi = batch.resp_cu[g_first * n + a_first], batch.resp_cu[g_last * n + b_last]
         passes.append(MicroBatch(pack(entries, share, batch.device), lo, hi))
     if lockstep:
-        most = int(all_reduce(torch.tensor(len(passes), device=batch.device), "max", what="the pass counts"))
+        most = int(
+            all_reduce(
+                torch.tensor(len(passes), device=batch.device), "max", what="the pass counts"
+            )
+        )
         passes += [None] * (most - len(passes))
     return passes
 
 
 def plan_update(
-    batch: StepBatch, *, mini_batches: int, budget: int, share: bool, agg: str, max_new: int, lockstep: bool
+    batch: StepBatch,
+    *,
+    mini_batches: int,
+    budget: int,
+    share: bool,
+    agg: str,
+    max_new: int,
+    lockstep: bool,
 ) -> list[MiniBatch]:
     """The update's M mini-batches (each rank's groups split in M consecutive runs, so mini-batch m
     is the m-th run of every rank), each with its passes and its global loss normaliser."""
@@ -327,10 +349,14 @@ def plan_update(
     for m in range(mini_batches):
         g0, g1 = min(m * per, len(groups)), min((m + 1) * per, len(groups))
         lo, hi = batch.resp_cu[g0 * n], batch.resp_cu[g1 * n]
-        local = loss_normalizer(agg, batch.tokens.mask[lo:hi], batch.cu[g0 * n : g1 * n + 1] - lo, max_new)
+        local = loss_normalizer(
+            agg, batch.tokens.mask[lo:hi], batch.cu[g0 * n : g1 * n + 1] - lo, max_new
+        )
         normalizer = all_reduce(local, what=f"mini-batch {m}'s loss normaliser").float()
         out.append(MiniBatch(normalizer, [], (g0, g1)))
         # else no response token in this mini-batch on any rank: nothing to do
         if float(normalizer) > 0:
-            out[-1].passes = plan_passes(batch, g0, g1, budget=budget, share=share, lockstep=lockstep)
+            out[-1].passes = plan_passes(
+                batch, g0, g1, budget=budget, share=share, lockstep=lockstep
+            )
     return out

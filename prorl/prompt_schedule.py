@@ -112,7 +112,10 @@ class PromptScheduler:
                 self.failures[prompt] = w * self.failures[prompt] + trials - successes
                 self.updated[prompt] = step
                 self.population += (successes, trials - successes)
-                if self.cfg.mode == "exclude-solved" and successes >= self.cfg.solved_threshold * trials:
+                if (
+                    self.cfg.mode == "exclude-solved"
+                    and successes >= self.cfg.solved_threshold * trials
+                ):
                     self.excluded[prompt] = True
         self.pending = []
 
@@ -127,7 +130,9 @@ class PromptScheduler:
         prompts."""
         rng = np.random.default_rng(np.random.SeedSequence([self.seed, step, round_, 7919]))
         want = k * world
-        free = np.array([i for i in range(self.size) if i not in self.taken and not self.excluded[i]])
+        free = np.array(
+            [i for i in range(self.size) if i not in self.taken and not self.excluded[i]]
+        )
         if free.size == 0:  # everything taken (tiny data) or excluded: fall back to every prompt
             free = np.arange(self.size)
         chosen: list[int] = []
@@ -145,7 +150,9 @@ class PromptScheduler:
         if len(chosen) < want and left.size:
             if self.cfg.mode == "pass-rate":  # the most likely to give a mixed group
                 alpha, beta = self.posterior(step)
-                left = left[np.argsort(-mixed_probability(alpha[left], beta[left], self.n), kind="stable")]
+                left = left[
+                    np.argsort(-mixed_probability(alpha[left], beta[left], self.n), kind="stable")
+                ]
             chosen += left[: want - len(chosen)].tolist()
         # fewer prompts than the round needs: repeat, as epochs of the data would
         while len(chosen) < want:
@@ -184,14 +191,18 @@ class PromptScheduler:
     def state_dict(self) -> dict:
         keys = ("successes", "failures", "updated", "probed", "excluded", "population")
         state = {k: getattr(self, k).tolist() for k in keys}
-        return state | {"population_updated": self.population_updated, "pending": list(self.pending)}
+        return state | {
+            "population_updated": self.population_updated,
+            "pending": list(self.pending),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if "alpha" in state:  # saved before the population prior: Beta(1, 1) + evidence
             state = _upgrade(state)
         if len(state["successes"]) != self.size:
             raise ValueError(
-                f"the scheduler's record holds {len(state['successes'])} prompts, this run {self.size}"
+                "the scheduler's record holds "
+                f"{len(state['successes'])} prompts, this run {self.size}"
             )
         for k, dtype in (("successes", float), ("failures", float), ("population", float)):
             setattr(self, k, np.array(state[k], dtype=dtype))

@@ -79,7 +79,8 @@ def start_wandb(cfg):
         import wandb
     except ImportError as exc:
         raise ImportError(
-            f"logging.wandb_project={cfg.logging.wandb_project!r} needs the wandb package: pip install wandb "
+            f"logging.wandb_project={cfg.logging.wandb_project!r} "
+            "needs the wandb package: pip install wandb "
             "(or unset logging.wandb_project)"
         ) from exc
 
@@ -111,7 +112,8 @@ class Reporter:
                 except ImportError:
                     self.tb = None
                     print(
-                        "prorl: warning: logging.tensorboard=true but tensorboard is not installed (pip "
+                        "prorl: warning: "
+                        "logging.tensorboard=true but tensorboard is not installed (pip "
                         "install tensorboard): metrics go to metrics.jsonl only",
                         flush=True,
                     )
@@ -159,7 +161,11 @@ class Reporter:
         self.val_history.append((step, metrics["val/accuracy"]))
         if self.rank == 0:
             self._write(
-                {"step": step, **metrics, **({"timing_s/testing": seconds} if seconds is not None else {})}
+                {
+                    "step": step,
+                    **metrics,
+                    **({"timing_s/testing": seconds} if seconds is not None else {}),
+                }
             )
 
     def _write(self, row: dict) -> None:
@@ -269,7 +275,9 @@ def summarize(run_dir: str) -> str:
         k = min(5, len(steps))
         first = sum(r["critic/score/mean"] for r in steps[:k]) / k
         final = sum(r["critic/score/mean"] for r in steps[-k:]) / k
-        lines.append(f"train reward {first:.3f} -> {final:.3f} (mean of the first / last {k} steps)")
+        lines.append(
+            f"train reward {first:.3f} -> {final:.3f} (mean of the first / last {k} steps)"
+        )
         resets = [(r["step"], r["ref/reset_reason"]) for r in steps if r.get("ref/reset_reason")]
         lines.append(
             f"reference resets: {len(resets)}"
@@ -304,13 +312,19 @@ def _generation_lines(steps: list[dict]) -> list[str]:
     lines = []
     if sampled:
         per_kept = (
-            f"{tokens / passed:.0f} generated response tokens per kept group" if passed else "none kept"
+            f"{tokens / passed:.0f} generated response tokens per kept group"
+            if passed
+            else "none kept"
         )
-        lines.append(f"generation: {passed / sampled:.1%} of {sampled:.0f} sampled groups kept; {per_kept}")
+        lines.append(
+            f"generation: {passed / sampled:.1%} of {sampled:.0f} sampled groups kept; {per_kept}"
+        )
     last = next((r for r in reversed(steps) if "scheduler/unseen" in r), None)
     if last is not None:
         states = ", ".join(
-            f"{k} {last[f'scheduler/{k}']:.0f}" for k in SCHEDULER_STATES if f"scheduler/{k}" in last
+            f"{k} {last[f'scheduler/{k}']:.0f}"
+            for k in SCHEDULER_STATES
+            if f"scheduler/{k}" in last
         )
         lines.append(f"prompts at step {last['step']}: {states}")
     return lines
@@ -345,21 +359,29 @@ def _draw_panel(ax, key: str, steps: list[dict], vals: list, control) -> None:
         present = [k for k in TIMING_KEYS if any(k in r for r in steps)]
         if present:
             ax.stackplot(
-                x, *[[r.get(k, 0.0) for r in steps] for k in present], labels=[k[9:] for k in present]
+                x,
+                *[[r.get(k, 0.0) for r in steps] for k in present],
+                labels=[k[9:] for k in present],
             )
-        ax.plot(x, [r.get("timing_s/step", float("nan")) for r in steps], "k-", lw=0.8, label="step")
+        ax.plot(
+            x, [r.get("timing_s/step", float("nan")) for r in steps], "k-", lw=0.8, label="step"
+        )
         # legend room
         ax.set_ylim(0, 1.4 * max([r.get("timing_s/step", 0.0) for r in steps] + [1e-3]))
         ax.legend(fontsize=7, loc="upper left", ncol=3)
     elif key == "scheduler":
         for state in SCHEDULER_STATES[:4]:
-            ax.plot(x, [r.get(f"scheduler/{state}", float("nan")) for r in steps], lw=1, label=state)
+            ax.plot(
+                x, [r.get(f"scheduler/{state}", float("nan")) for r in steps], lw=1, label=state
+            )
         ax.legend(fontsize=8)
     else:
         ax.plot(x, [r.get(key, float("nan")) for r in steps], lw=1)
 
 
-def plot_run(metrics_path: str, png_path: str, control: list[tuple[int, float]] | None = None) -> str:
+def plot_run(
+    metrics_path: str, png_path: str, control: list[tuple[int, float]] | None = None
+) -> str:
     """Reward, accuracy, entropy, KL, response length, truncation, pass rate, clip fractions, grad
     norm, time per phase, kept groups and (with the scheduler on) prompts by state against step;
     reference resets as dashed lines, steps with the cosine length penalty on shaded."""
@@ -410,14 +432,18 @@ def plot_run(metrics_path: str, png_path: str, control: list[tuple[int, float]] 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
-        prog="python -m prorl.report", description="Regenerate the curves PNG and the summary of a run"
+        prog="python -m prorl.report",
+        description="Regenerate the curves PNG and the summary of a run",
     )
     ap.add_argument("run_dir", help="a run directory (holds metrics.jsonl)")
     ap.add_argument("--png", default=None, help="output PNG (default RUN_DIR/training_curves.png)")
     args = ap.parse_args(argv)
     metrics = os.path.join(args.run_dir, "metrics.jsonl")
     if not os.path.isfile(metrics):
-        print(f"prorl.report: {args.run_dir} has no metrics.jsonl (not a run directory?)", file=sys.stderr)
+        print(
+            f"prorl.report: {args.run_dir} has no metrics.jsonl (not a run directory?)",
+            file=sys.stderr,
+        )
         return 2
     png = plot_run(metrics, args.png or os.path.join(args.run_dir, "training_curves.png"))
     summary = write_summary(args.run_dir)

@@ -95,9 +95,12 @@ def check_native(cfg, world: int, generator) -> str:
     if need > free:
         fit = max(int(prompts * free / need), 0)
         raise ConfigError(
-            f"rollout.backend=native: {line}, so it cannot be allocated. The native sampler holds a whole "
-            f"round at once: use rollout.backend=vllm (it schedules within its KV cache), or shrink the "
-            f"round - trainer.prompts_per_step (now {cfg.trainer.prompts_per_step} over {world} ranks; at "
+            f"rollout.backend=native: {line}, so it cannot "
+            "be allocated. The native sampler holds a whole "
+            "round at once: use rollout.backend=vllm (it "
+            "schedules within its KV cache), or shrink the "
+            "round - trainer.prompts_per_step (now "
+            f"{cfg.trainer.prompts_per_step} over {world} ranks; at "
             f"most {fit} prompts per rank per round fit), algorithm.oversample, rollout.n, "
             "rollout.max_response_tokens or data.max_prompt_tokens - or launch on more ranks"
         )
@@ -114,7 +117,8 @@ def vllm_report(cfg, world: int, generator) -> str:
     line = f"vLLM: the KV cache holds {capacity / 1e6:.2f}M tokens; {asks}"
     if capacity < sequences * seq_len:
         line += (
-            f": about {capacity // seq_len} sequences at full length run at once, the rest wait or are "
+            f": about {capacity // seq_len} sequences at "
+            "full length run at once, the rest wait or are "
             "preempted (rollout.gpu_memory_utilization sets the engine's share of the GPU)"
         )
     return line
@@ -149,7 +153,11 @@ def gpu_fraction(cfg, policy, backend: str) -> float:
     if backend != "vllm" or not torch.cuda.is_available():
         return 0.5 if value == "auto" else float(value)
     free, total = torch.cuda.mem_get_info()
-    local = (p.to_local() if hasattr(p, "to_local") else p for p in policy.parameters() if p.requires_grad)
+    local = (
+        p.to_local() if hasattr(p, "to_local") else p
+        for p in policy.parameters()
+        if p.requires_grad
+    )
     shard = sum(t.numel() * 4 for t in local)  # fp32 master weights (FSDP2: this rank's shards)
     # the tightest rank decides for all: the same fraction, or the same refusal, on every rank
     free = int(all_reduce_min(free, what="the free GPU memory for vLLM"))
@@ -161,15 +169,20 @@ def gpu_fraction(cfg, policy, backend: str) -> float:
     if value == "auto":
         if fits < 0.05:
             raise ConfigError(
-                f"rollout.gpu_memory_utilization=auto: no room for the vLLM engine beside the trainer "
-                f"({free / GiB:.1f} of {total / GiB:.1f} GiB free, {growth / GiB:.1f} GiB still to come for "
-                "gradients and AdamW): use more ranks (FSDP shards the trainer) or model.cpu_offload=true"
+                "rollout.gpu_memory_utilization=auto: no "
+                "room for the vLLM engine beside the trainer "
+                f"({free / GiB:.1f} of {total / GiB:.1f} GiB "
+                f"free, {growth / GiB:.1f} GiB still to come for "
+                "gradients and AdamW): use more ranks (FSDP "
+                "shards the trainer) or model.cpu_offload=true"
             )
         chosen = min(fits, MAX_AUTO_FRACTION)
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(
-                f"prorl: rollout: vLLM gets {chosen:.2f} of the GPU (rollout.gpu_memory_utilization=auto: "
-                f"{free / GiB:.1f} of {total / GiB:.1f} GiB free, {growth / GiB:.1f} GiB to come for "
+                f"prorl: rollout: vLLM gets {chosen:.2f} of "
+                "the GPU (rollout.gpu_memory_utilization=auto: "
+                f"{free / GiB:.1f} of {total / GiB:.1f} GiB "
+                f"free, {growth / GiB:.1f} GiB to come for "
                 f"gradients and AdamW, {HEADROOM_BYTES / GiB:.0f} GiB headroom)"
             )
         return chosen
@@ -177,7 +190,8 @@ def gpu_fraction(cfg, policy, backend: str) -> float:
         raise ConfigError(
             f"rollout.gpu_memory_utilization={value} does not leave the colocated trainer room: "
             f"{free / GiB:.1f} of {total / GiB:.1f} GiB are free, the trainer will still allocate "
-            f"{growth / GiB:.1f} GiB (gradients and AdamW) and {HEADROOM_BYTES / GiB:.0f} GiB are kept "
+            f"{growth / GiB:.1f} GiB (gradients and AdamW) "
+            f"and {HEADROOM_BYTES / GiB:.0f} GiB are kept "
             f"free; at most {max(fits, 0):.2f} fits (or set auto)"
         )
     return float(value)

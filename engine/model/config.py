@@ -78,14 +78,18 @@ class ModelConfig:
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(f"unsupported model_type {self.model_type!r}; supported: {_supported_text()}")
+            raise ValueError(
+                f"unsupported model_type {self.model_type!r}; supported: {_supported_text()}"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
         if self.rope.rope_type not in SUPPORTED_ROPE_TYPES:
             supported = ", ".join(SUPPORTED_ROPE_TYPES)
-            raise ValueError(f"unsupported RoPE scaling {self.rope.rope_type!r}; supported: {supported}")
+            raise ValueError(
+                f"unsupported RoPE scaling {self.rope.rope_type!r}; supported: {supported}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
@@ -112,17 +116,22 @@ class ModelConfig:
             )
         act = cfg.get("hidden_act", "silu")
         if act not in ("silu", "swish"):
-            raise ValueError(f"unsupported hidden_act {act!r}: the decoder implements SwiGLU (silu) only")
+            raise ValueError(
+                f"unsupported hidden_act {act!r}: the decoder implements SwiGLU (silu) only"
+            )
         layer_types = cfg.get("layer_types") or []
         if cfg.get("use_sliding_window") or "sliding_attention" in layer_types:
             raise ValueError(
-                "sliding-window attention layers are not supported (use_sliding_window / layer_types)"
+                "sliding-window attention layers are not "
+                "supported (use_sliding_window / layer_types)"
             )
         if cfg.get("pretraining_tp", 1) not in (None, 1):
             raise ValueError(f"pretraining_tp={cfg['pretraining_tp']} is not supported (only 1)")
 
         num_heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or (128 if model_type == "qwen3" else cfg["hidden_size"] // num_heads)
+        head_dim = cfg.get("head_dim") or (
+            128 if model_type == "qwen3" else cfg["hidden_size"] // num_heads
+        )
         attention_bias = bool(cfg.get("attention_bias", False))
         return cls(
             model_type=model_type,
@@ -148,12 +157,24 @@ class ModelConfig:
     def to_hf(self, dtype: str | None = None) -> dict[str, Any]:
         """A `config.json` dict for this model: the source dict with every interpreted key
         overwritten."""
-        if self.model_type == "qwen2" and (self.qkv_bias, self.o_bias, self.mlp_bias) != (True, False, False):
-            raise ValueError("qwen2 has q/k/v bias and no o/MLP bias; this config cannot be written as qwen2")
-        if self.model_type == "qwen3" and (self.qkv_bias != self.o_bias or self.mlp_bias or not self.qk_norm):
-            raise ValueError("qwen3 has q/k norm and one attention_bias switch; this config is not qwen3")
+        if self.model_type == "qwen2" and (self.qkv_bias, self.o_bias, self.mlp_bias) != (
+            True,
+            False,
+            False,
+        ):
+            raise ValueError(
+                "qwen2 has q/k/v bias and no o/MLP bias; this config cannot be written as qwen2"
+            )
+        if self.model_type == "qwen3" and (
+            self.qkv_bias != self.o_bias or self.mlp_bias or not self.qk_norm
+        ):
+            raise ValueError(
+                "qwen3 has q/k norm and one attention_bias switch; this config is not qwen3"
+            )
         if self.model_type == "llama" and (self.qkv_bias != self.o_bias or self.qk_norm):
-            raise ValueError("llama has one attention_bias switch and no q/k norm; this config is not llama")
+            raise ValueError(
+                "llama has one attention_bias switch and no q/k norm; this config is not llama"
+            )
         cfg = dict(self.hf)
         rope = _rope_to_hf(self.rope)
         cfg.update(

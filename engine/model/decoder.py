@@ -121,7 +121,9 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
-            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
 
     @property
@@ -147,7 +149,9 @@ class Decoder(nn.Module):
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
 
-    def attention_backend(self, device: torch.device, dtype: torch.dtype | None = None) -> AttentionBackend:
+    def attention_backend(
+        self, device: torch.device, dtype: torch.dtype | None = None
+    ) -> AttentionBackend:
         """The backend for compute on `device` in `dtype` (the default depends on both: flash-attn
         only for fp16/bf16); `dtype` None: the embedding's, which under FSDP mixed precision is the
         compute dtype while a forward runs."""
@@ -186,17 +190,23 @@ class Decoder(nn.Module):
         if input_ids.dim() == 2:
             return self._forward_padded(input_ids, attention_mask, position_ids)
         if attention_mask is not None:
-            raise ValueError("attention_mask is only for padded [B, T] input; packed input uses cu_seqlens")
+            raise ValueError(
+                "attention_mask is only for padded [B, T] input; packed input uses cu_seqlens"
+            )
         n = input_ids.shape[0]
         if cu_seqlens is None:
             cu_seqlens = torch.tensor([0, n], dtype=torch.int32, device=input_ids.device)
         if position_ids is None:
             if cu_seqlens_k is not None:
-                raise ValueError("a shared-prefix layout needs its position_ids (shared_prefix_layout)")
+                raise ValueError(
+                    "a shared-prefix layout needs its position_ids (shared_prefix_layout)"
+                )
             position_ids = packed_position_ids(cu_seqlens, n)
 
         attn = self.attention_backend(input_ids.device)
-        context = make_context(n, cu_seqlens, max_seqlen, cu_seqlens_k=cu_seqlens_k, kv_index=kv_index)
+        context = make_context(
+            n, cu_seqlens, max_seqlen, cu_seqlens_k=cu_seqlens_k, kv_index=kv_index
+        )
         ctx = attn.prepare(context)
         cos, sin = rope_cos_sin(self.config, position_ids, cu_seqlens)  # [N, head_dim] fp32
 

@@ -57,7 +57,9 @@ def _read_json(file: str, what: str) -> dict:
         with open(file, encoding="utf-8") as f:
             value = json.load(f)
     except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
-        raise ValueError(f"{file} is not valid JSON ({exc}): a truncated or damaged {what}?") from None
+        raise ValueError(
+            f"{file} is not valid JSON ({exc}): a truncated or damaged {what}?"
+        ) from None
     if not isinstance(value, dict):
         raise ValueError(f"{file} must hold a JSON object ({what}), not {type(value).__name__}")
     return value
@@ -85,12 +87,24 @@ def check_safetensors(file: str) -> None:
             )
         try:
             header = json.loads(f.read(n))
-            end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        except (ValueError, UnicodeDecodeError, KeyError, TypeError, IndexError, AttributeError) as exc:
-            raise ValueError(f"{file}: damaged safetensors header ({type(exc).__name__}: {exc})") from None
+            end = max(
+                (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
+            )
+        except (
+            ValueError,
+            UnicodeDecodeError,
+            KeyError,
+            TypeError,
+            IndexError,
+            AttributeError,
+        ) as exc:
+            raise ValueError(
+                f"{file}: damaged safetensors header ({type(exc).__name__}: {exc})"
+            ) from None
     if 8 + n + end != size:
         raise ValueError(
-            f"{file} is {size} bytes but its header describes {8 + n + end}: truncated or damaged safetensors"
+            f"{file} is {size} bytes but its header describes "
+            f"{8 + n + end}: truncated or damaged safetensors"
         )
 
 
@@ -177,7 +191,9 @@ def _check_checkpoint(path, cfg: ModelConfig, expected: dict, files: dict, by_fi
             for name in names:
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != expected[name]:
-                    wrong_shape.append(f"{name}: checkpoint {shape}, config expects {expected[name]}")
+                    wrong_shape.append(
+                        f"{name}: checkpoint {shape}, config expects {expected[name]}"
+                    )
     if not (missing or unexpected or wrong_shape):
         return
 
@@ -188,7 +204,8 @@ def _check_checkpoint(path, cfg: ModelConfig, expected: dict, files: dict, by_fi
     parts += [f"unexpected {show(unexpected)}"] if unexpected else []
     parts += [f"wrong shape {show(sorted(wrong_shape))}"] if wrong_shape else []
     raise ValueError(
-        f"checkpoint {path} does not match its config.json ({cfg.model_type}, {cfg.num_layers} layers, "
+        f"checkpoint {path} does not match its "
+        f"config.json ({cfg.model_type}, {cfg.num_layers} layers, "
         f"hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}, "
         f"tie_word_embeddings={cfg.tie_word_embeddings}): " + "; ".join(parts)
     )
@@ -204,7 +221,9 @@ def save_hf(model: Decoder, path: str, max_shard_bytes: int = DEFAULT_MAX_SHARD_
     state = {hf_name(n): t.detach().to("cpu").contiguous() for n, t in model.state_dict().items()}
     dtype = next(iter(state.values())).dtype
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.config.to_hf(dtype=str(dtype).removeprefix("torch.")), f, indent=2, sort_keys=True)
+        json.dump(
+            model.config.to_hf(dtype=str(dtype).removeprefix("torch.")), f, indent=2, sort_keys=True
+        )
 
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0

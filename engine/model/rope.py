@@ -23,7 +23,9 @@ import torch
 from .config import ModelConfig
 
 
-def rope_inv_freq(cfg: ModelConfig, device: torch.device | None, seq_len: torch.Tensor | None = None):
+def rope_inv_freq(
+    cfg: ModelConfig, device: torch.device | None, seq_len: torch.Tensor | None = None
+):
     """Inverse frequencies and cos/sin scale for `cfg.rope`.
 
     Args:
@@ -63,7 +65,9 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, rope) -> torch.Tensor:
     high_freq_wavelen = old_len / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
-    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor
+    )
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
@@ -97,14 +101,18 @@ def _yarn_inv_freq(pos_freqs: torch.Tensor, dim: int, rope) -> tuple[torch.Tenso
         (torch.arange(dim // 2, dtype=torch.float32, device=pos_freqs.device) - low) / (high - low)
     ).clamp(0, 1)
     extrapolation = 1 - ramp  # [dim/2] weight of the unscaled frequency
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (
+        1.0 / pos_freqs
+    ) * extrapolation
     return inv_freq, float(attention_factor)
 
 
 def sequence_lengths(position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
     """[N] length (max position + 1) of the sequence each packed token belongs to; no host sync."""
     n, num_seqs = position_ids.shape[0], cu_seqlens.shape[0] - 1
-    seq = torch.searchsorted(cu_seqlens[1:].long(), torch.arange(n, device=position_ids.device), right=True)
+    seq = torch.searchsorted(
+        cu_seqlens[1:].long(), torch.arange(n, device=position_ids.device), right=True
+    )
     longest = torch.zeros(num_seqs, dtype=torch.long, device=position_ids.device)
     longest = longest.scatter_reduce(0, seq, position_ids.long(), "amax", include_self=False)  # [B]
     return longest[seq] + 1
@@ -119,7 +127,9 @@ def rope_cos_sin(cfg: ModelConfig, position_ids: torch.Tensor, cu_seqlens: torch
         cos, sin: [N, head_dim] fp32, the two halves repeated (the `rotate_half` layout HF
             checkpoints use).
     """
-    seq_len = sequence_lengths(position_ids, cu_seqlens) if cfg.rope.rope_type == "dynamic" else None
+    seq_len = (
+        sequence_lengths(position_ids, cu_seqlens) if cfg.rope.rope_type == "dynamic" else None
+    )
     inv_freq, scaling = rope_inv_freq(cfg, position_ids.device, seq_len)
     freqs = position_ids.float()[:, None] * inv_freq  # [N, head_dim/2]
     emb = torch.cat((freqs, freqs), dim=-1)  # [N, head_dim]

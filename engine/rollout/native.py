@@ -48,7 +48,9 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def counter_uniform(seed: int, prompt_index, sample_index, position) -> torch.Tensor:
     """Uniform [0, 1) float64 per element from the counters (int64 tensors that broadcast
     together)."""
-    prompt_index, sample_index, position = torch.broadcast_tensors(prompt_index, sample_index, position)
+    prompt_index, sample_index, position = torch.broadcast_tensors(
+        prompt_index, sample_index, position
+    )
     h = _mix32(torch.full_like(prompt_index, seed & _MASK32))
     h = _mix32(h ^ (prompt_index & _MASK32))
     h = _mix32(h ^ (sample_index & _MASK32))
@@ -119,7 +121,9 @@ class _Rows:
         self.ids, self.pos, self.bias, self.uniforms = (
             x[keep] for x in (self.ids, self.pos, self.bias, self.uniforms)
         )
-        self.tok, self.lp, self.len, self.stop = (x[keep] for x in (self.tok, self.lp, self.len, self.stop))
+        self.tok, self.lp, self.len, self.stop = (
+            x[keep] for x in (self.tok, self.lp, self.len, self.stop)
+        )
         self.alive = self.alive[keep]
         return tokens[keep]
 
@@ -140,7 +144,9 @@ class NativeGenerator(Generator):
     def __init__(self, model: Decoder, compile: bool = False):
         self.model = model
         self._fused, self._fused_key = [], None
-        self._decode = torch.compile(self._decode_step, dynamic=True) if compile else self._decode_step
+        self._decode = (
+            torch.compile(self._decode_step, dynamic=True) if compile else self._decode_step
+        )
 
     @torch.no_grad()
     def update_weights(self, named_tensors) -> None:
@@ -283,7 +289,9 @@ class NativeGenerator(Generator):
         attn = model.attention_backend(flat.device)
         ctx = attn.prepare(make_context(flat.shape[0], cu, int(lengths.max())))
         cos, sin = rope_cos_sin(model.config, positions, cu)
-        row_of_token = torch.repeat_interleave(torch.arange(lengths.numel(), device=flat.device), lengths)
+        row_of_token = torch.repeat_interleave(
+            torch.arange(lengths.numel(), device=flat.device), lengths
+        )
         x = model.embed_tokens(flat)
         for li, layer in enumerate(model.layers):
             h = layer.input_layernorm(x)
@@ -315,7 +323,9 @@ class NativeGenerator(Generator):
                     sa, mlp = layer.self_attn, layer.mlp
                     projs = (sa.q_proj, sa.k_proj, sa.v_proj)
                     w_qkv = torch.cat([m.weight for m in projs])
-                    b_qkv = torch.cat([m.bias for m in projs]) if sa.q_proj.bias is not None else None
+                    b_qkv = (
+                        torch.cat([m.bias for m in projs]) if sa.q_proj.bias is not None else None
+                    )
                     w_gu = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
                     b_gu = (
                         torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
@@ -338,7 +348,11 @@ class NativeGenerator(Generator):
         fast_norm = x.dtype == torch.float32  # F.rms_norm is bit-identical to RMSNorm in fp32 only
 
         def norm(module, h):
-            return F.rms_norm(h, module.weight.shape, module.weight, module.eps) if fast_norm else module(h)
+            return (
+                F.rms_norm(h, module.weight.shape, module.weight, module.eps)
+                if fast_norm
+                else module(h)
+            )
 
         for li, layer in enumerate(model.layers):
             sa, (w_qkv, b_qkv, w_gu, b_gu) = layer.self_attn, fused[li]
@@ -350,7 +364,9 @@ class NativeGenerator(Generator):
                 q, k = qk[:, :hq], qk[:, hq:]
             else:
                 q = apply_rope(norm(sa.q_norm, qkv[:, : hq * hd].view(r, hq, hd)), cos, sin)
-                k = apply_rope(norm(sa.k_norm, qkv[:, hq * hd : (hq + hkv) * hd].view(r, hkv, hd)), cos, sin)
+                k = apply_rope(
+                    norm(sa.k_norm, qkv[:, hq * hd : (hq + hkv) * hd].view(r, hkv, hd)), cos, sin
+                )
             kc, vc = k_cache[li], v_cache[li]  # [R, Hkv, S_max, hd]
             kc[rows, :, pos] = k
             vc[rows, :, pos] = v

@@ -72,13 +72,15 @@ class OpenRLHFPolicyLoss(nn.Module):
             if is_correction_level != "token" or is_correction_gating != "ratio":
                 raise ValueError(
                     f"is_correction_level={is_correction_level!r} with is_correction_gating="
-                    f"{is_correction_gating!r} is not fused by prorl (only token level with ratio gating "
+                    f"{is_correction_gating!r} is not fused by "
+                    "prorl (only token level with ratio gating "
                     "is); use openrlhf.models.PolicyLoss for it"
                 )
             low, high = is_correction_threshold
             if not 0.0 <= low <= high:
                 raise ValueError(
-                    f"is_correction_threshold must be (low, high), 0 <= low <= high, got {low, high}"
+                    "is_correction_threshold must be (low, "
+                    f"high), 0 <= low <= high, got {low, high}"
                 )
         self.clip_eps_low = clip_eps_low
         self.clip_eps_high = clip_eps_high

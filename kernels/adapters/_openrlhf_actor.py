@@ -53,8 +53,12 @@ def openrlhf_actor_forward(original_forward):
                 self, sequences, action_mask, attention_mask, return_output, allgather_logits,
                 return_logprobs, ring_attn_group, packed_seq_lens, return_entropy, **mm_inputs,
             )  # fmt: skip
-        bad = [k for k, v in dict(mm_inputs=mm_inputs, ring_attn_group=ring_attn_group).items() if v]
-        return _fused(self, sequences, action_mask, attention_mask, return_output, return_entropy, bad)
+        bad = [
+            k for k, v in dict(mm_inputs=mm_inputs, ring_attn_group=ring_attn_group).items() if v
+        ]
+        return _fused(
+            self, sequences, action_mask, attention_mask, return_output, return_entropy, bad
+        )
 
     forward._prorl_fused = True
     return forward
@@ -70,15 +74,24 @@ def _fused(actor, sequences, action_mask, attention_mask, return_output, return_
     if hasattr(weight, "ds_id") and weight.numel() == 0:
         bad.append("a ZeRO-3 partitioned LM head")
     if bad:
-        raise ValueError(f"openrlhf_actor_forward does not support {', '.join(bad)}; use Actor.forward")
+        raise ValueError(
+            f"openrlhf_actor_forward does not support {', '.join(bad)}; use Actor.forward"
+        )
 
     position_ids = attention_mask.long().cumsum(-1) - 1  # as OpenRLHF's padded (unpacked) path
     position_ids.masked_fill_(attention_mask == 0, 1)
-    hidden = model.base_model(sequences, attention_mask=attention_mask, position_ids=position_ids)[0]
+    hidden = model.base_model(sequences, attention_mask=attention_mask, position_ids=position_ids)[
+        0
+    ]
     labels = sequences[:, 1:]  # OpenRLHF rolls the sequence and drops the last position
     with torch.autocast(hidden.device.type, enabled=False):
         log_probs, entropy = linear_logprob_entropy(
-            hidden[:, :-1].to(weight.dtype), weight, labels, float(actor.temperature), -100, return_entropy
+            hidden[:, :-1].to(weight.dtype),
+            weight,
+            labels,
+            float(actor.temperature),
+            -100,
+            return_entropy,
         )
     from transformers.modeling_outputs import CausalLMOutputWithPast
 

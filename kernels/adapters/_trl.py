@@ -174,7 +174,10 @@ def _check_supported(trainer, who: str = "trl_compute_loss") -> None:
             trainer.off_policy_mask_threshold is not None,
         ),
         "delta": (args.delta, args.delta is not None),
-        "entropy bonus (entropy_coef)": (getattr(args, "entropy_coef", None), trainer._entropy_bonus_enabled),
+        "entropy bonus (entropy_coef)": (
+            getattr(args, "entropy_coef", None),
+            trainer._entropy_bonus_enabled,
+        ),
         "router auxiliary loss (output_router_logits)": (True, trainer.aux_loss_enabled),
     }
     bad = [f"{name}={value!r}" for name, (value, is_bad) in unsupported.items() if is_bad]
@@ -249,7 +252,8 @@ def _normaliser(s: TRLLossSettings, mask):
     if s.loss_type == "dapo":
         if s.num_items_in_batch is None:
             raise ValueError(
-                "loss_type='dapo' needs num_items_in_batch (completion tokens of the generation batch)"
+                "loss_type='dapo' needs num_items_in_batch "
+                "(completion tokens of the generation batch)"
             )
         items = torch.as_tensor(s.num_items_in_batch, device=mask.device).clamp(min=1.0)
         return "token-mean", items / s.num_processes * accum / s.steps_per_generation
@@ -314,7 +318,10 @@ def row_clip_fractions(logp, old, advantages, mask, epsilon_low, epsilon_high) -
         low = ((coef < 1 - epsilon_low) & (adv < 0)).float()
         high = ((coef > 1 + epsilon_high) & (adv > 0)).float()
         count = mask.sum(-1)
-        return {"row_clip_low": (low * mask).sum(-1) / count, "row_clip_high": (high * mask).sum(-1) / count}
+        return {
+            "row_clip_low": (low * mask).sum(-1) / count,
+            "row_clip_high": (high * mask).sum(-1) / count,
+        }
 
 
 def _aggregate(x, valid, agg, normalizer):

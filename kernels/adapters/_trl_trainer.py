@@ -46,7 +46,12 @@ from ._trl import (
 __all__ = ["FusedGRPOTrainer"]
 
 # config attributes whose presence means TRL's head does more than hidden @ W.T / T
-_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier")
+_LOGIT_TRANSFORMS = (
+    "final_logit_softcapping",
+    "logit_scale",
+    "output_multiplier",
+    "lm_head_multiplier",
+)
 
 
 class FusedGRPOTrainer(GRPOTrainer):
@@ -97,7 +102,10 @@ class FusedGRPOTrainer(GRPOTrainer):
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
-            ids, att = input_ids[start : start + batch_size], attention_mask[start : start + batch_size]
+            ids, att = (
+                input_ids[start : start + batch_size],
+                attention_mask[start : start + batch_size],
+            )
             hidden, weight = self._completion_hidden(model, ids, att, logits_to_keep)
             with torch.autocast(hidden.device.type, enabled=False):
                 logp, ent = linear_logprob_entropy(
@@ -118,7 +126,9 @@ class FusedGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([inputs["prompt_ids"], completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
         c = completion_ids.size(1)
-        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        mask = (
+            completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        )
         train = self.model.training
         settings = TRLLossSettings.of(self, inputs)
         hidden, weight = self._completion_hidden(model, input_ids, attention_mask, c)
@@ -138,7 +148,11 @@ class FusedGRPOTrainer(GRPOTrainer):
 
     def _fused_loss(self, hidden, weight, labels, tensors: dict, s: TRLLossSettings):
         """linear_ppo_loss with TRL's arguments: the loss and trl_compute_loss's metrics."""
-        old, advantages, mask = tensors["old_per_token_logps"], tensors["advantages"], tensors["mask"]
+        old, advantages, mask = (
+            tensors["old_per_token_logps"],
+            tensors["advantages"],
+            tensors["mask"],
+        )
         agg, normalizer = _normaliser(s, mask)
         with_kl = s.beta != 0.0
         loss, m = linear_ppo_loss(
@@ -163,7 +177,9 @@ class FusedGRPOTrainer(GRPOTrainer):
         if with_kl:
             m["kl_sum"] = m["kl_mean"] * m["num_tokens"]
         old = m["logp"] if old is None else old
-        m.update(row_clip_fractions(m["logp"], old, advantages, mask, s.epsilon_low, s.epsilon_high))
+        m.update(
+            row_clip_fractions(m["logp"], old, advantages, mask, s.epsilon_low, s.epsilon_high)
+        )
         return loss, m
 
 
@@ -184,7 +200,8 @@ def _check_head(model) -> None:
         bad.append(f"logits_scaling={text.logits_scaling!r}")
     if bad:
         raise ValueError(
-            f"FusedGRPOTrainer computes log-probs as softmax(hidden @ lm_head.weight.T / T); it does not "
+            "FusedGRPOTrainer computes log-probs as "
+            "softmax(hidden @ lm_head.weight.T / T); it does not "
             f"support {', '.join(bad)}: use GRPOTrainer"
         )
 

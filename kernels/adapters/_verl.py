@@ -111,8 +111,12 @@ def verl_policy_loss(
         ppo_kl = torch.where(valid, log_ratio, 0.0).mul(response_mask).sum() / den
         pg_clipfrac = m["clipfrac"] * m["num_tokens"] / den
         pg_clipfrac_lower = m["dualclip_frac"] * m["num_tokens"] / den
-        values = torch.stack([x.double() for x in (pg_clipfrac, ppo_kl, pg_clipfrac_lower)]).tolist()
-    return pg_loss, dict(zip(("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"), values))
+        values = torch.stack(
+            [x.double() for x in (pg_clipfrac, ppo_kl, pg_clipfrac_lower)]
+        ).tolist()
+    return pg_loss, dict(
+        zip(("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"), values)
+    )
 
 
 def _batch_info(config) -> dict:
@@ -129,7 +133,9 @@ def _batch_info(config) -> dict:
 def _aggregation(mask, loss_agg_mode, info):
     """(ppo_loss agg, normalizer D) for verl's agg_loss(loss_agg_mode, **global_batch_info)."""
     if loss_agg_mode not in _AGG_MODES:
-        raise ValueError(f"loss_agg_mode {loss_agg_mode!r} is not one of verl's {', '.join(_AGG_MODES)}")
+        raise ValueError(
+            f"loss_agg_mode {loss_agg_mode!r} is not one of verl's {', '.join(_AGG_MODES)}"
+        )
     dp_size = info.get("dp_size") or 1
     if loss_agg_mode == "token-sum":
         return "constant", 1.0 / dp_size
@@ -138,7 +144,9 @@ def _aggregation(mask, loss_agg_mode, info):
     else:
         agg, count, name = loss_agg_mode, info.get("global_batch_size"), "global_batch_size"
     if count is None and dp_size > 1:
-        raise ValueError(f"config.global_batch_info[{name!r}] is required when dp_size > 1 (as in verl)")
+        raise ValueError(
+            f"config.global_batch_info[{name!r}] is required when dp_size > 1 (as in verl)"
+        )
     if loss_agg_mode == "seq-mean-token-sum-norm":
         agg = "seq-mean-token-sum"
         if count is None:

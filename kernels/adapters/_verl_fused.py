@@ -34,7 +34,9 @@ def _logprob_entropy(hidden, weight, labels, temperature):
     if torch.is_tensor(temperature):
         temperature = float(temperature)
     with torch.autocast(hidden.device.type, enabled=False):
-        return linear_logprob_entropy(hidden.to(weight.dtype), weight, labels.long(), float(temperature))
+        return linear_logprob_entropy(
+            hidden.to(weight.dtype), weight, labels.long(), float(temperature)
+        )
 
 
 class VerlFusedLinearForPPO(torch.nn.Module):
@@ -63,9 +65,13 @@ def verl_linear_cross_entropy(
     """Drop-in for `verl.utils.kernel.linear_cross_entropy.linear_cross_entropy`: (log_probs,
     entropy), fp32, flattened to [N] as verl's Triton kernel returns them."""
     if reduction != "none":
-        raise ValueError(f"verl_linear_cross_entropy supports reduction='none' only, got {reduction!r}")
+        raise ValueError(
+            f"verl_linear_cross_entropy supports reduction='none' only, got {reduction!r}"
+        )
     if dist_process_group is not None:
-        raise ValueError("verl_linear_cross_entropy does not split the vocabulary (dist_process_group)")
+        raise ValueError(
+            "verl_linear_cross_entropy does not split the vocabulary (dist_process_group)"
+        )
     logp, entropy = _logprob_entropy(hidden, weight, labels, temperature)
     return logp.reshape(-1), entropy.reshape(-1)
 

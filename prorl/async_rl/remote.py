@@ -43,14 +43,18 @@ class RemoteRollouts:
         self.timeout_s = timeouts(cfg, roles.trainers, roles.rollouts)["step"]
         self.heartbeat = transport.Heartbeat(roles.store, "alive/trainer") if rank == 0 else None
         self.alive = [
-            transport.Liveness(roles.store, f"alive/rollout/{j}", f"rollout rank {j}", self.timeout_s)
+            transport.Liveness(
+                roles.store, f"alive/rollout/{j}", f"rollout rank {j}", self.timeout_s
+            )
             for j in sorted({s[0] for s in self.slices})
         ]
         self.trace = os.path.join(cfg.output_dir, f"async_trained.rank{rank}.jsonl")
         if rank == 0 and cfg.algorithm.is_mode == "none":
             print(
-                "prorl: warning: asynchronous RL with algorithm.is_mode=none: the gap between the sampler's "
-                "(older) weights and the trainer's pi_old is not corrected; set is_mode=tis or icepop "
+                "prorl: warning: asynchronous RL with "
+                "algorithm.is_mode=none: the gap between the sampler's "
+                "(older) weights and the trainer's pi_old "
+                "is not corrected; set is_mode=tis or icepop "
                 "(docs/recipe.md §11)",
                 flush=True,
             )
@@ -101,7 +105,9 @@ class RemoteRollouts:
             version = message["version"]
             for v in {version, *(g.version for g in message["groups"])}:
                 if step - v > self.k or v > step:
-                    raise transport.RolloutLost(f"{what} hold groups sampled with weights of version {v}")
+                    raise transport.RolloutLost(
+                        f"{what} hold groups sampled with weights of version {v}"
+                    )
             for g in message["groups"]:
                 g.old_logps = None  # pi_old is the trainer's own (recomputed before the update)
                 acc.sum("async_staleness", step - g.version)
@@ -118,7 +124,10 @@ class RemoteRollouts:
                     acc.sum(key, value)
                 for key, value in message["extrema"].items():
                     acc.max(key, value)
-                gen, reward = max(gen, message["timing"]["gen"]), max(reward, message["timing"]["reward"])
+                gen, reward = (
+                    max(gen, message["timing"]["gen"]),
+                    max(reward, message["timing"]["reward"]),
+                )
                 waited = max(waited, message["waited"])
         acc.sum("async_queue_groups", queued)
         acc.max("async_wait_trainer", waited)
@@ -127,7 +136,11 @@ class RemoteRollouts:
             self.stop_rollouts()
         self._trace(step, groups)
         wait = time.perf_counter() - t0
-        return groups, {"timing_s/gen": gen, "timing_s/reward": reward, "timing_s/wait_rollout": wait}
+        return groups, {
+            "timing_s/gen": gen,
+            "timing_s/reward": reward,
+            "timing_s/wait_rollout": wait,
+        }
 
     def queued(self, after: int) -> int:
         """Groups of steps after `after` already waiting in the store for this trainer (nominal

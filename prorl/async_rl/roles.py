@@ -75,19 +75,22 @@ def check_async(cfg: Config, world: int, torchrun: bool) -> None:
     a, pps = cfg.rollout.async_rl, cfg.trainer.prompts_per_step
     if a.steps_ahead < 0 or a.rollout_ranks < 1:
         raise ConfigError(
-            f"rollout.async.steps_ahead={a.steps_ahead} must be >= 0 and rollout.async.rollout_ranks="
+            f"rollout.async.steps_ahead={a.steps_ahead} "
+            "must be >= 0 and rollout.async.rollout_ranks="
             f"{a.rollout_ranks} >= 1"
         )
     if a.steps_ahead == 0:
         return
     if not torchrun:
         raise ConfigError(
-            f"rollout.async.steps_ahead={a.steps_ahead} puts sampling and training on different ranks: "
+            f"rollout.async.steps_ahead={a.steps_ahead} "
+            "puts sampling and training on different ranks: "
             "launch with torchrun (e.g. --nproc_per_node=2 for 1 rollout + 1 trainer rank)"
         )
     if a.rollout_ranks >= world:
         raise ConfigError(
-            f"rollout.async.rollout_ranks={a.rollout_ranks} leaves no trainer rank among the {world} "
+            f"rollout.async.rollout_ranks={a.rollout_ranks} "
+            f"leaves no trainer rank among the {world} "
             f"ranks: at most {world - 1}"
         )
     trainers = world - a.rollout_ranks
@@ -99,7 +102,8 @@ def check_async(cfg: Config, world: int, torchrun: bool) -> None:
             )
     if cfg.rollout.tensor_parallel_size > 1:
         raise ConfigError(
-            "rollout.tensor_parallel_size>1 does not work with rollout.async.steps_ahead yet: each rollout "
+            "rollout.tensor_parallel_size>1 does not work "
+            "with rollout.async.steps_ahead yet: each rollout "
             "rank runs its own engine (set rollout.tensor_parallel_size=1)"
         )
 
@@ -111,7 +115,11 @@ def timeouts(cfg: Config, trainers: int, rollouts: int) -> dict[str, float]:
     the trainers' wait for a batch (prorl/async_rl/remote.py)."""
     rounds = cfg.algorithm.max_rounds if cfg.algorithm.dynamic_sampling else 1
     rollout = collective_timeout_s(cfg, world=rollouts)
-    return {"train": collective_timeout_s(cfg, world=trainers), "rollout": rollout, "step": rollout * rounds}
+    return {
+        "train": collective_timeout_s(cfg, world=trainers),
+        "rollout": rollout,
+        "step": rollout * rounds,
+    }
 
 
 def init_async(cfg: Config, backend: str) -> Roles:
@@ -130,7 +138,9 @@ def init_async(cfg: Config, backend: str) -> Roles:
     device_id = None
     if "nccl" in backend:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        device_id = torch.device(
+            "cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count()
+        )
         torch.cuda.set_device(device_id)
     dist.init_process_group(
         backend=backend,

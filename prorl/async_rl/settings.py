@@ -15,7 +15,8 @@ def _help(default, text: str):
 class AsyncConfig:
     steps_ahead: int = _help(
         0,
-        "asynchronous RL: a group trained at step s was sampled with weights at most this many updates "
+        "asynchronous RL: a group trained at step s was "
+        "sampled with weights at most this many updates "
         "old (0: the synchronous colocated step; >= 1 needs torchrun and rollout_ranks)",
     )
     rollout_ranks: int = _help(
@@ -29,5 +30,7 @@ def rename_async_section(node) -> None:
     rollout = node.get("rollout") if hasattr(node, "get") else None
     if hasattr(rollout, "keys") and "async" in rollout:
         if "async_rl" in rollout:
-            raise ValueError("the config file sets both rollout.async and rollout.async_rl: keep one")
+            raise ValueError(
+                "the config file sets both rollout.async and rollout.async_rl: keep one"
+            )
         rollout["async_rl"] = rollout.pop("async")

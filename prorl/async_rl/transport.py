@@ -109,7 +109,9 @@ class Liveness:
 
     look_s = 1.0  # at most one store read per this many seconds
 
-    def __init__(self, store, key: str, who: str, startup_s: float, stale_s: float = HEARTBEAT_STALE_S):
+    def __init__(
+        self, store, key: str, who: str, startup_s: float, stale_s: float = HEARTBEAT_STALE_S
+    ):
         self.store, self.key, self.who, self.stale_s = store, key, who, stale_s
         self.startup_s = startup_s
         self.beat, self.seen, self.looked = None, time.monotonic(), 0.0
@@ -296,7 +298,9 @@ class WeightReceiver:
             self.extra = header["extra"]
         order = []
         for bucket in header["layout"]:
-            nbytes = [_numel(shape) * torch.empty(0, dtype=dt).element_size() for _, shape, dt in bucket]
+            nbytes = [
+                _numel(shape) * torch.empty(0, dtype=dt).element_size() for _, shape, dt in bucket
+            ]
             buf = torch.empty(sum(nbytes), dtype=torch.uint8)
             try:
                 _broadcast(self.pg, buf)
@@ -310,7 +314,8 @@ class WeightReceiver:
                 target = self.params.get(name)
                 if target is None or tuple(target.shape) != shape or target.dtype != dtype:
                     raise RolloutLost(
-                        f"weight push: the trainers send {name} {shape} {dtype}, the rollout model holds "
+                        f"weight push: the trainers send {name} "
+                        f"{shape} {dtype}, the rollout model holds "
                         f"{None if target is None else (tuple(target.shape), target.dtype)}"
                     )
                 target.copy_(buf[offset : offset + nb].view(dtype).view(shape))

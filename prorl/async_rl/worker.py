@@ -69,10 +69,16 @@ class RolloutWorker:
         self.generator = self._generator(model_path, dtype, device)
         stop_ids = stop_token_ids(tokenizer, model_path)
         j, r = roles.index, roles.rollouts
-        self.sampler = GroupSampler(cfg, tokenizer, examples, self.generator, pool, stop_ids, rank=j, world=r)
-        self.weights = transport.WeightReceiver(roles.store, roles.push, self.model, roles.timeout_s)
+        self.sampler = GroupSampler(
+            cfg, tokenizer, examples, self.generator, pool, stop_ids, rank=j, world=r
+        )
+        self.weights = transport.WeightReceiver(
+            roles.store, roles.push, self.model, roles.timeout_s
+        )
         self.engine_check = None  # vLLM: the last post-sync probe report
-        self.slices = [s for s in slices(cfg.trainer.prompts_per_step, roles.trainers, r) if s[0] == j]
+        self.slices = [
+            s for s in slices(cfg.trainer.prompts_per_step, roles.trainers, r) if s[0] == j
+        ]
         self.watch_sampler()
 
     def healthy(self) -> bool:
@@ -111,7 +117,9 @@ class RolloutWorker:
             world_size=self.roles.rollouts,
             seed=cfg.seed + self.roles.rank,
             deterministic=cfg.trainer.deterministic,
-            gpu_memory_utilization=0.9 if r.gpu_memory_utilization == "auto" else r.gpu_memory_utilization,
+            gpu_memory_utilization=0.9
+            if r.gpu_memory_utilization == "auto"
+            else r.gpu_memory_utilization,
             max_model_len=cfg.data.max_prompt_tokens + budget,
         )
         generator.calibrate(self.model)
@@ -126,7 +134,8 @@ class RolloutWorker:
                 self.engine_check = self.generator.update_weights(params, reference=self.model)
             except StaleWeightsError as exc:  # the documented exit 8, not a crash
                 raise transport.RolloutLost(
-                    f"rollout rank {self.roles.index}: the vLLM engine does not follow the weights of "
+                    f"rollout rank {self.roles.index}: the "
+                    "vLLM engine does not follow the weights of "
                     f"version {self.weights.version}: {exc}"
                 ) from exc
 
@@ -174,7 +183,10 @@ class RolloutWorker:
             groups = sampler.collect(need, max_new, step, acc)
         finally:
             self.progress = None
-        timing = {"gen": time.perf_counter() - t0 - sampler.reward_time, "reward": sampler.reward_time}
+        timing = {
+            "gen": time.perf_counter() - t0 - sampler.reward_time,
+            "reward": sampler.reward_time,
+        }
         for i, g in enumerate([*groups, *sampler.carry]):
             if g.uid is None:
                 g.version, g.uid = w.version, f"{step}/{self.roles.index}/{i}"

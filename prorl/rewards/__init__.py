@@ -145,7 +145,9 @@ def lookup(data_source: str) -> tuple[str, Verifier | str]:
         return data_source, _REGISTRY[data_source]
     alias = ALIASES.get(data_source)
     if alias is None:
-        alias = next((key for prefix, key in ALIAS_PREFIXES if data_source.startswith(prefix)), None)
+        alias = next(
+            (key for prefix, key in ALIAS_PREFIXES if data_source.startswith(prefix)), None
+        )
     if alias is not None and alias in _REGISTRY:
         return alias, _REGISTRY[alias]
     parts = data_source.split("/")
@@ -165,7 +167,9 @@ def builtin_keys(data_sources) -> tuple[str, ...]:
     preload (a fresh worker knows only the built-ins; a user's verifier is imported with its first
     item)."""
     keys = {lookup(ds) for ds in data_sources}
-    return tuple(sorted(k for k, entry in keys if isinstance(entry, str) and entry.startswith("prorl.")))
+    return tuple(
+        sorted(k for k, entry in keys if isinstance(entry, str) and entry.startswith("prorl."))
+    )
 
 
 def load(entry: Verifier | str) -> Verifier:
@@ -186,13 +190,17 @@ def normalize_result(result: Any, data_source: str, bounded: bool = True) -> tup
     extras: dict = {}
     if isinstance(result, dict):
         if "score" not in result:
-            raise ValueError(f"verifier for {data_source!r} returned a dict without 'score': {result!r}")
+            raise ValueError(
+                f"verifier for {data_source!r} returned a dict without 'score': {result!r}"
+            )
         extras = {k: v for k, v in result.items() if k != "score"}
         result = result["score"]
     if isinstance(result, bool):
         result = float(result)
     if not isinstance(result, (int, float)):
-        raise TypeError(f"verifier for {data_source!r} returned {type(result).__name__}, not a number")
+        raise TypeError(
+            f"verifier for {data_source!r} returned {type(result).__name__}, not a number"
+        )
     value = float(result)
     if not math.isfinite(value) or (bounded and not 0.0 <= value <= 1.0):
         raise ValueError(f"verifier for {data_source!r} returned {value}, outside [0, 1]")

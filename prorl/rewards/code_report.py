@@ -69,7 +69,9 @@ def parse(raw: bytes, total: int, mode: str, max_items: int) -> dict:
         raise InvalidReport(f"report of {len(raw)} bytes, over {MAX_BYTES}")
     items = weight(raw)
     if items > max_items:
-        raise InvalidReport(f"report weighs {items} values, over the {max_items} this problem allows")
+        raise InvalidReport(
+            f"report weighs {items} values, over the {max_items} this problem allows"
+        )
     skeleton = skeleton_of(raw)
     if depth_exceeds(skeleton, MAX_DEPTH):
         raise InvalidReport(f"report nested deeper than {MAX_DEPTH} levels, or unbalanced")
@@ -77,7 +79,9 @@ def parse(raw: bytes, total: int, mode: str, max_items: int) -> dict:
     try:
         report = json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise InvalidReport(f"report is not JSON ({type(exc).__name__}: {str(exc)[:200]})") from None
+        raise InvalidReport(
+            f"report is not JSON ({type(exc).__name__}: {str(exc)[:200]})"
+        ) from None
     if not isinstance(report, dict) or not isinstance(report.get("results"), list):
         raise InvalidReport(f"report is a {type(report).__name__} without a `results` list")
     compile_error = report.get("compile_error")
@@ -90,7 +94,9 @@ def parse(raw: bytes, total: int, mode: str, max_items: int) -> dict:
         if not isinstance(r, dict) or not (r.get("error") is None or isinstance(r["error"], str)):
             raise InvalidReport(f"result {i} is not an object with `error` None or a string")
         if mode == "stdio" and not isinstance(r.get("out"), str) and r.get("error") is None:
-            raise InvalidReport(f"result {i}: `out` is a {type(r.get('out')).__name__}, not a string")
+            raise InvalidReport(
+                f"result {i}: `out` is a {type(r.get('out')).__name__}, not a string"
+            )
     return {"compile_error": compile_error, "results": results}
 
 

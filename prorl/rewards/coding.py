@@ -64,7 +64,9 @@ def load_tests(ground_truth: Any, extra: dict | None = None) -> tuple[str, str |
             inputs = [_json_lines(x) if isinstance(x, str) else x for x in inputs]
             outputs = [_json_value(y) for y in outputs]
             if not fn_name:
-                raise ValueError("code: functional tests need fn_name (in the ground truth or extra)")
+                raise ValueError(
+                    "code: functional tests need fn_name (in the ground truth or extra)"
+                )
     else:
         raise ValueError(f"code: unrecognised test format {type(gt).__name__}")
     if len(inputs) != len(outputs):
@@ -167,7 +169,9 @@ def run_tests(
         return {"score": 0.0, **info, "compile_error": report["compile_error"]}
     match = stdout_matches if mode == "stdio" else value_matches
     passed = sum(
-        1 for r, want in zip(results, outputs) if r.get("error") is None and match(r.get("out"), want)
+        1
+        for r, want in zip(results, outputs)
+        if r.get("error") is None and match(r.get("out"), want)
     )
     info["passed"] = passed
     return {"score": passed / len(inputs), **info}

@@ -48,7 +48,8 @@ def parse_spec(spec: str) -> tuple[str, str]:
         path, name = head, tail
     if not path.endswith(".py"):
         raise RewardFunctionError(
-            f"reward.function={spec!r}: expected 'path/to/file.py:function_name' (a Python file; for an "
+            f"reward.function={spec!r}: expected "
+            "'path/to/file.py:function_name' (a Python file; for an "
             "importable module that registers verifiers use reward.plugins)"
         )
     return os.path.abspath(os.path.expanduser(path)), name
@@ -129,10 +130,15 @@ class VerlFunction:
         data_source = extra.get("data_source")
         try:
             result = self._fn(
-                data_source=data_source, solution_str=response, ground_truth=ground_truth, extra_info=extra
+                data_source=data_source,
+                solution_str=response,
+                ground_truth=ground_truth,
+                extra_info=extra,
             )
         except Exception as exc:
-            raise RuntimeError(f"reward function {self!r} raised {type(exc).__name__}: {exc}") from exc
+            raise RuntimeError(
+                f"reward function {self!r} raised {type(exc).__name__}: {exc}"
+            ) from exc
         return check_result(result, repr(self))
 
 
@@ -141,7 +147,9 @@ def check_result(result: Any, where: str) -> dict:
     kept). Returns {"score": float, ...}; raises naming `where` otherwise."""
     if isinstance(result, dict):
         if "score" not in result:
-            raise ValueError(f"reward function {where} returned a dict without 'score': {result!r:.200}")
+            raise ValueError(
+                f"reward function {where} returned a dict without 'score': {result!r:.200}"
+            )
         out = dict(result)
     else:
         out = {"score": result}

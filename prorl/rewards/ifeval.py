@@ -48,7 +48,9 @@ def keywords_existence(text, keywords):
 
 
 def keywords_frequency(text, keyword, frequency, relation):
-    return _compare(len(re.findall(re.escape(keyword), text, flags=re.IGNORECASE)), relation, frequency)
+    return _compare(
+        len(re.findall(re.escape(keyword), text, flags=re.IGNORECASE)), relation, frequency
+    )
 
 
 def keywords_forbidden_words(text, forbidden_words):
@@ -135,7 +137,9 @@ def constrained_response(text):
 def number_highlighted_sections(text, num_highlights):
     n = sum(1 for h in re.findall(r"\*[^\n\*]*\*", text) if h.strip("*").strip())
     n += sum(
-        1 for h in re.findall(r"\*\*[^\n\*]*\*\*", text) if h.removeprefix("**").removesuffix("**").strip()
+        1
+        for h in re.findall(r"\*\*[^\n\*]*\*\*", text)
+        if h.removeprefix("**").removesuffix("**").strip()
     )
     return n >= num_highlights
 
@@ -177,7 +181,9 @@ def end_checker(text, end_phrase):
 
 def capital_word_frequency(text, capital_frequency, capital_relation):
     return _compare(
-        len([w for w in re.findall(r"\w+", text) if w.isupper()]), capital_relation, capital_frequency
+        len([w for w in re.findall(r"\w+", text) if w.isupper()]),
+        capital_relation,
+        capital_frequency,
     )
 
 
@@ -238,7 +244,9 @@ def parse_ground_truth(ground_truth: Any) -> list[tuple[str, dict]]:
     out = []
     for iid, kw in zip(ids, kwargs):
         if iid not in CHECKERS:
-            raise ValueError(f"ifeval: unsupported instruction id {iid!r}; supported: {sorted(CHECKERS)}")
+            raise ValueError(
+                f"ifeval: unsupported instruction id {iid!r}; supported: {sorted(CHECKERS)}"
+            )
         out.append((iid, {k: v for k, v in (kw or {}).items() if v is not None}))
     return out
 

@@ -67,7 +67,12 @@ def _entry_and_task(ground_truth: Any, extra: dict) -> tuple[dict, str | None]:
             ground_truth = json.loads(ground_truth)
         except json.JSONDecodeError:
             pass
-    if ref is None and isinstance(ground_truth, dict) and "index" in ground_truth and "task" in ground_truth:
+    if (
+        ref is None
+        and isinstance(ground_truth, dict)
+        and "index" in ground_truth
+        and "task" in ground_truth
+    ):
         ref = ground_truth
     if ref is not None:
         return generated_entry(ref), ref["task"]
@@ -83,7 +88,8 @@ def score(response: str, ground_truth: Any, extra: dict | None = None) -> dict:
     entry, task = _entry_and_task(ground_truth, extra or {})
     if not task:
         raise ValueError(
-            "reasoning_gym: cannot tell the task; use data_source 'reasoning_gym/<task>' or an entry "
+            "reasoning_gym: cannot tell the task; use "
+            "data_source 'reasoning_gym/<task>' or an entry "
             "with metadata.source_dataset"
         )
     answer = last_tag(final_text(response), "answer")
@@ -92,5 +98,9 @@ def score(response: str, ground_truth: Any, extra: dict | None = None) -> dict:
     try:
         value = float(score_fn(task)(answer, entry))
     except Exception as exc:  # noqa: BLE001 - a malformed answer, see the module docstring
-        return {"score": 0.0, "format_ok": True, "score_answer_error": f"{type(exc).__name__}: {exc}"}
+        return {
+            "score": 0.0,
+            "format_ok": True,
+            "score_answer_error": f"{type(exc).__name__}: {exc}",
+        }
     return {"score": min(max(value, 0.0), 1.0), "format_ok": True}

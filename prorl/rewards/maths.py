@@ -23,7 +23,8 @@ try:
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 except ImportError as exc:  # pragma: no cover - exercised only without the extra
     raise ImportError(
-        "the math reward needs math-verify: pip install 'prorl[rewards]' (or: pip install math-verify)"
+        "the math reward needs math-verify: pip install "
+        "'prorl[rewards]' (or: pip install math-verify)"
     ) from exc
 
 PARSE_TIMEOUT_S = 5

@@ -102,7 +102,11 @@ class _Worker:
         # the sandbox's unprivileged uid must reach its directory inside
         os.chmod(self.tmpdir, 0o711)
         env = dict(
-            os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONUNBUFFERED="1", TMPDIR=self.tmpdir
+            os.environ,
+            OMP_NUM_THREADS="1",
+            MKL_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+            TMPDIR=self.tmpdir,
         )
         try:
             self.proc = subprocess.Popen(
@@ -167,7 +171,9 @@ def _serve(conn: Connection) -> None:
             extra = dict(extra or {})
             extra.setdefault("data_source", data_source)
             result = rewards.load(entry)(response, ground_truth, extra)
-            value, info = rewards.normalize_result(result, data_source, getattr(entry, "bounded", True))
+            value, info = rewards.normalize_result(
+                result, data_source, getattr(entry, "bounded", True)
+            )
             try:
                 pickle.dumps(info)
             except Exception:  # noqa: BLE001 - extras are best-effort
@@ -188,7 +194,9 @@ class RewardPool:
         reasoning-gym ~5 s), so that import time never counts against an item.
     """
 
-    def __init__(self, num_workers: int = 2, timeout_s: float = 10.0, preload: tuple[str, ...] = ("math",)):
+    def __init__(
+        self, num_workers: int = 2, timeout_s: float = 10.0, preload: tuple[str, ...] = ("math",)
+    ):
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         self.timeout_s = float(timeout_s)
@@ -221,7 +229,9 @@ class RewardPool:
         n = len(responses)
         extras = list(extras) if extras is not None else [None] * n
         if not (len(data_sources) == len(ground_truths) == len(extras) == n):
-            raise ValueError("data_sources, responses, ground_truths and extras must have equal lengths")
+            raise ValueError(
+                "data_sources, responses, ground_truths and extras must have equal lengths"
+            )
         first: dict = {}
         of = [
             first.setdefault(_item_key(*item), i)
@@ -251,11 +261,14 @@ class RewardPool:
                 pickle.dumps(entry)
             except Exception as exc:
                 raise TypeError(
-                    f"the verifier for {ds!r} cannot be sent to worker processes ({exc}); register a "
+                    f"the verifier for {ds!r} cannot be sent "
+                    f"to worker processes ({exc}); register a "
                     "module-level function of an importable module (not a lambda or closure)"
                 ) from exc
             entries[ds] = entry
-        result = BatchResult([0.0] * n, [False] * n, [False] * n, [None] * n, [{} for _ in range(n)])
+        result = BatchResult(
+            [0.0] * n, [False] * n, [False] * n, [None] * n, [{} for _ in range(n)]
+        )
         pending = deque(range(n))
         remaining = n
         while remaining:
@@ -289,7 +302,10 @@ class RewardPool:
             for w in list(self.workers):
                 if w.item is not None and now >= w.deadline:
                     i = w.item
-                    result.timed_out[i], result.errors[i] = True, f"timeout after {self.timeout_s:g} s"
+                    result.timed_out[i], result.errors[i] = (
+                        True,
+                        f"timeout after {self.timeout_s:g} s",
+                    )
                     remaining -= 1
                     self._replace(w)
                 elif not w.ready and now >= w.started + STARTUP_TIMEOUT_S:
@@ -379,7 +395,9 @@ class RewardPool:
                 f"reward workers failed to start {n} times in a row; the last one {why} "
                 "(its own output, if any, is above)"
             )
-        log.warning("a reward worker %s; starting another (failure %d of %d)", why, n, MAX_START_FAILURES)
+        log.warning(
+            "a reward worker %s; starting another (failure %d of %d)", why, n, MAX_START_FAILURES
+        )
 
 
 def _exit_text(code: int) -> str:

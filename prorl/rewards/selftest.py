@@ -59,13 +59,17 @@ def self_test(data_sources, pool=None) -> dict[str, str]:
     status.update({k: "skipped: no sample" for k in keys if k not in SAMPLES})
     if not todo:
         return status
-    items = [(SAMPLES[k][0], SAMPLES[k][i], SAMPLES[k][3], SAMPLES[k][4]) for k in todo for i in (1, 2)]
+    items = [
+        (SAMPLES[k][0], SAMPLES[k][i], SAMPLES[k][3], SAMPLES[k][4]) for k in todo for i in (1, 2)
+    ]
     sources, responses, truths, extras = (list(x) for x in zip(*items))
     if pool is not None:
         res = pool.score_batch(sources, responses, truths, extras)
         outcomes = [
             (s, "timeout" if t else f"error: {e}" if err else None, info)
-            for s, t, err, e, info in zip(res.scores, res.timed_out, res.errored, res.errors, res.extras)
+            for s, t, err, e, info in zip(
+                res.scores, res.timed_out, res.errored, res.errors, res.extras
+            )
         ]
     else:
         from prorl.rewards import score_with_info
@@ -78,7 +82,10 @@ def self_test(data_sources, pool=None) -> dict[str, str]:
             except Exception as exc:  # noqa: BLE001 - reported below
                 outcomes.append((0.0, f"error: {type(exc).__name__}: {exc}", {}))
     for j, key in enumerate(todo):
-        (right, right_problem, right_info), (wrong, wrong_problem, _) = outcomes[2 * j], outcomes[2 * j + 1]
+        (right, right_problem, right_info), (wrong, wrong_problem, _) = (
+            outcomes[2 * j],
+            outcomes[2 * j + 1],
+        )
         problems = list(dict.fromkeys(p for p in (right_problem, wrong_problem) if p))
         if right != 1.0:
             problems.append(f"known-right answer scored {right}{_diagnostics(right_info)}")
@@ -109,5 +116,7 @@ def check_function(examples, pool) -> str:
     )  # fmt: skip
     for ex, timed_out, errored, error in zip(exs, res.timed_out, res.errored, res.errors):
         if timed_out or errored:
-            raise RuntimeError(f"reward self-test failed on data_source {ex.data_source!r}: {error}")
+            raise RuntimeError(
+                f"reward self-test failed on data_source {ex.data_source!r}: {error}"
+            )
     return "ok"

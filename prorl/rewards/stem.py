@@ -20,7 +20,9 @@ _GOLD_LETTER = re.compile(r"^\(?([A-J])[).:]?$")
 _LETTER_IN_BOX = re.compile(r"^(?:\\text(?:bf)?\{)?\s*\(?([A-J])\b\)?[}.:)]*(?:\s|$)")
 # "answer is C", "Answer: (C)", "**Answer:** C", "answer: option C"; the letter itself is
 # case-sensitive so that "the answer is a ..." is not read as A.
-_ANSWER_PHRASE = re.compile(r"(?i:answer)\s*(?:(?i:is)|:)?[\s:*]*(?:(?i:option)\s*)?\(?([A-J])(?![\w'])")
+_ANSWER_PHRASE = re.compile(
+    r"(?i:answer)\s*(?:(?i:is)|:)?[\s:*]*(?:(?i:option)\s*)?\(?([A-J])(?![\w'])"
+)
 
 
 def gold_letter(ground_truth: Any) -> str | None:
@@ -71,7 +73,10 @@ def score(response: str, ground_truth: Any, extra: dict | None = None) -> dict:
             boxed = last_boxed(text)
             idx = LETTERS.index(letter)
             if choices and boxed is not None and idx < len(choices):
-                return {"score": float(_plain(boxed) == _plain(str(choices[idx]))), "format_ok": True}
+                return {
+                    "score": float(_plain(boxed) == _plain(str(choices[idx]))),
+                    "format_ok": True,
+                }
             return {"score": 0.0, "format_ok": False}
         return {"score": float(choice == letter), "format_ok": True}
     answer = last_boxed(text)

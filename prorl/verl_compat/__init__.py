@@ -144,7 +144,9 @@ def format_table(t: Translation, path: str | None) -> str:
     lines += [f"  {v:<{width}}  ->  {p}" for v, p in mapped]
     matched = len(t.rows) - len(mapped)
     if matched:
-        lines.append(f"  ({matched} verl keys at values prorl honours as they are, e.g. ppo_epochs=1)")
+        lines.append(
+            f"  ({matched} verl keys at values prorl honours as they are, e.g. ppo_epochs=1)"
+        )
     if t.ignored:
         lines.append(f"  ({len(t.ignored)} verl keys ignored: no effect on what prorl trains)")
     return "\n".join(lines)
@@ -197,5 +199,9 @@ def reference_markdown() -> str:
     lines += ["", "Ignored at any value (pattern on the dotted key: why):", ""]
     lines += [f"- `{p}`: {why}" for p, why in IGNORED]
     off = ", ".join(f"`{k}={_fmt(v)}`" for k, v in PRORL_ONLY_OFF.items())
-    lines += ["", f"Set by a verl file before its keys (prorl's additions, dynamic sampling off): {off}.", ""]
+    lines += [
+        "",
+        f"Set by a verl file before its keys (prorl's additions, dynamic sampling off): {off}.",
+        "",
+    ]
     return "\n".join(lines)

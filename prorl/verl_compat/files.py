@@ -53,7 +53,9 @@ def _compose(path: str, package: str, choices: dict):
             continue
         ((group_pkg, option),) = entry.items()
         if str(group_pkg).startswith("override "):
-            raise ConfigError(f"--verl-config {path}: hydra's 'override' needs the composed config file")
+            raise ConfigError(
+                f"--verl-config {path}: hydra's 'override' needs the composed config file"
+            )
         group, _, pkg = str(group_pkg).partition("@")
         option = re.sub(r"\$\{(\w+)\}", lambda m: str(choices[m.group(1)]), str(option))
         choices[os.path.basename(group)] = option
@@ -61,9 +63,12 @@ def _compose(path: str, package: str, choices: dict):
         file = os.path.normpath(os.path.join(folder, group, option + ".yaml"))
         if not os.path.isfile(file):
             raise ConfigError(
-                f"--verl-config {path}: defaults entry {group_pkg}: {option} -> {file}: no such file"
+                f"--verl-config {path}: defaults entry "
+                f"{group_pkg}: {option} -> {file}: no such file"
             )
-        result = OmegaConf.merge(result, _compose(file, ".".join(p for p in (package, pkg) if p), choices))
+        result = OmegaConf.merge(
+            result, _compose(file, ".".join(p for p in (package, pkg) if p), choices)
+        )
     return result
 
 
@@ -92,7 +97,9 @@ def resolve(tree: dict, overrides: list[str]) -> dict[str, Any]:
         cfg = OmegaConf.merge(OmegaConf.create(tree), OmegaConf.from_dotlist(dotlist))
         return flatten(OmegaConf.to_container(cfg, resolve=True))
     except Exception as exc:  # noqa: BLE001
-        raise ConfigError(f"verl config: {type(exc).__name__}: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(
+            f"verl config: {type(exc).__name__}: {str(exc).splitlines()[0]}"
+        ) from None
 
 
 def has_key(tree: dict, key: str) -> bool:

@@ -52,7 +52,9 @@ def rule(*keys: str, doc: str = "", kind: str = "mapped"):
 
 def simple(verl_key: str, prorl_key: str, convert=lambda v: v, doc: str = "") -> None:
     """A 1:1 key."""
-    RULES.append(Rule((verl_key,), lambda get: {prorl_key: convert(get(verl_key))}, doc or prorl_key))
+    RULES.append(
+        Rule((verl_key,), lambda get: {prorl_key: convert(get(verl_key))}, doc or prorl_key)
+    )
 
 
 def only(verl_key: str, *allowed, why: str) -> None:
@@ -64,7 +66,9 @@ def only(verl_key: str, *allowed, why: str) -> None:
             raise Refused(why)
         return {}
 
-    RULES.append(Rule((verl_key,), apply, f"{' or '.join(map(repr, allowed))} only: {why}", "matched"))
+    RULES.append(
+        Rule((verl_key,), apply, f"{' or '.join(map(repr, allowed))} only: {why}", "matched")
+    )
 
 
 def _given(get, key):
@@ -86,12 +90,21 @@ simple("data.max_response_length", "rollout.max_response_tokens", int)
 simple("data.train_batch_size", "trainer.prompts_per_step", int)
 simple("data.shuffle", "data.shuffle", bool)
 only("data.reward_fn_key", "data_source", why="prorl picks the verifier by the row's data_source")
-only("data.truncation", "error", why="prorl never truncates a prompt: longer ones are dropped and counted")
+only(
+    "data.truncation",
+    "error",
+    why="prorl never truncates a prompt: longer ones are dropped and counted",
+)
 only("data.train_max_samples", -1, None, why="prorl trains on every row of data.train_files")
 only("data.val_max_samples", -1, None, why="prorl validates on every row of data.val_files")
 only("data.custom_cls.path", None, why="prorl reads verl-schema parquet / JSONL rows itself")
 only("data.gen_batch_size", None, why="prorl oversamples refills by algorithm.oversample")
-only("data.apply_chat_template_kwargs", {}, None, why="prorl applies the model's chat template as it is")
+only(
+    "data.apply_chat_template_kwargs",
+    {},
+    None,
+    why="prorl applies the model's chat template as it is",
+)
 
 
 @rule("data.seed")
@@ -107,7 +120,11 @@ simple(M + "enable_gradient_checkpointing", "model.activation_checkpointing", bo
 only(M + "lora_rank", 0, why="prorl trains every weight (no LoRA)")
 only(M + "lora.rank", 0, why="prorl trains every weight (no LoRA)")
 only(M + "custom_chat_template", None, why="prorl uses the model directory's chat template")
-only(M + "external_lib", None, why="prorl's decoder covers Llama / Qwen2 / Qwen3 (no external model code)")
+only(
+    M + "external_lib",
+    None,
+    why="prorl's decoder covers Llama / Qwen2 / Qwen3 (no external model code)",
+)
 only(M + "override_config", {}, None, why="prorl loads config.json as it is")
 only(M + "tokenizer_path", None, why="prorl loads the tokenizer from model.path")
 only(M + "hf_config_path", None, why="prorl loads config.json from model.path")
@@ -121,8 +138,14 @@ simple(A + "optim.min_lr_ratio", "optim.min_lr_ratio", float)
 only(A + "optim.optimizer", "AdamW", why="prorl's optimizer is AdamW")
 only(A + "optim.num_cycles", 0.5, why="prorl's cosine schedule is a half cycle")
 only(A + "optim.override_optimizer_config", None, {}, why="prorl's AdamW takes optim.* only")
-only(A + "ppo_epochs", 1, why="prorl makes one pass over each step's batch (trainer.mini_batches updates)")
-only(A + "policy_loss.loss_mode", "vanilla", why="prorl's loss is PPO-Clip (clip-higher, dual clip)")
+only(
+    A + "ppo_epochs",
+    1,
+    why="prorl makes one pass over each step's batch (trainer.mini_batches updates)",
+)
+only(
+    A + "policy_loss.loss_mode", "vanilla", why="prorl's loss is PPO-Clip (clip-higher, dual clip)"
+)
 only(A + "loss_scale_factor", None, why="prorl's loss normaliser follows algorithm.agg")
 only(A + "ulysses_sequence_parallel_size", 1, why="prorl has no sequence parallelism")
 
@@ -161,7 +184,10 @@ def _schedule(get):
 def _warmup(get):
     """optim.warmup_steps: verl counts RL steps (its scheduler steps once per update_actor), prorl
     optimizer steps: x trainer.mini_batches"""
-    steps, ratio = _given(get, A + "optim.lr_warmup_steps"), _given(get, A + "optim.lr_warmup_steps_ratio")
+    steps, ratio = (
+        _given(get, A + "optim.lr_warmup_steps"),
+        _given(get, A + "optim.lr_warmup_steps_ratio"),
+    )
     if steps is None or steps < 0:
         total = _given(get, "trainer.total_training_steps")
         if not ratio:
@@ -179,7 +205,9 @@ def _mini_batches(get) -> int | None:
     if prompts is None or mini is None:
         return None
     if mini <= 0 or prompts % mini:
-        raise Refused(f"data.train_batch_size={prompts} is not a multiple of ppo_mini_batch_size={mini}")
+        raise Refused(
+            f"data.train_batch_size={prompts} is not a multiple of ppo_mini_batch_size={mini}"
+        )
     return prompts // mini
 
 
@@ -264,7 +292,8 @@ def _backend(get):
 
 
 def _sampling_temperature(get, prefix: str, target: str) -> dict:
-    """`target` from verl's `<prefix>temperature`, or 0 (greedy) when `<prefix>do_sample` is false."""
+    """`target` from verl's `<prefix>temperature`, or 0 (greedy) when `<prefix>do_sample` is
+    false."""
     if _given(get, prefix + "do_sample") is False:
         return {target: 0.0}
     t = _given(get, prefix + "temperature")
@@ -283,7 +312,9 @@ simple(R + "n", "rollout.n", int)
 simple(R + "gpu_memory_utilization", "rollout.gpu_memory_utilization", float)
 
 
-@rule(R + "response_length", "data.max_response_length", R + "prompt_length", "data.max_prompt_length")
+@rule(
+    R + "response_length", "data.max_response_length", R + "prompt_length", "data.max_prompt_length"
+)
 def _lengths(get):
     """(checked) rollout.response_length / prompt_length equal data.max_response_length /
     prompt_length"""
@@ -328,9 +359,17 @@ def _advantage(get):
     raise Refused(f"{why}: use grpo or reinforce_plus_plus_baseline (ProRL's)")
 
 
-only("algorithm.use_kl_in_reward", False, why="prorl's KL is a loss term (actor.use_kl_loss), not a reward")
+only(
+    "algorithm.use_kl_in_reward",
+    False,
+    why="prorl's KL is a loss term (actor.use_kl_loss), not a reward",
+)
 only("algorithm.use_pf_ppo", False, why="prorl has no preference-feedback reweighting")
-only("algorithm.rollout_correction.rollout_is", None, why="set algorithm.is_mode (tis | icepop) instead")
+only(
+    "algorithm.rollout_correction.rollout_is",
+    None,
+    why="set algorithm.is_mode (tis | icepop) instead",
+)
 only("algorithm.rollout_correction.rollout_rs", None, why="set algorithm.is_mode=icepop instead")
 only("algorithm.rollout_correction.bypass_mode", False, why="prorl recomputes pi_old")
 
@@ -338,7 +377,10 @@ only("algorithm.rollout_correction.bypass_mode", False, why="prorl recomputes pi
 @rule("algorithm.filter_groups.enable", "algorithm.filter_groups.metric")
 def _filter(get):
     """algorithm.dynamic_sampling (DAPO's dynamic sampling on the raw score)"""
-    on, metric = _given(get, "algorithm.filter_groups.enable"), _given(get, "algorithm.filter_groups.metric")
+    on, metric = (
+        _given(get, "algorithm.filter_groups.enable"),
+        _given(get, "algorithm.filter_groups.metric"),
+    )
     if on and metric not in (None, "acc", "score", "reward"):
         raise Refused("prorl filters groups on the verifier's raw score (metric acc | score)")
     return {} if on is None else {"algorithm.dynamic_sampling": bool(on)}
@@ -410,8 +452,17 @@ def _reward_function(get):
     return {"reward.function": specs.pop()} if specs else {}
 
 
-only("custom_reward_function.reward_kwargs", {}, None, why="reward.function takes verl's four arguments")
-only("reward.reward_manager.name", "naive", why="prorl scores each response once (verl's naive manager)")
+only(
+    "custom_reward_function.reward_kwargs",
+    {},
+    None,
+    why="reward.function takes verl's four arguments",
+)
+only(
+    "reward.reward_manager.name",
+    "naive",
+    why="prorl scores each response once (verl's naive manager)",
+)
 only("reward.reward_manager.source", "register", why="prorl scores each response once")
 only("reward.reward_model.enable", None, False, why="prorl has no reward model: verifiers score")
 only("reward_model.enable", None, False, why="prorl has no reward model: verifiers score")
@@ -423,7 +474,10 @@ simple("reward.num_workers", "reward.num_workers", int)
 # -- keys that do not change what prorl trains -----------------------------------------------------
 IGNORED = [  # (pattern on the dotted key, why)
     (r"(^|\.)_target_$", "verl's dataclass targets"),
-    (r"^(ray_kwargs|global_profiler|transfer_queue|skip|model_engine)(\.|$)", "verl's infrastructure"),
+    (
+        r"^(ray_kwargs|global_profiler|transfer_queue|skip|model_engine)(\.|$)",
+        "verl's infrastructure",
+    ),
     (r"(^|\.)(profiler|checkpoint|router_replay|qat)\.", "verl's profiling, checkpoint contents"),
     (r"^critic\.", "the critic (no prorl estimator uses one)"),
     (
@@ -436,7 +490,10 @@ IGNORED = [  # (pattern on the dotted key, why)
         r"^actor_rollout_ref\.ref\.",
         "the reference's batch and sharding knobs (the reference is the policy's initial copy)",
     ),
-    (r"^actor_rollout_ref\.(actor|ref)\.(fsdp_config|megatron|torchtitan|veomni)\.", "sharding knobs"),
+    (
+        r"^actor_rollout_ref\.(actor|ref)\.(fsdp_config|megatron|torchtitan|veomni)\.",
+        "sharding knobs",
+    ),
     (r"^actor_rollout_ref\.actor\.policy_loss\.", "parameters of other policy losses"),
     (
         r"^actor_rollout_ref\.actor\.(tau_pos|tau_neg|rollout_n|shuffle|data_loader_seed|use_torch_compile|"
@@ -468,36 +525,45 @@ _IGNORED = [(re.compile(p), why) for p, why in IGNORED]
 _IN_SHARED_SECTIONS = {
     "algorithm": (
         "adv_estimator filter_groups.enable filter_groups.max_inflight_gen_batches "
-        "filter_groups.max_num_gen_batches filter_groups.metric gamma kl_ctrl.horizon kl_ctrl.kl_coef "
-        "kl_ctrl.target_kl kl_ctrl.type kl_penalty lam norm_adv_by_std_in_grpo pf_ppo.reweight_method "
+        "filter_groups.max_num_gen_batches "
+        "filter_groups.metric gamma kl_ctrl.horizon kl_ctrl.kl_coef "
+        "kl_ctrl.target_kl kl_ctrl.type kl_penalty lam "
+        "norm_adv_by_std_in_grpo pf_ppo.reweight_method "
         "pf_ppo.weight_pow rollout_correction.bypass_mode rollout_correction.loss_type "
         "rollout_correction.rollout_is rollout_correction.rollout_is_batch_normalize "
         "rollout_correction.rollout_is_threshold rollout_correction.rollout_rs "
         "rollout_correction.rollout_rs_threshold use_kl_in_reward use_pf_ppo"
     ),
     "data": (
-        "apply_chat_template_kwargs audio_key custom_cls.name custom_cls.path dataloader_num_workers "
+        "apply_chat_template_kwargs audio_key "
+        "custom_cls.name custom_cls.path dataloader_num_workers "
         "filter_overlong_prompts filter_overlong_prompts_workers function_tool_path gen_batch_size "
         "image_key image_patch_size max_prompt_length max_response_length mm_processor_kwargs "
-        "return_full_prompt return_multi_modal_inputs return_raw_chat return_raw_input_ids reward_fn_key "
-        "seed tokenizer tool_config_path train_batch_size train_max_samples truncation trust_remote_code "
+        "return_full_prompt return_multi_modal_inputs "
+        "return_raw_chat return_raw_input_ids reward_fn_key "
+        "seed tokenizer tool_config_path "
+        "train_batch_size train_max_samples truncation trust_remote_code "
         "use_shm val_batch_size val_max_samples validation_shuffle video_key"
     ),
     "trainer": (
         "balance_batch checkpoint_callback_class critic_warmup default_hdfs_dir default_local_dir "
-        "del_local_ckpt_after_load device esi_redundant_time experiment_name log_val_generations logger "
+        "del_local_ckpt_after_load device "
+        "esi_redundant_time experiment_name log_val_generations logger "
         "max_actor_ckpt_to_keep max_critic_ckpt_to_keep n_gpus_per_node nnodes project_name "
         "ray_wait_register_center_timeout resume_from_path resume_mode rollout_data_dir save_freq "
         "test_freq total_epochs total_training_steps use_v1 v1.colocate_async.num_warmup_batches "
-        "v1.sampler.custom_sampler.name v1.sampler.custom_sampler.path v1.sampler.max_off_policy_strategy "
+        "v1.sampler.custom_sampler.name "
+        "v1.sampler.custom_sampler.path v1.sampler.max_off_policy_strategy "
         "v1.sampler.max_off_policy_threshold v1.sampler.sampler_kwargs "
-        "v1.sampler.sync_refill_failed_groups v1.separate_async.hybrid_rollout.adaptive_switch_threshold "
+        "v1.sampler.sync_refill_failed_groups "
+        "v1.separate_async.hybrid_rollout.adaptive_switch_threshold "
         "v1.separate_async.hybrid_rollout.enable_switch "
         "v1.separate_async.hybrid_rollout.switch_cost_window_size "
         "v1.separate_async.hybrid_rollout.switch_threshold_ratio "
         "v1.separate_async.hybrid_rollout.switch_threshold_release_steps "
         "v1.separate_async.hybrid_rollout.switch_threshold_step_down "
-        "v1.separate_async.hybrid_rollout.switch_threshold_step_up v1.separate_async.num_warmup_batches "
+        "v1.separate_async.hybrid_rollout.switch_threshold_step_up "
+        "v1.separate_async.num_warmup_batches "
         "v1.separate_async.parameter_sync_step v1.sync v1.trainer_mode val_only validation_data_dir"
     ),
 }

@@ -12,7 +12,8 @@ from tiny_hf import LENGTHS, TINY, VARIANTS, randomize_  # noqa: E402
 
 @pytest.fixture(scope="session")
 def hf_checkpoint(tmp_path_factory):
-    """variant name -> directory of a random fp32 checkpoint saved by transformers (cached per session)."""
+    """variant name -> directory of a random fp32 checkpoint saved by transformers (cached per
+    session)."""
     import transformers
 
     made = {}

@@ -19,7 +19,8 @@ HQ, HKV, D = 4, 2, 16
 
 
 def reference_attention(q, k, v, cu, scale):
-    """float64, explicit [N, N] mask: same sequence and not in the future; GQA by repeating k/v heads."""
+    """float64, explicit [N, N] mask: same sequence and not in the future; GQA by repeating k/v
+    heads."""
     q, k, v = (t.double() for t in (q, k, v))
     n = q.shape[0]
     doc = torch.repeat_interleave(torch.arange(len(cu) - 1), cu.diff().long())  # [N]
@@ -51,7 +52,9 @@ def _check_against_reference(backend, dtype=torch.float32, device="cpu", atol=1e
     if not backward:
         return
     # backward: gradients of a fixed projection of the output
-    upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    upstream = torch.randn(
+        out.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+    )
     (out.double().cpu() * upstream).sum().backward()
     leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
     (reference_attention(*leaves, cu.cpu(), scale) * upstream).sum().backward()
@@ -64,8 +67,8 @@ def test_sdpa_matches_reference():
 
 
 def test_cuda_sdpa_kernels_respect_the_callers_choice():
-    """On CUDA the backend leaves out cuDNN's attention but keeps a caller's own restriction (the enabled
-    kernels are global flags, read here on any device)."""
+    """On CUDA the backend leaves out cuDNN's attention but keeps a caller's own restriction (the
+    enabled kernels are global flags, read here on any device)."""
     from prorl.engine.attention import cuda_sdpa_backends
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -82,14 +85,17 @@ def test_sdpa_cuda_matches_reference():
     _check_against_reference(SDPAAttention(), device="cuda", atol=1e-4)
 
 
-# torch 2.13 FlexAttention on the CPU is forward-only ("FlexAttention does not support backward on CPU"):
-# usable for evaluation and rollout there, not for training. The backward is checked on CUDA only.
+# torch 2.13 FlexAttention on the CPU is forward-only ("FlexAttention does not support backward on
+# CPU"): usable for evaluation and rollout there, not for training. The backward is checked on CUDA
+# only.
 def test_flex_eager_matches_reference():
     # Eager mode runs an unfused path that materialises the scores.
     device = "cuda" if torch.cuda.is_available() else "cpu"
     atol = 1e-4 if device == "cuda" else 1e-5
     backward = device == "cuda"
-    _check_against_reference(FlexAttention(compile=False), device=device, backward=backward, atol=atol)
+    _check_against_reference(
+        FlexAttention(compile=False), device=device, backward=backward, atol=atol
+    )
 
 
 def test_flex_cpu_backward_is_refused_by_torch():
@@ -101,11 +107,14 @@ def test_flex_cpu_backward_is_refused_by_torch():
 
 @pytest.mark.slow
 def test_flex_compiled_matches_reference():
-    # Compiled FlexAttention (inductor's CPU template): ~40 s cold to compile on this 2-core machine.
+    # Compiled FlexAttention (inductor's CPU template): ~40 s cold to compile on this 2-core
+    # machine.
     _check_against_reference(FlexAttention(compile=True), backward=False)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlexAttention backward needs CUDA in torch 2.13")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="FlexAttention backward needs CUDA in torch 2.13"
+)
 def test_flex_compiled_cuda_matches_reference():
     _check_against_reference(FlexAttention(compile=True), device="cuda", atol=1e-4)
 
@@ -152,7 +161,10 @@ def test_decoder_backends_agree(hf_checkpoint, packed_batch):
         flex = load_hf(path, attention=FlexAttention(compile=False))
         sdpa_logits = sdpa.logits(sdpa(ids, cu_seqlens=cu))
         flex_logits = flex.logits(flex(ids, cu_seqlens=cu))
-    print(f"sdpa vs flex max abs logit difference {(sdpa_logits - flex_logits).abs().max().item():.2e}")
+    print(
+        "sdpa vs flex max abs logit difference "
+        f"{(sdpa_logits - flex_logits).abs().max().item():.2e}"
+    )
     assert (sdpa_logits - flex_logits).abs().max().item() <= 1e-4
     assert (flex_logits - ref).abs().max().item() <= 1e-4
 
@@ -166,7 +178,8 @@ def test_decoder_backends_agree(hf_checkpoint, packed_batch):
     ],
 )
 def test_sdpa_separate_key_lengths_match_reference(lq, extra):
-    """Queries that are the last Lq of Lk keys (a shared prompt prefix), bucketed into few padded calls."""
+    """Queries that are the last Lq of Lk keys (a shared prompt prefix), bucketed into few padded
+    calls."""
     lk = [a + b for a, b in zip(lq, extra)]
     gen = torch.Generator().manual_seed(3)
     q = torch.randn(sum(lq), HQ, D, generator=gen, requires_grad=True)
@@ -175,7 +188,9 @@ def test_sdpa_separate_key_lengths_match_reference(lq, extra):
     cu_q = torch.tensor([0, *torch.tensor(lq).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(lk).cumsum(0).tolist()], dtype=torch.int32)
     backend = SDPAAttention()
-    ctx = backend.prepare(make_context(q.shape[0], cu_q, cu_seqlens_k=cu_k, kv_index=torch.arange(sum(lk))))
+    ctx = backend.prepare(
+        make_context(q.shape[0], cu_q, cu_seqlens_k=cu_k, kv_index=torch.arange(sum(lk)))
+    )
     assert 1 <= len(ctx.extra["sdpa_plans"]) < len(lq)  # bucketed: fewer calls than sequences
     out = backend(q, k, v, ctx, D**-0.5)
     upstream = torch.randn(out.shape, generator=gen, dtype=torch.float64)
@@ -191,7 +206,11 @@ def test_sdpa_separate_key_lengths_match_reference(lq, extra):
         vs = vd[cu_k[i] : cu_k[i + 1]].repeat_interleave(rep, dim=1)
         allowed = torch.ones(lq[i], lk[i], dtype=torch.bool).tril(lk[i] - lq[i])
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * D**-0.5
-        refs.append(torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vs))
+        refs.append(
+            torch.einsum(
+                "hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), vs
+            )
+        )
     ref = torch.cat(refs)
     assert (out.detach().double() - ref).abs().max().item() <= 1e-5
     (ref * upstream).sum().backward()
@@ -200,8 +219,8 @@ def test_sdpa_separate_key_lengths_match_reference(lq, extra):
 
 
 def test_default_backend_follows_the_compute_dtype(monkeypatch):
-    """flash-attn computes in fp16/bf16 only: on a GPU with flash-attn installed the default is SDPA for an
-    fp32 model (the embedded default's dtype), flash for bf16."""
+    """flash-attn computes in fp16/bf16 only: on a GPU with flash-attn installed the default is SDPA
+    for an fp32 model (the embedded default's dtype), flash for bf16."""
     import prorl.engine.attention as attention
 
     monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
@@ -221,7 +240,9 @@ def test_flash_refuses_fp32_with_a_clear_error(monkeypatch):
         assert q.dtype in (torch.float16, torch.bfloat16), "flash-attn: fp16/bf16 only"
         raise AssertionError("not reached in this test")
 
-    monkeypatch.setitem(sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=varlen))
+    monkeypatch.setitem(
+        sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=varlen)
+    )
     backend = get_attention_backend("flash")
     q = torch.zeros(4, 2, 8)
     ctx = backend.prepare(make_context(4, torch.tensor([0, 4], dtype=torch.int32)))

@@ -1,7 +1,8 @@
 """Damaged checkpoints (issue 20): the newest of two is corrupted in each way a disk, a copy or a crash can
-leave it; the load falls back to the previous one with a warning naming the damaged file, and with every
-checkpoint damaged it refuses with a CheckpointError naming the files. A missing RNG file costs only
-determinism (a warning naming it). Replicated and FSDP2 runs of one model are the same model."""
+leave it; the load falls back to the previous one with a warning naming the damaged file, and with
+every checkpoint damaged it refuses with a CheckpointError naming the files. A missing RNG file
+costs only determinism (a warning naming it). Replicated and FSDP2 runs of one model are the same
+model."""
 
 import json
 import logging
@@ -46,7 +47,8 @@ def _entry(manifest, name, value):
 
 
 def _unlisted_zero_filled_shard(step_dir):
-    """The shard dropped from the manifest, then zero-filled: nothing of the manifest names it any more."""
+    """The shard dropped from the manifest, then zero-filled: nothing of the manifest names it any
+    more."""
     _edit_manifest(
         step_dir, lambda m: {"files": {k: v for k, v in m["files"].items() if k != "__0_0.distcp"}}
     )
@@ -62,8 +64,14 @@ CORRUPTIONS = {
     "truncated objects.pt": (lambda d: _truncate(os.path.join(d, "objects.pt")), "objects.pt"),
     "missing objects.pt": (lambda d: os.remove(os.path.join(d, "objects.pt")), "objects.pt"),
     "missing DCP .metadata": (lambda d: os.remove(os.path.join(d, ".metadata")), ".metadata"),
-    "missing manifest.json": (lambda d: os.remove(os.path.join(d, "manifest.json")), "manifest.json"),
-    "zero-filled manifest.json": (lambda d: _zero_fill(os.path.join(d, "manifest.json")), "manifest.json"),
+    "missing manifest.json": (
+        lambda d: os.remove(os.path.join(d, "manifest.json")),
+        "manifest.json",
+    ),
+    "zero-filled manifest.json": (
+        lambda d: _zero_fill(os.path.join(d, "manifest.json")),
+        "manifest.json",
+    ),
     "manifest files a list": (
         lambda d: _edit_manifest(d, lambda m: {"files": list(m["files"])}),
         "manifest.json",
@@ -120,9 +128,12 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
     for key, tensor in model.state_dict().items():
         assert torch.equal(tensor, first[key]), key
     damaged = os.path.join(ckpt.step_dir(2), name)
-    assert any(damaged in r.getMessage() and "damaged" in r.getMessage() for r in caplog.records), caplog.text
+    assert any(damaged in r.getMessage() and "damaged" in r.getMessage() for r in caplog.records), (
+        caplog.text
+    )
 
-    with pytest.raises(CheckpointError, match="is damaged") as err:  # asked for by step: refused, named
+    # asked for by step: refused, named
+    with pytest.raises(CheckpointError, match="is damaged") as err:
         Checkpointer(ckpt.directory).load({"model": model, "data": data}, step=2)
     assert damaged in str(err.value)
 
@@ -134,8 +145,9 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, ca
 
 @pytest.mark.tally("faults")
 def test_a_damaged_newer_checkpoint_does_not_push_good_ones_out_of_keep_last(tmp_path):
-    """Saved at steps 1 and 3, step 3 damaged: the run resumes step 1 and saves step 2. keep_last=2 keeps
-    1 and 2 (the good ones up to the save); the damaged 3 neither counts nor is deleted by the save."""
+    """Saved at steps 1 and 3, step 3 damaged: the run resumes step 1 and saves step 2. keep_last=2
+    keeps 1 and 2 (the good ones up to the save); the damaged 3 neither counts nor is deleted by the
+    save."""
     ckpt = Checkpointer(str(tmp_path / "ckpt"), keep_last=2)
     model = random_decoder(seed=1)
     ckpt.save(1, {"model": model})
@@ -165,14 +177,17 @@ def test_a_missing_or_damaged_rng_file_is_named_and_the_rest_loads(tmp_path, cap
 
 @pytest.mark.tally("faults")
 def test_a_load_that_fails_anyway_is_a_checkpoint_error_naming_it(tmp_path, monkeypatch):
-    """Files that match their manifest but do not fit this run (a DCP planner's refusal, say) end as a
-    CheckpointError naming the checkpoint - train.py's exit 4 - not as a raw traceback (exit 1)."""
+    """Files that match their manifest but do not fit this run (a DCP planner's refusal, say) end as
+    a CheckpointError naming the checkpoint - train.py's exit 4 - not as a raw traceback (exit
+    1)."""
     import torch.distributed.checkpoint as dcp
 
     ckpt, _ = _two_checkpoints(tmp_path)
 
     def refusing_load(state_dict, checkpoint_id, **kwargs):
-        raise RuntimeError("Size mismatch between saved torch.Size([4]) and current torch.Size([8])")
+        raise RuntimeError(
+            "Size mismatch between saved torch.Size([4]) and current torch.Size([8])"
+        )
 
     monkeypatch.setattr(dcp, "load", refusing_load)
     with pytest.raises(
@@ -182,7 +197,8 @@ def test_a_load_that_fails_anyway_is_a_checkpoint_error_naming_it(tmp_path, monk
 
 
 def test_a_checkpoint_saved_before_manifests_still_loads(tmp_path):
-    """Format 1 (no manifest.json): the required files and a readable meta.json are checked, no more."""
+    """Format 1 (no manifest.json): the required files and a readable meta.json are checked, no
+    more."""
     ckpt, _ = _two_checkpoints(tmp_path)
     step_dir = ckpt.step_dir(2)
     os.remove(os.path.join(step_dir, "manifest.json"))
@@ -208,7 +224,7 @@ def test_the_manifest_lists_every_file_with_its_size_and_checksum(tmp_path):
         assert entry == {"size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}, name
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Two ranks: a damaged shard of rank 1, and replicated <-> FSDP2
 
 
@@ -231,7 +247,8 @@ def _fsdp_worker(rank, world, ckpt_dir):
     if rank == 0:
         _zero_fill(_shard(ckpt.step_dir(2), rank=1))
     distributed.barrier()
-    fresh = sharded()  # model.fsdp switched on for a run saved replicated: the same model, resharded
+    # model.fsdp switched on for a run saved replicated: the same model, resharded
+    fresh = sharded()
     info = Checkpointer(ckpt_dir).load({"model": fresh})
     got = parallel.full_state_dict(fresh)
     from_replicated = all(torch.equal(got[k], v) for k, v in plain.state_dict().items())
@@ -253,8 +270,8 @@ def test_fsdp2_a_damaged_shard_of_rank_1_falls_back_to_the_replicated_save(tmp_p
     "case", ["manifest files a list", "manifest entry without size", "manifest null entry"]
 )
 def test_a_resume_with_every_manifest_damaged_exits_4_naming_them(tmp_path, case):
-    """What train.py runs before anything of the run is touched: exit 4 naming each manifest, no traceback
-    (these three raised AttributeError, KeyError and TypeError there)."""
+    """What train.py runs before anything of the run is touched: exit 4 naming each manifest, no
+    traceback (these three raised AttributeError, KeyError and TypeError there)."""
     from prorl.config import load_config
     from prorl.lifecycle import EXIT_RESUME, Fatal
     from prorl.train import refuse_incompatible_resume

@@ -1,8 +1,9 @@
 """engine/fp8.py with torchao float8 on the CPU (real FP8 GEMMs through `torch._scaled_mm`): numerics of
-a converted decoder block against float64 and against the unconverted bf16 block, and every piece of the
-trainer FP8 passes through - FSDP2 with FP8 weight all-gathers over gloo, activation checkpointing,
-torch.compile, DCP checkpoints (save, resume, model identity), HF export and the tensors of a weight
-push. The Transformer Engine path runs against tests/helpers/te_standin.py (test_fp8_te.py)."""
+a converted decoder block against float64 and against the unconverted bf16 block, and every piece of
+the trainer FP8 passes through - FSDP2 with FP8 weight all-gathers over gloo, activation
+checkpointing, torch.compile, DCP checkpoints (save, resume, model identity), HF export and the
+tensors of a weight push. The Transformer Engine path runs against tests/helpers/te_standin.py
+(test_fp8_te.py)."""
 
 import copy
 import dataclasses
@@ -28,26 +29,36 @@ BLOCK_LINEARS = [
     for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
     + ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 ]
-# one decoder block (a one-layer decoder: the embedding and final norm stay unconverted), large enough
-# for the error statistics to settle: 128 wide, 256 MLP, 48 tokens in two sequences
+# one decoder block (a one-layer decoder: the embedding and final norm stay unconverted), large
+# enough for the error statistics to settle: 128 wide, 256 MLP, 48 tokens in two sequences
 BLOCK_CFG = dataclasses.replace(
-    TINY_QWEN2, hidden_size=128, intermediate_size=256, num_heads=8, num_kv_heads=4, head_dim=16, num_layers=1
+    TINY_QWEN2,
+    hidden_size=128,
+    intermediate_size=256,
+    num_heads=8,
+    num_kv_heads=4,
+    head_dim=16,
+    num_layers=1,
 )
 OPT = OptimizerConfig(lr=1e-3)
 
 
 @pytest.fixture(autouse=True)
 def cuda_scaled_mm_rules(monkeypatch):
-    """Every `torch._scaled_mm` call here must be one CUDA accepts (tests/helpers/scaled_mm_standin.py)."""
+    """Every `torch._scaled_mm` call here must be one CUDA accepts
+    (tests/helpers/scaled_mm_standin.py)."""
     scaled_mm_standin.patch(monkeypatch)
 
 
 def _forward_backward(model, dtype):
-    """Hidden states and parameter gradients (float64) of `model` in `dtype` for a fixed upstream gradient."""
+    """Hidden states and parameter gradients (float64) of `model` in `dtype` for a fixed upstream
+    gradient."""
     model = copy.deepcopy(model).to(dtype)
     ids = torch.randint(0, BLOCK_CFG.vocab_size, (48,), generator=torch.Generator().manual_seed(3))
     hidden = model(ids, cu_seqlens=torch.tensor([0, 20, 48], dtype=torch.int32))
-    upstream = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    upstream = torch.randn(
+        hidden.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64
+    )
     (hidden * upstream.to(dtype)).sum().backward()
     return hidden.detach().double(), {n: p.grad.double() for n, p in model.named_parameters()}
 
@@ -58,15 +69,17 @@ def _rel(a, b):
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_block_forward_and_gradients_track_float64_within_e4m3_bounds(recipe):
-    """e4m3 keeps 3 mantissa bits: relative rounding error up to 2^-4, RMS 2^-4/sqrt(3) = 3.6% per operand,
-    so one GEMM of two quantised operands is off by ~sqrt(2) x 3.6% = 5.1% RMS; gradients use e5m2 for the
-    upstream gradient under tensorwise (2 bits: 7.2% RMS), ~8% per GEMM. Bounds: forward 10%, gradients 20%
-    (about twice those, the block chains several GEMMs). And each error must exceed 2%, several times
-    bf16's own (~0.5-1% here): an unconverted block would pass the upper bounds but not this one."""
+    """e4m3 keeps 3 mantissa bits: relative rounding error up to 2^-4, RMS 2^-4/sqrt(3) = 3.6% per
+    operand, so one GEMM of two quantised operands is off by ~sqrt(2) x 3.6% = 5.1% RMS; gradients
+    use e5m2 for the upstream gradient under tensorwise (2 bits: 7.2% RMS), ~8% per GEMM. Bounds:
+    forward 10%, gradients 20% (about twice those, the block chains several GEMMs). And each error
+    must exceed 2%, several times bf16's own (~0.5-1% here): an unconverted block would pass the
+    upper bounds but not this one."""
     model = random_decoder(0, BLOCK_CFG)
     ref_out, ref_grads = _forward_backward(model, torch.float64)
     bf16_out, bf16_grads = _forward_backward(model, torch.bfloat16)
-    converted = FP8Training("torchao", recipe, emulate=False).convert(copy.deepcopy(model))  # _scaled_mm
+    # _scaled_mm
+    converted = FP8Training("torchao", recipe, emulate=False).convert(copy.deepcopy(model))
     assert [n for n, m in converted.named_modules() if isinstance(m, Float8Linear)] == [
         n for n in BLOCK_LINEARS if n.startswith("layers.0.")
     ]
@@ -76,20 +89,24 @@ def test_block_forward_and_gradients_track_float64_within_e4m3_bounds(recipe):
     for name in (n for n in ref_grads if n.startswith("layers.0.") and "proj.weight" in n):
         assert _rel(bf16_grads[name], ref_grads[name]) < 0.02, name
         assert 0.02 < _rel(grads[name], ref_grads[name]) < 0.20, name
-    for name in ("embed_tokens.weight", "layers.0.input_layernorm.weight"):  # reached through FP8 GEMMs
+    # reached through FP8 GEMMs
+    for name in ("embed_tokens.weight", "layers.0.input_layernorm.weight"):
         assert _rel(grads[name], ref_grads[name]) < 0.20, name
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_emulation_on_cpu_matches_the_real_fp8_gemm(recipe):
-    """CPU runs emulate (torch's CPU `_scaled_mm` is a slow reference kernel): the same quantisation, the
-    GEMM on dequantised operands. Against the real kernel: outputs and input gradients identical, weight
-    gradients within one bf16 ulp of their magnitude (a different accumulation order)."""
+    """CPU runs emulate (torch's CPU `_scaled_mm` is a slow reference kernel): the same
+    quantisation, the GEMM on dequantised operands. Against the real kernel: outputs and input
+    gradients identical, weight gradients within one bf16 ulp of their magnitude (a different
+    accumulation order)."""
     model = random_decoder(0, BLOCK_CFG)
     emulated = FP8Training("torchao", recipe).convert(copy.deepcopy(model))
     assert all(m.config.emulate for m in emulated.modules() if isinstance(m, Float8Linear))
     real = FP8Training("torchao", recipe, emulate=False).convert(copy.deepcopy(model))
-    (out_e, grads_e), (out_r, grads_r) = (_forward_backward(m, torch.bfloat16) for m in (emulated, real))
+    (out_e, grads_e), (out_r, grads_r) = (
+        _forward_backward(m, torch.bfloat16) for m in (emulated, real)
+    )
     assert torch.equal(out_e, out_r)
     for name, g in grads_r.items():
         assert float((grads_e[name] - g).abs().max()) <= 2**-7 * float(g.abs().max()), name
@@ -106,12 +123,14 @@ def test_conversion_keeps_names_shapes_values_and_the_lm_head():
     assert list(after) == list(before)
     for name, value in before.items():
         assert after[name].dtype == value.dtype and torch.equal(after[name], value), name
-    assert model_identity(model) == model_identity(random_decoder(0, cfg))  # checkpoints still match
+    # checkpoints still match
+    assert model_identity(model) == model_identity(random_decoder(0, cfg))
 
 
 def test_state_dicts_of_fp8_all_gather_weights_are_plain():
-    """torchao's FP8 all-gather wraps each weight in a tensor subclass at conversion; what leaves the
-    trainer (full_state_dict, iter_full_tensors; here without a process group) is the plain weight."""
+    """torchao's FP8 all-gather wraps each weight in a tensor subclass at conversion; what leaves
+    the trainer (full_state_dict, iter_full_tensors; here without a process group) is the plain
+    weight."""
     model = FP8Training("torchao", fsdp=True).convert(random_decoder())
     assert type(model.layers[0].mlp.up_proj.weight).__name__ == "WeightWithDynamicFloat8CastTensor"
     want = random_decoder().state_dict()
@@ -146,26 +165,30 @@ def _loss_and_grads(model):
     logp, _ = linear_logprob_entropy(hidden, model.lm_head_weight, labels, return_entropy=False)
     loss = -logp.sum()
     loss.backward()
-    return float(loss.detach()), {parallel.clean_name(n): p.grad.clone() for n, p in model.named_parameters()}
+    return float(loss.detach()), {
+        parallel.clean_name(n): p.grad.clone() for n, p in model.named_parameters()
+    }
 
 
 def test_activation_checkpointing_recomputes_converted_blocks_exactly():
-    """torchao keeps no FP8 state between calls (dynamic scales): torch's checkpoint recomputes the block
-    bit for bit."""
+    """torchao keeps no FP8 state between calls (dynamic scales): torch's checkpoint recomputes the
+    block bit for bit."""
     base = FP8Training("torchao", emulate=False).convert(random_decoder().to(torch.bfloat16))
     want_loss, want = _loss_and_grads(copy.deepcopy(base))
-    loss, grads = _loss_and_grads(parallel.parallelize(copy.deepcopy(base), activation_checkpointing=True))
+    loss, grads = _loss_and_grads(
+        parallel.parallelize(copy.deepcopy(base), activation_checkpointing=True)
+    )
     assert loss == want_loss and all(torch.equal(grads[k], want[k]) for k in want)
 
 
 @pytest.mark.slow
 def test_compiled_converted_blocks_match_eager():
-    """model.compile on converted blocks (the emulated GEMMs CPU runs use; ~12-30 s of inductor here):
-    graphs are compiled, and the compiled FP8 block is as close to the unconverted bf16 block as the
-    eager FP8 block is (inductor rounds and fuses differently, so the two FP8 runs differ from each
-    other by about their FP8 error: each error against bf16 must stay within 2x eager's + 1%).
-    With activation_checkpointing=True as well, dynamo captures no graph of the checkpointed block on
-    torch 2.13 (bf16 too): the block then runs eagerly."""
+    """model.compile on converted blocks (the emulated GEMMs CPU runs use; ~12-30 s of inductor
+    here): graphs are compiled, and the compiled FP8 block is as close to the unconverted bf16 block
+    as the eager FP8 block is (inductor rounds and fuses differently, so the two FP8 runs differ
+    from each other by about their FP8 error: each error against bf16 must stay within 2x eager's +
+    1%). With activation_checkpointing=True as well, dynamo captures no graph of the checkpointed
+    block on torch 2.13 (bf16 too): the block then runs eagerly."""
     from torch._dynamo.utils import counters
 
     bf16 = random_decoder().to(torch.bfloat16)
@@ -184,7 +207,8 @@ def test_compiled_converted_blocks_match_eager():
 
 def _fsdp_worker(rank, world, tmp):
     """FSDP2 over gloo: bf16 against FP8 (all-gather in FP8 and not, with checkpointing); then a DCP
-    checkpoint of the FP8 run, its resume into fresh models, a reset's exact copy, export and push."""
+    checkpoint of the FP8 run, its resume into fresh models, a reset's exact copy, export and
+    push."""
     scaled_mm_standin.install()  # a spawned process: the test's monkeypatch does not reach it
     out = {}
     models = {}
@@ -199,8 +223,11 @@ def _fsdp_worker(rank, world, tmp):
         )
         opt = Optimizer(model, OPT)
         losses = []
-        for step in range(3):  # each rank's batch padded to 16 tokens, as the trainer pads (CUDA's rule)
-            loss = train_step(model, opt, step, rank_slice(rank, world), pad_multiple=fp8.token_multiple)
+        # each rank's batch padded to 16 tokens, as the trainer pads (CUDA's rule)
+        for step in range(3):
+            loss = train_step(
+                model, opt, step, rank_slice(rank, world), pad_multiple=fp8.token_multiple
+            )
             losses.append(float(distributed.all_reduce_sum(loss)))
             fp8.after_optimizer_step(model)
         out[name] = losses
@@ -208,7 +235,8 @@ def _fsdp_worker(rank, world, tmp):
     model, opt, fp8 = models["fp8_all_gather_ac"]
     local = model.layers[0].self_attn.q_proj.weight.to_local()
     out["all_gather_wrapped"] = type(local).__name__
-    out["identity"] = (model_identity(model), model_identity(models["bf16"][0]))  # both FSDP-wrapped
+    # both FSDP-wrapped
+    out["identity"] = (model_identity(model), model_identity(models["bf16"][0]))
 
     ckpt = Checkpointer(str(tmp / "ckpt"))
     ckpt.save(3, {"model": model, "optimizer": opt})
@@ -220,10 +248,13 @@ def _fsdp_worker(rank, world, tmp):
     out["push_names"] = [k for k, _ in pushed]
     export_hf(model, str(tmp / "hf"), dtype=torch.bfloat16)
 
-    # resume: a fresh converted model (and a fresh unconverted one: the identity is the same) reload it
+    # resume: a fresh converted model (and a fresh unconverted one: the identity is the same) reload
+    # it
     for name, backend in (("resumed_fp8", "torchao"), ("resumed_plain", "none")):
         spec = FP8Training(backend, fsdp=True, emulate=False)
-        fresh = parallel.parallelize(spec.convert(random_decoder(seed=9)), param_dtype=torch.bfloat16)
+        fresh = parallel.parallelize(
+            spec.convert(random_decoder(seed=9)), param_dtype=torch.bfloat16
+        )
         fresh_opt = Optimizer(fresh, OPT)
         ckpt.load({"model": fresh, "optimizer": fresh_opt})
         again = parallel.full_state_dict(fresh, cpu_offload=True)
@@ -232,11 +263,15 @@ def _fsdp_worker(rank, world, tmp):
             next_loss = [float(distributed.all_reduce_sum(train_step(m, o, 3, rank_slice(rank, world), 16)))
                          for m, o in ((model, opt), (fresh, fresh_opt))]  # fmt: skip
             out["next_losses"] = next_loss
-            fp8.after_optimizer_step(model)  # as the trainer does after every step: scales of the new weights
+            # as the trainer does after every step: scales of the new weights
+            fp8.after_optimizer_step(model)
 
-    # reference reset: an exact copy into a converted reference gives identical log-probs (KL exactly 0)
+    # reference reset: an exact copy into a converted reference gives identical log-probs (KL
+    # exactly 0)
     spec = FP8Training("torchao", fsdp=True, emulate=False)
-    reference = parallel.parallelize(spec.convert(random_decoder(seed=5)), param_dtype=torch.bfloat16)
+    reference = parallel.parallelize(
+        spec.convert(random_decoder(seed=5)), param_dtype=torch.bfloat16
+    )
     parallel.copy_parameters_(reference, model)
     ids, cu, labels = packed_batch(7, rank_slice(rank, world))
     with torch.no_grad():
@@ -257,10 +292,12 @@ def test_fsdp2_fp8_all_gather_checkpoint_export_and_push(tmp_path):
         # activations moves a log-likelihood of ~4.6 nats by far less), yet not bf16's numbers
         assert all(abs(a - b) < 0.01 * b for a, b in zip(r0[name], bf16)), (name, r0[name], bf16)
         assert r0[name] != bf16
-    # FP8 all-gather: FSDP2 gathers FP8 bytes (torchao's weight wrapper is the shard) with matching losses
+    # FP8 all-gather: FSDP2 gathers FP8 bytes (torchao's weight wrapper is the shard) with matching
+    # losses
     assert r0["all_gather_wrapped"] == "WeightWithDynamicFloat8CastTensor"
     assert all(abs(a - b) < 1e-3 * b for a, b in zip(r0["fp8_all_gather_ac"], r0["fp8"]))
-    assert r0["identity"][0] == r0["identity"][1]  # checkpoints of FP8 and bf16 runs address each other
+    # checkpoints of FP8 and bf16 runs address each other
+    assert r0["identity"][0] == r0["identity"][1]
     # what leaves the trainer is plain: no FP8 subclass, scale or _extra_state
     assert r0["full_types"] == ["Tensor"] and r0["full_dtypes"] == ["torch.float32"]
     assert r0["push"] == [("Tensor", "torch.bfloat16")]
@@ -276,4 +313,6 @@ def test_fsdp2_fp8_all_gather_checkpoint_export_and_push(tmp_path):
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.bfloat16)
     q = hf.model.layers[0].self_attn.q_proj.weight
-    assert type(q) is nn.Parameter and torch.equal(q, tensors["model.layers.0.self_attn.q_proj.weight"])
+    assert type(q) is nn.Parameter and torch.equal(
+        q, tensors["model.layers.0.self_attn.q_proj.weight"]
+    )

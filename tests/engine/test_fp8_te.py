@@ -1,6 +1,7 @@
 """engine/fp8.py's Transformer Engine path against tests/helpers/te_standin.py, a stand-in that enforces
 TE's documented rules (shapes, autocast names, recipes, checkpointing under the FP8 state, parameter
-attributes under FSDP2, `_extra_state`). The real TE runs on a GPU only (benchmarks/gpu_check.sh)."""
+attributes under FSDP2, `_extra_state`). The real TE runs on a GPU only
+(benchmarks/gpu_check.sh)."""
 
 import dataclasses
 import sys
@@ -51,7 +52,8 @@ def test_conversion_swaps_the_aligned_block_linears_and_copies_weights(te):
     assert _te_names(model) == BLOCK_LINEARS and fp8.has_te_layers(model)
     assert [n for n, _ in model.named_parameters()] == names
     with torch.no_grad():
-        torch.testing.assert_close(model(ids, cu_seqlens=cu), want, rtol=0, atol=0)  # outside autocast
+        # outside autocast
+        torch.testing.assert_close(model(ids, cu_seqlens=cu), want, rtol=0, atol=0)
         with FP8Training("te").autocast():
             got = model(ids, cu_seqlens=cu)
     assert te.fp8_gemms == len(BLOCK_LINEARS)
@@ -61,7 +63,12 @@ def test_conversion_swaps_the_aligned_block_linears_and_copies_weights(te):
 def test_unaligned_layers_and_the_lm_head_stay(te):
     cfg = dataclasses.replace(TINY_QWEN2, intermediate_size=72, tie_word_embeddings=False)
     model = FP8Training("te").convert(Decoder(cfg))  # 72 % 16 != 0: gate/up/down stay
-    assert [n.split(".")[-1] for n in _te_names(model)] == ["q_proj", "k_proj", "v_proj", "o_proj"] * 2
+    assert [n.split(".")[-1] for n in _te_names(model)] == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+    ] * 2
     assert type(model.lm_head) is nn.Linear and type(model.layers[0].mlp.up_proj) is nn.Linear
 
 
@@ -103,15 +110,17 @@ def test_autocast_uses_te_2_9_names_and_the_recipe(te, recipe, kind, fields):
         assert te_standin.state().enabled
     (enabled, got, group), = te.autocasts  # fmt: skip
     assert enabled and type(got).__name__ == kind and group is None
-    assert {k: getattr(got, k).value if k == "fp8_format" else getattr(got, k) for k in fields} == fields
+    assert {
+        k: getattr(got, k).value if k == "fp8_format" else getattr(got, k) for k in fields
+    } == fields
     assert not te_standin.state().enabled  # left on exit
     assert FP8Training("torchao").autocast().__class__.__name__ == "nullcontext"
 
 
 @pytest.mark.parametrize("share", [True, False])
 def test_packed_batches_are_padded_to_te_shapes_without_changing_results(te, share):
-    """14 packed tokens break TE's rule (TE raises); padded to 16 with a dummy sequence they run, and the
-    response rows' hidden states are those of the unpadded batch."""
+    """14 packed tokens break TE's rule (TE raises); padded to 16 with a dummy sequence they run,
+    and the response rows' hidden states are those of the unpadded batch."""
     model = FP8Training("te").convert(random_decoder())
     batch = packing.pack([([3, 4, 5], [[6, 7, 8], [9, 10]]), ([11, 12], [[13, 14, 15, 16]])], share)
     assert batch.num_tokens % 16
@@ -123,17 +132,21 @@ def test_packed_batches_are_padded_to_te_shapes_without_changing_results(te, sha
             with pytest.raises(AssertionError, match="divisible by 8"):
                 packing.hidden_states(model, batch)
             assert packing.hidden_states(model, batch, pad_multiple=16).shape == want.shape
-    assert packing.padded(batch, 16).num_tokens == {True: 16, False: 32}[share]  # 14 or 17 tokens before
+    # 14 or 17 tokens before
+    assert packing.padded(batch, 16).num_tokens == {True: 16, False: 32}[share]
 
 
 def test_activation_checkpointing_recomputes_under_the_fp8_state(te):
     ids, cu, labels = packed_batch(0)
-    model = parallel.parallelize(FP8Training("te").convert(random_decoder()), activation_checkpointing=True)
+    model = parallel.parallelize(
+        FP8Training("te").convert(random_decoder()), activation_checkpointing=True
+    )
     with FP8Training("te").autocast():
         hidden = model(ids, cu_seqlens=cu)
     logp, _ = linear_logprob_entropy(hidden, model.lm_head_weight, labels, return_entropy=False)
     forward_gemms = te.fp8_gemms
-    logp.sum().backward()  # outside the autocast; the stand-in raises if a recomputation runs in bf16
+    # outside the autocast; the stand-in raises if a recomputation runs in bf16
+    logp.sum().backward()
     assert te.checkpoints == TINY_QWEN2.num_layers and te.fp8_gemms == 2 * forward_gemms
     assert all(p.grad is not None for p in model.parameters())
 
@@ -147,16 +160,27 @@ def _fsdp_te_worker(rank, world):
         ids, cu, labels = packed_batch(0)
         with spec.autocast():
             hidden = model(ids, cu_seqlens=cu)
-        linear_logprob_entropy(hidden, model.lm_head_weight, labels, return_entropy=False)[0].sum().backward()
+        linear_logprob_entropy(hidden, model.lm_head_weight, labels, return_entropy=False)[
+            0
+        ].sum().backward()
         keys = list(model.state_dict())
         full = parallel.full_state_dict(model)
         pushed = [name for name, _ in parallel.iter_full_tensors(model, torch.bfloat16)]
         group = te_standin.state().autocasts[0][2] is not None
-        return missing, type(model.layers[0].mlp.up_proj.weight).__name__, keys, sorted(full), pushed, group
+        return (
+            missing,
+            type(model.layers[0].mlp.up_proj.weight).__name__,
+            keys,
+            sorted(full),
+            pushed,
+            group,
+        )
 
 
 def test_fsdp2_keeps_te_parameter_attributes_and_drops_extra_state(tmp_path):
-    missing, param_type, keys, full, pushed, group = run_ranks(_fsdp_te_worker, tmp_path, world=1)[0]
+    missing, param_type, keys, full, pushed, group = run_ranks(_fsdp_te_worker, tmp_path, world=1)[
+        0
+    ]
     assert param_type == "DTensor" and missing == []
     extra = [k for k in keys if k.endswith("_extra_state")]
     assert len(extra) == len(BLOCK_LINEARS)  # TE's metadata is in the state dict ...
@@ -168,11 +192,14 @@ def test_fsdp2_keeps_te_parameter_attributes_and_drops_extra_state(tmp_path):
 def test_trainer_dummy_pass_meets_te_rules():
     from prorl.update import Updater
 
-    assert Updater.DUMMY_TOKENS % FP8Training("te").token_multiple == 0 and Updater.DUMMY_TOKENS >= 16
+    assert (
+        Updater.DUMMY_TOKENS % FP8Training("te").token_multiple == 0 and Updater.DUMMY_TOKENS >= 16
+    )
 
 
 def _bucketed(model):
-    """What `VLLMGenerator.update_weights` would send for `model`: its buckets of (HF name, tensor)."""
+    """What `VLLMGenerator.update_weights` would send for `model`: its buckets of (HF name,
+    tensor)."""
     import types
 
     from prorl.engine.rollout.vllm import VLLMGenerator
@@ -183,8 +210,8 @@ def _bucketed(model):
 
 
 def test_vllm_weight_push_sends_plain_tensors_only(te):
-    """TE layers (their `_extra_state`) and torchao's FP8 all-gather weights (a tensor subclass): the vLLM
-    push sends exactly the tensors of an unconverted model, plain bf16, under HF names."""
+    """TE layers (their `_extra_state`) and torchao's FP8 all-gather weights (a tensor subclass):
+    the vLLM push sends exactly the tensors of an unconverted model, plain bf16, under HF names."""
     pytest.importorskip("torchao.float8", reason="needs torchao: pip install 'prorl[fp8]'")
     want = [(f"model.{k}", v.to(torch.bfloat16)) for k, v in random_decoder().state_dict().items()]
     for model in (
@@ -203,13 +230,15 @@ def test_vllm_weight_push_sends_plain_tensors_only(te):
 
 def test_te_checkpoint_resumes_into_te_and_exports_into_a_plain_decoder(te, tmp_path, monkeypatch):
     """A DCP checkpoint of a TE-converted model holds what an unconverted one does (not TE's
-    `_extra_state`) under the same model identity: it reloads into a fresh converted model and into a
-    plain Decoder (prorl.export's path), and a plain model's checkpoint reloads into a converted one."""
+    `_extra_state`) under the same model identity: it reloads into a fresh converted model and into
+    a plain Decoder (prorl.export's path), and a plain model's checkpoint reloads into a converted
+    one."""
     from prorl.engine.checkpoint import Checkpointer, model_identity
 
     model = FP8Training("te").convert(random_decoder(seed=1))
     fresh_te = FP8Training("te").convert(random_decoder(seed=2))
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the checkpoint runs on the CPU here
+    # the checkpoint runs on the CPU here
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert model_identity(model) == model_identity(random_decoder())
     Checkpointer(str(tmp_path)).save(1, {"model": model})
     want = parallel.full_state_dict(model)
@@ -220,12 +249,14 @@ def test_te_checkpoint_resumes_into_te_and_exports_into_a_plain_decoder(te, tmp_
     plain = random_decoder(seed=3)
     Checkpointer(str(tmp_path / "plain")).save(1, {"model": plain})
     Checkpointer(str(tmp_path / "plain")).load({"model": fresh_te})
-    assert all(torch.equal(v, plain.state_dict()[k]) for k, v in parallel.full_state_dict(fresh_te).items())
+    assert all(
+        torch.equal(v, plain.state_dict()[k]) for k, v in parallel.full_state_dict(fresh_te).items()
+    )
 
 
 def test_trainer_log_prob_passes_run_te_layers_in_fp8_on_padded_batches(te):
-    """`Updater.logprobs` (every log-prob pass and the update's forward): under TE's autocast, on the
-    batch padded to TE's multiple; the log-probs are those of the same pass done by hand."""
+    """`Updater.logprobs` (every log-prob pass and the update's forward): under TE's autocast, on
+    the batch padded to TE's multiple; the log-probs are those of the same pass done by hand."""
     import types
 
     from prorl.update import Updater
@@ -237,5 +268,7 @@ def test_trainer_log_prob_passes_run_te_layers_in_fp8_on_padded_batches(te):
     assert te.fp8_gemms == len(BLOCK_LINEARS) and te.autocasts[0][0]
     with torch.no_grad(), FP8Training("te").autocast():
         hidden = packing.hidden_states(model, packing.padded(batch, 16))
-    want, _ = linear_logprob_entropy(hidden, model.lm_head_weight, batch.labels, return_entropy=False)
+    want, _ = linear_logprob_entropy(
+        hidden, model.lm_head_weight, batch.labels, return_entropy=False
+    )
     assert torch.equal(logp, want)

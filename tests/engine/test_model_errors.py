@@ -64,7 +64,13 @@ def test_unknown_architecture_from_a_directory(hf_checkpoint, tmp_path):
     "changes, message",
     [
         (
-            {"rope_scaling": {"rope_type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+            {
+                "rope_scaling": {
+                    "rope_type": "longrope",
+                    "short_factor": [1.0],
+                    "long_factor": [1.0],
+                }
+            },
             "longrope",
         ),
         ({"rope_parameters": {"rope_type": "mrope", "rope_theta": 1e6}}, "mrope"),
@@ -93,7 +99,8 @@ def test_v4_style_rope_fields_are_read():
     assert cfg.rope.original_max_position_embeddings == 128
     assert cfg.qkv_bias and not cfg.o_bias and cfg.head_dim == 16
     written = cfg.to_hf(dtype="bfloat16")
-    assert written["rope_theta"] == 1e6 and written["rope_scaling"]["rope_type"] == "yarn"  # 4.x readers
+    # 4.x readers
+    assert written["rope_theta"] == 1e6 and written["rope_scaling"]["rope_type"] == "yarn"
     assert ModelConfig.from_hf(written) == cfg
 
 
@@ -104,7 +111,8 @@ def test_missing_tensor(hf_checkpoint, tmp_path):
     del state["model.layers.1.self_attn.q_proj.bias"]
     save_file(state, f"{path}/model.safetensors", metadata={"format": "pt"})
     with pytest.raises(
-        ValueError, match=r"does not match its config.json.*missing model.layers.1.self_attn.q_proj.bias"
+        ValueError,
+        match=r"does not match its config.json.*missing model.layers.1.self_attn.q_proj.bias",
     ):
         load_hf(path)
 
@@ -129,9 +137,7 @@ def test_untied_config_needs_lm_head(hf_checkpoint, tmp_path):
 def test_wrong_shape(hf_checkpoint, tmp_path):
     path = _copy(hf_checkpoint("qwen3"), tmp_path / "ckpt")
     _edit_config(path, intermediate_size=96)
-    expected = (
-        r"wrong shape model.layers.0.mlp.down_proj.weight: checkpoint \(64, 128\), config expects \(64, 96\)"
-    )
+    expected = r"wrong shape model.layers.0.mlp.down_proj.weight: checkpoint \(64, 128\), config expects \(64, 96\)"
     with pytest.raises(ValueError, match=expected):
         load_hf(path)
 
@@ -170,15 +176,19 @@ def _zero_fill_file(path: str) -> None:
     [
         ("model.safetensors", _truncate_file, "truncated or damaged safetensors"),
         ("model.safetensors", _zero_fill_file, "truncated, zero-filled or not safetensors"),
-        ("model.safetensors", lambda p: open(p, "wb").close(), "truncated, zero-filled or not safetensors"),
+        (
+            "model.safetensors",
+            lambda p: open(p, "wb").close(),
+            "truncated, zero-filled or not safetensors",
+        ),
         ("config.json", _truncate_file, "is not valid JSON"),
         ("config.json", _zero_fill_file, "is not valid JSON"),
         ("config.json", lambda p: open(p, "w").write("[1, 2]"), "must hold a JSON object"),
     ],
 )
 def test_a_damaged_file_is_named(hf_checkpoint, tmp_path, file, damage, message):
-    """The safetensors library's own errors ("HeaderTooLarge", "MetadataIncompleteBuffer") and json's
-    name neither the file nor the cause."""
+    """The safetensors library's own errors ("HeaderTooLarge", "MetadataIncompleteBuffer") and
+    json's name neither the file nor the cause."""
     path = _copy(hf_checkpoint("qwen2"), tmp_path / "ckpt")
     damage(os.path.join(path, file))
     with pytest.raises(ValueError, match=message) as err:

@@ -1,8 +1,9 @@
 """The decoder against `transformers` on the same checkpoint directory.
 
 fp32 criterion: max abs logit error <= 1e-4 (logits here are O(5)).
-bf16 criterion (flash-attention's habit, STYLE.md): with transformers' fp32 logits as the reference, our
-bf16 error (max and mean abs) is at most 2x transformers' own bf16 error on the same bf16 weights.
+bf16 criterion (flash-attention's habit, STYLE.md): with transformers' fp32 logits as the reference,
+our bf16 error (max and mean abs) is at most 2x transformers' own bf16 error on the same bf16
+weights.
 """
 
 import dataclasses
@@ -32,17 +33,22 @@ def test_fp32_logits_match_transformers(variant, hf_checkpoint, packed_batch):
     ref = hf_logits_per_sequence(_hf(path), ids, cu)
     ours = _ours(load_hf(path), ids, cu)
     err = (ours - ref).abs().max().item()
-    print(f"{variant}: fp32 max abs logit error {err:.2e} (max |logit| {ref.abs().max().item():.2f})")
+    print(
+        f"{variant}: fp32 max abs logit error {err:.2e} (max |logit| {ref.abs().max().item():.2f})"
+    )
     assert err <= FP32_ATOL
 
 
 @pytest.mark.parametrize("variant", ["llama-llama3", "llama-linear", "llama-dynamic", "llama-yarn"])
 def test_rope_scaling_is_visible_in_this_test(variant, hf_checkpoint, packed_batch):
-    """Power check of the parity test above: ignoring the scaling changes the logits by far more than 1e-4."""
+    """Power check of the parity test above: ignoring the scaling changes the logits by far more
+    than 1e-4."""
     model = load_hf(hf_checkpoint(variant))
     ids, cu = packed_batch
     plain = Decoder(
-        dataclasses.replace(model.config, rope=dataclasses.replace(model.config.rope, rope_type="default"))
+        dataclasses.replace(
+            model.config, rope=dataclasses.replace(model.config.rope, rope_type="default")
+        )
     )
     plain.load_state_dict(model.state_dict())
     assert (_ours(plain, ids, cu) - _ours(model, ids, cu)).abs().max().item() > 1e-2
@@ -67,7 +73,8 @@ def test_bf16_error_within_transformers_own(variant, hf_checkpoint, packed_batch
 
 @pytest.mark.parametrize("variant", ["qwen2", "llama-dynamic"])
 def test_packed_and_padded_agree(variant, hf_checkpoint, packed_batch):
-    """Right-padded [B, T] through our model and transformers, and packed [N], give the same logits."""
+    """Right-padded [B, T] through our model and transformers, and packed [N], give the same
+    logits."""
     path = hf_checkpoint(variant)
     ids, cu = packed_batch
     model = load_hf(path)
@@ -96,7 +103,8 @@ def test_packed_and_padded_agree(variant, hf_checkpoint, packed_batch):
         ours_left = model.logits(model(left_ids, attention_mask=left_mask))
     assert (ours_left[left_mask.bool()] - packed).abs().max().item() <= 1e-5
 
-    if variant != "llama-dynamic":  # transformers scales dynamic RoPE by the batch's longest sequence
+    # transformers scales dynamic RoPE by the batch's longest sequence
+    if variant != "llama-dynamic":
         with torch.no_grad():
             hf_padded = _hf(path)(padded_ids, attention_mask=mask).logits
         assert (hf_padded[mask.bool()] - packed).abs().max().item() <= FP32_ATOL
@@ -111,13 +119,15 @@ def test_default_position_ids_restart_per_sequence(hf_checkpoint, packed_batch):
         whole = model(ids)  # no cu_seqlens: one sequence
         first = model(ids[: LENGTHS[0]])
     assert whole.shape == (sum(LENGTHS), model.config.hidden_size)
-    assert (whole[: LENGTHS[0]] - first).abs().max().item() <= 1e-5  # causal: a prefix does not see the rest
+    # causal: a prefix does not see the rest
+    assert (whole[: LENGTHS[0]] - first).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize("variant", ["qwen2", "qwen3", "llama-bias", "llama-yarn"])
 @pytest.mark.parametrize("max_shard_bytes", [None, 40_000])
 def test_save_hf_round_trip(variant, max_shard_bytes, hf_checkpoint, packed_batch, tmp_path):
-    """load_hf -> save_hf (single file or shards) -> transformers loads identical weights and logits."""
+    """load_hf -> save_hf (single file or shards) -> transformers loads identical weights and
+    logits."""
     path = hf_checkpoint(variant)
     ids, cu = packed_batch
     model = load_hf(path)
@@ -129,7 +139,9 @@ def test_save_hf_round_trip(variant, max_shard_bytes, hf_checkpoint, packed_batc
     assert type(exported) is type(original)
     for name, tensor in original.state_dict().items():
         assert torch.equal(exported.state_dict()[name], tensor), name
-    assert torch.equal(hf_logits_per_sequence(exported, ids, cu), hf_logits_per_sequence(original, ids, cu))
+    assert torch.equal(
+        hf_logits_per_sequence(exported, ids, cu), hf_logits_per_sequence(original, ids, cu)
+    )
     assert torch.equal(_ours(load_hf(str(tmp_path)), ids, cu), _ours(model, ids, cu))
 
 
@@ -142,7 +154,8 @@ def test_load_sharded_transformers_checkpoint(hf_checkpoint, packed_batch, tmp_p
 
 
 def test_model_from_config_on_meta_exports_to_transformers(tmp_path, packed_batch):
-    """The from-scratch path: build on meta, materialise, init, save as bf16; transformers agrees."""
+    """The from-scratch path: build on meta, materialise, init, save as bf16; transformers
+    agrees."""
     cfg = ModelConfig(
         model_type="qwen2",
         vocab_size=256,
@@ -166,16 +179,22 @@ def test_model_from_config_on_meta_exports_to_transformers(tmp_path, packed_batc
     hf = _hf(str(tmp_path), dtype=torch.float32)
     ours = load_hf(str(tmp_path), dtype=torch.float32)
     assert ours.config == cfg
-    assert (_ours(ours, ids, cu) - hf_logits_per_sequence(hf, ids, cu)).abs().max().item() <= FP32_ATOL
-    assert load_hf(str(tmp_path)).embed_tokens.weight.dtype == torch.bfloat16  # dtype=None: config's dtype
+    assert (
+        _ours(ours, ids, cu) - hf_logits_per_sequence(hf, ids, cu)
+    ).abs().max().item() <= FP32_ATOL
+    # dtype=None: config's dtype
+    assert load_hf(str(tmp_path)).embed_tokens.weight.dtype == torch.bfloat16
 
 
 def test_gradients_match_transformers(hf_checkpoint, packed_batch):
-    """Training needs the backward too: parameter gradients of the same loss agree with transformers'."""
+    """Training needs the backward too: parameter gradients of the same loss agree with
+    transformers'."""
     path = hf_checkpoint("qwen3")
     ids, cu = packed_batch
     hf, ours = _hf(path), load_hf(path)
-    weights = torch.randn(sum(LENGTHS), ours.config.vocab_size, generator=torch.Generator().manual_seed(2))
+    weights = torch.randn(
+        sum(LENGTHS), ours.config.vocab_size, generator=torch.Generator().manual_seed(2)
+    )
     bounds = cu.tolist()
     hf_logits = torch.cat([hf(ids[a:b][None]).logits[0] for a, b in zip(bounds[:-1], bounds[1:])])
     (hf_logits * weights).sum().backward()

@@ -43,7 +43,8 @@ def test_bad_configs():
 
 
 def test_adamw_steps_match_float64_reference():
-    """Three steps with warmup, clipping and weight decay on matrices only, against AdamW written out."""
+    """Three steps with warmup, clipping and weight decay on matrices only, against AdamW written
+    out."""
     cfg = OptimizerConfig(
         lr=0.1, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, max_grad_norm=0.5, warmup_steps=2
     )
@@ -119,7 +120,9 @@ def test_non_finite_gradient_skips_the_step(bad):
 
 
 def test_state_dict_resume_is_exact():
-    cfg = OptimizerConfig(lr=0.05, schedule="cosine", warmup_steps=1, total_steps=6, weight_decay=0.1)
+    cfg = OptimizerConfig(
+        lr=0.05, schedule="cosine", warmup_steps=1, total_steps=6, weight_decay=0.1
+    )
     model = _model()
     opt = Optimizer(model, cfg)
     for step in range(2):
@@ -144,7 +147,9 @@ def test_state_dict_resume_is_exact():
 
 def test_reset_state_forgets_moments_keeps_schedule():
     model = torch.nn.Linear(3, 2)
-    opt = Optimizer(model, OptimizerConfig(lr=0.1, weight_decay=0.0, schedule="cosine", total_steps=10))
+    opt = Optimizer(
+        model, OptimizerConfig(lr=0.1, weight_decay=0.0, schedule="cosine", total_steps=10)
+    )
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
     lr_before = opt.lr
@@ -155,4 +160,6 @@ def test_reset_state_forgets_moments_keeps_schedule():
     w0 = model.weight.detach().clone()
     model(torch.ones(1, 3)).sum().backward()
     opt.step()
-    torch.testing.assert_close((model.weight - w0).abs(), torch.full_like(w0, lr_before), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        (model.weight - w0).abs(), torch.full_like(w0, lr_before), atol=1e-4, rtol=0
+    )

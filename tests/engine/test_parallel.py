@@ -2,10 +2,11 @@
 
 The reference is independent of the code under test: the model is loaded with `load_hf` (not the
 sharded `materialize`), is not wrapped, and sees the whole batch in one process. Tolerance for fp32:
-atol = rtol = 1e-5 on every step's loss and every final weight. Measured here: 4.8e-7 (loss) and 3.9e-7
-(weights) after 3 steps, from the order of the gradient sums only (docs/notes.md saw 4e-5). Adam's eps
-is 1e-6, not 1e-8: k_proj.bias has a zero gradient in exact arithmetic (softmax is shift-invariant), and
-with eps 1e-8 Adam's m/sqrt(v) turns its float noise into updates that differed by 6e-6.
+atol = rtol = 1e-5 on every step's loss and every final weight. Measured here: 4.8e-7 (loss) and
+3.9e-7 (weights) after 3 steps, from the order of the gradient sums only (docs/notes.md saw 4e-5).
+Adam's eps is 1e-6, not 1e-8: k_proj.bias has a zero gradient in exact arithmetic (softmax is
+shift-invariant), and with eps 1e-8 Adam's m/sqrt(v) turns its float noise into updates that
+differed by 6e-6.
 """
 
 import dataclasses
@@ -46,7 +47,10 @@ def _reference(hf_dir, dtype=torch.float32):
 def _fsdp_worker(rank, world, hf_dir, option_sets):
     metrics = distributed.all_reduce_mean({"rank": rank, "tokens": torch.tensor(10.0 * (rank + 1))})
     assert metrics == {"rank": 0.5, "tokens": 15.0}, metrics
-    assert distributed.all_reduce_max(float(rank)) == 1.0 and distributed.all_reduce_min(float(rank)) == 0.0
+    assert (
+        distributed.all_reduce_max(float(rank)) == 1.0
+        and distributed.all_reduce_min(float(rank)) == 0.0
+    )
     out = []
     for options in option_sets:
         model = parallel.meta_decoder(parallel.hf_model_config(hf_dir))
@@ -56,7 +60,8 @@ def _fsdp_worker(rank, world, hf_dir, option_sets):
         losses = []
         for step in range(STEPS):
             loss = train_step(model, opt, step, rank_slice(rank, world))
-            losses.append(float(distributed.all_reduce_sum(loss)))  # per-rank losses add up to the global one
+            # per-rank losses add up to the global one
+            losses.append(float(distributed.all_reduce_sum(loss)))
         master_dtypes = {p.dtype for p in model.parameters()}
         out.append((losses, parallel.full_state_dict(model, cpu_offload=True), master_dtypes))
     return out
@@ -74,27 +79,33 @@ OPTION_SETS = (
 def test_fsdp2_two_ranks_match_single_process(hf_dir, tmp_path):
     """One spawn of two ranks runs four FSDP2 configurations against single-process references.
 
-    fp32 - plain, with activation checkpointing, with checkpointing and compile: 3 AdamW steps (warmup,
-    clipping, weight decay) give the reference's losses and weights within TOL.
-    bf16 params / fp32 reduce: master weights stay fp32; the first loss is as close to the fp32 loss as
-    plain torch's bf16 model is (within 2x of that error, plus a bf16 ulp of the loss), later ones
-    within 5%.
+    fp32 - plain, with activation checkpointing, with checkpointing and compile: 3 AdamW steps
+    (warmup, clipping, weight decay) give the reference's losses and weights within TOL. bf16 params
+    / fp32 reduce: master weights stay fp32; the first loss is as close to the fp32 loss as plain
+    torch's bf16 model is (within 2x of that error, plus a bf16 ulp of the loss), later ones within
+    5%.
     """
     results = run_ranks(_fsdp_worker, tmp_path, hf_dir, OPTION_SETS)
     want_losses, want_state = _reference(hf_dir)
     initial = load_hf(hf_dir).state_dict()
-    assert max((want_state[k] - initial[k]).abs().max() for k in initial) > 1e-2  # the steps moved weights
+    # the steps moved weights
+    assert max((want_state[k] - initial[k]).abs().max() for k in initial) > 1e-2
     for i, options in enumerate(OPTION_SETS[:3]):
         losses, state, master_dtypes = results[0][i]
-        assert results[1][i][0] == losses and results[1][i][1] == {}  # same reduced losses; rank 1 no tensors
+        # same reduced losses; rank 1 no tensors
+        assert results[1][i][0] == losses and results[1][i][1] == {}
         assert master_dtypes == {torch.float32}
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), **TOL, msg=str(options))
+        torch.testing.assert_close(
+            torch.tensor(losses), torch.tensor(want_losses), **TOL, msg=str(options)
+        )
         assert set(state) == set(want_state)
         for name, tensor in want_state.items():
             torch.testing.assert_close(state[name], tensor, **TOL, msg=f"{name} {options}")
 
     losses, state, master_dtypes = results[0][3]
-    assert master_dtypes == {torch.float32} and all(t.dtype == torch.float32 for t in state.values())
+    assert master_dtypes == {torch.float32} and all(
+        t.dtype == torch.float32 for t in state.values()
+    )
     bf16_model = load_hf(hf_dir, dtype=torch.bfloat16)
     plain_error = abs(float(train_step(bf16_model, Optimizer(bf16_model, OPT), 0)) - want_losses[0])
     assert abs(losses[0] - want_losses[0]) <= 2 * plain_error + 2**-8 * abs(want_losses[0])
@@ -119,7 +130,10 @@ def test_single_process_mode_is_plain():
 
 def test_checkpointing_and_full_state_dict_keep_names_and_numbers():
     """Activation checkpointing changes neither the loss, the gradients nor the state-dict names."""
-    plain, wrapped = random_decoder(), parallel.parallelize(random_decoder(), activation_checkpointing=True)
+    plain, wrapped = (
+        random_decoder(),
+        parallel.parallelize(random_decoder(), activation_checkpointing=True),
+    )
     ids, cu, labels = packed_batch(0)
     for model in (plain, wrapped):
         model(ids, cu_seqlens=cu).pow(2).mean().backward()
@@ -161,8 +175,9 @@ def test_materialize_from_hf_and_random(hf_dir):
 
 
 def _failure_worker(rank, world, port, timeout_s):
-    """torchrun's environment -> init_distributed(timeout_s). First rank 1 stalls (alive, never joins a
-    collective), then it dies (os._exit); rank 0 must get an error both times instead of hanging."""
+    """torchrun's environment -> init_distributed(timeout_s). First rank 1 stalls (alive, never
+    joins a collective), then it dies (os._exit); rank 0 must get an error both times instead of
+    hanging."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     info = distributed.init_distributed(timeout_s=timeout_s)
@@ -184,7 +199,8 @@ def _failure_worker(rank, world, port, timeout_s):
 
 @pytest.mark.slow
 def test_stalled_or_dead_rank_raises_instead_of_hanging(tmp_path):
-    """gloo, timeout 2 s: a stalled peer -> "Timed out" after ~2 s; a dead peer -> an error at once."""
+    """gloo, timeout 2 s: a stalled peer -> "Timed out" after ~2 s; a dead peer -> an error at
+    once."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -222,13 +238,17 @@ def test_a_waiting_rank_says_what_it_waits_for(tmp_path):
     assert lines[1] == []  # the late rank itself did not wait
     assert lines[0], "rank 0 waited 1.5 s and said nothing"
     assert "rank 0 has waited" in lines[0][0]
-    assert "all-reduce of round 3's shortfall" in lines[0][0] and "'sampling round 3'" in lines[0][0]
+    assert (
+        "all-reduce of round 3's shortfall" in lines[0][0] and "'sampling round 3'" in lines[0][0]
+    )
 
 
 def test_process_group_backend():
     from prorl.engine.distributed import process_group_backend
 
-    assert process_group_backend(cuda=False) == "gloo" and process_group_backend(False, True) == "gloo"
+    assert (
+        process_group_backend(cuda=False) == "gloo" and process_group_backend(False, True) == "gloo"
+    )
     assert process_group_backend(cuda=True) == "nccl"
     # CPU offload: the gradient norm's all-reduce runs on CPU tensors, which NCCL cannot reduce
     assert process_group_backend(cuda=True, cpu_offload=True) == "cuda:nccl,cpu:gloo"

@@ -1,9 +1,9 @@
 """The CUDA paths, on a real GPU: compiled Triton kernels, the native sampler, the trainer step.
 
-Skipped without a CUDA device (the CPU suite covers the same code under the Triton interpreter, which
-cannot show compiled-code problems: register pressure, fast-math exp/log accuracy, truly concurrent
-programs racing on the ppo_loss completion counter, host syncs). Run on a GPU machine with
-`python -m pytest tests/gpu` (benchmarks/gpu_check.sh does, with the GPU benchmarks).
+Skipped without a CUDA device (the CPU suite covers the same code under the Triton interpreter,
+which cannot show compiled-code problems: register pressure, fast-math exp/log accuracy, truly
+concurrent programs racing on the ppo_loss completion counter, host syncs). Run on a GPU machine
+with `python -m pytest tests/gpu` (benchmarks/gpu_check.sh does, with the GPU benchmarks).
 
 Kernel results are held to independent references computed on the CPU in float64 (`*_reference` ops)
 and greedy decoding to `transformers`' generate. Two checks compare prorl with itself by design: the
@@ -18,8 +18,8 @@ import os
 import pytest
 import torch
 
-# PRORL_GPU_TEST_DEVICE=cpu runs the module on CPU tensors (Triton interpreted; TRITON_INTERPRET=1 set by
-# tests/conftest.py): a check of the tests themselves, not of compiled GPU code
+# PRORL_GPU_TEST_DEVICE=cpu runs the module on CPU tensors (Triton interpreted; TRITON_INTERPRET=1
+# set by tests/conftest.py): a check of the tests themselves, not of compiled GPU code
 CUDA = torch.device(os.environ.get("PRORL_GPU_TEST_DEVICE", "cuda"))
 pytestmark = pytest.mark.skipif(
     CUDA.type == "cuda" and not torch.cuda.is_available(), reason="needs a CUDA device"
@@ -59,7 +59,8 @@ def _ppo_case(n_seqs, max_len, seed, dtype):
     cu = torch.zeros(n_seqs + 1, dtype=torch.int32)
     cu[1:] = lens.cumsum(0)
     old = -torch.rand(n, generator=g) * 4
-    logp = (old + 0.3 * torch.randn(n, generator=g)).clamp(max=0).to(dtype)  # ratios far outside the clip
+    # ratios far outside the clip
+    logp = (old + 0.3 * torch.randn(n, generator=g)).clamp(max=0).to(dtype)
     ref = -torch.rand(n, generator=g) * 4
     adv = torch.randn(n_seqs, generator=g).repeat_interleave(lens)
     mask = torch.rand(n, generator=g) > 0.1
@@ -96,7 +97,9 @@ def test_ppo_loss_triton_matches_float64(agg, kw, dtype):
     tol = dict(rtol=1e-5, atol=1e-9) if dtype == torch.float32 else dict(rtol=8e-3, atol=1e-8)
     torch.testing.assert_close(x.grad.double().cpu(), xr.grad, **tol)
     for k in ("clipfrac_low", "clipfrac_high", "num_tokens"):
-        torch.testing.assert_close(metrics[k].double().cpu(), torch.as_tensor(want_metrics[k]).double())
+        torch.testing.assert_close(
+            metrics[k].double().cpu(), torch.as_tensor(want_metrics[k]).double()
+        )
 
 
 @contextlib.contextmanager
@@ -114,9 +117,9 @@ def _no_host_sync():
 
 
 def test_ppo_loss_triton_no_host_sync_and_deterministic():
-    """A large call (many programs, truly concurrent on the GPU): no host sync in forward or backward
-    (torch raises on one under sync debug mode "error"), and bitwise-equal results over repeats (the
-    last program reduces the partials in a fixed order)."""
+    """A large call (many programs, truly concurrent on the GPU): no host sync in forward or
+    backward (torch raises on one under sync debug mode "error"), and bitwise-equal results over
+    repeats (the last program reduces the partials in a fixed order)."""
     from prorl.kernels import ppo_loss, ppo_loss_reference
 
     logp, old, adv, mask, ref, cu = _ppo_case(_n(4096), _n(512), seed=2, dtype=torch.float32)
@@ -126,13 +129,21 @@ def test_ppo_loss_triton_no_host_sync_and_deterministic():
     for _ in range(5):
         x = logp.to(CUDA, copy=True).requires_grad_()
         with _no_host_sync():
-            loss, _ = ppo_loss(x, *args, ref_logp=refd, kl_coef=1e-3, cu_seqlens=cud, backend="triton")
+            loss, _ = ppo_loss(
+                x, *args, ref_logp=refd, kl_coef=1e-3, cu_seqlens=cud, backend="triton"
+            )
             loss.backward()
         outs.append((loss.detach().clone(), x.grad.clone()))
     for loss, grad in outs[1:]:
         assert torch.equal(loss, outs[0][0]) and torch.equal(grad, outs[0][1])
     want, _ = ppo_loss_reference(
-        logp.double(), old.double(), adv.double(), mask, ref_logp=ref.double(), kl_coef=1e-3, cu_seqlens=cu
+        logp.double(),
+        old.double(),
+        adv.double(),
+        mask,
+        ref_logp=ref.double(),
+        kl_coef=1e-3,
+        cu_seqlens=cu,
     )
     torch.testing.assert_close(outs[0][0].double().cpu(), want, rtol=1e-5, atol=1e-7)
 
@@ -156,7 +167,8 @@ def _llpe_case(n, d, v, dtype, seed=0):
 def test_linear_logprob_entropy_triton_matches_float64(dtype, temperature):
     from prorl.kernels import linear_logprob_entropy, linear_logprob_entropy_reference
 
-    h, w, y, g_lp, g_ent = _llpe_case(_n(777), 256, _n(5003) | 1, dtype)  # odd V: a partial last tile
+    # odd V: a partial last tile
+    h, w, y, g_lp, g_ent = _llpe_case(_n(777), 256, _n(5003) | 1, dtype)
     hc, wc = h.to(CUDA, copy=True).requires_grad_(), w.to(CUDA, copy=True).requires_grad_()
     lp, ent = linear_logprob_entropy(hc, wc, y.to(CUDA), temperature, backend="triton")
     (lp.float() * g_lp.to(CUDA) + ent.float() * g_ent.to(CUDA)).sum().backward()
@@ -245,7 +257,9 @@ def test_native_sampler_cuda_greedy_matches_transformers_cpu(checkpoint):
     out = gen.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=16))
     for s in out.samples:
         prompt = torch.tensor([PROMPTS[s.prompt_index]])
-        ref = hf.generate(prompt, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+        ref = hf.generate(
+            prompt, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
         assert s.token_ids == ref[0, prompt.shape[1] :].tolist()
 
 
@@ -263,12 +277,14 @@ def test_native_sampler_cuda_logprobs_match_trainer(checkpoint, dtype):
     params = SamplingParams(n=4, temperature=0.8, top_p=0.95, max_new_tokens=24, seed=3)
     out = gen.generate(PROMPTS, params)
     diffs = [
-        torch.tensor(s.logprobs) - recompute_logprobs(model, PROMPTS[s.prompt_index], s.token_ids, 0.8)
+        torch.tensor(s.logprobs)
+        - recompute_logprobs(model, PROMPTS[s.prompt_index], s.token_ids, 0.8)
         for s in out.samples
     ]
     d = torch.cat(diffs)
     print(
-        f"sampler-vs-trainer logp mismatch {dtype}: max {d.abs().max():.3g} rms {d.pow(2).mean().sqrt():.3g}"
+        f"sampler-vs-trainer logp mismatch {dtype}: max "
+        f"{d.abs().max():.3g} rms {d.pow(2).mean().sqrt():.3g}"
     )
     assert d.abs().max() < (1e-3 if dtype == torch.float32 else 0.25)
 
@@ -293,8 +309,8 @@ def test_native_sampler_cuda_update_weights_follow(checkpoint):
 
 
 def test_trainer_steps_on_cuda(tmp_path):
-    """The embedded default's trainer, in-process on cuda:0: two RL steps, finite loss, the policy moves,
-    the sampler follows it (drift metric small)."""
+    """The embedded default's trainer, in-process on cuda:0: two RL steps, finite loss, the policy
+    moves, the sampler follows it (drift metric small)."""
     from transformers import PreTrainedTokenizerFast
 
     from prorl.config import load_config
@@ -325,5 +341,6 @@ def test_trainer_steps_on_cuda(tmp_path):
     for m in metrics:
         print({k: round(float(v), 5) for k, v in m.items() if isinstance(v, (int, float))})
         assert all(math.isfinite(float(v)) for v in m.values() if isinstance(v, (int, float)))
-        assert m["rollout/logprob_mismatch"] < 1e-3  # fp32 sampler on the policy vs the update's forward
+        # fp32 sampler on the policy vs the update's forward
+        assert m["rollout/logprob_mismatch"] < 1e-3
     assert not torch.equal(w0, next(trainer.policy.parameters()).detach())

@@ -1,8 +1,8 @@
 """FP8 on a real GPU (benchmarks/gpu_check.sh runs it): torchao float8 with the real `torch._scaled_mm`
 and Transformer Engine's Linear under its autocast, each against float64, with the bounds of
 tests/engine/test_fp8.py (e4m3: ~5% RMS per GEMM; forward 10%, gradients 20%, and above 1%: an
-unconverted block would fail that). Skipped without CUDA sm_90+, torchao or TE; the CPU suite covers the
-same code with torchao's CPU path and the TE stand-in."""
+unconverted block would fail that). Skipped without CUDA sm_90+, torchao or TE; the CPU suite covers
+the same code with torchao's CPU path and the TE stand-in."""
 
 import contextlib
 import copy
@@ -14,7 +14,8 @@ from prorl.engine import parallel
 from prorl.engine.fp8 import FP8Training, fp8_layers, fp8_support
 
 pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0), reason="needs CUDA sm_90+"
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+    reason="needs CUDA sm_90+",
 )
 
 
@@ -28,11 +29,16 @@ def _decoder():
 
 def _forward_backward(model, dtype, context=None):
     model = copy.deepcopy(model).to("cuda", dtype)
-    ids = torch.randint(0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(3)).cuda()
-    cu = torch.tensor([0, 16, 64], dtype=torch.int32, device="cuda")  # 64 tokens: TE's multiple of 16
+    ids = torch.randint(
+        0, model.config.vocab_size, (64,), generator=torch.Generator().manual_seed(3)
+    ).cuda()
+    # 64 tokens: TE's multiple of 16
+    cu = torch.tensor([0, 16, 64], dtype=torch.int32, device="cuda")
     with (context or contextlib.nullcontext)():
         hidden = model(ids, cu_seqlens=cu)
-    upstream = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    upstream = torch.randn(
+        hidden.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64
+    )
     (hidden * upstream.cuda().to(dtype)).sum().backward()
     grads = {parallel.clean_name(n): p.grad.double().cpu() for n, p in model.named_parameters()}
     return hidden.detach().double().cpu(), grads, model

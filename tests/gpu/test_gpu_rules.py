@@ -1,14 +1,15 @@
 """On a GPU, the rules the CPU suite enforces with stand-ins (benchmarks/gpu_check.sh runs tests/gpu/):
 
-- CUDA's `torch._scaled_mm` refuses and accepts exactly what tests/helpers/scaled_mm_standin.py does, case
-  by case (the stand-in is only as good as this agreement);
+- CUDA's `torch._scaled_mm` refuses and accepts exactly what tests/helpers/scaled_mm_standin.py
+  does, case by case (the stand-in is only as good as this agreement);
 - torchao FP8 forward + backward with the real CUDA GEMMs: 50 tokens fail in the backward, as the
   stand-in says, and the trainer's padding to `FP8Training.token_multiple` trains any count;
-- FSDP2 with CPU offload: the vLLM weight probe (`reference_probe_logprobs`) computes on the GPU from
-  shards on the CPU, and gives the unsharded model's log-probs;
+- FSDP2 with CPU offload: the vLLM weight probe (`reference_probe_logprobs`) computes on the GPU
+  from shards on the CPU, and gives the unsharded model's log-probs;
 - `rollout.gpu_memory_utilization=auto` reads this GPU's memory.
 
-Each test takes seconds. Skipped without CUDA (and without torchao where it is needed), with the reason.
+Each test takes seconds. Skipped without CUDA (and without torchao where it is needed), with the
+reason.
 """
 
 import copy
@@ -30,14 +31,29 @@ def _fp8(rows, cols, dtype=torch.float8_e4m3fn, col_major=False):
 ONE = 1.0
 CASES = {  # name: (mat1, mat2, scale_a, scale_b, out_dtype, bias) built on the GPU
     "ok tensorwise": lambda: (_fp8(32, 48), _fp8(48, 16, col_major=True), ONE, ONE),
-    "ok rowwise": lambda: (_fp8(32, 48), _fp8(48, 16, col_major=True), torch.ones(32, 1), torch.ones(1, 16)),
+    "ok rowwise": lambda: (
+        _fp8(32, 48),
+        _fp8(48, 16, col_major=True),
+        torch.ones(32, 1),
+        torch.ones(1, 16),
+    ),
     "ok e4m3 x e5m2": lambda: (_fp8(32, 48), _fp8(48, 16, torch.float8_e5m2, True), ONE, ONE),
     "ok M not aligned": lambda: (_fp8(33, 48), _fp8(48, 16, col_major=True), ONE, ONE),
     "K not aligned": lambda: (_fp8(32, 50), _fp8(50, 16, col_major=True), ONE, ONE),
     "N not aligned": lambda: (_fp8(32, 48), _fp8(48, 20, col_major=True), ONE, ONE),
-    "e5m2 x e5m2": lambda: (_fp8(32, 48, torch.float8_e5m2), _fp8(48, 16, torch.float8_e5m2, True), ONE, ONE),
+    "e5m2 x e5m2": lambda: (
+        _fp8(32, 48, torch.float8_e5m2),
+        _fp8(48, 16, torch.float8_e5m2, True),
+        ONE,
+        ONE,
+    ),
     "mat2 row-major": lambda: (_fp8(32, 48), _fp8(48, 16), ONE, ONE),
-    "scale_a of M elements": lambda: (_fp8(32, 48), _fp8(48, 16, col_major=True), torch.ones(32), ONE),
+    "scale_a of M elements": lambda: (
+        _fp8(32, 48),
+        _fp8(48, 16, col_major=True),
+        torch.ones(32),
+        ONE,
+    ),
 }
 
 
@@ -66,7 +82,9 @@ def test_the_cpu_stand_in_agrees_with_cudas_scaled_mm(name):
 def _block():
     from dist_helpers import TINY_QWEN2, random_decoder
 
-    return random_decoder(0, dataclasses.replace(TINY_QWEN2, num_layers=1)).cuda().to(torch.bfloat16)
+    return (
+        random_decoder(0, dataclasses.replace(TINY_QWEN2, num_layers=1)).cuda().to(torch.bfloat16)
+    )
 
 
 def _train_pass(model, tokens: int, pad_multiple: int = 1):
@@ -80,7 +98,9 @@ def _train_pass(model, tokens: int, pad_multiple: int = 1):
     seqs = ids[: tokens // 3].tolist(), ids[tokens // 3 :].tolist()
     batch = packing.pack([(s[:1], [s[1:]]) for s in seqs], share=False, device="cuda")
     hidden = packing.hidden_states(model, batch, pad_multiple=pad_multiple)
-    logp, _ = linear_logprob_entropy(hidden, model.lm_head_weight, batch.labels, return_entropy=False)
+    logp, _ = linear_logprob_entropy(
+        hidden, model.lm_head_weight, batch.labels, return_entropy=False
+    )
     logp.sum().backward()
     torch.cuda.synchronize()
     return logp.detach().float()
@@ -102,7 +122,8 @@ def test_torchao_fp8_backward_on_odd_token_counts(recipe):
     for tokens in (50, 37, 17):
         logp = _train_pass(copy.deepcopy(model), tokens, pad_multiple=spec.token_multiple)
         want = _train_pass(copy.deepcopy(bf16), tokens)
-        assert float((logp - want).abs().max()) < 0.1  # nats; e4m3 ~5% per GEMM (tests/engine/test_fp8.py)
+        # nats; e4m3 ~5% per GEMM (tests/engine/test_fp8.py)
+        assert float((logp - want).abs().max()) < 0.1
 
 
 def _offload_worker(rank, world, init_file):
@@ -112,7 +133,9 @@ def _offload_worker(rank, world, init_file):
     from prorl.engine.rollout.vllm import VLLMGenerator
 
     torch.cuda.set_device(0)
-    dist.init_process_group("cuda:nccl,cpu:gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    dist.init_process_group(
+        "cuda:nccl,cpu:gloo", init_method=f"file://{init_file}", rank=0, world_size=1
+    )
     plain = random_decoder(0).cuda()
     sharded = parallelize(random_decoder(0), cpu_offload=True)
     stored = sharded.lm_head_weight.device.type
@@ -123,7 +146,8 @@ def _offload_worker(rank, world, init_file):
 
 
 def test_cpu_offload_and_the_weight_probe(tmp_path):
-    """Before the fix the probe built its labels beside the CPU shards while FSDP2 computed on the GPU."""
+    """Before the fix the probe built its labels beside the CPU shards while FSDP2 computed on the
+    GPU."""
     from dist_helpers import run_ranks
 
     stored, gap = run_ranks(_offload_worker, tmp_path, str(tmp_path / "pg"), world=1, init=False)[0]
@@ -140,4 +164,5 @@ def test_auto_gpu_fraction_reads_this_gpu():
     free, total = torch.cuda.mem_get_info()
     fraction = rollout_budget.gpu_fraction(cfg, policy, "vllm")
     want = rollout_budget.fraction_that_fits(total, free, 3 * 4 * (1024 * 1024 + 1024))
-    assert fraction == pytest.approx(min(want, 0.9), abs=0.01)  # other allocations may move meanwhile
+    # other allocations may move meanwhile
+    assert fraction == pytest.approx(min(want, 0.9), abs=0.01)

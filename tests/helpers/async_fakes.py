@@ -24,7 +24,8 @@ class Store:
 
 
 class BlockingGroup:
-    """A push group whose broadcasts wait until `release` is set (a rollout rank still generating)."""
+    """A push group whose broadcasts wait until `release` is set (a rollout rank still
+    generating)."""
 
     def __init__(self):
 

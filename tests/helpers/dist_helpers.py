@@ -1,5 +1,6 @@
 """Helpers shared by the distributed engine tests: a tiny Qwen2-shaped decoder, packed batches, a training
-step with the project's loss convention, and a runner that spawns gloo ranks (file:// rendezvous)."""
+step with the project's loss convention, and a runner that spawns gloo ranks (file://
+rendezvous)."""
 
 import io
 import os
@@ -27,7 +28,8 @@ TINY_QWEN2 = ModelConfig(
     tie_word_embeddings=True,
     max_position_embeddings=64,
 )
-LENGTHS = [5, 9, 7, 11]  # one global batch: rank 0 of 2 gets sequences 0-1 (14 tokens), rank 1 2-3 (18)
+# one global batch: rank 0 of 2 gets sequences 0-1 (14 tokens), rank 1 2-3 (18)
+LENGTHS = [5, 9, 7, 11]
 
 
 def random_decoder(seed: int = 0, cfg: ModelConfig = TINY_QWEN2) -> Decoder:
@@ -44,10 +46,12 @@ def random_decoder(seed: int = 0, cfg: ModelConfig = TINY_QWEN2) -> Decoder:
 def packed_batch(
     step: int, seqs: slice | None = None, vocab: int = TINY_QWEN2.vocab_size, pad_multiple: int = 1
 ):
-    """(input_ids [N], cu_seqlens [B+1] int32, labels [N]) of sequences `seqs` of step's global batch.
+    """(input_ids [N], cu_seqlens [B+1] int32, labels [N]) of sequences `seqs` of step's global
+    batch.
 
-    labels[i] = the next token of the same sequence, -100 at each sequence's last token. pad_multiple:
-    a sequence of token 0 with labels -100 is appended to make N a multiple of it (FP8 GEMMs on CUDA).
+    labels[i] = the next token of the same sequence, -100 at each sequence's last token.
+    pad_multiple: a sequence of token 0 with labels -100 is appended to make N a multiple of it (FP8
+    GEMMs on CUDA).
     """
     gen = torch.Generator().manual_seed(1000 + step)
     ids = [torch.randint(0, vocab, (n,), generator=gen) for n in LENGTHS]
@@ -55,8 +59,13 @@ def packed_batch(
     pad = -sum(len(s) for s in ids) % pad_multiple
     labels = [torch.cat([s[1:], torch.tensor([-100])]) for s in ids]
     if pad:
-        ids, labels = ids + [torch.zeros(pad, dtype=torch.long)], labels + [torch.full((pad,), -100)]
-    cu = torch.tensor([0, *torch.tensor([len(s) for s in ids]).cumsum(0).tolist()], dtype=torch.int32)
+        ids, labels = (
+            ids + [torch.zeros(pad, dtype=torch.long)],
+            labels + [torch.full((pad,), -100)],
+        )
+    cu = torch.tensor(
+        [0, *torch.tensor([len(s) for s in ids]).cumsum(0).tolist()], dtype=torch.int32
+    )
     return torch.cat(ids), cu, torch.cat(labels)
 
 
@@ -64,9 +73,12 @@ def global_token_count(step: int) -> int:
     return sum(n - 1 for n in LENGTHS)
 
 
-def train_step(model, optimizer, step: int, seqs: slice | None = None, pad_multiple: int = 1) -> torch.Tensor:
-    """One optimizer step; loss = -sum(logp of this rank's tokens) / GLOBAL token count (the kernels'
-    normalizer convention), so the per-rank losses sum to the single-process loss. Returns the loss."""
+def train_step(
+    model, optimizer, step: int, seqs: slice | None = None, pad_multiple: int = 1
+) -> torch.Tensor:
+    """One optimizer step; loss = -sum(logp of this rank's tokens) / GLOBAL token count (the
+    kernels' normalizer convention), so the per-rank losses sum to the single-process loss. Returns
+    the loss."""
     ids, cu, labels = packed_batch(step, seqs, pad_multiple=pad_multiple)
     hidden = model(ids, cu_seqlens=cu)
     logp, _ = linear_logprob_entropy(hidden, model.lm_head_weight, labels, return_entropy=False)
@@ -85,7 +97,9 @@ def _entry(rank, world, init_file, queue, fn, args):
     try:
         torch.set_num_threads(1)
         if init_file:
-            dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+            dist.init_process_group(
+                "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world
+            )
         # as bytes: tensors sent as they are travel by shared memory that dies with this process
         buffer = io.BytesIO()
         torch.save(fn(rank, world, *args), buffer)
@@ -107,7 +121,10 @@ def run_ranks(fn, tmp_path, *args, world: int = 2, init: bool = True, timeout_s:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     init_file = os.path.join(str(tmp_path), f"init-{os.urandom(4).hex()}") if init else None
-    procs = [ctx.Process(target=_entry, args=(r, world, init_file, queue, fn, args)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world, init_file, queue, fn, args))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     results, errors = {}, {}
@@ -118,7 +135,12 @@ def run_ranks(fn, tmp_path, *args, world: int = 2, init: bool = True, timeout_s:
             (results if status == "ok" else errors)[rank] = value
         except queue_module.Empty:
             for rank, p in enumerate(procs):
-                if rank not in results and rank not in errors and p.exitcode is not None and queue.empty():
+                if (
+                    rank not in results
+                    and rank not in errors
+                    and p.exitcode is not None
+                    and queue.empty()
+                ):
                     results[rank] = ("exited", p.exitcode)
     for p in procs:
         p.join(timeout=30)

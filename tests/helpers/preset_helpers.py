@@ -1,6 +1,7 @@
 """The `prorl_v2_1.5b` preset in miniature: the preset file itself with size-only overrides, on a bf16
-checkpoint with an untied LM head written by `transformers` (as DeepSeek-R1-Distill-Qwen-1.5B ships), and
-data in verl's schema whose rewards make dynamic sampling uneven across ranks (`preset_rewards`)."""
+checkpoint with an untied LM head written by `transformers` (as DeepSeek-R1-Distill-Qwen-1.5B
+ships), and data in verl's schema whose rewards make dynamic sampling uneven across ranks
+(`preset_rewards`)."""
 
 import os
 import shutil
@@ -33,7 +34,8 @@ def write_bf16_untied_checkpoint(path: str) -> str:
 
 
 def write_data(directory: str) -> tuple[str, str]:
-    """(train.jsonl, val.jsonl): digit sums in verl's schema; training rows under `preset_uneven`."""
+    """(train.jsonl, val.jsonl): digit sums in verl's schema; training rows under
+    `preset_uneven`."""
     from prorl import data
 
     train = [
@@ -60,7 +62,8 @@ def preset_overrides(checkpoint: str, train: str, val: str) -> list[str]:
         "rollout.max_response_tokens=40",
         "data.max_prompt_tokens=64",
         "trainer.prompts_per_step=16",
-        "trainer.micro_batch_tokens=120",  # a group (~230 tokens) spans micro-batches; counts differ by rank
+        # a group (~230 tokens) spans micro-batches; counts differ by rank
+        "trainer.micro_batch_tokens=120",
         "algorithm.max_rounds=3",
         "algorithm.reset.interval=2",
         "reward.length_k_on=2",

@@ -30,7 +30,8 @@ def out_of_range(response, ground_truth, extra):
 
 
 def counting(response, ground_truth, extra):
-    """Appends one line per call to the file named by the ground truth; scores 1 if the response is 'yes'."""
+    """Appends one line per call to the file named by the ground truth; scores 1 if the response is
+    'yes'."""
     with open(ground_truth["log"], "a") as f:
         f.write(response + "\n")
     return 1.0 if response == "yes" else 0.0

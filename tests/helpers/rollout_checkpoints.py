@@ -1,5 +1,6 @@
 """Helpers shared by the sampler tests (tests/rollout, tests/gpu): a tiny random Qwen2 checkpoint written
-by `transformers` (the independent reference), and the training-side recomputation of sampled log-probs."""
+by `transformers` (the independent reference), and the training-side recomputation of sampled
+log-probs."""
 
 import torch
 
@@ -23,9 +24,11 @@ def save_random_qwen2(path, std: float, **config):
     return hf.eval()
 
 
-def recompute_logprobs(model, prompt: list[int], tokens: list[int], temperature: float) -> torch.Tensor:
-    """log p(token) of each sampled token under the training model (prorl Decoder + the fused op), at the
-    sampling temperature: what the trainer computes for the same tokens."""
+def recompute_logprobs(
+    model, prompt: list[int], tokens: list[int], temperature: float
+) -> torch.Tensor:
+    """log p(token) of each sampled token under the training model (prorl Decoder + the fused op),
+    at the sampling temperature: what the trainer computes for the same tokens."""
     from prorl.kernels import linear_logprob_entropy
 
     device = next(model.parameters()).device

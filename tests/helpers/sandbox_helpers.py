@@ -50,17 +50,22 @@ def run(code, backend, limits=FAST, args=None, files=None):
 
 def host_places() -> list[str]:
     """Writable host directories outside /tmp, /var/tmp, /dev/shm and the home directory, where a
-    dataset, a checkpoint or a socket of another run could be (the old sandbox hid only those four)."""
+    dataset, a checkpoint or a socket of another run could be (the old sandbox hid only those
+    four)."""
     home = os.path.realpath(os.path.expanduser("~"))
     out = []
     for d in ("/srv", "/opt", "/run", "/run/lock", "/var/lock", REPO):
         real = os.path.realpath(d)
-        hidden = any(real == h or real.startswith(h + "/") for h in ("/tmp", "/var/tmp", "/dev/shm", home))
+        hidden = any(
+            real == h or real.startswith(h + "/") for h in ("/tmp", "/var/tmp", "/dev/shm", home)
+        )
         known = real in map(os.path.realpath, out)
         if os.path.isdir(d) and os.access(d, os.W_OK) and not hidden and not known:
             out.append(d)
     if not out:
-        pytest.skip("no writable host directory outside /tmp, /var/tmp, /dev/shm and home to plant files in")
+        pytest.skip(
+            "no writable host directory outside /tmp, /var/tmp, /dev/shm and home to plant files in"
+        )
     return out
 
 

@@ -1,15 +1,15 @@
 """CUDA's rules for `torch._scaled_mm`, enforced on the CPU (the CPU kernel accepts any shape and layout).
 
-torch 2.13's CPU `_scaled_mm` is a reference kernel that multiplies whatever it is given; CUDA's checks
-(`_scaled_mm_out_cuda` and `_scaled_gemm` in aten/src/ATen/native/cuda/ScaledBlas.cpp, formerly
-Blas.cpp) refuse many calls the CPU runs, so a CPU test of an FP8 path proves nothing about a GPU run
-unless these rules are applied. `checked_scaled_mm` raises where CUDA raises, with CUDA's message, then
-calls the real CPU kernel:
+torch 2.13's CPU `_scaled_mm` is a reference kernel that multiplies whatever it is given; CUDA's
+checks (`_scaled_mm_out_cuda` and `_scaled_gemm` in aten/src/ATen/native/cuda/ScaledBlas.cpp,
+formerly Blas.cpp) refuse many calls the CPU runs, so a CPU test of an FP8 path proves nothing about
+a GPU run unless these rules are applied. `checked_scaled_mm` raises where CUDA raises, with CUDA's
+message, then calls the real CPU kernel:
 
 - shapes: mat1 and mat2 2-D with matching inner dims; "Expected trailing dimension of mat1 to be
-  divisible by 16" and "mat2 shape (K x N) must be divisible by 16" (both dims). In torchao's backward
-  the weight-gradient GEMM `grad_out.t() @ input` has the TOKEN COUNT as its inner dim, so a packed
-  batch of 50 tokens trains on the CPU and fails on the GPU;
+  divisible by 16" and "mat2 shape (K x N) must be divisible by 16" (both dims). In torchao's
+  backward the weight-gradient GEMM `grad_out.t() @ input` has the TOKEN COUNT as its inner dim, so
+  a packed batch of 50 tokens trains on the CPU and fails on the GPU;
 - layout: "Only multiplication of row-major and column-major matrices is supported by cuBLASLt" -
   mat1 row-major, mat2 column-major (torchao's `preprocess_addmm` arranges both);
 - dtypes: both operands float8; "Multiplication of two Float8_e5m2 matrices is not supported" (CUDA,
@@ -23,8 +23,8 @@ calls the real CPU kernel:
 
 torchao 0.18 (`torchao/float8/float8_ops.py`, `addmm_float8_unwrapped`) calls `torch._scaled_mm` by
 attribute at each call, so replacing the attribute reaches every FP8 GEMM of a converted model; its
-`emulate=True` path never calls it. Use `patch(monkeypatch)` in a test (the FP8 tests do, autouse) or
-`install()` in a spawned worker process, which the test's monkeypatch does not reach.
+`emulate=True` path never calls it. Use `patch(monkeypatch)` in a test (the FP8 tests do, autouse)
+or `install()` in a spawned worker process, which the test's monkeypatch does not reach.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ def _col_major(t: torch.Tensor) -> bool:
 
 
 def _scaling(mat1, mat2, scale_a, scale_b) -> str:
-    """ "tensorwise" | "rowwise", as `get_joint_scaling` picks it; else CUDA's configuration error."""
+    """ "tensorwise" | "rowwise", as `get_joint_scaling` picks it; else CUDA's configuration
+    error."""
     f32 = scale_a.dtype == torch.float32 and scale_b.dtype == torch.float32
     if f32 and scale_a.numel() == 1 and scale_b.numel() == 1:
         return "tensorwise"
@@ -70,19 +71,24 @@ def _scaling(mat1, mat2, scale_a, scale_b) -> str:
     ):
         return "rowwise"
     raise CudaRuleError(
-        "Invalid scaling configuration (CUDA _scaled_mm): TensorWise needs float32 singleton scales, "
+        "Invalid scaling configuration (CUDA "
+        "_scaled_mm): TensorWise needs float32 singleton scales, "
         f"RowWise float32 scale_a ({m}, 1) and scale_b (1, {n}), both contiguous; got scale_a "
         f"{scale_a.dtype} {tuple(scale_a.shape)}, scale_b {scale_b.dtype} {tuple(scale_b.shape)}"
     )
 
 
-def check(mat1, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
-    """Raise CudaRuleError where CUDA's `_scaled_mm` would refuse these arguments (module docstring)."""
+def check(
+    mat1, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False
+):
+    """Raise CudaRuleError where CUDA's `_scaled_mm` would refuse these arguments (module
+    docstring)."""
     _check(mat1.dim() == 2, "mat1 must be a matrix")
     _check(mat2.dim() == 2, "mat2 must be a matrix")
     k1, k2 = mat1.size(1), mat2.size(0)
     _check(
-        k1 == k2, f"mat1 and mat2 shapes cannot be multiplied ({mat1.size(0)}x{k1} and {k2}x{mat2.size(1)})"
+        k1 == k2,
+        f"mat1 and mat2 shapes cannot be multiplied ({mat1.size(0)}x{k1} and {k2}x{mat2.size(1)})",
     )
     scaling = _scaling(mat1, mat2, scale_a, scale_b)
     _check(
@@ -116,7 +122,8 @@ def check(mat1, mat2, scale_a, scale_b, bias=None, scale_result=None, out_dtype=
     if scaling == "rowwise":
         _check(
             out in (torch.bfloat16, torch.float16, torch.float32),
-            "Only bf16, fp16, and fp32 high precision output types are supported for row-wise scaling.",
+            "Only bf16, fp16, and fp32 high precision "
+            "output types are supported for row-wise scaling.",
         )
     tensors = [t for t in (mat1, mat2, scale_a, scale_b, bias, scale_result) if t is not None]
     _check(len({t.device for t in tensors}) == 1, "Expected all tensors to be on the same device")

@@ -1,18 +1,18 @@
 """The reliability report: what the README's "tried / held" figures are made of, written by the tests.
 
-A test marked `@pytest.mark.tally(kind)` is one case of `kind` (`attacks`, `faults`, `bad_inputs`); each
-collected item (each parametrization) is one case. At the end of a session that ran all of them (the
-whole suite, or `pytest -m tally`), `tests/reliability_report.json` holds, per kind, the cases tried (run,
-not skipped), held (passed), skipped and failed (their test ids). A session that ran only some of them
-writes `tests/reliability_report.partial.json` instead, so a developer's partial run does not overwrite
-the figures of a full one.
+A test marked `@pytest.mark.tally(kind)` is one case of `kind` (`attacks`, `faults`, `bad_inputs`);
+each collected item (each parametrization) is one case. At the end of a session that ran all of them
+(the whole suite, or `pytest -m tally`), `tests/reliability_report.json` holds, per kind, the cases
+tried (run, not skipped), held (passed), skipped and failed (their test ids). A session that ran
+only some of them writes `tests/reliability_report.partial.json` instead, so a developer's partial
+run does not overwrite the figures of a full one.
 
     python tests/helpers/tally.py            # the README's figures from the report
     python tests/helpers/tally.py --write    # ... and written into README.md
     python tests/helpers/tally.py --check    # exit 1 when README.md's figures differ from the report
 
-The README's figures are found by their wording: "<what> tried / <verb> **T / H**" (and, for faults, also
-"T tried, H survived"); `PHRASES` lists the patterns of each kind.
+The README's figures are found by their wording: "<what> tried / <verb> **T / H**" (and, for faults,
+also "T tried, H survived"); `PHRASES` lists the patterns of each kind.
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ import sys
 KINDS = ("attacks", "faults", "bad_inputs")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # PRORL_RELIABILITY_REPORT: another path (tests/test_tally.py runs a session of its own)
-REPORT = os.environ.get("PRORL_RELIABILITY_REPORT") or os.path.join(ROOT, "tests", "reliability_report.json")
+REPORT = os.environ.get("PRORL_RELIABILITY_REPORT") or os.path.join(
+    ROOT, "tests", "reliability_report.json"
+)
 PARTIAL = REPORT.removesuffix(".json") + ".partial.json"
 
 # kind -> regexes over README.md, each with the groups (tried, held)
@@ -55,14 +57,16 @@ def kind_of(item) -> str | None:
     return marker.args[0]
 
 
-# -- pytest hooks (tests/conftest.py imports them; `-p tally` loads them as a plugin) ---------------------
+# -- pytest hooks (tests/conftest.py imports them; `-p tally` loads them as a plugin) --------------
 
 
 def pytest_collection_finish(session) -> None:
     """The marked cases among the items that will run (after -k / -m deselection)."""
     _kinds.clear()
     _outcomes.clear()
-    _kinds.update({item.nodeid: kind for item in session.items if (kind := kind_of(item)) is not None})
+    _kinds.update(
+        {item.nodeid: kind for item in session.items if (kind := kind_of(item)) is not None}
+    )
 
 
 def pytest_runtest_logreport(report) -> None:
@@ -79,9 +83,9 @@ def pytest_runtest_logreport(report) -> None:
 
 
 def _complete(session) -> bool:
-    """Whether every tally case of the suite was selected and the session was not cut short: no paths
-    other than the configured test paths, no -k, no -m other than `tally`, no --deselect or --lf, no -x
-    stop."""
+    """Whether every tally case of the suite was selected and the session was not cut short: no
+    paths other than the configured test paths, no -k, no -m other than `tally`, no --deselect or
+    --lf, no -x stop."""
     config = session.config
     opt, root, here = config.option, str(config.rootpath), str(config.invocation_params.dir)
     whole = {os.path.normpath(os.path.join(root, p)) for p in config.getini("testpaths")} | {root}
@@ -127,7 +131,7 @@ def pytest_sessionfinish(session) -> None:
         f.write("\n")
 
 
-# -- figures in the README ------------------------------------------------------------------------------
+# -- figures in the README -------------------------------------------------------------------------
 
 
 def read_report(path: str = REPORT) -> dict:
@@ -137,7 +141,9 @@ def read_report(path: str = REPORT) -> dict:
     with open(path) as f:
         report = json.load(f)
     if not report.get("complete"):
-        raise SystemExit(f"{path}: written by a partial session ({report.get('args')}): run the whole suite")
+        raise SystemExit(
+            f"{path}: written by a partial session ({report.get('args')}): run the whole suite"
+        )
     return report
 
 
@@ -159,7 +165,8 @@ def differences(text: str, report: dict) -> list[str]:
         for pair in stated:
             if pair != want:
                 problems.append(
-                    f"{kind}: README.md says {pair[0]} / {pair[1]}, the report {want[0]} / {want[1]}"
+                    f"{kind}: README.md says {pair[0]} / "
+                    f"{pair[1]}, the report {want[0]} / {want[1]}"
                 )
     return problems
 
@@ -180,17 +187,25 @@ def _fill(match: re.Match, tried: int, held: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="The README's reliability figures from the tests' report.")
+    ap = argparse.ArgumentParser(
+        description="The README's reliability figures from the tests' report."
+    )
     ap.add_argument("--report", default=REPORT)
     ap.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
     group = ap.add_mutually_exclusive_group()
-    group.add_argument("--check", action="store_true", help="exit 1 when README.md's figures differ")
-    group.add_argument("--write", action="store_true", help="write the report's figures into README.md")
+    group.add_argument(
+        "--check", action="store_true", help="exit 1 when README.md's figures differ"
+    )
+    group.add_argument(
+        "--write", action="store_true", help="write the report's figures into README.md"
+    )
     args = ap.parse_args(argv)
     report = read_report(args.report)
     for kind in KINDS:
         k = report["kinds"][kind]
-        print(f"{kind}: tried / held {k['tried']} / {k['held']}; skipped {len(k['skipped'])}", end="")
+        print(
+            f"{kind}: tried / held {k['tried']} / {k['held']}; skipped {len(k['skipped'])}", end=""
+        )
         print(f"; failed: {', '.join(k['failed'])}" if k["failed"] else "")
     with open(args.readme) as f:
         text = f.read()

@@ -1,28 +1,31 @@
 """A stand-in for Transformer Engine (TE), which cannot be imported without CUDA, for testing engine/fp8.py.
 
-It has the names and signatures of TE >= 2.9 that prorl uses and ENFORCES the rules TE documents, raising
-where TE would raise or silently compute something else:
+It has the names and signatures of TE >= 2.9 that prorl uses and ENFORCES the rules TE documents,
+raising where TE would raise or silently compute something else:
 
 - `transformer_engine.pytorch.Linear(in_features, out_features, bias=True, *, params_dtype=None,
-  device="cuda", ...)`: unknown keywords are a TypeError. Inside `autocast(enabled=True)` an input whose
-  leading dims' product is not a multiple of 8, or whose last dim is not a multiple of 16 (32 and 32 for
-  MXFP8), raises AssertionError as TE's `assert_dim_for_fp8_exec` does. The FP8 GEMM is emulated: input and
-  weight are quantised to e4m3 with a per-tensor scale (current scaling), the product computed in the
-  input's dtype. Called during a backward pass (a recomputation) without the FP8 state of its forward it
-  raises: torch's checkpoint does that, TE's `distributed.checkpoint` restores the state.
+  device="cuda", ...)`: unknown keywords are a TypeError. Inside `autocast(enabled=True)` an input
+  whose leading dims' product is not a multiple of 8, or whose last dim is not a multiple of 16 (32
+  and 32 for MXFP8), raises AssertionError as TE's `assert_dim_for_fp8_exec` does. The FP8 GEMM is
+  emulated: input and weight are quantised to e4m3 with a per-tensor scale (current scaling), the
+  product computed in the input's dtype. Called during a backward pass (a recomputation) without the
+  FP8 state of its forward it raises: torch's checkpoint does that, TE's `distributed.checkpoint`
+  restores the state.
 - Parameters carry TE's tensor-parallel attributes (`tensor_model_parallel`, `partition_dim`,
   `partition_stride`); `missing_attributes(model)` lists the registered parameters that lost them
   (`fully_shard` replaces each parameter by a DTensor without them; TE's FSDP2 tests put them back).
 - `get_extra_state` returns a uint8 tensor (TE serialises its FP8 metadata into `_extra_state`).
-- `autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group=None, _graph=False)`: no
-  other names (TE < 2.9's `fp8_autocast(fp8_recipe=, fp8_group=)` is absent); the recipe must be one of
-  `transformer_engine.common.recipe`'s; MXFP8 is refused unless the stand-in GPU has it (sm_100).
+- `autocast(enabled=True, calibrating=False, recipe=None, amax_reduction_group=None, _graph=False)`:
+  no other names (TE < 2.9's `fp8_autocast(fp8_recipe=, fp8_group=)` is absent); the recipe must be
+  one of `transformer_engine.common.recipe`'s; MXFP8 is refused unless the stand-in GPU has it
+  (sm_100).
 - `is_fp8_available(return_reason=False)`, `is_mxfp8_available(return_reason=False)`.
-- `distributed.checkpoint(function, *args, distribute_saved_activations=False, get_rng_state_tracker=None,
-  tp_group=None, use_reentrant=True, **kwargs)`; this stand-in implements use_reentrant=False only.
+- `distributed.checkpoint(function, *args, distribute_saved_activations=False,
+  get_rng_state_tracker=None, tp_group=None, use_reentrant=True, **kwargs)`; this stand-in
+  implements use_reentrant=False only.
 
-`install(monkeypatch, capability=(9, 0))` puts it into sys.modules on a pretend CUDA device and returns the
-module's `State` (calls recorded for assertions).
+`install(monkeypatch, capability=(9, 0))` puts it into sys.modules on a pretend CUDA device and
+returns the module's `State` (calls recorded for assertions).
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ class State:
     capability: tuple[int, int] = (9, 0)
     enabled: bool = False
     recipe: object = None
-    autocasts: list = dataclasses.field(default_factory=list)  # (enabled, recipe, amax_reduction_group)
+    # (enabled, recipe, amax_reduction_group)
+    autocasts: list = dataclasses.field(default_factory=list)
     fp8_gemms: int = 0
     checkpoints: int = 0
 
@@ -108,7 +112,9 @@ def autocast(
 ):
     if enabled:
         if recipe is not None and not isinstance(recipe, RECIPES):
-            raise TypeError(f"recipe must be a transformer_engine.common.recipe object, got {recipe!r}")
+            raise TypeError(
+                f"recipe must be a transformer_engine.common.recipe object, got {recipe!r}"
+            )
         if _mxfp8(recipe) and not is_mxfp8_available():
             raise AssertionError(is_mxfp8_available(return_reason=True)[1])
         if not is_fp8_available():
@@ -165,8 +171,12 @@ class Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         dtype = params_dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        self.weight = nn.Parameter(
+            torch.empty(out_features, in_features, dtype=dtype, device=device)
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        )
         for p in self.parameters():
             p.tensor_model_parallel, p.partition_dim, p.partition_stride = False, -1, 1
 
@@ -180,20 +190,25 @@ class Linear(nn.Module):
         in_backward = torch._C._current_graph_task_id() != -1
         if in_backward and not STATE.enabled:
             raise RuntimeError(
-                "TE stand-in: an FP8 Linear recomputed in backward outside the FP8 state of its forward "
+                "TE stand-in: an FP8 Linear recomputed in "
+                "backward outside the FP8 state of its forward "
                 "(use te.distributed.checkpoint, not torch's checkpoint)"
             )
         if not STATE.enabled:
             return F.linear(
-                inp, self.weight.to(inp.dtype), None if self.bias is None else self.bias.to(inp.dtype)
+                inp,
+                self.weight.to(inp.dtype),
+                None if self.bias is None else self.bias.to(inp.dtype),
             )
         m, k = (32, 32) if _mxfp8(STATE.recipe) else (8, 16)
         rows = 1
         for d in inp.shape[:-1]:
             rows *= d
         assert rows % m == 0 and inp.shape[-1] % k == 0, (
-            f"FP8 execution requires the product of all dimensions except the last to be divisible by {m} "
-            f"and the last dimension to be divisible by {k}, but got tensor with dims={list(inp.shape)}"
+            "FP8 execution requires the product of all "
+            f"dimensions except the last to be divisible by {m} "
+            "and the last dimension to be divisible by "
+            f"{k}, but got tensor with dims={list(inp.shape)}"
         )
         STATE.fp8_gemms += 1
         out = _Fp8Linear.apply(inp, self.weight.to(inp.dtype))
@@ -233,8 +248,9 @@ def checkpoint(
 
 
 def install(monkeypatch, capability: tuple[int, int] = (9, 0)) -> State:
-    """Put the stand-in into sys.modules (transformer_engine, .pytorch, .pytorch.distributed, .common,
-    .common.recipe) on a pretend CUDA device of `capability`; returns the fresh call record."""
+    """Put the stand-in into sys.modules (transformer_engine, .pytorch, .pytorch.distributed,
+    .common, .common.recipe) on a pretend CUDA device of `capability`; returns the fresh call
+    record."""
     global STATE
     STATE = State(capability=capability)
     root = types.ModuleType("transformer_engine")

@@ -1,7 +1,8 @@
 """Tiny random checkpoints of each supported family, written by `transformers` (the independent reference).
 
-Every parameter is randomised - norms around 1, non-zero biases, weights large enough (std 0.15) that
-attention is far from uniform - so that a wrong norm, bias, RoPE variant or mask shows in the logits.
+Every parameter is randomised - norms around 1, non-zero biases, weights large enough (std 0.15)
+that attention is far from uniform - so that a wrong norm, bias, RoPE variant or mask shows in the
+logits.
 """
 
 import torch
@@ -16,13 +17,16 @@ TINY = dict(
     max_position_embeddings=64,
 )
 LLAMA3_ROPE = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
-# name -> (transformers config class, overrides). The RoPE variants use short original contexts (16-32) so
-# that their scaling changes positions 0..24 of the test sequences measurably.
+# name -> (transformers config class, overrides). The RoPE variants use short original contexts
+# (16-32) so that their scaling changes positions 0..24 of the test sequences measurably.
 VARIANTS = {
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(head_dim=16)),
     "llama": ("LlamaConfig", {}),
-    "llama-bias": ("LlamaConfig", dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=True)),
+    "llama-bias": (
+        "LlamaConfig",
+        dict(attention_bias=True, mlp_bias=True, tie_word_embeddings=True),
+    ),
     "llama-llama3": (
         "LlamaConfig",
         dict(rope_scaling={**LLAMA3_ROPE, "original_max_position_embeddings": 32}),
@@ -34,7 +38,13 @@ VARIANTS = {
     ),
     "llama-yarn": (
         "LlamaConfig",
-        dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
+        dict(
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        ),
     ),
 }
 # Packed test batch: three sequences; only the middle one passes llama-dynamic's 16 positions.
@@ -55,7 +65,10 @@ def randomize_(model: torch.nn.Module, seed: int = 0) -> None:
 
 
 def hf_logits_per_sequence(hf_model, ids: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
-    """transformers' logits for each packed sequence run alone (batch of one, no padding) -> [N, V]."""
+    """transformers' logits for each packed sequence run alone (batch of one, no padding) -> [N,
+    V]."""
     bounds = cu.tolist()
     with torch.no_grad():
-        return torch.cat([hf_model(ids[a:b][None]).logits[0] for a, b in zip(bounds[:-1], bounds[1:])])
+        return torch.cat(
+            [hf_model(ids[a:b][None]).logits[0] for a, b in zip(bounds[:-1], bounds[1:])]
+        )

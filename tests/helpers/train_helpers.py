@@ -27,7 +27,11 @@ TINY = [
 
 def train_command(out, overrides, nproc: int | None = 2) -> list[str]:
     """torchrun with nproc processes, or plain `python prorl/train.py` when nproc is None."""
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []
+    launcher = (
+        ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if nproc
+        else []
+    )
     return [sys.executable, *launcher, "prorl/train.py", f"output_dir={out}", *overrides]
 
 
@@ -36,8 +40,8 @@ def run(cmd, timeout=600) -> subprocess.CompletedProcess:
 
 
 def launch(cmd, log_path) -> subprocess.Popen:
-    """Start cmd in a session of its own (a signal to its process group reaches it alone, as a terminal's
-    Ctrl-C would), output to log_path."""
+    """Start cmd in a session of its own (a signal to its process group reaches it alone, as a
+    terminal's Ctrl-C would), output to log_path."""
     log = open(log_path, "w")
     out = {"stdout": log, "stderr": subprocess.STDOUT}
     return subprocess.Popen(cmd, cwd=ROOT, env=ENV, start_new_session=True, **out)
@@ -62,8 +66,8 @@ def wait_for(condition, proc, timeout=180.0) -> bool:
 
 
 def process_tree(pid: int) -> list[int]:
-    """pid and all its descendants (from /proc). torchrun starts each worker in a session of its own, so
-    a process-group kill of torchrun leaves the workers running."""
+    """pid and all its descendants (from /proc). torchrun starts each worker in a session of its
+    own, so a process-group kill of torchrun leaves the workers running."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -98,7 +102,8 @@ def wait_gone(pids, timeout=60.0) -> list[int]:
 
 def kill_tree(proc) -> None:
     """SIGKILL torchrun, its workers and their reward workers at one instant (as a node failure or a
-    scheduler's cgroup kill would): all are frozen first, so none runs on while the rest are found."""
+    scheduler's cgroup kill would): all are frozen first, so none runs on while the rest are
+    found."""
     frozen: set[int] = set()
     for _ in range(3):  # a process forked while freezing is found on the next pass
         for pid in set(process_tree(proc.pid)) - frozen:

@@ -1,9 +1,10 @@
 """Fixtures of the kernel tests: `backend` runs a test once per op backend, on CPU tensors.
 
-A test that takes `backend` runs with "torch", "native" and "triton"; `@pytest.mark.backends(...)` on the
-test or module narrows that. A backend that cannot run here skips with the reason: native when the CMake
-library was not built, triton unless it is installed and interpreted (tests/conftest.py sets
-TRITON_INTERPRET=1 when there is no CUDA device; on a CUDA machine tests/gpu runs the compiled kernels).
+A test that takes `backend` runs with "torch", "native" and "triton"; `@pytest.mark.backends(...)`
+on the test or module narrows that. A backend that cannot run here skips with the reason: native
+when the CMake library was not built, triton unless it is installed and interpreted
+(tests/conftest.py sets TRITON_INTERPRET=1 when there is no CUDA device; on a CUDA machine tests/gpu
+runs the compiled kernels).
 """
 
 import os
@@ -16,13 +17,17 @@ from prorl.kernels._backend import BACKENDS, triton_available
 def _skip_reason(backend: str) -> str | None:
     if backend == "native" and not native_available():
         return "native library not built (see pip output)"
-    if backend == "triton" and not (triton_available() and os.environ.get("TRITON_INTERPRET") == "1"):
+    if backend == "triton" and not (
+        triton_available() and os.environ.get("TRITON_INTERPRET") == "1"
+    ):
         return "triton on CPU tensors needs triton installed and TRITON_INTERPRET=1"
     return None
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "backends(*names): the backends a test taking `backend` runs on")
+    config.addinivalue_line(
+        "markers", "backends(*names): the backends a test taking `backend` runs on"
+    )
 
 
 def pytest_generate_tests(metafunc):
@@ -46,7 +51,8 @@ def backend(request) -> str:
 
 @pytest.fixture
 def triton_interpreted() -> None:
-    """For tests that call the triton backend themselves: skips unless it can run on CPU tensors here."""
+    """For tests that call the triton backend themselves: skips unless it can run on CPU tensors
+    here."""
     reason = _skip_reason("triton")
     if reason is not None:
         pytest.skip(reason)

@@ -1,7 +1,7 @@
 """The adapters' behaviour that needs no peer installed: version checks, lazy imports, clear errors.
 
-Their numbers are tested against the peers themselves: TRL in test_trl_parity.py (main suite), verl and
-OpenRLHF in tests/peers/ (CI runs them in a separate venv that has both, .ci/peers.sh).
+Their numbers are tested against the peers themselves: TRL in test_trl_parity.py (main suite), verl
+and OpenRLHF in tests/peers/ (CI runs them in a separate venv that has both, .ci/peers.sh).
 """
 
 import importlib
@@ -69,7 +69,9 @@ def test_importing_the_adapters_imports_no_peer():
         "peers = {'verl', 'openrlhf', 'trl', 'ray', 'deepspeed'}; "
         "print(sorted({m.split('.')[0] for m in sys.modules} & peers))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout
     assert out.strip() == "[]"
 
 
@@ -85,7 +87,11 @@ def _tensors(b=3, t=4):
 
 def _verl_config(**kw):
     cfg = dict(
-        clip_ratio=0.2, clip_ratio_low=None, clip_ratio_high=None, clip_ratio_c=3.0, global_batch_info={}
+        clip_ratio=0.2,
+        clip_ratio_low=None,
+        clip_ratio_high=None,
+        clip_ratio_c=3.0,
+        global_batch_info={},
     )
     cfg.update(kw)
     return SimpleNamespace(get=lambda k, d=None: cfg.get(k, d), **cfg)
@@ -115,7 +121,10 @@ def test_verl_errors_name_the_setting(mode, config, named):
         (dict(is_correction_level="seq"), "is_correction_level='seq'"),
         (dict(is_correction_level="token", is_correction_gating="binary_kl"), "'binary_kl'"),
         (dict(is_correction_mode="drop"), "is_correction_mode must be one of mask, clip"),
-        (dict(is_correction_level="token", is_correction_threshold=(2.0, 1.0)), "is_correction_threshold"),
+        (
+            dict(is_correction_level="token", is_correction_threshold=(2.0, 1.0)),
+            "is_correction_threshold",
+        ),
         (dict(dual_clip=1.0), "dual_clip must be > 1.0"),
     ],
 )

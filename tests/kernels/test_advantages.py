@@ -14,7 +14,9 @@ G1 = torch.zeros(4, dtype=torch.int64)
 
 
 def _close(got, expected, atol=1e-6):
-    torch.testing.assert_close(got.double(), torch.tensor(expected, dtype=torch.float64), rtol=0, atol=atol)
+    torch.testing.assert_close(
+        got.double(), torch.tensor(expected, dtype=torch.float64), rtol=0, atol=atol
+    )
 
 
 @pytest.mark.parametrize(
@@ -23,7 +25,10 @@ def _close(got, expected, atol=1e-6):
         (dict(mode="grpo", eps=0.0), [1.0, -1.0, -1.0, 1.0]),  # population std
         (dict(mode="grpo"), [0.999998, -0.999998, -0.999998, 0.999998]),  # + 1e-6
         (dict(mode="grpo", std_unbiased=True, eps=0.0), [0.866025, -0.866025, -0.866025, 0.866025]),
-        (dict(mode="grpo", std_unbiased=True), [0.5 / (1 / 3**0.5 + 1e-6) * s for s in (1, -1, -1, 1)]),
+        (
+            dict(mode="grpo", std_unbiased=True),
+            [0.5 / (1 / 3**0.5 + 1e-6) * s for s in (1, -1, -1, 1)],
+        ),
         (dict(mode="dr-grpo"), [0.5, -0.5, -0.5, 0.5]),
         (dict(mode="reinforce++-baseline"), [1.0, -1.0, -1.0, 1.0]),
     ],
@@ -35,7 +40,10 @@ def test_recipe_one_group(kw, expected):
 def test_recipe_two_groups():
     rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 0])
     groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
-    _close(group_advantages(rewards, groups, mode="dr-grpo"), [0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75])
+    _close(
+        group_advantages(rewards, groups, mode="dr-grpo"),
+        [0.5, -0.5, -0.5, 0.5, 0.25, 0.25, 0.25, -0.75],
+    )
     adv, metrics = group_advantages(rewards, groups, return_metrics=True)
     assert metrics["whiten_std"].item() == pytest.approx(0.467707, abs=1e-6)
     expected = [1.069045, -1.069045, -1.069045, 1.069045, 0.534522, 0.534522, 0.534522, -1.603567]
@@ -48,11 +56,15 @@ def test_recipe_lengths_token_vs_sequence_weighting():
     assert metrics["whiten_mean"].item() == pytest.approx(-0.25, abs=1e-12)
     assert metrics["whiten_std"].item() == pytest.approx(0.433013, abs=1e-6)
     _close(adv, [1.732051, -0.577350, -0.577350, 1.732051])
-    _close(group_advantages(ONE_GROUP, G1, lengths=lengths, weighting="sequence"), [1.0, -1.0, -1.0, 1.0])
+    _close(
+        group_advantages(ONE_GROUP, G1, lengths=lengths, weighting="sequence"),
+        [1.0, -1.0, -1.0, 1.0],
+    )
 
 
 def test_recipe_unfiltered_all_correct_group():
-    """An all-correct group left in (not filtered first) shifts the baseline: +0.377964 on its every token."""
+    """An all-correct group left in (not filtered first) shifts the baseline: +0.377964 on its every
+    token."""
     rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 1, 1])
     groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
     lengths = torch.tensor([100, 300, 300, 100, 200, 200, 200, 200])
@@ -87,10 +99,14 @@ def test_against_per_group_loop(mode, weighting, std_unbiased):
     lengths = torch.randint(1, 500, (b,), generator=g)
     kw = dict(mode=mode, weighting=weighting, std_unbiased=std_unbiased, lengths=lengths)
     got = group_advantages(rewards, groups, **kw)
-    torch.testing.assert_close(got, group_advantages_reference(rewards, groups, **kw), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        got, group_advantages_reference(rewards, groups, **kw), rtol=1e-12, atol=1e-12
+    )
     # dense ids with num_groups (no torch.unique) give the same result
     dense = torch.unique(groups, return_inverse=True)[1]
-    torch.testing.assert_close(group_advantages(rewards, dense, num_groups=10, **kw), got, rtol=0, atol=0)
+    torch.testing.assert_close(
+        group_advantages(rewards, dense, num_groups=10, **kw), got, rtol=0, atol=0
+    )
 
 
 def test_singleton_group_and_nonfinite_rewards():
@@ -101,7 +117,9 @@ def test_singleton_group_and_nonfinite_rewards():
     messages = " ".join(str(w.message) for w in record)
     assert "size 1" in messages and "non-finite" in messages
     _close(adv, [0.5, -0.5, 0.0, 0.0, 0.5, -0.5])
-    assert metrics["num_singleton_groups"].item() == 1 and metrics["num_invalid_rewards"].item() == 1
+    assert (
+        metrics["num_singleton_groups"].item() == 1 and metrics["num_invalid_rewards"].item() == 1
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for mode in ("grpo", "reinforce++-baseline"):
@@ -165,10 +183,14 @@ def test_batch_whiten_per_sequence_values_with_lengths_equals_broadcast_tokens()
 
 
 def test_batch_whiten_is_stable_far_from_zero_and_floors_variance():
-    """A large offset: sum(x^2) - (sum x)^2 / n would lose the variance; the two-pass/Chan form does not."""
+    """A large offset: sum(x^2) - (sum x)^2 / n would lose the variance; the two-pass/Chan form does
+    not."""
     base = torch.tensor([1.0, -1.0, 2.0, -2.0], dtype=torch.float64)
     mask = torch.ones(4, dtype=torch.bool)
-    torch.testing.assert_close(batch_whiten(base + 1e9, mask), batch_whiten(base, mask), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(
+        batch_whiten(base + 1e9, mask), batch_whiten(base, mask), rtol=1e-6, atol=1e-6
+    )
     constant = batch_whiten(torch.full((5,), 3.0), torch.ones(5, dtype=torch.bool))
     assert (constant == 0).all()  # variance floored at 1e-8: no division by zero
-    assert (batch_whiten(torch.randn(3), torch.zeros(3, dtype=torch.bool)) == 0).all()  # nothing valid
+    # nothing valid
+    assert (batch_whiten(torch.randn(3), torch.zeros(3, dtype=torch.bool)) == 0).all()

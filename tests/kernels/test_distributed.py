@@ -1,8 +1,8 @@
 """Two processes (gloo, CPU): a batch split over ranks gives the single-process result.
 
-- batch_whiten / group_advantages with process_group: one all-reduce of per-rank (W, mean, M2), merged
-  with Chan's formula, equals whitening the concatenated batch (also far from zero, where a naive
-  sum-of-squares merge would fail);
+- batch_whiten / group_advantages with process_group: one all-reduce of per-rank (W, mean, M2),
+  merged with Chan's formula, equals whitening the concatenated batch (also far from zero, where a
+  naive sum-of-squares merge would fail);
 - ppo_loss token-mean with normalizer = all_reduce(mask.sum()): the per-rank losses sum to the
   single-process loss, and each rank's gradient is its slice of the single-process gradient.
 """
@@ -39,11 +39,14 @@ def _loss(logp, old, adv, mask, ref, normalizer=None):
 def _worker(rank, init_file, queue):
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD
+        )
         rewards, groups, lengths, logp, old, ref, mask, adv = _data()
         pg = dist.group.WORLD
         part = slice(0, 4) if rank == 0 else slice(4, 12)  # unequal shares, whole groups
-        # at 1e8 the inputs themselves carry ~1e-8 rounding; sum(x^2) - (sum x)^2 / n would lose it all
+        # at 1e8 the inputs themselves carry ~1e-8 rounding; sum(x^2) - (sum x)^2 / n would lose it
+        # all
         for offset, tol in ((0.0, 1e-12), (1e8, 1e-6)):
             values = rewards + offset
             want = batch_whiten(values, lengths)
@@ -52,7 +55,11 @@ def _worker(rank, init_file, queue):
         for weighting in ("token", "sequence"):
             want = group_advantages(rewards, groups, lengths=lengths, weighting=weighting)
             got = group_advantages(
-                rewards[part], groups[part], lengths=lengths[part], weighting=weighting, process_group=pg
+                rewards[part],
+                groups[part],
+                lengths=lengths[part],
+                weighting=weighting,
+                process_group=pg,
             )
             torch.testing.assert_close(got, want[part], rtol=1e-12, atol=1e-12)
         rows = slice(0, 2) if rank == 0 else slice(2, 6)
@@ -74,7 +81,9 @@ def _worker(rank, init_file, queue):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="gloo backend unavailable")
+@pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="gloo backend unavailable"
+)
 def test_two_ranks_equal_single_process(tmp_path):
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()

@@ -1,9 +1,10 @@
 """The issue's distributed test, launched for real: `torchrun --standalone --nproc_per_node=2` (gloo, CPU).
 
-tests/dist_scripts/advantages_and_loss_two_ranks.py splits a batch over the two ranks and checks that
-group_advantages / batch_whiten with process_group and the token-mean ppo_loss with the global normaliser
-(loss and gradients) equal the single-process result on the whole batch and an independent float64
-reference; it exits non-zero on any mismatch. (test_distributed.py covers the same ground with mp.spawn.)
+tests/dist_scripts/advantages_and_loss_two_ranks.py splits a batch over the two ranks and checks
+that group_advantages / batch_whiten with process_group and the token-mean ppo_loss with the global
+normaliser (loss and gradients) equal the single-process result on the whole batch and an
+independent float64 reference; it exits non-zero on any mismatch. (test_distributed.py covers the
+same ground with mp.spawn.)
 """
 
 import os
@@ -18,7 +19,9 @@ SCRIPT = Path(__file__).resolve().parents[1] / "dist_scripts" / "advantages_and_
 
 
 @pytest.mark.skipif(shutil.which("torchrun") is None, reason="torchrun is not on PATH")
-@pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="gloo backend unavailable")
+@pytest.mark.skipif(
+    not (dist.is_available() and dist.is_gloo_available()), reason="gloo backend unavailable"
+)
 def test_torchrun_two_ranks_equal_single_process():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("PRORL_KERNEL_BACKEND", None)  # the script picks its backends itself

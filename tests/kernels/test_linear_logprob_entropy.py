@@ -1,8 +1,8 @@
 """linear_logprob_entropy (native and torch backends) against the float64 reference.
 
-The reference is a plain, unfused float64 torch computation (full logits, log_softmax, gather, entropy
-from the probabilities) differentiated by autograd: independent of the chunked code under test. The
-Triton backend has its own test module.
+The reference is a plain, unfused float64 torch computation (full logits, log_softmax, gather,
+entropy from the probabilities) differentiated by autograd: independent of the chunked code under
+test. The Triton backend has its own test module.
 """
 
 import math
@@ -12,8 +12,8 @@ import torch
 from prorl.kernels import linear_logprob_entropy, linear_logprob_entropy_reference, native_available
 from prorl.kernels.linear_logprob_entropy import tile_shape
 
-# the triton backend: test_linear_logprob_entropy_triton.py (tiny shapes for the interpreter, the tile kernels
-# on their own)
+# the triton backend: test_linear_logprob_entropy_triton.py (tiny shapes for the interpreter, the
+# tile kernels on their own)
 pytestmark = pytest.mark.backends("torch", "native")
 
 
@@ -39,13 +39,17 @@ def _run(fn, h, w, y, g_lp, g_ent, **kw):
 
 def _reference(h, w, y, g_lp, g_ent, temperature=1.0):
     h, w = h.double(), w.double()  # exact upcast of the same inputs; gradients come out in float64
-    return _run(lambda a, b, c: linear_logprob_entropy_reference(a, b, c, temperature), h, w, y, g_lp, g_ent)
+    return _run(
+        lambda a, b, c: linear_logprob_entropy_reference(a, b, c, temperature), h, w, y, g_lp, g_ent
+    )
 
 
 def _assert_close_fp32(got, ref, rtol=2e-5, atol=2e-5):
     for name, a, b in zip(("logp", "entropy", "grad_hidden", "grad_weight"), got, ref):
         assert a.dtype in (torch.float32,), name
-        torch.testing.assert_close(a.double(), b, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            a.double(), b, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 @pytest.mark.parametrize(
@@ -59,7 +63,9 @@ def _assert_close_fp32(got, ref, rtol=2e-5, atol=2e-5):
 )
 def test_matches_float64_reference(backend, n, d, v, chunk_bytes):
     h, w, y, g_lp, g_ent = _case(n, d, v, torch.float32, ignore=(0,) if n > 1 else ())
-    got = _run(linear_logprob_entropy, h, w, y, g_lp, g_ent, backend=backend, chunk_bytes=chunk_bytes)
+    got = _run(
+        linear_logprob_entropy, h, w, y, g_lp, g_ent, backend=backend, chunk_bytes=chunk_bytes
+    )
     _assert_close_fp32(got, _reference(h, w, y, g_lp, g_ent))
 
 
@@ -134,7 +140,9 @@ def test_low_precision_inputs(backend, dtype):
     without the op); its error against float64 on the same rounded inputs sets the scale.
     """
     h, w, y, g_lp, g_ent = _case(48, 40, 700, dtype, seed=4)
-    got = _run(linear_logprob_entropy, h, w, y, g_lp, g_ent, backend=backend, chunk_bytes=4 * 48 * 256)
+    got = _run(
+        linear_logprob_entropy, h, w, y, g_lp, g_ent, backend=backend, chunk_bytes=4 * 48 * 256
+    )
     assert got[0].dtype == torch.float32 and got[1].dtype == torch.float32
     assert got[2].dtype == dtype and got[3].dtype == dtype
     ref = _reference(h, w, y, g_lp, g_ent)
@@ -148,22 +156,27 @@ def test_low_precision_inputs(backend, dtype):
     for name, a, b, p in zip(("logp", "entropy", "grad_hidden", "grad_weight"), got, ref, base):
         err = (a.double() - b).abs().max().item()
         base_err = (p.double() - b).abs().max().item()
-        assert err <= 2 * base_err + 1e-6, f"{name}: error {err:.3g} vs plain {dtype} torch {base_err:.3g}"
+        assert err <= 2 * base_err + 1e-6, (
+            f"{name}: error {err:.3g} vs plain {dtype} torch {base_err:.3g}"
+        )
 
 
 def test_leading_dims_and_return_entropy_false(backend):
     h, w, y, _, _ = _case(12, 8, 64, torch.float32)
-    lp, ent = linear_logprob_entropy(h.view(3, 4, 8), w, y.view(3, 4), backend=backend, return_entropy=False)
+    lp, ent = linear_logprob_entropy(
+        h.view(3, 4, 8), w, y.view(3, 4), backend=backend, return_entropy=False
+    )
     assert lp.shape == (3, 4) and ent is None
     ref_lp, _ = linear_logprob_entropy_reference(h, w, y)
     torch.testing.assert_close(lp.reshape(-1).double(), ref_lp, rtol=1e-5, atol=1e-5)
 
 
 def test_same_rows_same_result(backend):
-    """Recomputing the same batch gives bit-identical log-probs (old_logp vs logp on-policy: ratio 1).
+    """Recomputing the same batch gives bit-identical log-probs (old_logp vs logp on-policy: ratio
+    1).
 
-    Not asserted: invariance to the batch's composition. MKL/cuBLAS pick their blocking by the matrix
-    shape, so a row's log-prob can move in the last bits when other rows join the batch.
+    Not asserted: invariance to the batch's composition. MKL/cuBLAS pick their blocking by the
+    matrix shape, so a row's log-prob can move in the last bits when other rows join the batch.
     """
     h, w, y, _, _ = _case(64, 16, 900, torch.float32)
     a, _ = linear_logprob_entropy(h, w, y, backend=backend)
@@ -177,7 +190,9 @@ def test_backends_agree():
     if not native_available():
         pytest.skip("native library not built")
     h, w, y, g_lp, g_ent = _case(30, 20, 1100, torch.float32, seed=7)
-    a = _run(linear_logprob_entropy, h, w, y, g_lp, g_ent, backend="native", chunk_bytes=4 * 30 * 256)
+    a = _run(
+        linear_logprob_entropy, h, w, y, g_lp, g_ent, backend="native", chunk_bytes=4 * 30 * 256
+    )
     b = _run(linear_logprob_entropy, h, w, y, g_lp, g_ent, backend="torch")
     for x, z in zip(a, b):
         torch.testing.assert_close(x, z, rtol=2e-5, atol=2e-5)

@@ -1,18 +1,20 @@
 """linear_logprob_entropy, triton backend, on CPU tensors under the Triton interpreter.
 
 The references are independent of the code under test: for the whole op, the plain unfused float64
-computation (`linear_logprob_entropy_reference`, differentiated by autograd); for the two tile kernels,
-their defining formulas evaluated in float64. Shapes are tiny because the interpreter is slow; the
-interpreter block cap (128 columns) and small `chunk_bytes` still give several row blocks, several
-vocabulary tiles, several column blocks per tile and a masked partial last block.
+computation (`linear_logprob_entropy_reference`, differentiated by autograd); for the two tile
+kernels, their defining formulas evaluated in float64. Shapes are tiny because the interpreter is
+slow; the interpreter block cap (128 columns) and small `chunk_bytes` still give several row blocks,
+several vocabulary tiles, several column blocks per tile and a masked partial last block.
 
-What this cannot check: compiled GPU code (register pressure, ex2.approx accuracy, the bf16/fp16 CUDA
-path of the driver, which multiplies in the input dtype); run the module's cases on a GPU for that.
+What this cannot check: compiled GPU code (register pressure, ex2.approx accuracy, the bf16/fp16
+CUDA path of the driver, which multiplies in the input dtype); run the module's cases on a GPU for
+that.
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton (or prorl, which may import it) is imported
+# before triton (or prorl, which may import it) is imported
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import math  # noqa: E402
 import sys  # noqa: E402
@@ -28,9 +30,12 @@ def _interpreter_problem() -> str | None:
     knobs = getattr(triton, "knobs", None)
     on = knobs.runtime.interpret if knobs is not None else os.environ.get("TRITON_INTERPRET") == "1"
     if not on:
-        return "TRITON_INTERPRET is not 1 in this process (set to something else before this module)"
+        return (
+            "TRITON_INTERPRET is not 1 in this process (set to something else before this module)"
+        )
     mod = sys.modules.get("prorl.kernels.linear_logprob_entropy_triton")
-    if mod is not None:  # kernels are decorated at import: interpreted only if imported with the flag on
+    # kernels are decorated at import: interpreted only if imported with the flag on
+    if mod is not None:
         from triton.runtime.interpreter import InterpretedFunction
 
         if not isinstance(mod._update_stats_kernel, InterpretedFunction):
@@ -71,13 +76,17 @@ def _triton(h, w, y, g_lp, g_ent, **kw):
 
 def _reference(h, w, y, g_lp, g_ent, temperature=1.0):
     h, w = h.double(), w.double()  # exact upcast of the same inputs; gradients come out in float64
-    return _run(lambda a, b, c: linear_logprob_entropy_reference(a, b, c, temperature), h, w, y, g_lp, g_ent)
+    return _run(
+        lambda a, b, c: linear_logprob_entropy_reference(a, b, c, temperature), h, w, y, g_lp, g_ent
+    )
 
 
 def _assert_close_fp32(got, ref, rtol=2e-5, atol=2e-5):
     for name, a, b in zip(("logp", "entropy", "grad_hidden", "grad_weight"), got, ref):
         assert a.dtype == torch.float32, name
-        torch.testing.assert_close(a.double(), b, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(
+            a.double(), b, rtol=rtol, atol=atol, msg=lambda m, n=name: f"{n}: {m}"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -88,7 +97,8 @@ def _assert_close_fp32(got, ref, rtol=2e-5, atol=2e-5):
 @pytest.mark.parametrize(
     "n,d,v,temperature,chunk_bytes",
     [
-        (7, 9, 600, 1.0, 4 * 3 * 256),  # row blocks 3+3+1, vocab tiles 256+256+88: D odd, V odd-sized tail
+        # row blocks 3+3+1, vocab tiles 256+256+88: D odd, V odd-sized tail
+        (7, 9, 600, 1.0, 4 * 3 * 256),
         (5, 6, 300, 0.7, 4 * 2 * 256),  # temperature < 1, 3 row blocks, tiles 256+44
         (6, 8, 200, 1.6, None),  # temperature > 1, one tile of 200 columns = 128 + masked 72
         (1, 5, 37, 1.0, None),  # N = 1, a single masked block of 64
@@ -96,7 +106,8 @@ def _assert_close_fp32(got, ref, rtol=2e-5, atol=2e-5):
 )
 def test_matches_float64_reference(n, d, v, temperature, chunk_bytes):
     rows, cols = tile_shape(n, v, chunk_bytes or (16 << 20))
-    assert chunk_bytes is None or (rows < n and cols < v)  # the case really has several row/vocab tiles
+    # the case really has several row/vocab tiles
+    assert chunk_bytes is None or (rows < n and cols < v)
     h, w, y, g_lp, g_ent = _case(n, d, v, torch.float32, ignore=(1,) if n > 2 else ())
     got = _triton(h, w, y, g_lp, g_ent, temperature=temperature, chunk_bytes=chunk_bytes)
     _assert_close_fp32(got, _reference(h, w, y, g_lp, g_ent, temperature))
@@ -136,9 +147,10 @@ def test_entropy_unused_and_leading_dims():
 def test_bf16_within_small_multiple_of_plain_torch_error():
     """bf16 inputs: fp32 outputs; error at most 2x that of the same unfused chain run in plain bf16.
 
-    (flash-attention's criterion.) Both are measured against float64 on the same bf16-rounded inputs.
-    On the CPU the driver upcasts the tiles to fp32, so the kernels' own error is far below the bound;
-    the gradients are returned in bf16 and their rounding is what the comparison mostly sees.
+    (flash-attention's criterion.) Both are measured against float64 on the same bf16-rounded
+    inputs. On the CPU the driver upcasts the tiles to fp32, so the kernels' own error is far below
+    the bound; the gradients are returned in bf16 and their rounding is what the comparison mostly
+    sees.
     """
     h, w, y, g_lp, g_ent = _case(6, 10, 300, torch.bfloat16, seed=4, ignore=(2,))
     got = _triton(h, w, y, g_lp, g_ent, chunk_bytes=4 * 4 * 256)
@@ -157,7 +169,9 @@ def test_bf16_within_small_multiple_of_plain_torch_error():
         err = (a.double() - b).abs().max().item()
         base_err = (p.double() - b).abs().max().item()
         assert base_err > 0, name  # the bound is not vacuous
-        assert err <= 2 * base_err + 1e-6, f"{name}: error {err:.3g} vs plain bf16 torch {base_err:.3g}"
+        assert err <= 2 * base_err + 1e-6, (
+            f"{name}: error {err:.3g} vs plain bf16 torch {base_err:.3g}"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -190,7 +204,9 @@ def test_update_stats_over_tiles(transposed):
         assert torch.equal(tile, before)  # the tile is only read
     ref = _stats_reference(x.double() * inv_t, labels)
     for name, a, e in zip("msbz", (m, s, b, zy), ref):
-        torch.testing.assert_close(a.double(), e, rtol=1e-5, atol=1e-5, msg=lambda msg, n=name: f"{n}: {msg}")
+        torch.testing.assert_close(
+            a.double(), e, rtol=1e-5, atol=1e-5, msg=lambda msg, n=name: f"{n}: {msg}"
+        )
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -205,7 +221,8 @@ def test_tile_grad_formula_and_exact_zero_rows(transposed):
     g_lp[2] = g_ent[2] = 0.0  # an ignored row
     g_ent[4] = 0.0  # logp gradient only
     g_lp[5] = 0.0  # entropy gradient only
-    labels = torch.tensor([20, 64, 30, 3, 40, 79])  # inside the tile (cols 20..64) for rows 0, 1, 2, 4
+    # inside the tile (cols 20..64) for rows 0, 1, 2, 4
+    labels = torch.tensor([20, 64, 30, 3, 40, 79])
     x = full[:, c0 : c0 + cols].clone()
     if transposed:
         x = x.t().contiguous().t()
@@ -221,7 +238,8 @@ def test_tile_grad_formula_and_exact_zero_rows(transposed):
         if 0 <= local[i] < cols:
             ref[i, local[i]] += g_lp[i]
     torch.testing.assert_close(x.double(), ref, rtol=1e-5, atol=1e-6)
-    assert torch.equal(x[2], torch.zeros(cols)) and not x[2].signbit().any()  # exact +0 on the ignored row
+    # exact +0 on the ignored row
+    assert torch.equal(x[2], torch.zeros(cols)) and not x[2].signbit().any()
 
 
 def test_launch_config_and_input_checks():

@@ -1,10 +1,10 @@
 """linear_ppo_loss (hidden states -> loss, 6NDV) against the float64 composition of the two references.
 
-The reference is `ppo_loss_reference(linear_logprob_entropy_reference(hidden, weight, labels, T), ...)`:
-full float64 logits, log_softmax, then the per-sequence loss loop, differentiated by autograd w.r.t.
-hidden and weight. Nothing in it shares code with the fused path under test (row blocks of stored
-logits, closed-form loss gradient computed during the forward). Every backend runs every case: torch,
-native (when built), triton (CPU tensors under the interpreter; tiny shapes).
+The reference is `ppo_loss_reference(linear_logprob_entropy_reference(hidden, weight, labels, T),
+...)`: full float64 logits, log_softmax, then the per-sequence loss loop, differentiated by autograd
+w.r.t. hidden and weight. Nothing in it shares code with the fused path under test (row blocks of
+stored logits, closed-form loss gradient computed during the forward). Every backend runs every
+case: torch, native (when built), triton (CPU tensors under the interpreter; tiny shapes).
 """
 
 import math
@@ -23,7 +23,8 @@ LOSS_OPTIONS = dict(ref_logp=None, kl_coef=0.2, kl_estimator="k3", dual_clip=1.5
 
 
 def _case(shape=(40,), d=16, v=300, temperature=0.7, seed=0):
-    """hidden [*shape, D], weight [V, D], labels (one ignored), and loss inputs around the true log-probs."""
+    """hidden [*shape, D], weight [V, D], labels (one ignored), and loss inputs around the true
+    log-probs."""
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(*shape, d, generator=g)
     w = torch.randn(v, d, generator=g) / math.sqrt(d) * 3
@@ -76,7 +77,8 @@ def _compare(got, want):
         torch.testing.assert_close(got[3][k].double(), want_k, rtol=1e-4, atol=2e-6, msg=k)
 
 
-@pytest.mark.parametrize("rows", [None, 3])  # one block of all 40 rows; 14 blocks, the last of 1 row
+# one block of all 40 rows; 14 blocks, the last of 1 row
+@pytest.mark.parametrize("rows", [None, 3])
 def test_packed_token_mean_matches_reference(backend, rows):
     h, w, y, old, ref, mask, _ = _case()
     adv = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
@@ -85,13 +87,22 @@ def test_packed_token_mean_matches_reference(backend, rows):
     got = _ours(h, w, y, old, adv, mask, backend=backend, chunk_bytes=chunk, **kw)
     want = _reference(h, w, y, old, adv, mask, **kw)
     _compare(got, want)
-    assert got[3]["clipfrac_low"] > 0 and got[3]["clipfrac_high"] > 0 and got[3]["dualclip_frac"] > 0
+    assert (
+        got[3]["clipfrac_low"] > 0 and got[3]["clipfrac_high"] > 0 and got[3]["dualclip_frac"] > 0
+    )
 
 
 def test_padded_seq_mean_with_is_weights(backend):
     h, w, y, old, ref, mask, isw = _case(shape=(3, 7), seed=2)
     adv = torch.tensor([1.0, -0.5, 0.8])
-    kw = dict(ref_logp=ref, kl_coef=0.1, is_weights=isw, is_mode="tis", is_bounds=(0.5, 1.5), temperature=1.3)
+    kw = dict(
+        ref_logp=ref,
+        kl_coef=0.1,
+        is_weights=isw,
+        is_mode="tis",
+        is_bounds=(0.5, 1.5),
+        temperature=1.3,
+    )
     kw["agg"] = "seq-mean-token-mean"
     got = _ours(h, w, y, old, adv, mask, backend=backend, chunk_bytes=4 * w.shape[0] * 5, **kw)
     want = _reference(h, w, y, old, adv, mask, **kw)
@@ -182,9 +193,9 @@ def test_bad_input():
 
 
 def test_on_policy_old_logp_none_and_per_token_outputs(backend):
-    """old_logp=None: old is the current log-prob itself, detached (the float64 reference gets its own
-    log-probs, detached, as TRL's on-policy shortcut does); metrics["logp"] / ["entropy"] are the
-    per-token log-probs and entropies (0 at the ignored label)."""
+    """old_logp=None: old is the current log-prob itself, detached (the float64 reference gets its
+    own log-probs, detached, as TRL's on-policy shortcut does); metrics["logp"] / ["entropy"] are
+    the per-token log-probs and entropies (0 at the ignored label)."""
     h, w, y, _, _, mask, _ = _case(seed=3)
     adv = torch.randn(40, generator=torch.Generator().manual_seed(4))
     ours = _ours(h, w, y, None, adv, mask, temperature=0.7, backend=backend, **LOSS_OPTIONS)

@@ -1,10 +1,11 @@
 """A NaN at a valid token reaches the gradient, on every backend; one at a masked token is ignored.
 
-Expected values come from float64 autograd through TRL's GRPO formula (`_trl_loss`, no log-ratio clamp;
-the batches keep |log-ratio| < 20, where ppo_loss's clamp is inactive): it turns a NaN log-prob, old
-log-prob or advantage into a NaN gradient at that token (and, through the LM head, in every weight-gradient
-entry), which is what lets a trainer's gradient-norm guard fire. TRL multiplies by the mask, so a masked
-NaN would poison its loss: the reference gets a finite value there (ppo_loss never reads masked tokens).
+Expected values come from float64 autograd through TRL's GRPO formula (`_trl_loss`, no log-ratio
+clamp; the batches keep |log-ratio| < 20, where ppo_loss's clamp is inactive): it turns a NaN
+log-prob, old log-prob or advantage into a NaN gradient at that token (and, through the LM head, in
+every weight-gradient entry), which is what lets a trainer's gradient-norm guard fire. TRL
+multiplies by the mask, so a masked NaN would poison its loss: the reference gets a finite value
+there (ppo_loss never reads masked tokens).
 """
 
 import pytest
@@ -24,8 +25,9 @@ def _trl_loss(logp, old, adv, mask, eps_low=0.2, eps_high=0.28, **_):
 
 
 def _batch(where, dtype=torch.float32):
-    """[2, 5] inputs; `where` names the input holding a NaN at the valid token (0, 1); every input also
-    holds a NaN at the masked token (1, 4). Returns (inputs with NaNs, the same with the masked NaN -> 0)."""
+    """[2, 5] inputs; `where` names the input holding a NaN at the valid token (0, 1); every input
+    also holds a NaN at the masked token (1, 4). Returns (inputs with NaNs, the same with the masked
+    NaN -> 0)."""
     g = torch.Generator().manual_seed(0)
     logp = -torch.rand(2, 5, generator=g, dtype=dtype) * 2
     old = logp + 0.3 * torch.randn(2, 5, generator=g, dtype=dtype)
@@ -100,7 +102,9 @@ def test_linear_ppo_loss_nan_handling(where, backend):
     ref, _ = _trl_loss(logp_ref, finite_old, finite_adv, mask, **KW)
     ref.backward()
     if where is None:  # masked NaNs only: ignored
-        assert torch.isfinite(loss) and torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+        assert (
+            torch.isfinite(loss) and torch.isfinite(h.grad).all() and torch.isfinite(w.grad).all()
+        )
     else:
         assert torch.isnan(loss) and torch.isnan(h.grad[2]).all() and torch.isnan(w.grad).all()
     torch.testing.assert_close(h.grad.double(), hr.grad, equal_nan=True, rtol=1e-4, atol=1e-6)

@@ -1,10 +1,10 @@
 """ppo_loss: the docs/recipe.md §3-§4 vectors, and every option against the float64 autograd reference.
 
-The expected numbers come from docs/recipe.md (worked by hand there) or from `ppo_loss_reference`, a plain
-float64 per-sequence loop differentiated by autograd, independent of the op's closed-form gradient.
-Every backend runs every case: torch, native (when built) and triton (CPU tensors under the Triton
-interpreter, which tests/conftest.py switches on when there is no CUDA; on a CUDA machine the triton
-cases here skip — they would need the tensors on the GPU).
+The expected numbers come from docs/recipe.md (worked by hand there) or from `ppo_loss_reference`, a
+plain float64 per-sequence loop differentiated by autograd, independent of the op's closed-form
+gradient. Every backend runs every case: torch, native (when built) and triton (CPU tensors under
+the Triton interpreter, which tests/conftest.py switches on when there is no CUDA; on a CUDA machine
+the triton cases here skip — they would need the tensors on the GPU).
 """
 
 import math
@@ -61,7 +61,8 @@ def _agg_batch():
 
 
 @pytest.mark.parametrize(
-    "agg,expected", [("token-mean", 1 / 3), ("seq-mean-token-mean", 0.5), ("seq-mean-token-sum", 1.0)]
+    "agg,expected",
+    [("token-mean", 1 / 3), ("seq-mean-token-mean", 0.5), ("seq-mean-token-sum", 1.0)],
 )
 def test_recipe_aggregation_padded_and_packed(agg, expected, backend):
     zeros, adv, mask = _agg_batch()
@@ -70,7 +71,13 @@ def test_recipe_aggregation_padded_and_packed(agg, expected, backend):
     packed = torch.zeros(6, dtype=torch.float64)
     cu = torch.tensor([0, 2, 6], dtype=torch.int32)
     loss, _ = ppo_loss(
-        packed, packed, adv, torch.ones(6, dtype=torch.bool), agg=agg, cu_seqlens=cu, backend=backend
+        packed,
+        packed,
+        adv,
+        torch.ones(6, dtype=torch.bool),
+        agg=agg,
+        cu_seqlens=cu,
+        backend=backend,
     )
     assert loss.item() == pytest.approx(expected, abs=1e-12)
 
@@ -81,14 +88,19 @@ def test_recipe_aggregation_split_over_two_ranks():
     global_tokens = mask.sum()  # what all_reduce(mask.sum()) gives; a tensor: no host sync
     parts = [
         ppo_loss(
-            zeros[i : i + 1], zeros[i : i + 1], adv[i : i + 1], mask[i : i + 1], normalizer=global_tokens
+            zeros[i : i + 1],
+            zeros[i : i + 1],
+            adv[i : i + 1],
+            mask[i : i + 1],
+            normalizer=global_tokens,
         )[0]
         for i in range(2)
     ]
     assert sum(parts).item() == pytest.approx(1 / 3, abs=1e-12)
     # the pitfall: local denominators give (1 + 0) / 2 = 0.5 after averaging the two ranks
     local = [
-        ppo_loss(zeros[i : i + 1], zeros[i : i + 1], adv[i : i + 1], mask[i : i + 1])[0] for i in range(2)
+        ppo_loss(zeros[i : i + 1], zeros[i : i + 1], adv[i : i + 1], mask[i : i + 1])[0]
+        for i in range(2)
     ]
     assert (sum(local) / 2).item() == pytest.approx(0.5, abs=1e-12)
     # seq-mean-token-mean: the global sequence count (2) plays the same role
@@ -134,12 +146,15 @@ def test_recipe_kl_vectors(logp, ref, expected, backend):
         assert loss.item() == pytest.approx(value, abs=1e-4), est
         assert metrics["kl_loss"].item() == pytest.approx(value, abs=1e-4)
         d = logp - ref
-        assert lp.grad.item() == pytest.approx({"k1": 1.0, "k2": d, "k3": 1 - math.exp(-d)}[est], abs=1e-12)
+        assert lp.grad.item() == pytest.approx(
+            {"k1": 1.0, "k2": d, "k3": 1 - math.exp(-d)}[est], abs=1e-12
+        )
 
 
 @pytest.mark.parametrize("clamp,expected", [("log-ratio", 50.0), ("output", 10.0)])
 def test_recipe_kl_clamp_rows(clamp, expected, backend):
-    """(logp, ref) = (-0.1, -12.0), k2: 50 with the log-ratio clamped to 10, 10 with the output clamped."""
+    """(logp, ref) = (-0.1, -12.0), k2: 50 with the log-ratio clamped to 10, 10 with the output
+    clamped."""
     lp = torch.tensor([-0.1], dtype=torch.float64, requires_grad=True)
     loss, _ = ppo_loss(
         lp,
@@ -178,7 +193,9 @@ def test_is_modes_by_hand(backend):
         )
         assert loss.item() == pytest.approx(sum(weights) / 3, abs=1e-12), mode
         assert m["is_mean"].item() == pytest.approx(7.3 / 3) and m["is_max"].item() == 6.0
-        assert m["is_frac_modified"].item() == pytest.approx({"none": 0, "tis": 1 / 3, "icepop": 2 / 3}[mode])
+        assert m["is_frac_modified"].item() == pytest.approx(
+            {"none": 0, "tis": 1 / 3, "icepop": 2 / 3}[mode]
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -207,7 +224,13 @@ OPTION_SETS = [
     {"kl_coef": 0.3, "kl_estimator": "k1"},
     {"kl_coef": 0.3, "kl_estimator": "k2", "kl_clamp_value": 0.5},
     {"kl_coef": 0.3, "kl_estimator": "k3", "kl_clamp": "output", "kl_clamp_value": 0.2},
-    {"kl_coef": 0.1, "kl_estimator": "k3", "kl_clamp": "none", "is_mode": "tis", "is_bounds": (0.5, 1.5)},
+    {
+        "kl_coef": 0.1,
+        "kl_estimator": "k3",
+        "kl_clamp": "none",
+        "is_mode": "tis",
+        "is_bounds": (0.5, 1.5),
+    },
     {"is_mode": "icepop", "is_bounds": (0.7, 1.6), "dual_clip": 2.0},
     {"is_mode": "none"},
 ]
@@ -241,7 +264,9 @@ def _compare(got, ref, dtype=torch.float64):
 
 
 @pytest.mark.parametrize("options", OPTION_SETS)
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"])
+@pytest.mark.parametrize(
+    "agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"]
+)
 def test_against_reference_padded(options, agg, backend):
     logp, old, ref, mask, adv, isw = _random_padded(seed=2)
     kw = dict(
@@ -253,7 +278,8 @@ def test_against_reference_padded(options, agg, backend):
     got = _run(ppo_loss, logp, old, adv, mask, backend=backend, **kw)
     want = _run(ppo_loss_reference, logp, old, adv, mask, **kw)
     _compare(got, want)
-    if backend != "torch":  # and the same as the torch backend, metric by metric (IS statistics included)
+    # and the same as the torch backend, metric by metric (IS statistics included)
+    if backend != "torch":
         plain = _run(ppo_loss, logp, old, adv, mask, backend="torch", **kw)
         torch.testing.assert_close(got[0], plain[0], rtol=1e-12, atol=1e-14)
         torch.testing.assert_close(got[1], plain[1], rtol=1e-12, atol=1e-14)
@@ -271,7 +297,8 @@ def test_against_reference_padded(options, agg, backend):
 @pytest.mark.parametrize("options", OPTION_SETS[:3] + OPTION_SETS[5:6])
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_padded_and_packed_agree(options, agg, backend):
-    """The same sequences padded [B, T] and packed [N] with cu_seqlens (and per-token advantages)."""
+    """The same sequences padded [B, T] and packed [N] with cu_seqlens (and per-token
+    advantages)."""
     logp, old, ref, mask, adv, isw = _random_padded(seed=1)
     kw = dict(agg=agg, backend=backend, **options)
     pad_kw = dict(kw, ref_logp=ref, is_weights=isw if "is_mode" in options else None)
@@ -281,7 +308,10 @@ def test_padded_and_packed_agree(options, agg, backend):
     pack = lambda x: x[mask]
     adv_tok = adv[:, None].expand_as(logp)
     pack_kw = dict(
-        kw, ref_logp=pack(ref), is_weights=pack(isw) if "is_mode" in options else None, cu_seqlens=cu
+        kw,
+        ref_logp=pack(ref),
+        is_weights=pack(isw) if "is_mode" in options else None,
+        cu_seqlens=cu,
     )
     for advantages in (adv, pack(adv_tok)):  # per sequence [S] and per token [N]
         got_pack = _run(
@@ -297,7 +327,12 @@ def test_padded_and_packed_agree(options, agg, backend):
         assert (got_pad[1][~mask] == 0).all()
         ref_kw = {k: v for k, v in pack_kw.items() if k != "backend"}
         want = _run(
-            ppo_loss_reference, pack(logp), pack(old), advantages, torch.ones(int(lengths.sum())), **ref_kw
+            ppo_loss_reference,
+            pack(logp),
+            pack(old),
+            advantages,
+            torch.ones(int(lengths.sum())),
+            **ref_kw,
         )
         _compare(got_pack, want)
 
@@ -334,7 +369,8 @@ def test_packed_tokens_outside_cu_seqlens_are_masked(backend):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_low_precision_inputs(dtype, backend):
-    """fp32/bf16 log-probs are computed in fp32: compared with float64 on the same (rounded) inputs."""
+    """fp32/bf16 log-probs are computed in fp32: compared with float64 on the same (rounded)
+    inputs."""
     logp, old, ref, mask, adv, _ = _random_padded(seed=3)
     lp, o, rf = (x.to(dtype) for x in (logp, old, ref))
     kw = dict(ref_logp=rf, kl_coef=0.2, agg="seq-mean-token-mean")
@@ -351,7 +387,9 @@ def test_low_precision_inputs(dtype, backend):
         agg="seq-mean-token-mean",
     )
     torch.testing.assert_close(got[0].double(), want[0], rtol=1e-5, atol=1e-6)
-    grad_tol = {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-3}
+    grad_tol = (
+        {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-2, "atol": 1e-3}
+    )
     torch.testing.assert_close(got[1].double(), want[1], **grad_tol)
 
 
@@ -360,7 +398,9 @@ def test_low_precision_inputs(dtype, backend):
 # --------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"])
+@pytest.mark.parametrize(
+    "agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant"]
+)
 def test_all_masked_gives_zero_loss_and_grad(agg, backend):
     logp, old, ref, mask, adv, isw = _random_padded(seed=4)
     mask = torch.zeros_like(mask)

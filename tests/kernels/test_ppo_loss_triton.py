@@ -1,12 +1,13 @@
 """The Triton ppo_loss backend's launch structure, under the Triton interpreter (CPU tensors, tiny shapes).
 
 On CUDA the op is ONE forward and ONE backward launch with no host sync. Here every Triton launch
-is counted, and every torch op the call runs outside those launches is recorded (a TorchDispatchMode):
-the forward must be exactly one `_forward_kernel` launch and the backward one `_backward_kernel` launch,
-with nothing but allocations and views around them. Values are held to `ppo_loss_reference` (float64,
-autograd). The interpreter runs a grid's programs one after another, so these tests exercise the
-completion counter, the last-program reduction and the counter reset, but not truly concurrent programs
-(tests/gpu/test_cuda_paths.py does). test_ppo_loss.py runs every other case on this backend too.
+is counted, and every torch op the call runs outside those launches is recorded (a
+TorchDispatchMode): the forward must be exactly one `_forward_kernel` launch and the backward one
+`_backward_kernel` launch, with nothing but allocations and views around them. Values are held to
+`ppo_loss_reference` (float64, autograd). The interpreter runs a grid's programs one after another,
+so these tests exercise the completion counter, the last-program reduction and the counter reset,
+but not truly concurrent programs (tests/gpu/test_cuda_paths.py does). test_ppo_loss.py runs every
+other case on this backend too.
 """
 
 import contextlib
@@ -19,11 +20,22 @@ from torch.utils._python_dispatch import TorchDispatchMode
 pytestmark = pytest.mark.usefixtures("triton_interpreted")
 
 # ops that allocate or view, never compute (no kernel launch on CUDA, or a metadata-only one)
-NO_LAUNCH = {"empty", "view", "detach", "select", "unbind", "alias", "_reshape_alias", "as_strided", "expand"}
+NO_LAUNCH = {
+    "empty",
+    "view",
+    "detach",
+    "select",
+    "unbind",
+    "alias",
+    "_reshape_alias",
+    "as_strided",
+    "expand",
+}
 
 
 class _Recorder(TorchDispatchMode):
-    """Torch ops run outside the counted Triton launches (the interpreter's own copies are inside)."""
+    """Torch ops run outside the counted Triton launches (the interpreter's own copies are
+    inside)."""
 
     def __init__(self):
         super().__init__()
@@ -66,7 +78,8 @@ def _record(monkeypatch):
 
 
 def _batch(b=5, t=29, seed=0, dtype=torch.float32):
-    """Padded [B, T] inputs spanning several 32-token programs, the last one partial; NaN in the padding."""
+    """Padded [B, T] inputs spanning several 32-token programs, the last one partial; NaN in the
+    padding."""
     g = torch.Generator().manual_seed(seed)
     logp = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
     old = logp + torch.randn(b, t, generator=g, dtype=torch.float64) * 0.4
@@ -79,7 +92,8 @@ def _batch(b=5, t=29, seed=0, dtype=torch.float32):
 
 
 def _warm_up():
-    """The completion counter is created (zero-filled: one launch) on the first call per device and stream."""
+    """The completion counter is created (zero-filled: one launch) on the first call per device and
+    stream."""
     logp, old, adv, mask, _ = _batch()
     ppo_loss(logp, old, adv, mask, backend="triton")
 
@@ -107,21 +121,37 @@ def test_one_forward_and_one_backward_launch(monkeypatch, dtype, normalizer):
     upstream = torch.tensor(3.0, dtype=cdt)
     _warm_up()
     with _record(monkeypatch) as fwd:
-        loss, metrics = ppo_loss(lp, old, adv, mask, ref_logp=ref, normalizer=d, backend="triton", **KW)
+        loss, metrics = ppo_loss(
+            lp, old, adv, mask, ref_logp=ref, normalizer=d, backend="triton", **KW
+        )
     assert fwd.launches == ["_forward_kernel"]
-    assert set(fwd.ops) <= NO_LAUNCH, f"forward ran torch compute ops: {sorted(set(fwd.ops) - NO_LAUNCH)}"
+    assert set(fwd.ops) <= NO_LAUNCH, (
+        f"forward ran torch compute ops: {sorted(set(fwd.ops) - NO_LAUNCH)}"
+    )
     with _record(monkeypatch) as bwd:
         loss.backward(upstream)
     assert bwd.launches == ["_backward_kernel"]
-    assert set(bwd.ops) <= NO_LAUNCH, f"backward ran torch compute ops: {sorted(set(bwd.ops) - NO_LAUNCH)}"
+    assert set(bwd.ops) <= NO_LAUNCH, (
+        f"backward ran torch compute ops: {sorted(set(bwd.ops) - NO_LAUNCH)}"
+    )
 
-    want_loss, want_grad, want_m = _reference(logp, old, adv, mask, ref, d and float(d), upstream=3.0)
+    want_loss, want_grad, want_m = _reference(
+        logp, old, adv, mask, ref, d and float(d), upstream=3.0
+    )
     tol = dict(rtol=1e-5, atol=1e-6) if dtype != torch.float64 else dict(rtol=1e-12, atol=1e-13)
     torch.testing.assert_close(loss.double(), want_loss, **tol)
     assert lp.grad.dtype == dtype and bool(torch.isfinite(lp.grad).all())
-    gtol = tol if dtype != torch.bfloat16 else dict(rtol=1e-2, atol=1e-5)  # the gradient is stored in bf16
+    # the gradient is stored in bf16
+    gtol = tol if dtype != torch.bfloat16 else dict(rtol=1e-2, atol=1e-5)
     torch.testing.assert_close(lp.grad.double(), want_grad.to(dtype).double(), **gtol)
-    for key in ("clipfrac_low", "clipfrac_high", "dualclip_frac", "approx_kl", "kl_mean", "ratio_mean"):
+    for key in (
+        "clipfrac_low",
+        "clipfrac_high",
+        "dualclip_frac",
+        "approx_kl",
+        "kl_mean",
+        "ratio_mean",
+    ):
         torch.testing.assert_close(
             metrics[key].double(), torch.tensor(want_m[key], dtype=torch.float64), **tol
         )
@@ -148,7 +178,8 @@ def test_packed_per_token_advantages_one_launch(monkeypatch):
 def test_deterministic_and_counter_left_at_zero():
     from prorl.kernels import ppo_loss_triton as T
 
-    logp, old, adv, mask, ref = _batch(b=5, t=61, seed=2)  # 10 programs of 32 tokens, the last partial
+    # 10 programs of 32 tokens, the last partial
+    logp, old, adv, mask, ref = _batch(b=5, t=61, seed=2)
     runs = []
     for _ in range(3):
         lp = logp.clone().requires_grad_()

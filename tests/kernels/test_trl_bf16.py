@@ -1,11 +1,12 @@
 """bf16 (TRL's default `bf16=True`): the fused route's gradient error is no larger than stock TRL's.
 
-One GRPO micro-batch (benchmarks/dropin.py's tiny random Qwen2 at V = 2048, TRL's defaults, on-policy),
-the parameter gradient of `compute_loss` under TRL's bf16 autocast, for: stock GRPOTrainer, stock with
-`cast_lm_head_to_fp32=True` (bf16 backbone, fp32 head), GRPOTrainer with the older `trl_compute_loss`
-drop-in, and FusedGRPOTrainer. The reference is stock TRL in fp32 (`bf16=False`), the same weights and
-batch. Error = ||g - g_ref|| / ||g_ref|| over all parameters (flash-attention's criterion, STYLE.md: the
-kernel's low-precision error against the fp32 reference, next to plain torch's own).
+One GRPO micro-batch (benchmarks/dropin.py's tiny random Qwen2 at V = 2048, TRL's defaults,
+on-policy), the parameter gradient of `compute_loss` under TRL's bf16 autocast, for: stock
+GRPOTrainer, stock with `cast_lm_head_to_fp32=True` (bf16 backbone, fp32 head), GRPOTrainer with the
+older `trl_compute_loss` drop-in, and FusedGRPOTrainer. The reference is stock TRL in fp32
+(`bf16=False`), the same weights and batch. Error = ||g - g_ref|| / ||g_ref|| over all parameters
+(flash-attention's criterion, STYLE.md: the kernel's low-precision error against the fp32 reference,
+next to plain torch's own).
 """
 
 import pytest
@@ -41,12 +42,16 @@ def test_fused_bf16_gradient_error_is_no_larger_than_stock(monkeypatch):
     try:
         ref = _grad("stock", bf16=False)
         err = lambda g: float((g - ref).norm() / ref.norm())
-        errors = {r: err(_grad(r, bf16=True)) for r in ("stock", "stock-fp32-head", "adapter", "fused")}
+        errors = {
+            r: err(_grad(r, bf16=True)) for r in ("stock", "stock-fp32-head", "adapter", "fused")
+        }
         fp32 = {r: err(_grad(r, bf16=False)) for r in ("adapter", "fused")}
     finally:
         torch.set_num_threads(threads)
     print("bf16 gradient errors against fp32 stock:", errors, "fp32:", fp32)
-    assert max(fp32.values()) < 1e-5  # in fp32 both drop-ins are stock's numbers: the ops add no error
+    # in fp32 both drop-ins are stock's numbers: the ops add no error
+    assert max(fp32.values()) < 1e-5
     assert errors["stock"] > 1e-4  # bf16 autocast does perturb the gradient (the test can fail)
-    assert errors["adapter"] == pytest.approx(errors["stock"], rel=0.05)  # its error is TRL's autocast
+    # its error is TRL's autocast
+    assert errors["adapter"] == pytest.approx(errors["stock"], rel=0.05)
     assert errors["fused"] <= errors["stock"]

@@ -1,12 +1,12 @@
 """FusedGRPOTrainer against TRL 1.16's own GRPOTrainer: the same training run, the same numbers.
 
 Each test trains the tiny local Qwen2 (prorl/assets, float32) twice from the same seed, once with
-GRPOTrainer and once with FusedGRPOTrainer, and compares every micro-batch's loss, the logged metrics and
-the parameter update (final - initial weights). Both runs sample the same completions (one generation
-round, sampled before any update), so the two differ only where the log-probs are computed: TRL's chunked
-head on the logits vs linear_ppo_loss / linear_logprob_entropy on the hidden states, float32 round-off
-apart. The fused run must also never reach TRL's head (`ChunkedLogProbFunction`) nor the LM-head module
-with gradients on.
+GRPOTrainer and once with FusedGRPOTrainer, and compares every micro-batch's loss, the logged
+metrics and the parameter update (final - initial weights). Both runs sample the same completions
+(one generation round, sampled before any update), so the two differ only where the log-probs are
+computed: TRL's chunked head on the logits vs linear_ppo_loss / linear_logprob_entropy on the hidden
+states, float32 round-off apart. The fused run must also never reach TRL's head
+(`ChunkedLogProbFunction`) nor the LM-head module with gradients on.
 """
 
 import re
@@ -46,8 +46,10 @@ def _setup(tmp_path, **config):
         max_completion_length=12,
         gradient_accumulation_steps=2,
         num_iterations=2,
-        max_steps=2,  # 2 iterations x 2 micro-batches: one generation round, then two optimizer steps
-        optim="sgd",  # an update linear in the gradient (Adam's first steps are ~lr sign(g): ill-posed)
+        # 2 iterations x 2 micro-batches: one generation round, then two optimizer steps
+        max_steps=2,
+        # an update linear in the gradient (Adam's first steps are ~lr sign(g): ill-posed)
+        optim="sgd",
         learning_rate=2.0,  # large enough for the second iteration to clip
         bf16=False,
         use_cpu=True,
@@ -71,7 +73,8 @@ def _setup(tmp_path, **config):
 
 
 def _rollout(tok):
-    """vLLM's part for TRL's vLLM path: completions and sampler log-probs (the model's plus noise)."""
+    """vLLM's part for TRL's vLLM path: completions and sampler log-probs (the model's plus
+    noise)."""
 
     def rollout(prompts, trainer):
         g = torch.Generator().manual_seed(0)
@@ -91,8 +94,8 @@ def _rollout(tok):
 
 
 def _train(cls, tmp_path, is_mode=None, **config):
-    """Train with `cls`: (losses per micro-batch, logged metrics, initial and final parameters, whether
-    gradients were on at each LM-head module call)."""
+    """Train with `cls`: (losses per micro-batch, logged metrics, initial and final parameters,
+    whether gradients were on at each LM-head module call)."""
     if is_mode is not None:
         config = dict(config, vllm_importance_sampling_mode=is_mode)
     model, tok, reward, args, ds = _setup(tmp_path, **config)
@@ -111,9 +114,15 @@ def _train(cls, tmp_path, is_mode=None, **config):
         warnings.simplefilter("ignore")
         extra = {} if is_mode is None else dict(rollout_func=_rollout(tok))
         trainer = Recording(
-            model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok, **extra
+            model=model,
+            reward_funcs=reward,
+            args=args,
+            train_dataset=ds,
+            processing_class=tok,
+            **extra,
         )
-    if is_mode is not None:  # TRL's vLLM path from here on: it computes the IS ratio from the sampler's
+    # TRL's vLLM path from here on: it computes the IS ratio from the sampler's
+    if is_mode is not None:
         trainer.use_vllm = True
         trainer.vllm_generation = SimpleNamespace(sync_weights=lambda: None)
         trainer._last_loaded_step = -1
@@ -146,7 +155,8 @@ def _compare(tmp_path, monkeypatch, is_mode=None, rtol=1e-5, **config):
     monkeypatch.setattr(trl_utils, "_ChunkedLogProbFunction", Counting)
     fused = _train(FusedGRPOTrainer, tmp_path / "fused", is_mode, **config)
     assert calls == []  # neither the update nor the old/reference passes reached TRL's head
-    assert fused[4] and not any(fused[4])  # the LM-head module ran for generation only, without gradients
+    # the LM-head module ran for generation only, without gradients
+    assert fused[4] and not any(fused[4])
 
     losses, theirs = torch.stack(fused[0]), torch.stack(stock[0])
     assert len(losses) == 4
@@ -175,18 +185,27 @@ def _compare(tmp_path, monkeypatch, is_mode=None, rtol=1e-5, **config):
         ("dapo", 0.04, False),
     ],
 )
-def test_fused_trainer_matches_grpo_trainer(loss_type, beta, bias_correction, tmp_path, monkeypatch):
+def test_fused_trainer_matches_grpo_trainer(
+    loss_type, beta, bias_correction, tmp_path, monkeypatch
+):
     stock, _ = _compare(
-        tmp_path, monkeypatch, loss_type=loss_type, beta=beta, use_bias_correction_kl=bias_correction
+        tmp_path,
+        monkeypatch,
+        loss_type=loss_type,
+        beta=beta,
+        use_bias_correction_kl=bias_correction,
     )
-    assert stock[1][-1]["clip_ratio/region_mean"] > 0  # the second iteration is off-policy enough to clip
+    # the second iteration is off-policy enough to clip
+    assert stock[1][-1]["clip_ratio/region_mean"] > 0
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo"])
-def test_fused_trainer_on_policy_with_truncated_completions_masked(loss_type, tmp_path, monkeypatch):
-    """num_iterations=1: TRL skips the old log-prob pass (old = the current log-prob, detached); with
-    mask_truncated_completions every completion that hit max_completion_length is left out."""
+def test_fused_trainer_on_policy_with_truncated_completions_masked(
+    loss_type, tmp_path, monkeypatch
+):
+    """num_iterations=1: TRL skips the old log-prob pass (old = the current log-prob, detached);
+    with mask_truncated_completions every completion that hit max_completion_length is left out."""
     stock, _ = _compare(
         tmp_path,
         monkeypatch,
@@ -204,9 +223,10 @@ def test_fused_trainer_on_policy_with_truncated_completions_masked(loss_type, tm
 @pytest.mark.slow
 @pytest.mark.parametrize("is_mode,beta", [("token_truncate", 0.04), ("sequence_mask", 0.0)])
 def test_fused_trainer_with_vllm_importance_sampling(is_mode, beta, tmp_path, monkeypatch):
-    """TRL's vLLM path (a rollout function stands in for vLLM): TRL computes the IS ratio from the sampler
-    log-probs and its old log-prob pass (ours: fused), the loss weighs by it. A sequence-level ratio is
-    exp(sum over the row of old - sampler): the old passes' float32 round-off grows with it (1e-4)."""
+    """TRL's vLLM path (a rollout function stands in for vLLM): TRL computes the IS ratio from the
+    sampler log-probs and its old log-prob pass (ours: fused), the loss weighs by it. A
+    sequence-level ratio is exp(sum over the row of old - sampler): the old passes' float32
+    round-off grows with it (1e-4)."""
     kw = dict(loss_type="dapo", beta=beta, use_bias_correction_kl=False)  # through linear_ppo_loss
     _compare(tmp_path, monkeypatch, is_mode, rtol=1e-4, **kw)
 

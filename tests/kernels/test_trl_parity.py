@@ -1,20 +1,21 @@
 """ppo_loss and the TRL adapter against TRL 1.16's own GRPOTrainer loss: same inputs, same numbers.
 
-TRL's own code computes the expected values. Most tests call `GRPOTrainer._compute_loss` unbound, on a
-small stand-in for the trainer (`_TrainerStub`) holding the attributes the method reads, whose model
-forward (`_get_per_token_logps_and_entropies`) returns our float64 log-probs and entropies; the adapter
-`trl_compute_loss` runs on the same stand-in. So the clipping, KL, importance sampling, aggregation and
-logged metrics under test are TRL's, not a copy, and agree to round-off (1e-12; TRL's clip fractions are
-float32 means). The last tests run the ADAPTERS.md snippet in a real GRPOTrainer (the tiny local Qwen2 of
-prorl/assets), where TRL itself also computes the importance-sampling ratios (from a rollout function's
-sampler log-probs); its log-probs are float32 there (TRL's fused LM head), so the bounds are float32 ones.
+TRL's own code computes the expected values. Most tests call `GRPOTrainer._compute_loss` unbound, on
+a small stand-in for the trainer (`_TrainerStub`) holding the attributes the method reads, whose
+model forward (`_get_per_token_logps_and_entropies`) returns our float64 log-probs and entropies;
+the adapter `trl_compute_loss` runs on the same stand-in. So the clipping, KL, importance sampling,
+aggregation and logged metrics under test are TRL's, not a copy, and agree to round-off (1e-12;
+TRL's clip fractions are float32 means). The last tests run the ADAPTERS.md snippet in a real
+GRPOTrainer (the tiny local Qwen2 of prorl/assets), where TRL itself also computes the
+importance-sampling ratios (from a rollout function's sampler log-probs); its log-probs are float32
+there (TRL's fused LM head), so the bounds are float32 ones.
 
-Mapping (docs/ops.md): per_token_logps -> logp, old_per_token_logps -> old_logp, ref_per_token_logps ->
-ref_logp, completion_mask -> mask, epsilon / epsilon_high -> eps_low / eps_high, beta -> kl_coef with
-kl_estimator="k3" and no clamp; dapo -> agg="token-mean" with normalizer = num_items_in_batch /
-num_processes * gradient_accumulation_steps / steps_per_generation; grpo -> agg="seq-mean-token-mean" with
-normalizer = B * gradient_accumulation_steps (TRL counts every row, even one without completion tokens);
-importance_sampling_ratio -> is_weights.
+Mapping (docs/ops.md): per_token_logps -> logp, old_per_token_logps -> old_logp, ref_per_token_logps
+-> ref_logp, completion_mask -> mask, epsilon / epsilon_high -> eps_low / eps_high, beta -> kl_coef
+with kl_estimator="k3" and no clamp; dapo -> agg="token-mean" with normalizer = num_items_in_batch /
+num_processes * gradient_accumulation_steps / steps_per_generation; grpo ->
+agg="seq-mean-token-mean" with normalizer = B * gradient_accumulation_steps (TRL counts every row,
+even one without completion tokens); importance_sampling_ratio -> is_weights.
 """
 
 import math
@@ -30,7 +31,9 @@ from prorl.kernels import ppo_loss
 from prorl.kernels.adapters import trl_compute_loss, trl_grpo_loss
 
 trl = pytest.importorskip("trl", reason="TRL is not installed (pip install trl); CI installs it")
-grpo_trainer = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL without trl.trainer.grpo_trainer")
+grpo_trainer = pytest.importorskip(
+    "trl.trainer.grpo_trainer", reason="TRL without trl.trainer.grpo_trainer"
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 LOSS_TYPES = ["dapo", "grpo", "bnpo", "dr_grpo"]
@@ -119,7 +122,8 @@ def _batch(seed=0, b=6, t=9, adv_per_token=False, far=False):
     lengths = torch.randint(1, t + 1, (b,), generator=g)
     if b > 2:
         lengths[0], lengths[2] = t, 0  # a full row and one without completion tokens
-    mask = (torch.arange(t)[None, :] < lengths[:, None]).long()  # TRL's completion_mask is an int tensor
+    # TRL's completion_mask is an int tensor
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).long()
     shape = (b, t) if adv_per_token else (b,)
     adv = torch.randn(*shape, generator=g, dtype=torch.float64)
     entropies = torch.rand(b, t, generator=g, dtype=torch.float64) * 2
@@ -136,14 +140,18 @@ def _inputs(old, ref, mask, adv, num_items=None, is_ratio=None):
         "advantages": adv,
         "old_per_token_logps": old,
         "ref_per_token_logps": ref,
-        "num_items_in_batch": torch.tensor(float(num_items if num_items is not None else mask.sum() + 3)),
+        "num_items_in_batch": torch.tensor(
+            float(num_items if num_items is not None else mask.sum() + 3)
+        ),
     }
     if is_ratio is not None:
         inputs["importance_sampling_ratio"] = is_ratio
     return inputs
 
 
-def _run(compute_loss, logp, old, ref, mask, adv, entropies, *, num_items=None, is_ratio=None, **stub_kw):
+def _run(
+    compute_loss, logp, old, ref, mask, adv, entropies, *, num_items=None, is_ratio=None, **stub_kw
+):
     """compute_loss(trainer, model, inputs) on a fresh stand-in: loss, gradient, logged metrics."""
     logp = logp.clone().requires_grad_()
     stub = _TrainerStub(logp, entropies, **stub_kw)
@@ -164,7 +172,8 @@ def _ours(*args, **kw):
 def _assert_same_metrics(ours, theirs):
     assert set(ours) == set(theirs), set(ours) ^ set(theirs)
     for k, v in theirs.items():
-        rel = 1e-6 if k.startswith("clip_ratio") else 1e-12  # TRL's clip fractions are float32 means
+        # TRL's clip fractions are float32 means
+        rel = 1e-6 if k.startswith("clip_ratio") else 1e-12
         if math.isnan(v):
             assert math.isnan(ours[k]), k
         else:
@@ -178,7 +187,8 @@ def _assert_same(ours, theirs):
 
 
 def _is_ratio(old, sampler, mask, level):
-    """An importance-sampling ratio of the kind TRL stores (in the real-trainer tests TRL computes it)."""
+    """An importance-sampling ratio of the kind TRL stores (in the real-trainer tests TRL computes
+    it)."""
     diff = (old - sampler) * mask
     if level == "token":
         return torch.exp(diff).clamp(max=2.0)
@@ -211,21 +221,29 @@ def _ppo(logp, old, ref, mask, adv, **kw):
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_ppo_loss_dapo_global_token_normaliser(beta, backend):
     batch, _, ent = _batch()
-    num_items = int(batch[3].sum()) + 17  # the generation batch holds more tokens than this micro-batch
+    # the generation batch holds more tokens than this micro-batch
+    num_items = int(batch[3].sum()) + 17
     theirs = _trl(
         *batch,
         ent,
         num_items=num_items,
         beta=beta,
-        use_bias_correction_kl=False,  # ppo_loss's KL term is k3 alone (the adapter adds TRL's correction)
+        # ppo_loss's KL term is k3 alone (the adapter adds TRL's correction)
+        use_bias_correction_kl=False,
         grad_accum=2,
         steps_per_generation=4,
     )
-    ours = _ppo(*batch, kl_coef=beta, agg="token-mean", normalizer=num_items * 2 / 4, backend=backend)
+    ours = _ppo(
+        *batch, kl_coef=beta, agg="token-mean", normalizer=num_items * 2 / 4, backend=backend
+    )
     torch.testing.assert_close(ours[0], theirs[0], rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(ours[1], theirs[1], rtol=1e-12, atol=1e-14)
-    assert ours[2]["clipfrac_low"].item() == pytest.approx(theirs[2]["clip_ratio/low_mean"], abs=1e-6)
-    assert ours[2]["clipfrac_high"].item() == pytest.approx(theirs[2]["clip_ratio/high_mean"], abs=1e-6)
+    assert ours[2]["clipfrac_low"].item() == pytest.approx(
+        theirs[2]["clip_ratio/low_mean"], abs=1e-6
+    )
+    assert ours[2]["clipfrac_high"].item() == pytest.approx(
+        theirs[2]["clip_ratio/high_mean"], abs=1e-6
+    )
     assert ours[2]["clipfrac_low"] > 0 and ours[2]["clipfrac_high"] > 0
     if beta:
         assert ours[2]["kl_mean"].item() == pytest.approx(theirs[2]["kl"], rel=1e-9)
@@ -233,7 +251,9 @@ def test_ppo_loss_dapo_global_token_normaliser(beta, backend):
 
 def test_ppo_loss_grpo_sequence_mean_then_batch_mean(backend):
     batch, _, ent = _batch(seed=5)
-    theirs = _trl(*batch, ent, loss_type="grpo", beta=0.04, use_bias_correction_kl=False, grad_accum=2)
+    theirs = _trl(
+        *batch, ent, loss_type="grpo", beta=0.04, use_bias_correction_kl=False, grad_accum=2
+    )
     b = batch[0].shape[0]
     ours = _ppo(*batch, kl_coef=0.04, agg="seq-mean-token-mean", normalizer=b * 2, backend=backend)
     torch.testing.assert_close(ours[0], theirs[0], rtol=1e-12, atol=1e-14)
@@ -241,7 +261,8 @@ def test_ppo_loss_grpo_sequence_mean_then_batch_mean(backend):
 
 
 # --------------------------------------------------------------------------------------------------
-# The adapter: trl_compute_loss in place of GRPOTrainer._compute_loss, loss + gradient + logged metrics
+# The adapter: trl_compute_loss in place of GRPOTrainer._compute_loss, loss + gradient + logged
+# metrics
 # --------------------------------------------------------------------------------------------------
 
 
@@ -277,7 +298,9 @@ def test_adapter_on_every_backend(backend, monkeypatch):
     batch, sampler, ent = _batch(seed=7, b=8, t=12)
     is_ratio = _is_ratio(batch[1], sampler, batch[3], "token")
     for bias_correction in (True, False):
-        kw = dict(beta=0.04, use_bias_correction_kl=bias_correction, is_correction=True, is_ratio=is_ratio)
+        kw = dict(
+            beta=0.04, use_bias_correction_kl=bias_correction, is_correction=True, is_ratio=is_ratio
+        )
         _assert_same(_ours(*batch, ent, **kw), _trl(*batch, ent, **kw))
 
 
@@ -292,7 +315,9 @@ def test_adapter_applies_the_is_ratio_only_where_trl_does(use_vllm, correction):
         stub.vllm_importance_sampling_correction = correction
         loss = compute_loss(stub, None, inputs)
         loss.backward()
-        results.append((loss.detach(), logp.grad, {k: v[-1] for k, v in stub._metrics["train"].items()}))
+        results.append(
+            (loss.detach(), logp.grad, {k: v[-1] for k, v in stub._metrics["train"].items()})
+        )
     _assert_same(results[1], results[0])
 
 
@@ -308,7 +333,9 @@ def test_adapter_with_tool_mask(loss_type):
         inputs = _inputs(*batch[1:]) | {"tool_mask": tool_mask}
         loss = compute_loss(stub, None, inputs)
         loss.backward()
-        results.append((loss.detach(), logp.grad, {k: v[-1] for k, v in stub._metrics["train"].items()}))
+        results.append(
+            (loss.detach(), logp.grad, {k: v[-1] for k, v in stub._metrics["train"].items()})
+        )
     _assert_same(results[1], results[0])
     assert (results[0][1][(tool_mask == 0)] == 0).all()
 
@@ -358,9 +385,10 @@ def test_trl_grpo_loss_from_tensors():
 
 
 def test_log_ratio_beyond_20():
-    """Beyond |logp - old| = 20 ppo_loss clamps the ratio and TRL does not. On the clipped side (A > 0 and
-    logp - old > 20, A < 0 and logp - old < -20) both give the clipped constant: same numbers. On the other
-    side ours is TRL's on the log-ratio clamped to +-20, with zero gradient at those tokens."""
+    """Beyond |logp - old| = 20 ppo_loss clamps the ratio and TRL does not. On the clipped side (A >
+    0 and logp - old > 20, A < 0 and logp - old < -20) both give the clipped constant: same numbers.
+    On the other side ours is TRL's on the log-ratio clamped to +-20, with zero gradient at those
+    tokens."""
     batch, _, ent = _batch(seed=11, b=16, t=64, adv_per_token=True, far=True)
     logp, old, ref, mask, adv = batch
     lr = logp - old
@@ -382,9 +410,12 @@ def test_log_ratio_beyond_20():
     raw = _trl(logp, old, ref, mask, adv, ent, loss_type="dapo")
     torch.testing.assert_close(ours[0], theirs[0], rtol=1e-12, atol=1e-14)
     unclipped_far = far & ~clipped_side
-    torch.testing.assert_close(ours[1][~unclipped_far], theirs[1][~unclipped_far], rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(
+        ours[1][~unclipped_far], theirs[1][~unclipped_far], rtol=1e-12, atol=1e-14
+    )
     assert (ours[1][unclipped_far] == 0).all() and (theirs[1][unclipped_far] != 0).all()
-    assert not torch.isclose(ours[0], raw[0], rtol=1e-3)  # TRL's unclamped exp(25) differs, as documented
+    # TRL's unclamped exp(25) differs, as documented
+    assert not torch.isclose(ours[0], raw[0], rtol=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -411,7 +442,8 @@ def test_settings_not_fused_are_refused_by_name(setting, value, named):
 
 
 # --------------------------------------------------------------------------------------------------
-# The ADAPTERS.md snippet in a real GRPOTrainer, against TRL's own _compute_loss on the same micro-batches
+# The ADAPTERS.md snippet in a real GRPOTrainer, against TRL's own _compute_loss on the same
+# micro-batches
 # --------------------------------------------------------------------------------------------------
 
 MODEL = ROOT / "prorl" / "assets" / "tiny-reasoner"
@@ -425,10 +457,11 @@ def _snippet(name):
 
 
 def _train(is_mode, tmp_path):
-    """Three optimizer steps of TRL's GRPOTrainer with the snippet's subclass (TRL's defaults plus beta=0.04
-    and num_iterations=2); each micro-batch's loss, parameter gradient and logged metrics, ours and TRL's.
-    is_mode: None (TRL's generation, no importance sampling) or a vllm_importance_sampling_mode, with
-    completions and sampler log-probs from a rollout function standing in for vLLM."""
+    """Three optimizer steps of TRL's GRPOTrainer with the snippet's subclass (TRL's defaults plus
+    beta=0.04 and num_iterations=2); each micro-batch's loss, parameter gradient and logged metrics,
+    ours and TRL's. is_mode: None (TRL's generation, no importance sampling) or a
+    vllm_importance_sampling_mode, with completions and sampler log-probs from a rollout function
+    standing in for vLLM."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -465,8 +498,12 @@ def _train(is_mode, tmp_path):
         with torch.no_grad():
             for p, c in zip(prompt_ids, completion_ids):
                 logits = trainer.model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1]
-                lp = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(c)[:, None])[:, 0]
-                logprobs.append((lp + 0.3 * torch.randn(len(c), generator=g, dtype=lp.dtype)).tolist())
+                lp = torch.log_softmax(logits.double(), -1).gather(-1, torch.tensor(c)[:, None])[
+                    :, 0
+                ]
+                logprobs.append(
+                    (lp + 0.3 * torch.randn(len(c), generator=g, dtype=lp.dtype)).tolist()
+                )
         return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": logprobs}
 
     args = trl.GRPOConfig(
@@ -526,7 +563,8 @@ def test_snippet_in_a_real_grpo_trainer(is_mode, tmp_path, monkeypatch):
     assert len(records) == 6  # 3 optimizer steps x 2 micro-batches
     clipped = 0
     for ours, theirs, ours_grad, theirs_grad, ours_logged, theirs_logged in records:
-        # float32 log-probs (TRL's fused LM head): float32 round-off, not the 0.4% / 7% of a wrong setting
+        # float32 log-probs (TRL's fused LM head): float32 round-off, not the 0.4% / 7% of a wrong
+        # setting
         torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-7)
         scale = max(g.abs().max() for g in theirs_grad)
         assert scale > 0

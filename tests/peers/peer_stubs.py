@@ -1,9 +1,10 @@
 """Import the peers' loss modules without their training stacks.
 
-verl and OpenRLHF import, at module level, packages their loss code never calls (Ray, DeepSpeed, flash-attn,
-vLLM, ...), which are not installed beside them (.ci/peers.sh installs both with --no-deps). `stub_missing`
-puts an empty stand-in (a MagicMock module) in place of each one that is NOT installed, so that the real
-loss modules import; the stand-ins are only there when the peer itself is installed.
+verl and OpenRLHF import, at module level, packages their loss code never calls (Ray, DeepSpeed,
+flash-attn, vLLM, ...), which are not installed beside them (.ci/peers.sh installs both with
+--no-deps). `stub_missing` puts an empty stand-in (a MagicMock module) in place of each one that is
+NOT installed, so that the real loss modules import; the stand-ins are only there when the peer
+itself is installed.
 """
 
 import importlib.abc
@@ -16,7 +17,16 @@ from unittest import mock
 
 # what the modules under test import at module level, by peer
 VERL_STUBS = ("ray", "codetiming")
-OPENRLHF_STUBS = ("deepspeed", "flash_attn", "peft", "ray", "pylatexenc", "vllm", "aiohttp", "torchdata")
+OPENRLHF_STUBS = (
+    "deepspeed",
+    "flash_attn",
+    "peft",
+    "ray",
+    "pylatexenc",
+    "vllm",
+    "aiohttp",
+    "torchdata",
+)
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -41,7 +51,8 @@ _FINDER = _StubFinder()
 
 
 def stub_missing(peer: str, names) -> list[str]:
-    """If `peer` is installed, stand in for each of `names` that is not; returns the names stubbed."""
+    """If `peer` is installed, stand in for each of `names` that is not; returns the names
+    stubbed."""
     if importlib.util.find_spec(peer) is None:
         return []
     missing = [n for n in names if n in _FINDER.names or importlib.util.find_spec(n) is None]
@@ -54,7 +65,9 @@ def stub_missing(peer: str, names) -> list[str]:
 def adapters_snippet(name: str) -> str:
     """The code block after `<!-- snippet:NAME -->` in kernels/ADAPTERS.md, verbatim."""
     path = Path(__file__).resolve().parents[2] / "kernels" / "ADAPTERS.md"
-    m = re.search(rf"<!-- snippet:{re.escape(name)} -->\s*```[a-z]*\n(.*?)```", path.read_text(), re.S)
+    m = re.search(
+        rf"<!-- snippet:{re.escape(name)} -->\s*```[a-z]*\n(.*?)```", path.read_text(), re.S
+    )
     if m is None:
         raise LookupError(f"no snippet {name!r} in {path}")
     return m.group(1)

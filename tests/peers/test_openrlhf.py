@@ -1,9 +1,10 @@
 """OpenRLHFPolicyLoss against OpenRLHF 0.11.2 itself: its PolicyLoss, its normalisers, its actor's step.
 
 The expected numbers come from OpenRLHF's own `openrlhf.models.loss.PolicyLoss` on the same float64
-inputs, with the global normalisers computed by OpenRLHF's own `openrlhf.utils.loss_utils`; the snippet of
-kernels/ADAPTERS.md is run and then OpenRLHF's own `ActorPPOTrainer` builds and calls the loss. Needs
-openrlhf in the environment: .ci/peers.sh installs it (with --no-deps) in a separate venv.
+inputs, with the global normalisers computed by OpenRLHF's own `openrlhf.utils.loss_utils`; the
+snippet of kernels/ADAPTERS.md is run and then OpenRLHF's own `ActorPPOTrainer` builds and calls the
+loss. Needs openrlhf in the environment: .ci/peers.sh installs it (with --no-deps) in a separate
+venv.
 """
 
 from types import SimpleNamespace
@@ -14,7 +15,8 @@ from peer_stubs import OPENRLHF_STUBS, adapters_snippet, stub_missing
 
 stub_missing("openrlhf", OPENRLHF_STUBS)
 orl_loss = pytest.importorskip(
-    "openrlhf.models.loss", reason="openrlhf is not installed here (.ci/peers.sh installs openrlhf 0.11.2)"
+    "openrlhf.models.loss",
+    reason="openrlhf is not installed here (.ci/peers.sh installs openrlhf 0.11.2)",
 )
 from openrlhf.utils import loss_utils  # noqa: E402
 from prorl.kernels.adapters import OpenRLHFPolicyLoss  # noqa: E402
@@ -22,20 +24,26 @@ from prorl.kernels.adapters import OpenRLHFPolicyLoss  # noqa: E402
 SHAPES = [(1, 1), (3, 7), (16, 64)]
 IS_SETTINGS = {
     "off": {},
-    "mask": dict(is_correction_level="token", is_correction_mode="mask", is_correction_threshold=(0.7, 1.6)),
-    "clip": dict(is_correction_level="token", is_correction_mode="clip", is_correction_threshold=(0.7, 1.6)),
+    "mask": dict(
+        is_correction_level="token", is_correction_mode="mask", is_correction_threshold=(0.7, 1.6)
+    ),
+    "clip": dict(
+        is_correction_level="token", is_correction_mode="clip", is_correction_threshold=(0.7, 1.6)
+    ),
 }
 NAMES = ("loss", "clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio")
 
 
 def _batch(b, t, seed, mask_dtype=torch.float64):
-    """Random [b, t] inputs: clipping on both sides, dual-clip caps, |log-ratio| > 20, IS weights outside
-    the band on both sides, an empty row."""
+    """Random [b, t] inputs: clipping on both sides, dual-clip caps, |log-ratio| > 20, IS weights
+    outside the band on both sides, an empty row."""
     g = torch.Generator().manual_seed(seed)
     logp = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
     old = logp + torch.randn(b, t, generator=g, dtype=torch.float64) * 0.8
     far = torch.rand(b, t, generator=g) < 0.1
-    old = torch.where(far, logp + 25 * torch.sign(torch.randn(b, t, generator=g, dtype=torch.float64)), old)
+    old = torch.where(
+        far, logp + 25 * torch.sign(torch.randn(b, t, generator=g, dtype=torch.float64)), old
+    )
     rollout = old + torch.randn(b, t, generator=g, dtype=torch.float64) * 0.5
     adv = torch.randn(b, t, generator=g, dtype=torch.float64) * 1.5
     lengths = torch.randint(1, t + 1, (b,), generator=g)
@@ -51,10 +59,13 @@ def _batch_info(mask, kind, seed):
         return {}
     if kind == "local":  # what training_step computes for one micro-batch on one process
         return loss_utils.get_loss_batch_info(None, mask)
-    # an optimizer step of two micro-batches (gradient accumulation) on each of two data-parallel ranks
-    other = _batch(mask.shape[0] + 3, mask.shape[1], seed=seed + 1000)[-1]  # more rows than this one
+    # an optimizer step of two micro-batches (gradient accumulation) on each of two data-parallel
+    # ranks
+    # more rows than this one
+    other = _batch(mask.shape[0] + 3, mask.shape[1], seed=seed + 1000)[-1]
     info = loss_utils._optimizer_step_loss_norm([mask, other], None, 2, 2)
-    return {k: v * 2 if torch.is_tensor(v) else v for k, v in info.items()}  # the other rank's share too
+    # the other rank's share too
+    return {k: v * 2 if torch.is_tensor(v) else v for k, v in info.items()}
 
 
 def _run(cls, kw, logp, old, rollout, adv, mask, info):
@@ -71,7 +82,9 @@ def _assert_same(ours, theirs, rel=1e-9):
         if b is None:
             assert a is None, name
             continue
-        torch.testing.assert_close(a.detach().double(), b.detach().double(), rtol=rel, atol=1e-12, msg=name)
+        torch.testing.assert_close(
+            a.detach().double(), b.detach().double(), rtol=rel, atol=1e-12, msg=name
+        )
     torch.testing.assert_close(og, tg, rtol=1e-9, atol=1e-12 * tg.abs().max().item())
 
 
@@ -83,7 +96,9 @@ def _assert_same(ours, theirs, rel=1e-9):
 def test_matches_openrlhf(shape, token_level_loss, dual_clip, is_setting, info_kind):
     seed = 10 * SHAPES.index(shape) + 2 * token_level_loss + (dual_clip is not None)
     logp, old, rollout, adv, mask = _batch(*shape, seed=seed)
-    kw = dict(clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip, token_level_loss=token_level_loss)
+    kw = dict(
+        clip_eps_low=0.2, clip_eps_high=0.28, dual_clip=dual_clip, token_level_loss=token_level_loss
+    )
     kw.update(IS_SETTINGS[is_setting])
     info = _batch_info(mask, info_kind, seed)
     theirs = _run(orl_loss.PolicyLoss, kw, logp, old, rollout, adv, mask, info)
@@ -123,7 +138,11 @@ def test_without_mask():
         (dict(policy_loss_type="gspo"), "policy_loss_type 'gspo'"),
         (dict(is_correction_level="seq"), "is_correction_level='seq'"),
         (
-            dict(is_correction_level="token", is_correction_gating="tv", is_correction_threshold=(0, 0.1)),
+            dict(
+                is_correction_level="token",
+                is_correction_gating="tv",
+                is_correction_threshold=(0, 0.1),
+            ),
             "'tv'",
         ),
     ],
@@ -181,12 +200,15 @@ def _actor_args(**actor):
 
 
 def _training_step(ppo_actor, args, batch, loss_batch_info):
-    """ActorPPOTrainer(...).training_step(experience, ...) on one micro-batch; (metrics, d loss / d logp)."""
+    """ActorPPOTrainer(...).training_step(experience, ...) on one micro-batch; (metrics, d loss / d
+    logp)."""
     from openrlhf.trainer.ppo_utils.experience import Experience
 
     logp, old, rollout, adv, mask = batch
     x = logp.clone().requires_grad_()
-    base = logp + torch.randn(logp.shape, generator=torch.Generator().manual_seed(0), dtype=logp.dtype)
+    base = logp + torch.randn(
+        logp.shape, generator=torch.Generator().manual_seed(0), dtype=logp.dtype
+    )
     strategy = SimpleNamespace(
         args=args,
         ring_attn_group=None,
@@ -229,7 +251,8 @@ def test_snippet_in_openrlhfs_actor_training_step(monkeypatch, loss_agg_mode, wi
     monkeypatch.setattr(ppo_actor, "PolicyLoss", orl_loss.PolicyLoss)
     args = _actor_args(loss_agg_mode=loss_agg_mode)
     batch = _batch(6, 10, seed=9, mask_dtype=torch.bool)
-    info = _batch_info(batch[-1], "global", 9) if window else None  # None: training_step computes it
+    # None: training_step computes it
+    info = _batch_info(batch[-1], "global", 9) if window else None
     loss_fn, theirs, theirs_grad = _training_step(ppo_actor, args, batch, info)
     assert type(loss_fn) is orl_loss.PolicyLoss
 
@@ -240,10 +263,17 @@ def test_snippet_in_openrlhfs_actor_training_step(monkeypatch, loss_agg_mode, wi
 
     torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-9, atol=1e-12)
     assert theirs_grad.abs().sum() > 0
-    assert set(ours) == set(theirs) and {"ppo_clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio"} <= set(
-        ours
-    )
+    assert set(ours) == set(theirs) and {
+        "ppo_clip_ratio",
+        "ppo_kl",
+        "vllm_kl",
+        "is_filter_ratio",
+    } <= set(ours)
     for k, v in theirs.items():  # clip and filter fractions are float32 in OpenRLHF (bool mask)
         torch.testing.assert_close(
-            torch.as_tensor(ours[k]).double(), torch.as_tensor(v).double(), rtol=1e-6, atol=1e-9, msg=k
+            torch.as_tensor(ours[k]).double(),
+            torch.as_tensor(v).double(),
+            rtol=1e-6,
+            atol=1e-9,
+            msg=k,
         )

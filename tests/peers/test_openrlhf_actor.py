@@ -1,10 +1,10 @@
 """openrlhf_actor_forward against OpenRLHF 0.11.2's own `Actor.forward` on the same tiny Qwen2.
 
-OpenRLHF's `Actor` wraps a tiny random Qwen2ForCausalLM (float32, temperature 0.7, left-padded prompts,
-right-padded responses); its own forward computes the expected action log-probs, all next-token log-probs
-and the entropies (from its logits; flash-attn's cross entropy is made unavailable, so OpenRLHF takes its
-torch path), and the parameter gradients through them. The ADAPTERS.md snippet then patches
-`Actor.forward` and the same calls must agree to float32 round-off.
+OpenRLHF's `Actor` wraps a tiny random Qwen2ForCausalLM (float32, temperature 0.7, left-padded
+prompts, right-padded responses); its own forward computes the expected action log-probs, all
+next-token log-probs and the entropies (from its logits; flash-attn's cross entropy is made
+unavailable, so OpenRLHF takes its torch path), and the parameter gradients through them. The
+ADAPTERS.md snippet then patches `Actor.forward` and the same calls must agree to float32 round-off.
 """
 
 import sys
@@ -15,7 +15,8 @@ from peer_stubs import OPENRLHF_STUBS, adapters_snippet, stub_missing
 
 stub_missing("openrlhf", OPENRLHF_STUBS)
 actor_module = pytest.importorskip(
-    "openrlhf.models.actor", reason="openrlhf is not installed (.ci/peers.sh installs openrlhf 0.11.2)"
+    "openrlhf.models.actor",
+    reason="openrlhf is not installed (.ci/peers.sh installs openrlhf 0.11.2)",
 )
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
@@ -23,7 +24,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 @pytest.fixture
 def actor(monkeypatch):
     monkeypatch.setattr(actor_module.Actor, "forward", actor_module.Actor.forward)  # restored after
-    # flash_attn is a stand-in here (peer_stubs): make OpenRLHF's "flash-attn not installed" path run
+    # flash_attn is a stand-in here (peer_stubs): make OpenRLHF's "flash-attn not installed" path
+    # run
     monkeypatch.setitem(sys.modules, "flash_attn.ops.triton.cross_entropy", None)
     torch.manual_seed(0)
     config = Qwen2Config(
@@ -50,12 +52,20 @@ def _run(actor):
     sequences, attention_mask, action_mask = _batch()
     actor.zero_grad()
     action_lp, output = actor(
-        sequences, action_mask, attention_mask=attention_mask, return_output=True, return_entropy=True
+        sequences,
+        action_mask,
+        attention_mask=attention_mask,
+        return_output=True,
+        return_entropy=True,
     )
     all_lp = actor(sequences, attention_mask=attention_mask, return_logprobs=True)
     g = torch.Generator().manual_seed(2)
     loss = (action_lp * torch.randn(action_lp.shape, generator=g)).sum()
-    loss = loss + (output.entropy * torch.randn(output.entropy.shape, generator=g)).sum() + all_lp.sum()
+    loss = (
+        loss
+        + (output.entropy * torch.randn(output.entropy.shape, generator=g)).sum()
+        + all_lp.sum()
+    )
     loss.backward()
     grads = {k: p.grad.clone() for k, p in actor.named_parameters()}
     return action_lp.detach(), all_lp.detach(), output.entropy.detach(), grads
@@ -70,7 +80,9 @@ def test_fused_forward_matches_openrlhfs_actor(actor):
     for name, a, b in zip(("action log-probs", "log-probs", "entropy"), ours[:3], theirs[:3]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
     for name, g in theirs[3].items():
-        torch.testing.assert_close(ours[3][name], g, rtol=1e-4, atol=1e-6 * g.abs().max().item(), msg=name)
+        torch.testing.assert_close(
+            ours[3][name], g, rtol=1e-4, atol=1e-6 * g.abs().max().item(), msg=name
+        )
 
 
 def test_logits_only_calls_run_openrlhfs_forward(actor):
@@ -89,8 +101,9 @@ def test_packed_samples_are_refused(actor):
 
 
 def test_bf16_autocast_gradient_error_no_larger_than_openrlhfs(actor):
-    """Under bf16 autocast, against OpenRLHF's actor in fp32: OpenRLHF's LM head multiplies in bf16 (then
-    casts the logits to fp32), prorl's runs in the weight's dtype (fp32): its error is at most OpenRLHF's."""
+    """Under bf16 autocast, against OpenRLHF's actor in fp32: OpenRLHF's LM head multiplies in bf16
+    (then casts the logits to fp32), prorl's runs in the weight's dtype (fp32): its error is at most
+    OpenRLHF's."""
     flat = lambda r: torch.cat([g.reshape(-1) for g in r[3].values()])
     ref = _run(actor)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -102,5 +115,6 @@ def test_bf16_autocast_gradient_error_no_larger_than_openrlhfs(actor):
         for k, r in (("openrlhf", theirs), ("prorl", ours))
     }
     print("bf16 autocast gradient error against OpenRLHF fp32:", errors)
-    assert errors["openrlhf"] > 1e-4  # autocast does perturb OpenRLHF's gradient: the comparison can fail
+    # autocast does perturb OpenRLHF's gradient: the comparison can fail
+    assert errors["openrlhf"] > 1e-4
     assert errors["prorl"] <= errors["openrlhf"]

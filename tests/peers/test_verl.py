@@ -1,8 +1,9 @@
 """verl_policy_loss against verl 0.9.1 itself, called the way verl calls a registered policy loss.
 
-The expected numbers come from verl's own `compute_policy_loss_vanilla` (looked up by its registered name,
-"vanilla"), on the same float64 inputs and the same real actor config. Needs verl in the environment:
-.ci/peers.sh installs it (with --no-deps) in a separate venv and runs this directory there.
+The expected numbers come from verl's own `compute_policy_loss_vanilla` (looked up by its registered
+name, "vanilla"), on the same float64 inputs and the same real actor config. Needs verl in the
+environment: .ci/peers.sh installs it (with --no-deps) in a separate venv and runs this directory
+there.
 """
 
 import math
@@ -13,12 +14,19 @@ from peer_stubs import VERL_STUBS, adapters_snippet, stub_missing
 
 stub_missing("verl", VERL_STUBS)
 core_algos = pytest.importorskip(
-    "verl.trainer.ppo.core_algos", reason="verl is not installed here (.ci/peers.sh installs verl 0.9.1)"
+    "verl.trainer.ppo.core_algos",
+    reason="verl is not installed here (.ci/peers.sh installs verl 0.9.1)",
 )
 from prorl.kernels.adapters import verl_policy_loss  # noqa: E402
 from verl.workers.config import FSDPActorConfig, PolicyLossConfig  # noqa: E402
 
-MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-sum-norm", "seq-mean-token-mean"]
+MODES = [
+    "token-mean",
+    "token-sum",
+    "seq-mean-token-sum",
+    "seq-mean-token-sum-norm",
+    "seq-mean-token-mean",
+]
 SHAPES = [(1, 1), (3, 7), (16, 64)]
 TOL = dict(rtol=1e-9, atol=1e-12)
 METRICS = ("actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower")
@@ -30,12 +38,15 @@ def _config(**kw):
 
 
 def _batch(b, t, seed, mask_dtype=torch.float64):
-    """Random [b, t] inputs: clipping on both sides, dual-clip caps, |log-ratio| > 20, an empty row."""
+    """Random [b, t] inputs: clipping on both sides, dual-clip caps, |log-ratio| > 20, an empty
+    row."""
     g = torch.Generator().manual_seed(seed)
     logp = -torch.rand(b, t, generator=g, dtype=torch.float64) * 3
     old = logp + torch.randn(b, t, generator=g, dtype=torch.float64) * 0.8
     far = torch.rand(b, t, generator=g) < 0.1  # log-ratios beyond the +-20 clamp
-    old = torch.where(far, logp + 25 * torch.sign(torch.randn(b, t, generator=g, dtype=torch.float64)), old)
+    old = torch.where(
+        far, logp + 25 * torch.sign(torch.randn(b, t, generator=g, dtype=torch.float64)), old
+    )
     adv = torch.randn(b, t, generator=g, dtype=torch.float64) * 1.5
     lengths = torch.randint(1, t + 1, (b,), generator=g)
     if b > 1:
@@ -46,16 +57,21 @@ def _batch(b, t, seed, mask_dtype=torch.float64):
 
 
 def _global_info(mask, kind):
-    """config.global_batch_info as verl's engines fill it: this micro-batch is a share of a larger batch."""
+    """config.global_batch_info as verl's engines fill it: this micro-batch is a share of a larger
+    batch."""
     if kind == "none":
         return {}
     tokens, rows = int(mask.sum()), int((mask.sum(-1) > 0).sum())
     info = dict(
-        dp_size=2, batch_num_tokens=3 * tokens + 1, global_batch_size=3 * rows + 2, loss_scale_factor=None
+        dp_size=2,
+        batch_num_tokens=3 * tokens + 1,
+        global_batch_size=3 * rows + 2,
+        loss_scale_factor=None,
     )
     if kind == "tensor":  # counts as device tensors, and a fixed loss_scale_factor
         info.update(
-            batch_num_tokens=torch.tensor(info["batch_num_tokens"]), loss_scale_factor=2 * mask.shape[1] + 1
+            batch_num_tokens=torch.tensor(info["batch_num_tokens"]),
+            loss_scale_factor=2 * mask.shape[1] + 1,
         )
     return info
 
@@ -96,7 +112,9 @@ def test_matches_verl(shape, mode, info_kind, with_is):
     theirs = _call("vanilla", logp, old, adv, mask, isw, mode, config)
     ours = _call("prorl", logp, old, adv, mask, isw, mode, config)
     torch.testing.assert_close(ours[0], theirs[0], **TOL)
-    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-9, atol=1e-12 * theirs[1].abs().max().item())
+    torch.testing.assert_close(
+        ours[1], theirs[1], rtol=1e-9, atol=1e-12 * theirs[1].abs().max().item()
+    )
     assert set(ours[2]) == set(theirs[2]) == set(METRICS)
     for k in METRICS:
         assert isinstance(ours[2][k], float)
@@ -117,13 +135,16 @@ def test_bool_mask_as_verl_engines_pass_it(mode):
     theirs = _call("vanilla", logp, old, adv, mask, isw, mode, config)
     ours = _call("prorl", logp, old, adv, mask, isw, mode, config)
     torch.testing.assert_close(ours[0], theirs[0], **TOL)
-    torch.testing.assert_close(ours[1], theirs[1], rtol=1e-9, atol=1e-12 * theirs[1].abs().max().item())
+    torch.testing.assert_close(
+        ours[1], theirs[1], rtol=1e-9, atol=1e-12 * theirs[1].abs().max().item()
+    )
     for k in METRICS:
         assert ours[2][k] == pytest.approx(theirs[2][k], rel=1e-6, abs=1e-9), k
 
 
 def test_config_defaults_and_dictconfig():
-    """clip_ratio_low/high None fall back to clip_ratio; a DictConfig without clip_ratio_c gets verl's 3.0."""
+    """clip_ratio_low/high None fall back to clip_ratio; a DictConfig without clip_ratio_c gets
+    verl's 3.0."""
     from omegaconf import OmegaConf
 
     logp, old, adv, mask, isw = _batch(6, 12, seed=4)
@@ -143,7 +164,10 @@ def test_dp_size_without_global_counts_is_refused_as_in_verl():
     logp, old, adv, mask, _ = _batch(3, 5, seed=5)
     config = _config()
     config.global_batch_info.update(dp_size=2)
-    for mode, key in (("token-mean", "batch_num_tokens"), ("seq-mean-token-mean", "global_batch_size")):
+    for mode, key in (
+        ("token-mean", "batch_num_tokens"),
+        ("seq-mean-token-mean", "global_batch_size"),
+    ):
         with pytest.raises(ValueError, match="required when dp_size > 1"):
             _call("vanilla", logp, old, adv, mask, None, mode, config)
         with pytest.raises(ValueError, match=key):
@@ -151,14 +175,15 @@ def test_dp_size_without_global_counts_is_refused_as_in_verl():
 
 
 # --------------------------------------------------------------------------------------------------
-# The verl-config snippet of kernels/ADAPTERS.md, through verl's own plugin import and its engine loss
+# The verl-config snippet of kernels/ADAPTERS.md, through verl's own plugin import and its engine
+# loss
 # --------------------------------------------------------------------------------------------------
 
 
 def _engine_loss(config, logp, old, adv, mask, isw, prompt_len=2):
-    """verl.workers.utils.losses.ppo_loss, the loss verl's engine workers run per micro-batch, on a padded
-    batch; returns (policy loss, d loss / d logp, metrics). The model's flat log-probs hold `logp` at
-    the positions verl slices the response from (one before each response token)."""
+    """verl.workers.utils.losses.ppo_loss, the loss verl's engine workers run per micro-batch, on a
+    padded batch; returns (policy loss, d loss / d logp, metrics). The model's flat log-probs hold
+    `logp` at the positions verl slices the response from (one before each response token)."""
     import tensordict
     from verl.utils import tensordict_utils as tu
     from verl.workers.utils.losses import ppo_loss
@@ -166,7 +191,8 @@ def _engine_loss(config, logp, old, adv, mask, isw, prompt_len=2):
     b, t = logp.shape
     lengths = mask.sum(-1).long()
     valid = mask.bool()
-    starts = torch.cumsum(prompt_len + lengths, 0) - lengths - 1  # where row j's response log-probs start
+    # where row j's response log-probs start
+    starts = torch.cumsum(prompt_len + lengths, 0) - lengths - 1
     positions = (starts[:, None] + torch.arange(t)[None, :])[valid]
     flat = torch.zeros(int((prompt_len + lengths).sum()), dtype=logp.dtype)
     flat[positions] = logp[valid]

@@ -1,15 +1,15 @@
 """prorl/verl_compat against verl 0.9.1's own trainer config, and prorl's metric names against verl's source.
 
-- verl's `ppo_trainer.yaml` (a hydra defaults list over config groups) composed by prorl equals verl's own
-  composed `_generated_ppo_trainer.yaml`, leaf for leaf;
-- left at verl's defaults it is refused, naming what prorl cannot honour (`adv_estimator: gae` needs a
-  critic; `total_training_steps: null` counts epochs);
-- with a ProRL-style override set (verl keys, then prorl keys) every key is mapped, matched or ignored,
-  and the prorl values follow verl's meanings;
+- verl's `ppo_trainer.yaml` (a hydra defaults list over config groups) composed by prorl equals
+  verl's own composed `_generated_ppo_trainer.yaml`, leaf for leaf;
+- left at verl's defaults it is refused, naming what prorl cannot honour (`adv_estimator: gae` needs
+  a critic; `total_training_steps: null` counts epochs);
+- with a ProRL-style override set (verl keys, then prorl keys) every key is mapped, matched or
+  ignored, and the prorl values follow verl's meanings;
 - every name in prorl.metrics.VERL_METRICS is one verl 0.9.1 emits (found in its source).
 
-Needs verl installed (.ci/peers.sh puts verl 0.9.1 in the peers venv); the package is only read, never
-imported.
+Needs verl installed (.ci/peers.sh puts verl 0.9.1 in the peers venv); the package is only read,
+never imported.
 """
 
 import importlib.util
@@ -83,30 +83,41 @@ def test_ppo_trainer_yaml_composes_as_verl_composes_it():
 
 
 def test_verls_keys_in_the_sections_prorl_shares_are_known():
-    """The list prorl keeps of verl's data.* / trainer.* / algorithm.* keys it lacks is verl 0.9.1's."""
+    """The list prorl keeps of verl's data.* / trainer.* / algorithm.* keys it lacks is verl
+    0.9.1's."""
     from prorl.config import fields
     from prorl.verl_compat.rules import VERL_KEYS_IN_SHARED_SECTIONS
 
     flat = resolve(load_file(os.path.join(CONFIG, "_generated_ppo_trainer.yaml")), [])
     prorl = {k for k, _ in fields()}
-    shared = {k for k in flat if k.split(".")[0] in ("data", "trainer", "algorithm") and "_target_" not in k}
+    shared = {
+        k
+        for k in flat
+        if k.split(".")[0] in ("data", "trainer", "algorithm") and "_target_" not in k
+    }
     assert VERL_KEYS_IN_SHARED_SECTIONS == shared - prorl
 
 
 def test_verls_defaults_that_prorl_cannot_honour_are_refused_by_name():
     flat = resolve(load_file(os.path.join(CONFIG, "ppo_trainer.yaml")), [])
     refused = translate(flat, from_file=True).refused
-    assert [r.split("=")[0] for r in refused] == ["algorithm.adv_estimator", "trainer.total_training_steps"]
+    assert [r.split("=")[0] for r in refused] == [
+        "algorithm.adv_estimator",
+        "trainer.total_training_steps",
+    ]
     assert "no critic" in refused[0] and "set trainer.total_training_steps" in refused[1]
     with pytest.raises(ConfigError, match="algorithm.adv_estimator='gae'"):
         parse_config(["--verl-config", os.path.join(CONFIG, "ppo_trainer.yaml")])
 
 
 def test_a_prorl_style_override_set_maps_every_key(capsys):
-    cfg, preset, _ = parse_config(["--verl-config", os.path.join(CONFIG, "ppo_trainer.yaml"), *PRORL_STYLE])
+    cfg, preset, _ = parse_config(
+        ["--verl-config", os.path.join(CONFIG, "ppo_trainer.yaml"), *PRORL_STYLE]
+    )
     table = capsys.readouterr().out
     assert preset is None
-    assert cfg.model.path == "/models/Nemotron-1.5B" and cfg.model.fsdp  # verl's default strategy: fsdp
+    # verl's default strategy: fsdp
+    assert cfg.model.path == "/models/Nemotron-1.5B" and cfg.model.fsdp
     assert cfg.data.train_files == ["/data/train.parquet"]
     assert cfg.data.val_files == ["/data/aime.parquet", "/data/math500.parquet"]
     assert (cfg.data.max_prompt_tokens, cfg.rollout.max_response_tokens) == (1024, 8192)
@@ -115,18 +126,34 @@ def test_a_prorl_style_override_set_maps_every_key(capsys):
     assert (t.total_steps, t.save_every, t.val_every) == (3000, 50, 25)
     assert (t.val_temperature, t.val_top_p, t.val_samples) == (0.6, 0.95, 16)
     assert a.advantage == "reinforce++-baseline" and a.dynamic_sampling
-    assert (a.eps_low, a.eps_high, a.dual_clip) == (0.2, 0.28, 3.0)  # verl's clip_ratio_c default: 3
-    assert (a.kl_coef, a.kl_estimator, a.kl_clamp) == (1e-4, "k2", "none")  # verl's mse: (d^2)/2, unclamped
+    # verl's clip_ratio_c default: 3
+    assert (a.eps_low, a.eps_high, a.dual_clip) == (0.2, 0.28, 3.0)
+    # verl's mse: (d^2)/2, unclamped
+    assert (a.kl_coef, a.kl_estimator, a.kl_clamp) == (1e-4, "k2", "none")
     assert a.agg == "token-mean" and a.entropy_coef == 0.0
     assert (cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.max_grad_norm) == (2e-6, 0.01, 1.0)
     r = cfg.rollout
-    assert (r.backend, r.n, r.temperature, r.top_p, r.gpu_memory_utilization) == ("vllm", 16, 1.0, 1.0, 0.6)
+    assert (r.backend, r.n, r.temperature, r.top_p, r.gpu_memory_utilization) == (
+        "vllm",
+        16,
+        1.0,
+        1.0,
+        0.6,
+    )
     assert cfg.reward.function == "/recipes/prorl_reward.py:compute_score"
-    assert cfg.output_dir == "/runs/prorl" and cfg.logging.tensorboard and cfg.logging.wandb_project is None
+    assert (
+        cfg.output_dir == "/runs/prorl"
+        and cfg.logging.tensorboard
+        and cfg.logging.wandb_project is None
+    )
     # the prorl keys given after the translation turned ProRL's additions back on
     assert cfg.reward.length_penalty and a.reset.interval == 300 and a.is_mode == "icepop"
     assert cfg.reward.c_stop == 1.0  # verl keeps a truncated response's reward; not overridden here
-    for shown in ("data.train_batch_size=256", "trainer.prompts_per_step=256", "trainer.mini_batches=4"):
+    for shown in (
+        "data.train_batch_size=256",
+        "trainer.prompts_per_step=256",
+        "trainer.mini_batches=4",
+    ):
         assert shown in table
     assert re.search(r"\((\d+) verl keys ignored", table)
 

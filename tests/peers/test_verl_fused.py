@@ -1,11 +1,12 @@
 """prorl's op as the fused LM head of verl 0.9.1's `use_fused_kernels=True`, at verl's own call site.
 
-verl's `patch_forward_with_backends` patches a tiny Qwen2ForCausalLM's forward (the path verl's engine
-takes when `actor_rollout_ref.model.use_fused_kernels=True`); its output's log_probs and entropy, and the
-parameter gradients through them, are computed once by verl's own `FusedLinearForPPO` (fused_kernels_backend
-"torch") and once after the ADAPTERS.md config snippet's plugin went through verl's `import_external_libs`.
-verl's Triton kernel (fused_kernels_backend "triton") needs CUDA: its call site is run with prorl's op and
-compared with verl's torch numbers, which verl's own tests hold its Triton kernel to. Float32 round-off.
+verl's `patch_forward_with_backends` patches a tiny Qwen2ForCausalLM's forward (the path verl's
+engine takes when `actor_rollout_ref.model.use_fused_kernels=True`); its output's log_probs and
+entropy, and the parameter gradients through them, are computed once by verl's own
+`FusedLinearForPPO` (fused_kernels_backend "torch") and once after the ADAPTERS.md config snippet's
+plugin went through verl's `import_external_libs`. verl's Triton kernel (fused_kernels_backend
+"triton") needs CUDA: its call site is run with prorl's op and compared with verl's torch numbers,
+which verl's own tests hold its Triton kernel to. Float32 round-off.
 """
 
 import sys
@@ -16,7 +17,8 @@ from peer_stubs import VERL_STUBS, adapters_snippet, stub_missing
 
 stub_missing("verl", VERL_STUBS)
 monkey_patch = pytest.importorskip(
-    "verl.models.transformers.monkey_patch", reason="verl is not installed (.ci/peers.sh installs 0.9.1)"
+    "verl.models.transformers.monkey_patch",
+    reason="verl is not installed (.ci/peers.sh installs 0.9.1)",
 )
 from prorl.kernels.adapters import _verl_fused  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
@@ -29,18 +31,22 @@ TEMPERATURE = 0.7
 
 @pytest.fixture
 def restore(monkeypatch):
-    """verl patches the model class and the plugin patches verl's modules: undone after each test."""
+    """verl patches the model class and the plugin patches verl's modules: undone after each
+    test."""
     monkeypatch.setattr(Qwen2ForCausalLM, "forward", Qwen2ForCausalLM.forward)
     # flash_attn may be a stand-in (OpenRLHF's tests stub it): take verl's own path for its absence
     monkeypatch.setattr(torch_functional, "_FLASH_ATTN_CROSS_ENTROPY_AVAILABLE", False)
-    monkeypatch.delitem(sys.modules, "prorl.kernels.adapters.verl_fused_plugin", raising=False)  # re-imported
+    # re-imported
+    monkeypatch.delitem(sys.modules, "prorl.kernels.adapters.verl_fused_plugin", raising=False)
     monkeypatch.setattr(torch_functional, "FusedLinearForPPO", torch_functional.FusedLinearForPPO)
     monkeypatch.setattr(
         linear_cross_entropy, "linear_cross_entropy", linear_cross_entropy.linear_cross_entropy
     )
     calls = []
     op = _verl_fused.linear_logprob_entropy
-    monkeypatch.setattr(_verl_fused, "linear_logprob_entropy", lambda *a, **k: calls.append(1) or op(*a, **k))
+    monkeypatch.setattr(
+        _verl_fused, "linear_logprob_entropy", lambda *a, **k: calls.append(1) or op(*a, **k)
+    )
     return calls
 
 
@@ -54,15 +60,19 @@ def _model():
 
 
 def _run(model, backend):
-    """verl's patched forward on a padded batch: (log_probs, entropy, parameter gradients of a random
-    weighting of both)."""
+    """verl's patched forward on a padded batch: (log_probs, entropy, parameter gradients of a
+    random weighting of both)."""
     model.zero_grad()
-    monkey_patch.patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend=backend)
+    monkey_patch.patch_forward_with_backends(
+        model, use_fused_kernels=True, fused_kernels_backend=backend
+    )
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 300, (3, 11), generator=g)
     attention_mask = torch.ones_like(ids)
     attention_mask[1, 8:] = 0
-    out = model(input_ids=ids, attention_mask=attention_mask, return_dict=True, temperature=TEMPERATURE)
+    out = model(
+        input_ids=ids, attention_mask=attention_mask, return_dict=True, temperature=TEMPERATURE
+    )
     logp, ent = out.log_probs, out.entropy
     w_lp, w_ent = torch.randn(logp.shape, generator=g), torch.randn(ent.shape, generator=g)
     ((logp * w_lp).sum() + (ent * w_ent).sum()).backward()
@@ -74,7 +84,9 @@ def _assert_same(ours, theirs):
     torch.testing.assert_close(ours[0], theirs[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(ours[1], theirs[1], rtol=1e-5, atol=1e-5)
     for name, g in theirs[2].items():
-        torch.testing.assert_close(ours[2][name], g, rtol=1e-4, atol=1e-6 * g.abs().max().item(), msg=name)
+        torch.testing.assert_close(
+            ours[2][name], g, rtol=1e-4, atol=1e-6 * g.abs().max().item(), msg=name
+        )
 
 
 def test_plugin_replaces_verls_fused_linear_at_its_call_site(restore):
@@ -113,8 +125,8 @@ def _error(run, ref):
 
 
 def test_bf16_autocast_gradient_error_no_larger_than_verls(restore):
-    """Under bf16 autocast (verl's FSDP actor), against verl in fp32: prorl's head runs in the weight's
-    dtype (fp32 here) where verl's multiplies in bf16, so its error is at most verl's."""
+    """Under bf16 autocast (verl's FSDP actor), against verl in fp32: prorl's head runs in the
+    weight's dtype (fp32 here) where verl's multiplies in bf16, so its error is at most verl's."""
     model = _model()
     ref = _run(model, "torch")
     with torch.autocast("cpu", dtype=torch.bfloat16):

@@ -1,9 +1,10 @@
 """Asynchronous RL (`rollout.async.steps_ahead`, prorl/async_rl/) in miniature: the embedded default's
 tiny reasoner under `python -m prorl.launch` on gloo, the native sampler on the rollout ranks.
 
-- 1 rollout + 1 trainer rank, k = 1, stopped by SIGTERM after a few checkpoints and resumed: every step
-  of 0..total-1 is trained exactly once, no group (by its id) is trained twice, and no prompt twice
-  within the epoch (scheduler off: the rollout rank's data position travels with the checkpoint);
+- 1 rollout + 1 trainer rank, k = 1, stopped by SIGTERM after a few checkpoints and resumed: every
+  step of 0..total-1 is trained exactly once, no group (by its id) is trained twice, and no prompt
+  twice within the epoch (scheduler off: the rollout rank's data position travels with the
+  checkpoint);
 - 2 rollout + 2 trainer ranks of the prorl_v2_1.5b preset in miniature (FSDP2, bf16, untied head),
   k = 2: every group's staleness (step trained - version that sampled it) is <= k, the async metrics
   are in metrics.jsonl, and the trainers checked every batch's weight checksum against their own
@@ -33,7 +34,12 @@ TOTAL = 10
 
 def command(out, nproc: int, extra=()) -> list[str]:
     launcher = [sys.executable, "-m", "prorl.launch", "--standalone", f"--nproc_per_node={nproc}"]
-    overrides = [*TINY, f"trainer.total_steps={TOTAL}", "algorithm.is_mode=tis", "scheduler.mode=none"]
+    overrides = [
+        *TINY,
+        f"trainer.total_steps={TOTAL}",
+        "algorithm.is_mode=tis",
+        "scheduler.mode=none",
+    ]
     return [*launcher, "prorl/train.py", f"output_dir={out}", *overrides, *extra]
 
 
@@ -68,8 +74,8 @@ def trained(out, trainers: int) -> list[dict]:
 
 
 def worker_pid(launcher_pid: int, rank: int) -> int:
-    """The pid of the launcher's worker of global rank `rank` (a direct child: prorl.launch runs torchrun's
-    agent in its own process)."""
+    """The pid of the launcher's worker of global rank `rank` (a direct child: prorl.launch runs
+    torchrun's agent in its own process)."""
     for pid in process_tree(launcher_pid):
         try:
             env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
@@ -86,10 +92,11 @@ def test_one_plus_one_sigterm_resume_trains_every_step_once(tmp_path):
     cmd = command(out, 2, ["rollout.async.steps_ahead=1"])
     proc = start(cmd, log)
     ckpt = os.path.join(out, "checkpoints")
-    assert wait_for(lambda: len(complete_steps(ckpt)) >= 1 and max(complete_steps(ckpt)) >= 3, proc), open(
-        log
-    ).read()[-3000:]
-    proc.send_signal(signal.SIGTERM)  # the launcher forwards it to its workers, as a scheduler's would
+    assert wait_for(
+        lambda: len(complete_steps(ckpt)) >= 1 and max(complete_steps(ckpt)) >= 3, proc
+    ), open(log).read()[-3000:]
+    # the launcher forwards it to its workers, as a scheduler's would
+    proc.send_signal(signal.SIGTERM)
     code, text = finish(proc, log)
     stopped = max(complete_steps(ckpt))
     assert stopped < TOTAL and f"stopped by SIGTERM after step {stopped}" in text, text[-3000:]
@@ -111,44 +118,66 @@ def test_one_plus_one_sigterm_resume_trains_every_step_once(tmp_path):
 
 
 def test_two_plus_two_preset_staleness_bounded_and_weights_checked(tmp_path):
-    """The prorl_v2_1.5b preset in miniature (tests/helpers/preset_helpers.py: FSDP2 over the 2 trainer
-    ranks with fp32 masters and bf16 compute, an untied head, reference resets, uneven dynamic sampling)
-    with 2 rollout ranks and k = 2."""
+    """The prorl_v2_1.5b preset in miniature (tests/helpers/preset_helpers.py: FSDP2 over the 2
+    trainer ranks with fp32 masters and bf16 compute, an untied head, reference resets, uneven
+    dynamic sampling) with 2 rollout ranks and k = 2."""
     ckpt = write_bf16_untied_checkpoint(str(tmp_path / "ckpt"))
     train, val = write_data(str(tmp_path))
     out, steps = tmp_path / "run", 6
     cmd = [
-        *(sys.executable, "-m", "prorl.launch", "--standalone", "--nproc_per_node=4", "prorl/train.py"),
+        *(
+            sys.executable,
+            "-m",
+            "prorl.launch",
+            "--standalone",
+            "--nproc_per_node=4",
+            "prorl/train.py",
+        ),
         *("--config", "prorl_v2_1.5b", *preset_overrides(ckpt, train, val), f"output_dir={out}"),
         *(f"trainer.total_steps={steps}", "trainer.save_every=0", "algorithm.is_mode=tis"),
         *("rollout.async.steps_ahead=2", "rollout.async.rollout_ranks=2"),
     ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=preset_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        cmd, cwd=ROOT, env=preset_env(), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = [r for r in rows(out) if r["step"] > 0]
     assert len(metrics) == steps
-    names = ("async/staleness/mean", "async/queue_groups", "timing_s/wait_rollout", "timing_s/wait_trainer")
+    names = (
+        "async/staleness/mean",
+        "async/queue_groups",
+        "timing_s/wait_rollout",
+        "timing_s/wait_trainer",
+    )
     for r in metrics:
         assert all(key in r for key in names), r
         assert 0 <= r["async/staleness/mean"] <= r["async/staleness/max"] <= 2, r
         assert r["dynamic_sampling/kept_groups"] <= 16
-    assert any(r["ref/reset_reason"] for r in metrics)  # resets on the trainers, rollouts unaffected
+    # resets on the trainers, rollouts unaffected
+    assert any(r["ref/reset_reason"] for r in metrics)
     trace = trained(out, 2)
     for t in (0, 1):
         assert [r["step"] for r in trace if r["trainer"] == t] == list(range(steps))
     staleness = [r["step"] - g[1] for r in trace for g in r["groups"]]
     assert min(staleness) >= 0 and max(staleness) <= 2, staleness
-    # the rollout ranks sampled ahead: some group was trained with older weights than the current ones
+    # the rollout ranks sampled ahead: some group was trained with older weights than the current
+    # ones
     assert max(staleness) >= 1
-    # trainer t trains rollout t's batch (prompts_per_step / 2 each side): ids name the sampling rank
+    # trainer t trains rollout t's batch (prompts_per_step / 2 each side): ids name the sampling
+    # rank
     for r in trace:
         assert {g[0].split("/")[1] for g in r["groups"]} <= {str(r["trainer"])}, r
 
 
 def start_and_save_once(tmp_path):
-    """A 1 + 1 run with short timeouts, once it has saved a checkpoint: (launcher, log, checkpoints)."""
+    """A 1 + 1 run with short timeouts, once it has saved a checkpoint: (launcher, log,
+    checkpoints)."""
     out, log = tmp_path / "run", tmp_path / "a.log"
-    extra = ["rollout.async.steps_ahead=1", "trainer.collective_timeout_s=8", "algorithm.max_rounds=1"]
+    extra = [
+        "rollout.async.steps_ahead=1",
+        "trainer.collective_timeout_s=8",
+        "algorithm.max_rounds=1",
+    ]
     proc = start(command(out, 2, extra), log)
     ckpt = os.path.join(out, "checkpoints")
     assert wait_for(lambda: len(complete_steps(ckpt)) >= 1, proc), open(log).read()[-3000:]
@@ -161,8 +190,8 @@ def test_hung_rollout_rank_ends_the_run_with_exit_code_8(tmp_path):
     pid, trainer = worker_pid(proc.pid, 1), worker_pid(proc.pid, 0)  # rank 1 of 2: the rollout rank
     os.kill(pid, signal.SIGSTOP)
     try:
-        # once the trainer has exited, the stopped rank is killed: torchrun would otherwise wait its 30 s
-        # shutdown grace for a process that cannot act on SIGTERM
+        # once the trainer has exited, the stopped rank is killed: torchrun would otherwise wait its
+        # 30 s shutdown grace for a process that cannot act on SIGTERM
         wait_for(lambda: not os.path.exists(f"/proc/{trainer}"), proc, timeout=120)
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
@@ -179,6 +208,7 @@ def test_killed_rollout_rank_stops_the_run(tmp_path):
     proc, log, ckpt = start_and_save_once(tmp_path)
     os.kill(worker_pid(proc.pid, 1), signal.SIGKILL)  # as the OOM killer would
     code, text = finish(proc, log, timeout=120)
-    # torchrun stops the trainer; it reports the lost rollout rank (8) unless it is killed first (137)
+    # torchrun stops the trainer; it reports the lost rollout rank (8) unless it is killed first
+    # (137)
     assert code in (8, 128 + signal.SIGKILL), text[-3000:]
     assert max(complete_steps(ckpt)) < TOTAL

@@ -1,17 +1,19 @@
 """HSDP (`model.dp_replicate`): the prorl_v2_1.5b preset in miniature on 4 gloo ranks as 2 replicas x 2
-shards, against plain FSDP2 over the same 4 ranks. What a user moving from one node to several relies on:
+shards, against plain FSDP2 over the same 4 ranks. What a user moving from one node to several
+relies on:
 
-- the replicas change nothing but where the shards live: the batch split, the global token normaliser,
-  advantage whitening, dynamic sampling's merges and the gradient sum run over all 4 ranks, so every
-  metric and the trained weights equal the 1-D run's up to round-off (gloo sums in another order);
+- the replicas change nothing but where the shards live: the batch split, the global token
+  normaliser, advantage whitening, dynamic sampling's merges and the gradient sum run over all 4
+  ranks, so every metric and the trained weights equal the 1-D run's up to round-off (gloo sums in
+  another order);
 - a 2 x 2 run that stopped after its step-1 checkpoint resumes from it (DCP of the 2-D-sharded model
   and optimizer, the prompt scheduler's record, the samples carried over) and continues as the
   uninterrupted 1-D run did;
 - the 2-D mesh is row-major (each shard group is consecutive ranks: one node's, under torchrun), and
   the disk-space check before a save counts a replicated shard once, as DCP writes it.
 
-Each rank runs `prorl.train.main`, the command line's own code, three times in one process: 1-D for 2
-steps; 2 x 2 for 1 step (saved); 2 x 2 resumed to 2 steps.
+Each rank runs `prorl.train.main`, the command line's own code, three times in one process: 1-D for
+2 steps; 2 x 2 for 1 step (saved); 2 x 2 resumed to 2 steps.
 """
 
 import io
@@ -37,12 +39,22 @@ def _runs(rank, world, tmp, ckpt, train, val):
     from prorl import report
     from prorl import train as train_cli
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))  # as torchrun sets them (preset_rewards)
-    report.plot_run = lambda *args, **kwargs: "(not plotted)"  # matplotlib: seconds per run, no HSDP in it
-    common = [*preset_overrides(ckpt, train, val), "scheduler.mode=pass-rate", "trainer.save_every=1"]
-    # 2 prompts per rank and step, in 2 mini-batches; no validation: the least work that still samples
-    # unevenly across ranks, refills, whitens, steps the optimizer twice per step and saves
-    common += ["trainer.prompts_per_step=8", "trainer.mini_batches=2", "trainer.val_before_train=false"]
+    # as torchrun sets them (preset_rewards)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    # matplotlib: seconds per run, no HSDP in it
+    report.plot_run = lambda *args, **kwargs: "(not plotted)"
+    common = [
+        *preset_overrides(ckpt, train, val),
+        "scheduler.mode=pass-rate",
+        "trainer.save_every=1",
+    ]
+    # 2 prompts per rank and step, in 2 mini-batches; no validation: the least work that still
+    # samples unevenly across ranks, refills, whitens, steps the optimizer twice per step and saves
+    common += [
+        "trainer.prompts_per_step=8",
+        "trainer.mini_batches=2",
+        "trainer.val_before_train=false",
+    ]
     common += ["trainer.val_every=0", "trainer.collective_timeout_s=120"]
     plan = [
         ("flat", ["model.dp_replicate=1", f"trainer.total_steps={STEPS}"]),
@@ -52,21 +64,25 @@ def _runs(rank, world, tmp, ckpt, train, val):
     said = []
     for i, (name, extra) in enumerate(plan):
         # a fresh process group per run, as a new torchrun launch has (main destroys it at the end)
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/init-{i}", rank=rank, world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{tmp}/init-{i}", rank=rank, world_size=world
+        )
         if i == 0:
             layout = _mesh_layout()
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
-            code = train_cli.main(["--config", "prorl_v2_1.5b", *common, *extra, f"output_dir={tmp}/{name}"])
+            code = train_cli.main(
+                ["--config", "prorl_v2_1.5b", *common, *extra, f"output_dir={tmp}/{name}"]
+            )
         assert code == 0, out.getvalue()[-3000:]
         said.append(out.getvalue())
     return said, layout
 
 
 def _mesh_layout():
-    """This rank's place in the 2 x 2 mesh, its shard group, the error for 3 replicas of 4 ranks, and the
-    bytes a checkpoint's disk-space check expects from all ranks, 1-D and 2 x 2 (DCP writes a replicated
-    shard once)."""
+    """This rank's place in the 2 x 2 mesh, its shard group, the error for 3 replicas of 4 ranks,
+    and the bytes a checkpoint's disk-space check expects from all ranks, 1-D and 2 x 2 (DCP writes
+    a replicated shard once)."""
     from dist_helpers import random_decoder
     from prorl.engine import checkpoint, distributed, parallel
 
@@ -93,7 +109,8 @@ def step_rows(run_dir) -> dict[int, dict]:
 
 
 def saved_weights(step_dir, ckpt) -> dict[str, torch.Tensor]:
-    """The policy's fp32 master weights in a DCP checkpoint, read into one process (DCP reshards)."""
+    """The policy's fp32 master weights in a DCP checkpoint, read into one process (DCP
+    reshards)."""
     import torch.distributed.checkpoint as dcp
     from prorl.engine.checkpoint_state import ModelState
     from prorl.engine.model import load_hf
@@ -113,12 +130,17 @@ def preset(tmp_path_factory):
 
 def test_two_by_two_hsdp_equals_flat_fsdp2_and_resumes(preset, tmp_path):
     ckpt, train, val = preset
-    res = run_ranks(_runs, tmp_path, str(tmp_path), ckpt, train, val, world=4, init=False, timeout_s=600)
+    res = run_ranks(
+        _runs, tmp_path, str(tmp_path), ckpt, train, val, world=4, init=False, timeout_s=600
+    )
     # row-major: shard groups are consecutive ranks, as torchrun numbers one node's processes
     for rank, (_, (layout, save_bytes, unsharded)) in res.items():
         assert save_bytes == {1: unsharded, 2: unsharded}, (save_bytes, unsharded)
         names, coordinate, shard_group, error = layout
-        assert names == ("dp_replicate", "dp_shard") and list(coordinate) == [rank // 2, rank % 2], layout
+        assert names == ("dp_replicate", "dp_shard") and list(coordinate) == [
+            rank // 2,
+            rank % 2,
+        ], layout
         assert shard_group == [2 * (rank // 2), 2 * (rank // 2) + 1], layout
         assert "dp_replicate=3 must be >= 1 and divide the 4 ranks" in error, error
     said = res[0][0]
@@ -135,11 +157,13 @@ def test_two_by_two_hsdp_equals_flat_fsdp2_and_resumes(preset, tmp_path):
             else:
                 assert hsdp[step][key] == value, (step, key)
     assert flat[1]["actor/grad_norm"] > 0 and flat[STEPS]["actor/grad_norm"] > 0
-    # what the miniature exercised: refill rounds, groups carried into step 2, a reference reset after it
+    # what the miniature exercised: refill rounds, groups carried into step 2, a reference reset
+    # after it
     assert flat[1]["dynamic_sampling/rounds"] > 1 and flat[2]["dynamic_sampling/carried_groups"] > 0
     assert flat[2]["ref/reset_reason"] == "interval"
 
-    # the trained weights: what each step moved them (AdamW at lr 2e-6 moves each by ~lr), to round-off
+    # the trained weights: what each step moved them (AdamW at lr 2e-6 moves each by ~lr), to
+    # round-off
     start = {k: v.double() for k, v in _hf_weights(ckpt).items()}
     for step in range(1, STEPS + 1):
         name = f"step_{step:08d}"

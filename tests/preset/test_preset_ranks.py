@@ -3,7 +3,8 @@ precision and activation checkpointing over a bf16 checkpoint with an untied LM 
 micro-batches, dynamic sampling that keeps different numbers of groups on different ranks, reference
 resets. What a user running the preset on 8 GPUs relies on:
 
-- the master weights are fp32 and move at the preset's learning rate (2e-6), although the checkpoint is bf16;
+- the master weights are fp32 and move at the preset's learning rate (2e-6), although the checkpoint
+  is bf16;
 - ranks with less work run dummy passes that touch every parameter (the untied head too), so FSDP's
   collectives match;
 - after a reset the reference equals the policy bit for bit, in the sharded state checkpoints save;
@@ -61,7 +62,8 @@ def _preset_steps(rank, world, ckpt, train, val, steps):
 
     from prorl.rewards.pool import RewardPool
 
-    os.environ["RANK"] = str(rank)  # as torchrun sets it: the reward workers (preset_rewards) read it
+    # as torchrun sets it: the reward workers (preset_rewards) read it
+    os.environ["RANK"] = str(rank)
 
     with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
         trainer = make_trainer(ckpt, train, val, [], pool)
@@ -98,7 +100,9 @@ def _preset_steps(rank, world, ckpt, train, val, steps):
             if len(out["steps"]) == 0:
                 row["after_first"] = full(trainer.policy)
             out["steps"].append(row)
-        out["sampler"] = {k: v.clone() for k, v in trainer.models.sampler_model.state_dict().items()}
+        out["sampler"] = {
+            k: v.clone() for k, v in trainer.models.sampler_model.state_dict().items()
+        }
         out["policy"] = full(trainer.policy)
     return out
 
@@ -108,16 +112,21 @@ def test_preset_on_two_ranks(preset, tmp_path):
     res = run_ranks(_preset_steps, tmp_path, ckpt, train, val, 3, world=2, timeout_s=600)
     r0, r1 = res[0], res[1]
     for r in (r0, r1):
-        assert r["master_dtypes"] == {torch.float32}, "master weights must be fp32 (the checkpoint is bf16)"
+        assert r["master_dtypes"] == {torch.float32}, (
+            "master weights must be fp32 (the checkpoint is bf16)"
+        )
         assert r["reference_dtypes"] == {torch.float32}
-    # fp32 masters move at lr 2e-6: AdamW's first step moves every weight with a gradient by ~lr, far
-    # below bf16's spacing (a bf16 master would keep nearly all of them)
+    # fp32 masters move at lr 2e-6: AdamW's first step moves every weight with a gradient by ~lr,
+    # far below bf16's spacing (a bf16 master would keep nearly all of them)
     start, after = r0["start"], r0["steps"][0]["after_first"]
     moved = sum(int((after[k] != start[k]).sum()) for k in start)
     total = sum(v.numel() for v in start.values())
     assert moved > 0.5 * total, (moved, total)
-    assert not torch.equal(after["lm_head.weight"], start["lm_head.weight"]), "the untied head must train"
-    # uneven work: the ranks kept different numbers of groups in some step, and a rank ran dummy passes
+    assert not torch.equal(after["lm_head.weight"], start["lm_head.weight"]), (
+        "the untied head must train"
+    )
+    # uneven work: the ranks kept different numbers of groups in some step, and a rank ran dummy
+    # passes
     assert r0["kept"] != r1["kept"], (r0["kept"], r1["kept"])
     assert r0["dummy"] + r1["dummy"] > 0
     # a reset (interval 2: after step 2): the reference equals the policy exactly, shard by shard
@@ -127,7 +136,8 @@ def test_preset_on_two_ranks(preset, tmp_path):
         row = r["steps"][resets[0]]
         for name, shard in row["policy_shards"].items():
             assert torch.equal(row["reference_shards"][name], shard), name
-    # the same metrics on every rank (they are global), and the same sampler weights: the policy's in bf16
+    # the same metrics on every rank (they are global), and the same sampler weights: the policy's
+    # in bf16
     for a, b in zip(r0["steps"], r1["steps"]):
         keys = [k for k in a["metrics"] if not k.startswith(("timing_s/", "perf/"))]
         assert {k: a["metrics"][k] for k in keys} == {k: b["metrics"][k] for k in keys}
@@ -138,7 +148,7 @@ def test_preset_on_two_ranks(preset, tmp_path):
         assert torch.equal(w, r0["policy"][name].to(torch.bfloat16)), name
 
 
-# -- one update split over 2 ranks == the same update on 1 rank -----------------------------------------
+# -- one update split over 2 ranks == the same update on 1 rank ------------------------------------
 
 
 def _update_on(rank, world, ckpt, train, val, groups_by_rank, extra=()):
@@ -149,11 +159,15 @@ def _update_on(rank, world, ckpt, train, val, groups_by_rank, extra=()):
     with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
         trainer = make_trainer(ckpt, train, val, list(extra), pool)
         grads = []
-        sgd = torch.optim.SGD(trainer.optimizer.params, lr=1.0)  # AdamW's sign-like first step would
-        step = sgd.step  # turn round-off in tiny gradients into whole steps: compare under plain SGD
+        # AdamW's sign-like first step would
+        sgd = torch.optim.SGD(trainer.optimizer.params, lr=1.0)
+        # turn round-off in tiny gradients into whole steps: compare under plain SGD
+        step = sgd.step
 
         def recording_step(*args, **kwargs):
-            grads.append({n: p.grad.full_tensor().clone() for n, p in trainer.policy.named_parameters()})
+            grads.append(
+                {n: p.grad.full_tensor().clone() for n, p in trainer.policy.named_parameters()}
+            )
             return step(*args, **kwargs)
 
         sgd.step = recording_step
@@ -161,7 +175,11 @@ def _update_on(rank, world, ckpt, train, val, groups_by_rank, extra=()):
         acc = StepAccumulator()
         groups = copy.deepcopy(groups_by_rank[rank])
         trainer.update(StepBatch.of(groups, trainer.cfg.rollout.n, trainer.device), 40, acc)
-        return {"grads": grads, "metrics": step_metrics(acc.reduce()), "policy": full(trainer.policy)}
+        return {
+            "grads": grads,
+            "metrics": step_metrics(acc.reduce()),
+            "policy": full(trainer.policy),
+        }
 
 
 def _sample_groups(rank, world, ckpt, train, val):
@@ -181,11 +199,16 @@ def _sample_groups(rank, world, ckpt, train, val):
 def test_an_update_on_two_ranks_equals_one_rank(preset, tmp_path):
     ckpt, train, val = preset
     groups = run_ranks(_sample_groups, tmp_path, ckpt, train, val, world=1)[0]
-    # 4 mini-batches: rank r's m-th chunk of 2 groups; one rank's m-th chunk of 4 is the union of both
+    # 4 mini-batches: rank r's m-th chunk of 2 groups; one rank's m-th chunk of 4 is the union of
+    # both
     halves = [groups[0::2], groups[1::2]]
     one_rank = [g for m in range(4) for half in halves for g in half[2 * m : 2 * m + 2]]
-    one = run_ranks(_update_on, tmp_path, ckpt, train, val, {0: one_rank}, world=1, timeout_s=600)[0]
-    two = run_ranks(_update_on, tmp_path, ckpt, train, val, dict(enumerate(halves)), world=2, timeout_s=600)
+    one = run_ranks(_update_on, tmp_path, ckpt, train, val, {0: one_rank}, world=1, timeout_s=600)[
+        0
+    ]
+    two = run_ranks(
+        _update_on, tmp_path, ckpt, train, val, dict(enumerate(halves)), world=2, timeout_s=600
+    )
     assert len(one["grads"]) == len(two[0]["grads"]) == 4
     for step_one, step_two in zip(one["grads"], two[0]["grads"]):
         for name, g in step_one.items():
@@ -216,23 +239,33 @@ def _replicated_update(rank, world, ckpt, train, val, groups_by_rank):
         trainer.optimizer.step = counting_step
         acc = StepAccumulator()
         trainer.update(
-            StepBatch.of(copy.deepcopy(groups_by_rank[rank]), trainer.cfg.rollout.n, trainer.device), 40, acc
+            StepBatch.of(
+                copy.deepcopy(groups_by_rank[rank]), trainer.cfg.rollout.n, trainer.device
+            ),
+            40,
+            acc,
         )
         metrics = step_metrics(acc.reduce())
-        return {"steps": len(steps), "metrics": metrics, "policy": dict(trainer.policy.state_dict())}
+        return {
+            "steps": len(steps),
+            "metrics": metrics,
+            "policy": dict(trainer.policy.state_dict()),
+        }
 
 
 def test_replicated_ranks_step_together_when_one_has_no_group_in_a_mini_batch(preset, tmp_path):
-    """Without FSDP each rank runs only its own passes, but every optimizer step is a collective (the
-    gradient all-reduce): a rank whose share of a mini-batch is empty must still take part. Here rank 1
-    keeps 1 group, so its mini-batches 1-3 are empty while rank 0 has 2 groups in each (this deadlocked)."""
+    """Without FSDP each rank runs only its own passes, but every optimizer step is a collective
+    (the gradient all-reduce): a rank whose share of a mini-batch is empty must still take part.
+    Here rank 1 keeps 1 group, so its mini-batches 1-3 are empty while rank 0 has 2 groups in each
+    (this deadlocked)."""
     ckpt, train, val = preset
     groups = run_ranks(_sample_groups, tmp_path, ckpt, train, val, world=1)[0]
     by_rank = {0: groups[:8], 1: groups[8:9]}
     res = run_ranks(_replicated_update, tmp_path, ckpt, train, val, by_rank, world=2, timeout_s=600)
     assert res[0]["steps"] == res[1]["steps"] == 4
     assert res[0]["metrics"]["actor/grad_norm"] == res[1]["metrics"]["actor/grad_norm"] > 0
-    for name, w in res[0]["policy"].items():  # replicas stay equal: the same summed gradient everywhere
+    # replicas stay equal: the same summed gradient everywhere
+    for name, w in res[0]["policy"].items():
         assert torch.equal(w, res[1]["policy"][name]), name
 
 
@@ -255,14 +288,18 @@ def _scheduled_steps(rank, world, ckpt, train, val, steps):
 
 
 def test_prompt_scheduling_on_the_preset_keeps_the_ranks_together(preset, tmp_path):
-    """The prompt scheduler on the preset (FSDP2, uneven dynamic sampling, resets): every rank holds the
-    same record and weights, and refill rounds are run or skipped on every rank together."""
+    """The prompt scheduler on the preset (FSDP2, uneven dynamic sampling, resets): every rank holds
+    the same record and weights, and refill rounds are run or skipped on every rank together."""
     ckpt, train, val = preset
     res = run_ranks(_scheduled_steps, tmp_path, ckpt, train, val, 3, world=2, timeout_s=600)
     r0, r1 = res[0], res[1]
     assert r0["record"] == r1["record"], "the ranks' prompt records differ"
     assert sum(r0["record"]["population"]) > 0
-    for k in ("dynamic_sampling/rounds", "scheduler/rounds_skipped", "dynamic_sampling/sampled_groups"):
+    for k in (
+        "dynamic_sampling/rounds",
+        "scheduler/rounds_skipped",
+        "dynamic_sampling/sampled_groups",
+    ):
         assert [m[k] for m in r0["metrics"]] == [m[k] for m in r1["metrics"]], k
     # min_yield 0.7: step 1 (no evidence, P(mixed) = 7/9) runs its refills, later steps skip them
     assert r0["metrics"][0]["dynamic_sampling/rounds"] > 1

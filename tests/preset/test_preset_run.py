@@ -1,13 +1,14 @@
 """`torchrun prorl/train.py --config prorl_v2_1.5b` in miniature on 2 CPU ranks (gloo): the preset file
-with size-only overrides on a bf16 checkpoint with an untied head (tests/helpers/preset_helpers.py), the
-run killed with SIGKILL after its first checkpoint and resumed, as a preempted cluster job would be.
+with size-only overrides on a bf16 checkpoint with an untied head (tests/helpers/preset_helpers.py),
+the run killed with SIGKILL after its first checkpoint and resumed, as a preempted cluster job would
+be.
 
-- the resumed run continues exactly: every per-step metric and the final weights equal an uninterrupted
-  run's (trainer.deterministic=true);
+- the resumed run continues exactly: every per-step metric and the final weights equal an
+  uninterrupted run's (trainer.deterministic=true);
 - a checkpoint saved right after a reference reset holds a reference equal to the policy bit for bit
   (read back here by torch.distributed.checkpoint into one process: DCP reshards 2 ranks -> 1);
-- the final Hugging Face export loads in `transformers`, with its own (untied) LM head, and gives the
-  exported weights' logits.
+- the final Hugging Face export loads in `transformers`, with its own (untied) LM head, and gives
+  the exported weights' logits.
 """
 
 import json
@@ -47,22 +48,31 @@ def command(out, ckpt, train, val, nproc=2):
 def run(cmd, timeout=900):
     import subprocess
 
-    return subprocess.run(cmd, cwd=ROOT, env=preset_env(), capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        cmd, cwd=ROOT, env=preset_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def step_rows(run_dir) -> dict[int, dict]:
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     assert [r["step"] for r in rows] == list(range(TOTAL + 1)), [r["step"] for r in rows]
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows}
+    return {
+        r["step"]: {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))}
+        for r in rows
+    }
 
 
 def checkpoint_models(step_dir, ckpt):
-    """The policy and reference of a DCP checkpoint, loaded into plain fp32 Decoders in this process."""
+    """The policy and reference of a DCP checkpoint, loaded into plain fp32 Decoders in this
+    process."""
     import torch.distributed.checkpoint as dcp
     from prorl.engine.checkpoint_state import ModelState
     from prorl.engine.model import load_hf
 
-    models = {"model": load_hf(ckpt, dtype=torch.float32), "reference": load_hf(ckpt, dtype=torch.float32)}
+    models = {
+        "model": load_hf(ckpt, dtype=torch.float32),
+        "reference": load_hf(ckpt, dtype=torch.float32),
+    }
     state = {k: ModelState(m) for k, m in models.items()}
     dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
     return models
@@ -88,7 +98,8 @@ def test_preset_killed_and_resumed_equals_uninterrupted(preset, tmp_path):
     resets = [s for s, r in rows_a.items() if r.get("ref/reset_reason")]
     assert resets == [2, 4, 6], resets  # interval 2 in completed steps
 
-    # B: SIGKILL of the whole tree (torchrun, ranks, reward workers) once step 2's checkpoint is complete
+    # B: SIGKILL of the whole tree (torchrun, ranks, reward workers) once step 2's checkpoint is
+    # complete
     log = open(tmp_path / "B1.log", "w")
     proc = subprocess.Popen(
         command(b, ckpt, train, val),
@@ -119,7 +130,13 @@ def test_preset_killed_and_resumed_equals_uninterrupted(preset, tmp_path):
     # any checkpoint step as a Hugging Face model (python -m prorl.export), and prorl.eval on a step
     exported = tmp_path / "step4"
     proc = run(
-        [sys.executable, "-m", "prorl.export", str(a / "checkpoints" / "step_00000004"), str(exported)]
+        [
+            sys.executable,
+            "-m",
+            "prorl.export",
+            str(a / "checkpoints" / "step_00000004"),
+            str(exported),
+        ]
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     from prorl.engine.model import load_hf
@@ -129,17 +146,33 @@ def test_preset_killed_and_resumed_equals_uninterrupted(preset, tmp_path):
         assert torch.equal(p, q.to(torch.bfloat16).float()), name  # the run's dtype: bf16
     step_eval = a / "eval4"
     step4 = str(a / "checkpoints" / "step_00000004")
-    cmd = [sys.executable, "-m", "prorl.eval", "--model", step4, "--builtin", "digit_sums", "--limit", "4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "prorl.eval",
+        "--model",
+        step4,
+        "--builtin",
+        "digit_sums",
+        "--limit",
+        "4",
+    ]
     cmd += ["--k", "1", "--max-tokens", "40", "--num-workers", "1", "--out", str(step_eval)]
     proc = run(cmd)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert json.loads((step_eval / "results.json").read_text())["settings"]["model"].endswith("step_00000004")
+    assert json.loads((step_eval / "results.json").read_text())["settings"]["model"].endswith(
+        "step_00000004"
+    )
 
     # the final exports of A and B are equal, and transformers reads them as what they are
     from safetensors.torch import load_file
 
-    final_a, final_b = (load_file(x / "checkpoints" / "final" / "model.safetensors") for x in (a, b))
-    assert final_a.keys() == final_b.keys() and all(torch.equal(final_a[k], final_b[k]) for k in final_a)
+    final_a, final_b = (
+        load_file(x / "checkpoints" / "final" / "model.safetensors") for x in (a, b)
+    )
+    assert final_a.keys() == final_b.keys() and all(
+        torch.equal(final_a[k], final_b[k]) for k in final_a
+    )
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(a / "checkpoints" / "final"))

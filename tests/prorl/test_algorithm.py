@@ -28,8 +28,9 @@ def test_stop_properly_vector():
 
 
 def test_stop_properly_never_raises_a_negative_reward():
-    """verl-style scores (-1 wrong, +1 right): a truncated wrong answer keeps -1 (R * c_stop = 0 would
-    reward running out of length over answering wrong); a truncated right one gets R * c_stop."""
+    """verl-style scores (-1 wrong, +1 right): a truncated wrong answer keeps -1 (R * c_stop = 0
+    would reward running out of length over answering wrong); a truncated right one gets R *
+    c_stop."""
     raw = torch.tensor([-1.0, 1.0, -1.0, 1.0])
     trunc = torch.tensor([True, True, False, False])
     assert stop_properly(raw, trunc).tolist() == [-1.0, 0.0, -1.0, 1.0]
@@ -37,8 +38,12 @@ def test_stop_properly_never_raises_a_negative_reward():
 
 
 def test_cosine_eta_vector():
-    eta = cosine_length_eta(torch.tensor([0, 2048, 4096, 6144, 8192]), 8192, eta_min=-1.0, eta_max=0.0)
-    torch.testing.assert_close(eta, torch.tensor([0.0, -0.1464, -0.5, -0.8536, -1.0]), atol=1e-4, rtol=0)
+    eta = cosine_length_eta(
+        torch.tensor([0, 2048, 4096, 6144, 8192]), 8192, eta_min=-1.0, eta_max=0.0
+    )
+    torch.testing.assert_close(
+        eta, torch.tensor([0.0, -0.1464, -0.5, -0.8536, -1.0]), atol=1e-4, rtol=0
+    )
 
 
 def test_schedule_on_off_vector():
@@ -112,14 +117,16 @@ def test_reset_policy_interval_spike_stall_and_state():
     s = ReferenceResetPolicy(interval=50)
     s.load_state_dict(p.state_dict())
     assert s.interval == 50 and s.num_resets == p.num_resets and s.kl_history == p.kl_history
-    s.load_state_dict({**p.state_dict(), "interval": 300})  # an older checkpoint's saved setting: ignored
+    # an older checkpoint's saved setting: ignored
+    s.load_state_dict({**p.state_dict(), "interval": 300})
     assert s.interval == 50
     with pytest.raises(KeyError):
         r.load_state_dict({"bogus": 1})
 
 
-# The KL to the reference, steps 101-200 of a prolonged-benchmark run (full recipe, seed 1, 2026-12-01),
-# logged right after a reference reset at step 100: the ordinary post-reset rise, then one real outlier.
+# The KL to the reference, steps 101-200 of a prolonged-benchmark run (full recipe, seed 1,
+# 2026-12-01), logged right after a reference reset at step 100: the ordinary post-reset rise, then
+# one real outlier.
 POST_RESET_KL = [
     7.4e-07, 0.00012, 0.0002, 0.0002, 0.00047, 0.00011, 0.0018, 0.001, 0.00066, 0.0013, 0.00041, 0.0014,
     0.0021, 0.0028, 0.0003, 0.00067, 0.003, 0.0011, 0.0026, 0.015, 0.0016, 0.00094, 0.0038, 0.00094,
@@ -133,10 +140,10 @@ POST_RESET_KL = [
 
 
 def test_post_reset_rise_is_not_a_spike():
-    """RECIPE.md section 7: spike = this step's KL > factor x the median of the last `window` steps. After a
-    reset the KL restarts at 0 and rises (x10 over its first 25 steps here); a window of that rise must
-    not make the rise itself a spike. The one outlier (0.039 at step 182, 6.5x the median of steps
-    162-181) still is one."""
+    """RECIPE.md section 7: spike = this step's KL > factor x the median of the last `window` steps.
+    After a reset the KL restarts at 0 and rises (x10 over its first 25 steps here); a window of
+    that rise must not make the rise itself a spike. The one outlier (0.039 at step 182, 6.5x the
+    median of steps 162-181) still is one."""
     p = ReferenceResetPolicy(interval=0, kl_spike_factor=5.0, window=20)
     p.record_reset(100)
     fired = [s for s, kl in enumerate(POST_RESET_KL, 101) if p.should_reset(s, kl)]
@@ -155,7 +162,8 @@ def test_kl_spike_needs_the_floor():
 
 
 def test_importance_weights_are_raw():
-    """exp(old - sampler), unmodified: truncation and masking happen once, inside ppo_loss (is_mode)."""
+    """exp(old - sampler), unmodified: truncation and masking happen once, inside ppo_loss
+    (is_mode)."""
     old = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0])
     sampler = torch.tensor([0.0, math.log(10.0), -math.log(10.0), math.log(1.5), -30.0])
     torch.testing.assert_close(

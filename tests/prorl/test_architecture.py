@@ -22,7 +22,12 @@ def test_function_level_imports_count_and_resolve():
         "from prorl.kernels import _backend, ppo_loss as p\n"
         "def f():\n    from prorl.engine.model import load_hf\n    import os\n"
     )
-    modules = {"prorl.kernels", "prorl.kernels.ppo_loss", "prorl.kernels._backend", "prorl.engine.model"}
+    modules = {
+        "prorl.kernels",
+        "prorl.kernels.ppo_loss",
+        "prorl.kernels._backend",
+        "prorl.engine.model",
+    }
     found = list(architecture.imports_of(ast.parse(src), "prorl.kernels.x", False, modules))
     assert found == [
         (["prorl.kernels.ppo_loss"], 1, False),
@@ -41,7 +46,9 @@ def test_library_has_no_import_cycle_and_few_function_level_imports():
     import prorl.train, closing trainer -> eval -> export -> train -> trainer)."""
     values, found = architecture.measure()
     assert values["import cycles"] == 0, found["import cycles"]
-    assert values["library imports of the command line"] == 0, found["library imports of the command line"]
+    assert values["library imports of the command line"] == 0, found[
+        "library imports of the command line"
+    ]
     assert values["function-level imports of own modules"] <= 20
 
 
@@ -52,7 +59,12 @@ def test_functions_are_named_by_their_qualified_names():
         "def f():\n    def g():\n        pass\n"
         "class C:\n    def m(self):\n        if 1:\n            def h():\n                pass\n"
     )
-    assert sorted(name for name, _ in architecture.functions(ast.parse(src))) == ["C.m", "C.m.h", "f", "f.g"]
+    assert sorted(name for name, _ in architecture.functions(ast.parse(src))) == [
+        "C.m",
+        "C.m.h",
+        "f",
+        "f.g",
+    ]
 
 
 def test_a_public_ops_signature_is_not_counted_as_its_length():

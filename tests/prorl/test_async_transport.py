@@ -1,6 +1,7 @@
 """Asynchronous RL's weight transport (prorl/async_rl/transport.py, `RemoteRollouts.push`): the weight
-checksum and its check, the push buckets, the push thread (newest version wins, a stuck push, a root that
-left), heartbeats and lost peers, push headers. The other async pieces are tests/prorl/test_async_units.py."""
+checksum and its check, the push buckets, the push thread (newest version wins, a stuck push, a root
+that left), heartbeats and lost peers, push headers. The other async pieces are
+tests/prorl/test_async_units.py."""
 
 import time
 
@@ -22,18 +23,27 @@ def test_checksum_tells_versions_apart():
     a = [torch.randn(5, 3, generator=gen), torch.randn(7, generator=gen)]
     same = [t.clone() for t in a]
     assert transport.same_checksum(transport.checksum(a), transport.checksum(same))
-    step = [a[0].clone(), a[1] + 1e-3 * torch.randn(7, generator=gen)]  # one small update of one tensor
+    # one small update of one tensor
+    step = [a[0].clone(), a[1] + 1e-3 * torch.randn(7, generator=gen)]
     assert not transport.same_checksum(transport.checksum(a), transport.checksum(step))
     swapped = [a[0].flip(0), a[1]]  # the same values in other places
     assert not transport.same_checksum(transport.checksum(a), transport.checksum(swapped))
     bf16 = [t.bfloat16() for t in a]  # what travels in model.dtype=bfloat16
-    assert transport.same_checksum(transport.checksum(bf16), transport.checksum([t.clone() for t in bf16]))
+    assert transport.same_checksum(
+        transport.checksum(bf16), transport.checksum([t.clone() for t in bf16])
+    )
 
 
 def test_bucket_layout_splits_at_the_bucket_size(monkeypatch):
     monkeypatch.setattr(transport, "BUCKET_BYTES", 64)
-    named = [("a", torch.zeros(8)), ("b", torch.zeros(8)), ("c", torch.zeros(40)), ("d", torch.zeros(2))]
-    layout = transport.bucket_layout(named)  # fp32: 32 + 32 bytes fit one bucket; 160 bytes go alone
+    named = [
+        ("a", torch.zeros(8)),
+        ("b", torch.zeros(8)),
+        ("c", torch.zeros(40)),
+        ("d", torch.zeros(2)),
+    ]
+    # fp32: 32 + 32 bytes fit one bucket; 160 bytes go alone
+    layout = transport.bucket_layout(named)
     assert [[name for name, *_ in bucket] for bucket in layout] == [["a", "b"], ["c"], ["d"]]
 
 
@@ -44,7 +54,8 @@ def test_a_push_costs_the_trainer_the_copy_only_and_the_newest_version_wins():
     pusher = transport.WeightPusher(store, pg)
     weights = {v: [("w", torch.full((4,), float(v)))] for v in range(4)}
     t0 = time.perf_counter()
-    pusher.stage(0, weights[0], extra={0: "resume state"})  # the push thread blocks in its broadcast
+    # the push thread blocks in its broadcast
+    pusher.stage(0, weights[0], extra={0: "resume state"})
     for _ in range(100):  # until the thread has announced push 0
         if store.check(["push/0"]):
             break
@@ -129,10 +140,14 @@ def test_a_broadcast_whose_root_left_is_a_stop_only_when_the_trainers_said_stop(
 def test_a_heartbeat_that_stops_moving_is_a_lost_peer(monkeypatch):
     monkeypatch.setattr(transport.Liveness, "look_s", 0.0)
     store = Store()
-    never = transport.Liveness(store, "alive/rollout/0", "rollout rank 0", startup_s=0.2, stale_s=0.2)
+    never = transport.Liveness(
+        store, "alive/rollout/0", "rollout rank 0", startup_s=0.2, stale_s=0.2
+    )
     never.check("batch")  # still starting
     t0 = time.monotonic()
-    with pytest.raises(transport.RolloutLost, match=r"rollout rank 0 sent no heartbeat .*\(never started\)"):
+    with pytest.raises(
+        transport.RolloutLost, match=r"rollout rank 0 sent no heartbeat .*\(never started\)"
+    ):
         transport.take(store, "batch/0/0/0", 30.0, "batch", alive=[never])
     assert time.monotonic() - t0 < 5.0  # not the 30 s bound
     beat = transport.Heartbeat(store, "alive/trainer", every_s=0.02)
@@ -149,8 +164,9 @@ def test_a_heartbeat_that_stops_moving_is_a_lost_peer(monkeypatch):
 
 
 def test_a_rollout_waits_for_a_push_as_long_as_the_trainer_beats(monkeypatch):
-    """Validation, a checkpoint save or val_before_train before the next push: no timeout while trainer
-    rank 0's heartbeat moves, however long (here 4 x the staleness and the start-up allowance)."""
+    """Validation, a checkpoint save or val_before_train before the next push: no timeout while
+    trainer rank 0's heartbeat moves, however long (here 4 x the staleness and the start-up
+    allowance)."""
     import threading
 
     monkeypatch.setattr(transport.Liveness, "look_s", 0.0)
@@ -202,8 +218,8 @@ def test_checksum_is_the_position_weighted_float64_sum_in_chunks(monkeypatch):
 
 
 def test_a_push_holds_one_full_tensor_at_a_time(monkeypatch):
-    """Every trainer records the checksum as the full tensors are gathered, none keeps a list of them;
-    trainer 0's pusher receives them one at a time too."""
+    """Every trainer records the checksum as the full tensors are gathered, none keeps a list of
+    them; trainer 0's pusher receives them one at a time too."""
     import gc
     import weakref
 

@@ -1,6 +1,6 @@
 """Asynchronous RL's pieces that need no launch (prorl/async_rl/): the settings' checks against the world,
-the split of a step's groups between rollout and trainer ranks, the rollout worker's budget and carry,
-the trainer's checks of what it takes, and the async metrics. The weight transport is
+the split of a step's groups between rollout and trainer ranks, the rollout worker's budget and
+carry, the trainer's checks of what it takes, and the async metrics. The weight transport is
 tests/prorl/test_async_transport.py; the multi-rank runs are tests/preset/test_async.py."""
 
 import time
@@ -57,8 +57,8 @@ def test_settings_checked_against_the_world(overrides, world, torchrun, words):
     "pps, trainers, rollouts", [(8, 1, 1), (8, 2, 1), (8, 1, 2), (8, 2, 2), (12, 3, 2), (12, 2, 3)]
 )
 def test_slices_give_every_position_to_one_trainer(pps, trainers, rollouts):
-    # the rule: position p of the step's groups is sampled by rollout p // (pps / rollouts) and trained
-    # by trainer p // (pps / trainers)
+    # the rule: position p of the step's groups is sampled by rollout p // (pps / rollouts) and
+    # trained by trainer p // (pps / trainers)
     expected: dict[tuple[int, int], list[int]] = {}
     for p in range(pps):
         j, t = p // (pps // rollouts), p // (pps // trainers)
@@ -91,15 +91,17 @@ def test_async_metrics_from_the_sums():
 
 
 def test_icepop_with_pi_old_as_proximal_policy_is_areals_decoupled_objective():
-    """AReaL's decoupled PPO loss (its `ppo_actor_loss_fn` with `use_decoupled_loss`), written out in
-    float64: r = pi / pi_prox, loss_t = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) x w, with the
-    behaviour weight w = pi_prox / pi_behav set to 0 where it exceeds the cap, averaged over the valid
-    tokens. prorl's loss with pi_old as the proximal policy, the sampler as the behaviour policy and
-    `is_mode=icepop`, `is_bounds=(0, cap)` must equal it, value and gradient."""
+    """AReaL's decoupled PPO loss (its `ppo_actor_loss_fn` with `use_decoupled_loss`), written out
+    in float64: r = pi / pi_prox, loss_t = max(-A r, -A clip(r, 1 - eps_low, 1 + eps_high)) x w,
+    with the behaviour weight w = pi_prox / pi_behav set to 0 where it exceeds the cap, averaged
+    over the valid tokens. prorl's loss with pi_old as the proximal policy, the sampler as the
+    behaviour policy and `is_mode=icepop`, `is_bounds=(0, cap)` must equal it, value and
+    gradient."""
     gen = torch.Generator().manual_seed(3)
     n, cap, eps_low, eps_high = 64, 2.0, 0.2, 0.28
     prox = -torch.rand(n, generator=gen, dtype=torch.float64) * 3
-    behav = prox + 0.8 * torch.randn(n, generator=gen, dtype=torch.float64)  # some weights above the cap
+    # some weights above the cap
+    behav = prox + 0.8 * torch.randn(n, generator=gen, dtype=torch.float64)
     logp = (prox + 0.3 * torch.randn(n, generator=gen, dtype=torch.float64)).requires_grad_()
     adv = torch.randn(n, generator=gen, dtype=torch.float64)
     mask = torch.rand(n, generator=gen) > 0.2
@@ -123,9 +125,15 @@ def test_icepop_with_pi_old_as_proximal_policy_is_areals_decoupled_objective():
 
 def test_a_config_file_may_spell_the_section_async(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("model: {path: /m}\nrollout:\n  n: 4\n  async: {steps_ahead: 2, rollout_ranks: 2}\n")
+    path.write_text(
+        "model: {path: /m}\nrollout:\n  n: 4\n  async: {steps_ahead: 2, rollout_ranks: 2}\n"
+    )
     c = load_config(str(path))
-    assert (c.rollout.n, c.rollout.async_rl.steps_ahead, c.rollout.async_rl.rollout_ranks) == (4, 2, 2)
+    assert (c.rollout.n, c.rollout.async_rl.steps_ahead, c.rollout.async_rl.rollout_ranks) == (
+        4,
+        2,
+        2,
+    )
     path.write_text("rollout:\n  async:\n    steps_ahead: 2\n  async_rl:\n    steps_ahead: 1\n")
     with pytest.raises(ConfigError, match="both rollout.async and rollout.async_rl"):
         load_config(str(path))
@@ -139,7 +147,9 @@ class _Sampler:
 
     def collect(self, need, max_new, step, acc):
         self.calls.append((need, max_new, step))
-        kept = [*self.carry, *[Group(100 + i, [1], [[2]], [[-0.5]], [False]) for i in range(need)]][:need]
+        kept = [*self.carry, *[Group(100 + i, [1], [[2]], [[-0.5]], [False]) for i in range(need)]][
+            :need
+        ]
         self.carry = []
         return kept
 
@@ -153,7 +163,11 @@ def _worker(step_version: int, carry, schedule):
     from prorl.async_rl.worker import RolloutWorker
 
     w = RolloutWorker.__new__(RolloutWorker)
-    w.cfg = cfg("rollout.async.steps_ahead=1", "trainer.prompts_per_step=4", "rollout.max_response_tokens=40")
+    w.cfg = cfg(
+        "rollout.async.steps_ahead=1",
+        "trainer.prompts_per_step=4",
+        "rollout.max_response_tokens=40",
+    )
     w.cfg.rollout.max_response_schedule = schedule
     w.roles = SimpleNamespace(index=0, rollouts=1, trainers=2, store=Store())
     w.weights = SimpleNamespace(version=step_version, checksum=1.5)
@@ -182,7 +196,8 @@ def test_a_carried_group_older_than_the_bound_is_dropped_and_counted():
     trained = first["groups"] + second["groups"]
     assert [g.uid for g in trained][:1] == ["1/0/9"] and "0/0/9" not in [g.uid for g in trained]
     assert first["sums"]["groups_dropped"] == 1 and "sums" not in second  # metrics travel once
-    assert [g.version for g in trained] == [1, 1, 1, 1]  # the fresh carry's own, then this version's
+    # the fresh carry's own, then this version's
+    assert [g.version for g in trained] == [1, 1, 1, 1]
     assert first["version"] == 1 and first["checksum"] == 1.5 and first["waited"] == 0.25
 
 
@@ -190,8 +205,9 @@ def test_a_carried_group_older_than_the_bound_is_dropped_and_counted():
 
 
 def test_each_side_times_out_on_its_own_world_and_the_push_on_every_round():
-    """collective_timeout_s's documented rule: 600 s + 0.1 s per response token + ceil(round samples /
-    reward workers) x reward.timeout_s, a round being ceil(prompts per rank x oversample) x rollout.n."""
+    """collective_timeout_s's documented rule: 600 s + 0.1 s per response token + ceil(round samples
+    / reward workers) x reward.timeout_s, a round being ceil(prompts per rank x oversample) x
+    rollout.n."""
     import math
 
     from prorl.async_rl.roles import timeouts
@@ -224,7 +240,8 @@ def _remote(tmp_path, checksums, total_steps=10):
 
 def _batch(version, group_versions, checksum):
     groups = [
-        Group(i, [1], [[2]], [[-0.5]], [False], version=v, uid=f"u{i}") for i, v in enumerate(group_versions)
+        Group(i, [1], [[2]], [[-0.5]], [False], version=v, uid=f"u{i}")
+        for i, v in enumerate(group_versions)
     ]
     return {"groups": groups, "version": version, "checksum": checksum, "engine_rms": None}
 
@@ -239,7 +256,9 @@ def _batch(version, group_versions, checksum):
         (3, [3, 3], "not version 3"),  # weights that are not the version reported
     ],
 )
-def test_take_refuses_a_batch_out_of_bound_or_with_other_weights(tmp_path, version, group_versions, words):
+def test_take_refuses_a_batch_out_of_bound_or_with_other_weights(
+    tmp_path, version, group_versions, words
+):
     weights = {v: [torch.full((3,), float(v))] for v in (2, 3)}
     sums = {v: transport.checksum(w) for v, w in weights.items()}
     r = _remote(tmp_path, dict(sums))
@@ -264,7 +283,9 @@ def test_the_rollouts_are_told_to_stop_once_the_last_batch_is_taken(tmp_path):
     assert not store.check([transport.STOP_KEY])  # step 5 of 6: more to come
     transport.put(store, "batch/5/0/0", _batch(4, [4, 4], r.checksums[4]))
     r.take(5, StepAccumulator())
-    assert store.check([transport.STOP_KEY]) and transport.take(store, "push/0", 1.0, "stop")["stop"]
+    assert (
+        store.check([transport.STOP_KEY]) and transport.take(store, "push/0", 1.0, "stop")["stop"]
+    )
 
 
 def test_a_vllm_engine_that_does_not_follow_the_push_is_a_lost_rollout():
@@ -289,9 +310,9 @@ def test_a_vllm_engine_that_does_not_follow_the_push_is_a_lost_rollout():
 
 
 def test_a_rollout_hung_in_one_round_stops_its_heartbeat():
-    """A round's generation (or scoring) running past one round's timeout stops the rollout's heartbeat
-    (the trainers then end the run within HEARTBEAT_STALE_S, not after every round's timeout); rounds
-    each within it do not."""
+    """A round's generation (or scoring) running past one round's timeout stops the rollout's
+    heartbeat (the trainers then end the run within HEARTBEAT_STALE_S, not after every round's
+    timeout); rounds each within it do not."""
     seen = []
 
     class Sampler(_Sampler):

@@ -29,7 +29,9 @@ def _lines(*rows) -> bytes:
 
 
 def _parquet(tmp_path, rows) -> str:
-    pa = pytest.importorskip("pyarrow", reason="parquet needs pyarrow (the rewards and test extras)")
+    pa = pytest.importorskip(
+        "pyarrow", reason="parquet needs pyarrow (the rewards and test extras)"
+    )
     import pyarrow.parquet as pq
 
     path = str(tmp_path / "d.parquet")
@@ -38,7 +40,8 @@ def _parquet(tmp_path, rows) -> str:
 
 
 def _row(truth: bytes, more: bytes = b"") -> bytes:
-    """A JSONL row with `truth` as its raw JSON ground truth (Python's json reads NaN and Infinity)."""
+    """A JSONL row with `truth` as its raw JSON ground truth (Python's json reads NaN and
+    Infinity)."""
     return b'{"data_source": "math", "prompt": "x", ' + more + b'"ground_truth": ' + truth + b"}"
 
 
@@ -61,7 +64,11 @@ BAD_FILES = {
         _lines(ROW, UNKNOWN_ROLE),
         "row 1: field 'prompt[0].role' is 'narrator', not one of system, user, assistant, tool",
     ),
-    "message without content": ("d.jsonl", _lines(NO_CONTENT), "row 0: field 'prompt[0]' has no 'content'"),
+    "message without content": (
+        "d.jsonl",
+        _lines(NO_CONTENT),
+        "row 0: field 'prompt[0]' has no 'content'",
+    ),
     "duplicate key (JSONL)": (
         "d.jsonl",
         _lines(ROW, _row(b'"2"', more=b'"ground_truth": "1", ')),
@@ -102,7 +109,9 @@ def test_a_bad_data_file_is_named_with_its_row(tmp_path, case):
 @pytest.mark.tally("bad_inputs")
 def test_a_nan_ground_truth_in_parquet_names_the_file_and_row(tmp_path):
     path = _parquet(tmp_path, [dict(ROW, ground_truth=2.0), dict(ROW, ground_truth=math.nan)])
-    with pytest.raises(data.DataError, match=r"row 1: field 'ground_truth' is nan: not a finite") as err:
+    with pytest.raises(
+        data.DataError, match=r"row 1: field 'ground_truth' is nan: not a finite"
+    ) as err:
         data.load_file(path)
     assert str(err.value).startswith(f"{path}: ")
 
@@ -118,8 +127,8 @@ def test_a_byte_order_mark_and_crlf_line_ends_are_read(tmp_path, case):
 
 @pytest.mark.tally("bad_inputs")
 def test_an_over_long_jsonl_row_is_refused_with_memory_bounded(tmp_path):
-    """An 8 MiB row under a 1 MiB limit: named, and never read whole (Python's peak allocation stays near
-    the limit; reading the line at once allocates its 8 MiB)."""
+    """An 8 MiB row under a 1 MiB limit: named, and never read whole (Python's peak allocation stays
+    near the limit; reading the line at once allocates its 8 MiB)."""
     big = dict(ROW, prompt="x" * (8 * MiB))
     path = _write(tmp_path, "d.jsonl", _lines(ROW, big, ROW))
     tracemalloc.start()
@@ -129,12 +138,13 @@ def test_an_over_long_jsonl_row_is_refused_with_memory_bounded(tmp_path):
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert f"{path}: row 1 (line 2): {len(json.dumps(big)) + 1:,} bytes or more" in str(err.value), str(
+    assert f"{path}: row 1 (line 2): {len(json.dumps(big)) + 1:,} bytes or more" in str(
         err.value
-    )
+    ), str(err.value)
     assert "data.max_row_bytes=1,048,576" in str(err.value)
     assert peak < 4 * MiB, peak
-    kept = data.load_file(path, max_row_bytes=MiB, skip_bad=True)  # the rows after it are read as usual
+    # the rows after it are read as usual
+    kept = data.load_file(path, max_row_bytes=MiB, skip_bad=True)
     assert len(kept) == 2
 
 
@@ -142,7 +152,9 @@ def test_an_over_long_jsonl_row_is_refused_with_memory_bounded(tmp_path):
 def test_an_over_long_row_of_a_json_file_is_refused(tmp_path):
     big = dict(ROW, prompt="é" * MiB)  # 2 MiB of UTF-8
     path = _write(tmp_path, "d.json", json.dumps([ROW, big], ensure_ascii=False).encode())
-    with pytest.raises(data.DataError, match=r"row 1: 2,097,2\d\d bytes or more, over data.max_row_bytes"):
+    with pytest.raises(
+        data.DataError, match=r"row 1: 2,097,2\d\d bytes or more, over data.max_row_bytes"
+    ):
         data.load_file(path, max_row_bytes=MiB)
     assert len(data.load_file(path, max_row_bytes=4 * MiB)) == 2
 
@@ -151,7 +163,9 @@ def test_an_over_long_row_of_a_json_file_is_refused(tmp_path):
 def test_an_over_long_parquet_row_is_refused_before_it_becomes_python_objects(tmp_path):
     row = dict(ROW, prompt="1+1=")
     path = _parquet(tmp_path, [row, dict(row, prompt="x" * (2 * MiB)), row])
-    with pytest.raises(data.DataError, match=r"row 1: 2,0\d\d,\d\d\d bytes or more, over data.max_row_bytes"):
+    with pytest.raises(
+        data.DataError, match=r"row 1: 2,0\d\d,\d\d\d bytes or more, over data.max_row_bytes"
+    ):
         data.load_file(path, max_row_bytes=MiB)
     assert len(data.load_file(path, max_row_bytes=MiB, skip_bad=True)) == 2
     assert len(data.load_file(path, max_row_bytes=4 * MiB)) == 3
@@ -163,9 +177,15 @@ BAD_YAML = {
     "broken YAML": ("trainer:\n  total_steps: [1,\n", "not valid YAML at line 3"),
     "an empty file": ("", "is empty"),
     "only comments": ("# trainer:\n#   total_steps: 3\n", "is empty"),
-    "a key twice": ("trainer:\n  total_steps: 1\n  total_steps: 2\n", "found duplicate key total_steps"),
+    "a key twice": (
+        "trainer:\n  total_steps: 1\n  total_steps: 2\n",
+        "found duplicate key total_steps",
+    ),
     "an unknown key": ("trainer:\n  total_step: 3\n", "unknown config key 'trainer.total_step'"),
-    "a wrong type": ("trainer:\n  total_steps: many\n", "bad config value for 'trainer.total_steps'"),
+    "a wrong type": (
+        "trainer:\n  total_steps: many\n",
+        "bad config value for 'trainer.total_steps'",
+    ),
     "a negative size": ("data:\n  val_size: -5\n", "data.val_size=-5 must be >= 0"),
     "a zero size": ("data:\n  max_prompt_tokens: 0\n", "data.max_prompt_tokens=0 must be >= 1"),
     "a zero top_k": ("rollout:\n  top_k: 0\n", "rollout.top_k=0 must be -1 (off) or >= 1"),
@@ -178,13 +198,19 @@ BAD_YAML = {
 def test_a_bad_config_file_is_named(tmp_path, case):
     text, message = BAD_YAML[case]
     path = tmp_path / "run.yaml"
-    model = "model:\n  path: builtin:tiny-reasoner\n" if case not in ("a list", "broken YAML") else ""
+    model = (
+        "model:\n  path: builtin:tiny-reasoner\n" if case not in ("a list", "broken YAML") else ""
+    )
     body = text if case in ("an empty file", "only comments") else model + text
     path.write_text(body)
     with pytest.raises(ConfigError) as err:
         load_config(str(path))
     assert message in str(err.value), str(err.value)
-    if case not in ("an unknown key", "a wrong type") and "size" not in case and "top_k" not in case:
+    if (
+        case not in ("an unknown key", "a wrong type")
+        and "size" not in case
+        and "top_k" not in case
+    ):
         if "row limit" not in case:
             assert str(path) in str(err.value)
 
@@ -202,10 +228,15 @@ def test_a_config_file_with_a_bom_or_crlf_is_read(tmp_path, case):
 def test_a_key_given_twice_on_the_command_line_is_named_and_the_last_wins(capsys):
     from prorl.train import parse_config
 
-    cfg, _, _ = parse_config(["trainer.total_steps=3", "rollout.n=4", "trainer.total_steps=5", "rollout.n=4"])
+    cfg, _, _ = parse_config(
+        ["trainer.total_steps=3", "rollout.n=4", "trainer.total_steps=5", "rollout.n=4"]
+    )
     assert cfg.trainer.total_steps == 5 and cfg.rollout.n == 4
     err = capsys.readouterr().err
-    assert "prorl: warning: config keys given more than once on the command line, the last wins: " in err
+    assert (
+        "prorl: warning: config keys given more than once on the command line, the last wins: "
+        in err
+    )
     assert "trainer.total_steps = '3' then '5' ('5' is used)" in err and "rollout.n" not in err, err
 
 

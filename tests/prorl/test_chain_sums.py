@@ -20,7 +20,12 @@ def test_splits_are_disjoint_balanced_and_fixed():
     train = data.builtin("chain_sums", split="train")
     val = data.builtin("chain_sums", split="val")
     assert len(val) == 200 and {len(_terms(e)) for e in val} == {3, 4, 5, 6}
-    assert {k: sum(len(_terms(e)) == k for e in val) for k in (3, 4, 5, 6)} == {3: 50, 4: 50, 5: 50, 6: 50}
+    assert {k: sum(len(_terms(e)) == k for e in val) for k in (3, 4, 5, 6)} == {
+        3: 50,
+        4: 50,
+        5: 50,
+        6: 50,
+    }
     # 3 terms: 1000 problems, 50 held out, so 950 train; the longer levels 1000 each
     assert {k: sum(len(_terms(e)) == k for e in train) for k in (3, 4, 5, 6)} == {
         3: 950,
@@ -31,8 +36,19 @@ def test_splits_are_disjoint_balanced_and_fixed():
     assert not {_terms(e) for e in train} & {_terms(e) for e in val}
     assert len({_terms(e) for e in train}) == len(train)  # distinct problems
     # the held-out set does not move with the run seed; a prefix stays level-balanced
-    assert [_terms(e) for e in data.builtin("chain_sums", seed=7, split="val")] == [_terms(e) for e in val]
-    assert sorted(len(_terms(e)) for e in chain_sums.chain_sums(8, split="val")) == [3, 3, 4, 4, 5, 5, 6, 6]
+    assert [_terms(e) for e in data.builtin("chain_sums", seed=7, split="val")] == [
+        _terms(e) for e in val
+    ]
+    assert sorted(len(_terms(e)) for e in chain_sums.chain_sums(8, split="val")) == [
+        3,
+        3,
+        4,
+        4,
+        5,
+        5,
+        6,
+        6,
+    ]
     for e in val + train[:50]:
         assert e.ground_truth == str(sum(_terms(e)))
         assert e.data_source == f"math/chain_sums/{len(_terms(e))}"
@@ -68,38 +84,54 @@ def test_demonstrations_restate_at_the_given_rate_and_digit_sums_are_unchanged()
 
 
 def test_routes_to_the_math_verifier():
-    pytest.importorskip("math_verify", reason="the math verifier needs math-verify (a core dependency)")
+    pytest.importorskip(
+        "math_verify", reason="the math verifier needs math-verify (a core dependency)"
+    )
     from prorl.rewards import score
 
     ex = chain_sums.chain_sums(1, split="val")[0]
     right = chain_sums.solution(_terms(ex))
     assert score(ex.data_source, right, ex.ground_truth) == 1.0
-    assert score(ex.data_source, right.replace(f"{{{ex.ground_truth}}}", "{100}"), ex.ground_truth) == 0.0
+    assert (
+        score(ex.data_source, right.replace(f"{{{ex.ground_truth}}}", "{100}"), ex.ground_truth)
+        == 0.0
+    )
 
 
 def test_long_sums_splits_levels_and_two_digit_slip():
-    """The two-digit family: 50 held-out problems per level (2-6 terms of 10..99), training disjoint from
-    them by problem, every step of a slipped demonstration right or exactly 10 short where the units
-    carry (units of the total + units of the term >= 10)."""
+    """The two-digit family: 50 held-out problems per level (2-6 terms of 10..99), training disjoint
+    from them by problem, every step of a slipped demonstration right or exactly 10 short where the
+    units carry (units of the total + units of the term >= 10)."""
     val = data.builtin("long_sums", split="val")
     train = data.builtin("long_sums", split="train")
-    assert {k: sum(len(_terms(e)) == k for e in val) for k in range(2, 7)} == dict.fromkeys(range(2, 7), 50)
+    assert {k: sum(len(_terms(e)) == k for e in val) for k in range(2, 7)} == dict.fromkeys(
+        range(2, 7), 50
+    )
     assert {k: sum(len(_terms(e)) == k for e in train) for k in range(2, 7)} == dict.fromkeys(
         range(2, 7), 1000
     )
     assert not {_terms(e) for e in train} & {_terms(e) for e in val}
     assert len({_terms(e) for e in train}) == len(train)
     assert all(10 <= t <= 99 for e in val + train for t in _terms(e))
-    assert [_terms(e) for e in data.builtin("long_sums", seed=3, split="val")] == [_terms(e) for e in val]
-    # the chain_sums held-out problems are not moved by the family machinery (the split seed's draws)
+    assert [_terms(e) for e in data.builtin("long_sums", seed=3, split="val")] == [
+        _terms(e) for e in val
+    ]
+    # the chain_sums held-out problems are not moved by the family machinery (the split seed's
+    # draws)
     assert chain_sums.held_out(3)[0] == chain_sums.CHAIN_SUMS.decode(
         random.Random(f"{chain_sums.SPLIT_SEED}:3").sample(range(1000), 50)[0], 3
     )
     for e in val:
-        assert e.ground_truth == str(sum(_terms(e))) and e.data_source == f"math/long_sums/{len(_terms(e))}"
+        assert (
+            e.ground_truth == str(sum(_terms(e)))
+            and e.data_source == f"math/long_sums/{len(_terms(e))}"
+        )
     assert chain_sums.solution((47, 85, 12)) == "47+85=132, 132+12=144. \\boxed{144}"
     # slip 1: 47+85 carries in the units (7+5): 122; 122+12 does not (2+2)
-    assert chain_sums.solution((47, 85, 12), 1.0, random.Random(0)) == "47+85=122, 122+12=134. \\boxed{134}"
+    assert (
+        chain_sums.solution((47, 85, 12), 1.0, random.Random(0))
+        == "47+85=122, 122+12=134. \\boxed{134}"
+    )
     rng, slipped = random.Random(0), 0
     for e in train[:300]:
         for x, d, s in re.findall(
@@ -114,7 +146,8 @@ def test_long_sums_splits_levels_and_two_digit_slip():
 
 
 def test_first_error_names_the_first_wrong_step():
-    """The classes of chain_sums.first_error, each on a hand-written solution of 47+85+12 (= 144)."""
+    """The classes of chain_sums.first_error, each on a hand-written solution of 47+85+12 (=
+    144)."""
     t = (47, 85, 12)
     cases = {
         "47+85=132, 132+12=144. \\boxed{144}": "right",

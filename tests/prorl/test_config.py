@@ -6,7 +6,9 @@ from prorl.config import ConfigError, load_config, to_yaml
 
 
 def test_preset_and_overrides():
-    cfg = load_config("prorl_v2_1.5b", ["model.path=/models/x", "trainer.total_steps=10", "rollout.n=8"])
+    cfg = load_config(
+        "prorl_v2_1.5b", ["model.path=/models/x", "trainer.total_steps=10", "rollout.n=8"]
+    )
     assert cfg.trainer.total_steps == 10 and cfg.rollout.n == 8
     # the published recipe's numbers (docs/recipe.md)
     a = cfg.algorithm
@@ -52,23 +54,34 @@ def test_missing_preset_and_required_key():
 
 
 def test_the_configuration_reference_is_current():
-    """docs/config.md is generated from the dataclasses: `python -m prorl.config > docs/config.md`."""
+    """docs/config.md is generated from the dataclasses: `python -m prorl.config >
+    docs/config.md`."""
     from pathlib import Path
 
     from prorl.config import reference_markdown
 
     path = Path(__file__).resolve().parents[2] / "docs" / "config.md"
-    assert path.read_text() == reference_markdown(), "regenerate: python -m prorl.config > docs/config.md"
+    assert path.read_text() == reference_markdown(), (
+        "regenerate: python -m prorl.config > docs/config.md"
+    )
 
 
 def test_fp8_keys_are_validated():
-    cfg = load_config("default", ["model.fp8=torchao", "model.fsdp=true", "model.fp8_recipe=rowwise"])
+    cfg = load_config(
+        "default", ["model.fp8=torchao", "model.fsdp=true", "model.fp8_recipe=rowwise"]
+    )
     assert (cfg.model.fp8, cfg.model.fp8_recipe) == ("torchao", "rowwise")
     assert load_config("default", []).model.fp8 == "none"
     for overrides, message in (
         (["model.fp8=fp4", "model.fsdp=true"], "model.fp8='fp4' is not one of none, torchao, te"),
-        (["model.fp8=torchao", "model.fsdp=true", "model.fp8_recipe=delayed"], "not a recipe of model.fp8"),
-        (["model.fp8=te", "model.fsdp=true", "model.fp8_recipe=rowwise"], "not a recipe of model.fp8='te'"),
+        (
+            ["model.fp8=torchao", "model.fsdp=true", "model.fp8_recipe=delayed"],
+            "not a recipe of model.fp8",
+        ),
+        (
+            ["model.fp8=te", "model.fsdp=true", "model.fp8_recipe=rowwise"],
+            "not a recipe of model.fp8='te'",
+        ),
         (["model.fp8=torchao"], "needs model.fsdp=true"),
     ):
         with pytest.raises(ConfigError, match=message):
@@ -79,7 +92,9 @@ def test_dp_replicate_is_validated_naming_the_key(capsys):
     from prorl import train
     from prorl.config_runtime import check_world
 
-    cfg = load_config("default", ["model.fsdp=true", "model.dp_replicate=2", "trainer.prompts_per_step=12"])
+    cfg = load_config(
+        "default", ["model.fsdp=true", "model.dp_replicate=2", "trainer.prompts_per_step=12"]
+    )
     check_world(cfg, 2)
     check_world(cfg, 4)
     with pytest.raises(
@@ -95,4 +110,6 @@ def test_dp_replicate_is_validated_naming_the_key(capsys):
             load_config("default", overrides)
     # the command line: one process is a world of 1, which 2 replicas cannot split
     assert train.main(["model.fsdp=true", "model.dp_replicate=2"]) == train.lifecycle.EXIT_CONFIG
-    assert "config error: model.dp_replicate=2 does not divide the 1 ranks" in capsys.readouterr().err
+    assert (
+        "config error: model.dp_replicate=2 does not divide the 1 ranks" in capsys.readouterr().err
+    )

@@ -18,21 +18,28 @@ def _jsonl(tmp_path, rows, name="d.jsonl"):
     """One line per row: a dict as JSON, a str or bytes as is."""
     path = tmp_path / name
     lines = [
-        r if isinstance(r, bytes) else (r if isinstance(r, str) else json.dumps(r)).encode() for r in rows
+        r if isinstance(r, bytes) else (r if isinstance(r, str) else json.dumps(r)).encode()
+        for r in rows
     ]
     path.write_bytes(b"".join(line + b"\n" for line in lines))
     return str(path)
 
 
-# a JSONL line with a Latin-1 byte (0xe9, "é") after 7,000 characters: a buffered read's offset is not the
-# line's; the byte's position in its line, found independently of the loader
-NOT_UTF8 = json.dumps(dict(ROW, extra_info={"note": "x" * 7000})).encode().replace(b"x" * 10, b"caf\xe9 ", 1)
+# a JSONL line with a Latin-1 byte (0xe9, "é") after 7,000 characters: a buffered read's offset is
+# not the line's; the byte's position in its line, found independently of the loader
+NOT_UTF8 = (
+    json.dumps(dict(ROW, extra_info={"note": "x" * 7000}))
+    .encode()
+    .replace(b"x" * 10, b"caf\xe9 ", 1)
+)
 NOT_UTF8_AT = NOT_UTF8.index(b"\xe9")
 
 
 def test_jsonl_verl_schema(tmp_path):
     (ex,) = data.load_file(_jsonl(tmp_path, [ROW]))
-    assert ex.prompt == ROW["prompt"] and ex.data_source == "openai/gsm8k" and ex.ground_truth == "4"
+    assert (
+        ex.prompt == ROW["prompt"] and ex.data_source == "openai/gsm8k" and ex.ground_truth == "4"
+    )
     assert ex.extra == {"index": 0, "split": "train"} and ex.ability == "math"
 
 
@@ -44,12 +51,16 @@ def test_parquet_verl_schema(tmp_path):
         ROW,
         dict(
             ROW,
-            prompt=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+1?"}],
+            prompt=[
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "1+1?"},
+            ],
             reward_model={"style": "rule", "ground_truth": "2"},
         ),
     ]
     path = str(tmp_path / "d.parquet")
-    pq.write_table(pa.Table.from_pylist(rows), path)  # nested list<struct> / struct columns, as verl writes
+    # nested list<struct> / struct columns, as verl writes
+    pq.write_table(pa.Table.from_pylist(rows), path)
     exs = data.load_file(path)
     assert [e.ground_truth for e in exs] == ["4", "2"]
     assert exs[1].prompt[0] == {"role": "system", "content": "Be brief."}
@@ -66,36 +77,64 @@ def test_round_trip_jsonl_and_parquet(tmp_path):
 
 
 def test_trl_style_rows(tmp_path):
-    (ex,) = data.load_file(_jsonl(tmp_path, [{"data_source": "math", "prompt": "1+1?", "ground_truth": "2"}]))
-    assert ex.prompt == [{"role": "user", "content": "1+1?"}] and ex.ground_truth == "2" and ex.extra == {}
+    (ex,) = data.load_file(
+        _jsonl(tmp_path, [{"data_source": "math", "prompt": "1+1?", "ground_truth": "2"}])
+    )
+    assert (
+        ex.prompt == [{"role": "user", "content": "1+1?"}]
+        and ex.ground_truth == "2"
+        and ex.extra == {}
+    )
 
 
 @pytest.mark.tally("bad_inputs")
 @pytest.mark.parametrize(
     "row, message",
     [
-        ({k: v for k, v in ROW.items() if k != "data_source"}, r"row 1: field 'data_source' is missing"),
+        (
+            {k: v for k, v in ROW.items() if k != "data_source"},
+            r"row 1: field 'data_source' is missing",
+        ),
         (dict(ROW, data_source="nope/unknown"), r"row 1: field 'data_source' has no verifier"),
         ({k: v for k, v in ROW.items() if k != "prompt"}, r"row 1: field 'prompt' is missing"),
         (dict(ROW, prompt=[{"role": "user"}]), r"row 1: field 'prompt\[0\]'"),
         (dict(ROW, prompt=[]), r"row 1: field 'prompt' must be"),
-        ({k: v for k, v in ROW.items() if k != "reward_model"}, r"row 1: field 'reward_model' is missing"),
-        (dict(ROW, reward_model={"style": "rule"}), r"row 1: field 'reward_model.ground_truth' is missing"),
+        (
+            {k: v for k, v in ROW.items() if k != "reward_model"},
+            r"row 1: field 'reward_model' is missing",
+        ),
+        (
+            dict(ROW, reward_model={"style": "rule"}),
+            r"row 1: field 'reward_model.ground_truth' is missing",
+        ),
         (dict(ROW, extra_info=[1]), r"row 1: field 'extra_info' must be an object"),
         ("{not json", r"row 1 \(line 2\): not valid JSON"),
         ("[1, 2]", r"row 1: a row must be an object"),
-        (NOT_UTF8, rf"row 1 \(line 2\): not UTF-8 text: byte 0xe9 at byte {NOT_UTF8_AT} of the line"),
+        (
+            NOT_UTF8,
+            rf"row 1 \(line 2\): not UTF-8 text: byte 0xe9 at byte {NOT_UTF8_AT} of the line",
+        ),
         (dict(ROW, prompt=""), r"row 1: field 'prompt' has no text"),
-        (dict(ROW, prompt=[{"role": "user", "content": " \n"}]), r"row 1: field 'prompt' has no text"),
-        (dict(ROW, reward_model={"ground_truth": ""}), r"row 1: field 'reward_model.ground_truth' is empty"),
-        (dict(ROW, reward_model={"ground_truth": []}), r"row 1: field 'reward_model.ground_truth' is empty"),
+        (
+            dict(ROW, prompt=[{"role": "user", "content": " \n"}]),
+            r"row 1: field 'prompt' has no text",
+        ),
+        (
+            dict(ROW, reward_model={"ground_truth": ""}),
+            r"row 1: field 'reward_model.ground_truth' is empty",
+        ),
+        (
+            dict(ROW, reward_model={"ground_truth": []}),
+            r"row 1: field 'reward_model.ground_truth' is empty",
+        ),
         (
             {"data_source": "math", "prompt": "1+1?", "ground_truth": " "},
             r"row 1: field 'ground_truth' is empty",
         ),
         (
             dict(ROW, reward_model={"ground_truth": {"answer": "4"}}),
-            r"row 1: field 'reward_model.ground_truth' must be a string or number .*math verifier, got dict",
+            r"row 1: field 'reward_model.ground_truth' must "
+            r"be a string or number .*math verifier, got dict",
         ),
     ],
 )
@@ -110,7 +149,9 @@ def test_bad_rows_name_file_row_and_field(tmp_path, row, message):
 def test_a_non_utf8_byte_in_a_json_file_names_its_line_and_offset(tmp_path):
     path = tmp_path / "d.json"
     path.write_bytes(b"[\n" + NOT_UTF8 + b"\n]\n")
-    with pytest.raises(data.DataError, match=rf"line 2: not UTF-8 text: byte 0xe9 at byte {NOT_UTF8_AT} "):
+    with pytest.raises(
+        data.DataError, match=rf"line 2: not UTF-8 text: byte 0xe9 at byte {NOT_UTF8_AT} "
+    ):
         data.load_file(str(path))
 
 
@@ -127,7 +168,10 @@ def test_an_empty_file_says_it_is_empty(tmp_path, text):
 def test_a_math_ground_truth_may_be_a_number_or_a_list_of_answers(tmp_path):
     path = _jsonl(
         tmp_path,
-        [dict(ROW, reward_model={"ground_truth": 4}), dict(ROW, reward_model={"ground_truth": ["4", 4.0]})],
+        [
+            dict(ROW, reward_model={"ground_truth": 4}),
+            dict(ROW, reward_model={"ground_truth": ["4", 4.0]}),
+        ],
     )
     assert [ex.ground_truth for ex in data.load_file(path)] == [4, ["4", 4.0]]
 

@@ -12,7 +12,9 @@ from prorl import data
 
 
 def _examples(tag: str, n: int) -> list[data.Example]:
-    return [data.Example([{"role": "user", "content": f"{tag}{i}"}], "math", str(i)) for i in range(n)]
+    return [
+        data.Example([{"role": "user", "content": f"{tag}{i}"}], "math", str(i)) for i in range(n)
+    ]
 
 
 def _tags(examples) -> Counter:
@@ -52,7 +54,9 @@ def test_mix_repeats_and_subsamples_without_early_duplicates():
     )
     assert data.mix([(a, 1), (b, 1)], n=12, seed=5) == out  # deterministic
     assert data.mix([(a, 1), (b, 1)], n=12, seed=6) != out
-    assert [ex.prompt[0]["content"][0] for ex in out] != sorted(ex.prompt[0]["content"][0] for ex in out)
+    assert [ex.prompt[0]["content"][0] for ex in out] != sorted(
+        ex.prompt[0]["content"][0] for ex in out
+    )
 
 
 @pytest.mark.tally("bad_inputs")
@@ -69,10 +73,12 @@ def test_load_mixture(tmp_path):
     pa, pb = str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")
     data.write_jsonl(_examples("a", 4), pa)
     data.write_jsonl(_examples("b", 2), pb)
-    assert data.load_mixture([pa, pb]) == data.load_file(pa) + data.load_file(pb)  # plain concatenation
+    # plain concatenation
+    assert data.load_mixture([pa, pb]) == data.load_file(pa) + data.load_file(pb)
     assert _tags(data.load_mixture([f"{pa}:1", f"{pb}:1"], n=6, seed=1)) == {"a": 3, "b": 3}
     assert _tags(data.load_mixture([f"{pa}:1", f"{pb}:3"])) == {"a": 2, "b": 4}  # n = 6 rows in all
-    assert _tags(data.load_mixture([pa, pb], n=3)) == {"a": 2, "b": 1}  # unweighted + n: by file size
+    # unweighted + n: by file size
+    assert _tags(data.load_mixture([pa, pb], n=3)) == {"a": 2, "b": 1}
     with pytest.raises(data.DataError, match="give every file a weight or none"):
         data.load_mixture([f"{pa}:2", pb])
 
@@ -90,17 +96,21 @@ def test_encode_prompts_applies_template_and_filters(tokenizer):
     exs = [_examples("", 1)[0]] + [
         data.Example([{"role": "user", "content": "x" * m}], "math", "0") for m in (5, 9, 6)
     ]
-    # ChatML around one user message: "<|im_start|>user\n" (1 + 5 tokens) + content + "<|im_end|>\n" (2)
+    # ChatML around one user message: "<|im_start|>user\n" (1 + 5 tokens) + content + "<|im_end|>\n"
+    # (2)
     # + "<|im_start|>assistant\n" (1 + 10): 19 tokens plus the content's characters
     full = [encode_chat(tokenizer, ex.prompt[0]["content"]) for ex in exs]
     assert [len(f) for f in full] == [20, 24, 28, 25]
     ids, kept, n_filtered = data.encode_prompts(exs, tokenizer, max_prompt_tokens=25)
     assert kept == [0, 1, 3] and n_filtered == 1
-    assert ids == [full[0], full[1], full[3]]  # kept prompts whole, the long one dropped, not truncated
+    # kept prompts whole, the long one dropped, not truncated
+    assert ids == [full[0], full[1], full[3]]
     assert data.encode_prompts(exs, tokenizer) == (full, [0, 1, 2, 3], 0)
     assert data.encode_prompts(exs, tokenizer, max_prompt_tokens=10) == ([], [], 4)
     assert data.encode_prompts([], tokenizer, 10) == ([], [], 0)
-    system = data.Example([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], "math", "0")
+    system = data.Example(
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}], "math", "0"
+    )
     (two,), _, _ = data.encode_prompts([system], tokenizer)
     assert (
         tokenizer.decode(two)

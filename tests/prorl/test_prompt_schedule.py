@@ -1,7 +1,8 @@
 """prorl/prompt_schedule.py: the Beta posterior's P(mixed group) against its closed form, the choice's
-guarantees (unseen first, no prompt twice in a step, disjoint identical slices on every rank, every prompt
-re-probed within the bound, excluded prompts never chosen, the most likely mixed first), the merge, its
-discount and the population prior, and the record being the same on every rank of a real 2-rank trainer."""
+guarantees (unseen first, no prompt twice in a step, disjoint identical slices on every rank, every
+prompt re-probed within the bound, excluded prompts never chosen, the most likely mixed first), the
+merge, its discount and the population prior, and the record being the same on every rank of a real
+2-rank trainer."""
 
 from types import SimpleNamespace
 
@@ -70,15 +71,21 @@ def test_the_choice_takes_the_prompts_most_likely_to_give_a_mixed_group():
 
 def test_choice_guarantees():
     size, k, world = 40, 3, 2
-    ranks = [PromptScheduler(cfg(), size, 8, prompts_per_step=k * world, seed=1) for _ in range(world)]
+    ranks = [
+        PromptScheduler(cfg(), size, 8, prompts_per_step=k * world, seed=1) for _ in range(world)
+    ]
     # step 0: unseen prompts first; rounds never repeat a prompt; the ranks' slices are disjoint
     taken = []
     for round_ in range(3):
-        parts = [s.select(k, step=0, round_=round_, rank=r, world=world) for r, s in enumerate(ranks)]
+        parts = [
+            s.select(k, step=0, round_=round_, rank=r, world=world) for r, s in enumerate(ranks)
+        ]
         assert not set(parts[0]) & set(parts[1])
         taken += parts[0] + parts[1]
     assert len(taken) == len(set(taken)) == 18
-    assert all(ranks[0].probed[i] == 0 for i in taken) and np.array_equal(ranks[0].probed, ranks[1].probed)
+    assert all(ranks[0].probed[i] == 0 for i in taken) and np.array_equal(
+        ranks[0].probed, ranks[1].probed
+    )
     # a record that calls every probed prompt hopeless still probes each one again within
     # (reprobe_epochs + 1) epochs: the stale ones first, oldest first, a step's worth at a time
     s = PromptScheduler(cfg(), size, 8, prompts_per_step=k, seed=2)
@@ -108,7 +115,8 @@ def test_a_refill_round_runs_only_when_it_is_expected_to_keep_enough():
     assert len(first) == 4  # the first round always runs
     probed = s.probed.copy()
     assert s.select(4, step=1, round_=1, rank=0, world=1) == []
-    assert np.array_equal(s.probed, probed) and s.taken == set(first)  # a skipped round marks nothing
+    # a skipped round marks nothing
+    assert np.array_equal(s.probed, probed) and s.taken == set(first)
     assert len(solved(0.0).select(4, step=1, round_=1, rank=0, world=1)) == 4
     s = solved(0.1)
     s.merge(1, [[(i, 4.0, 8) for i in range(20)]])  # now mixed: refills run
@@ -159,7 +167,12 @@ def _two_ranks(rank, world):
 
     os.environ["RANK"] = str(rank)
     path = os.path.join(os.path.dirname(__file__), "..", "..", "prorl", "assets", "tiny-reasoner")
-    over = ["scheduler.mode=pass-rate", "trainer.prompts_per_step=8", "rollout.n=4", f"model.path={path}"]
+    over = [
+        "scheduler.mode=pass-rate",
+        "trainer.prompts_per_step=8",
+        "rollout.n=4",
+        f"model.path={path}",
+    ]
     cfg = load_config("default", over)
     tok = PreTrainedTokenizerFast.from_pretrained(path)
     with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:

@@ -47,7 +47,10 @@ def test_summary_numbers(tmp_path):
     lines = summarize(str(tmp_path)).splitlines()
     assert lines[0] == f"run {tmp_path}: 10 steps of 20"
     # before: step 0; after: mean of the evaluations after it (at most 3): (0.5 + 0.75) / 2
-    assert lines[1] == "held-out accuracy 25.0% (step 0) -> 62.5% (mean of the last 2 evaluations, step 10)"
+    assert (
+        lines[1]
+        == "held-out accuracy 25.0% (step 0) -> 62.5% (mean of the last 2 evaluations, step 10)"
+    )
     assert lines[2] == "train reward 0.300 -> 0.800 (mean of the first / last 5 steps)"
     assert lines[3] == "reference resets: 2 (step 4 interval, step 8 interval)"
     # 10 steps of 10 s + 3 validations of 6 s
@@ -58,7 +61,8 @@ def test_summary_numbers(tmp_path):
 
 
 def test_a_run_written_under_the_old_timing_names_reads_under_verls(tmp_path):
-    """Runs from before the metrics took verl 0.9.1's names (old_logp, update, sync, val) read the same."""
+    """Runs from before the metrics took verl 0.9.1's names (old_logp, update, sync, val) read the
+    same."""
     old = {"timing_s/old_log_prob": "timing_s/old_logp", "timing_s/update_actor": "timing_s/update",
            "timing_s/testing": "timing_s/val"}  # fmt: skip
     write_run(tmp_path, names=old)
@@ -72,7 +76,8 @@ def test_a_run_written_under_the_old_timing_names_reads_under_verls(tmp_path):
 def test_summary_counts_generation_over_the_run_and_the_scheduler_states(tmp_path):
     write_run(tmp_path)
     rows = read_metrics(str(tmp_path / "metrics.jsonl"))
-    for r in rows[1:]:  # steps 1..10: 8 groups sampled, step s keeps s // 2 + 1, 100 tokens per group
+    # steps 1..10: 8 groups sampled, step s keeps s // 2 + 1, 100 tokens per group
+    for r in rows[1:]:
         kept = r["step"] // 2 + 1
         r.update(
             {
@@ -83,11 +88,15 @@ def test_summary_counts_generation_over_the_run_and_the_scheduler_states(tmp_pat
             }
         )
         r.update(
-            {f"scheduler/{k}": v for k, v in zip(("unseen", "mixed", "solved", "unsolved"), (4, 3, 2, 1))}
+            {
+                f"scheduler/{k}": v
+                for k, v in zip(("unseen", "mixed", "solved", "unsolved"), (4, 3, 2, 1))
+            }
         )
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     lines = summarize(str(tmp_path)).splitlines()
-    # kept: 1+2+2+3+3+4+4+5+5+6 = 35 of 80; 8000 tokens / 35 = 228.6 (a mean of the per-step ratios: 283)
+    # kept: 1+2+2+3+3+4+4+5+5+6 = 35 of 80; 8000 tokens / 35 = 228.6 (a mean of the per-step ratios:
+    # 283)
     assert (
         lines[5]
         == "generation: 43.8% of 80 sampled groups kept; 229 generated response tokens per kept group"
@@ -98,7 +107,10 @@ def test_summary_counts_generation_over_the_run_and_the_scheduler_states(tmp_pat
 def test_command_line_regenerates_png_and_summary(tmp_path):
     write_run(tmp_path)
     proc = subprocess.run(
-        [sys.executable, "-m", "prorl.report", str(tmp_path)], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "prorl.report", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "training_curves.png").stat().st_size > 10_000
@@ -106,7 +118,9 @@ def test_command_line_regenerates_png_and_summary(tmp_path):
     assert "reference resets: 2" in proc.stdout
 
     missing = subprocess.run(
-        [sys.executable, "-m", "prorl.report", str(tmp_path / "nope")], capture_output=True, text=True
+        [sys.executable, "-m", "prorl.report", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
     )
     assert missing.returncode == 2 and "no metrics.jsonl" in missing.stderr
 

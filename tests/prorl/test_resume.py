@@ -1,12 +1,12 @@
 """Exact resume and clean stops of `torchrun prorl/train.py` (issue 8), on 2 CPU processes.
 
-One tiny deterministic run goes uninterrupted into A. The same command goes into B, where it is killed
-with SIGKILL (the whole process tree: torchrun, both ranks, their reward workers) mid-save and mid-step,
-stopped once with Ctrl-C (SIGINT, as a terminal sends it), and re-run each time until it
-completes. B's final weights must equal A's bit for bit and every per-step metric (all but timing and
-throughput) must be equal, each step logged exactly once; after every kill, nothing that is not a whole
-checkpoint may look complete to `Checkpointer`. Kill times are random: the seed is printed on failure
-(set PRORL_TEST_SEED to replay it).
+One tiny deterministic run goes uninterrupted into A. The same command goes into B, where it is
+killed with SIGKILL (the whole process tree: torchrun, both ranks, their reward workers) mid-save
+and mid-step, stopped once with Ctrl-C (SIGINT, as a terminal sends it), and re-run each time until
+it completes. B's final weights must equal A's bit for bit and every per-step metric (all but timing
+and throughput) must be equal, each step logged exactly once; after every kill, nothing that is not
+a whole checkpoint may look complete to `Checkpointer`. Kill times are random: the seed is printed
+on failure (set PRORL_TEST_SEED to replay it).
 """
 
 import json
@@ -42,7 +42,14 @@ OVERRIDES = [
     "reward.length_k_off=2",
     "scheduler.mode=pass-rate",  # the per-prompt record must survive too
 ]
-SAVED_FILES = (MARKER, "meta.json", "objects.pt", ".metadata", "rng/rank_00000.pt", "rng/rank_00001.pt")
+SAVED_FILES = (
+    MARKER,
+    "meta.json",
+    "objects.pt",
+    ".metadata",
+    "rng/rank_00000.pt",
+    "rng/rank_00001.pt",
+)
 
 
 def check_nothing_looks_complete_that_is_not(ckpt_dir) -> None:
@@ -53,7 +60,8 @@ def check_nothing_looks_complete_that_is_not(ckpt_dir) -> None:
         path = ckpt.step_dir(step)
         missing = [f for f in SAVED_FILES if not os.path.isfile(os.path.join(path, f))]
         assert not missing, f"{path} has {MARKER} but lacks {missing}"
-    for name in os.listdir(ckpt_dir):  # interrupted saves stay .tmp (never renamed without all files)
+    # interrupted saves stay .tmp (never renamed without all files)
+    for name in os.listdir(ckpt_dir):
         if name.endswith(".tmp"):
             assert not os.path.exists(os.path.join(ckpt_dir, name, MARKER))
 
@@ -62,7 +70,10 @@ def step_rows(run_dir) -> dict[int, dict]:
     rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
     steps = [r["step"] for r in rows]
     assert steps == list(range(TOTAL + 1)), f"each step logged once, in order: {steps}"
-    return {r["step"]: {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))} for r in rows}
+    return {
+        r["step"]: {k: v for k, v in r.items() if not k.startswith(("timing_s/", "perf/"))}
+        for r in rows
+    }
 
 
 @pytest.mark.tally("faults")
@@ -101,7 +112,8 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(tmp_path):
     def mid_save():  # a save in progress, an earlier checkpoint complete
         return saving() and complete_steps(ckpt_dir)
 
-    # 1. mid-step, in the first step (no checkpoint yet: the re-run starts afresh, its metrics with it)
+    # 1. mid-step, in the first step (no checkpoint yet: the re-run starts afresh, its metrics with
+    #    it)
     proc = start()
     assert wait_for(lambda: "held-out accuracy before RL" in log_text(), proc), log_tail()
     time.sleep(rng.uniform(0.1, 0.9) * step_s)
@@ -109,16 +121,16 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(tmp_path):
     events.append(f"kill in step 1: complete {complete_steps(ckpt_dir)}")
     check_nothing_looks_complete_that_is_not(ckpt_dir)
 
-    # 2. mid-save, with an earlier checkpoint in place: as soon as a save's step_X.tmp directory appears
-    #    (should the polling miss the saves, this becomes a kill right after a checkpoint)
+    # 2. mid-save, with an earlier checkpoint in place: as soon as a save's step_X.tmp directory
+    #    appears (should the polling miss the saves, this becomes a kill right after a checkpoint)
     proc = start()
     assert wait_for(lambda: mid_save() or len(complete_steps(ckpt_dir)) >= 3, proc), log_tail()
     kill_tree(proc)
     events.append(f"mid-save kill: .tmp left {saving()}, complete {complete_steps(ckpt_dir)}")
     check_nothing_looks_complete_that_is_not(ckpt_dir)
 
-    # 3. Ctrl-C (SIGINT to torchrun's process group, as a terminal sends it; torchrun forwards it to the
-    #    workers): the step is finished and saved, and every rank exits 0
+    # 3. Ctrl-C (SIGINT to torchrun's process group, as a terminal sends it; torchrun forwards it to
+    #    the workers): the step is finished and saved, and every rank exits 0
     known = max(complete_steps(ckpt_dir), default=0)
     proc = start()
     assert progress_after(proc, known), log_tail()
@@ -126,7 +138,9 @@ def test_killed_and_resumed_run_equals_uninterrupted_run(tmp_path):
     tree = process_tree(proc.pid)
     os.killpg(proc.pid, signal.SIGINT)
     proc.wait(timeout=120)
-    stopped = [line for line in log_tail().splitlines() if "prorl: stopped by SIGINT after step" in line]
+    stopped = [
+        line for line in log_tail().splitlines() if "prorl: stopped by SIGINT after step" in line
+    ]
     assert stopped, log_tail()
     at = int(stopped[0].split("after step ")[1].split()[0])
     assert max(complete_steps(ckpt_dir)) == at, (at, complete_steps(ckpt_dir))

@@ -1,10 +1,11 @@
 """The sampler's memory at start (prorl/rollout_budget.py): a sampling round's KV cache against what the
-native sampler can allocate (refused before anything is allocated, naming the keys), the vLLM engine's
-share of the GPU beside the colocated trainer, the start-up report, and vLLM's preemption count.
+native sampler can allocate (refused before anything is allocated, naming the keys), the vLLM
+engine's share of the GPU beside the colocated trainer, the start-up report, and vLLM's preemption
+count.
 
-References: the preset's numbers worked by hand from its YAML (256 prompts per step over 8 ranks x 1.5
-oversample x 16 samples; 1024 + 8192 tokens) and Qwen2-1.5B's published shape (28 layers, 2 KV heads of
-128, bf16), and the issue's estimates (7.1M tokens, ~200 GB of KV per rank)."""
+References: the preset's numbers worked by hand from its YAML (256 prompts per step over 8 ranks x
+1.5 oversample x 16 samples; 1024 + 8192 tokens) and Qwen2-1.5B's published shape (28 layers, 2 KV
+heads of 128, bf16), and the issue's estimates (7.1M tokens, ~200 GB of KV per rank)."""
 
 import dataclasses
 import types
@@ -55,15 +56,18 @@ def test_native_kv_of_the_presets_round(native_1_5b):
     assert native_1_5b.cache_bytes(48, 16, 9216) == int(1.75 * allocated)  # + the compaction's copy
 
 
-def test_native_backend_at_the_presets_size_is_refused_naming_the_keys(preset, native_1_5b, monkeypatch):
-    monkeypatch.setattr(NativeGenerator, "free_bytes", lambda self: 75 * GiB)  # an H100 after the trainer
+def test_native_backend_at_the_presets_size_is_refused_naming_the_keys(
+    preset, native_1_5b, monkeypatch
+):
+    # an H100 after the trainer
+    monkeypatch.setattr(NativeGenerator, "free_bytes", lambda self: 75 * GiB)
     cfg = dataclasses.replace(preset, rollout=dataclasses.replace(preset.rollout, backend="native"))
     with pytest.raises(ConfigError) as err:
         rollout_budget.report(cfg, 8, native_1_5b)
     msg = str(err.value)
-    # the trainer's gradients and AdamW moments come off the free memory: replicated, 3 x the parameters
-    # in bf16. Qwen2-1.5B's published 1,543,714,304 parameters, with this shape's untied head
-    # (151936 x 1536) and without the q/k/v biases (28 x 2048)
+    # the trainer's gradients and AdamW moments come off the free memory: replicated, 3 x the
+    # parameters in bf16. Qwen2-1.5B's published 1,543,714,304 parameters, with this shape's untied
+    # head (151936 x 1536) and without the q/k/v biases (28 x 2048)
     params = 1_543_714_304 + 151936 * 1536 - 28 * 2048
     assert sum(p.numel() for p in native_1_5b.model.parameters()) == params
     free = 75 * GiB - 3 * 2 * params
@@ -84,18 +88,26 @@ def test_native_backend_at_the_presets_size_is_refused_naming_the_keys(preset, n
 
 
 def test_native_growth_under_fsdp_and_the_hosts_share(preset, native_1_5b, monkeypatch):
-    """Under FSDP2 the trainer keeps fp32 gradients and two moments of its shard (world / dp_replicate
-    ranks); on the host, the node's ranks share its memory."""
+    """Under FSDP2 the trainer keeps fp32 gradients and two moments of its shard (world /
+    dp_replicate ranks); on the host, the node's ranks share its memory."""
     params = sum(p.numel() for p in native_1_5b.model.parameters())
     monkeypatch.setattr(rollout_budget.dist, "is_initialized", lambda: True)
-    fsdp = dataclasses.replace(preset, model=dataclasses.replace(preset.model, fsdp=True, dp_replicate=2))
-    assert rollout_budget.trainer_growth_bytes(fsdp, 8, native_1_5b.model, "cuda") == 3 * 4 * params // 4
+    fsdp = dataclasses.replace(
+        preset, model=dataclasses.replace(preset.model, fsdp=True, dp_replicate=2)
+    )
+    assert (
+        rollout_budget.trainer_growth_bytes(fsdp, 8, native_1_5b.model, "cuda")
+        == 3 * 4 * params // 4
+    )
     offload = dataclasses.replace(fsdp, model=dataclasses.replace(fsdp.model, cpu_offload=True))
     assert rollout_budget.trainer_growth_bytes(offload, 8, native_1_5b.model, "cuda") == 0
     from prorl.async_rl import roles
 
-    rollout = roles.Roles(rank=7, world=8, trainers=6, rollouts=2, store=None, push=None, timeout_s=1.0)
-    monkeypatch.setattr(roles, "_ROLES", [rollout])  # an asynchronous run's rollout rank: no trainer
+    rollout = roles.Roles(
+        rank=7, world=8, trainers=6, rollouts=2, store=None, push=None, timeout_s=1.0
+    )
+    # an asynchronous run's rollout rank: no trainer
+    monkeypatch.setattr(roles, "_ROLES", [rollout])
     assert rollout_budget.trainer_growth_bytes(fsdp, 2, native_1_5b.model, "cuda") == 0
     monkeypatch.setattr(roles, "_ROLES", [])
     monkeypatch.setattr(rollout_budget.dist, "is_initialized", lambda: False)
@@ -111,8 +123,8 @@ def test_native_growth_under_fsdp_and_the_hosts_share(preset, native_1_5b, monke
 
 
 def test_the_trainer_refuses_before_sampling(monkeypatch):
-    """Trainer construction (GroupSampler) checks the native round against the free memory: nothing is
-    generated, the error names the keys."""
+    """Trainer construction (GroupSampler) checks the native round against the free memory: nothing
+    is generated, the error names the keys."""
     from test_trainer_recipe import TINY_REASONER, make
     from transformers import PreTrainedTokenizerFast
 
@@ -143,7 +155,8 @@ def _on_a_gpu(monkeypatch, free, total=80 * GiB):
 
 
 def test_auto_gpu_fraction_leaves_the_trainer_its_gradients_and_moments(preset, monkeypatch):
-    policy = nn.Linear(1024, 1024, bias=False)  # 1M fp32 parameters: 4 MiB, gradients + moments 12 MiB
+    # 1M fp32 parameters: 4 MiB, gradients + moments 12 MiB
+    policy = nn.Linear(1024, 1024, bias=False)
     _on_a_gpu(monkeypatch, free=60 * GiB)
     want = (60 * GiB - 12 * 2**20 - 3 * GiB) / (80 * GiB)
     assert rollout_budget.gpu_fraction(preset, policy, "vllm") == pytest.approx(want)
@@ -151,7 +164,8 @@ def test_auto_gpu_fraction_leaves_the_trainer_its_gradients_and_moments(preset, 
     assert rollout_budget.gpu_fraction(preset, policy, "vllm") == 0.9  # the cap
     offload = dataclasses.replace(preset, model=dataclasses.replace(preset.model, cpu_offload=True))
     _on_a_gpu(monkeypatch, free=20 * GiB)
-    assert rollout_budget.gpu_fraction(offload, policy, "vllm") == pytest.approx(17 / 80)  # no growth
+    # no growth
+    assert rollout_budget.gpu_fraction(offload, policy, "vllm") == pytest.approx(17 / 80)
 
 
 def test_a_gpu_fraction_the_trainer_cannot_fit_beside_is_refused(preset, monkeypatch):
@@ -199,12 +213,15 @@ def test_vllm_preemptions_are_counted_per_call_and_the_cache_size_read():
     def disabled():
         raise AssertionError("Stat logging disabled")
 
-    assert _engine(disabled).preempted_since_last() == 0 and _engine(disabled).kv_capacity_tokens() is None
+    assert (
+        _engine(disabled).preempted_since_last() == 0
+        and _engine(disabled).kv_capacity_tokens() is None
+    )
 
 
 def test_an_async_runs_trainer_ranks_do_not_check_training_rounds(preset, native_1_5b, monkeypatch):
-    """Async trainer ranks run the native sampler for validation only: the preset's training round on
-    2 x 8 GPUs (its 330.8 GiB of KV) must not refuse them; their rollout ranks still check it."""
+    """Async trainer ranks run the native sampler for validation only: the preset's training round
+    on 2 x 8 GPUs (its 330.8 GiB of KV) must not refuse them; their rollout ranks still check it."""
     from prorl.async_rl import roles
 
     monkeypatch.setattr(NativeGenerator, "free_bytes", lambda self: 140 * GiB)
@@ -212,9 +229,13 @@ def test_an_async_runs_trainer_ranks_do_not_check_training_rounds(preset, native
     cfg = dataclasses.replace(preset, rollout=native)
     with pytest.raises(ConfigError, match="768 sequences x 9216 tokens"):  # synchronous: refused
         rollout_budget.report(cfg, 8, native_1_5b)
-    split = dataclasses.replace(native, async_rl=dataclasses.replace(native.async_rl, steps_ahead=1))
+    split = dataclasses.replace(
+        native, async_rl=dataclasses.replace(native.async_rl, steps_ahead=1)
+    )
     cfg = dataclasses.replace(preset, rollout=split)
-    trainer = roles.Roles(rank=0, world=16, trainers=8, rollouts=8, store=None, push=None, timeout_s=1.0)
+    trainer = roles.Roles(
+        rank=0, world=16, trainers=8, rollouts=8, store=None, push=None, timeout_s=1.0
+    )
     monkeypatch.setattr(roles, "_ROLES", [trainer])
     assert rollout_budget.report(cfg, 8, native_1_5b) is None
     rollout = dataclasses.replace(trainer, rank=8)

@@ -63,9 +63,15 @@ def test_two_process_run_improves_and_shows_every_component(tmp_path):
     # reward goes up: held-out greedy accuracy (starts at the warm-start's ~25% plateau)
     assert vals[-1] >= vals[0] + 0.15, vals
     # dynamic sampling: every step reports its rounds and the all-correct/all-wrong fractions
-    assert all(r["dynamic_sampling/rounds"] >= 1 and "dynamic_sampling/frac_all_correct" in r for r in steps)
+    assert all(
+        r["dynamic_sampling/rounds"] >= 1 and "dynamic_sampling/frac_all_correct" in r
+        for r in steps
+    )
     # reference reset every 3 steps (the policy decides after steps 3 and 6)
-    assert [r["ref/reset_reason"] for r in steps if r["ref/reset_reason"]] == ["interval", "interval"]
+    assert [r["ref/reset_reason"] for r in steps if r["ref/reset_reason"]] == [
+        "interval",
+        "interval",
+    ]
     assert steps[-1]["ref/num_resets"] == 2
     # the cosine length penalty is on for steps 0-1 and 4-5 of the schedule, off for 2-3 and 6-7
     on = [r["reward/length_penalty/mean"] != 0 for r in steps]
@@ -76,8 +82,8 @@ def test_two_process_run_improves_and_shows_every_component(tmp_path):
 
 @pytest.mark.slow
 def test_fsdp_policy_matches_replicated(tmp_path):
-    """model.fsdp=true (FSDP2-sharded policy and reference, unsharded sampler copy synced after every
-    update) takes the same steps as the replicated default: same samples, same losses."""
+    """model.fsdp=true (FSDP2-sharded policy and reference, unsharded sampler copy synced after
+    every update) takes the same steps as the replicated default: same samples, same losses."""
     runs = {}
     for fsdp in ("false", "true"):
         out = tmp_path / f"fsdp-{fsdp}"
@@ -99,7 +105,9 @@ def test_fsdp_policy_matches_replicated(tmp_path):
         ]
         proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        runs[fsdp] = [json.loads(line) for line in open(out / "metrics.jsonl") if "critic/score/mean" in line]
+        runs[fsdp] = [
+            json.loads(line) for line in open(out / "metrics.jsonl") if "critic/score/mean" in line
+        ]
     for a, b in zip(runs["false"], runs["true"], strict=True):
         for key in (
             "critic/score/mean",
@@ -108,7 +116,12 @@ def test_fsdp_policy_matches_replicated(tmp_path):
             "actor/kl_mean",
             "actor/entropy",
         ):
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key, a[key], b[key])
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (
+                a["step"],
+                key,
+                a[key],
+                b[key],
+            )
 
 
 @pytest.mark.tally("bad_inputs")
@@ -127,7 +140,9 @@ def test_resume_refuses_incompatible_config_and_reports_harmless_changes(tmp_pat
     ]
 
     def run(*extra):
-        return subprocess.run([*base, *extra], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [*base, *extra], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300
+        )
 
     first = run("trainer.total_steps=1")
     assert first.returncode == 0, first.stderr[-2000:]

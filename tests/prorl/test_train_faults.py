@@ -1,8 +1,8 @@
 """Faults around `prorl/train.py` that must end with a clear message and nothing corrupted (issues 8, 20):
 an unusable output directory (not writable, too little disk, in use by another run), Ctrl-C without
-torchrun, torchrun itself killed (its workers must not train on unseen), damaged checkpoints (the previous
-one is resumed, or exit 4 naming the file), a damaged model directory or data file (exit 2 naming it),
-and resuming with `model.fsdp` switched on or another number of ranks."""
+torchrun, torchrun itself killed (its workers must not train on unseen), damaged checkpoints (the
+previous one is resumed, or exit 4 naming the file), a damaged model directory or data file (exit 2
+naming it), and resuming with `model.fsdp` switched on or another number of ranks."""
 
 import contextlib
 import json
@@ -71,14 +71,18 @@ def test_ctrl_c_finishes_the_step_and_a_second_run_on_the_dir_is_refused(tmp_pat
 
     second = run(train_command(out, LONG, nproc=None), timeout=300)
     assert second.returncode == 5, second.stderr[-3000:]
-    assert f"{out} is in use by another run (pid {proc.pid} " in second.stderr, second.stderr[-3000:]
+    assert f"{out} is in use by another run (pid {proc.pid} " in second.stderr, second.stderr[
+        -3000:
+    ]
 
     tree = process_tree(proc.pid)
     assert len(tree) >= 2, tree  # the trainer and its reward worker
     os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(timeout=120) == 0, log.read_text()[-3000:]
     text = log.read_text()
-    stopped = [line for line in text.splitlines() if line.startswith("prorl: stopped by SIGINT after step")]
+    stopped = [
+        line for line in text.splitlines() if line.startswith("prorl: stopped by SIGINT after step")
+    ]
     assert stopped and "Traceback" not in text, text[-3000:]
     step = int(stopped[0].split("after step ")[1].split()[0])
     assert complete_steps(out / "checkpoints")[-1] == step
@@ -88,8 +92,8 @@ def test_ctrl_c_finishes_the_step_and_a_second_run_on_the_dir_is_refused(tmp_pat
 @pytest.mark.tally("faults")
 @pytest.mark.slow
 def test_workers_of_a_killed_torchrun_stop_after_their_step(tmp_path):
-    """`kill -9` of torchrun alone: its workers live in sessions of their own and would train on, unseen;
-    they notice the lost parent after the step, save it and exit."""
+    """`kill -9` of torchrun alone: its workers live in sessions of their own and would train on,
+    unseen; they notice the lost parent after the step, save it and exit."""
     out, log = tmp_path / "run", tmp_path / "run.log"
     proc = launch(train_command(out, LONG), log)
     assert wait_for(lambda: complete_steps(out / "checkpoints"), proc), log.read_text()[-3000:]
@@ -98,7 +102,9 @@ def test_workers_of_a_killed_torchrun_stop_after_their_step(tmp_path):
     proc.wait()
     assert not wait_gone(tree, timeout=60), "workers still running a minute after torchrun died"
     text = log.read_text()
-    stopped = [line for line in text.splitlines() if line.startswith("prorl: stopped by the loss of torch")]
+    stopped = [
+        line for line in text.splitlines() if line.startswith("prorl: stopped by the loss of torch")
+    ]
     assert stopped, text[-3000:]
     step = int(stopped[0].split("after step ")[1].split()[0])
     assert complete_steps(out / "checkpoints")[-1] == step
@@ -126,9 +132,10 @@ def _rank_worker(tree, rank: int) -> int:
 @pytest.mark.tally("faults")
 @pytest.mark.slow
 def test_a_frozen_rank_is_named_and_ends_the_run_cleanly(tmp_path):
-    """SIGSTOP of one rank's trainer: the other says what it waits for (trainer.wait_warning_s), then ends
-    with exit code 7 and a plain message once its collective times out (trainer.collective_timeout_s), the
-    last complete checkpoint untouched - instead of waiting silently for 600 s and dying in a traceback."""
+    """SIGSTOP of one rank's trainer: the other says what it waits for (trainer.wait_warning_s),
+    then ends with exit code 7 and a plain message once its collective times out
+    (trainer.collective_timeout_s), the last complete checkpoint untouched - instead of waiting
+    silently for 600 s and dying in a traceback."""
     out, log = tmp_path / "run", tmp_path / "run.log"
     overrides = [*LONG, "trainer.collective_timeout_s=20", "trainer.wait_warning_s=4"]
     proc = launch(train_command(out, overrides), log)
@@ -139,7 +146,8 @@ def test_a_frozen_rank_is_named_and_ends_the_run_cleanly(tmp_path):
     try:
         proc.wait(timeout=120)
     finally:
-        with contextlib.suppress(ProcessLookupError):  # torchrun has killed it (a stopped process dies)
+        # torchrun has killed it (a stopped process dies)
+        with contextlib.suppress(ProcessLookupError):
             os.kill(frozen, signal.SIGCONT)
     text = log.read_text()
     assert "prorl: rank 0 has waited" in text and "for the other ranks (" in text, text[-3000:]
@@ -148,7 +156,7 @@ def test_a_frozen_rank_is_named_and_ends_the_run_cleanly(tmp_path):
     assert complete_steps(out / "checkpoints")[: len(saved)] == saved
 
 
-# ---------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Damaged checkpoints, model directories and data files (issue 20)
 
 
@@ -196,26 +204,32 @@ def test_a_damaged_checkpoint_resumes_the_previous_one_and_all_damaged_exit_4(tm
     for meta in metas:
         assert f"{meta}: " in third.stderr, third.stderr[-3000:]
     assert "weights_only" not in third.stderr
-    export = run([sys.executable, "-m", "prorl.export", str(metas[-1].parent), str(tmp_path / "hf")])
-    assert export.returncode == 2 and f"is damaged: {metas[-1]}: " in export.stderr, export.stderr[-3000:]
+    export = run(
+        [sys.executable, "-m", "prorl.export", str(metas[-1].parent), str(tmp_path / "hf")]
+    )
+    assert export.returncode == 2 and f"is damaged: {metas[-1]}: " in export.stderr, export.stderr[
+        -3000:
+    ]
 
 
 @pytest.mark.slow
 def test_switching_fsdp_on_and_changing_the_number_of_ranks_resume(tmp_path):
-    """A run saved replicated is the same model under FSDP2 (DCP reshards), then on 2 ranks (the prompt
-    record kept)."""
+    """A run saved replicated is the same model under FSDP2 (DCP reshards), then on 2 ranks (the
+    prompt record kept)."""
     out = tmp_path / "run"
     first = run(train_command(out, [*TINY, "trainer.total_steps=1"], nproc=None))
     assert first.returncode == 0, first.stderr[-3000:]
     for nproc, total in ((1, 2), (2, 3)):
         resumed = run(
-            train_command(out, [*TINY, f"trainer.total_steps={total}", "model.fsdp=true"], nproc=nproc)
+            train_command(
+                out, [*TINY, f"trainer.total_steps={total}", "model.fsdp=true"], nproc=nproc
+            )
         )
         text = resumed.stdout + resumed.stderr
         assert resumed.returncode == 0, text[-3000:]
-        assert f"(step {total - 1})" in resumed.stdout and "prorl: resumed from" in resumed.stdout, text[
-            -3000:
-        ]
+        assert (
+            f"(step {total - 1})" in resumed.stdout and "prorl: resumed from" in resumed.stdout
+        ), text[-3000:]
     assert "saved by 1 ranks, this run has 2: RNG states not restored" in resumed.stderr
     # the prompt record (global) survives the change of ranks: fewer prompts unseen after every step
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
@@ -251,7 +265,10 @@ BAD_INPUT = {  # case -> (overrides, the file the message names, what it says)
         lambda t: _model_copy(t, "model.safetensors", _zero_fill),
         "truncated, zero-filled or not safetensors",
     ),
-    "truncated config.json": (lambda t: _model_copy(t, "config.json", _truncate), "is not valid JSON"),
+    "truncated config.json": (
+        lambda t: _model_copy(t, "config.json", _truncate),
+        "is not valid JSON",
+    ),
     "no tokenizer.json": (lambda t: _model_copy(t, "tokenizer.json", os.remove), "is missing"),
     "vocab smaller than the tokenizer": (  # 98 rows for the 100 tokens of the shipped tokenizer
         lambda t: _model_copy(t, "config.json", lambda p: _set_vocab(p, 98)),
@@ -279,36 +296,51 @@ def test_bad_input_exits_2_naming_the_file(tmp_path, case):
     proc = run(cmd, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert named in proc.stderr and expected in proc.stderr, proc.stderr[-3000:]
-    assert "Traceback" not in proc.stderr and "reward self-test" not in proc.stdout  # found before any work
+    # found before any work
+    assert "Traceback" not in proc.stderr and "reward self-test" not in proc.stdout
 
 
 @pytest.mark.tally("bad_inputs")
 @pytest.mark.slow
 def test_prompts_longer_than_max_prompt_tokens_are_counted_per_file(tmp_path):
     overrides, named = _data_file(tmp_path, [ROW] * 6)
-    proc = run(train_command(tmp_path / "run", [*overrides, "data.max_prompt_tokens=4"], nproc=None))
+    proc = run(
+        train_command(tmp_path / "run", [*overrides, "data.max_prompt_tokens=4"], nproc=None)
+    )
     assert proc.returncode == 2, proc.stderr[-3000:]
-    assert f"prorl: data: 6 of 6 prompts of {named} are longer than data.max_prompt_tokens=4" in proc.stdout
+    assert (
+        f"prorl: data: 6 of 6 prompts of {named} are longer than data.max_prompt_tokens=4"
+        in proc.stdout
+    )
     assert "no training prompt fits data.max_prompt_tokens=4: all 6 are longer" in proc.stderr
 
 
 @pytest.mark.tally("faults")
 def test_steps_that_keep_no_group_are_skipped_and_a_stall_stops_cleanly(tmp_path):
-    """Every answer cut at 2 tokens scores 0, so dynamic sampling keeps no group on any rank: each such
-    step is counted and skipped (the run goes on and exports), and `trainer.max_consecutive_skips` of
-    them in a row stop both ranks together with exit 6 and the reason, never a traceback of prorl's."""
-    empty = [*TINY, "rollout.max_response_tokens=2", "algorithm.max_rounds=2", "trainer.save_every=0"]
+    """Every answer cut at 2 tokens scores 0, so dynamic sampling keeps no group on any rank: each
+    such step is counted and skipped (the run goes on and exports), and
+    `trainer.max_consecutive_skips` of them in a row stop both ranks together with exit 6 and the
+    reason, never a traceback of prorl's."""
+    empty = [
+        *TINY,
+        "rollout.max_response_tokens=2",
+        "algorithm.max_rounds=2",
+        "trainer.save_every=0",
+    ]
     res = run(train_command(tmp_path / "skips", [*empty, "trainer.total_steps=2"]))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     rows = [json.loads(line) for line in open(tmp_path / "skips" / "metrics.jsonl")]
     steps = [r for r in rows if "dynamic_sampling/kept_groups" in r]
     assert [r["dynamic_sampling/kept_groups"] for r in steps] == [0.0, 0.0]
-    assert steps[0]["dynamic_sampling/rounds"] == 2  # later refills are skipped by the prompt scheduler
+    # later refills are skipped by the prompt scheduler
+    assert steps[0]["dynamic_sampling/rounds"] == 2
     assert (tmp_path / "skips" / "checkpoints" / "final" / "config.json").is_file()
 
     stall = [*empty, "trainer.total_steps=10", "trainer.max_consecutive_skips=3"]
     res = run(train_command(tmp_path / "stall", stall))
     out = res.stdout + res.stderr
-    assert res.returncode != 0 and re.search(r"exitcode\s*: 6 ", out), out[-3000:]  # torchrun's report
+    # torchrun's report
+    assert res.returncode != 0 and re.search(r"exitcode\s*: 6 ", out), out[-3000:]
     assert "3 consecutive steps kept no group" in out, out[-3000:]
-    assert f'File "{ROOT}' not in out, out[-3000:]  # no traceback from prorl's code (torchrun prints its own)
+    # no traceback from prorl's code (torchrun prints its own)
+    assert f'File "{ROOT}' not in out, out[-3000:]

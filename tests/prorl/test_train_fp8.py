@@ -1,5 +1,6 @@
 """End to end: `torchrun --nproc_per_node=1 prorl/train.py model.fp8=torchao model.dtype=bfloat16
-model.fsdp=true` on the embedded task against the same run in bf16, 10 steps each (~30 s each here)."""
+model.fsdp=true` on the embedded task against the same run in bf16, 10 steps each (~30 s each
+here)."""
 
 import json
 import sys
@@ -42,28 +43,49 @@ def test_fp8_run_learns_like_the_bf16_run(tmp_path):
     assert "fp8: torchao tensorwise: 14 Linear layers of the policy and the reference" in log
     assert bf16_steps == fp8_steps == 10
     assert fp8_val[0] == bf16_val[0]  # the same start (validation samples with the bf16 sampler)
-    # held-out accuracy rises in both (bf16 measured here: 26% -> 42% in 10 steps), by similar amounts
+    # held-out accuracy rises in both (bf16 measured here: 26% -> 42% in 10 steps), by similar
+    # amounts
     assert bf16_val[-1] - bf16_val[0] >= 0.08 and fp8_val[-1] - fp8_val[0] >= 0.08
     assert abs(fp8_val[-1] - bf16_val[-1]) <= 0.08
-    # the trainer's log-probs are FP8, the sampler's bf16: their mismatch grows (measured 5.9e-4 vs 4.7e-4)
+    # the trainer's log-probs are FP8, the sampler's bf16: their mismatch grows (measured 5.9e-4 vs
+    # 4.7e-4)
     assert fp8_mismatch > bf16_mismatch
-    # export: the run's final HF directory and `prorl.export` of its step-10 DCP checkpoint hold the same
-    # plain bf16 weights, loadable by transformers
+    # export: the run's final HF directory and `prorl.export` of its step-10 DCP checkpoint hold the
+    # same plain bf16 weights, loadable by transformers
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     ckpt = tmp_path / "fp8" / "checkpoints"
-    proc = run([sys.executable, "-m", "prorl.export", str(ckpt / "step_00000010"), str(tmp_path / "export")])
+    proc = run(
+        [
+            sys.executable,
+            "-m",
+            "prorl.export",
+            str(ckpt / "step_00000010"),
+            str(tmp_path / "export"),
+        ]
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    final, exported = (load_file(str(d / "model.safetensors")) for d in (ckpt / "final", tmp_path / "export"))
-    assert list(final) == list(exported) and {t.dtype for t in exported.values()} == {torch.bfloat16}
+    final, exported = (
+        load_file(str(d / "model.safetensors")) for d in (ckpt / "final", tmp_path / "export")
+    )
+    assert list(final) == list(exported) and {t.dtype for t in exported.values()} == {
+        torch.bfloat16
+    }
     assert all(torch.equal(final[k], exported[k]) for k in final)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.bfloat16)
-    assert torch.equal(hf.model.layers[0].mlp.up_proj.weight, exported["model.layers.0.mlp.up_proj.weight"])
-    # resume: the same command with more steps continues from the step-10 checkpoint of the FP8 layers
-    proc = run(train_command(tmp_path / "fp8", OVERRIDES + fp8 + ["trainer.total_steps=12"], nproc=1))
+    assert torch.equal(
+        hf.model.layers[0].mlp.up_proj.weight, exported["model.layers.0.mlp.up_proj.weight"]
+    )
+    # resume: the same command with more steps continues from the step-10 checkpoint of the FP8
+    # layers
+    proc = run(
+        train_command(tmp_path / "fp8", OVERRIDES + fp8 + ["trainer.total_steps=12"], nproc=1)
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "fp8" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (tmp_path / "fp8" / "metrics.jsonl").read_text().splitlines()
+    ]
     assert [r["step"] for r in rows if "critic/score/mean" in r][-3:] == [10, 11, 12]
 
 
@@ -92,7 +114,9 @@ def _reset_worker(rank, world):
     ):
         trainer = make((tok, train, val, pool), [*overrides, "algorithm.kl_coef=1.0"])
         models = trainer.models
-        layers = [len(fp8_layers(m)) for m in (models.policy, models.reference, models.sampler_model)]
+        layers = [
+            len(fp8_layers(m)) for m in (models.policy, models.reference, models.sampler_model)
+        ]
         update(trainer, sampled(trainer, k=2))  # the policy moves away from the reference
         # FP8 all-gather: after each optimizer step the weights' scales are those of the new weights
         weight = trainer.policy.layers[0].mlp.up_proj.weight
@@ -104,7 +128,8 @@ def _reset_worker(rank, world):
         update(trainer, sampled(trainer, k=2))
         kl = [(float(m["kl_mean"]), float(m["kl_loss"])) for _, _, (_, m) in spy.calls]
         exact = [
-            torch.equal(logp.detach().float(), kw["ref_logp"].float()) for (logp, *_), kw, _ in spy.calls
+            torch.equal(logp.detach().float(), kw["ref_logp"].float())
+            for (logp, *_), kw, _ in spy.calls
         ]
         trainer.models.close()
     return layers, kl, exact, scales
@@ -112,9 +137,10 @@ def _reset_worker(rank, world):
 
 @pytest.mark.slow
 def test_fp8_reference_is_converted_so_the_kl_is_exactly_zero_after_a_reset(tmp_path):
-    """docs/recipe.md §7 with FP8 and micro-batches: the reference runs the policy's conversion, so right
-    after a reset the two compute the same log-probs bit for bit and the KL term is 0 (a bf16 reference
-    would leave the FP8 quantisation error as a KL that never vanishes); the sampler stays unconverted."""
+    """docs/recipe.md §7 with FP8 and micro-batches: the reference runs the policy's conversion, so
+    right after a reset the two compute the same log-probs bit for bit and the KL term is 0 (a bf16
+    reference would leave the FP8 quantisation error as a KL that never vanishes); the sampler stays
+    unconverted."""
     from dist_helpers import run_ranks
 
     layers, kl, exact, scales = run_ranks(_reset_worker, tmp_path, world=1)[0]
@@ -124,8 +150,9 @@ def test_fp8_reference_is_converted_so_the_kl_is_exactly_zero_after_a_reset(tmp_
 
 
 def _real_gemm_worker(rank, world, emulate):
-    """In a world of one (gloo): one update of an FP8 trainer (torchao, `model.fp8_emulate=emulate`) under
-    CUDA's `_scaled_mm` rules, on micro-batches of whatever token counts the sampler produced."""
+    """In a world of one (gloo): one update of an FP8 trainer (torchao, `model.fp8_emulate=emulate`)
+    under CUDA's `_scaled_mm` rules, on micro-batches of whatever token counts the sampler
+    produced."""
     import scaled_mm_standin
     from test_trainer_recipe import TINY_REASONER, make, sampled, update
     from transformers import PreTrainedTokenizerFast
@@ -165,7 +192,9 @@ def _real_gemm_worker(rank, world, emulate):
         before = trainer.policy.layers[0].mlp.up_proj.weight.full_tensor().clone()
         acc = StepAccumulator()
         update(trainer, sampled(trainer, k=2), acc)
-        moved = float((trainer.policy.layers[0].mlp.up_proj.weight.full_tensor() - before).abs().max())
+        moved = float(
+            (trainer.policy.layers[0].mlp.up_proj.weight.full_tensor() - before).abs().max()
+        )
         summary, pg_loss = trainer.models.fp8_summary, step_metrics(acc.reduce())["actor/pg_loss"]
         trainer.models.close()
     return summary, calls, moved, pg_loss
@@ -173,9 +202,9 @@ def _real_gemm_worker(rank, world, emulate):
 
 @pytest.mark.slow
 def test_fp8_trainer_with_real_fp8_gemms_obeys_cudas_shape_rules(tmp_path):
-    """`model.fp8_emulate=false` runs torchao's real `_scaled_mm` (what a GPU runs) under CUDA's rules
-    (tests/helpers/scaled_mm_standin.py): the packed micro-batches have token counts that are not
-    multiples of 16, which CUDA refuses in the weight-gradient GEMM unless the trainer pads them
+    """`model.fp8_emulate=false` runs torchao's real `_scaled_mm` (what a GPU runs) under CUDA's
+    rules (tests/helpers/scaled_mm_standin.py): the packed micro-batches have token counts that are
+    not multiples of 16, which CUDA refuses in the weight-gradient GEMM unless the trainer pads them
     (`FP8Training.token_multiple`). The update moves the weights, with the emulated run's loss (the
     emulation matches the real GEMM within one bf16 ulp: tests/engine/test_fp8.py)."""
     from dist_helpers import run_ranks

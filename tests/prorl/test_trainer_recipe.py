@@ -1,13 +1,14 @@
 """The trainer's algorithm and metrics as docs/recipe.md states them, in-process on the shipped tiny reasoner.
 
-- carried-over groups (dynamic sampling's surplus) are trained against the log-probs of the policy that
-  sampled them, so their ratio is not 1 and clipping acts on them (§6);
-- the sampler-vs-trainer importance weights are truncated / masked once, at the configured bounds (§3);
+- carried-over groups (dynamic sampling's surplus) are trained against the log-probs of the policy
+  that sampled them, so their ratio is not 1 and clipping acts on them (§6);
+- the sampler-vs-trainer importance weights are truncated / masked once, at the configured bounds
+  (§3);
 - verl's metric names carry verl's meanings (§9), and `critic/rewards/*` are the rewards trained on;
 - rollout seeds are distinct for every round of every rank within a step.
 
-The independent references are plain forwards of the model (`recompute_logprobs`), `ppo_loss_reference`
-(float64, autograd) and docs/recipe.md's worked numbers.
+The independent references are plain forwards of the model (`recompute_logprobs`),
+`ppo_loss_reference` (float64, autograd) and docs/recipe.md's worked numbers.
 """
 
 import copy
@@ -84,7 +85,8 @@ def sampled(trainer, k=3):
 
 
 def per_token_logprobs(model, groups, temperature=1.0):
-    """[R] log-probs of every response token under `model`, one plain forward per prompt + response."""
+    """[R] log-probs of every response token under `model`, one plain forward per prompt +
+    response."""
     out = [
         recompute_logprobs(model, g.prompt_ids, t, temperature)
         for g in groups
@@ -97,11 +99,13 @@ def per_token_logprobs(model, groups, temperature=1.0):
 def test_carried_groups_are_trained_against_the_policy_that_sampled_them(setup, monkeypatch):
     trainer = make(setup, ["optim.lr=3e-3"])
     groups = sampled(trainer, k=3)
-    trainer.sampler.carry = copy.deepcopy(groups[2:])  # this step's surplus, sampled by the current policy
+    # this step's surplus, sampled by the current policy
+    trainer.sampler.carry = copy.deepcopy(groups[2:])
     behaviour = copy.deepcopy(trainer.policy)
     trainer.updater.store_old_logprobs(trainer.sampler.carry)
     update(trainer, groups[:2])  # the policy moves
-    carried = trainer.sampler.collect(1, 24, 1, StepAccumulator())  # the carry is used first, nothing sampled
+    # the carry is used first, nothing sampled
+    carried = trainer.sampler.collect(1, 24, 1, StepAccumulator())
     assert carried[0].old_logps is not None and carried[0].responses == groups[2].responses
 
     want_old = per_token_logprobs(behaviour, carried)
@@ -127,13 +131,19 @@ def test_a_carried_group_is_never_carried_twice(setup):
 
 
 def test_the_sampler_keeps_the_groups_the_keep_rule_keeps(setup, monkeypatch):
-    """docs/recipe.md §6 through GroupSampler.collect, the code the trainer runs: a group is kept iff its
-    raw rewards are not all equal ([1,0,0,0] kept: one right answer is a signal; all right, all wrong
-    dropped; [0.5,0.5,0.25,0.5] kept), and the pass-rate metrics count every sampled group."""
+    """docs/recipe.md §6 through GroupSampler.collect, the code the trainer runs: a group is kept
+    iff its raw rewards are not all equal ([1,0,0,0] kept: one right answer is a signal; all right,
+    all wrong dropped; [0.5,0.5,0.25,0.5] kept), and the pass-rate metrics count every sampled
+    group."""
     trainer = make(
         setup, ["algorithm.dynamic_sampling=true", "algorithm.max_rounds=1", "scheduler.mode=none"]
     )
-    patterns = [[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.25, 0.5]]
+    patterns = [
+        [1.0, 0.0, 0.0, 0.0],
+        [1.0, 1.0, 1.0, 1.0],
+        [0.0, 0.0, 0.0, 0.0],
+        [0.5, 0.5, 0.25, 0.5],
+    ]
 
     def verify(groups, acc):  # one round of 4 prompts, scored by the patterns
         assert len(groups) == len(patterns)
@@ -146,16 +156,21 @@ def test_the_sampler_keeps_the_groups_the_keep_rule_keeps(setup, monkeypatch):
     assert [g.raw for g in kept] == [patterns[0], patterns[3]]
     m = step_metrics(acc.reduce())
     assert m["dynamic_sampling/kept_groups"] == 2 and m["dynamic_sampling/sampled_groups"] == 4
-    assert m["dynamic_sampling/frac_all_correct"] == 0.25 and m["dynamic_sampling/frac_all_wrong"] == 0.5
+    assert (
+        m["dynamic_sampling/frac_all_correct"] == 0.25
+        and m["dynamic_sampling/frac_all_wrong"] == 0.5
+    )
     assert m["dynamic_sampling/pass_rate"] == pytest.approx(5 / 16)
 
 
 @pytest.mark.parametrize(
     "mode, bounds, log_w, modified",
     [
-        ("tis", (0.5, 10.0), math.log(7.0), 0.0),  # 7 < is_high=10: not truncated (the old code capped at 5)
+        # 7 < is_high=10: not truncated (the old code capped at 5)
+        ("tis", (0.5, 10.0), math.log(7.0), 0.0),
         ("tis", (0.5, 10.0), math.log(12.0), 1.0),
-        ("icepop", (0.2, 5.0), math.log(0.35), 0.0),  # 0.35 in [0.2, 5]: kept (the old code zeroed it)
+        # 0.35 in [0.2, 5]: kept (the old code zeroed it)
+        ("icepop", (0.2, 5.0), math.log(0.35), 0.0),
         ("icepop", (0.2, 5.0), math.log(0.1), 1.0),
     ],
 )
@@ -164,7 +179,11 @@ def test_importance_weights_are_bounded_once_at_the_configured_bounds(
 ):
     trainer = make(
         setup,
-        [f"algorithm.is_mode={mode}", f"algorithm.is_low={bounds[0]}", f"algorithm.is_high={bounds[1]}"],
+        [
+            f"algorithm.is_mode={mode}",
+            f"algorithm.is_low={bounds[0]}",
+            f"algorithm.is_high={bounds[1]}",
+        ],
     )
     groups = sampled(trainer, k=2)
     true = per_token_logprobs(trainer.policy, groups).tolist()
@@ -185,14 +204,19 @@ def test_importance_weights_are_bounded_once_at_the_configured_bounds(
     # the gradient the trainer's call produces equals the reference's with the raw weights and the
     # configured bounds (the loss itself is ~0 on-policy: whitened advantages average to zero)
     ours = logp.detach().double().requires_grad_()
-    ppo_loss(ours, old.double(), adv.double(), mask, **{**kwargs, "is_weights": w.double()})[0].backward()
+    ppo_loss(ours, old.double(), adv.double(), mask, **{**kwargs, "is_weights": w.double()})[
+        0
+    ].backward()
     theirs = logp.detach().double().requires_grad_()
     ppo_loss_reference(
         theirs,
         old.double(),
         adv.double(),
         mask,
-        **{k: kwargs[k] for k in ("eps_low", "eps_high", "kl_coef", "kl_estimator", "agg", "cu_seqlens")},
+        **{
+            k: kwargs[k]
+            for k in ("eps_low", "eps_high", "kl_coef", "kl_estimator", "agg", "cu_seqlens")
+        },
         ref_logp=kwargs["ref_logp"].double(),
         is_weights=torch.full_like(theirs, math.exp(log_w)),
         is_mode=mode,
@@ -207,12 +231,14 @@ def test_importance_weights_are_bounded_once_at_the_configured_bounds(
 
 
 def test_clip_fraction_names_carry_verls_meanings():
-    """docs/recipe.md §3 vectors: r=1.5, A=+1 clipped high; r=0.5, A=-1 clipped low; r=4, A=-1 unclipped but
-    capped by the dual clip c=3; r=1.1, A=+1 and r=0.7, A=+1 unclipped."""
+    """docs/recipe.md §3 vectors: r=1.5, A=+1 clipped high; r=0.5, A=-1 clipped low; r=4, A=-1
+    unclipped but capped by the dual clip c=3; r=1.1, A=+1 and r=0.7, A=+1 unclipped."""
     r = torch.tensor([1.5, 0.5, 4.0, 1.1, 0.7], dtype=torch.float64)
     adv = torch.tensor([1.0, -1.0, -1.0, 1.0, 1.0], dtype=torch.float64)
     logp = torch.log(r)
-    _, m = ppo_loss(logp, torch.zeros_like(logp), adv, torch.ones(5, dtype=torch.bool), dual_clip=3.0)
+    _, m = ppo_loss(
+        logp, torch.zeros_like(logp), adv, torch.ones(5, dtype=torch.bool), dual_clip=3.0
+    )
     acc = StepAccumulator()
     record_loss(acc, m, torch.tensor(0.0), logp, logp)
     got = step_metrics(acc.reduce())
@@ -224,19 +250,25 @@ def test_clip_fraction_names_carry_verls_meanings():
 
 
 def test_rewards_metric_is_the_shaped_reward(setup):
-    """docs/recipe.md §5: raw [1, 1, 0, 0] with truncated [F, T, F, T] -> trained on [1, 0, 0, 0]."""
+    """docs/recipe.md §5: raw [1, 1, 0, 0] with truncated [F, T, F, T] -> trained on [1, 0, 0,
+    0]."""
     trainer = make(setup)
     g = Group(
-        0, [1, 2], [[3], [4], [5], [6]], [[0.0]] * 4, [False, True, False, True], raw=[1.0, 1.0, 0.0, 0.0]
+        0,
+        [1, 2],
+        [[3], [4], [5], [6]],
+        [[0.0]] * 4,
+        [False, True, False, True],
+        raw=[1.0, 1.0, 0.0, 0.0],
     )
     term = shape_rewards([g], trainer.cfg.reward, 0, 24)
     acc = StepAccumulator()
     record_batch(acc, [g], term)
     got = step_metrics(acc.reduce())
     assert g.shaped == [1.0, 0.0, 0.0, 0.0]
-    assert got["critic/score/mean"] == pytest.approx(0.5) and got["critic/rewards/mean"] == pytest.approx(
-        0.25
-    )
+    assert got["critic/score/mean"] == pytest.approx(0.5) and got[
+        "critic/rewards/mean"
+    ] == pytest.approx(0.25)
     assert got["critic/rewards/max"] == 1.0 and got["critic/rewards/min"] == 0.0
     assert got["response_length/clip_ratio"] == pytest.approx(0.5)
 
@@ -264,8 +296,8 @@ def test_prompts_per_step_must_split_evenly_over_ranks():
 
 
 def test_right_after_a_reset_the_kl_and_its_gradient_are_zero(setup, monkeypatch):
-    """docs/recipe.md §7: after pi_ref <- policy the first mini-batch's KL term is exactly 0, and so is its
-    gradient (one mini-batch: the reference pass and the update see the same passes)."""
+    """docs/recipe.md §7: after pi_ref <- policy the first mini-batch's KL term is exactly 0, and so
+    is its gradient (one mini-batch: the reference pass and the update see the same passes)."""
     trainer = make(setup, ["optim.lr=3e-3", "algorithm.kl_coef=1.0"])
     update(trainer, sampled(trainer, k=2))  # the policy moves away from the reference
     trainer.reset_reference()

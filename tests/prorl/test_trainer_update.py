@@ -1,12 +1,13 @@
 """Trainer.update in-process: micro-batching, the on-policy shortcut and shared prompts change the cost,
 not the result.
 
-Two trainers load the same shipped checkpoint and are fed the same sampled groups; one takes the plain path
-(one forward per mini-batch, old log-probs recomputed), the other the variant under test. The groups' rewards
-are set to alternate within every group, so every group carries an advantage and the gradient is far from
-zero. The optimizer is plain SGD: AdamW's first step moves every weight by about +-lr whatever the size of
-its gradient, so gradients at round-off level (two summation orders) would flip whole steps. The gradients
-of every optimizer step and the weights after the update must agree to float32 round-off.
+Two trainers load the same shipped checkpoint and are fed the same sampled groups; one takes the
+plain path (one forward per mini-batch, old log-probs recomputed), the other the variant under test.
+The groups' rewards are set to alternate within every group, so every group carries an advantage and
+the gradient is far from zero. The optimizer is plain SGD: AdamW's first step moves every weight by
+about +-lr whatever the size of its gradient, so gradients at round-off level (two summation orders)
+would flip whole steps. The gradients of every optimizer step and the weights after the update must
+agree to float32 round-off.
 """
 
 import copy
@@ -30,7 +31,8 @@ BASE = [
     "trainer.prompts_per_step=4",
     "rollout.n=4",
     "rollout.max_response_tokens=24",
-    "algorithm.dynamic_sampling=false",  # every group is trained on: both trainers see the same groups
+    # every group is trained on: both trainers see the same groups
+    "algorithm.dynamic_sampling=false",
     "reward.length_penalty=false",
     "trainer.recompute_old_logp=true",
     "trainer.micro_batch_tokens=0",
@@ -58,7 +60,9 @@ def make(setup, overrides):
 def run_update(trainer, groups, max_new=24):
     """trainer.update on a copy of `groups`; returns the step's metrics."""
     acc = StepAccumulator()
-    trainer.update(StepBatch.of(copy.deepcopy(groups), trainer.cfg.rollout.n, trainer.device), max_new, acc)
+    trainer.update(
+        StepBatch.of(copy.deepcopy(groups), trainer.cfg.rollout.n, trainer.device), max_new, acc
+    )
     return step_metrics(acc.reduce())
 
 
@@ -90,7 +94,8 @@ def sampled_groups(setup, overrides):
     groups = trainer.sampler.collect(2, 24, 0, StepAccumulator())
     shape_rewards(groups, trainer.cfg.reward, 0, 24)
     assert sum(len(t) for g in groups for t in g.responses) > 0
-    for g in groups:  # mixed rewards in every group: non-zero advantages, a gradient far from round-off
+    # mixed rewards in every group: non-zero advantages, a gradient far from round-off
+    for g in groups:
         g.shaped = [float(i % 2) for i in range(len(g.responses))]
     return groups
 
@@ -115,7 +120,9 @@ def test_micro_batches_equal_one_pass(setup, agg):
     one = updated(setup, ["trainer.mini_batches=2", f"algorithm.agg={agg}"], groups)
     # 40 tokens: each mini-batch (8 sequences of ~20-45 tokens) splits into several micro-batches
     many = updated(
-        setup, ["trainer.mini_batches=2", f"algorithm.agg={agg}", "trainer.micro_batch_tokens=40"], groups
+        setup,
+        ["trainer.mini_batches=2", f"algorithm.agg={agg}", "trainer.micro_batch_tokens=40"],
+        groups,
     )
     assert_same(one, many)
     before = make(setup, []).policy.state_dict()
@@ -127,7 +134,11 @@ def test_on_policy_shortcut_equals_recomputed_old_logp(setup):
     recomputed = updated(setup, ["trainer.mini_batches=1"], groups)
     shortcut = updated(
         setup,
-        ["trainer.mini_batches=1", "trainer.recompute_old_logp=false", "trainer.micro_batch_tokens=64"],
+        [
+            "trainer.mini_batches=1",
+            "trainer.recompute_old_logp=false",
+            "trainer.micro_batch_tokens=64",
+        ],
         groups,
     )
     assert_same(recomputed, shortcut)
@@ -135,8 +146,9 @@ def test_on_policy_shortcut_equals_recomputed_old_logp(setup):
 
 def test_first_mini_batch_takes_old_logp_from_its_own_pass(setup, monkeypatch):
     """With M mini-batches the first one differentiates the policy that sampled its groups, so its
-    old_logp is logp.detach(): the no-grad pass of the policy covers only the later mini-batches' groups
-    (their tokens, counted from the groups), and the update equals the one that recomputes everything."""
+    old_logp is logp.detach(): the no-grad pass of the policy covers only the later mini-batches'
+    groups (their tokens, counted from the groups), and the update equals the one that recomputes
+    everything."""
     from prorl import update as update_module
     from prorl.update import Updater
 
@@ -209,9 +221,9 @@ def _single_rank_group(tmp_path):
 
 
 def test_bf16_updates_keep_fp32_master_weights(setup, tmp_path):
-    """bf16 compute: with FSDP (one rank is enough) the policy's master weights stay fp32, so an update far
-    below bf16's resolution still moves them; without FSDP the trainer warns that bf16 weights lose such
-    updates (and they are indeed lost to rounding)."""
+    """bf16 compute: with FSDP (one rank is enough) the policy's master weights stay fp32, so an
+    update far below bf16's resolution still moves them; without FSDP the trainer warns that bf16
+    weights lose such updates (and they are indeed lost to rounding)."""
     import torch.distributed as dist
 
     tiny = ["model.dtype=bfloat16", "optim.lr=1e-7", "optim.weight_decay=0"]
@@ -236,16 +248,17 @@ def test_bf16_updates_keep_fp32_master_weights(setup, tmp_path):
         dist.destroy_process_group()
     moved = sum(int((end[k] != start[k]).sum()) for k in start)
     total = sum(v.numel() for v in start.values())
-    # Adam's first step moves every weight with a gradient by ~lr: far below bf16's spacing (2^-8 relative)
+    # Adam's first step moves every weight with a gradient by ~lr: far below bf16's spacing (2^-8
+    # relative)
     print(f"moved fp32-master {moved} / {total}, bf16 weights {moved_bf16} / {total}")
     assert moved > 0.5 * total, (moved, total)
     assert moved_bf16 < 0.01 * total, (moved_bf16, total)
 
 
 def test_export_gathers_a_sharded_policy(setup, tmp_path):
-    """export_hf under FSDP without a sampler copy (the vLLM backend's case): the policy is gathered from
-    its shards and written in the configured dtype; transformers loads it and its weights are the
-    policy's."""
+    """export_hf under FSDP without a sampler copy (the vLLM backend's case): the policy is gathered
+    from its shards and written in the configured dtype; transformers loads it and its weights are
+    the policy's."""
     import torch.distributed as dist
     import transformers
 
@@ -260,12 +273,14 @@ def test_export_gathers_a_sharded_policy(setup, tmp_path):
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "final"))
     got = dict(hf.named_parameters())
     assert torch.equal(got["model.embed_tokens.weight"], want["embed_tokens.weight"])
-    assert torch.equal(got["model.layers.0.mlp.up_proj.weight"], want["layers.0.mlp.up_proj.weight"])
+    assert torch.equal(
+        got["model.layers.0.mlp.up_proj.weight"], want["layers.0.mlp.up_proj.weight"]
+    )
 
 
 def test_cpu_offload_reaches_fsdp(setup, tmp_path):
-    """model.cpu_offload is FSDP2's CPUOffloadPolicy, which needs a GPU (it pins host memory): on this CPU
-    the trainer says so when it applies the parallel plan."""
+    """model.cpu_offload is FSDP2's CPUOffloadPolicy, which needs a GPU (it pins host memory): on
+    this CPU the trainer says so when it applies the parallel plan."""
     import torch.distributed as dist
 
     _single_rank_group(tmp_path)

@@ -1,11 +1,11 @@
 """A verl user's config on prorl (prorl/verl_compat): `--verl-config FILE` and verl-style dotted overrides
 mapped onto prorl's keys, the printed table, and a refusal naming each key prorl cannot honour.
 
-The expected prorl values follow from verl 0.9.1's documented meanings of the keys in the test data (written
-for these tests, tests/prorl/data): e.g. verl's `ppo_mini_batch_size` counts prompts, so 32 prompts per
-step in mini-batches of 8 prompts are 4 optimizer updates; verl steps its LR scheduler once per RL step,
-so 5 warmup steps of 4 updates each are 20 optimizer steps. tests/peers/test_verl_config.py does the same
-with verl's own ppo_trainer.yaml.
+The expected prorl values follow from verl 0.9.1's documented meanings of the keys in the test data
+(written for these tests, tests/prorl/data): e.g. verl's `ppo_mini_batch_size` counts prompts, so 32
+prompts per step in mini-batches of 8 prompts are 4 optimizer updates; verl steps its LR scheduler
+once per RL step, so 5 warmup steps of 4 updates each are 20 optimizer steps.
+tests/peers/test_verl_config.py does the same with verl's own ppo_trainer.yaml.
 """
 
 import subprocess
@@ -38,7 +38,9 @@ def test_a_verl_config_maps_onto_prorl_with_verls_meanings(capsys):
         "/d/gsm8k/test.parquet"
     ]
     assert (cfg.data.max_prompt_tokens, cfg.rollout.max_response_tokens) == (256, 1024)
-    assert cfg.model.path == "/models/qwen" and cfg.model.fsdp and cfg.model.activation_checkpointing
+    assert (
+        cfg.model.path == "/models/qwen" and cfg.model.fsdp and cfg.model.activation_checkpointing
+    )
     t, a, o = cfg.trainer, cfg.algorithm, cfg.optim
     assert (t.prompts_per_step, t.mini_batches, t.micro_batch_tokens) == (32, 32 // 8, 12000)
     assert (a.eps_low, a.eps_high, a.dual_clip) == (0.2, 0.28, 10.0)
@@ -49,38 +51,60 @@ def test_a_verl_config_maps_onto_prorl_with_verls_meanings(capsys):
     assert (o.lr, o.schedule, o.min_lr_ratio, o.weight_decay) == (3e-6, "cosine", 0.1, 0.0)
     assert o.warmup_steps == 5 * (32 // 8)
     r = cfg.rollout
-    assert (r.backend, r.n, r.temperature, r.top_p, r.gpu_memory_utilization) == ("vllm", 8, 0.9, 0.95, 0.6)
+    assert (r.backend, r.n, r.temperature, r.top_p, r.gpu_memory_utilization) == (
+        "vllm",
+        8,
+        0.9,
+        0.95,
+        0.6,
+    )
     assert (t.val_temperature, t.val_top_p, t.val_samples) == (0.6, 0.95, 4)
     assert (t.total_steps, t.save_every, t.val_every) == (200, 20, 10)
     assert cfg.reward.function == "/r/my_reward.py:my_score" and cfg.output_dir == "/runs/grpo"
     assert cfg.logging.tensorboard and cfg.logging.wandb_project is None
     # prorl's own additions are off: the translated run is the verl run
-    assert not cfg.reward.length_penalty and cfg.reward.c_stop == 1.0 and cfg.algorithm.reset.interval == 0
+    assert (
+        not cfg.reward.length_penalty
+        and cfg.reward.c_stop == 1.0
+        and cfg.algorithm.reset.interval == 0
+    )
     # the printed table says what mapped to what
     assert "data.train_batch_size=32" in out and "trainer.prompts_per_step=32" in out
     assert "trainer.mini_batches=4" in out and "verl keys ignored" in out
 
 
 def test_verl_overrides_and_prorl_keys_on_the_same_command_line(capsys):
-    """verl keys override the file (and its interpolations follow); prorl keys apply last (ProRL on top)."""
+    """verl keys override the file (and its interpolations follow); prorl keys apply last (ProRL on
+    top)."""
     argv = ["--verl-config", SMALL, "data.max_response_length=2048", f"{A}clip_ratio_high=0.3"]
     argv += ["reward.length_penalty=true", "algorithm.reset.interval=300", "trainer.total_steps=7"]
     cfg, _, _ = quiet_parse(argv, capsys)
     assert cfg.rollout.max_response_tokens == 2048  # rollout.response_length followed: no conflict
     assert cfg.algorithm.eps_high == 0.3
-    assert cfg.reward.length_penalty and cfg.algorithm.reset.interval == 300 and cfg.trainer.total_steps == 7
+    assert (
+        cfg.reward.length_penalty
+        and cfg.algorithm.reset.interval == 300
+        and cfg.trainer.total_steps == 7
+    )
 
 
 def test_a_hydra_defaults_list_is_composed(capsys):
     cfg, _, _ = quiet_parse(["--verl-config", LAYOUT], capsys)
-    assert cfg.optim.lr == 5e-7 and list(cfg.optim.betas) == [0.9, 0.99]  # actor/dp_actor -> optim/adamw
-    assert (cfg.algorithm.eps_low, cfg.algorithm.eps_high) == (0.25, 0.25)  # clip_ratio for both sides
+    # actor/dp_actor -> optim/adamw
+    assert cfg.optim.lr == 5e-7 and list(cfg.optim.betas) == [0.9, 0.99]
+    # clip_ratio for both sides
+    assert (cfg.algorithm.eps_low, cfg.algorithm.eps_high) == (0.25, 0.25)
     assert (cfg.trainer.prompts_per_step, cfg.trainer.mini_batches) == (16, 16 // 4)
     assert cfg.rollout.backend == "native" and cfg.algorithm.advantage == "reinforce++-baseline"
 
 
 def test_keys_without_a_counterpart_are_refused_by_name():
-    bad = ["algorithm.adv_estimator=gae", f"{A}ppo_epochs=2", f"{A}made_up_key=3", "critic.ppo_epochs=5"]
+    bad = [
+        "algorithm.adv_estimator=gae",
+        f"{A}ppo_epochs=2",
+        f"{A}made_up_key=3",
+        "critic.ppo_epochs=5",
+    ]
     with pytest.raises(ConfigError) as info:
         parse_config(["--verl-config", SMALL, *bad])
     msg = str(info.value)
@@ -99,18 +123,23 @@ def test_verl_keys_on_a_plain_prorl_command_line(capsys):
         f"{A}ppo_mini_batch_size=4",
         "actor_rollout_ref.rollout.n=4",
     ]
-    cfg, _, out = quiet_parse([*argv, "trainer.total_training_steps=5", f"{A}optim.lr=1e-5"], capsys)
+    cfg, _, out = quiet_parse(
+        [*argv, "trainer.total_training_steps=5", f"{A}optim.lr=1e-5"], capsys
+    )
     assert (cfg.trainer.prompts_per_step, cfg.trainer.mini_batches, cfg.rollout.n) == (8, 2, 4)
     assert cfg.trainer.total_steps == 5 and cfg.optim.lr == 1e-5
     assert "data.train_batch_size=8" in out and "trainer.prompts_per_step=8" in out
     with pytest.raises(ConfigError) as info:
         parse_config(["model.path=/m", f"{A}policy_loss.loss_mode=gspo"])
     assert "loss_mode='gspo'" in str(info.value) and "did you mean" not in str(info.value)
-    # verl's launch keys are verl's, not misspelt prorl keys ("trainer.n_gpus_per_node -> did you mean
-    # trainer.prompts_per_step?"): ignored and counted
-    cfg, _, out = quiet_parse(["model.path=/m", "trainer.n_gpus_per_node=8", "algorithm.gamma=1.0"], capsys)
+    # verl's launch keys are verl's, not misspelt prorl keys ("trainer.n_gpus_per_node -> did you
+    # mean trainer.prompts_per_step?"): ignored and counted
+    cfg, _, out = quiet_parse(
+        ["model.path=/m", "trainer.n_gpus_per_node=8", "algorithm.gamma=1.0"], capsys
+    )
     assert "2 verl keys ignored" in out
-    with pytest.raises(ConfigError, match="did you mean 'trainer.total_steps'"):  # prorl's own typos still
+    # prorl's own typos still
+    with pytest.raises(ConfigError, match="did you mean 'trainer.total_steps'"):
         load_config("default", ["trainer.total_step=3"])
 
 

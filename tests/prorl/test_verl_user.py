@@ -1,10 +1,11 @@
 """A verl user's second hour (issue 30): a preset without data, a response budget past the model's context,
-a failed start, a run with nothing validated, evaluation progress, and verl's metric names in a step.
+a failed start, a run with nothing validated, evaluation progress, and verl's metric names in a
+step.
 
-References: the tiny reasoner's config.json (a context of 256 tokens), its digit-sum prompts (25 tokens
-each, counted with its tokenizer here), the sampler's own Rollouts (when each sample stopped), and verl
-0.9.1's metric names (prorl.metrics.VERL_METRICS; tests/peers/test_verl_config.py finds each in verl's
-source).
+References: the tiny reasoner's config.json (a context of 256 tokens), its digit-sum prompts (25
+tokens each, counted with its tokenizer here), the sampler's own Rollouts (when each sample
+stopped), and verl 0.9.1's metric names (prorl.metrics.VERL_METRICS; tests/peers/test_verl_config.py
+finds each in verl's source).
 """
 
 import json
@@ -37,7 +38,9 @@ def test_a_preset_for_another_model_without_data_is_refused():
         parse_config(["--config", "prorl_v2_1.5b", "model.path=/models/x"])
     assert main(["--config", "prorl_v2_1.5b", "model.path=/models/x"]) == 2
     # on purpose: the builtin task named, or data given
-    cfg, _, _ = parse_config(["--config", "prorl_v2_1.5b", "model.path=/m", "data.builtin_task=digit_sums"])
+    cfg, _, _ = parse_config(
+        ["--config", "prorl_v2_1.5b", "model.path=/m", "data.builtin_task=digit_sums"]
+    )
     assert cfg.data.builtin_task == "digit_sums"
     parse_config(["--config", "prorl_v2_1.5b", "model.path=/m", "data.train_files=/d/t.parquet"])
     parse_config(["--config", "default"])  # the embedded default trains its builtin task
@@ -51,16 +54,23 @@ def test_a_response_budget_past_the_context_is_named_at_start():
     assert info.value.code == 2 and f"rollout.max_response_tokens={CONTEXT}" in msg
     assert f"context of {CONTEXT} tokens" in msg and "max_position_embeddings" in msg
     said = []
-    cfg = load_config("default", [f"rollout.max_response_tokens={CONTEXT - 10}", "data.max_prompt_tokens=64"])
+    cfg = load_config(
+        "default", [f"rollout.max_response_tokens={CONTEXT - 10}", "data.max_prompt_tokens=64"]
+    )
     check_context(cfg, TINY, said.append)
-    assert len(said) == 1 and f"64 + rollout.max_response_tokens={CONTEXT - 10} = {CONTEXT + 54}" in said[0]
+    assert (
+        len(said) == 1
+        and f"64 + rollout.max_response_tokens={CONTEXT - 10} = {CONTEXT + 54}" in said[0]
+    )
     check_context(load_config("default"), TINY, said.append)  # 64 + 40 fit in 256: nothing said
     assert len(said) == 1
 
 
 def test_a_failed_start_leaves_no_empty_checkpoints_folder(tmp_path):
     out = tmp_path / "run"
-    done = run(train_command(out, ["reward.function=/no/such/reward.py:compute_score"], nproc=None), 300)
+    done = run(
+        train_command(out, ["reward.function=/no/such/reward.py:compute_score"], nproc=None), 300
+    )
     assert done.returncode == 2, done.stderr
     assert "/no/such/reward.py" in done.stderr and "'compute_score'" in done.stderr
     assert out.is_dir() and "checkpoints" not in os.listdir(out)
@@ -94,8 +104,8 @@ def test_the_native_sampler_reports_each_sample_as_it_finishes(tiny):
         n=4, temperature=1.0, max_new_tokens=30, stop_token_ids=data.stop_token_ids(tok, TINY)
     )
     out = NativeGenerator(model).generate(prompts, params, on_finished=calls.append)
-    # one report per decode step at which samples stopped (a stop sample of length L stopped at step L - 1),
-    # plus one for the samples cut at max_new_tokens
+    # one report per decode step at which samples stopped (a stop sample of length L stopped at step
+    # L - 1), plus one for the samples cut at max_new_tokens
     stopped = [len(s.token_ids) for s in out.samples if s.finish_reason == "stop"]
     cut = sum(s.finish_reason == "length" for s in out.samples)
     expected = [stopped.count(length) for length in sorted(set(stopped))] + ([cut] if cut else [])
@@ -118,11 +128,13 @@ def test_evaluation_progress_is_per_finished_sample(tiny, monkeypatch):
 
 def test_a_step_carries_verls_metric_names_and_the_reward_functions_extras(tiny, tmp_path):
     """One trainer step scored by a verl reward function (constant -0.5, extras `one` and `chars`):
-    every verl name present, no old name, the score verl's convention allows, the extras averaged."""
+    every verl name present, no old name, the score verl's convention allows, the extras
+    averaged."""
     fn = tmp_path / "const.py"
     fn.write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info):\n"
-        "    return {'score': -0.5, 'one': 1, 'chars': len(solution_str), 'note': 'text is not a metric'}\n"
+        "    return {'score': -0.5, 'one': 1, 'chars': "
+        "len(solution_str), 'note': 'text is not a metric'}\n"
     )
     rewards.use_function(f"{fn}:compute_score")
     try:
@@ -136,12 +148,19 @@ def test_a_step_carries_verls_metric_names_and_the_reward_functions_extras(tiny,
             "rollout.max_response_tokens=16",
             "trainer.mini_batches=1",
         ]
-        over += ["algorithm.dynamic_sampling=false", "reward.length_penalty=false", "reward.c_stop=1.0"]
+        over += [
+            "algorithm.dynamic_sampling=false",
+            "reward.length_penalty=false",
+            "reward.c_stop=1.0",
+        ]
         with RewardPool(num_workers=1, timeout_s=30.0, preload=()) as pool:
             for limit, clipped in ((25, 1.0), (26, 0.0)):
-                cfg = load_config("default", [f"model.path={TINY}", f"data.max_prompt_tokens={limit}", *over])
+                cfg = load_config(
+                    "default", [f"model.path={TINY}", f"data.max_prompt_tokens={limit}", *over]
+                )
                 m = Trainer(cfg, TINY, tok, train, [], pool).step()
-                assert m["prompt_length/clip_ratio"] == clipped  # verl's: prompts at the prompt budget
+                # verl's: prompts at the prompt budget
+                assert m["prompt_length/clip_ratio"] == clipped
     finally:
         rewards.use_function(None)
     missing = [k for k in VERL_METRICS if k not in m]
@@ -158,8 +177,9 @@ def test_a_step_carries_verls_metric_names_and_the_reward_functions_extras(tiny,
 
 
 def test_a_run_from_a_verl_config_with_a_verl_reward_file(tmp_path):
-    """The issue's end state, in miniature: `prorl/train.py --verl-config` on a verl-style file with verl
-    overrides, verl's compute_score file scoring in training and validation, verl's names in metrics.jsonl."""
+    """The issue's end state, in miniature: `prorl/train.py --verl-config` on a verl-style file with
+    verl overrides, verl's compute_score file scoring in training and validation, verl's names in
+    metrics.jsonl."""
     fn = tmp_path / "gsm8k_like.py"
     fn.write_text(
         "import re\n\n\n"
@@ -186,10 +206,16 @@ def test_a_run_from_a_verl_config_with_a_verl_reward_file(tmp_path):
     verl += ["data.max_response_length=24", "trainer.total_training_steps=2", "trainer.test_freq=2"]
     verl += [f"custom_reward_function.path={fn}", "reward.num_workers=1", "trainer.save_freq=-1"]
     done = run(
-        train_command(out, ["--verl-config", layout, *verl, "logging.tensorboard=false"], nproc=None), 600
+        train_command(
+            out, ["--verl-config", layout, *verl, "logging.tensorboard=false"], nproc=None
+        ),
+        600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "trainer.prompts_per_step=4" in done.stdout and "reward self-test: function ok" in done.stdout
+    assert (
+        "trainer.prompts_per_step=4" in done.stdout
+        and "reward self-test: function ok" in done.stdout
+    )
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     steps = [r for r in rows if "critic/score/mean" in r]
     assert len(steps) == 2
@@ -199,4 +225,6 @@ def test_a_run_from_a_verl_config_with_a_verl_reward_file(tmp_path):
         assert r["critic/score/mean"] == pytest.approx(2 * r["reward_extra/acc/mean"] - 1)
     final = rows[-1]
     assert "timing_s/testing" in final and "val-core/math/acc/mean@1" in final
-    assert final["val-core/math/reward/mean@1"] == pytest.approx(2 * final["val-core/math/acc/mean@1"] - 1)
+    assert final["val-core/math/reward/mean@1"] == pytest.approx(
+        2 * final["val-core/math/acc/mean@1"] - 1
+    )

@@ -30,11 +30,13 @@ SUM = "a, b = map(int, input().split())\nprint(a + b)"
             1.0,
         ),
         (
-            "import os, sys\na, b = map(int, sys.stdin.read().split())\nos.write(1, f'{a + b}\\n'.encode())",
+            "import os, sys\na, b = map(int, "
+            "sys.stdin.read().split())\nos.write(1, f'{a + b}\\n'.encode())",
             1.0,
         ),
         ("a, b = map(int, input().split())\nprint(a + b)\nexit(0)", 1.0),
-        ("a, b = map(int, input().split())\nprint(a + b if a < 5 else 0)", 2 / 3),  # fraction passed
+        # fraction passed
+        ("a, b = map(int, input().split())\nprint(a + b if a < 5 else 0)", 2 / 3),
         ("a, b = map(int, input().split())\nif a == 3: raise ValueError\nprint(a + b)", 2 / 3),
         ("print(", 0.0),  # compile error
         ("print(3)", 1 / 3),
@@ -59,7 +61,10 @@ def test_extraction():
 def test_function_call_styles():
     assert score("code", reply("def add(a, b):\n    return a + b"), CALL) == 1.0
     assert (
-        score("code", reply("class Solution:\n    def add(self, a, b):\n        return a + b"), CALL) == 1.0
+        score(
+            "code", reply("class Solution:\n    def add(self, a, b):\n        return a + b"), CALL
+        )
+        == 1.0
     )
     assert score("code", reply("def add(a, b):\n    return 3"), CALL) == 0.5
     assert score("code", reply("def plus(a, b):\n    return a + b"), CALL) == 0.0
@@ -89,7 +94,9 @@ def test_input_formats():
 
 def test_time_limit():
     assert TIME_LIMIT_S == 5.0
-    value, info = score_with_info("code", reply("while True:\n    pass"), STDIO, {"time_limit_s": 1.0})
+    value, info = score_with_info(
+        "code", reply("while True:\n    pass"), STDIO, {"time_limit_s": 1.0}
+    )
     assert value == 0.0 and info["timed_out"]
     # a slow LAST test still zeroes the whole run (total limit, not per test)
     code = "import time\na, b = map(int, input().split())\nif a == 10: time.sleep(30)\nprint(a + b)"
@@ -105,8 +112,8 @@ def test_code_cannot_see_expected_outputs():
 
 @pytest.mark.tally("attacks")
 def test_code_cannot_read_the_dataset_on_the_host(monkeypatch):
-    # reward hacking seen in a run: the solution found the (world-readable) dataset file outside the home
-    # directory and printed the expected outputs, computing nothing
+    # reward hacking seen in a run: the solution found the (world-readable) dataset file outside the
+    # home directory and printed the expected outputs, computing nothing
     if sandbox.backend() == "none":
         pytest.skip("the `none` backend does not hide the host's files (no namespaces here)")
     with planted_dirs() as dirs:
@@ -120,7 +127,8 @@ def test_code_cannot_read_the_dataset_on_the_host(monkeypatch):
         )
         value, info = score_with_info("code", reply(cheat), STDIO)
         assert value == 0.0 and info["passed"] == 0
-        monkeypatch.setattr(sandbox, "backend", lambda: "none")  # where the file is visible, the cheat works
+        # where the file is visible, the cheat works
+        monkeypatch.setattr(sandbox, "backend", lambda: "none")
         assert score("code", reply(cheat), STDIO) == 1.0
 
 

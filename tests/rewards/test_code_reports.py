@@ -47,21 +47,33 @@ ATTACKS = {
     "deep_report": (forged("b'[' * 200000 + b']' * 200000"), STDIO),
     "deep_return_value": (DEEP_LIST, CALL),
     "out_is_a_list": (literal(NULL_ERROR % ('["3"]', "null")), STDIO),
-    "16_mib_of_empty_objects": (forged("b'{\"results\": [' + b'{},' * ((16 << 20) // 3) + b'{}]}'"), STDIO),
+    "16_mib_of_empty_objects": (
+        forged("b'{\"results\": [' + b'{},' * ((16 << 20) // 3) + b'{}]}'"),
+        STDIO,
+    ),
     "results_not_a_list": (forged('b\'{"compile_error": null, "results": {"0": "3"}}\''), STDIO),
     "report_is_a_list": (forged("b'[1, 2, 3]'"), STDIO),
-    "compile_error_is_an_object": (forged('b\'{"compile_error": {"a": 1}, "results": []}\''), STDIO),
+    "compile_error_is_an_object": (
+        forged('b\'{"compile_error": {"a": 1}, "results": []}\''),
+        STDIO,
+    ),
     "error_is_a_number": (literal(NULL_ERROR % ('"3"', "7")), STDIO),
     "more_results_than_tests": (
-        forged('b\'{"compile_error": null, "results": [{"out": "3", "error": null}, {"out": "3"}]}\''),
+        forged(
+            'b\'{"compile_error": null, "results": [{"out": "3", "error": null}, {"out": "3"}]}\''
+        ),
         STDIO,
     ),
     "not_json": (forged("b'\\xff\\xfe{not json'"), STDIO),
-    "nan_and_huge_numbers": (literal('{"results": [{"out": NaN, "error": null}], "x": 1e999}'), CALL),
+    "nan_and_huge_numbers": (
+        literal('{"results": [{"out": NaN, "error": null}], "x": 1e999}'),
+        CALL,
+    ),
     "lone_surrogate_in_code": ("print('\\ud800')\nprint(3)", STDIO),
 }
 
-WELL_FORMED = ("nan_and_huge_numbers", "lone_surrogate_in_code")  # plain wrong answers, no reason given
+# plain wrong answers, no reason given
+WELL_FORMED = ("nan_and_huge_numbers", "lone_surrogate_in_code")
 
 
 @pytest.mark.tally("attacks")
@@ -84,7 +96,8 @@ def test_forged_reports_score_zero_with_a_reason(name):
 
 @pytest.mark.tally("attacks")
 def test_forged_reports_are_not_verifier_errors_in_the_pool():
-    # what a policy makes its code do must not move reward/error_frac: only the verifier's own failures
+    # what a policy makes its code do must not move reward/error_frac: only the verifier's own
+    # failures
     need(sandbox.backend())
     names = ["deep_report", "deep_return_value", "out_is_a_list", "16_mib_of_empty_objects"]
     responses = [reply(ATTACKS[n][0]) for n in names] + [reply("def add(a, b):\n    return a + b")]

@@ -1,9 +1,9 @@
 """`reward.function=path/to/file.py:name`: verl's compute_score by file path (prorl/rewards/function.py).
 
-The files are written here as a verl user writes them (a plain .py file, not an importable module), with
-verl's signature `compute_score(data_source, solution_str, ground_truth, extra_info)`. The expected scores
-are the functions' own definitions applied by hand; they run in the reward pool's worker processes, which
-import the file by path. Errors name the file and the function.
+The files are written here as a verl user writes them (a plain .py file, not an importable module),
+with verl's signature `compute_score(data_source, solution_str, ground_truth, extra_info)`. The
+expected scores are the functions' own definitions applied by hand; they run in the reward pool's
+worker processes, which import the file by path. Errors name the file and the function.
 """
 
 import math
@@ -48,7 +48,9 @@ def two_args(solution_str, ground_truth):
 
 @pytest.fixture
 def reward_file(tmp_path):
-    (tmp_path / "helper_beside_it.py").write_text("def normalise(s):\n    return str(s).strip().lower()\n")
+    (tmp_path / "helper_beside_it.py").write_text(
+        "def normalise(s):\n    return str(s).strip().lower()\n"
+    )
     path = tmp_path / "my_reward.py"
     path.write_text(VERL_STYLE)
     yield str(path)
@@ -57,7 +59,8 @@ def reward_file(tmp_path):
 
 def test_verl_return_conventions_scored_in_worker_processes(reward_file):
     rewards.use_function(f"{reward_file}:compute_score")
-    assert rewards.lookup("anything/at/all")[0] == "function"  # every data_source, as verl's custom reward
+    # every data_source, as verl's custom reward
+    assert rewards.lookup("anything/at/all")[0] == "function"
     sources = ["openai/gsm8k", "my_own_source", "my_own_source"]
     responses = ["  42 ", "41", "abc"]
     truths = ["42", "42", "ABC"]
@@ -65,7 +68,8 @@ def test_verl_return_conventions_scored_in_worker_processes(reward_file):
     with RewardPool(num_workers=1, timeout_s=30.0, preload=()) as pool:
         res = pool.score_batch(sources, responses, truths, extras)
     assert not any(res.errored), res.errors
-    assert res.scores == [1.0, -1.0, 1.0]  # verl's convention: outside [0, 1] is fine, finite is required
+    # verl's convention: outside [0, 1] is fine, finite is required
+    assert res.scores == [1.0, -1.0, 1.0]
     assert [x["acc"] for x in res.extras] == [True, False, True]
     assert [x["bonus"] for x in res.extras] == [2.0, 0.0, 1.0]
     assert [x["source_len"] for x in res.extras] == [len(s) for s in sources]
@@ -90,7 +94,9 @@ def test_a_plain_float_and_the_default_name(reward_file, tmp_path):
     ],
 )
 def test_a_bad_function_is_named_at_start(reward_file, spec_tail, message):
-    with pytest.raises(RewardFunctionError, match=f"reward function '{spec_tail[1:]}' in {reward_file}.*"):
+    with pytest.raises(
+        RewardFunctionError, match=f"reward function '{spec_tail[1:]}' in {reward_file}.*"
+    ):
         rewards.use_function(reward_file + spec_tail)
     with pytest.raises(RewardFunctionError, match=message):
         rewards.use_function(reward_file + spec_tail)
@@ -101,7 +107,9 @@ def test_a_missing_or_broken_file_is_named(tmp_path):
         rewards.use_function(f"{tmp_path}/nope.py:compute_score")
     bad = tmp_path / "syntax.py"
     bad.write_text("def compute_score(:\n")
-    with pytest.raises(RewardFunctionError, match=f"in {bad}: importing the file failed: SyntaxError"):
+    with pytest.raises(
+        RewardFunctionError, match=f"in {bad}: importing the file failed: SyntaxError"
+    ):
         rewards.use_function(f"{bad}:compute_score")
     with pytest.raises(RewardFunctionError, match="expected 'path/to/file.py:function_name'"):
         rewards.use_function("my_module:compute_score")
@@ -109,7 +117,10 @@ def test_a_missing_or_broken_file_is_named(tmp_path):
 
 def test_errors_while_scoring_name_the_file_and_the_function(reward_file):
     with RewardPool(num_workers=1, timeout_s=30.0, preload=()) as pool:
-        for name, why in (("raises", "raised KeyError: 'no_such_field'"), ("broken", "without 'score'")):
+        for name, why in (
+            ("raises", "raised KeyError: 'no_such_field'"),
+            ("broken", "without 'score'"),
+        ):
             rewards.use_function(f"{reward_file}:{name}")
             res = pool.score_batch(["s"], ["r"], ["g"])
             assert res.errored == [True] and res.scores == [0.0]
@@ -131,8 +142,9 @@ def test_train_refuses_a_file_in_plugins_and_a_bad_function_with_exit_2(reward_f
 
 
 def test_prorl_eval_scores_with_the_function(reward_file, tmp_path):
-    """`python -m prorl.eval --reward-function FILE:NAME` on the tiny reasoner: every sample's score is the
-    function of its response (recomputed here), and the extras are averaged per data source."""
+    """`python -m prorl.eval --reward-function FILE:NAME` on the tiny reasoner: every sample's score
+    is the function of its response (recomputed here), and the extras are averaged per data
+    source."""
     import json
 
     out = tmp_path / "eval"
@@ -145,7 +157,18 @@ def test_prorl_eval_scores_with_the_function(reward_file, tmp_path):
         "--builtin",
         "digit_sums",
     ]
-    cmd += ["--limit", "3", "--k", "2", "--max-tokens", "24", "--num-workers", "1", "--out", str(out)]
+    cmd += [
+        "--limit",
+        "3",
+        "--k",
+        "2",
+        "--max-tokens",
+        "24",
+        "--num-workers",
+        "1",
+        "--out",
+        str(out),
+    ]
     done = subprocess.run(
         [*cmd, "--reward-function", f"{reward_file}:compute_score"], cwd=ROOT, env=ENV, capture_output=True,
         text=True, timeout=300,
@@ -167,14 +190,18 @@ def test_prorl_eval_scores_with_the_function(reward_file, tmp_path):
 
 
 def test_the_start_up_check_runs_the_function_once_per_data_source(reward_file):
-    """train.py's reward self-test with reward.function (selftest.check_function): a function that raises
-    stops the run with its own message, naming the file and the function."""
+    """train.py's reward self-test with reward.function (selftest.check_function): a function that
+    raises stops the run with its own message, naming the file and the function."""
     from prorl.rewards.selftest import check_function
 
-    examples = [data.Example([{"role": "user", "content": "q"}], src, "7") for src in ("a", "b", "a")]
+    examples = [
+        data.Example([{"role": "user", "content": "q"}], src, "7") for src in ("a", "b", "a")
+    ]
     with RewardPool(num_workers=1, timeout_s=30.0, preload=()) as pool:
         rewards.use_function(f"{reward_file}:compute_score")
         assert check_function(examples, pool) == "ok"
         rewards.use_function(f"{reward_file}:raises")
-        with pytest.raises(RuntimeError, match=f"data_source 'a'.*{reward_file}:raises raised KeyError"):
+        with pytest.raises(
+            RuntimeError, match=f"data_source 'a'.*{reward_file}:raises raised KeyError"
+        ):
             check_function(examples, pool)

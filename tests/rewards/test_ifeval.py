@@ -9,7 +9,12 @@ from prorl.rewards.ifeval import CHECKERS, count_sentences, count_words
 
 # (instruction id, kwargs, a response that follows it, one that does not)
 CASES = [
-    ("keywords:existence", {"keywords": ["apple", "Pie"]}, "I baked an apple pie.", "I baked a pie."),
+    (
+        "keywords:existence",
+        {"keywords": ["apple", "Pie"]},
+        "I baked an apple pie.",
+        "I baked a pie.",
+    ),
     (
         "keywords:frequency",
         {"keyword": "cat", "frequency": 2, "relation": "at least"},
@@ -22,7 +27,12 @@ CASES = [
         "A cat.",
         "Cat, cat.",
     ),
-    ("keywords:forbidden_words", {"forbidden_words": ["very"]}, "Everything is fine.", "It is Very good."),
+    (
+        "keywords:forbidden_words",
+        {"forbidden_words": ["very"]},
+        "Everything is fine.",
+        "It is Very good.",
+    ),
     (
         "keywords:letter_frequency",
         {"letter": "z", "let_frequency": 3, "let_relation": "at least"},
@@ -65,9 +75,24 @@ CASES = [
         "Dear [name], at [address].",
         "Dear [name].",
     ),
-    ("detectable_content:postscript", {"postscript_marker": "P.S."}, "Hello.\nP.S. bye", "Hello. bye"),
-    ("detectable_content:postscript", {"postscript_marker": "P.P.S"}, "Hi.\nP.P.S. more", "Hi.\nP.S. more"),
-    ("detectable_format:number_bullet_lists", {"num_bullets": 2}, "* one\n- two", "* one\n* two\n* three"),
+    (
+        "detectable_content:postscript",
+        {"postscript_marker": "P.S."},
+        "Hello.\nP.S. bye",
+        "Hello. bye",
+    ),
+    (
+        "detectable_content:postscript",
+        {"postscript_marker": "P.P.S"},
+        "Hi.\nP.P.S. more",
+        "Hi.\nP.S. more",
+    ),
+    (
+        "detectable_format:number_bullet_lists",
+        {"num_bullets": 2},
+        "* one\n- two",
+        "* one\n* two\n* three",
+    ),
     ("detectable_format:constrained_response", {}, "My answer is no.", "No."),
     (
         "detectable_format:number_highlighted_sections",
@@ -83,7 +108,12 @@ CASES = [
     ),
     ("detectable_format:json_format", {}, '```json\n{"a": [1, 2]}\n```', "{'a': 1}"),
     ("detectable_format:title", {}, "<<My Title>>\nText", "<<>> no title"),
-    ("combination:two_responses", {}, "First answer.\n******\nSecond answer.", "Same.\n******\nSame."),
+    (
+        "combination:two_responses",
+        {},
+        "First answer.\n******\nSecond answer.",
+        "Same.\n******\nSame.",
+    ),
     (
         "combination:repeat_prompt",
         {"prompt_to_repeat": "Write a poem."},
@@ -109,7 +139,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("iid, kwargs, good, bad", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+@pytest.mark.parametrize(
+    "iid, kwargs, good, bad", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)]
+)
 def test_each_instruction(iid, kwargs, good, bad):
     gt = {"instruction_id_list": [iid], "kwargs": [kwargs]}
     assert score("ifeval", good, gt) == 1.0

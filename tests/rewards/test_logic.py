@@ -21,7 +21,9 @@ def _wrong(answer):
 def test_entry_as_ground_truth(entries):
     for e in entries:
         assert score("reasoning_gym/leg_counting", f"<answer>{e['answer']}</answer>", e) == 1.0
-        assert score("reasoning_gym/leg_counting", f"<answer>{_wrong(e['answer'])}</answer>", e) == 0.0
+        assert (
+            score("reasoning_gym/leg_counting", f"<answer>{_wrong(e['answer'])}</answer>", e) == 0.0
+        )
         # JSON string of the entry; task read from metadata.source_dataset
         assert score("reasoning_gym", f"<answer>{e['answer']}</answer>", json.dumps(e)) == 1.0
 
@@ -47,7 +49,10 @@ def test_generator_reference_regenerates(entries):
         )
         == 1.0
     )
-    assert score("reasoning_gym/leg_counting", f"<answer>{e['answer']}</answer>", json.dumps(ref)) == 1.0
+    assert (
+        score("reasoning_gym/leg_counting", f"<answer>{e['answer']}</answer>", json.dumps(ref))
+        == 1.0
+    )
     assert score("reasoning_gym/leg_counting", "<answer>-1</answer>", ref) == 0.0
 
 

@@ -48,7 +48,11 @@ def test_batch_with_hangs_and_crashes_completes(registered, pool):
     assert res.scores == [0.5, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.5]
     assert res.timed_out == [False, True, False, False, False, False, False, False]
     assert res.errored == [False, False, False, True, True, True, False, False]
-    assert "exit code 3" in res.errors[3] and "verifier bug" in res.errors[4] and "outside" in res.errors[5]
+    assert (
+        "exit code 3" in res.errors[3]
+        and "verifier bug" in res.errors[4]
+        and "outside" in res.errors[5]
+    )
     assert res.extras[2] == {"data_source": "echo"}
     assert res.metrics() == {"reward/timeout_frac": 1 / 8, "reward/error_frac": 3 / 8}
     assert elapsed < 10  # one timeout (1.5 s) plus replacing workers, not a hang
@@ -88,7 +92,9 @@ def test_caller_errors_raise(registered, pool):
 def test_math_in_a_thread_without_pool():
     pytest.importorskip("math_verify")
     out = []
-    t = threading.Thread(target=lambda: out.append(rewards.score("math", "\\boxed{\\frac{2}{4}}", "0.5")))
+    t = threading.Thread(
+        target=lambda: out.append(rewards.score("math", "\\boxed{\\frac{2}{4}}", "0.5"))
+    )
     t.start()
     t.join(60)
     assert out == [1.0]
@@ -108,7 +114,8 @@ def _processes_with(marker):
 
 @pytest.mark.tally("faults")
 def test_pool_timeout_kills_the_code_sandbox_too(pool):
-    # the worker is SIGKILLed on the pool's timeout while its sandbox runs: the sandbox must die with it
+    # the worker is SIGKILLed on the pool's timeout while its sandbox runs: the sandbox must die
+    # with it
     marker = f"prorl-pool-{uuid.uuid4().hex}"
     code = f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'while True: pass', '{marker}'])"
     response = f"```python\n{code}\n```"
@@ -133,7 +140,9 @@ ALL_BUILTINS = ["math", "stem", "ifeval", "reasoning_gym/leg_counting", "code"]
 def test_self_test_in_process():
     pytest.importorskip("math_verify")
     pytest.importorskip("reasoning_gym")
-    assert self_test(ALL_BUILTINS) == {k: "ok" for k in ["code", "ifeval", "math", "reasoning_gym", "stem"]}
+    assert self_test(ALL_BUILTINS) == {
+        k: "ok" for k in ["code", "ifeval", "math", "reasoning_gym", "stem"]
+    }
 
 
 def test_self_test_with_pool():
@@ -155,11 +164,13 @@ def test_self_test_names_broken_verifiers(registered):
 
 @pytest.mark.tally("faults")
 def test_self_test_reports_the_sandbox_error(monkeypatch):
-    # the interpreter cannot start inside the sandbox (what a venv under /tmp used to hit): the message
-    # carries the sandbox's own error, not only "known-right answer scored 0.0"
+    # the interpreter cannot start inside the sandbox (what a venv under /tmp used to hit): the
+    # message carries the sandbox's own error, not only "known-right answer scored 0.0"
     sandbox.backend(), rootfs.python_paths()  # detected with the real interpreter first
     monkeypatch.setattr(sandbox.sys, "executable", "/nonexistent/bin/python3")
-    with pytest.raises(RuntimeError, match=r"code: error: SandboxError: .*/nonexistent/bin/python3"):
+    with pytest.raises(
+        RuntimeError, match=r"code: error: SandboxError: .*/nonexistent/bin/python3"
+    ):
         self_test(["code"])
 
 
@@ -187,7 +198,7 @@ def test_identical_items_are_verified_once(registered, pool, tmp_path):
     assert len(res.extras) == 7 and res.extras[0] is not res.extras[2]
 
 
-# -- workers that fail to start; directories of killed runs ------------------------------------------
+# -- workers that fail to start; directories of killed runs ----------------------------------------
 
 _DIE_AT_START = """
 import os
@@ -202,8 +213,8 @@ if path and os.path.exists(path):
 
 @pytest.fixture
 def die_at_start(tmp_path, monkeypatch):
-    """A file holding how many reward workers still to start will die during start-up (a sitecustomize
-    on the workers' PYTHONPATH reads it)."""
+    """A file holding how many reward workers still to start will die during start-up (a
+    sitecustomize on the workers' PYTHONPATH reads it)."""
     (tmp_path / "sitecustomize.py").write_text(_DIE_AT_START)
     counter = tmp_path / "deaths"
     counter.write_text("0")
@@ -216,7 +227,8 @@ def die_at_start(tmp_path, monkeypatch):
 def test_worker_dying_while_its_replacement_starts_is_retried(registered, die_at_start):
     with RewardPool(num_workers=1, timeout_s=5, preload=()) as p:
         assert p.score_batch(["half"], [""], [None]).scores == [0.5]
-        die_at_start.write_text(str(MAX_START_FAILURES - 1))  # the next replacements die, but not too often
+        # the next replacements die, but not too often
+        die_at_start.write_text(str(MAX_START_FAILURES - 1))
         res = p.score_batch(["crash", "half", "half"], ["", "", "x"], [None] * 3)
         assert res.errored == [True, False, False] and res.scores == [0.0, 0.5, 0.5]
         assert die_at_start.read_text() == "0" and p.replaced == MAX_START_FAILURES
@@ -258,8 +270,11 @@ def _wait(condition, timeout=20.0):
 
 
 @pytest.mark.tally("faults")
-def test_dirs_of_killed_runs_are_removed_at_start_and_live_ones_kept(registered, tmp_path, monkeypatch):
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # this test's pools and runs keep to tmp_path
+def test_dirs_of_killed_runs_are_removed_at_start_and_live_ones_kept(
+    registered, tmp_path, monkeypatch
+):
+    # this test's pools and runs keep to tmp_path
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     env = dict(os.environ, TMPDIR=str(tmp_path))
     runs = [
         subprocess.Popen(
@@ -270,17 +285,20 @@ def test_dirs_of_killed_runs_are_removed_at_start_and_live_ones_kept(registered,
     killed, alive = runs
     try:
         (killed_workers, alive_workers) = [json.loads(r.stdout.readline()) for r in runs]
-        os.killpg(killed.pid, signal.SIGKILL)  # the run and its workers, as the OOM killer or scancel would
+        # the run and its workers, as the OOM killer or scancel would
+        os.killpg(killed.pid, signal.SIGKILL)
         killed.wait()
         assert _wait(lambda: all(_gone(pid) for pid, _ in killed_workers))
         assert all(os.path.isdir(d) for _, d in killed_workers)  # left behind
 
         with RewardPool(num_workers=1, timeout_s=5, preload=()) as p:
             assert [os.path.exists(d) for _, d in killed_workers] == [False, False]
-            assert [os.path.isdir(d) for _, d in alive_workers] == [True, True]  # another live run's
+            # another live run's
+            assert [os.path.isdir(d) for _, d in alive_workers] == [True, True]
             assert p.score_batch(["half"], [""], [None]).scores == [0.5]
 
-        # the trainer alone is killed: its workers see their pool vanish and remove their own directories
+        # the trainer alone is killed: its workers see their pool vanish and remove their own
+        # directories
         alive.kill()
         alive.wait()
         assert _wait(lambda: not any(os.path.exists(d) for _, d in alive_workers))

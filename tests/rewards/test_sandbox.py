@@ -1,10 +1,11 @@
 """Adversarial suite for the code sandbox's isolation, on every backend this machine has.
 
 Each attack must be contained: the run ends within its wall-clock limit, the code sees no host file
-outside the minimal root, nothing it wrote is left on the host, no process it started survives, and this
-(the scoring) process is unharmed. On the `none` backend (no namespaces) only the protections it claims
-are tested. Limits of the run as a whole (cgroups) are in test_sandbox_limits.py, interpreter
-locations in test_sandbox_python.py. A backend the machine lacks is skipped, naming what is missing.
+outside the minimal root, nothing it wrote is left on the host, no process it started survives, and
+this (the scoring) process is unharmed. On the `none` backend (no namespaces) only the protections
+it claims are tested. Limits of the run as a whole (cgroups) are in test_sandbox_limits.py,
+interpreter locations in test_sandbox_python.py. A backend the machine lacks is skipped, naming what
+is missing.
 """
 
 import json
@@ -74,7 +75,8 @@ def test_environment_secrets_are_not_visible(backend, monkeypatch):
 def test_big_file_hits_the_file_size_limit(backend):
     limits = sandbox.Limits(wall_s=5.0, file_bytes=1 << 20)
     res = run(
-        "f = open('big', 'wb')\nfor _ in range(100):\n    f.write(b'x' * (1 << 20))\nprint('wrote')",
+        "f = open('big', 'wb')\nfor _ in "
+        "range(100):\n    f.write(b'x' * (1 << 20))\nprint('wrote')",
         backend,
         limits,
     )
@@ -95,7 +97,7 @@ def test_filling_the_disk_with_many_files_stays_in_a_small_tmpfs(backend):
     assert int(res.stdout.split()[2]) <= 16  # bounded by the 16 MiB tmpfs, not the host disk
 
 
-# -- the host's file system ---------------------------------------------------------------------------
+# -- the host's file system ------------------------------------------------------------------------
 
 _WRITE_EVERYWHERE = """
 import json, sys
@@ -119,8 +121,18 @@ def test_writes_to_world_writable_host_dirs_do_not_persist(backend):
     name = f"evil-{uuid.uuid4().hex}"
     with planted_dirs(mode=0o777) as open_dirs:
         targets = [os.path.join(d, name) for d in open_dirs]
-        targets += [f"/var/lock/{name}", f"/run/lock/{name}", f"/run/{name}", f"/{name}", f"/var/tmp/{name}"]
-        targets += [f"/dev/shm/{name}", f"/tmp/{name}", os.path.join(os.path.dirname(__file__), name)]
+        targets += [
+            f"/var/lock/{name}",
+            f"/run/lock/{name}",
+            f"/run/{name}",
+            f"/{name}",
+            f"/var/tmp/{name}",
+        ]
+        targets += [
+            f"/dev/shm/{name}",
+            f"/tmp/{name}",
+            os.path.join(os.path.dirname(__file__), name),
+        ]
         try:
             res = run(_WRITE_EVERYWHERE, backend, sandbox.Limits(wall_s=10.0), args=targets)
             assert res.returncode == 0, res.stderr
@@ -134,7 +146,8 @@ def test_writes_to_world_writable_host_dirs_do_not_persist(backend):
 @pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ISOLATING)
 def test_only_private_tmpfs_is_writable(backend):
-    # every mount the code sees is read-only, except its private tmpfs (and the kernel's /proc, devices)
+    # every mount the code sees is read-only, except its private tmpfs (and the kernel's /proc,
+    # devices)
     code = "print(open('/proc/self/mountinfo').read())"
     res = run(code, backend)
     assert res.returncode == 0, res.stderr
@@ -162,7 +175,8 @@ print(json.dumps(seen))
 @pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ISOLATING)
 def test_host_files_are_not_readable(backend):
-    # a dataset with the expected outputs, and another run's checkpoint, world-readable, outside home
+    # a dataset with the expected outputs, and another run's checkpoint, world-readable, outside
+    # home
     with planted_dirs() as dirs:
         secrets = []
         for d in dirs:
@@ -184,13 +198,23 @@ def test_host_files_are_not_readable(backend):
 @pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ISOLATING)
 def test_root_holds_only_the_minimal_tree(backend):
-    code = "import json, os, sys\nprint(json.dumps({d: sorted(os.listdir(d)) for d in sys.argv[2:]}))"
+    code = (
+        "import json, os, sys\nprint(json.dumps({d: sorted(os.listdir(d)) for d in sys.argv[2:]}))"
+    )
     res = run(code, backend, args=["/", "/etc", "/var", "/run"])
     assert res.returncode == 0, res.stderr
     seen = json.loads(res.stdout)
     system = {os.path.basename(d) for d in rootfs.SYSTEM_DIRS if os.path.lexists(d)}
     interpreter = {p.split("/")[1] for p in rootfs.python_paths()}
-    assert set(seen["/"]) <= system | interpreter | {"etc", "proc", "dev", "tmp", "var", "run", "sandbox"}
+    assert set(seen["/"]) <= system | interpreter | {
+        "etc",
+        "proc",
+        "dev",
+        "tmp",
+        "var",
+        "run",
+        "sandbox",
+    }
     assert set(seen["/etc"]) <= {os.path.basename(f) for f in rootfs.ETC_FILES}
     assert seen["/var"] == ["tmp"] and seen["/run"] == []
 
@@ -231,7 +255,7 @@ print(out)
                 os.remove(p)
 
 
-# -- network, sockets, processes ---------------------------------------------------------------------
+# -- network, sockets, processes -------------------------------------------------------------------
 
 
 @pytest.mark.tally("attacks")
@@ -243,7 +267,8 @@ def test_network_is_unreachable(backend):
     server.settimeout(0.2)
     port = server.getsockname()[1]
     code = (
-        "import socket, sys\ntry:\n    socket.create_connection(('127.0.0.1', int(sys.argv[2])), timeout=1)\n"
+        "import socket, sys\ntry:\n    "
+        "socket.create_connection(('127.0.0.1', int(sys.argv[2])), timeout=1)\n"
         "    print('connected')\nexcept OSError as e:\n    print('blocked', type(e).__name__)"
     )
     try:
@@ -258,7 +283,8 @@ def test_network_is_unreachable(backend):
 @pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ISOLATING)
 def test_host_unix_sockets_are_unreachable(backend):
-    # a 0666 socket on the host's file system (like /run/docker.sock), and one in the abstract namespace
+    # a 0666 socket on the host's file system (like /run/docker.sock), and one in the abstract
+    # namespace
     code = """
 import socket, sys
 for address in sys.argv[2:]:
@@ -288,7 +314,10 @@ for address in sys.argv[2:]:
                 s.listen(1)
                 s.settimeout(0.1)
             res = run(code, backend, args=addresses)
-            assert res.stdout.decode().split().count("blocked") == len(addresses), (res.stdout, res.stderr)
+            assert res.stdout.decode().split().count("blocked") == len(addresses), (
+                res.stdout,
+                res.stderr,
+            )
             for s in servers:
                 with pytest.raises(socket.timeout):
                     s.accept()
@@ -302,7 +331,8 @@ for address in sys.argv[2:]:
 def test_cannot_kill_the_parent(backend):
     # the host process whose pid the code knows, then its own parent (killing that may end the run)
     code = (
-        "import os, signal, sys\ntry:\n    os.kill(int(sys.argv[2]), signal.SIGKILL)\nexcept OSError:\n"
+        "import os, signal, sys\ntry:\n    "
+        "os.kill(int(sys.argv[2]), signal.SIGKILL)\nexcept OSError:\n"
         "    print('tried', flush=True)\n"
         "try:\n    os.kill(os.getppid(), signal.SIGKILL)\nexcept OSError:\n    pass"
     )
@@ -317,7 +347,8 @@ def test_cannot_kill_the_parent(backend):
 
 
 def _nproc_bounded(backend):
-    # RLIMIT_NPROC bites for a non-root uid (not bwrap or `none` run as root); pids.max in any backend
+    # RLIMIT_NPROC bites for a non-root uid (not bwrap or `none` run as root); pids.max in any
+    # backend
     return "pids" in cgroups.setup().parents or not ROOT or backend == "unshare"
 
 
@@ -331,7 +362,8 @@ def test_fork_bomb_is_bounded_and_cleaned_up(backend):
     # count how many processes the limit lets it start, then keep bombing until the wall clock
     code = (
         "import os, sys, time\nn = 0\nfor _ in range(1000):\n    try:\n        pid = os.fork()\n"
-        "    except OSError:\n        break\n    if pid == 0:\n        time.sleep(60)\n        os._exit(0)\n"
+        "    except OSError:\n        break\n    if pid == "
+        "0:\n        time.sleep(60)\n        os._exit(0)\n"
         "    n += 1\nprint('forked', n, flush=True)\nwhile True:\n    try:\n        os.fork()\n"
         "    except OSError:\n        time.sleep(0.01)\n"
     )
@@ -388,9 +420,12 @@ def test_sandbox_dies_with_the_process_that_started_it(backend, tmp_path):
     env = dict(os.environ, TMPDIR=str(tmp_path))
     starter = subprocess.Popen([sys.executable, "-c", script], env=env, stderr=subprocess.PIPE)
 
-    def sandboxed():  # not the starter, nor its forks before they exec (ldd, the sandbox's first process)
+    # not the starter, nor its forks before they exec (ldd, the sandbox's first process)
+    def sandboxed():
         return [
-            p for p in processes_with(marker) if p != starter.pid and _cmdline(p) != _cmdline(starter.pid)
+            p
+            for p in processes_with(marker)
+            if p != starter.pid and _cmdline(p) != _cmdline(starter.pid)
         ]
 
     deadline = time.monotonic() + 60  # generous: CI machines are small and may be busy
@@ -413,7 +448,9 @@ def test_sandbox_dies_with_the_process_that_started_it(backend, tmp_path):
     parents = {parent for _, parent in cgroups.setup().parents.values()}
 
     def left():
-        return [n for p in parents for n in os.listdir(p) if n.startswith(f"prorl-sbx-{starter.pid}-")]
+        return [
+            n for p in parents for n in os.listdir(p) if n.startswith(f"prorl-sbx-{starter.pid}-")
+        ]
 
     deadline = time.monotonic() + 15
     while left() and time.monotonic() < deadline:
@@ -430,7 +467,9 @@ def test_broken_sandbox_raises_naming_what_failed(monkeypatch):
     rootfs.python_paths()  # cached with the real interpreter first
     monkeypatch.setattr(sandbox.sys, "executable", "/nonexistent/bin/python3")
     for backend in backends:
-        with pytest.raises(sandbox.SandboxError, match=rf"`{backend}`.*(/nonexistent/bin/python3|No such)"):
+        with pytest.raises(
+            sandbox.SandboxError, match=rf"`{backend}`.*(/nonexistent/bin/python3|No such)"
+        ):
             run("print(1)", backend)
     assert not [d for d in os.listdir(tempfile.gettempdir()) if d.startswith("prorl-sbx-")]
 
@@ -447,11 +486,14 @@ def test_private_directories_of_killed_runs_are_removed(tmp_path):
         assert time.monotonic() < deadline, "the sleep process never showed its TMPDIR"
         time.sleep(0.01)
     try:
-        assert tempdirs.remove_stale("prorl-sbx-", str(tmp_path), min_age_s=600) == []  # all too young
+        # all too young
+        assert tempdirs.remove_stale("prorl-sbx-", str(tmp_path), min_age_s=600) == []
         assert tempdirs.remove_stale("prorl-sbx-", str(tmp_path)) == [str(stale)]
         assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(live), unlocked.name])
     finally:
         os.close(fd)
         user.kill()
         user.wait()
-    assert sorted(tempdirs.remove_stale("prorl-sbx-", str(tmp_path))) == sorted([live, str(unlocked)])
+    assert sorted(tempdirs.remove_stale("prorl-sbx-", str(tmp_path))) == sorted(
+        [live, str(unlocked)]
+    )

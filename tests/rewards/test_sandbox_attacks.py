@@ -37,7 +37,9 @@ def skip_if_code_runs_as_root(backend):
     /root): no protection is claimed there."""
     exe = (sys.executable, os.path.realpath(sys.executable))
     if backend == "none" and os.geteuid() == 0 and any(map(rootfs.hidden_from_others, exe)):
-        pytest.skip("`none` as root with an interpreter hidden from other users runs the code as root")
+        pytest.skip(
+            "`none` as root with an interpreter hidden from other users runs the code as root"
+        )
 
 
 def nr(name):
@@ -59,7 +61,8 @@ _READ_KEYS = (
     "    if k > 0 and libc.syscall({keyctl}, 11, k, buf, 64) > 0:  # KEYCTL_READ\n"
     "        found.append(buf.value.decode())\n"
     "k = libc.syscall({request_key}, b'user', b'prorl-attack', None, 0)\n"
-    "if k > 0 and libc.syscall({keyctl}, 11, k, buf, 64) > 0:\n    found.append(buf.value.decode())\n"
+    "if k > 0 and libc.syscall({keyctl}, 11, k, buf, "
+    "64) > 0:\n    found.append(buf.value.decode())\n"
     "print('found', found)\n"
 )
 
@@ -67,7 +70,8 @@ _READ_KEYS = (
 @pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ALL)
 def test_keyrings_do_not_carry_between_runs(backend):
-    # run 1 stores an answer in every keyring it can name, run 2 (same uid: same scorer) looks for it
+    # run 1 stores an answer in every keyring it can name, run 2 (same uid: same scorer) looks for
+    # it
     calls = {n: nr(n) for n in ("add_key", "keyctl", "request_key")}
     first = run(_ADD_KEYS.format(**calls), backend)
     assert first.returncode == 0, first.stderr
@@ -92,14 +96,22 @@ def test_no_user_namespace_by_unshare_clone_or_the_unshare_tool(backend):
         "pid = libc.syscall({clone3}, args, 88)\n"
         "if pid == 0:\n    os._exit(0)\n"
         "out['clone3'] = (pid, ctypes.get_errno())\n"
-        "t = threading.Thread(target=lambda: None)\nt.start()\nt.join()  # glibc falls back to clone\n"
+        "t = threading.Thread(target=lambda: "
+        "None)\nt.start()\nt.join()  # glibc falls back to clone\n"
         "out['thread'] = 'ok'\n"
-        "out['unshare'] = libc.unshare(0x10000000)  # last: it would move this process\nprint(out)\n"
+        "out['unshare'] = libc.unshare(0x10000000)  # "
+        "last: it would move this process\nprint(out)\n"
     ).format(clone=nr("clone"), clone3=nr("clone3"))
     res = run(code, backend)
     assert res.returncode == 0, res.stderr
     out = eval(res.stdout.decode())
-    assert out == {"unshare": -1, "clone": -1, "clone3": (-1, 38), "tool": "failed", "thread": "ok"}, out
+    assert out == {
+        "unshare": -1,
+        "clone": -1,
+        "clone3": (-1, 38),
+        "tool": "failed",
+        "thread": "ok",
+    }, out
 
 
 def _x86_64_only():
@@ -122,7 +134,11 @@ _INT80 = LIBC + (
 def test_other_syscall_abis_are_killed(backend, abi):
     # a filter that checked numbers only would let i386's 286 (add_key there) or x32's through
     _x86_64_only()
-    code = _INT80 if abi == "i386" else LIBC + "print('returned', libc.syscall(0x40000000 | 248), flush=True)"
+    code = (
+        _INT80
+        if abi == "i386"
+        else LIBC + "print('returned', libc.syscall(0x40000000 | 248), flush=True)"
+    )
     res = run(code, backend)
     assert b"returned" not in res.stdout and res.returncode != 0, (res.stdout, res.stderr)
 
@@ -178,7 +194,8 @@ def test_rlimits_cannot_be_raised(backend):
         "    res = getattr(resource, r)\n    soft, hard = resource.getrlimit(res)\n"
         "    try:\n        resource.setrlimit(res, (hard * 2, hard * 2))\n        out.append(r)\n"
         "    except (ValueError, OSError):\n        pass\n"
-        "hard = [resource.getrlimit(getattr(resource, r))[1] for r in ('RLIMIT_NOFILE', 'RLIMIT_FSIZE')]\n"
+        "hard = [resource.getrlimit(getattr(resource, "
+        "r))[1] for r in ('RLIMIT_NOFILE', 'RLIMIT_FSIZE')]\n"
         "print(out, *hard)\n"
     )
     res = run(code, backend, limits)
@@ -189,22 +206,24 @@ def test_rlimits_cannot_be_raised(backend):
 @pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ISOLATING)
 def test_signals_do_not_reach_the_scorer(backend):
-    # every process the code may signal (-1), a host pid it was told, and the scorer's pid, which a root
-    # scorer's sandbox uid (1e9 + pid) gives away. Only where a PID namespace holds the code: on `none`
-    # the code may run as the scorer's user, or as root (an interpreter under /root), where kill(-1)
-    # kills every process of the machine.
+    # every process the code may signal (-1), a host pid it was told, and the scorer's pid, which a
+    # root scorer's sandbox uid (1e9 + pid) gives away. Only where a PID namespace holds the code:
+    # on `none` the code may run as the scorer's user, or as root (an interpreter under /root),
+    # where kill(-1) kills every process of the machine.
     code = (
         "import os, signal, sys\nprint('signalling', flush=True)\n"
         "for sig in (signal.SIGTERM, signal.SIGKILL):\n"
         "    for target in (-1, int(sys.argv[2]), os.getuid() - 10**9):\n"
-        "        try:\n            os.kill(target, sig)\n        except OSError:\n            pass\n"
+        "        try:\n            os.kill(target, "
+        "sig)\n        except OSError:\n            pass\n"
         "print('survived')"
     )
     need(backend)
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
         res = run(code, backend, args=[str(victim.pid)])
-        assert victim.poll() is None  # a process of the scorer's uid whose pid it knew, and this one
+        # a process of the scorer's uid whose pid it knew, and this one
+        assert victim.poll() is None
         # the code may end its own run (bwrap's `timeout` is not the namespace's init), nothing else
         assert b"signalling" in res.stdout, (res.returncode, res.stderr)
     finally:
@@ -215,8 +234,8 @@ def test_signals_do_not_reach_the_scorer(backend):
 @pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ALL)
 def test_symlinks_in_scratch_do_not_reach_host_files(backend):
-    # links planted in the working directory, pointing at a host file and directory: the clean-up after
-    # the run must not follow them (and the isolating backends must not even resolve them)
+    # links planted in the working directory, pointing at a host file and directory: the clean-up
+    # after the run must not follow them (and the isolating backends must not even resolve them)
     skip_if_code_runs_as_root(backend)
     with planted_dirs() as (d, *_):
         victim = os.path.join(d, "victim")
@@ -226,7 +245,8 @@ def test_symlinks_in_scratch_do_not_reach_host_files(backend):
             "import os, sys\nfor name, target in (('f', sys.argv[2]), ('d', sys.argv[3])):\n"
             "    os.symlink(target, name)\n"
             "try:\n    open('f', 'w').write('overwritten')\nexcept OSError:\n    pass\n"
-            "os.makedirs('deep/er', exist_ok=True)\nos.symlink(sys.argv[3], 'deep/er/link')\nprint('planted')"
+            "os.makedirs('deep/er', "
+            "exist_ok=True)\nos.symlink(sys.argv[3], 'deep/er/link')\nprint('planted')"
         )
         res = run(code, backend, args=[victim, d])
         assert b"planted" in res.stdout, res.stderr
@@ -240,9 +260,11 @@ def test_symlinks_in_scratch_do_not_reach_host_files(backend):
 def test_proc_shows_no_mount_script_and_no_host_paths(backend):
     # pid 1 used to be `sh -c <the whole mount script>` and mountinfo named the run's host directory
     code = (
-        "import json, os\nout = {'cmdlines': [], 'mountinfo': open('/proc/self/mountinfo').read()}\n"
+        "import json, os\nout = {'cmdlines': [], "
+        "'mountinfo': open('/proc/self/mountinfo').read()}\n"
         "for pid in filter(str.isdigit, os.listdir('/proc')):\n"
-        "    try:\n        out['cmdlines'].append(open(f'/proc/{pid}/cmdline', 'rb').read().decode())\n"
+        "    try:\n        "
+        "out['cmdlines'].append(open(f'/proc/{pid}/cmdline', 'rb').read().decode())\n"
         "    except OSError:\n        pass\nprint(json.dumps(out))\n"
     )
     res = run(code, backend)
@@ -275,7 +297,8 @@ def test_the_scorers_environment_and_arguments_are_not_visible(backend, monkeypa
 
 
 # fills the three private tmpfs (16 MiB files until full), then forks 6 processes that each touch
-# `per` MiB and hold it; prints the MiB held in tmpfs and how many processes held their memory together
+# `per` MiB and hold it; prints the MiB held in tmpfs and how many processes held their memory
+# together
 _TMPFS_AND_PROCESSES = """
 import os, sys, time
 tmp = 0
@@ -315,8 +338,9 @@ print(tmp, sum(h and a for h, a in zip(held, alive)), flush=True)
 @pytest.mark.tally("attacks")
 @pytest.mark.parametrize("backend", ISOLATING)
 def test_tmpfs_and_many_processes_share_one_memory_limit(backend):
-    # the cgroup counts tmpfs pages and every process: what the run held at once, by its own count and
-    # by the cgroup's peak, stays under the limit (summing processes' RSS over-counts: shared pages)
+    # the cgroup counts tmpfs pages and every process: what the run held at once, by its own count
+    # and by the cgroup's peak, stays under the limit (summing processes' RSS over-counts: shared
+    # pages)
     need(backend)
     need_cgroup("memory")
     limit, per = 256 * MIB, 64

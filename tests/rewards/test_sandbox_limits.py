@@ -45,7 +45,8 @@ print(sum(h and a for h, a in zip(held, alive)), flush=True)
 
 
 def _pss_bytes(pids):
-    """Anonymous + shared-memory Pss of `pids` (file pages such as libpython are the host's page cache)."""
+    """Anonymous + shared-memory Pss of `pids` (file pages such as libpython are the host's page
+    cache)."""
     total = 0
     for pid in pids:
         try:
@@ -62,7 +63,8 @@ def _pss_bytes(pids):
 def test_many_processes_share_one_memory_limit(backend):
     need_cgroup("memory")
     marker = f"prorl-mem-{uuid.uuid4().hex}"
-    limit = 256 * MIB  # 16 × 64 MiB = 1 GiB wanted; RLIMIT_AS alone (per process) would allow it all
+    # 16 × 64 MiB = 1 GiB wanted; RLIMIT_AS alone (per process) would allow it all
+    limit = 256 * MIB
     peak, done = [0], threading.Event()
 
     def watch():  # the run's memory as the host sees it
@@ -73,7 +75,9 @@ def test_many_processes_share_one_memory_limit(backend):
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        res = run(_MANY_PROCESSES, backend, sandbox.Limits(wall_s=6.0, memory_bytes=limit), args=[marker])
+        res = run(
+            _MANY_PROCESSES, backend, sandbox.Limits(wall_s=6.0, memory_bytes=limit), args=[marker]
+        )
     finally:
         done.set()
         watcher.join()
@@ -112,11 +116,13 @@ def test_many_threads_share_one_cpu_limit(backend):
     assert res.returncode == 0, res.stderr
     started, cores = res.stdout.split()
     assert int(started) >= 4
-    assert float(cores) <= 0.25 * 1.25 + 0.05, f"{cores} cores"  # a quarter core, however many threads
+    # a quarter core, however many threads
+    assert float(cores) <= 0.25 * 1.25 + 0.05, f"{cores} cores"
 
 
 def _fake_tree(tmp_path, enabled="memory pids cpu"):
-    """A cgroup v2 layout: this process in /user.slice/session.scope, sandboxes to go in /user.slice."""
+    """A cgroup v2 layout: this process in /user.slice/session.scope, sandboxes to go in
+    /user.slice."""
     root = tmp_path / "cg"
     scope = root / "user.slice" / "session.scope"
     scope.mkdir(parents=True)
@@ -124,7 +130,9 @@ def _fake_tree(tmp_path, enabled="memory pids cpu"):
         (d / "cgroup.procs").write_text("")
     (root / "cgroup.subtree_control").write_text("memory pids cpu io\n")
     (root / "user.slice" / "cgroup.subtree_control").write_text(enabled + "\n")
-    mountinfo = f"30 23 0:26 / {root} rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw\n"
+    mountinfo = (
+        f"30 23 0:26 / {root} rw,nosuid,nodev,noexec,relatime shared:4 - cgroup2 cgroup2 rw\n"
+    )
     return root, "0::/user.slice/session.scope\n", mountinfo
 
 
@@ -132,10 +140,15 @@ def test_v2_layout_limits_go_next_to_the_own_cgroup(tmp_path):
     root, proc_cgroup, mountinfo = _fake_tree(tmp_path)
     setup = cgroups.find(proc_cgroup, mountinfo)
     parent = str(root / "user.slice")
-    assert setup.parents == {c: ("v2", parent) for c in ("memory", "pids", "cpu")} and setup.missing == ()
+    assert (
+        setup.parents == {c: ("v2", parent) for c in ("memory", "pids", "cpu")}
+        and setup.missing == ()
+    )
     cg = cgroups.Cgroup(setup, memory_bytes=256 * MIB, pids=66, cpu_cores=0.5)
     (d,) = cg.dirs.values()
-    assert os.path.dirname(d) == parent and os.path.basename(d).startswith(f"prorl-sbx-{os.getpid()}-")
+    assert os.path.dirname(d) == parent and os.path.basename(d).startswith(
+        f"prorl-sbx-{os.getpid()}-"
+    )
     read = {f: open(os.path.join(d, f)).read() for f in ("memory.max", "pids.max", "cpu.max")}
     assert read == {"memory.max": str(256 * MIB), "pids.max": "66", "cpu.max": "50000 100000"}
 
@@ -144,7 +157,10 @@ def test_v2_layout_without_controllers_says_why(tmp_path):
     root, proc_cgroup, mountinfo = _fake_tree(tmp_path, enabled="io")
     setup = cgroups.find(proc_cgroup, mountinfo)
     assert setup.parents == {} and setup.missing == ("memory", "pids", "cpu")
-    assert f"{root}/user.slice/cgroup.subtree_control enables none of memory, pids, cpu" in setup.reason
+    assert (
+        f"{root}/user.slice/cgroup.subtree_control enables none of memory, pids, cpu"
+        in setup.reason
+    )
 
 
 def test_hybrid_layout_takes_v1_controllers(tmp_path):
@@ -156,7 +172,10 @@ def test_hybrid_layout_takes_v1_controllers(tmp_path):
     (tmp_path / "unified").mkdir()
     (tmp_path / "unified" / "cgroup.subtree_control").write_text("")
     proc_cgroup = "4:memory:/job\n8:pids:/job\n1:cpu:/job\n0::/\n"
-    lines = [f"{30 + i} 23 0:{40 + i} / {d} rw - cgroup cgroup rw,{c}" for i, (c, d) in enumerate(v1.items())]
+    lines = [
+        f"{30 + i} 23 0:{40 + i} / {d} rw - cgroup cgroup rw,{c}"
+        for i, (c, d) in enumerate(v1.items())
+    ]
     mountinfo = "\n".join(lines) + "\n"
     mountinfo += f"41 23 0:38 / {tmp_path / 'unified'} rw,relatime - cgroup2 cgroup2 rw\n"
     setup = cgroups.find(proc_cgroup, mountinfo)
@@ -164,14 +183,18 @@ def test_hybrid_layout_takes_v1_controllers(tmp_path):
     cg = cgroups.Cgroup(setup, memory_bytes=64 * MIB, pids=10, cpu_cores=2.0)
     files = {c: os.listdir(cg.dirs["v1", str(d / "job")]) for c, d in v1.items()}
     assert "memory.limit_in_bytes" in files["memory"] and "pids.max" in files["pids"]
-    assert open(os.path.join(cg.dirs["v1", str(v1["cpu"] / "job")], "cpu.cfs_quota_us")).read() == "200000"
+    assert (
+        open(os.path.join(cg.dirs["v1", str(v1["cpu"] / "job")], "cpu.cfs_quota_us")).read()
+        == "200000"
+    )
 
 
 def test_cgroups_of_dead_starters_are_removed():
     setup = cgroups.setup()
     if not setup.parents:
         pytest.skip(f"no cgroup for sandboxes here: {setup.reason}")
-    dead = int(open("/proc/sys/kernel/pid_max").read()) - 1  # the largest pid: not running (checked)
+    # the largest pid: not running (checked)
+    dead = int(open("/proc/sys/kernel/pid_max").read()) - 1
     with pytest.raises(ProcessLookupError):
         os.kill(dead, 0)
     parents = {parent for _, parent in setup.parents.values()}

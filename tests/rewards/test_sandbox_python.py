@@ -79,7 +79,9 @@ def test_a_venv_reached_through_a_symlink_runs_code_items():
     try:
         os.chmod(top, 0o755)
         os.chmod(links, 0o755)
-        subprocess.run([BASE_PYTHON, "-m", "venv", "--without-pip", f"{top}/venv"], check=True, timeout=120)
+        subprocess.run(
+            [BASE_PYTHON, "-m", "venv", "--without-pip", f"{top}/venv"], check=True, timeout=120
+        )
         link = os.path.join(links, "venv")
         os.symlink(f"{top}/venv", link)
         out = _probe(os.path.join(link, "bin", "python"), "import sys; print(sys.prefix)")
@@ -95,7 +97,9 @@ def test_user_site_packages_are_visible():
     try:
         env = {"PYTHONUSERBASE": top}
         where = [BASE_PYTHON, "-c", "import site; print(site.getusersitepackages())"]
-        site_dir = subprocess.run(where, capture_output=True, text=True, env=dict(os.environ, **env)).stdout
+        site_dir = subprocess.run(
+            where, capture_output=True, text=True, env=dict(os.environ, **env)
+        ).stdout
         os.makedirs(site_dir.strip())
         with open(os.path.join(site_dir.strip(), "prorl_usersite_probe.py"), "w") as f:
             f.write("VALUE = 'from the user site'\n")

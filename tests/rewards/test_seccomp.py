@@ -26,11 +26,14 @@ def test_syscall_numbers_match_the_kernel_headers(machine):
         pytest.skip(f"{HEADERS[machine]} is not installed (linux-libc-dev)")
     defined = {m[0]: int(m[1]) for m in re.findall(r"#define __NR_(\w+)\s+(\d+)\b", text)}
     col = 0 if machine == "x86_64" else 1
-    assert {n: nums[col] for n, nums in seccomp.SYSCALLS.items()} == {n: defined[n] for n in seccomp.SYSCALLS}
+    assert {n: nums[col] for n, nums in seccomp.SYSCALLS.items()} == {
+        n: defined[n] for n in seccomp.SYSCALLS
+    }
 
 
 def run_bpf(prog: bytes, nr: int, arch: int, args=(0,) * 6) -> int:
-    """Classic BPF over a struct seccomp_data {int nr; u32 arch; u64 ip; u64 args[6]} (little endian)."""
+    """Classic BPF over a struct seccomp_data {int nr; u32 arch; u64 ip; u64 args[6]} (little
+    endian)."""
     data = struct.pack("<iIQ6Q", nr, arch, 0, *args)
     insns = [struct.unpack("<HBBI", prog[i : i + 8]) for i in range(0, len(prog), 8)]
     a, pc = 0, 0
@@ -60,13 +63,23 @@ def test_the_program_denies_what_it_says_and_allows_the_rest(machine):
     prog = seccomp.program(machine)
     col, arch = int(machine != "x86_64"), seccomp.AUDIT_ARCH[machine]
     num = {n: v[col] for n, v in seccomp.SYSCALLS.items()}
-    for name in ("add_key", "keyctl", "request_key", "ptrace", "mount", "bpf", "setns", "io_uring_setup"):
+    for name in (
+        "add_key",
+        "keyctl",
+        "request_key",
+        "ptrace",
+        "mount",
+        "bpf",
+        "setns",
+        "io_uring_setup",
+    ):
         assert run_bpf(prog, num[name], arch) == DENY, name
     assert run_bpf(prog, num["clone3"], arch) == NOSYS
     for call in ("unshare", "clone"):
         assert run_bpf(prog, num[call], arch, (0x10000000, 0, 0, 0, 0, 0)) == DENY
         assert run_bpf(prog, num[call], arch, (0x10000000 | CLONE_NEWNS | 17,) + (0,) * 5) == DENY
-        assert run_bpf(prog, num[call], arch, (0x3D0F00 | 17, 0, 0, 0, 0, 0)) == seccomp.RET_ALLOW  # threads
+        # threads
+        assert run_bpf(prog, num[call], arch, (0x3D0F00 | 17, 0, 0, 0, 0, 0)) == seccomp.RET_ALLOW
         assert run_bpf(prog, num[call], arch, (1 << 32 | 17, 0, 0, 0, 0, 0)) == seccomp.RET_ALLOW
     denied = set(num.values()) - {num["clone"], num["unshare"]}
     for nr in range(460):  # everything else is allowed

@@ -1,7 +1,7 @@
 """Rows in verl's own format (as its examples/data_preprocess scripts write them) score through prorl's
-verifiers with the answer convention their prompts ask for: GSM8K's "#### 72", MATH's \\boxed{}, DAPO-Math's
-"Answer: 72" line, AIME, and PRIME-format code tests. Each row goes through prorl.data's row parser and
-prorl.rewards.score; a right and a wrong response per row."""
+verifiers with the answer convention their prompts ask for: GSM8K's "#### 72", MATH's \\boxed{},
+DAPO-Math's "Answer: 72" line, AIME, and PRIME-format code tests. Each row goes through prorl.data's
+row parser and prorl.rewards.score; a right and a wrong response per row."""
 
 import json
 
@@ -28,8 +28,10 @@ MATH = {  # verl examples/data_preprocess/math_dataset.py (lighteval/MATH)
     "extra_info": {"split": "test", "index": 3},
 }  # fmt: skip
 DAPO_PROMPT = (
-    "Solve the following math problem step by step. The last line of your response should be of the form "
-    "Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\nWhat is 6 * 7?\n\n"
+    "Solve the following math problem step by step. "
+    "The last line of your response should be of the form "
+    "Answer: $Answer (without quotes) where $Answer "
+    "is the answer to the problem.\n\nWhat is 6 * 7?\n\n"
     'Remember to put your answer on its own line after "Answer:".'
 )
 DAPO = {  # BytedTsinghua-SIA/DAPO-Math-17k as verl's DAPO recipe reads it

@@ -1,8 +1,8 @@
 """Tensors the trainer's helpers build go to the device the model computes on, not where its weights are
-stored: under FSDP2 with CPU offload (`model.cpu_offload`) the registered shards live on the CPU while
-FSDP2 moves the inputs to the GPU and computes there. The offload policy needs CUDA, so the case is
-built from a stand-in whose weights are on the CPU and whose forward runs on another device ("meta");
-tests/gpu/test_gpu_rules.py runs the real FSDP2 offload on a GPU."""
+stored: under FSDP2 with CPU offload (`model.cpu_offload`) the registered shards live on the CPU
+while FSDP2 moves the inputs to the GPU and computes there. The offload policy needs CUDA, so the
+case is built from a stand-in whose weights are on the CPU and whose forward runs on another device
+("meta"); tests/gpu/test_gpu_rules.py runs the real FSDP2 offload on a GPU."""
 
 import types
 
@@ -14,8 +14,9 @@ V, D = 11, 4
 
 
 class OffloadedModel(nn.Module):
-    """FSDP2 + CPUOffloadPolicy in miniature: parameters (the shards) on the CPU; the forward on `compute`;
-    after a forward the root's weights are unsharded on `compute` (FSDP2 leaves the root unsharded)."""
+    """FSDP2 + CPUOffloadPolicy in miniature: parameters (the shards) on the CPU; the forward on
+    `compute`; after a forward the root's weights are unsharded on `compute` (FSDP2 leaves the root
+    unsharded)."""
 
     def __init__(self, compute: str = "meta"):
         super().__init__()
@@ -50,6 +51,7 @@ def test_weight_probe_builds_its_labels_where_the_model_computes(monkeypatch):
 
     calls = []
     monkeypatch.setattr(prorl.kernels, "linear_logprob_entropy", same_device_op(calls))
-    engine = types.SimpleNamespace(probe_ids=[3, 1, 4, 1, 5, 9, 2, 6])  # what the probe reads of the engine
+    # what the probe reads of the engine
+    engine = types.SimpleNamespace(probe_ids=[3, 1, 4, 1, 5, 9, 2, 6])
     logp = VLLMGenerator.reference_probe_logprobs(engine, OffloadedModel())
     assert calls == [{"meta"}] and logp.shape == (7,) and logp.device.type == "cpu"

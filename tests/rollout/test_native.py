@@ -1,5 +1,6 @@
 """NativeGenerator: greedy equals transformers' greedy generate; sampled log-probs equal the training
-model's recomputed ones; draws are reproducible and independent of batch composition; update_weights."""
+model's recomputed ones; draws are reproducible and independent of batch composition;
+update_weights."""
 
 import os
 
@@ -29,17 +30,23 @@ def test_greedy_matches_transformers_generate(checkpoint):
     out = gen.generate(PROMPTS, SamplingParams(n=1, temperature=0.0, max_new_tokens=12))
     for sample in out.samples:
         prompt = torch.tensor([PROMPTS[sample.prompt_index]])
-        ref = hf.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        ref = hf.generate(
+            prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
         assert sample.token_ids == ref[0, prompt.shape[1] :].tolist()
         assert sample.finish_reason == "length"
 
 
-@pytest.mark.parametrize("temperature,top_p,top_k", [(1.0, 1.0, -1), (0.7, 0.9, 50), (1.3, 0.8, -1)])
+@pytest.mark.parametrize(
+    "temperature,top_p,top_k", [(1.0, 1.0, -1), (0.7, 0.9, 50), (1.3, 0.8, -1)]
+)
 def test_sampled_logprobs_match_trainer(checkpoint, temperature, top_p, top_k):
     path, _ = checkpoint
     model = load_hf(path)
     gen = NativeGenerator(model)
-    params = SamplingParams(n=3, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=10, seed=7)
+    params = SamplingParams(
+        n=3, temperature=temperature, top_p=top_p, top_k=top_k, max_new_tokens=10, seed=7
+    )
     out = gen.generate(PROMPTS, params)
     assert len(out.samples) == 12
     diffs = []
@@ -57,12 +64,17 @@ def test_stop_tokens_and_reproducibility(checkpoint):
     a = gen.generate(PROMPTS, params)
     b = gen.generate(PROMPTS, params)
     assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
-    # the first prompt sampled alone draws the same tokens: other prompts in the batch change nothing
+    # the first prompt sampled alone draws the same tokens: other prompts in the batch change
+    # nothing
     alone = gen.generate([PROMPTS[0]], params)
-    assert [s.token_ids for s in alone.samples] == [s.token_ids for s in a.samples if s.prompt_index == 0]
+    assert [s.token_ids for s in alone.samples] == [
+        s.token_ids for s in a.samples if s.prompt_index == 0
+    ]
     # stop on the most frequent early token: those samples end with it and are marked "stop"
     first = a.samples[0].token_ids[2]
-    stopped = gen.generate(PROMPTS, SamplingParams(n=4, max_new_tokens=16, seed=3, stop_token_ids=[first]))
+    stopped = gen.generate(
+        PROMPTS, SamplingParams(n=4, max_new_tokens=16, seed=3, stop_token_ids=[first])
+    )
     for s_full, s_stop in zip(a.samples, stopped.samples):
         if first in s_full.token_ids:
             cut = s_full.token_ids.index(first) + 1
@@ -85,7 +97,9 @@ def test_update_weights_in_place(checkpoint):
     gen.update_weights(other.state_dict())
     assert model.embed_tokens.weight.data_ptr() == ptr
     after = gen.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
-    ref = NativeGenerator(other).generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8))
+    ref = NativeGenerator(other).generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=8)
+    )
     assert [s.token_ids for s in after.samples] == [s.token_ids for s in ref.samples]
     assert [s.token_ids for s in after.samples] != [s.token_ids for s in before.samples]
     with pytest.raises(KeyError):
@@ -93,8 +107,8 @@ def test_update_weights_in_place(checkpoint):
 
 
 def test_compaction_keeps_every_row(checkpoint):
-    """A stop token most rows hit early: the cache is compacted (several times) and every sample is still
-    the prefix, up to its first stop token, of the same sample drawn without stop tokens."""
+    """A stop token most rows hit early: the cache is compacted (several times) and every sample is
+    still the prefix, up to its first stop token, of the same sample drawn without stop tokens."""
     path, _ = checkpoint
     gen = NativeGenerator(load_hf(path))
     params = SamplingParams(n=8, temperature=2.0, max_new_tokens=24, seed=11)
@@ -120,7 +134,9 @@ def test_compiled_decode_matches_eager(checkpoint):
     greedy = SamplingParams(temperature=0.0, max_new_tokens=12)
     for sample in compiled.generate(PROMPTS, greedy).samples:  # greedy still equals transformers
         prompt = torch.tensor([PROMPTS[sample.prompt_index]])
-        ref = hf.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+        ref = hf.generate(
+            prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+        )
         assert sample.token_ids == ref[0, prompt.shape[1] :].tolist()
     params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=5, stop_token_ids=[7])
     a, b = eager.generate(PROMPTS, params), compiled.generate(PROMPTS, params)

@@ -43,8 +43,9 @@ def test_unknown_name_raises():
 
 
 def test_torchrun_engines_are_independent():
-    """One vLLM engine per rank, independent (vLLM's ExternalDP dimension): no data_parallel_size, whose
-    generate calls are collectives across the engines; tensor parallelism refused under torchrun."""
+    """One vLLM engine per rank, independent (vLLM's ExternalDP dimension): no data_parallel_size,
+    whose generate calls are collectives across the engines; tensor parallelism refused under
+    torchrun."""
     from prorl.engine.rollout.vllm import torchrun_engine_kwargs
 
     assert torchrun_engine_kwargs(1) == {}

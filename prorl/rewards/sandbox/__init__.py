@@ -137,14 +137,19 @@ def _unshare_flags() -> list[str]:
 def _candidates() -> list[str]:
     root = os.geteuid() == 0
     order = ["unshare", "bwrap"] if root else ["bwrap", "unshare"]
-    have = {"unshare": shutil.which("unshare") and shutil.which("setpriv"), "bwrap": shutil.which("bwrap")}
+    have = {
+        "unshare": shutil.which("unshare") and shutil.which("setpriv"),
+        "bwrap": shutil.which("bwrap"),
+    }
     return [b for b in order if have[b]]
 
 
 def _works(name: str) -> str | None:
     """None if a trivial run on backend `name` succeeds, else why not."""
     try:
-        res = run_python({"main.py": "print('ok')"}, "main.py", limits=Limits(wall_s=60), backend_name=name)
+        res = run_python(
+            {"main.py": "print('ok')"}, "main.py", limits=Limits(wall_s=60), backend_name=name
+        )
     except (SandboxError, OSError) as exc:
         return str(exc)
     return None if res.returncode == 0 and res.stdout == b"ok\n" else f"exit code {res.returncode}"
@@ -170,16 +175,20 @@ def backend() -> str:
     else:
         name = "none"
         log.warning(
-            "code sandbox: no namespaces (%s); untrusted code sees the host's files and network and runs "
-            "with rlimits, a private directory and a process-group kill only. Install bubblewrap or allow "
+            "code sandbox: no namespaces (%s); untrusted "
+            "code sees the host's files and network and runs "
+            "with rlimits, a private directory and a "
+            "process-group kill only. Install bubblewrap or allow "
             "user namespaces.",
             "; ".join(failures) or "neither util-linux unshare+setpriv nor bubblewrap is installed",
         )
     cg = cgroups.setup()
     if cg.missing:
         log.warning(
-            "code sandbox: no cgroup for %s (%s): those limits are per process (memory: address space × "
-            "up to nproc processes; CPU: seconds per process and the wall clock), not for the run as a whole",
+            "code sandbox: no cgroup for %s (%s): those "
+            "limits are per process (memory: address space × "
+            "up to nproc processes; CPU: seconds per process "
+            "and the wall clock), not for the run as a whole",
             ", ".join(cg.missing),
             cg.reason,
         )
@@ -196,7 +205,8 @@ def _filter_hex() -> str:
     prog = seccomp.program()
     if prog is None:
         log.warning(
-            "code sandbox: no seccomp filter for %s (written for %s): sandboxed code can use keyrings "
+            "code sandbox: no seccomp filter for %s "
+            "(written for %s): sandboxed code can use keyrings "
             "and create user namespaces",
             platform.machine(),
             ", ".join(seccomp.AUDIT_ARCH),
@@ -249,7 +259,9 @@ def _preexec(limits: Limits, uid: int | None, cgroup: cgroups.Cgroup | None):
 def _unshare_command(outer: str, code_dir: str, python: list[str], limits: Limits, uid: int | None):
     # the new root's mount point (on the host, an empty directory)
     os.mkdir(os.path.join(outer, "root"))
-    sh = rootfs.shell_script(rootfs.plan(code_dir, limits.tmpfs_bytes), os.path.join(outer, "root"), uid)
+    sh = rootfs.shell_script(
+        rootfs.plan(code_dir, limits.tmpfs_bytes), os.path.join(outer, "root"), uid
+    )
     env = ["env", "-i", f"PATH={SAFE_PATH}", f"HOME={WORK_DIR}", "LANG=C.UTF-8"]
     drop = ["setpriv", "--no-new-privs", "--inh-caps=-all", "--bounding-set=-all"]
     if uid is not None:
@@ -261,7 +273,9 @@ def _unshare_command(outer: str, code_dir: str, python: list[str], limits: Limit
     # stays pid 1.
     deadline = _own_deadline(limits)
     run = [*deadline, *drop, *env, *python]
-    sh.append(f"cd {WORK_DIR} && {'exec ' if deadline else ''}" + " ".join(shlex.quote(a) for a in run))
+    sh.append(
+        f"cd {WORK_DIR} && {'exec ' if deadline else ''}" + " ".join(shlex.quote(a) for a in run)
+    )
     return [shutil.which("unshare") or "unshare", *_unshare_flags(), "sh", "-c", "\n".join(sh)]
 
 
@@ -276,13 +290,30 @@ def _bwrap_command(outer: str, code_dir: str, python: list[str], limits: Limits,
 
     opts = ["--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     opts += rootfs.bwrap_args(rootfs.plan(code_dir, limits.tmpfs_bytes), open_fd)
-    opts += ["--chdir", WORK_DIR, "--clearenv", "--setenv", "PATH", SAFE_PATH, "--setenv", "HOME", WORK_DIR]
+    opts += [
+        "--chdir",
+        WORK_DIR,
+        "--clearenv",
+        "--setenv",
+        "PATH",
+        SAFE_PATH,
+        "--setenv",
+        "HOME",
+        WORK_DIR,
+    ]
     opts += ["--setenv", "LANG", "C.UTF-8"]
     path = os.path.join(outer, "bwrap-args")
     with open(path, "wb") as f:
         f.write(b"".join(a.encode() + b"\0" for a in opts))
     args_fd = open_fd(path)
-    return [shutil.which("bwrap") or "bwrap", "--args", str(args_fd), "--", *_own_deadline(limits), *python]
+    return [
+        shutil.which("bwrap") or "bwrap",
+        "--args",
+        str(args_fd),
+        "--",
+        *_own_deadline(limits),
+        *python,
+    ]
 
 
 def _own_deadline(limits: Limits) -> list[str]:
@@ -304,10 +335,14 @@ def _none_workdir(work: str, uid: int | None) -> int | None:
     if any(rootfs.hidden_from_others(p) for p in exe):
         if os.environ.get("PRORL_SANDBOX_ROOT_OK") != "1":
             raise SandboxError(
-                f"code sandbox `none` as root: the interpreter {exe[1]} lies where other users cannot "
-                "read it (e.g. under /root), so the code cannot drop to an unprivileged uid and would "
-                "run as root (able to signal or write anything on the machine). Install Python or the "
-                "venv where other users can read it (/opt, /usr/local, chmod o+rx on its folders), make "
+                "code sandbox `none` as root: the "
+                f"interpreter {exe[1]} lies where other users cannot "
+                "read it (e.g. under /root), so the code "
+                "cannot drop to an unprivileged uid and would "
+                "run as root (able to signal or write "
+                "anything on the machine). Install Python or the "
+                "venv where other users can read it (/opt, "
+                "/usr/local, chmod o+rx on its folders), make "
                 "a namespace sandbox work (install bubblewrap, allow user namespaces), or, in a "
                 "throwaway container, set PRORL_SANDBOX_ROOT_OK=1"
             )
@@ -469,11 +504,15 @@ def _run(launch: _Launch, name: str, limits: Limits, started_r: int) -> Result:
             )
         except (OSError, subprocess.SubprocessError) as exc:
             os.close(started_r)
-            raise SandboxError(f"cannot start the `{name}` sandbox ({launch.argv[0]}): {exc}") from exc
+            raise SandboxError(
+                f"cannot start the `{name}` sandbox ({launch.argv[0]}): {exc}"
+            ) from exc
         finally:
             for fd in launch.inherit:
                 os.close(fd)
-        started, returncode, timed_out, start = _wait(proc, started_r, limits.wall_s, launch.drop_uid)
+        started, returncode, timed_out, start = _wait(
+            proc, started_r, limits.wall_s, launch.drop_uid
+        )
     wall = time.monotonic() - start
     stderr = _read(err_path, limits.output_bytes)
     if not started:

@@ -68,7 +68,9 @@ def _mounts(mountinfo: str) -> list[tuple[str, str, str, set[str]]]:
         left, _, right = line.partition(" - ")
         fields, rfields = left.split(), right.split()
         if len(fields) >= 5 and len(rfields) >= 3 and rfields[0] in ("cgroup", "cgroup2"):
-            out.append((_unescape(fields[3]), _unescape(fields[4]), rfields[0], set(rfields[2].split(","))))
+            out.append(
+                (_unescape(fields[3]), _unescape(fields[4]), rfields[0], set(rfields[2].split(",")))
+            )
     return out
 
 
@@ -113,13 +115,19 @@ def _v2_parent(mount_root: str, mount_point: str, path: str) -> tuple[str, set[s
     # the root
     parent = here if here == os.path.normpath(mount_point) else os.path.dirname(here)
     try:
-        enabled = set(_read(os.path.join(parent, "cgroup.subtree_control")).split()) & set(CONTROLLERS)
+        enabled = set(_read(os.path.join(parent, "cgroup.subtree_control")).split()) & set(
+            CONTROLLERS
+        )
     except OSError as exc:
         return "", set(), f"cannot read {parent}/cgroup.subtree_control ({exc.strerror})"
     if not _writable(parent):
         return "", set(), f"{parent} is not writable by uid {os.geteuid()}"
     if not enabled:
-        return "", set(), f"{parent}/cgroup.subtree_control enables none of {', '.join(CONTROLLERS)}"
+        return (
+            "",
+            set(),
+            f"{parent}/cgroup.subtree_control enables none of {', '.join(CONTROLLERS)}",
+        )
     return parent, enabled, ""
 
 
@@ -194,7 +202,11 @@ class Cgroup:
                 if c == "memory":
                     self._write(d, "memory.max" if v2 else "memory.limit_in_bytes", memory_bytes)
                     # no swapping out to get around it
-                    swap = ("memory.swap.max", 0) if v2 else ("memory.memsw.limit_in_bytes", memory_bytes)
+                    swap = (
+                        ("memory.swap.max", 0)
+                        if v2
+                        else ("memory.memsw.limit_in_bytes", memory_bytes)
+                    )
                     self._write(d, *swap, optional=True)
                 elif c == "pids":
                     self._write(d, "pids.max", pids)

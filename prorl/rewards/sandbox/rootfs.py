@@ -113,7 +113,9 @@ def python_paths() -> tuple[str, ...]:
             break
         exe = os.path.join(os.path.dirname(exe), os.readlink(exe))
     paths += _library_dirs(os.path.realpath(sys.executable))
-    paths = {os.path.normpath(q) for p in paths if os.path.isdir(p) for q in (p, os.path.realpath(p))}
+    paths = {
+        os.path.normpath(q) for p in paths if os.path.isdir(p) for q in (p, os.path.realpath(p))
+    }
     covered = [os.path.realpath(d) for d in SYSTEM_DIRS if os.path.isdir(d)]
 
     # not already visible through a bind of a parent on the same file system
@@ -146,13 +148,18 @@ def plan(code_dir: str, tmpfs_bytes: int) -> list[Mount]:
     mounts += [Mount("tmpfs", d, size=tmpfs_bytes) for d in SCRATCH]
     mounts.append(Mount("dir", "/run"))
     for p in python_paths():  # after the scratch tmpfs, so that a venv under /tmp stays visible
-        if any(_inside(own, p) for own in OWN_PATHS) or any(_inside(p, t) for t in _NO_INTERPRETER_BELOW):
+        if any(_inside(own, p) for own in OWN_PATHS) or any(
+            _inside(p, t) for t in _NO_INTERPRETER_BELOW
+        ):
             raise LayoutError(
                 f"the Python installation needs {p}, which overlaps the sandbox's own directories "
                 f"({', '.join(OWN_PATHS)}); install Python elsewhere"
             )
         mounts.append(Mount("ro", p, p))
-    mounts += [Mount("copy", CODE_DIR, code_dir, size=_copy_bytes(code_dir)), Mount("dir", WORK_DIR)]
+    mounts += [
+        Mount("copy", CODE_DIR, code_dir, size=_copy_bytes(code_dir)),
+        Mount("dir", WORK_DIR),
+    ]
     return mounts
 
 
@@ -179,7 +186,10 @@ def _mount_commands(m: Mount, t: str, work_owner: int | None):
             (f"cp -R {q(m.source)}/. {t}/ && mount -o remount,ro,nosuid,nodev tmpfs {t}", None),
         ], None
     if m.kind == "tmpfs":
-        return [(f"mount -t tmpfs -o size={m.size},mode=1777,nosuid,nodev tmpfs {t}", m.target)], ([], [])
+        return [(f"mount -t tmpfs -o size={m.size},mode=1777,nosuid,nodev tmpfs {t}", m.target)], (
+            [],
+            [],
+        )
     if m.kind == "proc":
         return [(f"mount -t proc -o nosuid,nodev,noexec proc {t}", None)], None
     if m.kind == "dev":
@@ -228,7 +238,11 @@ def shell_script(mounts: list[Mount], new_root: str, work_owner: int | None) -> 
         mkdir = [f"mkdir -p {' '.join(dirs)}"] if dirs else []
         return mkdir + ([f"touch {' '.join(files)}"] if files else [])
 
-    sh = ["set -e", "umask 022", f"mount -t tmpfs -o size=1m,mode=755,nosuid,nodev tmpfs {q(new_root)}"]
+    sh = [
+        "set -e",
+        "umask 022",
+        f"mount -t tmpfs -o size=1m,mode=755,nosuid,nodev tmpfs {q(new_root)}",
+    ]
     sh += populate("/")
     for command, fs in steps:
         sh += [command, *(populate(fs) if fs else [])]

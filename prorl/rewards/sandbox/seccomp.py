@@ -102,7 +102,11 @@ def program(machine: str | None = None) -> bytes | None:
     nr = {name: nums[col] for name, nums in SYSCALLS.items()}
     # the low 32 bits of the first argument (CLONE_NEWUSER is among them)
     arg0_low = _ARG0 if struct.pack("=I", 1)[0] == 1 else _ARG0 + 4
-    p = [_insn(_LD_ABS_W, _ARCH), _insn(_JEQ, AUDIT_ARCH[machine], 1, 0), _insn(_RET, RET_KILL_PROCESS)]
+    p = [
+        _insn(_LD_ABS_W, _ARCH),
+        _insn(_JEQ, AUDIT_ARCH[machine], 1, 0),
+        _insn(_RET, RET_KILL_PROCESS),
+    ]
     p.append(_insn(_LD_ABS_W, _NR))
     if machine == "x86_64":
         p += [_insn(_JGE, X32_SYSCALL_BIT, 0, 1), _insn(_RET, RET_KILL_PROCESS)]
@@ -112,7 +116,11 @@ def program(machine: str | None = None) -> bytes | None:
         p += [_insn(_JEQ, nr[name], 0, 1), _insn(_RET, RET_ERRNO | ENOSYS)]
     for name in FLAG_CHECKED:  # jump over the 4-instruction flag check unless it is this call
         p += [_insn(_JEQ, nr[name], 0, 4), _insn(_LD_ABS_W, arg0_low)]
-        p += [_insn(_JSET, CLONE_NEWUSER, 0, 1), _insn(_RET, RET_ERRNO | EPERM), _insn(_RET, RET_ALLOW)]
+        p += [
+            _insn(_JSET, CLONE_NEWUSER, 0, 1),
+            _insn(_RET, RET_ERRNO | EPERM),
+            _insn(_RET, RET_ALLOW),
+        ]
     p.append(_insn(_RET, RET_ALLOW))
     return b"".join(p)
 
