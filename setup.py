@@ -97,7 +97,9 @@ def read(path: str) -> str:
 setup(
     name="prorl",
     version="0.1.0",
-    description="A lean engine for prolonged RL of LLM reasoning (the ProRL v2 recipe) with fused loss ops",
+    description=(
+        "A lean engine for prolonged RL of LLM reasoning (the ProRL v2 recipe) with fused loss ops"
+    ),
     long_description=read("README.md"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",

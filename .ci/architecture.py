@@ -1,4 +1,4 @@
-"""Structural measurements of the code base (issue targets for the trainer's shape), read from the AST.
+"""Structural measurements of the code base (the issue targets for its shape), read from the AST.
 
     python .ci/architecture.py            # print the table
     python .ci/architecture.py --check    # exit 1 when a target in CHECKED does not hold

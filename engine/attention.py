@@ -145,7 +145,10 @@ class SDPAAttention(AttentionBackend):
         """One padded SDPA call for the sequences in `bucket`: gather indices, mask, output rows;
         built with a few vectorised ops on `device` (a per-sequence loop of small host ops cost ~70
         ms per RL step on an H200 host, profiled with benchmarks/gpu/profile_step.py)."""
-        as_t = lambda xs: torch.tensor(xs, dtype=torch.long).to(device, non_blocking=True)  # noqa: E731
+
+        def as_t(xs):
+            return torch.tensor(xs, dtype=torch.long).to(device, non_blocking=True)
+
         bq, bk = as_t([lq[i] for i in bucket]), as_t([lk[i] for i in bucket])
         sq, sk = as_t([start_q[i] for i in bucket]), as_t([start_k[i] for i in bucket])
         mq, mk = max(lq[i] for i in bucket), max(lk[i] for i in bucket)

@@ -1,10 +1,10 @@
-"""Checkpoints: a dict of stateful objects, saved with torch.distributed.checkpoint, committed atomically.
+"""Checkpoints: a dict of stateful objects, saved with torch.distributed.checkpoint, atomically.
 
-    ckpt = Checkpointer(f"{output_dir}/checkpoints", keep_last=3)   # checks the directory is writable
-    ckpt.preflight(state)                                           # enough disk for one save? (clear error)
-    info = ckpt.load(state, config_hash=h)        # latest complete one, if any -> CheckpointInfo | None
+    ckpt = Checkpointer(f"{output_dir}/checkpoints", keep_last=3)  # checks it is writable
+    ckpt.preflight(state)                       # enough disk for one save? (clear error)
+    info = ckpt.load(state, config_hash=h)      # the latest complete one -> CheckpointInfo | None
     ...
-    ckpt.save(step, state, config_hash=h)         # state = {"model": model, "optimizer": opt, "trainer": ...}
+    ckpt.save(step, state, config_hash=h)       # state = {"model": model, "optimizer": opt, ...}
 
 What goes where. Models (`nn.Module`) and optimizers (a torch optimizer, or an object holding one as
 `.optimizer` and its state under `state_dict()["optimizer"]`, like engine.optim.Optimizer) go
@@ -27,7 +27,7 @@ Layout and commit protocol:
         meta.json               step, config hash, model identity per model key, world size, keys
         manifest.json           size and SHA-256 of every file above (engine/checkpoint_verify.py)
         COMPLETE
-    step_00000150.tmp/      a save in progress or interrupted: never loaded; removed by the next save
+    step_00000150.tmp/      a save in progress or interrupted: never loaded; the next save deletes
 
 A save writes everything into `step_X.tmp/`, then rank 0 renames it to `step_X/` and only then
 writes `COMPLETE` (via a temporary file and a rename, fsynced). `latest()` takes the highest step

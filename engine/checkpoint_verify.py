@@ -1,4 +1,4 @@
-"""What makes a checkpoint trustworthy before it is loaded: a manifest of its files, and model identity.
+"""What makes a checkpoint trustworthy before a load: a manifest of its files, and model identity.
 
 The manifest (`manifest.json`, written by `engine.checkpoint.Checkpointer.save` after every other
 file of the save and before the commit marker) holds the size and SHA-256 of every file of the
@@ -146,7 +146,10 @@ def verify(path: str, *, required: tuple[str, ...], rng_dir: str, skip: tuple[st
             verdict.damage.append(f"{full}: {what}")
     # every file is covered: DCP or pickle would read it
     for name in sorted(set(found) - set(manifest)):
-        what = f"not listed in {MANIFEST} (added or replaced after the save, or the manifest was edited)"
+        what = (
+            f"not listed in {MANIFEST} (added or replaced after the save, or the manifest was "
+            "edited)"
+        )
         if _is_rng(name, rng_dir):
             verdict.rng[os.path.join(path, name)] = f"is {what}"
         else:
@@ -190,7 +193,10 @@ def _file_problem(got: dict | None, want: dict) -> str | None:
     if got["size"] != want["size"]:
         return f"{got['size']} bytes, {want['size']} when saved (truncated or overwritten)"
     if got["sha256"] != want["sha256"]:
-        return "contents differ from the checksum written at save (overwritten, zero-filled or bit rot)"
+        return (
+            "contents differ from the checksum written at save (overwritten, zero-filled or bit "
+            "rot)"
+        )
     return None
 
 
@@ -210,7 +216,8 @@ def manifest_problem(manifest: Any) -> str | None:
         if os.path.isabs(name) or norm != name or norm.startswith(".." + os.sep) or norm == "..":
             return f"entry {name!r}: not a relative path inside the checkpoint"
         if not isinstance(entry, dict):
-            return f"entry {name!r}: must be an object with 'size' and 'sha256', got {type(entry).__name__}"
+            got = type(entry).__name__
+            return f"entry {name!r}: must be an object with 'size' and 'sha256', got {got}"
         size, sha = entry.get("size"), entry.get("sha256")
         if isinstance(size, bool) or not isinstance(size, int) or size < 0:
             return (

@@ -1,4 +1,4 @@
-"""FP8 training as a model converter (`model.fp8: none | torchao | te`), applied before `parallelize`.
+"""FP8 training as a model converter (`model.fp8: none | torchao | te`), applied before FSDP2.
 
 Like torchtitan's Float8 converter this is not an `if fp8:` inside layers: `FP8Training.convert`
 swaps the `nn.Linear` projections of every decoder Block (q/k/v/o, gate/up/down) for an FP8 Linear
@@ -9,9 +9,9 @@ as for any model:
     model = fp8.convert(load_hf(path, dtype=torch.float32))   # fp32 masters stay fp32
     model = parallelize(model, param_dtype=torch.bfloat16, activation_checkpointing=True)
     with fp8.autocast():                                      # TE: its autocast; torchao: nothing
-        hidden = model(ids, cu_seqlens=cu)                    # TE: N a multiple of fp8.token_multiple
+        hidden = model(ids, cu_seqlens=cu)                    # TE: N a multiple of token_multiple
     loss.backward()                                           # outside the autocast (TE's rule)
-    optimizer.step(); fp8.after_optimizer_step(model)         # torchao FP8 all-gather: weight scales
+    optimizer.step(); fp8.after_optimizer_step(model)         # torchao FP8 all-gather: scales
 
 Backends:
 - torchao (`torchao.float8.convert_to_float8_training`, torchao 0.18): dynamic scaling, `tensorwise`

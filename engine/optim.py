@@ -1,4 +1,4 @@
-"""AdamW with a learning-rate schedule, global-norm gradient clipping and non-finite-gradient skipping.
+"""AdamW with a learning-rate schedule, global-norm gradient clipping, non-finite-gradient skips.
 
 `Optimizer` is one stateful object (`state_dict` / `load_state_dict`) holding the torch AdamW, its
 LambdaLR schedule and the skip counter, so a checkpoint stores it as one entry. `step()` does, in

@@ -3,11 +3,11 @@ over sharded models (weight sync, exact copies, the HF export).
 
 The model (`engine/model`) holds no parallelism code. The order of operations is always the same:
 
-    info = init_distributed()                          # engine/distributed.py: gloo (CPU) / NCCL (CUDA)
-    model = meta_decoder(ModelConfig.from_hf(...))     # on the meta device: no memory, no init cost
-    model = FP8Training("torchao").convert(model)       # optional converters come first (engine/fp8.py)
+    info = init_distributed()                       # engine/distributed.py: gloo / NCCL
+    model = meta_decoder(ModelConfig.from_hf(...))  # on the meta device: no memory, no init cost
+    model = FP8Training("torchao").convert(model)   # optional converters first (engine/fp8.py)
     model = parallelize(model, param_dtype=torch.bfloat16, activation_checkpointing=True)
-    materialize(model, info.device, hf_path=path)      # to_empty + each rank reads only what it keeps
+    materialize(model, info.device, hf_path=path)   # to_empty; each rank reads only what it keeps
 
 `parallelize` applies, per decoder `Block` and in this order: activation checkpointing ->
 `torch.compile` (optional) -> FSDP2 `fully_shard`; then `fully_shard` of the root (embeddings, final

@@ -1,5 +1,5 @@
-"""Say what a rank is waiting for: a frozen or slow peer shows up as the others' long waits, long before a
-collective times out.
+"""Say what a rank is waiting for: a frozen or slow peer shows up as the others' long waits, long
+before a collective times out.
 
     watch = Watchdog(warn_after_s=300)                 # one per process; a daemon thread
     with watch.phase("sampling round 2"):             # what this rank is doing

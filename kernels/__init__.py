@@ -7,9 +7,10 @@ Each op runs on one of three backends, chosen by the device of its inputs (see `
 option tuples list the values each string option accepts (a trainer's config can check against
 them):
 
-    AGG_MODES, KL_ESTIMATORS, KL_CLAMPS, IS_MODES   ppo_loss / linear_ppo_loss: agg, kl_estimator, kl_clamp,
-                                                    is_mode
-    ADVANTAGE_MODES, WHITEN_WEIGHTINGS              group_advantages: mode, weighting (batch_whiten too)
+    AGG_MODES, KL_ESTIMATORS, KL_CLAMPS, IS_MODES   ppo_loss / linear_ppo_loss: agg, kl_estimator,
+                                                    kl_clamp, is_mode
+    ADVANTAGE_MODES, WHITEN_WEIGHTINGS              group_advantages: mode, weighting (batch_whiten
+                                                    too)
 """
 
 from ._backend import native_available

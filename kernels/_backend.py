@@ -27,7 +27,10 @@ def native_available() -> bool:
         paths = sorted(glob.glob(os.path.join(here, "_C*.so")))
         error = None
         if not paths:
-            error = "the native library was not built (see the pip/CMake output, or set PRORL_TARGET_DEVICE)"
+            error = (
+                "the native library was not built (see the pip/CMake output, or set "
+                "PRORL_TARGET_DEVICE)"
+            )
         else:
             try:
                 torch.ops.load_library(paths[0])

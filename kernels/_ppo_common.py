@@ -1,6 +1,6 @@
-"""What `ppo_loss`, its triton backend and `linear_ppo_loss` share: the option values, the options object,
-the statistics-slot layout, the input layouts and the aggregation weights (ppo_loss.py's docstring
-has the math). Torch code only; no backend lives here.
+"""What `ppo_loss`, its triton backend and `linear_ppo_loss` share: the option values, the options
+object, the statistics-slot layout, the input layouts and the aggregation weights (ppo_loss.py's
+docstring has the math). Torch code only; no backend lives here.
 
 The option tuples are the public list of allowed values (exported by `prorl.kernels`); an option's
 position in its tuple is the integer code that the native and triton kernels take.
@@ -127,8 +127,8 @@ def flatten_inputs(
     """Check shapes and return the per-token inputs flattened to [N], plus the sequence layout.
 
     like_logp: {"old_logp", "mask", "ref_logp", "is_weights"}, each shaped like logp (None: absent).
-    row_advantages: a padded batch's [B] advantages stay [B] (tok["adv_row_len"] = T, the backend reads
-    advantage offs // T) instead of being broadcast to a [N] copy; tok["adv_row_len"] is 0
+    row_advantages: a padded batch's [B] advantages stay [B] (tok["adv_row_len"] = T, the backend
+    reads advantage offs // T) instead of being broadcast to a [N] copy; tok["adv_row_len"] is 0
     otherwise."""
     if not logp.is_floating_point():
         raise TypeError(f"logp must be floating point, got {logp.dtype}")

@@ -1,13 +1,15 @@
-"""Outcome advantages from per-response rewards: group baselines and global whitening (docs/recipe.md §2).
+"""Outcome advantages from per-response rewards: group baselines, global whitening (recipe §2).
 
-    adv = group_advantages(rewards [B], group_index [B], mode="reinforce++-baseline", lengths=lengths)
+    adv = group_advantages(rewards [B], group_index [B], mode="reinforce++-baseline", lengths=...)
     adv = batch_whiten(values, mask, process_group=torch.distributed.group.WORLD)
 
 Modes, for response i of group g (the n responses to one prompt):
 
-    reinforce++-baseline (ProRL v2)   c_i = R_i - mean_g R,  A_i = (c_i - mu) / sqrt(max(sigma^2, 1e-8))
-    grpo (ProRL v1)                   A_i = (R_i - mean_g R) / (std_g R + eps)   (population or unbiased std)
-    dr-grpo                           A_i = R_i - mean_g R
+    reinforce++-baseline (ProRL v2)  c_i = R_i - mean_g R,
+                                     A_i = (c_i - mu) / sqrt(max(sigma^2, 1e-8))
+    grpo (ProRL v1)                  A_i = (R_i - mean_g R) / (std_g R + eps)  (population or
+                                     unbiased std)
+    dr-grpo                          A_i = R_i - mean_g R
 
 where mu and sigma^2 are the mean and POPULATION variance of c over the whole batch, weighted by
 each response's token count (`weighting="token"`, what NeMo-RL and OpenRLHF do) or one weight per

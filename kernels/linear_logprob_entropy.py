@@ -1,6 +1,6 @@
 """Per-token log-probabilities and entropies straight from hidden states and the LM-head weight.
 
-    logp, entropy = linear_logprob_entropy(hidden [N, D], weight [V, D], labels [N], temperature=1.0)
+    logp, entropy = linear_logprob_entropy(hidden [N, D], weight [V, D], labels [N], temperature=T)
 
 is what an RL trainer needs from the LM head: log p(label) and the entropy H of the
 temperature-scaled distribution z = (hidden @ weight.T) / temperature, without materialising the [N,
@@ -71,8 +71,8 @@ def linear_logprob_entropy(
         chunk_bytes: workspace budget for one tile of logits (see module docstring).
 
     Returns:
-        (logp, entropy): fp32 tensors of shape labels.shape. Differentiable w.r.t. hidden and weight;
-        backward takes upstream gradients for both outputs.
+        (logp, entropy): fp32 tensors of shape labels.shape. Differentiable w.r.t. hidden and
+        weight; backward takes upstream gradients for both outputs.
     """
     if hidden.shape[-1] != weight.shape[-1]:
         raise ValueError(

@@ -1,6 +1,7 @@
 """The PPO-Clip-Higher + KL loss straight from hidden states, fused with the LM head:
 
-    loss, metrics = linear_ppo_loss(hidden [N, D], weight [V, D], labels [N], old_logp, advantages, mask, ...)
+    loss, metrics = linear_ppo_loss(hidden [N, D], weight [V, D], labels [N], old_logp, advantages,
+                                    mask, ...)
 
 equals `ppo_loss(linear_logprob_entropy(hidden, weight, labels, T)[0], old_logp, advantages, mask,
 ...)` (optionally minus entropy_coef times the entropy aggregated like the loss), in 6NDV matmul
@@ -16,11 +17,11 @@ everything for that block before the next:
 
     for each block of R rows:
         Z = H_R W^T                          2 R D V   one GEMM into the workspace
-        m, s, b, z_y over the row (T applied)          read-only pass over Z (tile op `update_stats`)
-        logp, H, then the ppo_loss backend on the R tokens -> dloss/dlogp (G) and the block's statistics
+        m, s, b, z_y over the row (T applied)          read-only pass over Z (`update_stats`)
+        logp, H, then the ppo_loss backend on the R tokens -> dloss/dlogp (G), block statistics
         Z <- dL/dZ in place                            one pass over Z (tile op `tile_grad`)
         dH_R  = dZ W                         2 R D V   written once
-        dW   += dZ^T H_R                     2 R D V   fp32, the first block's GEMM writes it (no zero fill)
+        dW   += dZ^T H_R                     2 R D V   fp32, the first block's GEMM writes it
 
 6NDV in all, no recompute: the gradients are computed in the forward (as Liger's fused linear cross
 entropy does) and kept until backward, which multiplies them by the upstream scalar (in place, so
@@ -102,10 +103,10 @@ def linear_ppo_loss(
             differentiable.
         weight: [V, D] LM-head weight, same dtype; differentiable.
         labels: [N] or [B, T] int64 sampled token ids; `ignore_index` rows count as masked.
-        old_logp, advantages, mask, ref_logp, is_weights, cu_seqlens, eps_*, dual_clip, kl_*, is_*, agg,
-            normalizer: as `ppo_loss`, shaped like labels (advantages also [B], or [S] with cu_seqlens).
-            old_logp None: on-policy, old_logp is the current log-prob itself, detached (ratio 1; TRL's
-            shortcut when it skips the old log-prob pass).
+        old_logp, advantages, mask, ref_logp, is_weights, cu_seqlens, eps_*, dual_clip, kl_*, is_*,
+            agg, normalizer: as `ppo_loss`, shaped like labels (advantages also [B], or [S] with
+            cu_seqlens). old_logp None: on-policy, old_logp is the current log-prob itself,
+            detached (ratio 1; TRL's shortcut when it skips the old log-prob pass).
         temperature: the sampling temperature, applied in fp32 before the log-softmax.
         entropy_coef: subtracts entropy_coef * sum_t s_t H_t (entropy aggregated like the loss;
             verl's entropy_coeff). 0 (default) costs nothing.
@@ -114,14 +115,16 @@ def linear_ppo_loss(
         backend: "native" | "triton" | "torch"; default by device.
 
     Returns:
-        (loss, metrics): 0-d fp32 loss (gradients flow to hidden and weight) and ppo_loss's metrics plus
-        entropy_mean and entropy_loss, all detached device tensors, and the per-token `logp` and `entropy`
-        (fp32, labels' shape, 0 at ignored labels) that a trainer's own metrics may need.
+        (loss, metrics): 0-d fp32 loss (gradients flow to hidden and weight) and ppo_loss's metrics
+        plus entropy_mean and entropy_loss, all detached device tensors, and the per-token `logp`
+        and `entropy` (fp32, labels' shape, 0 at ignored labels) that a trainer's own metrics may
+        need.
     """
     opts = PPOOptions(
         eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, has_ref=ref_logp is not None,
-        kl_coef=kl_coef, kl_estimator=kl_estimator, kl_clamp=kl_clamp, kl_clamp_value=kl_clamp_value,
-        has_is=is_weights is not None, is_mode=is_mode, is_bounds=is_bounds,
+        kl_coef=kl_coef, kl_estimator=kl_estimator, kl_clamp=kl_clamp,
+        kl_clamp_value=kl_clamp_value, has_is=is_weights is not None, is_mode=is_mode,
+        is_bounds=is_bounds,
     )  # fmt: skip
     check_aggregation(agg, normalizer)
     _check_head(hidden, weight, labels, temperature)

@@ -1,5 +1,6 @@
-"""The ProRL v2 policy loss: token-level PPO-Clip with clip-higher, optional dual clip, a KL penalty to
-the reference policy and an optional off-policy (sampler vs trainer) importance-sampling correction.
+"""The ProRL v2 policy loss: token-level PPO-Clip with clip-higher, optional dual clip, a KL penalty
+to the reference policy and an optional off-policy (sampler vs trainer) importance-sampling
+correction.
 
     loss, metrics = ppo_loss(logp, old_logp, advantages, mask, ref_logp=ref, kl_coef=1e-4, ...)
 
@@ -176,8 +177,9 @@ def ppo_loss(
     """
     opts = PPOOptions(
         eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip, has_ref=ref_logp is not None,
-        kl_coef=kl_coef, kl_estimator=kl_estimator, kl_clamp=kl_clamp, kl_clamp_value=kl_clamp_value,
-        has_is=is_weights is not None, is_mode=is_mode, is_bounds=is_bounds,
+        kl_coef=kl_coef, kl_estimator=kl_estimator, kl_clamp=kl_clamp,
+        kl_clamp_value=kl_clamp_value, has_is=is_weights is not None, is_mode=is_mode,
+        is_bounds=is_bounds,
     )  # fmt: skip
     check_aggregation(agg, normalizer)
     name = _backend.resolve(logp.device, backend)

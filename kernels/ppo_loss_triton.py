@@ -1,5 +1,5 @@
-"""Triton backend of `ppo_loss` (the math is in ppo_loss.py's docstring, the statistics slots and option
-codes in _ppo_common.py).
+"""Triton backend of `ppo_loss` (the math is in ppo_loss.py's docstring, the statistics slots and
+option codes in _ppo_common.py).
 
 Forward, ONE launch (`_forward_kernel`, one program per BLOCK tokens):
     1. every program computes its tokens' loss terms and closed-form gradient dloss/dlogp (written

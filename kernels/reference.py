@@ -1,6 +1,7 @@
-"""The float64 references that every backend of every op is tested against: each op's math written out
-plainly (full logits, one sequence or group at a time), differentiated by autograd where the op has
-a gradient. Nothing here shares code with the ops under test (only the constant RATIO_LOG_CLAMP).
+"""The float64 references that every backend of every op is tested against: each op's math written
+out plainly (full logits, one sequence or group at a time), differentiated by autograd where the op
+has a gradient. Nothing here shares code with the ops under test (only the constant
+RATIO_LOG_CLAMP).
 
 For tests and benchmarks, not speed. Each is also importable from its op's module
 (`from prorl.kernels.ppo_loss import ppo_loss_reference`).

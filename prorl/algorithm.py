@@ -225,10 +225,9 @@ class ReferenceResetPolicy:
 
 def importance_weights(old_logp: torch.Tensor, sampler_logp: torch.Tensor) -> torch.Tensor:
     """Raw per-token off-policy weights w = exp(old_logp - sampler_logp), detached (log-ratio
-    clamped to
-    +-20): the correction for the drift between the sampler and the trainer. Truncating (TIS) or masking
-    (ICE-POP) them is `ppo_loss`'s `is_mode` / `is_bounds`, applied once there, where
-    `is_frac_modified` measures it on these raw weights."""
+    clamped to +-20): the correction for the drift between the sampler and the trainer. Truncating
+    (TIS) or masking (ICE-POP) them is `ppo_loss`'s `is_mode` / `is_bounds`, applied once there,
+    where `is_frac_modified` measures it on these raw weights."""
     return torch.exp((old_logp - sampler_logp).detach().clamp(-20, 20))
 
 

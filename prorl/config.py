@@ -1,4 +1,4 @@
-"""Typed configuration: one small dataclass per component, YAML presets, dotted command-line overrides.
+"""Typed configuration: one dataclass per component, YAML presets, dotted command-line overrides.
 
     cfg = load_config("prorl_v2_1.5b", ["trainer.total_steps=10", "rollout.n=8"])
 
@@ -343,10 +343,14 @@ OPTIM_HELP = {
     "optim.betas": "AdamW betas",
     "optim.eps": "AdamW epsilon",
     "optim.weight_decay": "decoupled weight decay (matrices only, not biases or norms)",
-    "optim.max_grad_norm": "clip the global gradient norm to this (<= 0: no clipping; the norm is logged)",
+    "optim.max_grad_norm": (
+        "clip the global gradient norm to this (<= 0: no clipping; the norm is logged)"
+    ),
     "optim.schedule": "learning-rate schedule after warmup",
     "optim.warmup_steps": "optimizer steps of linear warmup",
-    "optim.total_steps": "the cosine schedule's length (0/None: trainer.total_steps x mini_batches)",
+    "optim.total_steps": (
+        "the cosine schedule's length (0/None: trainer.total_steps x mini_batches)"
+    ),
     "optim.min_lr_ratio": "the cosine schedule's floor, as a fraction of lr",
 }
 
@@ -363,10 +367,10 @@ def fields(cls=Config, prefix: str = ""):
             yield f"{prefix}{f.name}", f
 
 
-_SECTIONS = {"model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig, "reward": RewardConfig,
-             "algorithm": AlgorithmConfig, "reset": ResetConfig, "optim": OptimConfig,
-             "trainer": TrainerConfig, "scheduler": SchedulerConfig, "logging": LoggingConfig,
-             "async_rl": AsyncConfig}  # fmt: skip
+_SECTIONS = {"model": ModelConfig, "data": DataConfig, "rollout": RolloutConfig,
+             "reward": RewardConfig, "algorithm": AlgorithmConfig, "reset": ResetConfig,
+             "optim": OptimConfig, "trainer": TrainerConfig, "scheduler": SchedulerConfig,
+             "logging": LoggingConfig, "async_rl": AsyncConfig}  # fmt: skip
 
 
 def choices() -> dict[str, tuple]:

@@ -1,4 +1,4 @@
-"""What a config file and the command line may hold, checked before OmegaConf sees them (prorl/config.py).
+"""What a config file and the command line may hold, checked before OmegaConf sees them.
 
 - A YAML file (`--config FILE` or a preset) must be a mapping of sections: a list, an empty file
   (once taken silently as "no config": a truncated or wrong file would run the defaults), YAML that

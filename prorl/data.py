@@ -1,4 +1,4 @@
-"""Training data: verl's parquet schema, JSONL with the same fields, and built-in generated task sets.
+"""Training data: verl's parquet schema, JSONL with the same fields, built-in generated task sets.
 
 One row, whatever the file format (verl's schema; what `prorl.rewards.score` receives is in
 brackets):

@@ -1,4 +1,4 @@
-"""Reading the rows of a data file (.parquet, .jsonl, .json) with what can go wrong named, and memory bounded.
+"""The rows of a data file (.parquet, .jsonl, .json), read in bounded memory, failures named.
 
 `read_rows(path, max_row_bytes)` yields (row number from 0, row) pairs, or (row number, DataError)
 for a row that cannot be read, so that `prorl.data.load_file` can stop at it or skip and count it.
@@ -59,7 +59,10 @@ def not_utf8(line: bytes, exc: UnicodeDecodeError, offset: int | None = None) ->
 
 
 def _too_big(size: int, limit: int) -> str:
-    return f"{size:,} bytes or more, over data.max_row_bytes={limit:,} (raise it if such rows are meant)"
+    return (
+        f"{size:,} bytes or more, over data.max_row_bytes={limit:,} (raise it if such rows are "
+        "meant)"
+    )
 
 
 def read_rows(path: str, max_row_bytes: int = DEFAULT_MAX_ROW_BYTES):

@@ -1,5 +1,7 @@
-"""Evaluate a checkpoint on benchmark files: k samples per prompt, pass@1 as the mean over k, unbiased
-pass@k, mean continuous score; a per-data-source table printed and written as JSON and CSV.
+"""Evaluate a checkpoint on benchmark files: pass@1, unbiased pass@k and mean score per data source.
+
+k samples per prompt, pass@1 as the mean over k, unbiased pass@k, mean continuous score; a
+per-data-source table printed and written as JSON and CSV.
 
     python -m prorl.eval --model DIR --data aime24.parquet math500.jsonl [--k 16] [--out DIR]
     python -m prorl.eval --model prorl/assets/tiny-reasoner --builtin digit_sums --k 4
@@ -13,7 +15,8 @@ What is computed (docs/recipe.md §8), per data source and over all prompts:
   logic puzzles (Reasoning Gym) and instruction following (IFEval), whose scores are fractions. A
   sample is "correct" when its score reaches `correct_threshold` (1.0: all tests passed, all
   instructions met);
-- `mean_response_tokens`, `truncated_frac` (hit max tokens), `timeout_frac` / `error_frac` (verifier).
+- `mean_response_tokens`, `truncated_frac` (hit max tokens), `timeout_frac` / `error_frac`
+  (verifier).
 The `primary` column names the headline metric of each source (`mean_score` for the `reasoning_gym`
 and `ifeval` verifiers, `pass@1` otherwise).
 
@@ -513,7 +516,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
     if args.backend != "native":
-        msg = f"--backend {args.backend} is not implemented yet (the vLLM generator); use --backend native"
+        msg = (
+            f"--backend {args.backend} is not implemented yet (the vLLM generator); use --backend "
+            "native"
+        )
         print(f"prorl.eval: {msg}", file=sys.stderr)
         return 2
     if not args.data and not args.builtin:

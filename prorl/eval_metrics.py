@@ -1,7 +1,7 @@
-"""The evaluation metrics of per-sample records: unbiased pass@k (Chen et al. 2021), the mean verifier
-score, response lengths and verifier failures, per data source and over all prompts (prorl/eval.py's
-module docstring says what each means). Pure functions of the records, so the trainer's validation
-can summarise records gathered from several ranks.
+"""The evaluation metrics of per-sample records: unbiased pass@k (Chen et al. 2021), the mean
+verifier score, response lengths and verifier failures, per data source and over all prompts
+(prorl/eval.py's module docstring says what each means). Pure functions of the records, so the
+trainer's validation can summarise records gathered from several ranks.
 """
 
 from __future__ import annotations

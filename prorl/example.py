@@ -1,4 +1,4 @@
-"""One training or evaluation problem as the data files hold it (verl's row schema), and the split names.
+"""One training or evaluation problem as data files hold it (verl's row schema); the split names.
 
 A module of its own so that the task generators (prorl/chain_sums.py) and the readers
 (prorl/data.py) share it without importing each other.

@@ -1,4 +1,4 @@
-"""A training checkpoint as a Hugging Face model directory (what verl's model_merger does for verl's).
+"""A training checkpoint as a Hugging Face model directory (as verl's model_merger does for verl).
 
     python -m prorl.export runs/<ts>/checkpoints/step_00000300 /models/my-policy [--dtype bfloat16]
 

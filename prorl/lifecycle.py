@@ -1,6 +1,6 @@
-"""What keeps a multi-rank run safe to stop, kill and restart: fatal errors raised on every rank, signals as
-stop requests agreed on by every rank, the output directory's lock, seeding, and telling a lost peer
-from a bug. Used by prorl/train.py; nothing here knows about RL.
+"""What keeps a multi-rank run safe to stop, kill and restart: fatal errors raised on every rank,
+signals as stop requests agreed on by every rank, the output directory's lock, seeding, and telling
+a lost peer from a bug. Used by prorl/train.py; nothing here knows about RL.
 
 Exit codes (train.py): 0 done (or stopped cleanly by a signal), 2 config error (a damaged model
 directory or data file included, named), 3 reward self-test failed, 4 checkpoint cannot be resumed

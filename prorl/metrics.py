@@ -1,8 +1,8 @@
-"""The step's metrics: accumulated on each rank, reduced across ranks in two collectives, named once.
+"""The step's metrics: accumulated on each rank, reduced over ranks in two collectives, named once.
 
     acc = StepAccumulator(device)
-    acc.sum("tokens", n); acc.max("response_length", lengths.max()); acc.min(...)   # anywhere in the step
-    metrics = step_metrics(acc.reduce())                                          # global, by name
+    acc.sum("tokens", n); acc.max("response_length", lengths.max())   # anywhere in the step
+    metrics = step_metrics(acc.reduce())                               # global, by name
 
 Values may be Python numbers or 0-d device tensors (they stay on the device until `reduce`, so the
 update loop adds no host sync). `reduce` stacks every sum into one float64 vector and every extremum
@@ -37,10 +37,11 @@ VERL_METRICS = (
     "critic/score/mean", "critic/score/max", "critic/score/min",
     "critic/rewards/mean", "critic/rewards/max", "critic/rewards/min",
     "critic/advantages/mean", "critic/advantages/max", "critic/advantages/min",
-    "response_length/mean", "response_length/max", "response_length/min", "response_length/clip_ratio",
+    "response_length/mean", "response_length/max", "response_length/min",
+    "response_length/clip_ratio",
     "prompt_length/mean", "prompt_length/max", "prompt_length/min", "prompt_length/clip_ratio",
-    "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac", "actor/pg_clipfrac_lower",
-    "actor/ppo_kl", "actor/grad_norm", "actor/lr",
+    "actor/pg_loss", "actor/kl_loss", "actor/entropy", "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/grad_norm", "actor/lr",
     "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref", "timing_s/adv",
     "timing_s/update_actor", "timing_s/update_weights", "timing_s/step",
     "perf/total_num_tokens", "perf/time_per_step", "perf/throughput",

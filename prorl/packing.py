@@ -17,9 +17,11 @@ The step's side: `StepBatch` flattens the kept groups once (per response and per
 and the planner cuts it into passes:
 
     batch = StepBatch.of(groups, n, device)
-    for mini in plan_update(batch, mini_batches=M, budget=B, share=True, agg=..., max_new=T, lockstep=fsdp):
-        for micro in mini.passes:      # None: a dummy pass (under FSDP every rank runs as many passes)
-            ... micro.packed, batch.tokens.slice(micro) ...   # its tokens' sampler log-probs, pi_old, ...
+    plan = plan_update(batch, mini_batches=M, budget=B, share=True, agg=..., max_new=T,
+                       lockstep=fsdp)
+    for mini in plan:
+        for micro in mini.passes:  # None: a dummy pass (under FSDP every rank runs as many passes)
+            ... micro.packed, batch.tokens.slice(micro) ...  # its tokens' sampler log-probs, pi_old
 
 A pass holds whole groups, or runs of one group's responses when a group alone exceeds the token
 budget (`split_groups`), packed up to `budget` tokens (`token_budget_chunks`); each mini-batch

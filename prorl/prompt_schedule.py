@@ -1,4 +1,4 @@
-"""Pass-rate-aware prompt scheduling: spend generation on the prompts whose groups will carry a signal.
+"""Pass-rate-aware prompt scheduling: generate for the prompts whose groups will carry a signal.
 
 Dynamic sampling (docs/recipe.md §6) drops a group whose raw rewards are all equal - after paying
 for its n responses. As the policy improves most prompts come back all-correct (or stay all-wrong),

@@ -1,11 +1,11 @@
-"""Run reporting: metrics.jsonl (one object per step), TensorBoard when installed, a summary line per step on
-rank 0, the final checkpoint export, a PNG of the training curves (reference resets marked,
-length-penalty phases shaded, clip fractions, time per phase) and a short text summary.
+"""Run reporting: metrics.jsonl (one object per step), TensorBoard when installed, a summary line
+per step on rank 0, the final checkpoint export, a PNG of the training curves (reference resets
+marked, length-penalty phases shaded, clip fractions, time per phase) and a short text summary.
 
 The report can be made again from a run directory at any time, also of a run in progress or one that
 was stopped:
 
-    python -m prorl.report runs/20261129-203100          # -> training_curves.png, summary.txt, printed
+    python -m prorl.report runs/20261129-203100   # -> training_curves.png, summary.txt, printed
 """
 
 from __future__ import annotations

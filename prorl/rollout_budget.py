@@ -1,4 +1,4 @@
-"""What the sampler's memory must hold, checked when the trainer starts, before anything is allocated for it.
+"""What the sampler's memory must hold, checked as the trainer starts, before anything is allocated.
 
 A sampling round of one rank asks for `round_prompts` prompts x `rollout.n` samples of up to
 `data.max_prompt_tokens + rollout.max_response_tokens` tokens each (the largest round: a refill
@@ -111,7 +111,8 @@ def vllm_report(cfg, world: int, generator) -> str:
     """What the vLLM engine's KV cache holds against what a round asks for (one line)."""
     sequences, seq_len = round_shape(cfg, world)
     capacity = generator.kv_capacity_tokens()
-    asks = f"a sampling round asks for up to {sequences * seq_len / 1e6:.2f}M ({sequences} x {seq_len})"
+    total = sequences * seq_len / 1e6
+    asks = f"a sampling round asks for up to {total:.2f}M ({sequences} x {seq_len})"
     if capacity is None:
         return f"vLLM: {asks} tokens of KV; the engine did not report its KV cache size"
     line = f"vLLM: the KV cache holds {capacity / 1e6:.2f}M tokens; {asks}"

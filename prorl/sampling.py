@@ -1,9 +1,9 @@
-"""Sampling one rank's share of a step: prompts in data order -> groups of n responses -> raw verifier
-scores -> dynamic sampling (docs/recipe.md §6) -> reward shaping (docs/recipe.md §5).
+"""Sampling one rank's share of a step: prompts in data order -> groups of n responses -> raw
+verifier scores -> dynamic sampling (docs/recipe.md §6) -> reward shaping (docs/recipe.md §5).
 
     sampler = GroupSampler(cfg, tokenizer, examples, generator, pool, stop_ids, rank=r, world=w)
-    groups = sampler.collect(need, max_new, step, acc)         # kept groups, raw rewards, carry-over
-    term = shape_rewards(groups, cfg.reward, step, max_new)    # Group.shaped; returns the length term
+    groups = sampler.collect(need, max_new, step, acc)       # kept groups, raw rewards, carry-over
+    term = shape_rewards(groups, cfg.reward, step, max_new)  # Group.shaped; returns the length term
 
 A `Group` is one prompt's n responses as they travel through a step. Sampling rounds are collective:
 every rank runs the same rounds (one all-reduce per round agrees whether any rank still lacks

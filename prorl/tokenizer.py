@@ -1,4 +1,4 @@
-"""The tokenizer of a model directory, loaded the one way prorl loads it, and checked against the model.
+"""The tokenizer of a model directory, loaded the one way prorl loads it, checked against the model.
 
 `PreTrainedTokenizerFast.from_pretrained(dir)` (not AutoTokenizer: docs/notes.md) needs
 `tokenizer.json`; without it transformers raises a paragraph about slow tokenizers that names

@@ -1,9 +1,9 @@
 """Entry point of the ProRL v2 trainer.
 
-    torchrun --standalone --nproc_per_node=2 prorl/train.py                      # the embedded default
+    torchrun --standalone --nproc_per_node=2 prorl/train.py             # the embedded default
     torchrun --nproc_per_node=8 prorl/train.py --config prorl_v2_1.5b model.path=/models/x \\
         data.train_files=[/data/train.parquet] data.val_files=[/data/val.parquet]
-    torchrun ... -m prorl.train ...                                              # the same, as a module
+    torchrun ... -m prorl.train ...                                     # the same, as a module
     torchrun ... prorl/train.py --verl-config ppo_trainer.yaml [verl.key=value ...]  # a verl config
 
 With no arguments it runs the embedded default on the CPU: the shipped tiny reasoner trained with
@@ -528,7 +528,10 @@ def train_loop(cfg, trainer, ckpt, reporter, stop, rank: int, validate: bool) ->
         else:
             where = "nothing to save yet"
             if saved_at:
-                where = f"checkpoint {ckpt.step_dir(saved_at)} (as a model: python -m prorl.export DIR OUT)"
+                where = (
+                    f"checkpoint {ckpt.step_dir(saved_at)} (as a model: python -m prorl.export "
+                    "DIR OUT)"
+                )
         reporter.say(
             f"prorl: stopped by {stop.name} after step {trainer.step_count} of {total}; {where}; "
             "re-run the same command to resume"

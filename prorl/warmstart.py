@@ -1,10 +1,11 @@
-"""Make the embedded default's starting point: a tiny reasoner, supervised to its plateau on imperfect
-demonstrations, saved in Hugging Face format (config.json, model.safetensors, tokenizer, chat
-template).
+"""Make the embedded default's starting point: a tiny reasoner, supervised to its plateau.
 
-    python -m prorl.warmstart --out prorl/assets/tiny-reasoner      # ~10 min on one CPU core
-    python -m prorl.warmstart --task chain_sums --out prorl/assets/chain-reasoner ...   # prorl/chain_sums.py
-    python -m prorl.warmstart --task long_sums --out prorl/assets/long-reasoner ...     # (README)
+Supervised on imperfect demonstrations, saved in Hugging Face format (config.json,
+model.safetensors, tokenizer, chat template).
+
+    python -m prorl.warmstart --out prorl/assets/tiny-reasoner  # ~10 min on one CPU core
+    python -m prorl.warmstart --task chain_sums --out prorl/assets/chain-reasoner ...  # chain_sums
+    python -m prorl.warmstart --task long_sums --out prorl/assets/long-reasoner ...    # (README)
 
 Why imperfect demonstrations. ProRL starts from a distilled model that imitation has taken as far as
 it goes; RL must then add what imitation cannot. A tiny model trained on *perfect* worked sums would

@@ -1,5 +1,5 @@
-"""The reliability report (tests/helpers/tally.py): a session of its own counts marked cases per kind, and
-the README check fails on figures that differ from the report."""
+"""The reliability report (tests/helpers/tally.py): a session of its own counts marked cases per
+kind, and the README check fails on figures that differ from the report."""
 
 import json
 import os
@@ -40,7 +40,10 @@ README = """- attacks tried / contained **18 / 18** on the `unshare` backend
 
 def _session(tmp_path, *args, cases=CASES):
     (tmp_path / "test_cases.py").write_text(cases)
-    ini = "[pytest]\ntestpaths = .\nmarkers =\n    tally(kind): counts this test in the reliability report\n"
+    ini = (
+        "[pytest]\ntestpaths = .\nmarkers =\n"
+        "    tally(kind): counts this test in the reliability report\n"
+    )
     (tmp_path / "pytest.ini").write_text(ini)
     env = dict(
         os.environ, PYTHONPATH=HELPERS, PRORL_RELIABILITY_REPORT=str(tmp_path / "report.json")

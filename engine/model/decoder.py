@@ -177,11 +177,10 @@ class Decoder(nn.Module):
         """Hidden states after the final norm.
 
         Packed (training): input_ids [N] int64, cu_seqlens [B+1] int32 (None: one sequence),
-            position_ids
-        [N] (None: 0, 1, ... restarting at each sequence start) -> [N, D].
-        Padded (convenience): input_ids [B, T], attention_mask [B, T] (1 = token, 0 = padding; None = all
-        tokens) -> [B, T, D], zeros at padding. Each row's tokens are packed in order and, unless
-        position_ids [B, T] is given, numbered from 0 as `generate` does.
+        position_ids [N] (None: 0, 1, ... restarting at each sequence start) -> [N, D].
+        Padded (convenience): input_ids [B, T], attention_mask [B, T] (1 = token, 0 = padding;
+        None = all tokens) -> [B, T, D], zeros at padding. Each row's tokens are packed in order
+        and, unless position_ids [B, T] is given, numbered from 0 as `generate` does.
         max_seqlen: longest sequence, if the caller knows it (saves flash-attn a host sync).
         Shared prefix (packed only): `cu_seqlens_k` [B+1] and `kv_index` [Nk] give each sequence of
         `cu_seqlens` its keys, gathered from all tokens' keys (see engine/attention.py,

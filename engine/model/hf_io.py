@@ -1,4 +1,4 @@
-"""Read and write Hugging Face checkpoint directories (`config.json` + `*.safetensors`) without transformers.
+"""Hugging Face checkpoint directories (`config.json` + `*.safetensors`), without transformers.
 
 Layout: a single `model.safetensors`, or shards named in `model.safetensors.index.json`
 (`weight_map`: tensor name -> file). Tensor names are ours with a `model.` prefix, except

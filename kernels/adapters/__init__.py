@@ -1,8 +1,10 @@
 """Drop-in fused loss ops for other trainers, called the way those trainers call their own loss.
 
-    verl 0.9.1       verl_policy_loss        a registered policy loss (verl's keyword call, (loss, metrics))
+    verl 0.9.1       verl_policy_loss        a registered policy loss (verl's keyword call, returns
+                                             (loss, metrics))
                      install_verl_fused_linear  prorl's op behind verl's use_fused_kernels=True
-    OpenRLHF 0.11.2  OpenRLHFPolicyLoss      an nn.Module with PolicyLoss's constructor, forward and outputs
+    OpenRLHF 0.11.2  OpenRLHFPolicyLoss      an nn.Module with PolicyLoss's constructor, forward and
+                                             outputs
                      openrlhf_actor_forward  Actor.forward: log-probs and entropy from hidden states
     TRL 1.16         FusedGRPOTrainer        GRPOTrainer whose log-prob passes never form logits
                      trl_compute_loss        GRPOTrainer._compute_loss, metrics included

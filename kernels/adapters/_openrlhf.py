@@ -1,9 +1,10 @@
-"""OpenRLHF's `PolicyLoss` module (0.11.2), fused: same constructor, same forward, same five outputs.
+"""OpenRLHF's `PolicyLoss` module (0.11.2), fused: same constructor, forward and five outputs.
 
 OpenRLHF's actor builds it from its config and calls it per micro-batch (trainer/ray/ppo_actor.py):
 
     PolicyLoss(clip_eps_low, clip_eps_high, dual_clip, token_level_loss, policy_loss_type,
-               is_correction_level, is_correction_mode, is_correction_gating, is_correction_threshold)
+               is_correction_level, is_correction_mode, is_correction_gating,
+               is_correction_threshold)
     loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio = loss_fn(
         log_probs, old_log_probs, advantages, action_mask=, rollout_log_probs=,
         dp_size=, batch_num_tokens=, global_batch_size=)
@@ -11,13 +12,15 @@ OpenRLHF's actor builds it from its config and calls it per micro-batch (trainer
 Mapping onto `ppo_loss` (r = exp(clamp(log_probs - old_log_probs, -20, 20)), as OpenRLHF computes
 it):
 
-    token_level_loss=True   sum(l m) / batch_num_tokens * dp_size         token-mean, D = batch_num_tokens/dp
-                            (batch_num_tokens None: the masked mean)      (D: this call's valid tokens)
+    token_level_loss=True   sum(l m) / batch_num_tokens * dp_size      token-mean,
+                            (batch_num_tokens None: the masked mean)   D = batch_num_tokens / dp
+                                                                       (D: this call's valid tokens)
     token_level_loss=False  sum_j [sum_t(l m) / (n_j + 1e-8)] / global_batch_size * dp_size
                             (None: the mean over rows with a valid token) seq-mean-token-mean
     IS correction, token level, ratio gating, w = exp(old_log_probs - rollout_log_probs) (detached):
-      mode "mask"           w where low <= w <= high, else 0              is_mode="icepop", bounds (low, high)
-      mode "clip"           clamp(w, low, high)                           the clamped w, as given
+      mode "mask"           w where low <= w <= high, else 0           is_mode="icepop",
+                                                                       bounds (low, high)
+      mode "clip"           clamp(w, low, high)                        the clamped w, as given
 
 Not fused, rejected with an error naming the setting: policy_loss_type "gspo" (a sequence-level
 ratio), is_correction_level "seq" and the binary_kl / tv gatings. The KL loss stays the actor's own
@@ -106,9 +109,9 @@ class OpenRLHFPolicyLoss(nn.Module):
         """[B, A] inputs -> (loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio), as OpenRLHF's.
 
         clip_ratio: fraction of valid tokens on the clipped branch; ppo_kl: mean of old - new
-            log-prob
-        (unclamped); vllm_kl: mean of rollout - old log-prob and is_filter_ratio: fraction of valid tokens
-        outside the IS band, both None without IS correction. All detached 0-d tensors.
+        log-prob (unclamped); vllm_kl: mean of rollout - old log-prob and is_filter_ratio: fraction
+        of valid tokens outside the IS band, both None without IS correction. All detached 0-d
+        tensors.
         """
         mask = torch.ones_like(log_probs, dtype=torch.bool) if action_mask is None else action_mask
         if self.token_level_loss:

@@ -8,14 +8,15 @@ It runs the model forward as TRL does, computes the loss with one `ppo_loss` cal
 metrics TRL's own method logs (kl, entropy, clip_ratio/low_mean, high_mean, region_mean, low_min,
 high_max). `trl_grpo_loss` is the loss alone, from tensors. TRL's names -> ppo_loss:
 
-    per_token_logps, old_per_token_logps            logp, old_logp (old None: TRL's on-policy shortcut)
+    per_token_logps, old_per_token_logps            logp, old_logp (None: TRL's on-policy shortcut)
     completion_mask (x tool_mask), advantages       mask, advantages [B] or [B, T]
     epsilon_low / epsilon_high                      eps_low / eps_high
     beta, ref_per_token_logps                       kl_coef, ref_logp with k3 and no clamp
-    use_bias_correction_kl (TRL's default True)     the k3 term times TRL's ratio exp(logp - old), below
-    importance_sampling_ratio [B, T] or [B, 1]      is_weights, as given (TRL truncated or masked it)
-    loss_type grpo / bnpo / dr_grpo / dapo          agg seq-mean-token-mean / token-mean / constant /
-                                                    token-mean with TRL's normaliser (_normaliser below)
+    use_bias_correction_kl (TRL's default True)     k3 times TRL's ratio exp(logp - old), below
+    importance_sampling_ratio [B, T] or [B, 1]      is_weights as given (TRL truncated or masked it)
+    loss_type grpo / bnpo / dr_grpo / dapo          agg seq-mean-token-mean / token-mean / constant
+                                                    / token-mean with TRL's normaliser (_normaliser
+                                                    below)
 
 One difference from TRL, outside normal operation: the policy ratio is clamped at |logp - old| <= 20
 (as verl and OpenRLHF do; TRL does not). A token beyond it on the clipped side gives TRL's numbers;

@@ -1,6 +1,6 @@
 """`FusedGRPOTrainer`: TRL 1.16's GRPOTrainer whose log-prob passes never form logits.
 
-    from prorl.kernels.adapters import FusedGRPOTrainer   # same constructor and GRPOConfig as GRPOTrainer
+    from prorl.kernels.adapters import FusedGRPOTrainer  # GRPOTrainer's constructor and GRPOConfig
 
 TRL's own passes run the backbone, then its LM head in [4096, 32768] tiles
 (trl/kernels/chunked_logprob.py: the tile recomputed in backward, 8NDV matmul FLOPs). Here the
@@ -8,9 +8,10 @@ model's forward gains a `prorl_hidden=True` mode that returns the backbone's out
 head (the way TRL adds `fused_lm_head=True`, so DDP, FSDP and DeepSpeed wrappers pass it through),
 and
 
-    training forward   hidden [B, C, D] -> linear_ppo_loss (loss, entropy, metrics; 6NDV, one [R, V] block)
-                       or, for beta != 0 with use_bias_correction_kl (TRL's default: k3 times the ratio is
-                       not a linear_ppo_loss term), linear_logprob_entropy + trl_compute_loss's loss
+    training forward   hidden [B, C, D] -> linear_ppo_loss (loss, entropy, metrics; 6NDV, one
+                       [R, V] block) or, for beta != 0 with use_bias_correction_kl (TRL's default:
+                       k3 times the ratio is not a linear_ppo_loss term), linear_logprob_entropy +
+                       trl_compute_loss's loss
     old / ref passes   hidden -> linear_logprob_entropy (no grad: 2NDV, one tile at a time)
 
 The LM head runs in the weight's dtype with autocast off: fp32 master weights under TRL's

@@ -15,13 +15,15 @@ clip_ratio_low, clip_ratio_high (None -> clip_ratio), clip_ratio_c (dual clip, a
 and global_batch_info, which verl's engines fill before every micro-batch with the global
 normalisers that agg_loss takes:
 
-    loss_agg_mode            loss (m = response_mask, n_j = valid tokens of row j)        ppo_loss agg
-    token-mean               sum(l m) / batch_num_tokens * dp_size                         token-mean
-    token-sum                sum(l m) * dp_size                                            constant
-    seq-mean-token-sum       sum_j sum_t(l m) / global_batch_size * dp_size                seq-mean-token-sum
-    seq-mean-token-sum-norm  the same / loss_scale_factor (default: L, the padded length)  seq-mean-token-sum
+    loss_agg_mode            loss                                             ppo_loss agg
+    token-mean               sum(l m) / batch_num_tokens * dp_size            token-mean
+    token-sum                sum(l m) * dp_size                               constant
+    seq-mean-token-sum       sum_j sum_t(l m) / global_batch_size * dp_size   seq-mean-token-sum
+    seq-mean-token-sum-norm  the same / loss_scale_factor (default: L)        seq-mean-token-sum
     seq-mean-token-mean      sum_j [sum_t(l m) / (n_j + 1e-8)] / global_batch_size * dp_size
-                                                                                           seq-mean-token-mean
+                                                                              seq-mean-token-mean
+
+with m = response_mask, n_j = the valid tokens of row j and L the padded length.
 
 batch_num_tokens / global_batch_size default to this call's valid tokens / rows with a valid token
 (verl refuses the default when dp_size > 1, and so does this). verl's `+ 1e-8` only changes a
@@ -72,9 +74,10 @@ def verl_policy_loss(
             loss.
 
     Returns:
-        (pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}): the 0-d loss and
-        Python floats with verl's meanings: the fraction of valid tokens clipped on either side, the mean
-        of old - new log-prob (log-ratio clamped at +-20), the fraction capped by the dual clip.
+        (pg_loss, {"actor/pg_clipfrac", "actor/ppo_kl", "actor/pg_clipfrac_lower"}): the 0-d loss
+        and Python floats with verl's meanings: the fraction of valid tokens clipped on either side,
+        the mean of old - new log-prob (log-ratio clamped at +-20), the fraction capped by the dual
+        clip.
     """
     if config is None:
         raise ValueError("verl_policy_loss needs `config`, the actor config verl passes as config=")

@@ -6,11 +6,13 @@ per-token log-probs and entropies computed from the backbone's hidden states, th
 functions that the patched forward imports when it runs (verl/models/transformers/dense_common.py
 and the VL variants):
 
-    fused_kernels_backend "torch" (default)  FusedLinearForPPO(impl_backend=...).forward(hidden_states=,
-                                             vocab_weights=, input_ids=, temperature=)
-                                             -> log_probs fp32 and entropy in hidden's dtype, labels' shape
-    fused_kernels_backend "triton"           linear_cross_entropy(hidden, weight, labels, temperature,
-                                             "none") -> log_probs and entropy fp32, flattened [N]
+    fused_kernels_backend "torch" (default)  FusedLinearForPPO(impl_backend=...).forward(
+                                             hidden_states=, vocab_weights=, input_ids=,
+                                             temperature=) -> log_probs fp32 and entropy in
+                                             hidden's dtype, labels' shape
+    fused_kernels_backend "triton"           linear_cross_entropy(hidden, weight, labels,
+                                             temperature, "none") -> log_probs and entropy fp32,
+                                             flattened [N]
 
 `install_verl_fused_linear()` replaces both names in their verl modules (`FusedLinearForPPO` by
 `VerlFusedLinearForPPO`, `linear_cross_entropy` by `verl_linear_cross_entropy`); because the call

@@ -1,8 +1,8 @@
 """The trainer ranks' side of an asynchronous run: the Trainer's rollout component.
 
     remote = RemoteRollouts(cfg, roles, rank, world)
-    groups, timing = remote.take(step, acc)   # this trainer's slice of step s, sampled with v >= s - k
-    remote.push(policy, dtype, version)       # after each update (every trainer: collective under FSDP)
+    groups, timing = remote.take(step, acc)  # this trainer's slice of step s, from v >= s - k
+    remote.push(policy, dtype, version)      # after each update (every trainer; collective in FSDP)
 
 `take` checks every batch and every group in it against the bound (s - v <= steps_ahead and v <= s,
 else RolloutLost: never trained on) and against the trainers' own checksum of version v (the

@@ -11,7 +11,8 @@ Across the sides:
 - the job's store (torchrun's TCPStore, under `prorl/async/`) carries the step's groups (rollout ->
   trainers) and the weight-push headers (trainer rank 0 -> rollouts): small pickled objects, with
   non-blocking probes and timeouts (prorl/async_rl/transport.py);
-- a gloo group of trainer rank 0 and the rollout ranks (`push`) carries the weights (broadcast, bucketed).
+- a gloo group of trainer rank 0 and the rollout ranks (`push`) carries the weights (broadcast,
+  bucketed).
 
 Why not one default group over all ranks with sub-groups: every collective and checkpoint of the
 trainer would then have to be told its group, and one missed call would hang both sides.

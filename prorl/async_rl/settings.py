@@ -1,6 +1,7 @@
-"""`rollout.async_rl.*` (also spelt `rollout.async.*` on the command line; `async` is a Python keyword,
-so the section's field cannot carry that name). Plain dataclass, no project imports: prorl/config.py
-embeds it in `RolloutConfig`, and prorl/async_rl/roles.py checks it against the world."""
+"""`rollout.async_rl.*` (also spelt `rollout.async.*` on the command line; `async` is a Python
+keyword, so the section's field cannot carry that name). Plain dataclass, no project imports:
+prorl/config.py embeds it in `RolloutConfig`, and prorl/async_rl/roles.py checks it against the
+world."""
 
 from __future__ import annotations
 

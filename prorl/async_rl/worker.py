@@ -1,12 +1,14 @@
-"""The rollout ranks' loop of an asynchronous run: sample and verify the groups of step s with weights of
-version v >= s - steps_ahead, send them to the trainers, take newer weights between steps.
+"""The rollout ranks' loop of an asynchronous run: sample and verify the groups of step s with
+weights of version v >= s - steps_ahead, send them to the trainers, take newer weights between
+steps.
 
     weights <- the first push (the trainers' weights at the step they start from, and on resume each
     rollout rank's saved sampler state)
     for s = start, start + 1, ...:
         take every push announced by now (all rollout ranks the same ones); block while v < s - k
-        groups = GroupSampler.collect(prompts_per_step / rollout_ranks, max_new(s), s)   # collective
-        send each trainer its slice of the step's groups (`slices`), with v and the weights' checksum
+        groups = GroupSampler.collect(prompts_per_step / rollout_ranks, max_new(s), s)  # collective
+        send each trainer its slice of the step's groups (`slices`), with v and the weights'
+        checksum
     take pushes until the trainers say stop
 
 Recipe semantics (docs/recipe.md, "Asynchronous RL"): the step s a batch is for is known when it is

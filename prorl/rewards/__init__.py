@@ -1,7 +1,7 @@
 """Reward verifiers for the five ProRL domains, one registry keyed by `data_source`.
 
     score(data_source, response, ground_truth, extra=None) -> float in [0, 1]
-    register(data_source, fn)     # fn(response, ground_truth, extra) -> float | {"score": float, ...}
+    register(data_source, fn)  # fn(response, ground_truth, extra) -> float | {"score": float, ...}
 
 Built-in keys: `math` (math-verify on the last `\\boxed{}`), `code` (tests in an OS-level sandbox),
 `stem` (multiple-choice letter or boxed answer), `ifeval` (fraction of verifiable instructions met)

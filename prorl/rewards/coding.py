@@ -1,4 +1,4 @@
-"""Code: run the last fenced code block against ALL test cases in the sandbox; reward = fraction passed.
+"""Code: the last fenced code block against ALL test cases in the sandbox; reward = fraction passed.
 
 Python only (a block tagged with another language scores 0). All tests run in ONE sandboxed
 interpreter (`_code_harness.py`), each with fresh module globals and its own stdin/stdout; a compile

@@ -3,7 +3,8 @@
 verl's custom reward (`custom_reward_function.path` / `.name`) is a plain Python file, not an
 importable module, with the signature
 
-    compute_score(data_source, solution_str, ground_truth, extra_info) -> float | {"score": float, ...}
+    compute_score(data_source, solution_str, ground_truth, extra_info)
+        -> float | {"score": float, ...}
 
 and it replaces the built-in verifiers for every data source. `use_function(spec)` does the same
 here: while it is set every data_source resolves to it (`prorl.rewards.lookup` gives the key

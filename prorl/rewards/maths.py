@@ -1,5 +1,6 @@
-"""Math: the final answer - the last `\\boxed{}`, else GSM8K's `#### X`, else DAPO-Math's `Answer: X` line
-(the conventions verl's data asks for) - checked with math-verify against a LaTeX gold answer.
+"""Math: the final answer - the last `\\boxed{}`, else GSM8K's `#### X`, else DAPO-Math's `Answer:
+X` line (the conventions verl's data asks for) - checked with math-verify against a LaTeX gold
+answer.
 
 Binary reward. No answer after `</think>` (or an unclosed `<think>`) scores 0: the format is part of
 the task. math-verify (HuggingFace) parses both sides to sympy and compares numerically and

@@ -111,8 +111,8 @@ def check_function(examples, pool) -> str:
     if not exs:
         return "skipped: no data"
     res = pool.score_batch(
-        [e.data_source for e in exs], [str(e.ground_truth) for e in exs], [e.ground_truth for e in exs],
-        [e.extra for e in exs],
+        [e.data_source for e in exs], [str(e.ground_truth) for e in exs],
+        [e.ground_truth for e in exs], [e.extra for e in exs],
     )  # fmt: skip
     for ex, timed_out, errored, error in zip(exs, res.timed_out, res.errored, res.errors):
         if timed_out or errored:

@@ -1,4 +1,4 @@
-"""verl configurations on prorl: `prorl/train.py --verl-config ppo_trainer.yaml [verl.key=value ...]`.
+"""verl configurations on prorl: `prorl/train.py --verl-config ppo_trainer.yaml [verl.key=v ...]`.
 
 A verl run is a YAML file (verl's `ppo_trainer.yaml`, a composed `_generated_ppo_trainer.yaml`, or
 the `.hydra/config.yaml` a verl run saved) plus dotted overrides. `translate` maps every leaf key of
@@ -191,8 +191,8 @@ def reference_markdown() -> str:
     docs/verl.md`)."""
     doc = __doc__.split("\n\n", 1)[1].rsplit("\n\nThe full table", 1)[0]
     lines = ["# Coming from verl: the key table", "", "Generated from prorl/verl_compat/ by "
-             "`python -m prorl.verl_compat > docs/verl.md` (a test checks it is current).", "", doc, "",
-             "| verl key(s) | kind | prorl |", "|---|---|---|"]  # fmt: skip
+             "`python -m prorl.verl_compat > docs/verl.md` (a test checks it is current).", "",
+             doc, "", "| verl key(s) | kind | prorl |", "|---|---|---|"]  # fmt: skip
     for r in RULES:
         doc = " ".join(r.doc.split()).replace("|", "\\|")  # one table row, pipes escaped
         lines.append(f"| {'<br>'.join(f'`{k}`' for k in r.keys)} | {r.kind} | {doc} |")

@@ -1,5 +1,6 @@
-"""Reading verl configs: a YAML file with its hydra `defaults:` list composed the way verl's own configs
-use it, verl's dotted overrides merged, interpolations resolved, flattened to {dotted key: leaf}."""
+"""Reading verl configs: a YAML file with its hydra `defaults:` list composed the way verl's own
+configs use it, verl's dotted overrides merged, interpolations resolved, flattened to {dotted key:
+leaf}."""
 
 from __future__ import annotations
 

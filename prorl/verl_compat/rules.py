@@ -1,6 +1,6 @@
-"""The verl 0.9.1 key table: one `Rule` per verl setting (what it reads, what prorl makes of it), and the
-patterns of the keys that do not change what prorl trains. prorl/verl_compat/__init__.py explains
-the kinds; docs/verl.md lists them all."""
+"""The verl 0.9.1 key table: one `Rule` per verl setting (what it reads, what prorl makes of it),
+and the patterns of the keys that do not change what prorl trains. prorl/verl_compat/__init__.py
+explains the kinds; docs/verl.md lists them all."""
 
 from __future__ import annotations
 
@@ -246,7 +246,8 @@ simple(A + "clip_ratio_c", "algorithm.dual_clip", lambda v: None if v is None el
 simple(A + "entropy_coeff", "algorithm.entropy_coef", float)
 
 AGG = {"token-mean": "token-mean", "seq-mean-token-mean": "seq-mean-token-mean",
-       "seq-mean-token-sum": "seq-mean-token-sum", "seq-mean-token-sum-norm": "constant"}  # fmt: skip
+       "seq-mean-token-sum": "seq-mean-token-sum",
+       "seq-mean-token-sum-norm": "constant"}  # fmt: skip
 
 
 @rule(A + "loss_agg_mode")
@@ -496,14 +497,16 @@ IGNORED = [  # (pattern on the dotted key, why)
     ),
     (r"^actor_rollout_ref\.actor\.policy_loss\.", "parameters of other policy losses"),
     (
-        r"^actor_rollout_ref\.actor\.(tau_pos|tau_neg|rollout_n|shuffle|data_loader_seed|use_torch_compile|"
-        r"use_fused_kernels|use_remove_padding|use_prefix_grouper|freeze_vision_tower|calculate_entropy|"
-        r"calculate_sum_pi_squared|entropy_from_logits_with_chunking|entropy_from_logits_chunk_size|"
+        r"^actor_rollout_ref\.actor\.(tau_pos|tau_neg|rollout_n|shuffle|data_loader_seed|"
+        r"use_torch_compile|use_fused_kernels|use_remove_padding|use_prefix_grouper|"
+        r"freeze_vision_tower|calculate_entropy|calculate_sum_pi_squared|"
+        r"entropy_from_logits_with_chunking|entropy_from_logits_chunk_size|"
         r"entropy_checkpointing|pad_to_length)$",
         "speed and memory knobs",
     ),
     (
-        r"^actor_rollout_ref\.actor\.optim\.(optimizer_impl|total_training_steps|zero_indexed_step)$",
+        r"^actor_rollout_ref\.actor\.optim\."
+        r"(optimizer_impl|total_training_steps|zero_indexed_step)$",
         "derived by verl",
     ),
     (r"^actor_rollout_ref\.model\.", "model loading knobs (no effect on the weights trained)"),

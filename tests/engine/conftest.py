@@ -1,4 +1,4 @@
-"""Shared set-up for engine tests: offline Hugging Face; fixtures for tiny checkpoints (see tiny_hf.py)."""
+"""Shared set-up for engine tests: offline Hugging Face; tiny checkpoint fixtures (tiny_hf.py)."""
 
 import os
 

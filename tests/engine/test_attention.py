@@ -1,4 +1,4 @@
-"""Attention backends against a float64 reference (explicit document-causal mask), and against each other."""
+"""Attention backends against a float64 reference (explicit document-causal mask) and each other."""
 
 import pytest
 import torch

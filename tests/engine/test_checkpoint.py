@@ -1,4 +1,4 @@
-"""engine/checkpoint.py: exact resume, atomic commit, identity checks, retention, disk checks, HF export.
+"""engine/checkpoint.py: exact resume, atomic commit, identity, retention, disk checks, HF export.
 
 Exact resume is checked against an uninterrupted run of the same code: the steps after a restore
 give bit-identical losses and weights (torch.equal), with the batch drawn from the restored RNG

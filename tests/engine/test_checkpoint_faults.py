@@ -1,8 +1,8 @@
-"""Damaged checkpoints (issue 20): the newest of two is corrupted in each way a disk, a copy or a crash can
-leave it; the load falls back to the previous one with a warning naming the damaged file, and with
-every checkpoint damaged it refuses with a CheckpointError naming the files. A missing RNG file
-costs only determinism (a warning naming it). Replicated and FSDP2 runs of one model are the same
-model."""
+"""Damaged checkpoints (issue 20): the newest of two is corrupted in each way a disk, a copy or a
+crash can leave it; the load falls back to the previous one with a warning naming the damaged file,
+and with every checkpoint damaged it refuses with a CheckpointError naming the files. A missing RNG
+file costs only determinism (a warning naming it). Replicated and FSDP2 runs of one model are the
+same model."""
 
 import json
 import logging

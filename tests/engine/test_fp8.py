@@ -1,9 +1,9 @@
-"""engine/fp8.py with torchao float8 on the CPU (real FP8 GEMMs through `torch._scaled_mm`): numerics of
-a converted decoder block against float64 and against the unconverted bf16 block, and every piece of
-the trainer FP8 passes through - FSDP2 with FP8 weight all-gathers over gloo, activation
-checkpointing, torch.compile, DCP checkpoints (save, resume, model identity), HF export and the
-tensors of a weight push. The Transformer Engine path runs against tests/helpers/te_standin.py
-(test_fp8_te.py)."""
+"""engine/fp8.py with torchao float8 on the CPU (real FP8 GEMMs through `torch._scaled_mm`):
+numerics of a converted decoder block against float64 and against the unconverted bf16 block, and
+every piece of the trainer FP8 passes through - FSDP2 with FP8 weight all-gathers over gloo,
+activation checkpointing, torch.compile, DCP checkpoints (save, resume, model identity), HF export
+and the tensors of a weight push. The Transformer Engine path runs against
+tests/helpers/te_standin.py (test_fp8_te.py)."""
 
 import copy
 import dataclasses
@@ -260,7 +260,8 @@ def _fsdp_worker(rank, world, tmp):
         again = parallel.full_state_dict(fresh, cpu_offload=True)
         out[name] = all(torch.equal(again[k], full[k]) for k in full) and set(again) == set(full)
         if backend == "torchao":
-            next_loss = [float(distributed.all_reduce_sum(train_step(m, o, 3, rank_slice(rank, world), 16)))
+            batch = rank_slice(rank, world)
+            next_loss = [float(distributed.all_reduce_sum(train_step(m, o, 3, batch, 16)))
                          for m, o in ((model, opt), (fresh, fresh_opt))]  # fmt: skip
             out["next_losses"] = next_loss
             # as the trainer does after every step: scales of the new weights
@@ -275,7 +276,8 @@ def _fsdp_worker(rank, world, tmp):
     parallel.copy_parameters_(reference, model)
     ids, cu, labels = packed_batch(7, rank_slice(rank, world))
     with torch.no_grad():
-        lp = [linear_logprob_entropy(m(ids, cu_seqlens=cu), m.lm_head_weight, labels, return_entropy=False)[0]
+        lp = [linear_logprob_entropy(m(ids, cu_seqlens=cu), m.lm_head_weight, labels,
+                                     return_entropy=False)[0]
               for m in (model, reference)]  # fmt: skip
     out["reset_exact"] = torch.equal(lp[0], lp[1])
     return out

@@ -1,5 +1,5 @@
-"""CUDA's `torch._scaled_mm` rules on the CPU (tests/helpers/scaled_mm_standin.py) and the FP8 paths that
-must obey them: torchao's backward on packed batches whose token count is not a multiple of 16.
+"""CUDA's `torch._scaled_mm` rules on the CPU (tests/helpers/scaled_mm_standin.py) and the FP8 paths
+that must obey them: torchao's backward on packed batches whose token count is not a multiple of 16.
 
 The reference for what is allowed is CUDA's source (`_scaled_mm_out_cuda`, `_scaled_gemm`, cited in
 the stand-in's docstring), not the CPU kernel, which accepts every case below."""

@@ -1,6 +1,6 @@
-"""engine/fp8.py's Transformer Engine path against tests/helpers/te_standin.py, a stand-in that enforces
-TE's documented rules (shapes, autocast names, recipes, checkpointing under the FP8 state, parameter
-attributes under FSDP2, `_extra_state`). The real TE runs on a GPU only
+"""engine/fp8.py's Transformer Engine path against tests/helpers/te_standin.py, a stand-in that
+enforces TE's documented rules (shapes, autocast names, recipes, checkpointing under the FP8 state,
+parameter attributes under FSDP2, `_extra_state`). The real TE runs on a GPU only
 (benchmarks/gpu_check.sh)."""
 
 import dataclasses
@@ -79,8 +79,8 @@ def test_mxfp8_needs_its_gpu_and_32_aligned_layers(monkeypatch):
     te_standin.install(monkeypatch, capability=(10, 0))
     model = FP8Training("te", "mxfp8").convert(random_decoder())
     # k/v projections are 2 heads x 8 = 16 wide: not a multiple of 32
-    assert [n.split(".")[-1] for n in _te_names(model)] == ["q_proj", "o_proj", "gate_proj", "up_proj",
-                                                             "down_proj"] * 2  # fmt: skip
+    names = [n.split(".")[-1] for n in _te_names(model)]
+    assert names == ["q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"] * 2
     assert FP8Training("te", "mxfp8").token_multiple == 32
 
 

@@ -1,5 +1,5 @@
-"""Clear errors for what the decoder cannot load: unknown architectures, unsupported options, checkpoints
-whose tensors do not match their config.json."""
+"""Clear errors for what the decoder cannot load: unknown architectures, unsupported options,
+checkpoints whose tensors do not match their config.json."""
 
 import json
 import os
@@ -137,7 +137,10 @@ def test_untied_config_needs_lm_head(hf_checkpoint, tmp_path):
 def test_wrong_shape(hf_checkpoint, tmp_path):
     path = _copy(hf_checkpoint("qwen3"), tmp_path / "ckpt")
     _edit_config(path, intermediate_size=96)
-    expected = r"wrong shape model.layers.0.mlp.down_proj.weight: checkpoint \(64, 128\), config expects \(64, 96\)"
+    expected = (
+        r"wrong shape model.layers.0.mlp.down_proj.weight: checkpoint \(64, 128\), "
+        r"config expects \(64, 96\)"
+    )
     with pytest.raises(ValueError, match=expected):
         load_hf(path)
 

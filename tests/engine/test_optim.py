@@ -1,5 +1,5 @@
-"""engine/optim.py against hand-written references: the schedule formulas, a float64 AdamW, the global
-norm, and the non-finite skip."""
+"""engine/optim.py against hand-written references: the schedule formulas, a float64 AdamW, the
+global norm, and the non-finite skip."""
 
 import copy
 import math

@@ -1,4 +1,4 @@
-"""engine/parallel.py: FSDP2 over two gloo ranks reproduces a single-process run of the same global batch.
+"""engine/parallel.py: FSDP2 over two gloo ranks reproduces a single-process run of one batch.
 
 The reference is independent of the code under test: the model is loaded with `load_hf` (not the
 sharded `materialize`), is not wrapped, and sees the whole batch in one process. Tolerance for fp32:

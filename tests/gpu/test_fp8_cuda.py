@@ -1,8 +1,8 @@
-"""FP8 on a real GPU (benchmarks/gpu_check.sh runs it): torchao float8 with the real `torch._scaled_mm`
-and Transformer Engine's Linear under its autocast, each against float64, with the bounds of
-tests/engine/test_fp8.py (e4m3: ~5% RMS per GEMM; forward 10%, gradients 20%, and above 1%: an
-unconverted block would fail that). Skipped without CUDA sm_90+, torchao or TE; the CPU suite covers
-the same code with torchao's CPU path and the TE stand-in."""
+"""FP8 on a real GPU (benchmarks/gpu_check.sh runs it): torchao float8 with the real
+`torch._scaled_mm` and Transformer Engine's Linear under its autocast, each against float64, with
+the bounds of tests/engine/test_fp8.py (e4m3: ~5% RMS per GEMM; forward 10%, gradients 20%, and
+above 1%: an unconverted block would fail that). Skipped without CUDA sm_90+, torchao or TE; the CPU
+suite covers the same code with torchao's CPU path and the TE stand-in."""
 
 import contextlib
 import copy

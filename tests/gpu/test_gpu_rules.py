@@ -1,4 +1,4 @@
-"""On a GPU, the rules the CPU suite enforces with stand-ins (benchmarks/gpu_check.sh runs tests/gpu/):
+"""On a GPU, the rules the CPU suite enforces with stand-ins (benchmarks/gpu_check.sh runs these):
 
 - CUDA's `torch._scaled_mm` refuses and accepts exactly what tests/helpers/scaled_mm_standin.py
   does, case by case (the stand-in is only as good as this agreement);

@@ -1,5 +1,5 @@
-"""Helpers shared by the distributed engine tests: a tiny Qwen2-shaped decoder, packed batches, a training
-step with the project's loss convention, and a runner that spawns gloo ranks (file://
+"""Helpers shared by the distributed engine tests: a tiny Qwen2-shaped decoder, packed batches, a
+training step with the project's loss convention, and a runner that spawns gloo ranks (file://
 rendezvous)."""
 
 import io

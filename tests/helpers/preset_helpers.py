@@ -1,5 +1,5 @@
-"""The `prorl_v2_1.5b` preset in miniature: the preset file itself with size-only overrides, on a bf16
-checkpoint with an untied LM head written by `transformers` (as DeepSeek-R1-Distill-Qwen-1.5B
+"""The `prorl_v2_1.5b` preset in miniature: the preset file itself with size-only overrides, on a
+bf16 checkpoint with an untied LM head written by `transformers` (as DeepSeek-R1-Distill-Qwen-1.5B
 ships), and data in verl's schema whose rewards make dynamic sampling uneven across ranks
 (`preset_rewards`)."""
 

@@ -1,6 +1,6 @@
-"""Helpers shared by the sampler tests (tests/rollout, tests/gpu): a tiny random Qwen2 checkpoint written
-by `transformers` (the independent reference), and the training-side recomputation of sampled
-log-probs."""
+"""Helpers shared by the sampler tests (tests/rollout, tests/gpu): a tiny random Qwen2 checkpoint
+written by `transformers` (the independent reference), and the training-side recomputation of
+sampled log-probs."""
 
 import torch
 

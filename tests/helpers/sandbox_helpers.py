@@ -1,4 +1,4 @@
-"""Shared pieces of the sandbox tests: which backends work here, host places to plant files, processes."""
+"""Sandbox test helpers: the backends that work here, host places to plant files, processes."""
 
 import contextlib
 import functools

@@ -1,4 +1,4 @@
-"""CUDA's rules for `torch._scaled_mm`, enforced on the CPU (the CPU kernel accepts any shape and layout).
+"""CUDA's rules for `torch._scaled_mm`, enforced on the CPU (whose kernel takes any shape, layout).
 
 torch 2.13's CPU `_scaled_mm` is a reference kernel that multiplies whatever it is given; CUDA's
 checks (`_scaled_mm_out_cuda` and `_scaled_gemm` in aten/src/ATen/native/cuda/ScaledBlas.cpp,

@@ -1,4 +1,4 @@
-"""The reliability report: what the README's "tried / held" figures are made of, written by the tests.
+"""The reliability report: what the README's "tried / held" figures are made of, written by tests.
 
 A test marked `@pytest.mark.tally(kind)` is one case of `kind` (`attacks`, `faults`, `bad_inputs`);
 each collected item (each parametrization) is one case. At the end of a session that ran all of them
@@ -7,9 +7,9 @@ tried (run, not skipped), held (passed), skipped and failed (their test ids). A 
 only some of them writes `tests/reliability_report.partial.json` instead, so a developer's partial
 run does not overwrite the figures of a full one.
 
-    python tests/helpers/tally.py            # the README's figures from the report
-    python tests/helpers/tally.py --write    # ... and written into README.md
-    python tests/helpers/tally.py --check    # exit 1 when README.md's figures differ from the report
+    python tests/helpers/tally.py          # the README's figures from the report
+    python tests/helpers/tally.py --write  # ... and written into README.md
+    python tests/helpers/tally.py --check  # exit 1 when README.md's figures differ from the report
 
 The README's figures are found by their wording: "<what> tried / <verb> **T / H**" (and, for faults,
 also "T tried, H survived"); `PHRASES` lists the patterns of each kind.

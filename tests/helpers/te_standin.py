@@ -1,4 +1,4 @@
-"""A stand-in for Transformer Engine (TE), which cannot be imported without CUDA, for testing engine/fp8.py.
+"""A stand-in for Transformer Engine (TE, not importable without CUDA), for testing engine/fp8.py.
 
 It has the names and signatures of TE >= 2.9 that prorl uses and ENFORCES the rules TE documents,
 raising where TE would raise or silently compute something else:

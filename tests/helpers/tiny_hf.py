@@ -1,4 +1,4 @@
-"""Tiny random checkpoints of each supported family, written by `transformers` (the independent reference).
+"""Tiny random checkpoints of each supported family, written by `transformers` (the reference).
 
 Every parameter is randomised - norms around 1, non-zero biases, weights large enough (std 0.15)
 that attention is far from uniform - so that a wrong norm, bias, RoPE variant or mask shows in the

@@ -1,4 +1,4 @@
-"""Launching `prorl/train.py` as a subprocess in tests, watching its checkpoints, killing its process tree."""
+"""`prorl/train.py` as a subprocess in tests: launch it, watch its checkpoints, kill its tree."""
 
 import contextlib
 import os

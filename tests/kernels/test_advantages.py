@@ -1,4 +1,4 @@
-"""group_advantages and batch_whiten: the docs/recipe.md §2 worked examples and a per-group loop reference.
+"""group_advantages and batch_whiten: the recipe.md §2 worked examples, a per-group loop reference.
 
 The two-process (gloo) test of the cross-rank merge is in test_distributed.py.
 """

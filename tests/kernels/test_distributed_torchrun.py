@@ -1,4 +1,4 @@
-"""The issue's distributed test, launched for real: `torchrun --standalone --nproc_per_node=2` (gloo, CPU).
+"""The issue's distributed test, launched for real: `torchrun --standalone --nproc_per_node=2`.
 
 tests/dist_scripts/advantages_and_loss_two_ranks.py splits a batch over the two ranks and checks
 that group_advantages / batch_whiten with process_group and the token-mean ppo_loss with the global

@@ -39,7 +39,10 @@ def _interpreter_problem() -> str | None:
         from triton.runtime.interpreter import InterpretedFunction
 
         if not isinstance(mod._update_stats_kernel, InterpretedFunction):
-            return "the triton kernels were already compiled for GPU in this process (run this module alone)"
+            return (
+                "the triton kernels were already compiled for GPU in this process (run this "
+                "module alone)"
+            )
     return None
 
 

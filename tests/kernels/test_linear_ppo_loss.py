@@ -1,4 +1,4 @@
-"""linear_ppo_loss (hidden states -> loss, 6NDV) against the float64 composition of the two references.
+"""linear_ppo_loss (hidden states -> loss, 6NDV) against the float64 composition of two references.
 
 The reference is `ppo_loss_reference(linear_logprob_entropy_reference(hidden, weight, labels, T),
 ...)`: full float64 logits, log_softmax, then the per-sequence loss loop, differentiated by autograd

@@ -1,4 +1,4 @@
-"""ppo_loss: the docs/recipe.md §3-§4 vectors, and every option against the float64 autograd reference.
+"""ppo_loss: the recipe.md §3-§4 vectors, and every option against the float64 autograd reference.
 
 The expected numbers come from docs/recipe.md (worked by hand there) or from `ppo_loss_reference`, a
 plain float64 per-sequence loop differentiated by autograd, independent of the op's closed-form

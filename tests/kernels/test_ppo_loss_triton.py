@@ -1,4 +1,4 @@
-"""The Triton ppo_loss backend's launch structure, under the Triton interpreter (CPU tensors, tiny shapes).
+"""The Triton ppo_loss backend's launch structure under the Triton interpreter (CPU, tiny shapes).
 
 On CUDA the op is ONE forward and ONE backward launch with no host sync. Here every Triton launch
 is counted, and every torch op the call runs outside those launches is recorded (a

@@ -1,4 +1,4 @@
-"""OpenRLHFPolicyLoss against OpenRLHF 0.11.2 itself: its PolicyLoss, its normalisers, its actor's step.
+"""OpenRLHFPolicyLoss against OpenRLHF 0.11.2: its PolicyLoss, its normalisers, its actor's step.
 
 The expected numbers come from OpenRLHF's own `openrlhf.models.loss.PolicyLoss` on the same float64
 inputs, with the global normalisers computed by OpenRLHF's own `openrlhf.utils.loss_utils`; the

@@ -29,8 +29,8 @@ def actor(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_attn.ops.triton.cross_entropy", None)
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=True,
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
     )  # fmt: skip
     actor = actor_module.Actor(Qwen2ForCausalLM(config).float(), temperature=0.7)
     actor.packing_samples = False  # Actor sets it only when it loads the model from a path

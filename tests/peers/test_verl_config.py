@@ -1,4 +1,4 @@
-"""prorl/verl_compat against verl 0.9.1's own trainer config, and prorl's metric names against verl's source.
+"""prorl/verl_compat against verl 0.9.1's trainer config; prorl's metric names against verl's code.
 
 - verl's `ppo_trainer.yaml` (a hydra defaults list over config groups) composed by prorl equals
   verl's own composed `_generated_ppo_trainer.yaml`, leaf for leaf;

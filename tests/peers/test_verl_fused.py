@@ -1,4 +1,4 @@
-"""prorl's op as the fused LM head of verl 0.9.1's `use_fused_kernels=True`, at verl's own call site.
+"""prorl's op as the fused LM head of verl 0.9.1's `use_fused_kernels=True`, at verl's call site.
 
 verl's `patch_forward_with_backends` patches a tiny Qwen2ForCausalLM's forward (the path verl's
 engine takes when `actor_rollout_ref.model.use_fused_kernels=True`); its output's log_probs and
@@ -53,8 +53,8 @@ def restore(monkeypatch):
 def _model():
     torch.manual_seed(0)
     config = Qwen2Config(
-        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=False,
+        vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
     )  # fmt: skip
     return Qwen2ForCausalLM(config).float()
 

@@ -1,5 +1,6 @@
-"""Asynchronous RL (`rollout.async.steps_ahead`, prorl/async_rl/) in miniature: the embedded default's
-tiny reasoner under `python -m prorl.launch` on gloo, the native sampler on the rollout ranks.
+"""Asynchronous RL (`rollout.async.steps_ahead`, prorl/async_rl/) in miniature: the embedded
+default's tiny reasoner under `python -m prorl.launch` on gloo, the native sampler on the rollout
+ranks.
 
 - 1 rollout + 1 trainer rank, k = 1, stopped by SIGTERM after a few checkpoints and resumed: every
   step of 0..total-1 is trained exactly once, no group (by its id) is trained twice, and no prompt

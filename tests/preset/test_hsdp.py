@@ -1,5 +1,5 @@
-"""HSDP (`model.dp_replicate`): the prorl_v2_1.5b preset in miniature on 4 gloo ranks as 2 replicas x 2
-shards, against plain FSDP2 over the same 4 ranks. What a user moving from one node to several
+"""HSDP (`model.dp_replicate`): the prorl_v2_1.5b preset in miniature on 4 gloo ranks as 2 replicas
+x 2 shards, against plain FSDP2 over the same 4 ranks. What a user moving from one node to several
 relies on:
 
 - the replicas change nothing but where the shards live: the batch split, the global token

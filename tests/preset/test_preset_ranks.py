@@ -1,7 +1,7 @@
-"""The prorl_v2_1.5b preset in miniature, in-process on 2 gloo ranks (spawned): FSDP2 with bf16 mixed
-precision and activation checkpointing over a bf16 checkpoint with an untied LM head, token-budget
-micro-batches, dynamic sampling that keeps different numbers of groups on different ranks, reference
-resets. What a user running the preset on 8 GPUs relies on:
+"""The prorl_v2_1.5b preset in miniature, in-process on 2 gloo ranks (spawned): FSDP2 with bf16
+mixed precision and activation checkpointing over a bf16 checkpoint with an untied LM head,
+token-budget micro-batches, dynamic sampling that keeps different numbers of groups on different
+ranks, reference resets. What a user running the preset on 8 GPUs relies on:
 
 - the master weights are fp32 and move at the preset's learning rate (2e-6), although the checkpoint
   is bf16;

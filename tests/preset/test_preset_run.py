@@ -1,7 +1,7 @@
-"""`torchrun prorl/train.py --config prorl_v2_1.5b` in miniature on 2 CPU ranks (gloo): the preset file
-with size-only overrides on a bf16 checkpoint with an untied head (tests/helpers/preset_helpers.py),
-the run killed with SIGKILL after its first checkpoint and resumed, as a preempted cluster job would
-be.
+"""`torchrun prorl/train.py --config prorl_v2_1.5b` in miniature on 2 CPU ranks (gloo): the preset
+file with size-only overrides on a bf16 checkpoint with an untied head
+(tests/helpers/preset_helpers.py), the run killed with SIGKILL after its first checkpoint and
+resumed, as a preempted cluster job would be.
 
 - the resumed run continues exactly: every per-step metric and the final weights equal an
   uninterrupted run's (trainer.deterministic=true);

@@ -1,6 +1,6 @@
-"""Asynchronous RL's weight transport (prorl/async_rl/transport.py, `RemoteRollouts.push`): the weight
-checksum and its check, the push buckets, the push thread (newest version wins, a stuck push, a root
-that left), heartbeats and lost peers, push headers. The other async pieces are
+"""Asynchronous RL's weight transport (prorl/async_rl/transport.py, `RemoteRollouts.push`): the
+weight checksum and its check, the push buckets, the push thread (newest version wins, a stuck push,
+a root that left), heartbeats and lost peers, push headers. The other async pieces are
 tests/prorl/test_async_units.py."""
 
 import time

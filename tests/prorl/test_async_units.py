@@ -1,6 +1,6 @@
-"""Asynchronous RL's pieces that need no launch (prorl/async_rl/): the settings' checks against the world,
-the split of a step's groups between rollout and trainer ranks, the rollout worker's budget and
-carry, the trainer's checks of what it takes, and the async metrics. The weight transport is
+"""Asynchronous RL's pieces that need no launch (prorl/async_rl/): the settings' checks against the
+world, the split of a step's groups between rollout and trainer ranks, the rollout worker's budget
+and carry, the trainer's checks of what it takes, and the async metrics. The weight transport is
 tests/prorl/test_async_transport.py; the multi-rank runs are tests/preset/test_async.py."""
 
 import time
@@ -35,11 +35,13 @@ def test_the_async_keys_are_spelt_async_on_the_command_line():
     [
         (["rollout.async.steps_ahead=1"], 1, False, "launch with torchrun"),
         (["rollout.async.steps_ahead=1"], 2, True, None),
-        (["rollout.async.steps_ahead=1", "rollout.async.rollout_ranks=2"], 2, True, "no trainer rank"),
+        (["rollout.async.steps_ahead=1", "rollout.async.rollout_ranks=2"], 2, True,
+         "no trainer rank"),
         (["rollout.async.steps_ahead=1", "trainer.prompts_per_step=8"], 4, True, "3 trainer ranks"),
-        (["rollout.async.steps_ahead=1", "rollout.async.rollout_ranks=3", "trainer.prompts_per_step=8"],
-         4, True, "3 rollout ranks"),
-        (["rollout.async.steps_ahead=1", "rollout.tensor_parallel_size=2"], 2, True, "parallel_size>1"),
+        (["rollout.async.steps_ahead=1", "rollout.async.rollout_ranks=3",
+          "trainer.prompts_per_step=8"], 4, True, "3 rollout ranks"),
+        (["rollout.async.steps_ahead=1", "rollout.tensor_parallel_size=2"], 2, True,
+         "parallel_size>1"),
         (["rollout.async.steps_ahead=-1"], 2, True, "must be >= 0"),
         (["rollout.async.rollout_ranks=5"], 2, True, None),  # steps_ahead=0: the setting is unused
     ],

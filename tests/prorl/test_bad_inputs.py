@@ -1,5 +1,5 @@
-"""Bad data, config files and model directories (issue 29): each named with its file and row, key or id,
-before any work; memory bounded while a data file is read (`data.max_row_bytes`)."""
+"""Bad data, config files and model directories (issue 29): each named with its file and row, key or
+id, before any work; memory bounded while a data file is read (`data.max_row_bytes`)."""
 
 import json
 import math
@@ -257,9 +257,10 @@ def _model_dir(tmp_path, vocab_size=None, drop=None) -> str:
     [
         ("no tokenizer.json", {"drop": "tokenizer.json"}, "tokenizer.json is missing"),
         # the shipped tokenizer has 100 tokens (ids 0..99: 98 characters, '<unk>' is 99)
-        ("vocab below the tokenizer", {"vocab_size": 98}, "ids 98..99 (98 '~', 99 '<unk>') have no row"),
-        ("vocab 480x the tokenizer", {"vocab_size": 48000}, "embedding rows (config.json vocab_size) for a "
-         "tokenizer of 100 tokens: 480x"),
+        ("vocab below the tokenizer", {"vocab_size": 98},
+         "ids 98..99 (98 '~', 99 '<unk>') have no row"),
+        ("vocab 480x the tokenizer", {"vocab_size": 48000},
+         "embedding rows (config.json vocab_size) for a tokenizer of 100 tokens: 480x"),
     ],
 )  # fmt: skip
 def test_a_model_dir_with_no_tokenizer_or_another_model_s_is_named(tmp_path, case, kw, message):

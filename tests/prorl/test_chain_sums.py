@@ -1,5 +1,6 @@
-"""The chain-sums task (prorl/chain_sums.py): disjoint splits, balanced levels, worked solutions that follow
-the documented slip rule, routing to the math verifier, and the warm start's demonstrations."""
+"""The chain-sums task (prorl/chain_sums.py): disjoint splits, balanced levels, worked solutions
+that follow the documented slip rule, routing to the math verifier, and the warm start's
+demonstrations."""
 
 from __future__ import annotations
 

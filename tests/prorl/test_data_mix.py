@@ -1,5 +1,5 @@
-"""prorl.data: mixing files by weight (`path:weight` specs, `mix`) and chat-template prompt encoding with
-over-long prompts filtered and counted (issue 6)."""
+"""prorl.data: mixing files by weight (`path:weight` specs, `mix`) and chat-template prompt encoding
+with over-long prompts filtered and counted (issue 6)."""
 
 from __future__ import annotations
 

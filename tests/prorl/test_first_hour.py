@@ -1,5 +1,5 @@
-"""What a new user (from verl, with their own model and data) meets in the first hour: the defaults that
-apply to their model, config keys that help, data fields that can be named, the command line's
+"""What a new user (from verl, with their own model and data) meets in the first hour: the defaults
+that apply to their model, config keys that help, data fields that can be named, the command line's
 --help and --print-config, both launch forms, no held-out set when none is given, and a refused
 resume that touches nothing of the run."""
 

@@ -1,5 +1,5 @@
-"""`python -m prorl.launch`: torchrun whose exit status is the trainer's documented exit code (torchrun
-itself exits 1 whenever a worker fails, so a scheduler never sees 2, 4, 5, 6 or 7)."""
+"""`python -m prorl.launch`: torchrun whose exit status is the trainer's documented exit code
+(torchrun itself exits 1 whenever a worker fails, so a scheduler never sees 2, 4, 5, 6 or 7)."""
 
 import re
 import signal

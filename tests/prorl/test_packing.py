@@ -1,4 +1,4 @@
-"""Shared-prompt packing equals running every prompt + response on its own (values and gradients)."""
+"""Shared-prompt packing equals running each prompt + response on its own (values and gradients)."""
 
 from pathlib import Path
 

@@ -1,8 +1,8 @@
-"""prorl/prompt_schedule.py: the Beta posterior's P(mixed group) against its closed form, the choice's
-guarantees (unseen first, no prompt twice in a step, disjoint identical slices on every rank, every
-prompt re-probed within the bound, excluded prompts never chosen, the most likely mixed first), the
-merge, its discount and the population prior, and the record being the same on every rank of a real
-2-rank trainer."""
+"""prorl/prompt_schedule.py: the Beta posterior's P(mixed group) against its closed form, the
+choice's guarantees (unseen first, no prompt twice in a step, disjoint identical slices on every
+rank, every prompt re-probed within the bound, excluded prompts never chosen, the most likely mixed
+first), the merge, its discount and the population prior, and the record being the same on every
+rank of a real 2-rank trainer."""
 
 from types import SimpleNamespace
 
@@ -136,8 +136,8 @@ def test_a_skipped_refill_counts_no_reprobe_and_each_step_starts_afresh():
 
 def test_a_record_saved_before_the_population_prior_loads_as_evidence():
     s = PromptScheduler(cfg(), size=3, n=4, prompts_per_step=2, seed=0)
-    old = {"alpha": [1.0, 4.0, 1.0], "beta": [1.0, 2.0, 5.0], "updated": [0, 7, 9], "probed": [-1, 7, 9],
-           "excluded": [False, False, False], "pending": []}  # fmt: skip
+    old = {"alpha": [1.0, 4.0, 1.0], "beta": [1.0, 2.0, 5.0], "updated": [0, 7, 9],
+           "probed": [-1, 7, 9], "excluded": [False, False, False], "pending": []}  # fmt: skip
     s.load_state_dict(old)
     assert s.successes.tolist() == [0.0, 3.0, 0.0] and s.failures.tolist() == [0.0, 1.0, 4.0]
     assert s.population.tolist() == [3.0, 5.0] and s.population_updated == 9

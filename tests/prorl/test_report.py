@@ -1,5 +1,6 @@
-"""prorl/report.py: the run summary and curves regenerated from a run directory (`python -m prorl.report`),
-on a metrics.jsonl written by hand, so every number in the summary is known by construction."""
+"""prorl/report.py: the run summary and curves regenerated from a run directory (`python -m
+prorl.report`), on a metrics.jsonl written by hand, so every number in the summary is known by
+construction."""
 
 import json
 import subprocess
@@ -97,9 +98,8 @@ def test_summary_counts_generation_over_the_run_and_the_scheduler_states(tmp_pat
     lines = summarize(str(tmp_path)).splitlines()
     # kept: 1+2+2+3+3+4+4+5+5+6 = 35 of 80; 8000 tokens / 35 = 228.6 (a mean of the per-step ratios:
     # 283)
-    assert (
-        lines[5]
-        == "generation: 43.8% of 80 sampled groups kept; 229 generated response tokens per kept group"
+    assert lines[5] == (
+        "generation: 43.8% of 80 sampled groups kept; 229 generated response tokens per kept group"
     )
     assert lines[6] == "prompts at step 10: unseen 4, mixed 3, solved 2, unsolved 1"
 

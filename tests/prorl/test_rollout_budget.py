@@ -1,5 +1,5 @@
-"""The sampler's memory at start (prorl/rollout_budget.py): a sampling round's KV cache against what the
-native sampler can allocate (refused before anything is allocated, naming the keys), the vLLM
+"""The sampler's memory at start (prorl/rollout_budget.py): a sampling round's KV cache against what
+the native sampler can allocate (refused before anything is allocated, naming the keys), the vLLM
 engine's share of the GPU beside the colocated trainer, the start-up report, and vLLM's preemption
 count.
 

@@ -1,4 +1,4 @@
-"""End to end: `torchrun prorl/train.py` on 2 CPU processes with the shipped tiny reasoner, a few steps.
+"""End to end: `torchrun prorl/train.py` on 2 CPU processes with the shipped tiny reasoner.
 
 Reward must go up on the easy built-in task with a fixed seed, and each recipe component must be
 observable in metrics.jsonl: dynamic sampling, the interval reference reset, the scheduled length

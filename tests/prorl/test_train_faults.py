@@ -1,8 +1,8 @@
-"""Faults around `prorl/train.py` that must end with a clear message and nothing corrupted (issues 8, 20):
-an unusable output directory (not writable, too little disk, in use by another run), Ctrl-C without
-torchrun, torchrun itself killed (its workers must not train on unseen), damaged checkpoints (the
-previous one is resumed, or exit 4 naming the file), a damaged model directory or data file (exit 2
-naming it), and resuming with `model.fsdp` switched on or another number of ranks."""
+"""Faults around `prorl/train.py` that must end with a clear message and nothing corrupted (issues
+8, 20): an unusable output directory (not writable, too little disk, in use by another run), Ctrl-C
+without torchrun, torchrun itself killed (its workers must not train on unseen), damaged checkpoints
+(the previous one is resumed, or exit 4 naming the file), a damaged model directory or data file
+(exit 2 naming it), and resuming with `model.fsdp` switched on or another number of ranks."""
 
 import contextlib
 import json

@@ -1,4 +1,4 @@
-"""The trainer's algorithm and metrics as docs/recipe.md states them, in-process on the shipped tiny reasoner.
+"""The trainer's algorithm and metrics as docs/recipe.md states them, in-process, tiny reasoner.
 
 - carried-over groups (dynamic sampling's surplus) are trained against the log-probs of the policy
   that sampled them, so their ratio is not 1 and clipping acts on them (§6);

@@ -1,5 +1,5 @@
-"""Trainer.update in-process: micro-batching, the on-policy shortcut and shared prompts change the cost,
-not the result.
+"""Trainer.update in-process: micro-batching, the on-policy shortcut and shared prompts change the
+cost, not the result.
 
 Two trainers load the same shipped checkpoint and are fed the same sampled groups; one takes the
 plain path (one forward per mini-batch, old log-probs recomputed), the other the variant under test.

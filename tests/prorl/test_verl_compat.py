@@ -1,5 +1,6 @@
-"""A verl user's config on prorl (prorl/verl_compat): `--verl-config FILE` and verl-style dotted overrides
-mapped onto prorl's keys, the printed table, and a refusal naming each key prorl cannot honour.
+"""A verl user's config on prorl (prorl/verl_compat): `--verl-config FILE` and verl-style dotted
+overrides mapped onto prorl's keys, the printed table, and a refusal naming each key prorl cannot
+honour.
 
 The expected prorl values follow from verl 0.9.1's documented meanings of the keys in the test data
 (written for these tests, tests/prorl/data): e.g. verl's `ppo_mini_batch_size` counts prompts, so 32

@@ -1,6 +1,6 @@
-"""A verl user's second hour (issue 30): a preset without data, a response budget past the model's context,
-a failed start, a run with nothing validated, evaluation progress, and verl's metric names in a
-step.
+"""A verl user's second hour (issue 30): a preset without data, a response budget past the model's
+context, a failed start, a run with nothing validated, evaluation progress, and verl's metric names
+in a step.
 
 References: the tiny reasoner's config.json (a context of 256 tokens), its digit-sum prompts (25
 tokens each, counted with its tokenizer here), the sampler's own Rollouts (when each sample

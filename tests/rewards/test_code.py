@@ -1,4 +1,4 @@
-"""The code verifier: extraction, test formats, partial credit, limits (the sandbox has its own suite)."""
+"""The code verifier: extraction, test formats, partial credit, limits (the sandbox: own suite)."""
 
 import json
 import os

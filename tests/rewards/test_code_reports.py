@@ -1,5 +1,5 @@
-"""Reports a policy's code can forge: `prorl.rewards.score` must score them 0 with a reason, never raise,
-never hold much memory for them, and the reward pool must not count them as verifier errors.
+"""Reports a policy's code can forge: `prorl.rewards.score` must score them 0 with a reason, never
+raise, never hold much memory for them, and the reward pool must not count them as verifier errors.
 
 The code runs in the harness's process, so it can write any bytes to the report's descriptor (the
 harness's dup of the original stdout) and `os._exit(0)` before the harness writes its own."""

@@ -1,4 +1,4 @@
-"""`reward.function=path/to/file.py:name`: verl's compute_score by file path (prorl/rewards/function.py).
+"""`reward.function=path/to/file.py:name`: verl's compute_score by path (prorl/rewards/function.py).
 
 The files are written here as a verl user writes them (a plain .py file, not an importable module),
 with verl's signature `compute_score(data_source, solution_str, ground_truth, extra_info)`. The
@@ -170,21 +170,25 @@ def test_prorl_eval_scores_with_the_function(reward_file, tmp_path):
         str(out),
     ]
     done = subprocess.run(
-        [*cmd, "--reward-function", f"{reward_file}:compute_score"], cwd=ROOT, env=ENV, capture_output=True,
-        text=True, timeout=300,
+        [*cmd, "--reward-function", f"{reward_file}:compute_score"], cwd=ROOT, env=ENV,
+        capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     samples = [json.loads(line) for line in open(out / "samples.jsonl")]
     examples = dict(enumerate(data.builtin("digit_sums", n=3, split="val")))
-    expected = [1.0 if s["response"].strip().lower() == str(examples[s["index"]].ground_truth).strip().lower()
-                else -1.0 for s in samples]  # fmt: skip
+
+    def norm(text):
+        return str(text).strip().lower()
+
+    expected = [1.0 if norm(s["response"]) == norm(examples[s["index"]].ground_truth) else -1.0
+                for s in samples]  # fmt: skip
     assert [s["score"] for s in samples] == expected and len(samples) == 6
     result = json.load(open(out / "results.json"))
     acc = sum(s["extras"]["acc"] for s in samples) / 6
     assert result["all"]["extra/acc"] == pytest.approx(acc)
     bad = subprocess.run(
-        [*cmd, "--reward-function", f"{reward_file}:nope"], cwd=ROOT, env=ENV, capture_output=True, text=True,
-        timeout=300,
+        [*cmd, "--reward-function", f"{reward_file}:nope"], cwd=ROOT, env=ENV, capture_output=True,
+        text=True, timeout=300,
     )  # fmt: skip
     assert bad.returncode == 2 and f"'nope' in {reward_file}" in bad.stderr
 

@@ -117,7 +117,10 @@ def test_pool_timeout_kills_the_code_sandbox_too(pool):
     # the worker is SIGKILLed on the pool's timeout while its sandbox runs: the sandbox must die
     # with it
     marker = f"prorl-pool-{uuid.uuid4().hex}"
-    code = f"import os, sys\nos.execv(sys.executable, [sys.executable, '-c', 'while True: pass', '{marker}'])"
+    code = (
+        "import os, sys\n"
+        f"os.execv(sys.executable, [sys.executable, '-c', 'while True: pass', '{marker}'])"
+    )
     response = f"```python\n{code}\n```"
     gt = {"inputs": ["1\n"], "outputs": ["1\n"]}
     res = pool.score_batch(["code"], [response], [gt], [{"time_limit_s": 30}])

@@ -1,8 +1,8 @@
-"""Limits of a sandbox run as a whole (cgroups): many processes or threads must not add up to more than
-the run's memory or CPU. Measured independently of the mechanism: memory by the Pss of the run's
-processes as seen from the host, CPU by the process's own CPU time per wall-clock time. Where this
-machine cannot give a run a cgroup the tests skip, naming why; the v2 file layout is also checked
-against a fake cgroup tree (this machine may only have v1)."""
+"""Limits of a sandbox run as a whole (cgroups): many processes or threads must not add up to more
+than the run's memory or CPU. Measured independently of the mechanism: memory by the Pss of the
+run's processes as seen from the host, CPU by the process's own CPU time per wall-clock time. Where
+this machine cannot give a run a cgroup the tests skip, naming why; the v2 file layout is also
+checked against a fake cgroup tree (this machine may only have v1)."""
 
 import os
 import threading

@@ -1,7 +1,7 @@
-"""The sandbox works wherever Python lives: a venv under /tmp, /var/tmp, the home directory or elsewhere,
-and a user-site install (its packages are importable inside). Each case starts a fresh interpreter
-from that place and runs the sandbox on every backend this machine has, then the code verifier's
-self-test (which picks the default backend itself)."""
+"""The sandbox works wherever Python lives: a venv under /tmp, /var/tmp, the home directory or
+elsewhere, and a user-site install (its packages are importable inside). Each case starts a fresh
+interpreter from that place and runs the sandbox on every backend this machine has, then the code
+verifier's self-test (which picks the default backend itself)."""
 
 import json
 import os

@@ -1,6 +1,6 @@
-"""The seccomp program, without a kernel: its syscall numbers against the kernel's own headers, and what
-it returns for each call, architecture and flag, run on a small classic-BPF interpreter written here
-from linux/filter.h (an independent reading of the instructions)."""
+"""The seccomp program, without a kernel: its syscall numbers against the kernel's own headers, and
+what it returns for each call, architecture and flag, run on a small classic-BPF interpreter written
+here from linux/filter.h (an independent reading of the instructions)."""
 
 import re
 import struct

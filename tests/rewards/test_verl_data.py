@@ -1,7 +1,7 @@
-"""Rows in verl's own format (as its examples/data_preprocess scripts write them) score through prorl's
-verifiers with the answer convention their prompts ask for: GSM8K's "#### 72", MATH's \\boxed{},
-DAPO-Math's "Answer: 72" line, AIME, and PRIME-format code tests. Each row goes through prorl.data's
-row parser and prorl.rewards.score; a right and a wrong response per row."""
+"""Rows in verl's own format (as its examples/data_preprocess scripts write them) score through
+prorl's verifiers with the answer convention their prompts ask for: GSM8K's "#### 72", MATH's
+\\boxed{}, DAPO-Math's "Answer: 72" line, AIME, and PRIME-format code tests. Each row goes through
+prorl.data's row parser and prorl.rewards.score; a right and a wrong response per row."""
 
 import json
 
@@ -13,16 +13,16 @@ from prorl import data
 GSM8K_Q = "Natalia sold 48 clips in April and half as many in May. How many in all?"
 GSM8K = {  # verl examples/data_preprocess/gsm8k.py
     "data_source": "openai/gsm8k",
-    "prompt": [{"role": "user", "content": GSM8K_Q + ' Let\'s think step by step and output the final answer '
-                'after "####".'}],
+    "prompt": [{"role": "user", "content": GSM8K_Q + ' Let\'s think step by step and output the '
+                'final answer after "####".'}],
     "ability": "math",
     "reward_model": {"style": "rule", "ground_truth": "72"},
     "extra_info": {"split": "train", "index": 0, "answer": "... #### 72", "question": GSM8K_Q},
 }  # fmt: skip
 MATH = {  # verl examples/data_preprocess/math_dataset.py (lighteval/MATH)
     "data_source": "DigitalLearningGmbH/MATH-lighteval",
-    "prompt": [{"role": "user", "content": "What is 1/2 + 1/4? Let's think step by step and output the "
-                "final answer within \\boxed{}."}],
+    "prompt": [{"role": "user", "content": "What is 1/2 + 1/4? Let's think step by step and "
+                "output the final answer within \\boxed{}."}],
     "ability": "math",
     "reward_model": {"style": "rule", "ground_truth": "\\frac{3}{4}"},
     "extra_info": {"split": "test", "index": 3},

@@ -1,5 +1,5 @@
-"""Tensors the trainer's helpers build go to the device the model computes on, not where its weights are
-stored: under FSDP2 with CPU offload (`model.cpu_offload`) the registered shards live on the CPU
+"""Tensors the trainer's helpers build go to the device the model computes on, not where its weights
+are stored: under FSDP2 with CPU offload (`model.cpu_offload`) the registered shards live on the CPU
 while FSDP2 moves the inputs to the GPU and computes there. The offload policy needs CUDA, so the
 case is built from a stand-in whose weights are on the CPU and whose forward runs on another device
 ("meta"); tests/gpu/test_gpu_rules.py runs the real FSDP2 offload on a GPU."""

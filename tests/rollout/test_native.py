@@ -1,5 +1,5 @@
-"""NativeGenerator: greedy equals transformers' greedy generate; sampled log-probs equal the training
-model's recomputed ones; draws are reproducible and independent of batch composition;
+"""NativeGenerator: greedy equals transformers' greedy generate; sampled log-probs equal the
+training model's recomputed ones; draws are reproducible and independent of batch composition;
 update_weights."""
 
 import os

@@ -1,4 +1,4 @@
-"""resolve_backend: the `rollout.backend: auto` rule (native on the CPU; vLLM on CUDA when installed)."""
+"""resolve_backend, the `rollout.backend: auto` rule: native on the CPU, vLLM on CUDA if present."""
 
 import importlib.util
 

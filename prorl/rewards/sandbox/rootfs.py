@@ -1,4 +1,4 @@
-"""The sandbox's file system: a minimal root built from read-only host paths and private scratch space.
+"""The sandbox's file system: a minimal root of read-only host paths and private scratch space.
 
 Visible inside, and nothing else of the host:
 - read-only: /usr and the other top-level system directories (/bin, /lib, ...; symlinks into /usr on

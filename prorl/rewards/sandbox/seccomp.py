@@ -141,7 +141,8 @@ def _seccomp(prog):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
     buf = ctypes.create_string_buffer(prog, len(prog))
     fprog = Prog(len(prog) // 8, ctypes.addressof(buf))
-    for args in ((38, 1, 0, 0, 0), (22, 2, ctypes.byref(fprog), 0, 0)):  # NO_NEW_PRIVS, SECCOMP filter
+    # PR_SET_NO_NEW_PRIVS, then PR_SET_SECCOMP with the filter
+    for args in ((38, 1, 0, 0, 0), (22, 2, ctypes.byref(fprog), 0, 0)):
         if libc.prctl(*args) != 0:
             e = ctypes.get_errno()
             why = os.strerror(e) + " (PRORL_SANDBOX_SECCOMP=0 runs without it)"
