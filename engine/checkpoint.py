@@ -92,6 +92,8 @@ FORMAT_VERSION = 2  # 2: manifest.json (sizes and SHA-256 of every file), identi
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 _UNLISTED = (MANIFEST, MARKER)  # the files a manifest does not list
 _REQUIRED = (META, OBJECTS, ".metadata")  # what a load cannot do without, whatever the world size
+# what reading a damaged or foreign checkpoint raises (DCP, torch.load, pickle)
+_LOAD_ERRORS = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.UnpicklingError)
 
 
 class CheckpointError(RuntimeError):
@@ -247,6 +249,21 @@ def _write_manifest(tmp: str) -> None:
     _all_ranks_ok(lambda: _write_file(os.path.join(tmp, MANIFEST), manifest), main_only=True)
 
 
+def _meta(step: int, config_hash, models: dict, keys: list, world_size: int, extra) -> dict:
+    """meta.json: the step, the config hash, each model's identity, the state's keys, the world."""
+    return {
+        "format": FORMAT_VERSION,
+        "step": step,
+        "config_hash": config_hash,
+        "models": {k: model_identity(m) for k, m in models.items()},
+        "keys": keys,
+        "world_size": world_size,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "torch": torch.__version__,
+        "extra": extra or {},
+    }
+
+
 def verify_checkpoint(path: str) -> Verdict:
     """Checkpoint directory `path` against its manifest (engine/checkpoint_verify.py);
     collective."""
@@ -378,17 +395,7 @@ class Checkpointer:
             if not info.is_main:
                 return
             _torch_save_file(saved_objects, os.path.join(tmp, OBJECTS))
-            meta = {
-                "format": FORMAT_VERSION,
-                "step": step,
-                "config_hash": config_hash,
-                "models": {k: model_identity(m) for k, m in models.items()},
-                "keys": sorted(state),
-                "world_size": info.world_size,
-                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                "torch": torch.__version__,
-                "extra": extra or {},
-            }
+            meta = _meta(step, config_hash, models, sorted(state), info.world_size, extra)
             _write_file(os.path.join(tmp, META), json.dumps(meta, indent=2, default=str).encode())
 
         _all_ranks_ok(write_small_files)  # also the barrier: every rank's files are on disk
@@ -533,14 +540,7 @@ class Checkpointer:
                     obj.update(saved_objects[key])
                 else:
                     obj.load_state_dict(saved_objects[key])
-        except (
-            OSError,
-            RuntimeError,
-            ValueError,
-            KeyError,
-            EOFError,
-            pickle.UnpicklingError,
-        ) as exc:
+        except _LOAD_ERRORS as exc:
             first = (
                 str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
             )

@@ -129,12 +129,7 @@ def linear_ppo_loss(
     check_aggregation(agg, normalizer)
     _check_head(hidden, weight, labels, temperature)
     on_policy = old_logp is None
-    if on_policy:
-        old_logp = torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
-    if old_logp.shape != labels.shape:
-        raise ValueError(
-            f"old_logp {tuple(old_logp.shape)} must have labels' shape {tuple(labels.shape)}"
-        )
+    old_logp = _old_logp(old_logp, labels)
     y = labels.reshape(-1).long()
     keep = _kept_labels(y, ignore_index, weight.shape[0])
     like = {"old_logp": old_logp, "mask": mask, "ref_logp": ref_logp, "is_weights": is_weights}
@@ -146,10 +141,8 @@ def linear_ppo_loss(
         aggregation = Aggregation(aggregation.weight, tok["valid"].sum().to(torch.float32))
     h = hidden.reshape(-1, hidden.shape[-1])
     name = _backend.resolve(h.device, backend)
-    if chunk_bytes is None:
-        chunk_bytes = (
-            (1 << 30) if h.is_cuda else max(16 << 20, 4 * weight.shape[0] * _DEFAULT_CPU_ROWS)
-        )
+    if chunk_bytes is None:  # 1 GiB on CUDA, 256 rows of fp32 logits on the CPU
+        chunk_bytes = (1 << 30) if h.is_cuda else max(16 << 20, 4 * len(weight) * _DEFAULT_CPU_ROWS)
     safe_y = torch.where(keep, y, torch.zeros_like(y))
     settings = (float(entropy_coef), 1.0 / float(temperature), name, int(chunk_bytes), on_policy)
     loss, stats, ent, tok_logp, tok_ent = _LinearPPOLoss.apply(
@@ -161,6 +154,18 @@ def linear_ppo_loss(
     metrics["logp"] = torch.where(keep, tok_logp, 0.0).view(labels.shape)
     metrics["entropy"] = torch.where(keep, tok_ent, 0.0).view(labels.shape)
     return loss, metrics
+
+
+def _old_logp(old_logp: torch.Tensor | None, labels: torch.Tensor) -> torch.Tensor:
+    """old_logp, checked to be shaped like labels; None (on-policy): a zero placeholder, each row
+    block then uses its own detached log-probs (`loss_block`)."""
+    if old_logp is None:
+        return torch.zeros(labels.shape, dtype=torch.float32, device=labels.device)
+    if old_logp.shape != labels.shape:
+        raise ValueError(
+            f"old_logp {tuple(old_logp.shape)} must have labels' shape {tuple(labels.shape)}"
+        )
+    return old_logp
 
 
 def _check_head(hidden, weight, labels, temperature) -> None:

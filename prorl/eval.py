@@ -512,6 +512,23 @@ def _settings(args) -> EvalSettings:
     )
 
 
+def _model_dir(args, ap):
+    """(the Hugging Face directory to evaluate, the temporary directory holding it or None): a
+    training checkpoint's policy is exported to a temporary directory first."""
+    import tempfile
+
+    model_dir, exported = args.model, None
+    if is_checkpoint(args.model):
+        exported = tempfile.TemporaryDirectory(prefix="prorl-eval-")
+        model_dir = export_checkpoint(args.model, exported.name)
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        ap.error(
+            f"--model {args.model!r} is neither a Hugging Face model directory nor a checkpoint "
+            "step"
+        )
+    return model_dir, exported
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
@@ -526,7 +543,6 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("give --data FILE [FILE ...] and/or --builtin TASK")
     import importlib
     import signal
-    import tempfile
 
     for module in args.plugins:  # user verifiers: each module calls prorl.rewards.register(...)
         importlib.import_module(module)
@@ -537,16 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     except RewardFunctionError as exc:
         print(f"prorl.eval: --reward-function: {exc}", file=sys.stderr)
         return 2
-    model_dir, exported = args.model, None
-    # a training checkpoint: its policy, exported to a temporary directory
-    if is_checkpoint(args.model):
-        exported = tempfile.TemporaryDirectory(prefix="prorl-eval-")
-        model_dir = export_checkpoint(args.model, exported.name)
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
-        ap.error(
-            f"--model {args.model!r} is neither a "
-            "Hugging Face model directory nor a checkpoint step"
-        )
+    model_dir, exported = _model_dir(args, ap)
     examples = _examples(args, ap)
     if examples is None:
         return 2

@@ -204,39 +204,13 @@ class GroupSampler:
                         float(need - len(kept)), "max", what="the ranks' shortfall of groups"
                     )
                 )
-                if most <= 0:
+                chosen = self._round_prompts(most, rounds, step, acc) if most > 0 else None
+                if chosen is None:
                     break
-                k = (
-                    most
-                    if rounds == 0 or not algo.dynamic_sampling
-                    else math.ceil(most * algo.oversample)
-                )
-                if self.scheduler is None:
-                    chosen = self.next_examples(k)
-                else:
-                    chosen = self.scheduler.select(
-                        k, step=step, round_=rounds, rank=self.rank, world=self.world
-                    )
-                    if not chosen:  # the scheduler expects too few mixed groups from a refill round
-                        acc.max("scheduler/rounds_skipped", algo.max_rounds - rounds)
-                        break
                 groups = self.rollout(chosen, self.seed(step, rounds), max_new)
                 self.verify(groups, acc)
             rounds += 1
-            raw = torch.tensor([r for g in groups for r in g.raw], dtype=torch.float64)
-            index = torch.arange(len(groups)).repeat_interleave(
-                torch.tensor([len(g.raw) for g in groups])
-            )
-            for key, value in algorithm.group_pass_counts(raw, index, len(groups)).items():
-                acc.sum(key, value)
-            passed = algorithm.keep_groups(raw, index, len(groups)).tolist()
-            for g, mixed in zip(groups, passed):
-                acc.sum("generated_tokens", sum(len(t) for t in g.responses))
-                if self.scheduler is not None:
-                    self.scheduler.observe(g.example_index, g.raw)
-                if not algo.dynamic_sampling or mixed:
-                    kept.append(g)
-                    acc.sum("groups_passed", 1)
+            kept += self._keep(groups, acc)
         acc.max("rounds", rounds)
         if self.scheduler is not None:
             acc.max("scheduler/rounds_skipped", 0)
@@ -248,6 +222,42 @@ class GroupSampler:
         limit = self.cfg.data.max_prompt_tokens
         acc.sum("prompt_at_limit", sum(len(g.prompt_ids) >= limit for g in kept for _ in g.raw))
         acc.sum("groups_dropped", len(leftover) - len(self.carry))
+        return kept
+
+    def _round_prompts(self, most: int, rounds: int, step: int, acc: StepAccumulator):
+        """The prompts of sampling round `rounds` for the largest shortfall `most` (oversampled
+        after the first round); None when the scheduler expects too few mixed groups from a refill
+        round."""
+        algo = self.cfg.algorithm
+        k = most if rounds == 0 or not algo.dynamic_sampling else math.ceil(most * algo.oversample)
+        if self.scheduler is None:
+            return self.next_examples(k)
+        chosen = self.scheduler.select(
+            k, step=step, round_=rounds, rank=self.rank, world=self.world
+        )
+        if not chosen:
+            acc.max("scheduler/rounds_skipped", algo.max_rounds - rounds)
+            return None
+        return chosen
+
+    def _keep(self, groups: list[Group], acc: StepAccumulator) -> list[Group]:
+        """The round's groups that train: the keep rule on their RAW rewards
+        (`algorithm.keep_groups`; every group without dynamic sampling), counted."""
+        raw = torch.tensor([r for g in groups for r in g.raw], dtype=torch.float64)
+        index = torch.arange(len(groups)).repeat_interleave(
+            torch.tensor([len(g.raw) for g in groups])
+        )
+        for key, value in algorithm.group_pass_counts(raw, index, len(groups)).items():
+            acc.sum(key, value)
+        passed = algorithm.keep_groups(raw, index, len(groups)).tolist()
+        kept = []
+        for g, mixed in zip(groups, passed):
+            acc.sum("generated_tokens", sum(len(t) for t in g.responses))
+            if self.scheduler is not None:
+                self.scheduler.observe(g.example_index, g.raw)
+            if not self.cfg.algorithm.dynamic_sampling or mixed:
+                kept.append(g)
+                acc.sum("groups_passed", 1)
         return kept
 
     def _merge_records(self, step: int, acc: StepAccumulator) -> None:

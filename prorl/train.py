@@ -478,6 +478,20 @@ def resume_or_validate(
             )
 
 
+def due(step: int, every: int, total: int) -> bool:
+    """A validation or save every `every` steps (0: never) and at the last step."""
+    return bool(every) and (step % every == 0 or step == total)
+
+
+def where_saved(ckpt, saved_at: int, every: int) -> str:
+    """Where a stopped run's last checkpoint is, for the stop message."""
+    if not every:
+        return "not saved (trainer.save_every=0)"
+    if not saved_at:
+        return "nothing to save yet"
+    return f"checkpoint {ckpt.step_dir(saved_at)} (as a model: python -m prorl.export DIR OUT)"
+
+
 def train_loop(cfg, trainer, ckpt, reporter, stop, rank: int, validate: bool) -> int:
     """Resume or validate first, then train to trainer.total_steps, saving and validating on
     schedule."""
@@ -507,34 +521,21 @@ def train_loop(cfg, trainer, ckpt, reporter, stop, rank: int, validate: bool) ->
             reporter.close()
             return lifecycle.EXIT_STALLED
         step = trainer.step_count
-        if (
-            validate
-            and cfg.trainer.val_every
-            and (step % cfg.trainer.val_every == 0 or step == total)
-        ):
+        if validate and due(step, cfg.trainer.val_every, total):
             t0 = time.perf_counter()
             metrics.update(trainer.validate())
             metrics["timing_s/testing"] = time.perf_counter() - t0
         reporter.log(metrics)  # before the save: a checkpoint's step always has its metrics row
-        if every and (step % every == 0 or step == total):
+        if due(step, every, total):
             save(step)
             saved_at = step
     if every and saved_at != trainer.step_count:
         save(trainer.step_count)
         saved_at = trainer.step_count
     if trainer.step_count < total:  # stopped by a signal
-        if not every:
-            where = "not saved (trainer.save_every=0)"
-        else:
-            where = "nothing to save yet"
-            if saved_at:
-                where = (
-                    f"checkpoint {ckpt.step_dir(saved_at)} (as a model: python -m prorl.export "
-                    "DIR OUT)"
-                )
         reporter.say(
-            f"prorl: stopped by {stop.name} after step {trainer.step_count} of {total}; {where}; "
-            "re-run the same command to resume"
+            f"prorl: stopped by {stop.name} after step {trainer.step_count} of {total}; "
+            f"{where_saved(ckpt, saved_at, every)}; re-run the same command to resume"
         )
         reporter.close()
         return 0
