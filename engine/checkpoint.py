@@ -27,7 +27,7 @@ Layout and commit protocol:
         meta.json               step, config hash, model identity per model key, world size, keys
         manifest.json           size and SHA-256 of every file above (engine/checkpoint_verify.py)
         COMPLETE
-    step_00000150.tmp/      a save in progress or interrupted: never loaded; the next save deletes
+    step_00000150.tmp/      a save in progress or cut short: never loaded; removed by the next save
 
 A save writes everything into `step_X.tmp/`, then rank 0 renames it to `step_X/` and only then
 writes `COMPLETE` (via a temporary file and a rename, fsynced). `latest()` takes the highest step

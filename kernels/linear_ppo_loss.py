@@ -21,7 +21,7 @@ everything for that block before the next:
         logp, H, then the ppo_loss backend on the R tokens -> dloss/dlogp (G), block statistics
         Z <- dL/dZ in place                            one pass over Z (tile op `tile_grad`)
         dH_R  = dZ W                         2 R D V   written once
-        dW   += dZ^T H_R                     2 R D V   fp32, the first block's GEMM writes it
+        dW   += dZ^T H_R                     2 R D V   fp32; block 0's GEMM writes it (no zero fill)
 
 6NDV in all, no recompute: the gradients are computed in the forward (as Liger's fused linear cross
 entropy does) and kept until backward, which multiplies them by the upstream scalar (in place, so
