@@ -16,6 +16,7 @@ import pytest
 from train_helpers import (
     ROOT,
     TINY,
+    alive,
     complete_steps,
     launch,
     process_tree,
@@ -140,15 +141,20 @@ def test_a_frozen_rank_is_named_and_ends_the_run_cleanly(tmp_path):
     overrides = [*LONG, "trainer.collective_timeout_s=20", "trainer.wait_warning_s=4"]
     proc = launch(train_command(out, overrides), log)
     assert wait_for(lambda: complete_steps(out / "checkpoints"), proc), log.read_text()[-3000:]
-    frozen = _rank_worker(process_tree(proc.pid), 1)
+    tree = process_tree(proc.pid)
+    frozen, waiting = _rank_worker(tree, 1), _rank_worker(tree, 0)
     os.kill(frozen, signal.SIGSTOP)
     saved = complete_steps(out / "checkpoints")
     try:
+        # once rank 0 has exited, the stopped rank is killed: torchrun would otherwise wait its 30 s
+        # shutdown grace for a process that cannot act on SIGTERM
+        wait_for(lambda: not alive(waiting), proc, timeout=120)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(frozen, signal.SIGKILL)
         proc.wait(timeout=120)
     finally:
-        # torchrun has killed it (a stopped process dies)
         with contextlib.suppress(ProcessLookupError):
-            os.kill(frozen, signal.SIGCONT)
+            os.kill(frozen, signal.SIGKILL)
     text = log.read_text()
     assert "prorl: rank 0 has waited" in text and "for the other ranks (" in text, text[-3000:]
     assert "prorl: rank 0: the other ranks stopped answering" in text, text[-3000:]
