@@ -29,7 +29,11 @@ def available() -> dict[str, tuple[str, str]]:
         tree = ast.parse((_HERE.parent / (module.replace(".", "/") + ".py")).read_text())
         names = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
         names += [
-            t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)
+            t.id
+            for n in tree.body
+            if isinstance(n, ast.Assign)
+            for t in n.targets
+            if isinstance(t, ast.Name)
         ]
         if "main" in names:
             found[name] = (module, (ast.get_docstring(tree) or "").strip().split("\n")[0])

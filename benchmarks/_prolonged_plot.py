@@ -57,7 +57,15 @@ def figures(rows: list[dict], variants: list[str], png: Path) -> list[Path]:
                 continue
             steps, mean, lo, hi = _band(per_seed, window)
             style = "o-" if window == 1 else "-"
-            ax.plot(steps, mean, style, color=colours[i % 10], lw=1.6 if v == "full" else 1.0, ms=3, label=v)
+            ax.plot(
+                steps,
+                mean,
+                style,
+                color=colours[i % 10],
+                lw=1.6 if v == "full" else 1.0,
+                ms=3,
+                label=v,
+            )
             ax.fill_between(steps, lo, hi, color=colours[i % 10], alpha=0.15, lw=0)
         ax.set(xlabel="RL step", ylabel=label)
         ax.grid(alpha=0.3)
@@ -65,17 +73,22 @@ def figures(rows: list[dict], variants: list[str], png: Path) -> list[Path]:
     ymax = ax_kl.get_ylim()[1]
     for i, v in enumerate(present):
         resets = sorted({s for pts in _by_seed(rows, v, "reset").values() for s, _ in pts})
-        ax_kl.plot(resets, [-(0.03 + 0.025 * i) * ymax] * len(resets), "|", color=colours[i % 10], ms=6)
+        ax_kl.plot(
+            resets, [-(0.03 + 0.025 * i) * ymax] * len(resets), "|", color=colours[i % 10], ms=6
+        )
     ax_kl.set_ylim(-(0.05 + 0.025 * len(present)) * ymax, ymax)
     ax_kl.text(0.01, 0.02, "| = reference reset (any seed)", transform=ax_kl.transAxes, fontsize=7)
     axes.flat[0].legend(fontsize=7, loc="lower right")
     seeds = len(_by_seed(rows, present[0], "val_pass@1"))
-    fig.suptitle(f"ProRL pieces, one CPU core per run: mean of {seeds} seed(s), band = min-max", fontsize=10)
+    fig.suptitle(
+        f"ProRL pieces, one CPU core per run: mean of {seeds} seed(s), band = min-max", fontsize=10
+    )
     out = [_save(fig, png, 110)]
 
     out += _compute_figure(plt, rows, present, png.with_name(png.stem + "_compute.png"))
     levels = sorted(
-        {r["metric"].split("/", 1)[1] for r in rows if r["metric"].startswith("val_pass@1/")}, key=int
+        {r["metric"].split("/", 1)[1] for r in rows if r["metric"].startswith("val_pass@1/")},
+        key=int,
     )
     if levels:
         fig, ax = plt.subplots(figsize=(6, 3.6))

@@ -275,7 +275,11 @@ def run_trl(work: dict, model_path: str, steps: int, memory, gpu: bool, gen: str
     args = GRPOConfig(**kwargs)
     threads = torch.get_num_threads()
     trainer = GRPOTrainer(
-        model=model_path, reward_funcs=math_reward, args=args, train_dataset=ds, processing_class=tok
+        model=model_path,
+        reward_funcs=math_reward,
+        args=args,
+        train_dataset=ds,
+        processing_class=tok,
     )
     torch.set_num_threads(threads)  # whatever the trainer's set-up did, the same threads as prorl
     phases = TRLPhases(memory)

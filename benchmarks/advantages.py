@@ -87,10 +87,16 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     if provider in ("prorl", "prorl-dense"):
         from prorl.kernels import group_advantages
 
-        kw = dict(mode=algo, lengths=lengths) if algo != "grpo" else dict(mode=algo, std_unbiased=True)
+        kw = (
+            dict(mode=algo, lengths=lengths)
+            if algo != "grpo"
+            else dict(mode=algo, std_unbiased=True)
+        )
         if provider == "prorl-dense":
             kw["num_groups"] = shape["G"]
-        return harness.Step(run=lambda: group_advantages(rewards, group_ids, **kw), note=f"algo={algo}")
+        return harness.Step(
+            run=lambda: group_advantages(rewards, group_ids, **kw), note=f"algo={algo}"
+        )
     if provider == "python-loop":
         ids = group_ids.tolist()  # verl: a numpy array of uid strings, already on the host
         if algo == "grpo":
@@ -104,9 +110,13 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
 def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"G in {QUICK_GROUPS}, 2 reps (seconds)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--groups", type=harness.ints, help=f"comma-separated group counts G (default {GROUPS})")
+    p.add_argument(
+        "--groups", type=harness.ints, help=f"comma-separated group counts G (default {GROUPS})"
+    )
     p.add_argument("--n", type=int, default=N_PER_GROUP, help="responses per group")
-    p.add_argument("--algos", type=harness.subset_of(ALGOS), default=",".join(ALGOS), help="comma-separated")
+    p.add_argument(
+        "--algos", type=harness.subset_of(ALGOS), default=",".join(ALGOS), help="comma-separated"
+    )
 
 
 def _shapes(args) -> list[dict]:

@@ -149,7 +149,9 @@ def run_nccl_tests(ops, sizes, nproc) -> tuple[list[dict], list[str]]:
         cmd = [exe, "-b", str(min(sizes)), "-e", str(max(sizes)), "-f", "4", "-g", str(nproc)]
         cmd += ["-d", "float"]
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
+            out = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=600, check=True
+            ).stdout
             rows += parse_nccl_tests(out, op, nproc)
         except (OSError, subprocess.SubprocessError) as exc:
             errors.append(f"nccl-tests {op}: {exc}")
@@ -162,7 +164,9 @@ def _args(argv):
     p.add_argument("--quick", action="store_true", help="sizes 1 KiB, 32 KiB, 1 MiB, 8 MiB; 3 reps")
     p.add_argument("--ranks", type=int, default=2, help="processes (torchrun --nproc_per_node)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--ops", type=harness.subset_of(OPS), default=",".join(OPS), help="comma-separated")
+    p.add_argument(
+        "--ops", type=harness.subset_of(OPS), default=",".join(OPS), help="comma-separated"
+    )
     p.add_argument("--sizes", help="comma-separated bytes (default 1 KiB .. 64 MiB by 4x)")
     p.add_argument("--iters", type=int, default=20, help="calls per timed batch (fewer if large)")
     p.add_argument("--budget-bytes", type=float, default=2e9, help="cap on iters x size per batch")

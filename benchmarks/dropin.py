@@ -61,8 +61,12 @@ def grpo_trainer(cls, model, **config):
     from transformers import PreTrainedTokenizerFast
     from trl import GRPOConfig
 
-    tok = PreTrainedTokenizerFast.from_pretrained(harness.REPO_ROOT / "prorl" / "assets" / "tiny-reasoner")
-    kw = dict(per_device_train_batch_size=B, num_generations=B, max_completion_length=C, use_cpu=True)
+    tok = PreTrainedTokenizerFast.from_pretrained(
+        harness.REPO_ROOT / "prorl" / "assets" / "tiny-reasoner"
+    )
+    kw = dict(
+        per_device_train_batch_size=B, num_generations=B, max_completion_length=C, use_cpu=True
+    )
     kw.update(bf16=False, report_to="none", save_strategy="no", disable_tqdm=True)
     args = GRPOConfig(output_dir=tempfile.mkdtemp(), **(kw | config))
     ds = Dataset.from_list([{"prompt": "1+1="}] * B)
@@ -79,7 +83,9 @@ def _stub(peer: str):
     sys.path.insert(0, str(harness.REPO_ROOT / "tests" / "peers"))
     import peer_stubs
 
-    peer_stubs.stub_missing(peer, peer_stubs.VERL_STUBS if peer == "verl" else peer_stubs.OPENRLHF_STUBS)
+    peer_stubs.stub_missing(
+        peer, peer_stubs.VERL_STUBS if peer == "verl" else peer_stubs.OPENRLHF_STUBS
+    )
 
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
@@ -109,7 +115,9 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
         if fused:
             import prorl.kernels.adapters.verl_fused_plugin  # noqa: F401
         patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
-        ids = torch.cat([grpo_micro_batch(v)["prompt_ids"], grpo_micro_batch(v)["completion_ids"]], 1)
+        ids = torch.cat(
+            [grpo_micro_batch(v)["prompt_ids"], grpo_micro_batch(v)["completion_ids"]], 1
+        )
 
         def run():
             out = model(input_ids=ids, attention_mask=torch.ones_like(ids), return_dict=True)

@@ -37,9 +37,13 @@ def control_curve(path: Path, start_accuracy: float) -> list[tuple[float, float]
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog=f"python -m benchmarks {NAME}", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--run", required=True, type=Path, help="run directory of the embedded default")
-    ap.add_argument("--control", required=True, type=Path, help="warmstart.jsonl of the SFT control")
+    ap.add_argument(
+        "--control", required=True, type=Path, help="warmstart.jsonl of the SFT control"
+    )
     ap.add_argument("--out", type=Path, default=harness.RESULTS_DIR / f"{NAME}.csv")
     args = ap.parse_args(argv)
 

@@ -128,7 +128,9 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
         if temp != 1.0:
-            raise ValueError("liger's fused linear cross entropy has no temperature: --temperature 1")
+            raise ValueError(
+                "liger's fused linear cross entropy has no temperature: --temperature 1"
+            )
         accum = torch.float32 if provider.endswith("fp32acc") else None
         # per-token cross entropy = -logp; the sign does not change the work
         flce = liger_fused_linear_cross_entropy
@@ -148,18 +150,24 @@ def _shapes(args) -> list[dict]:
 
 def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"tiny shape {QUICK_SHAPE}, 2 reps")
-    p.add_argument("--gpu", action="store_true", help="CUDA, bf16, the H200 shapes and GPU providers")
+    p.add_argument(
+        "--gpu", action="store_true", help="CUDA, bf16, the H200 shapes and GPU providers"
+    )
     p.add_argument("--shape", type=harness.ints, help="N,D,V (overrides the default shapes)")
     p.add_argument("--dtype", help="float32 (CPU default) | bfloat16 (GPU default) | float16")
     p.add_argument("--temperature", type=float, default=1.0)
 
 
 def _notes(args) -> list[str]:
-    notes = ["liger-* providers compute log-probs only (no entropy); liger-grpo-loss adds its loss math"]
+    notes = [
+        "liger-* providers compute log-probs only (no entropy); liger-grpo-loss adds its loss math"
+    ]
     for s in _shapes(args):
         size = 4 if s["dtype"] == "float32" else 2
         mb = (s["N"] + s["V"]) * s["D"] * size / 2**20
-        notes.append(f"{s['label']}: backward/full peaks include dh and dW, (N+V)*D*{size} B = {mb:.1f} MB")
+        notes.append(
+            f"{s['label']}: backward/full peaks include dh and dW, (N+V)*D*{size} B = {mb:.1f} MB"
+        )
     return notes
 
 

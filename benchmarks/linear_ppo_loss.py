@@ -72,7 +72,9 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
 
 
 def _options(p) -> None:
-    p.add_argument("--quick", action="store_true", help=f"tiny shape {QUICK_SHAPE}, 2 reps (seconds)")
+    p.add_argument(
+        "--quick", action="store_true", help=f"tiny shape {QUICK_SHAPE}, 2 reps (seconds)"
+    )
     p.add_argument("--shape", type=harness.ints, help=f"N,D,V (default {CPU_SHAPE})")
 
 

@@ -84,7 +84,9 @@ def plot(csv_path: Path, outdir: Path | None = None) -> list[Path]:
         ("peak_extra_memory", "peak extra memory, MB", False, "memory"),
     ):
         shown = [
-            p for p in panels if any((r["device"], r["shape"], r["metric"]) == (*p, metric) for r in rows)
+            p
+            for p in panels
+            if any((r["device"], r["shape"], r["metric"]) == (*p, metric) for r in rows)
         ]
         if not shown:
             continue
@@ -146,7 +148,9 @@ def phases(rows: list[dict], png: Path, phase_names: list[str]) -> Path | None:
     fig, axes = plt.subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4.5), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
         providers = [
-            p for p in dict.fromkeys(r["provider"] for r in rows) if (shape, p, "step", "time") in by
+            p
+            for p in dict.fromkeys(r["provider"] for r in rows)
+            if (shape, p, "step", "time") in by
         ]
         shown = [ph for ph in phase_names if any((shape, p, ph, "time") in by for p in providers)]
         for i, p in enumerate(providers):

@@ -109,7 +109,9 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
 def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"N in {QUICK_SIZES}, 2 reps (seconds)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--sizes", type=harness.ints, help=f"comma-separated token counts N (default {CPU_SIZES})")
+    p.add_argument(
+        "--sizes", type=harness.ints, help=f"comma-separated token counts N (default {CPU_SIZES})"
+    )
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 (of the log-probs)")
 
 
@@ -119,7 +121,14 @@ def _shapes(args) -> list[dict]:
 
 
 BENCHMARK = harness.Benchmark(
-    NAME, PROVIDERS, _shapes, _options, modes=harness.MODES, reps=(20, 2), warmup=(2, 2), notes=[NOTE]
+    NAME,
+    PROVIDERS,
+    _shapes,
+    _options,
+    modes=harness.MODES,
+    reps=(20, 2),
+    warmup=(2, 2),
+    notes=[NOTE],
 )
 main = BENCHMARK.main
 

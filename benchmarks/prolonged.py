@@ -106,7 +106,9 @@ def command(variant: str, seed: int, out: Path, steps: int, extra: list[str]) ->
     ]  # fmt: skip
 
 
-def run_all(jobs: list[tuple[str, int]], work: Path, steps: int, extra: list[str], parallel: int, deadline):
+def run_all(
+    jobs: list[tuple[str, int]], work: Path, steps: int, extra: list[str], parallel: int, deadline
+):
     """Run the (variant, seed) jobs `parallel` at a time, one thread each; returns {job: wall
     seconds}. Jobs not started by `deadline` (a time.time() value, or None) are left out, and said
     so."""
@@ -142,7 +144,11 @@ def run_all(jobs: list[tuple[str, int]], work: Path, steps: int, extra: list[str
             log.close()
             del running[job]
             walls[job] = time.time() - start
-            status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode}, see train.log)"
+            status = (
+                "done"
+                if proc.returncode == 0
+                else f"FAILED (exit {proc.returncode}, see train.log)"
+            )
             print(f"prolonged: {job[0]} seed {job[1]}: {status} in {walls[job]:.0f} s", flush=True)
             if proc.returncode != 0:
                 tail = (run_dir(work, *job) / "train.log").read_text()[-3000:]
@@ -155,7 +161,9 @@ def rows_of(variant: str, seed: int, metrics: list[dict], task: str = "chain_sum
     `task`."""
     out = []
     levels = {
-        f"val_pass@{k}/{t}": LEVEL_KEY.format(task=task, level=t, k=k) for t in range(1, 16) for k in (1, 4)
+        f"val_pass@{k}/{t}": LEVEL_KEY.format(task=task, level=t, k=k)
+        for t in range(1, 16)
+        for k in (1, 4)
     }
     for r in metrics:
         step = int(r.get("step", 0))
@@ -166,7 +174,9 @@ def rows_of(variant: str, seed: int, metrics: list[dict], task: str = "chain_sum
             keys.update(STEP_METRICS)
         for metric, key in keys.items():
             if key in r:
-                out.append(dict(variant=variant, seed=seed, step=step, metric=metric, value=float(r[key])))
+                out.append(
+                    dict(variant=variant, seed=seed, step=step, metric=metric, value=float(r[key]))
+                )
         if r.get("ref/reset_reason"):
             out.append(dict(variant=variant, seed=seed, step=step, metric="reset", value=1.0))
     return out
@@ -188,7 +198,9 @@ def series(rows: list[dict], variant: str, metric: str) -> dict[int, list[tuple[
     return {s: sorted(v) for s, v in out.items()}
 
 
-def summary(rows: list[dict], variants: list[str], period: tuple[int, int] = (50, 150)) -> list[dict]:
+def summary(
+    rows: list[dict], variants: list[str], period: tuple[int, int] = (50, 150)
+) -> list[dict]:
     """Per variant: final and best held-out pass@1 (mean over seeds and min-max), final pass@4, mean
     response length over the steps with the length penalty on and off (`period` = its (k_on, k_off);
     the phase is that of the full recipe, whichever variant), the first and the last 50 steps' mean
@@ -256,7 +268,9 @@ def equal_compute(rows: list[dict], variants: list[str]) -> str:
     if not totals:
         return ""
     budget = min(totals)
-    lines = [f"\nEqual compute: held-out pass@1 % at {budget / 1e3:.0f} K generated training tokens "]
+    lines = [
+        f"\nEqual compute: held-out pass@1 % at {budget / 1e3:.0f} K generated training tokens "
+    ]
     lines[0] += "(the cheapest run's total), mean (min-max) over seeds:\n"
     for v in variants:
         got = pass_at_tokens(rows, v, budget)
@@ -271,7 +285,9 @@ def _tail_mean(rows: list[dict], variant: str, metric: str, last: int = 50) -> f
     return sum(sum(p) / len(p) for p in per_seed if p) / max(len(per_seed), 1)
 
 
-def _phase_mean(rows: list[dict], variant: str, metric: str, period: tuple[int, int], on: bool) -> float:
+def _phase_mean(
+    rows: list[dict], variant: str, metric: str, period: tuple[int, int], on: bool
+) -> float:
     """The mean over seeds of the mean over the steps (1-based) whose length-penalty phase is
     `on`."""
     k_on, k_off = period
@@ -293,10 +309,10 @@ def _mean_range(xs: list[float]) -> str:
 
 
 def markdown(table: list[dict]) -> str:
-    head = "| variant | seeds | final pass@1 % (min-max) | best pass@1 % (min-max) | final pass@4 % | "
-    head += (
-        "response length, penalty on / off | entropy, first / last 50 steps | generated tokens per run (K) | "
+    head = (
+        "| variant | seeds | final pass@1 % (min-max) | best pass@1 % (min-max) | final pass@4 % | "
     )
+    head += "response length, penalty on / off | entropy, first / last 50 steps | generated tokens per run (K) | "
     head += "training time per run (s) |\n|---|---|---|---|---|---|---|---|---|\n"
     lines = [
         f"| {t['variant']} | {t['seeds']} | {_mean_range(t['final'])} | {_mean_range(t['best'])} | "
@@ -307,24 +323,36 @@ def markdown(table: list[dict]) -> str:
     ]
     start = ""
     if table:  # the same warm start; the seeds differ in the evaluation's samples
-        start = (
-            f"Held-out pass@1 % before RL (step 0, min-max over seeds): {_mean_range(table[0]['start'])}.\n\n"
-        )
+        start = f"Held-out pass@1 % before RL (step 0, min-max over seeds): {_mean_range(table[0]['start'])}.\n\n"
     return start + head + "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog=f"python -m benchmarks {NAME}", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--steps", type=int, default=500, help="RL steps per run")
-    ap.add_argument("--seeds", default="1,2", help="comma-separated seeds, the same for every variant")
+    ap.add_argument(
+        "--seeds", default="1,2", help="comma-separated seeds, the same for every variant"
+    )
     ap.add_argument("--variants", type=harness.subset_of(tuple(VARIANTS)), default=list(VARIANTS))
     ap.add_argument("--jobs", type=int, default=1, help="runs at a time (one thread each)")
-    ap.add_argument("--set", action="append", default=[], help="a dotted override for every run (repeatable)")
+    ap.add_argument(
+        "--set", action="append", default=[], help="a dotted override for every run (repeatable)"
+    )
     ap.add_argument("--work", type=Path, default=ROOT / "runs" / NAME, help="run directories")
-    ap.add_argument("--results", type=Path, default=harness.RESULTS_DIR, help="where rows and figures go")
-    ap.add_argument("--deadline-min", type=float, default=None, help="start no run after this many minutes")
-    ap.add_argument("--report-only", action="store_true", help="no training: report the runs in --work")
-    ap.add_argument("--quick", action="store_true", help="2 variants x 1 seed x 4 tiny steps: a smoke test")
+    ap.add_argument(
+        "--results", type=Path, default=harness.RESULTS_DIR, help="where rows and figures go"
+    )
+    ap.add_argument(
+        "--deadline-min", type=float, default=None, help="start no run after this many minutes"
+    )
+    ap.add_argument(
+        "--report-only", action="store_true", help="no training: report the runs in --work"
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help="2 variants x 1 seed x 4 tiny steps: a smoke test"
+    )
     args = ap.parse_args(argv)
     seeds = [int(s) for s in args.seeds.split(",")]
     variants, extra, steps = args.variants, list(args.set), args.steps
@@ -344,9 +372,13 @@ def main(argv=None) -> int:
     preset = load_config("prolonged", [])
     table = summary(rows, variants, (preset.reward.length_k_on, preset.reward.length_k_off))
     text = markdown(table) + equal_compute(rows, [t["variant"] for t in table])
-    cmd = shlex.join(["python", "-m", "benchmarks", NAME, *(sys.argv[2:] if argv is None else argv)])
+    cmd = shlex.join(
+        ["python", "-m", "benchmarks", NAME, *(sys.argv[2:] if argv is None else argv)]
+    )
     missing = ", ".join(f"{v} seed {s}" for v, s in jobs if (v, s) not in complete) or "none"
-    text += f"\n{len(complete)} of {len(jobs)} runs of {steps} steps complete (missing: {missing}); "
+    text += (
+        f"\n{len(complete)} of {len(jobs)} runs of {steps} steps complete (missing: {missing}); "
+    )
     text += f"command: `{cmd}`"
     if not args.report_only:
         cpu = harness.device_name(SimpleNamespace(type="cpu"))

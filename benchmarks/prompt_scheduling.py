@@ -22,7 +22,11 @@ from pathlib import Path
 from benchmarks import harness, plot
 
 NAME = "prompt_scheduling"
-PROVIDERS = {"dynamic-sampling": "none", "pass-rate": "pass-rate", "exclude-solved": "exclude-solved"}
+PROVIDERS = {
+    "dynamic-sampling": "none",
+    "pass-rate": "pass-rate",
+    "exclude-solved": "exclude-solved",
+}
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -36,7 +40,9 @@ def run(provider: str, steps: int, val_every: int, out: Path, timeout: float) ->
     env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        raise RuntimeError(f"{provider}: exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        raise RuntimeError(
+            f"{provider}: exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+        )
     return [json.loads(line) for line in open(out / "metrics.jsonl")]
 
 
@@ -55,12 +61,18 @@ def summary(rows: list[dict]) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog=f"python -m benchmarks {NAME}", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--steps", type=int, default=300, help="RL steps per run")
     ap.add_argument("--val-every", type=int, default=25)
-    ap.add_argument("--providers", type=harness.subset_of(tuple(PROVIDERS)), default=list(PROVIDERS))
+    ap.add_argument(
+        "--providers", type=harness.subset_of(tuple(PROVIDERS)), default=list(PROVIDERS)
+    )
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
-    ap.add_argument("--quick", action="store_true", help="6 steps each: a smoke test, not a measurement")
+    ap.add_argument(
+        "--quick", action="store_true", help="6 steps each: a smoke test, not a measurement"
+    )
     ap.add_argument("--out", type=Path, default=harness.RESULTS_DIR / f"{NAME}.csv")
     args = ap.parse_args(argv)
     steps, val_every = (6, 3) if args.quick else (args.steps, args.val_every)
@@ -73,7 +85,9 @@ def main(argv=None) -> int:
             for metric, value in summary(metrics).items():
                 unit = units.get(metric, "tokens")
                 rows.append(harness.single_row(metric, unit, value, provider=provider, **case))
-            curves[provider] = [(r["step"], r["val/accuracy"]) for r in metrics if "val/accuracy" in r]
+            curves[provider] = [
+                (r["step"], r["val/accuracy"]) for r in metrics if "val/accuracy" in r
+            ]
             key = "dynamic_sampling/gen_tokens_per_kept_group"
             tokens[provider] = [(r["step"], r[key]) for r in metrics if key in r]
     versions = f"OMP_NUM_THREADS=1 2 procs; {harness.command_line(argv)}"

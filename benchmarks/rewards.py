@@ -131,7 +131,10 @@ def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"batches {QUICK_BATCH}, 2 reps (seconds)")
     p.add_argument("--workers", type=int, default=2, help="RewardPool worker processes")
     p.add_argument(
-        "--domains", type=harness.subset_of(DOMAINS), default=",".join(DOMAINS), help="comma-separated"
+        "--domains",
+        type=harness.subset_of(DOMAINS),
+        default=",".join(DOMAINS),
+        help="comma-separated",
     )
     p.add_argument("--batch", type=int, default=None, help="items per batch for every domain")
 

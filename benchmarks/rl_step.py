@@ -131,14 +131,17 @@ def prorl_trainer(w: dict, path: str, *, gpu: bool, gen: str = "vllm", flags=(),
         trainer.models.generator = trainer.sampler.generator = HFGenerator(
             trainer.policy, path, tok.pad_token_id or 0
         )
-    names = dict(VLLMGenerator="vllm", NativeGenerator="native", HFGenerator="transformers.generate")
+    names = dict(
+        VLLMGenerator="vllm", NativeGenerator="native", HFGenerator="transformers.generate"
+    )
     kind = type(trainer.models.generator).__name__
     sampler = names.get(kind, kind)
 
     def step() -> dict:
         m = trainer.step()
         phases = {
-            p: m[f"timing_s/{METRIC_OF_PHASE.get(p, p)}"] for p in ("gen", "reward", "old_logp", "update")
+            p: m[f"timing_s/{METRIC_OF_PHASE.get(p, p)}"]
+            for p in ("gen", "reward", "old_logp", "update")
         }
         sync = m.get("timing_s/update_weights", 0.0)  # weights to the sampler, where it is a copy
         return dict(phases, sync=sync, tokens=m["response_length/mean"] * w["prompts"] * w["n"])
@@ -259,16 +262,24 @@ def _plot(csv_path: Path, rows: list[dict], args) -> list[Path]:
 
 
 def _options(p) -> None:
-    p.add_argument("--quick", action="store_true", help="P=4 n=4 L=16, tiny, 1 warm-up + 2 timed steps")
-    p.add_argument("--scaling", action="store_true", help="prorl only: P, n and L doubled, quadrupled")
+    p.add_argument(
+        "--quick", action="store_true", help="P=4 n=4 L=16, tiny, 1 warm-up + 2 timed steps"
+    )
+    p.add_argument(
+        "--scaling", action="store_true", help="prorl only: P, n and L doubled, quadrupled"
+    )
     p.add_argument("--gpu", action="store_true", help="CUDA, bf16, model large (see --gpu-gen)")
     p.add_argument(
         "--gpu-gen", default="vllm", choices=GPU_GENS, help="the --gpu samplers (module docstring)"
     )
-    p.add_argument("--models", help="tiny,random,large (default tiny,random; --quick tiny; --gpu large)")
+    p.add_argument(
+        "--models", help="tiny,random,large (default tiny,random; --quick tiny; --gpu large)"
+    )
     p.add_argument("--prompts", type=int, help="prompts per step (default 16; --quick 4; --gpu 64)")
     p.add_argument("--n", type=int, default=None, help="samples per prompt (default 8; --quick 4)")
-    p.add_argument("--max-new", type=int, help="response cap L (default 48; --quick 16; --gpu 1024)")
+    p.add_argument(
+        "--max-new", type=int, help="response cap L (default 48; --quick 16; --gpu 1024)"
+    )
 
 
 def _shapes(args) -> list[dict]:

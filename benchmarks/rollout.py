@@ -97,13 +97,17 @@ def _transformers_step(provider: str, shape: dict, device) -> harness.Step:
 
     path = checkpoint_path(shape["ckpt"])
     model = (
-        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, shape["dtype"]))
+        transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=getattr(torch, shape["dtype"])
+        )
         .to(device)
         .eval()
     )
     ids = torch.tensor(prompts(shape), device=device)
     mask = torch.ones_like(ids)
-    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, cache_implementation="static")
+    kwargs = dict(
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, cache_implementation="static"
+    )
     kwargs.update(max_new_tokens=shape["new"], min_new_tokens=shape["new"])
     kwargs.update(eos_token_id=None, pad_token_id=0)
     if provider == "transformers-eager":

@@ -205,7 +205,9 @@ def _transformers_loss(provider: str, model, b: dict, impl: str):
     if provider == "transformers-padded":
 
         def padded():
-            out = model(input_ids=b["padded_ids"], attention_mask=b["attention_mask"], use_cache=False)
+            out = model(
+                input_ids=b["padded_ids"], attention_mask=b["attention_mask"], use_cache=False
+            )
             return nll_from_logits(out.logits, b["padded_labels"])  # [B, T, V] logits
 
         lengths = b["attention_mask"].sum(1).tolist()

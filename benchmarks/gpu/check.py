@@ -107,7 +107,9 @@ def step_env() -> dict:
     old = os.environ.get("PYTHONPATH")
     return dict(
         os.environ,
-        PYTHONPATH=os.pathsep.join([SITE, os.path.join(ROOT, "tests/helpers"), *filter(None, [old])]),
+        PYTHONPATH=os.pathsep.join(
+            [SITE, os.path.join(ROOT, "tests/helpers"), *filter(None, [old])]
+        ),
         PYTHONUNBUFFERED="1",
         HF_HUB_OFFLINE="1",
         TOKENIZERS_PARALLELISM="false",
@@ -122,9 +124,7 @@ def run_step(step: Step, logs: str, left_s: float, say: Callable) -> Row:
         return Row(step.name, "skipped", 0.0, step.skip)
     limit = min(step.limit_s, left_s)
     if left_s < min(MIN_STEP_S, step.limit_s):
-        reason = (
-            f"{left_s:.0f} s left of the budget (GPU_CHECK_DEADLINE), it needs up to {step.limit_s:.0f} s"
-        )
+        reason = f"{left_s:.0f} s left of the budget (GPU_CHECK_DEADLINE), it needs up to {step.limit_s:.0f} s"
         say(f"=== [{step.name}] skipped: {reason}")
         return Row(step.name, "skipped", 0.0, reason)
     log_path = os.path.join(logs, f"{step.name}.log")
@@ -132,7 +132,12 @@ def run_step(step: Step, logs: str, left_s: float, say: Callable) -> Row:
     t0 = time.monotonic()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            step.cmd, cwd=ROOT, env=step_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            step.cmd,
+            cwd=ROOT,
+            env=step_env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
         _RUNNING.append(proc)
         try:
@@ -203,12 +208,15 @@ def summary(rows: list[Row], steps: list[Step]) -> str:
     lines = ["| step | status | s | checks | result |", "|---|---|---|---|---|"]
     for r in rows:
         note = r.note.replace("|", "/")
-        lines.append(f"| {r.name} | {r.status} | {r.seconds:.0f} | {what.get(r.name, '')} | {note} |")
+        lines.append(
+            f"| {r.name} | {r.status} | {r.seconds:.0f} | {what.get(r.name, '')} | {note} |"
+        )
     bad = [r.name for r in rows if r.status in ("FAIL", "TIMEOUT")]
     counts = {s: sum(r.status == s for r in rows) for s in ("ok", "FAIL", "TIMEOUT", "skipped")}
     lines.append("")
     lines.append(
-        ", ".join(f"{n} {s}" for s, n in counts.items()) + (f"; failed: {', '.join(bad)}" if bad else "")
+        ", ".join(f"{n} {s}" for s, n in counts.items())
+        + (f"; failed: {', '.join(bad)}" if bad else "")
     )
     return "\n".join(lines)
 

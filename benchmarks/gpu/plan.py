@@ -46,13 +46,21 @@ def _pytest(python: str, results: str, name: str, *args: str) -> list[str]:
 def plan(python: str, env: dict, results: str) -> list[Step]:
     """The steps for a machine described by `env` (check.PROBE's answer), most crash-prone first."""
     why = env.get("torchao_error", "absent")
-    torchao = None if env.get("torchao") else f"torchao is not importable ({why}): carry its wheel in .whl/"
+    torchao = (
+        None
+        if env.get("torchao")
+        else f"torchao is not importable ({why}): carry its wheel in .whl/"
+    )
     preset = [python, "benchmarks/gpu/preset_check.py", "--results", results, "--runs", RUNS]
     bench = [python, "-m", "benchmarks"]
     named = {GPU_RULES, "tests/gpu/test_fp8_cuda.py", "tests/gpu/test_cuda_paths.py"}
     files = glob.glob(os.path.join(ROOT, "tests/gpu/test_*.py"))
     others = sorted({os.path.relpath(f, ROOT) for f in files} - named)
-    rules = None if os.path.exists(os.path.join(ROOT, GPU_RULES)) else f"{GPU_RULES} is not in this tree"
+    rules = (
+        None
+        if os.path.exists(os.path.join(ROOT, GPU_RULES))
+        else f"{GPU_RULES} is not in this tree"
+    )
     no_vllm = "" if env.get("vllm") else "; vLLM's own batching: not installable here (CUDA vLLM)"
     steps = [
         Step("gpu_rules", 90, _pytest(python, results, "gpu_rules", GPU_RULES),

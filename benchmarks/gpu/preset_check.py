@@ -86,13 +86,19 @@ def run(variant: str, results: str, runs: str) -> dict:
     overrides = [*preset_overrides(ckpt, *write_data(base)), *VARIANTS[variant]]
     out, logs = os.path.join(base, "run"), os.path.join(results, "logs")
     os.makedirs(logs, exist_ok=True)
-    numbers = {"variant": variant, "launch_s": [launch(out, overrides, f"{logs}/preset_{variant}_1.log")]}
+    numbers = {
+        "variant": variant,
+        "launch_s": [launch(out, overrides, f"{logs}/preset_{variant}_1.log")],
+    }
     if variant == "base":  # the same command to step 3: it must resume from step 2's checkpoint
-        again = [o for o in overrides if not o.startswith("trainer.total_steps=")] + ["trainer.total_steps=3"]
+        again = [o for o in overrides if not o.startswith("trainer.total_steps=")] + [
+            "trainer.total_steps=3"
+        ]
         numbers["launch_s"].append(launch(out, again, f"{logs}/preset_{variant}_2.log"))
         with open(f"{logs}/preset_{variant}_2.log", errors="replace") as f:
             check(
-                "prorl: resumed from" in f.read(), "the second launch did not resume from step 2's checkpoint"
+                "prorl: resumed from" in f.read(),
+                "the second launch did not resume from step 2's checkpoint",
             )
     steps = [r for r in rows(out) if r.get("step", 0) >= 1 and "actor/pg_loss" in r]
     want = 3 if variant == "base" else 2
@@ -111,7 +117,10 @@ def run(variant: str, results: str, runs: str) -> dict:
             f"no reference reset after step 2: {steps[1].get('ref/reset_reason')!r}",
         )
         vals = [r["val/accuracy"] for r in rows(out) if "val/accuracy" in r]
-        check(len(vals) >= 2, f"validation ran {len(vals)} times, expected before training and at step 2")
+        check(
+            len(vals) >= 2,
+            f"validation ran {len(vals)} times, expected before training and at step 2",
+        )
         numbers["val_accuracy"] = [round(v, 4) for v in vals]
         from safetensors.torch import load_file
 
@@ -126,8 +135,12 @@ def run(variant: str, results: str, runs: str) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", choices=sorted(VARIANTS), required=True)
-    parser.add_argument("--results", required=True, help="where preset_<variant>.json and the logs go")
-    parser.add_argument("--runs", default="/tmp/prorl-gpu-runs", help="the runs' output directories")
+    parser.add_argument(
+        "--results", required=True, help="where preset_<variant>.json and the logs go"
+    )
+    parser.add_argument(
+        "--runs", default="/tmp/prorl-gpu-runs", help="the runs' output directories"
+    )
     args = parser.parse_args(argv)
     os.makedirs(args.results, exist_ok=True)
     try:

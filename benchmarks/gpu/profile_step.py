@@ -18,7 +18,9 @@ import time
 
 
 def _triton_cache_files() -> int:
-    root = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    root = os.environ.get("TRITON_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".triton", "cache"
+    )
     return sum(len(files) for _, _, files in os.walk(root)) if os.path.isdir(root) else 0
 
 
@@ -49,7 +51,11 @@ def profile_trainer(args) -> None:
     from prorl.rewards.pool import RewardPool
 
     w, path = work(args.model, args.prompts, args.n, args.max_new), model_path(args.model)
-    all_backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]
+    all_backends = [
+        SDPBackend.CUDNN_ATTENTION,
+        SDPBackend.EFFICIENT_ATTENTION,
+        SDPBackend.FLASH_ATTENTION,
+    ]
     all_backends.append(SDPBackend.MATH)
     with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
         run = prorl_trainer(w, path, gpu=True, gen="native", pool=pool)
@@ -63,8 +69,14 @@ def profile_trainer(args) -> None:
             run.step()
             torch.cuda.synchronize()
         table = prof.key_averages()
-        print(table.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
-        print(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60), flush=True)
+        print(
+            table.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60),
+            flush=True,
+        )
+        print(
+            table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60),
+            flush=True,
+        )
 
 
 def _ppo_loss_calls(n: int):
@@ -81,7 +93,9 @@ def _ppo_loss_calls(n: int):
     cu = torch.arange(0, n + 1, 1024, device="cuda", dtype=torch.int32)
 
     def fwd():
-        return ppo_loss(logp, old, adv, mask, ref_logp=ref, kl_coef=1e-3, cu_seqlens=cu, backend="triton")
+        return ppo_loss(
+            logp, old, adv, mask, ref_logp=ref, kl_coef=1e-3, cu_seqlens=cu, backend="triton"
+        )
 
     def fwd_bwd():
         loss, _ = fwd()
@@ -101,14 +115,19 @@ def ppo_loss_device_times() -> None:
                 dev = f"{triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3:8.1f} us"
             except Exception as exc:  # noqa: BLE001 - report and go on
                 dev = f"capture failed ({type(exc).__name__}: {exc})"
-            print(f"ppo_loss N={n:>8} {name:<17} wall {wall:8.1f} us   device (CUDA graph) {dev}", flush=True)
+            print(
+                f"ppo_loss N={n:>8} {name:<17} wall {wall:8.1f} us   device (CUDA graph) {dev}",
+                flush=True,
+            )
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.gpu.profile_step", description=__doc__.split("\n")[0]
     )
-    p.add_argument("--model", default="random", help="tiny | random | large (benchmarks/rl_step.py)")
+    p.add_argument(
+        "--model", default="random", help="tiny | random | large (benchmarks/rl_step.py)"
+    )
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=8)

@@ -23,7 +23,9 @@ from benchmarks.harness import REPO_ROOT, RESULTS_DIR, newest, read_csv
 
 BEGIN = "<!-- perf:begin -->"
 END = "<!-- perf:end -->"
-GENERATED = "<!-- generated from benchmarks/results/*.csv by `python -m benchmarks readme`: do not edit -->"
+GENERATED = (
+    "<!-- generated from benchmarks/results/*.csv by `python -m benchmarks readme`: do not edit -->"
+)
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,13 @@ VIEWS: dict[str, View] = {
     ),
     "async_rl": View(
         primary="train_time",
-        extras=("steps_per_min", "gen_tokens_per_s", "rollout_idle", "trainer_idle", "overlap_efficiency")
+        extras=(
+            "steps_per_min",
+            "gen_tokens_per_s",
+            "rollout_idle",
+            "trainer_idle",
+            "overlap_efficiency",
+        )
         + ("final_val_accuracy", "val_accuracy_delta"),
         ratios=(("sync", "speedup"),),
     ),

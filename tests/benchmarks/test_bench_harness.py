@@ -54,4 +54,6 @@ def test_linear_logprob_entropy_smoke(tmp_path, run_main):
     from benchmarks import plot
 
     pngs = plot.plot(out, tmp_path)
-    assert [p.name for p in pngs][:1] == ["llle_time.png"] and all(p.stat().st_size > 0 for p in pngs)
+    assert [p.name for p in pngs][:1] == ["llle_time.png"] and all(
+        p.stat().st_size > 0 for p in pngs
+    )

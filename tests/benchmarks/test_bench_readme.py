@@ -11,7 +11,19 @@ from benchmarks.report import readme
 OLD = harness.COLUMNS_BEFORE_COMMAND
 
 
-def _row(provider, metric, p50, *, stamp, mode="full", shape="N=8", unit="ms", spread=0.1, command="", **kw):
+def _row(
+    provider,
+    metric,
+    p50,
+    *,
+    stamp,
+    mode="full",
+    shape="N=8",
+    unit="ms",
+    spread=0.1,
+    command="",
+    **kw,
+):
     return dict(
         name=kw.get("name", "ppo_loss"),
         provider=provider,
@@ -162,7 +174,9 @@ def test_readme_without_markers_fails(tmp_path):
 def test_command_line():
     root = harness.REPO_ROOT
     assert (
-        harness.command_line([str(root / "benchmarks" / "__main__.py"), "rl_step", "--models", "tiny random"])
+        harness.command_line(
+            [str(root / "benchmarks" / "__main__.py"), "rl_step", "--models", "tiny random"]
+        )
         == "python -m benchmarks rl_step --models 'tiny random'"
     )
     assert harness.command_line([str(root / "benchmarks" / "rl_step.py"), "--quick"]) == (
@@ -173,10 +187,14 @@ def test_command_line():
 
 
 def test_append_csv_records_command_and_upgrades_old_csv(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", [str(harness.REPO_ROOT / "benchmarks" / "__main__.py"), "x", "--quick"])
+    monkeypatch.setattr(
+        sys, "argv", [str(harness.REPO_ROOT / "benchmarks" / "__main__.py"), "x", "--quick"]
+    )
     old = tmp_path / "old.csv"
     _write(old, [_row("a", "time", 1.0, stamp="t0")], columns=OLD)
-    harness.append_csv(old, [{k: v for k, v in _row("b", "time", 2.0, stamp="t1").items() if k != "command"}])
+    harness.append_csv(
+        old, [{k: v for k, v in _row("b", "time", 2.0, stamp="t1").items() if k != "command"}]
+    )
     with open(old, newline="") as f:
         reader = csv.DictReader(f)
         assert tuple(reader.fieldnames) == harness.COLUMNS

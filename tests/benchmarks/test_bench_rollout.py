@@ -13,7 +13,10 @@ def test_defaults_and_notes():
     assert rollout.DEFAULT_CKPTS == ("tiny", "small") and "medium" in rollout.CHECKPOINTS
     shapes = rollout.make_shapes(["tiny"], [16], [128, 512])
     assert [s["label"] for s in shapes] == ["tiny B=16 new=128", "tiny B=16 new=512"]
-    assert all(s["dtype"] == "float32" for s in shapes) and [s["sync"] for s in shapes] == [True, False]
+    assert all(s["dtype"] == "float32" for s in shapes) and [s["sync"] for s in shapes] == [
+        True,
+        False,
+    ]
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert rollout._note("prorl", shapes[0], cpu) == ""  # CPU fp32 rows read as before
     assert rollout._note("transformers", shapes[0], cpu).endswith("static_cache no_logprobs")

@@ -9,13 +9,32 @@ import torch
 
 from benchmarks import train_step
 
-ARGS = ["--quick", "--seqs", "3", "--lengths", "5,12", "--reps", "1", "--warmup", "0", "--threads", "1"]
+ARGS = [
+    "--quick",
+    "--seqs",
+    "3",
+    "--lengths",
+    "5,12",
+    "--reps",
+    "1",
+    "--warmup",
+    "0",
+    "--threads",
+    "1",
+]
 
 
 def test_train_step_benchmark_smoke(tmp_path, run_main):
     # Two providers through the worker processes (each worker costs seconds of imports).
     out = tmp_path / "train_step.csv"
-    args = ARGS + ["--providers", "prorl,transformers-padded", "--ckpt-dir", str(tmp_path), "--out", str(out)]
+    args = ARGS + [
+        "--providers",
+        "prorl,transformers-padded",
+        "--ckpt-dir",
+        str(tmp_path),
+        "--out",
+        str(out),
+    ]
     rows = run_main(train_step.main, args, out, "speed-up vs transformers-padded")
     seen = {(r["provider"], r["metric"]) for r in rows}
     for provider in ("prorl", "transformers-padded"):
