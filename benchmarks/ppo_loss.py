@@ -1,17 +1,14 @@
 """Benchmark of `prorl.kernels.ppo_loss` against the same loss in eager torch, as trainers write it.
 
-    python -m benchmarks ppo_loss [--quick] [--threads N] [--sizes N1,N2] [--providers a,b] [--out
-    CSV] python -m benchmarks ppo_loss --device cuda
+    python -m benchmarks ppo_loss [--quick] [--threads N] [--sizes N1,N2] [--providers a,b] [--out CSV]
+    python -m benchmarks ppo_loss --device cuda
 
-The ProRL v2 loss (clip 0.2 / 0.28, k2 KL 1e-4 with the log-ratio clamped, token-mean, clip
-fractions) on padded [B, T] log-probs, modes forward / backward / full; rows are time and peak extra
-memory. Providers: `prorl` (native on the CPU, Triton on CUDA), `prorl-torch`, `naive` (verl's eager
-loss), `trl-style` (TRL's eager dapo loss, k3 KL). Details: docs/benchmarks.md.
+The ProRL v2 loss on padded [B, T] log-probs, modes forward / backward / full; rows time and peak
+extra memory. Providers: `prorl`, `prorl-torch`, `naive` (verl's eager loss), `trl-style` (TRL's
+eager dapo loss, k3 KL). Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
-
-import sys
 
 from benchmarks import harness
 
@@ -64,12 +61,10 @@ def make_shape(n: int, dtype: str = "float32") -> dict:
 
 
 def _inputs(shape: dict, device):
-    """logp [B, T] (leaf), old/ref near it, adv [B, 1] and [B], mask [B, T] with ~10% of each row
-    padding."""
+    """logp [B, T] (leaf), old/ref near it, adv [B], mask [B, T] with ~10% of each row padding."""
     import torch
 
     b, t = shape["N"] // shape["T"], shape["T"]
-    dtype = getattr(torch, shape["dtype"])
     g = torch.Generator(device=device).manual_seed(0)
     logp = -torch.rand(b, t, generator=g, device=device) * 3
     old = logp + torch.randn(b, t, generator=g, device=device) * 0.3
@@ -77,7 +72,7 @@ def _inputs(shape: dict, device):
     lengths = torch.randint(int(0.8 * t), t + 1, (b,), generator=g, device=device)
     mask = torch.arange(t, device=device)[None, :] < lengths[:, None]
     adv = torch.randn(b, generator=g, device=device)
-    logp, old, ref = (x.to(dtype) for x in (logp, old, ref))
+    logp, old, ref = (x.to(getattr(torch, shape["dtype"])) for x in (logp, old, ref))
     return logp.requires_grad_(), old, ref, adv, mask
 
 
@@ -94,12 +89,8 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
         kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, ref_logp=ref, kl_coef=BETA, kl_estimator="k2")
         forward = lambda: (ppo_loss(logp, old, adv, mask, backend=backend, **kw)[0],)
         return harness.autograd_step(mode, forward, (logp,), one, note=f"prorl_backend={backend}")
-    losses = {
-        "naive": (naive_ppo_loss, "verl_style_eager"),
-        "trl-style": (trl_style_loss, "trl_style_eager_k3"),
-    }
-    if provider not in losses:
-        raise ValueError(f"unknown provider {provider!r}")
+    losses = dict(naive=(naive_ppo_loss, "verl_style_eager"))
+    losses["trl-style"] = (trl_style_loss, "trl_style_eager_k3")
     loss, note = losses[provider]
     maskf, adv2 = mask.to(logp.dtype), adv[:, None]
     forward = lambda: (loss(logp, old, adv2, maskf, ref)[0],)
@@ -109,28 +100,16 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
 def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"N in {QUICK_SIZES}, 2 reps (seconds)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument(
-        "--sizes", type=harness.ints, help=f"comma-separated token counts N (default {CPU_SIZES})"
-    )
+    p.add_argument("--sizes", type=harness.ints, help=f"token counts N (default {CPU_SIZES})")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 (of the log-probs)")
 
 
 def _shapes(args) -> list[dict]:
-    sizes = args.sizes or (QUICK_SIZES if args.quick else CPU_SIZES)
-    return [make_shape(n, args.dtype) for n in sizes]
+    return [
+        make_shape(n, args.dtype) for n in args.sizes or (QUICK_SIZES if args.quick else CPU_SIZES)
+    ]
 
 
-BENCHMARK = harness.Benchmark(
-    NAME,
-    PROVIDERS,
-    _shapes,
-    _options,
-    modes=harness.MODES,
-    reps=(20, 2),
-    warmup=(2, 2),
-    notes=[NOTE],
-)
+BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, modes=harness.MODES, reps=(20, 2),
+                              warmup=(2, 2), notes=[NOTE])  # fmt: skip
 main = BENCHMARK.main
-
-if __name__ == "__main__":
-    sys.exit(main())
