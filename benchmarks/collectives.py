@@ -115,7 +115,7 @@ def rank_main(args) -> dict | None:
     if rank != 0:
         return None
     # as the ranks ran
-    versions = f"{harness.versions_string(args.threads)} backend={backend} ranks={world}"
+    versions = f"{harness.versions_string()} backend={backend} ranks={world}"
     return dict(rows=rows, device=harness.device_name(device), versions=versions)
 
 

@@ -25,7 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -71,17 +71,6 @@ def autograd_step(mode: str, forward, leaves, grads, flops: float = 0.0, note: s
     run = dict(forward=forward, full=lambda: backward(forward()))
     run["backward"] = lambda: backward(saved.pop("outs"))
     return Step(run=run[mode], prepare=prepare, flops=flops, note=note)
-
-
-@dataclass
-class Result:
-    """One worker's answer for one provider."""
-
-    provider: str
-    rows: list[dict] = field(default_factory=list)  # shape, mode, metric, unit, p50, p20, p80, note
-    errors: list[str] = field(default_factory=list)
-    device: str = ""
-    versions: str = ""
 
 
 def quantile(xs: Sequence[float], q: float) -> float:
@@ -247,16 +236,15 @@ def dist_version(dist: str, absent: str | None = "absent") -> str | None:
         return absent
 
 
-def versions_string(threads: int) -> str:
+def versions_string() -> str:
+    """torch, triton and liger-kernel's versions and the thread settings (the `versions` column)."""
     import torch
 
-    parts = [f"torch={torch.__version__}"]
-    parts += [f"{d}={dist_version(d)}" for d in ("triton", "liger-kernel")]
-    parts.append(f"threads={torch.get_num_threads()}")
+    parts = [f"torch={torch.__version__}", f"triton={dist_version('triton')}"]
+    parts += [f"liger-kernel={dist_version('liger-kernel')}", f"threads={torch.get_num_threads()}"]
     parts.append(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
-    if "OMP_WAIT_POLICY" in os.environ:
-        parts.append(f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
-    return " ".join(parts)
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    return " ".join(parts + ([f"OMP_WAIT_POLICY={policy}"] if policy else []))
 
 
 def measure_step(spec: dict, provider: str, mode: str, shape: dict, device) -> list[dict] | None:
@@ -293,7 +281,7 @@ def worker_main(argv: Sequence[str]) -> None:
     module, func = spec["measure"].split(":")
     measure = getattr(importlib.import_module(module), func)
     provider = spec["provider"]
-    res = Result(provider, device=device_name(device), versions=versions_string(spec["threads"]))
+    res = dict(rows=[], errors=[], device=device_name(device), versions=versions_string())
     for shape in spec["shapes"]:
         for mode in spec["modes"]:
             tag = f"{provider} {mode} {shape['label']}"
@@ -301,18 +289,18 @@ def worker_main(argv: Sequence[str]) -> None:
                 rows = measure(spec, provider, mode, shape, device)
                 if rows is None:
                     continue
-                res.rows.extend(dict(r, shape=shape["label"]) for r in rows)
+                res["rows"] += [dict(r, shape=shape["label"]) for r in rows]
                 t = next(r for r in rows if r["mode"] == mode and r["metric"] == "time")
                 spread = f"p20 {t['p20']:.3f}, p80 {t['p80']:.3f}"
                 print(f"  {tag}: {t['p50']:.3f} ms ({spread})", flush=True)
             except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
-                res.errors.append(f"{tag}: {type(exc).__name__}: {exc}")
+                res["errors"].append(f"{tag}: {type(exc).__name__}: {exc}")
                 print(f"  {tag}: FAILED {type(exc).__name__}: {exc}", flush=True)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             with open(result_path, "w") as f:
-                json.dump(res.__dict__, f)
+                json.dump(res, f)
 
 
 # --- Orchestration (the parent process) -----------------------------------------------------------
@@ -340,8 +328,9 @@ def subprocess_env(threads: int) -> dict:
     return env
 
 
-def run_provider(provider: str, spec: dict, timeout: float | None = None) -> Result:
-    """Measure one provider in a fresh worker process (`worker_main`), given `spec` as JSON."""
+def run_provider(provider: str, spec: dict, timeout: float | None = None) -> dict:
+    """Measure one provider in a fresh worker process (`worker_main`), given `spec` as JSON; its
+    rows, errors, device and versions."""
     code = "import sys; from benchmarks.harness import worker_main; worker_main(sys.argv[1:])"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
@@ -352,13 +341,12 @@ def run_provider(provider: str, spec: dict, timeout: float | None = None) -> Res
         except subprocess.TimeoutExpired:
             rc = f"timeout after {timeout} s"
         if not os.path.exists(path):
-            return Result(
-                provider, errors=[f"{provider}: worker exited without a result (rc={rc})"]
-            )
+            return dict(rows=[], errors=[f"{provider}: worker exited without a result (rc={rc})"])
         with open(path) as f:
-            res = Result(**json.load(f))
+            res = json.load(f)
         if rc != 0:
-            res.errors.append(f"{provider}: worker exited early (rc={rc}); later cases are missing")
+            early = f"{provider}: worker exited early (rc={rc}); later cases are missing"
+            res["errors"].append(early)
         return res
 
 
@@ -434,10 +422,12 @@ def run_benchmark(name: str, providers: Sequence[str], spec: dict, *, out=None, 
     for provider in providers:
         print(f"[{provider}]", flush=True)
         res = run_provider(provider, spec, timeout)
-        errors.extend(res.errors)
-        for r in res.rows:
-            versions = res.versions + (f" note={r['note']}" if r.get("note") else "")
-            rows.append(dict(r, versions=versions, provider=provider, device=res.device, **common))
+        errors.extend(res["errors"])
+        for r in res["rows"]:
+            versions = res["versions"] + (f" note={r['note']}" if r.get("note") else "")
+            rows.append(
+                dict(r, versions=versions, provider=provider, device=res["device"], **common)
+            )
     append_csv(out, rows)
     return rows, errors
 
