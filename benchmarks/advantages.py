@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import torch
+
 from benchmarks import harness
 
 NAME = "advantages"
@@ -26,8 +28,6 @@ def verl_loop(scores, index, epsilon=None):
     """verl's compute_grpo_outcome_advantage (with `epsilon`: divided by the group std + epsilon) or
     compute_reinforce_plus_plus_baseline_outcome_advantage (without), on [B] scores, a list of
     ids."""
-    import torch
-
     scores = scores.clone()
     id2score, id2mean, id2std = defaultdict(list), {}, {}
     for i in range(scores.shape[0]):
@@ -50,8 +50,6 @@ def loop_grpo(scores, index):
 
 def loop_reinforce_pp_baseline(scores, index, lengths, eps=1e-8):
     """verl's reinforce++-baseline loop (group means subtracted), then token-weighted whitening."""
-    import torch
-
     scores = verl_loop(scores, index)
     w = lengths.to(scores.dtype)
     mean = (w * scores).sum() / w.sum()
@@ -64,8 +62,6 @@ def make_shape(groups: int, n: int, algo: str) -> dict:
 
 
 def _inputs(shape: dict, device):
-    import torch
-
     b = shape["G"] * shape["n"]
     g = torch.Generator().manual_seed(0)
     rewards = (torch.rand(b, generator=g) < 0.5).float().to(device)

@@ -23,6 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from benchmarks import harness, plot
 from benchmarks.report.readme import View
 
@@ -49,9 +52,6 @@ def _rows_for(provider, op, size, world, times_s: list[float]) -> list[dict]:
 
 def _collective(op: str, size: int, world: int, device):
     """(call, size as nccl-tests counts it) of one op on fp32 buffers of `size` bytes."""
-    import torch
-    import torch.distributed as dist
-
     # torch 2.13 renamed reduce_scatter_tensor (deprecated there) to reduce_scatter_single
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     numel = size // 4
@@ -67,9 +67,6 @@ def _collective(op: str, size: int, world: int, device):
 
 def _time_collective(call, iters: int, args, device) -> list[float]:
     """Seconds per call, the slowest rank's, of `args.reps` timed batches of `iters` calls."""
-    import torch
-    import torch.distributed as dist
-
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(args.warmup):
         call()
@@ -89,9 +86,6 @@ def _time_collective(call, iters: int, args, device) -> list[float]:
 
 def rank_main(args) -> dict | None:
     """One torchrun rank: measure every (op, size); rank 0 returns {rows, device, versions}."""
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available() and not args.cpu
     backend = "nccl" if cuda else "gloo"
@@ -196,8 +190,6 @@ def main(argv: list[str] | None = None) -> int:
         with open(result) as f:
             measured = json.load(f)
     errors = []
-    import torch
-
     if torch.cuda.is_available() and not args.cpu:
         nt_rows, errors = run_nccl_tests(args.ops, args.sizes, args.ranks)
         measured["rows"] += [dict(r, device=measured["device"]) for r in nt_rows]

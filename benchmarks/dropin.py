@@ -14,6 +14,8 @@ import sys
 import tempfile
 import warnings
 
+import torch
+
 from benchmarks import harness
 from benchmarks.plot import plot as plot_csv
 
@@ -27,7 +29,6 @@ QUICK_VOCABS = (4096,)
 
 def qwen2(v: int, seed: int = 0):
     """The tiny random Qwen2 at vocabulary `v` (fp32, untied LM head)."""
-    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
@@ -39,8 +40,6 @@ def qwen2(v: int, seed: int = 0):
 
 def grpo_micro_batch(v: int, b: int = B, seed: int = 0) -> dict:
     """A GRPOTrainer micro-batch as its _prepare_inputs returns it (on-policy: no old log-probs)."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     ids = lambda n: torch.randint(3, v, (b, n), generator=g)
     return dict(
@@ -80,8 +79,6 @@ def _stub(peer: str):
 
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
-    import torch
-
     v = shape["V"]
     model = qwen2(v)
     clear = lambda: model.zero_grad(set_to_none=True)

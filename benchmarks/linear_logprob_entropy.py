@@ -12,6 +12,8 @@ providers: `prorl`, `prorl-torch`, `naive`, `naive-compile`, `liger-logp`, `lige
 
 from __future__ import annotations
 
+import torch
+
 from benchmarks import harness
 from benchmarks.report.readme import View
 
@@ -27,8 +29,6 @@ _FLOP_FACTOR = {"forward": 2, "backward": 6, "full": 8}
 
 def naive_logprob_entropy(hidden, weight, labels, temperature=1.0, ignore_index=-100):
     """Unfused eager log-prob and entropy: the [N, V] logits and several [N, V] fp32 temporaries."""
-    import torch
-
     logits = (hidden @ weight.t()).float() / temperature  # [N, V]
     valid = labels != ignore_index
     picked = torch.where(valid, labels, 0)[:, None]
@@ -46,8 +46,6 @@ def make_shape(n: int, d: int, v: int, dtype: str) -> dict:
 def inputs(shape: dict, device, requires_grad: bool = True):
     """hidden [N, D] ~ N(0, 1) (a normed hidden state), weight [V, D] ~ N(0, 0.02), labels, upstream
     grads."""
-    import torch
-
     n, d, v = shape["N"], shape["D"], shape["V"]
     dtype = getattr(torch, shape["dtype"])
     g = torch.Generator(device=device).manual_seed(0)
@@ -62,8 +60,6 @@ def inputs(shape: dict, device, requires_grad: bool = True):
 def floor_step(mode: str, shape: dict, device, flops: float) -> harness.Step:
     """The op's matmuls alone into preallocated outputs: forward Z; backward Z, dH, dW; full
     both."""
-    import torch
-
     h, w, _, _, _ = inputs(shape, device, requires_grad=False)
     z = torch.empty(shape["N"], shape["V"], dtype=h.dtype, device=device)  # [N, V], also used as dZ
     gh, gw = torch.empty_like(h), torch.empty_like(w)
@@ -77,8 +73,6 @@ def floor_step(mode: str, shape: dict, device, flops: float) -> harness.Step:
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     """The Step that measures `provider` in `mode` on `shape` (None: the provider lacks the
     mode)."""
-    import torch
-
     n, d, v = shape["N"], shape["D"], shape["V"]
     flops = float(_FLOP_FACTOR[mode] * n * d * v)
     if provider in ("sgemm-floor", "gemm-floor"):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from benchmarks import harness
 from benchmarks.linear_logprob_entropy import VIEW, floor_step, inputs, make_shape
 from benchmarks.ppo_loss import BETA, EPS_HIGH, EPS_LOW, naive_ppo_loss
@@ -23,8 +25,6 @@ QUICK_SHAPE = (256, 128, 8192)
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     """The Step that measures `provider` on `shape` (mode `full` only)."""
-    import torch
-
     n, d, v = shape["N"], shape["D"], shape["V"]
     flops = float(6 * n * d * v)
     if provider == "sgemm-floor":  # Z, then dH and dW: the op's three products

@@ -10,6 +10,8 @@ eager dapo loss, k3 KL). Details: docs/benchmarks.md.
 
 from __future__ import annotations
 
+import torch
+
 from benchmarks import harness
 
 NAME = "ppo_loss"
@@ -27,8 +29,6 @@ def _masked_mean(x, mask):
 
 def naive_ppo_loss(logp, old, adv, mask, ref):
     """verl-style eager loss: (loss, pg_clipfrac, ppo_kl); adv [B, 1] broadcasts over T."""
-    import torch
-
     log_ratio = torch.clamp(logp - old, min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
     ppo_kl = _masked_mean(-log_ratio, mask)
@@ -43,8 +43,6 @@ def naive_ppo_loss(logp, old, adv, mask, ref):
 
 def trl_style_loss(logp, old, adv, mask, ref):
     """TRL-style eager loss (dapo, k3): (loss, low clip fraction, high clip fraction)."""
-    import torch
-
     coef_1 = torch.exp(logp - old)
     coef_2 = torch.clamp(coef_1, 1 - EPS_LOW, 1 + EPS_HIGH)
     per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
@@ -62,8 +60,6 @@ def make_shape(n: int, dtype: str = "float32") -> dict:
 
 def _inputs(shape: dict, device):
     """logp [B, T] (leaf), old/ref near it, adv [B], mask [B, T] with ~10% of each row padding."""
-    import torch
-
     b, t = shape["N"] // shape["T"], shape["T"]
     g = torch.Generator(device=device).manual_seed(0)
     logp = -torch.rand(b, t, generator=g, device=device) * 3
@@ -78,8 +74,6 @@ def _inputs(shape: dict, device):
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     """The Step that measures `provider` in `mode` on `shape`."""
-    import torch
-
     logp, old, ref, adv, mask = _inputs(shape, device)
     one = (torch.ones((), device=device),)
     if provider in ("prorl", "prorl-torch"):

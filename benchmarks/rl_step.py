@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
+import torch
+
 from benchmarks import harness, plot
 from benchmarks._checkpoints import qwen2_shape, random_checkpoint
 from benchmarks.report.readme import View
@@ -143,8 +145,6 @@ def prorl_trainer(w: dict, path: str, *, gpu: bool, gen: str = "vllm", flags=(),
 
 def run_prorl(provider: str, w: dict, path: str, steps: int, memory, gpu: bool, gen: str):
     """`steps` prorl steps; returns (per-step records, note). `gen`: the sampler on `gpu`."""
-    import torch
-
     from prorl.rewards.pool import RewardPool
 
     flags = provider.split("-")[1:]
@@ -191,8 +191,6 @@ def _rows(records: list[dict], note: str) -> list[dict]:
 def measure(spec: dict, provider: str, mode: str, w: dict, device) -> list[dict]:
     """harness.worker_main's measure: `warmup` + `reps` steps of one provider on one shape, the rows
     of the timed ones."""
-    import torch
-
     gpu, gen = device.type == "cuda", spec["options"]["gpu_gen"]
     path, memory = model_path(w["model"]), harness.PeakMemory(device)
     steps = spec["warmup"] + spec["reps"]

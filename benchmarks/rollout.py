@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from benchmarks import harness, plot
 from benchmarks._checkpoints import qwen2_shape, random_checkpoint
 
@@ -48,8 +50,6 @@ def checkpoint_path(name: str) -> str:
 
 
 def prompts(shape: dict) -> list[list[int]]:
-    import torch
-
     g = torch.Generator().manual_seed(1)
     vocab = CHECKPOINTS[shape["ckpt"]]["vocab_size"]
     return torch.randint(0, vocab, (shape["batch"], PROMPT_LEN), generator=g).tolist()
@@ -57,7 +57,6 @@ def prompts(shape: dict) -> list[list[int]]:
 
 def _load_ours(shape: dict, device):
     """prorl's Decoder of the shape's checkpoint, in the shape's dtype on `device`."""
-    import torch
     from prorl.engine.model import load_hf
 
     dtype = getattr(torch, shape["dtype"])
@@ -80,7 +79,6 @@ def _generator(provider: str, shape: dict, device):
 
 
 def _transformers_step(provider: str, shape: dict, device) -> harness.Step:
-    import torch
     import transformers
 
     path, dtype = checkpoint_path(shape["ckpt"]), getattr(torch, shape["dtype"])

@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import random
 
+import torch
+
 from benchmarks import harness
 from benchmarks._checkpoints import CHECKPOINT_DIR, qwen2_shape, random_checkpoint
 from benchmarks.report.readme import View
@@ -65,7 +67,6 @@ def make_batch(lengths: list[int], vocab: int, device):
     """Random tokens of the given lengths, packed and right-padded, next-token labels (-100: none):
     dict(ids [N], cu_seqlens [B+1] int32, position_ids [N], labels [N], padded_ids [B, T],
     attention_mask [B, T], padded_labels [B, T])."""
-    import torch
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(SEED)
@@ -87,8 +88,6 @@ def make_batch(lengths: list[int], vocab: int, device):
 def pad_batch(b: dict, multiple: int) -> dict:
     """The packed batch with a dummy sequence (labels -100) appended so that N is a multiple of
     `multiple` (Transformer Engine's FP8 shapes); the padded rows count in no loss."""
-    import torch
-
     pad = -b["ids"].numel() % multiple
     if pad == 0:
         return b
@@ -106,8 +105,6 @@ def pad_batch(b: dict, multiple: int) -> dict:
 
 def nll_from_logits(logits, labels):
     """Mean NLL of `labels` (-100 ignored) under logits [..., V] (upcast to fp32) -> scalar."""
-    import torch
-
     logp = torch.log_softmax(logits.float(), dim=-1)  # [..., V] fp32
     valid = labels != -100
     picked = logp.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
@@ -117,15 +114,12 @@ def nll_from_logits(logits, labels):
 def matmul_params(model) -> int:
     """Parameters that take part in matmuls: every Linear weight and the LM head (tied: once; our
     Decoder's `lm_head` is then None, transformers' a Linear sharing the embedding's weight)."""
-    import torch
-
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     return linear + (model.lm_head_weight.numel() if model.lm_head is None else 0)
 
 
 def _model(provider: str, shape: dict, device):
     """(model, its FP8 converter or None, transformers' attn_implementation or None)."""
-    import torch
     from prorl.engine.model import load_hf
 
     dtype = getattr(torch, shape["dtype"])
@@ -203,8 +197,6 @@ def _transformers_loss(provider: str, model, b: dict, impl: str):
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     """The Step that measures `provider` on `shape` (mode `full`)."""
-    import torch
-
     if provider not in GPU_PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}")
     model, fp8, impl = _model(provider, shape, device)
