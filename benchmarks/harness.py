@@ -400,34 +400,24 @@ def append_csv(path: Path, rows: Sequence[dict]) -> None:
             writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
 
 
-def run_benchmark(name: str, providers: Sequence[str], spec: dict, *, out=None, timeout=None):
-    """Measure every provider (one worker each), append all rows to the CSV; return (rows, errors).
-
-    spec: what the workers read: module (the benchmark's), modes, shapes (dicts with at least a
-    `label`, the CSV `shape` column, and whatever `build` reads), device, threads, warmup, reps,
-    peak_tflops, measure (`worker_main`), and any keys of the benchmark's own.
-    """
-    defaults = dict(device="cpu", warmup=1, reps=5, measure="benchmarks.harness:measure_step")
-    spec = dict(defaults, peak_tflops=H200_BF16_DENSE_TFLOPS, **spec)
-    spec["threads"] = spec.get("threads") or len(os.sched_getaffinity(0))
-    out = Path(out) if out else RESULTS_DIR / f"{name}.csv"
-    print(
-        f"{name}: {len(providers)} providers x {list(spec['modes'])} x {len(spec['shapes'])} shapes"
-        f" on {spec['device']}, threads={spec['threads']}, warmup={spec['warmup']},"
-        f" reps={spec['reps']} -> {out}",
-        flush=True,
-    )
-    rows, errors = [], []
-    common = dict(name=name, git_rev=git_rev(), timestamp=utc_now())
+def run_benchmark(name: str, providers: Sequence[str], spec: dict, out: Path, timeout=None):
+    """Measure every provider (one worker each), append all rows to `out`; return (rows, errors).
+    spec: what the workers read (Benchmark.main's: module, shapes, modes, device, threads, reps,
+    warmup, measure, options)."""
+    spec = dict(spec, peak_tflops=H200_BF16_DENSE_TFLOPS)
+    spec["threads"] = spec["threads"] or len(os.sched_getaffinity(0))
+    cases = f"{len(providers)} providers x {list(spec['modes'])} x {len(spec['shapes'])} shapes"
+    settings = f"threads={spec['threads']}, warmup={spec['warmup']}, reps={spec['reps']}"
+    print(f"{name}: {cases} on {spec['device']}, {settings} -> {out}", flush=True)
+    rows, errors, stamp = [], [], dict(name=name, git_rev=git_rev(), timestamp=utc_now())
     for provider in providers:
         print(f"[{provider}]", flush=True)
         res = run_provider(provider, spec, timeout)
         errors.extend(res["errors"])
+        common = dict(stamp, provider=provider, device=res.get("device"))
         for r in res["rows"]:
             versions = res["versions"] + (f" note={r['note']}" if r.get("note") else "")
-            rows.append(
-                dict(r, versions=versions, provider=provider, device=res["device"], **common)
-            )
+            rows.append(dict(r, versions=versions, **common))
     append_csv(out, rows)
     return rows, errors
 
@@ -437,9 +427,8 @@ def record(name: str, rows: list[dict], out: Path | None, *, device: str, versio
     added (a row's own keys win), appended to `out` (None: not written), the summary printed."""
     from benchmarks.report.readme import summary
 
-    common = dict(
-        name=name, device=device, versions=versions, git_rev=git_rev(), timestamp=utc_now()
-    )
+    stamp = utc_now()
+    common = dict(name=name, device=device, versions=versions, git_rev=git_rev(), timestamp=stamp)
     rows = [dict(common, **r) for r in rows]
     if out is not None:
         append_csv(out, rows)
@@ -539,7 +528,7 @@ class Benchmark:
         spec.update(threads=args.threads, reps=args.reps or self.reps[args.quick])
         spec.update(warmup=self.warmup[args.quick] if args.warmup is None else args.warmup)
         run = args.providers or providers
-        rows, errors = run_benchmark(self.name, run, spec, out=out, timeout=args.timeout)
+        rows, errors = run_benchmark(self.name, run, spec, out, args.timeout)
         derived = self.derive(rows, args) if self.derive else []
         if derived:
             append_csv(out, derived)
