@@ -1,9 +1,7 @@
 """`python -m benchmarks <name> [args...]` runs benchmarks/<name>.py's `main(args)`; `--list` lists them.
 
-A benchmark is any module in this folder with a top-level `main` (a function, or `main =
-BENCHMARK.main`), except the harness itself; `COMMANDS` adds the commands whose modules live in a
-sub-folder. Listing reads each module's docstring without importing it (no torch import just to
-list).
+A benchmark is a module here with a top-level `main` (a function, or `main = BENCHMARK.main`);
+`COMMANDS` adds sub-folders' commands. Listing reads the docstrings without importing (no torch).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The pieces of rl_step.py that are not prorl's own code path: TRL's GRPOTrainer instrumented per
-phase (`TRLPhases`, `run_trl`), and the ablations `naive_lle` (nofused), `padded_logprobs` (nopack) and
-`HFGenerator` (hfgen) that `rl_step.prorl_trainer` applies. Details: docs/benchmarks.md.
+phase (`TRLPhases`, `run_trl`), and the ablations `naive_lle` (nofused), `padded_logprobs`
+(nopack) and `HFGenerator` (hfgen) that `rl_step.prorl_trainer` applies. Details:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -268,8 +269,8 @@ def run_trl(work: dict, model_path: str, steps: int, memory, gpu: bool, gen: str
             os.environ.setdefault(k, v)
         kwargs.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
     threads = torch.get_num_threads()
-    trainer = GRPOTrainer(model=model_path, reward_funcs=math_reward, args=GRPOConfig(**kwargs),
-                          train_dataset=ds, processing_class=tok)  # fmt: skip
+    setup = dict(args=GRPOConfig(**kwargs), train_dataset=ds, processing_class=tok)
+    trainer = GRPOTrainer(model=model_path, reward_funcs=math_reward, **setup)
     torch.set_num_threads(threads)  # whatever the trainer's set-up did, the same threads as prorl
     phases = TRLPhases(memory)
     phases.instrument(trainer)

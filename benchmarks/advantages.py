@@ -2,9 +2,9 @@
 
     python -m benchmarks advantages [--quick] [--threads N] [--groups G1,G2] [--n 16] [--algos a,b]
 
-G groups of n = 16 responses, rewards in {0, 1}, lengths in [1, 1024]; the `shape` column names
-the algorithm (`reinforce++-baseline` or `grpo`). Mode `forward` only. Providers: `prorl`,
-`prorl-dense` (num_groups=G), `python-loop` (verl's loops). Details: docs/benchmarks.md.
+The `shape` column names the algorithm (`reinforce++-baseline`, `grpo`); mode `forward` only.
+Providers: `prorl`, `prorl-dense` (num_groups=G), `python-loop` (verl's). Details:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -4,9 +4,8 @@
     python -m benchmarks async_rl --quick          # smoke test (CI): 4 tiny steps per variant
     python -m benchmarks async_rl --report-only    # rows, figure, projection of the runs in --work
 
-Each variant is the README's main job under torchrun (`sync`: 2 colocated ranks; `async-k1` /
-`async-k2`: 1 rollout + 1 trainer rank, k steps ahead); rows of time, idle, overlap, staleness and
-accuracy per run, and a projection to 8 and 2 x 8 GPUs. Method and rows: docs/benchmarks.md.
+Each variant is the README's main job (`sync`: 2 colocated ranks; `async-kK`: 1 rollout + 1
+trainer rank, K steps ahead), and a projection to 8 and 2 x 8 GPUs. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Collective bandwidth under torchrun: all-reduce, all-gather, reduce-scatter across message sizes.
 
-    python -m benchmarks collectives [--quick] [--ranks 2] [--ops all_reduce,all_gather,reduce_scatter]
+    python -m benchmarks collectives [--quick] [--ranks 2]
+        [--ops all_reduce,all_gather,reduce_scatter]
     torchrun --nproc_per_node=8 -m benchmarks.collectives [--quick]      # already under torchrun
 
-gloo on CPU, NCCL on CUDA; sizes, time, algbw and busbw follow nccl-tests' conventions, whose own
-tables are recorded too where its binaries are on PATH (provider `nccl-tests`). Rows: provider
-`torch-gloo` / `torch-nccl` / `nccl-tests`, mode = the op, shape = "<size> B world=<n>"; plot
-collectives.png. Details: docs/benchmarks.md.
+gloo on CPU, NCCL on CUDA; nccl-tests' conventions (and its own tables where its binaries are on
+PATH). Mode = the op, shape = "<size> B world=<n>"; plot collectives.png. Details:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -135,8 +135,9 @@ def run_nccl_tests(ops, sizes, nproc) -> tuple[list[dict], list[str]]:
             continue
         cmd = [exe, "-b", str(min(sizes)), "-e", str(max(sizes)), "-f", "4", "-g", str(nproc)]
         try:
-            out = subprocess.run([*cmd, "-d", "float"], capture_output=True, text=True, timeout=600,
-                                 check=True).stdout  # fmt: skip
+            out = subprocess.run(
+                [*cmd, "-d", "float"], capture_output=True, text=True, timeout=600, check=True
+            ).stdout
             rows += parse_nccl_tests(out, op, nproc)
         except (OSError, subprocess.SubprocessError) as exc:
             errors.append(f"nccl-tests {op}: {exc}")

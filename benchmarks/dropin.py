@@ -1,11 +1,11 @@
 """Stock vs prorl drop-in inside each peer (TRL, verl, OpenRLHF): one update's time and peak extra memory.
 
-    python -m benchmarks dropin [--quick] [--vocab 32768,151936] [--providers a,b] [--threads N] [--out CSV]
+    python -m benchmarks dropin [--quick] [--vocab 32768,151936] [--providers a,b] [--threads N]
+        [--out CSV]
 
-A tiny random Qwen2 at each vocabulary size; one call = forward and backward of one update of the
-peer's own code. Providers: `trl` / `trl-fused` (`trl-loss` on request), `verl` / `verl-fused`,
-`openrlhf` / `openrlhf-fused`; verl and OpenRLHF import with the stand-ins of
-tests/peers/peer_stubs.py (the peers venv). Details: docs/benchmarks.md.
+A tiny random Qwen2; one call = one update of the peer's own code. Providers: `trl` / `trl-fused`
+(`trl-loss` on request), `verl` / `verl-fused`, `openrlhf` / `openrlhf-fused` (with the stand-ins of
+tests/peers/peer_stubs.py). Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -64,8 +64,9 @@ def grpo_trainer(cls, model, **config):
     reward = lambda completions, **_: [0.0] * len(completions)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = cls(model=model, reward_funcs=reward, args=args, train_dataset=ds,
-                      processing_class=tok)  # fmt: skip
+        trainer = cls(
+            model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok
+        )
     trainer.current_gradient_accumulation_steps = 1
     trainer.model.train()
     return trainer

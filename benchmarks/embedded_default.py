@@ -1,9 +1,10 @@
 """The embedded default's result beside its control: RL vs the same minutes of further supervised training.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 prorl/train.py          # -> runs/<ts>/
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 prorl/train.py     # -> runs/<ts>/
     OMP_NUM_THREADS=1 python -m prorl.warmstart --init prorl/assets/tiny-reasoner \\
-        --out /tmp/sft_control --steps 1500 --eval-every 100 --lr 1e-3 --minutes 8     # the control
-    python -m benchmarks embedded_default --run runs/<ts> --control /tmp/sft_control/warmstart.jsonl
+        --out /tmp/sft_control --steps 1500 --eval-every 100 --lr 1e-3 --minutes 8  # the control
+    python -m benchmarks embedded_default --run runs/<ts> \\
+        --control /tmp/sft_control/warmstart.jsonl
 
 Held-out greedy accuracy against wall time for both (the same 200 problems): embedded_default.png
 and rows in embedded_default.csv. Details: docs/benchmarks.md.

@@ -1,13 +1,11 @@
 """Benchmark of `prorl.kernels.linear_logprob_entropy` against unfused and fused peers.
 
-    python -m benchmarks linear_logprob_entropy [--quick] [--threads N] [--providers a,b] [--out CSV]
-    python -m benchmarks linear_logprob_entropy --gpu   # CUDA, bf16: benchmarks/gpu/linear_logprob_entropy.sh
+    python -m benchmarks linear_logprob_entropy [--quick] [--threads N] [--providers a,b]
+        [--out CSV]
+    python -m benchmarks linear_logprob_entropy --gpu  # bf16; benchmarks/gpu/ has its script
 
-Per-token log p(label) and entropy of softmax(hidden [N, D] @ weight[V, D].T), modes forward /
-backward / full, every provider credited with the op's nominal FLOPs (2NDV, 6NDV, 8NDV). CPU
-providers: `prorl`, `prorl-torch`, `naive`, `naive-compile`, `liger-logp`, `liger-grpo-loss`,
-`sgemm-floor`; GPU (`--gpu`, bf16): `prorl`, `prorl-torch`, `naive`, `liger-flce`,
-`liger-flce-fp32acc`, `gemm-floor`. Details: docs/benchmarks.md.
+Modes forward / backward / full, every provider credited with the op's nominal FLOPs (2NDV, 6NDV,
+8NDV); `CPU_PROVIDERS`, `GPU_PROVIDERS` (`--gpu`, bf16). Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -140,9 +138,8 @@ VIEW = View(
     extras=("gflops", "tflops", "peak_fraction", "peak_extra_memory"),
     ratios=(("naive", "speedup"), ("sgemm-floor", "multiple"), ("gemm-floor", "multiple")),
 )
-BENCHMARK = harness.Benchmark(
-    NAME, lambda args: GPU_PROVIDERS if args.gpu else CPU_PROVIDERS, _shapes, _options,
-    known_providers=tuple(dict.fromkeys(CPU_PROVIDERS + GPU_PROVIDERS)), modes=harness.MODES,
-    view=VIEW, notes=_notes,
-)  # fmt: skip
+providers = lambda args: GPU_PROVIDERS if args.gpu else CPU_PROVIDERS
+known = tuple(dict.fromkeys(CPU_PROVIDERS + GPU_PROVIDERS))
+settings = dict(modes=harness.MODES, view=VIEW, notes=_notes)
+BENCHMARK = harness.Benchmark(NAME, providers, _shapes, _options, known, **settings)
 main = BENCHMARK.main

@@ -1,10 +1,10 @@
 """Benchmark of `prorl.kernels.linear_ppo_loss` (loss from hidden states, 6NDV) against its GEMM floor.
 
-    python -m benchmarks linear_ppo_loss [--quick] [--threads N] [--shape N,D,V] [--providers a,b] [--out CSV]
+    python -m benchmarks linear_ppo_loss [--quick] [--threads N] [--shape N,D,V] [--providers a,b]
+        [--out CSV]
 
-Mode `full` only, every provider credited with 6NDV FLOPs. Providers (CPU, fp32): `prorl`,
-`prorl-torch`, `prorl-unfused` (linear_logprob_entropy then ppo_loss), `naive` (eager [N, V]
-logits, verl's loss), `sgemm-floor`. Details: docs/benchmarks.md.
+Mode `full` only, every provider credited with 6NDV FLOPs; `prorl-unfused` is linear_logprob_entropy
+then ppo_loss. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations

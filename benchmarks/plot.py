@@ -138,8 +138,11 @@ def phases(rows: list[dict], png: Path, phase_names: list[str]) -> Path | None:
     by = {(r["shape"], r["provider"], r["mode"], r["metric"]): r for r in rows}
     fig, axes = pyplot().subplots(1, len(shapes), figsize=(5.5 * len(shapes), 4.5), squeeze=False)
     for ax, shape in zip(axes[0], shapes):
-        providers = [p for p in dict.fromkeys(r["provider"] for r in rows)
-                     if (shape, p, "step", "time") in by]  # fmt: skip
+        providers = [
+            p
+            for p in dict.fromkeys(r["provider"] for r in rows)
+            if (shape, p, "step", "time") in by
+        ]
         shown = [ph for ph in phase_names if any((shape, p, ph, "time") in by for p in providers)]
         for i, p in enumerate(providers):
             bottom = 0.0
@@ -185,8 +188,12 @@ def bandwidth(rows: list[dict], png: Path, ops: list[str]) -> Path:
     fig, ax = pyplot().subplots(figsize=(6, 4.5))
     for provider in dict.fromkeys(r["provider"] for r in rows):
         for op in ops:
-            pts = sorted((int(r["shape"].split()[0]), r["p50"]) for r in rows
-                         if (r["provider"], r["mode"], r["metric"]) == (provider, op, "busbw"))  # fmt: skip
+            mine = [
+                r
+                for r in rows
+                if (r["provider"], r["mode"], r["metric"]) == (provider, op, "busbw")
+            ]
+            pts = sorted((int(r["shape"].split()[0]), r["p50"]) for r in mine)
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=f"{op} ({provider})")
     ax.set_xscale("log", base=2)

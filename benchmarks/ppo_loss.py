@@ -1,11 +1,11 @@
 """Benchmark of `prorl.kernels.ppo_loss` against the same loss in eager torch, as trainers write it.
 
-    python -m benchmarks ppo_loss [--quick] [--threads N] [--sizes N1,N2] [--providers a,b] [--out CSV]
+    python -m benchmarks ppo_loss [--quick] [--threads N] [--sizes N1,N2] [--providers a,b]
+        [--out CSV]
     python -m benchmarks ppo_loss --device cuda
 
-The ProRL v2 loss on padded [B, T] log-probs, modes forward / backward / full; rows time and peak
-extra memory. Providers: `prorl`, `prorl-torch`, `naive` (verl's eager loss), `trl-style` (TRL's
-eager dapo loss, k3 KL). Details: docs/benchmarks.md.
+The ProRL v2 loss on padded [B, T] log-probs, modes forward / backward / full. Providers: `prorl`,
+`prorl-torch`, `naive` (verl's eager loss), `trl-style` (TRL's, k3 KL). Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -104,6 +104,6 @@ def _shapes(args) -> list[dict]:
     ]
 
 
-BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, modes=harness.MODES, reps=(20, 2),
-                              warmup=(2, 2), notes=[NOTE])  # fmt: skip
+settings = dict(modes=harness.MODES, reps=(20, 2), warmup=(2, 2), notes=[NOTE])
+BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, **settings)
 main = BENCHMARK.main

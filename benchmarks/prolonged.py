@@ -2,12 +2,10 @@
 
     OMP_NUM_THREADS=1 python -m benchmarks prolonged [--steps 500] [--seeds 1,2] [--jobs 2]
     python -m benchmarks prolonged --quick       # smoke test: 2 variants x 1 seed x 4 tiny steps
-    python -m benchmarks prolonged --report-only # tables and figures from the runs already in --work
+    python -m benchmarks prolonged --report-only # tables and figures of the runs already in --work
 
-Every run is `python prorl/train.py --config prolonged` in one process with one thread, the same
-seeds and steps for every variant; a variant changes one thing (`VARIANTS`). Writes prolonged.csv
-(variant, seed, step, metric, value), prolonged.md (the table) and three figures. Method, rows and
-figures: docs/benchmarks.md.
+Every run is `python prorl/train.py --config prolonged` on one thread; a variant changes one thing
+(`VARIANTS`). Writes prolonged.csv, prolonged.md and three figures. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -66,13 +64,16 @@ def finished(path: Path, steps: int) -> bool:
     return any(r.get("step") == steps and "val/accuracy" in r for r in harness.read_metrics(path))
 
 
-def run_all(jobs: list[tuple[str, int]], work: Path, steps: int, extra: list[str], parallel: int,
-            deadline) -> dict:  # fmt: skip
-    """Run the (variant, seed) jobs `parallel` at a time, one thread each; returns {job: wall
-    seconds}. Jobs not started by `deadline` (a time.time() value, or None) are left out, and said
-    so; a partial run restarts (runs keep no checkpoints)."""
-    env = dict(os.environ, **harness.TRAIN_ENV)
-    pending, running, walls = list(jobs), {}, {}
+def run_all(
+    jobs: list[tuple[str, int]], work: Path, steps: int, extra: list[str], parallel: int, deadline
+) -> None:
+    """Run the (variant, seed) jobs `parallel` at a time, one thread each. Jobs not started by
+    `deadline` (a time.time() value, or None) are left out, and said so; a partial run restarts
+    (runs keep no checkpoints)."""
+    io = dict(
+        cwd=harness.REPO_ROOT, env=dict(os.environ, **harness.TRAIN_ENV), stderr=subprocess.STDOUT
+    )
+    pending, running = list(jobs), {}
     while pending or running:
         while pending and len(running) < parallel:
             variant, seed = job = pending.pop(0)
@@ -88,8 +89,7 @@ def run_all(jobs: list[tuple[str, int]], work: Path, steps: int, extra: list[str
             log = open(out / "train.log", "w")
             run = ["--config", "prolonged", f"output_dir={out}", f"seed={seed}"]
             cmd = harness.train_command(None, *run, f"trainer.total_steps={steps}", *extra)
-            proc = subprocess.Popen(cmd + VARIANTS[variant], cwd=harness.REPO_ROOT, env=env,
-                                    stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+            proc = subprocess.Popen(cmd + VARIANTS[variant], stdout=log, **io)
             running[job] = (proc, time.time(), log)
             print(f"prolonged: started {variant} seed {seed} -> {out}", flush=True)
         time.sleep(1.0)
@@ -98,22 +98,20 @@ def run_all(jobs: list[tuple[str, int]], work: Path, steps: int, extra: list[str
                 continue
             log.close()
             del running[job]
-            walls[job] = time.time() - start
-            rc = proc.returncode
+            rc, wall = proc.returncode, time.time() - start
             status = "done" if rc == 0 else f"FAILED (exit {rc}, see train.log)"
-            print(f"prolonged: {job[0]} seed {job[1]}: {status} in {walls[job]:.0f} s", flush=True)
+            print(f"prolonged: {job[0]} seed {job[1]}: {status} in {wall:.0f} s", flush=True)
             if rc != 0:
                 tail = (run_dir(work, *job) / "train.log").read_text()[-3000:]
                 raise RuntimeError(f"{job[0]} seed {job[1]} failed:\n{tail}")
-    return walls
 
 
 def rows_of(variant: str, seed: int, metrics: list[dict], task: str = "chain_sums") -> list[dict]:
     """The long-format rows (variant, seed, step, metric, value) of one run of the built-in
     `task`."""
     out = []
-    levels = {f"val_pass@{k}/{t}": LEVEL_KEY.format(task=task, level=t, k=k)
-              for t in range(1, 16) for k in (1, 4)}  # fmt: skip
+    pairs = [(t, k) for t in range(1, 16) for k in (1, 4)]  # terms, samples
+    levels = {f"val_pass@{k}/{t}": LEVEL_KEY.format(task=task, level=t, k=k) for t, k in pairs}
     for r in metrics:
         case = dict(variant=variant, seed=seed, step=int(r.get("step", 0)))
         keys = {**VAL_METRICS, **levels} if "val/accuracy" in r else {}
@@ -157,25 +155,23 @@ def _phase_mean(rows, variant: str, metric: str, period: tuple[int, int], on: bo
 def summary(rows: list[dict], variants: list[str], period=(50, 150)) -> list[dict]:
     """Per variant (docs/benchmarks.md): held-out pass@1 before RL, final and best (per seed), final
     pass@4, mean response length with the length penalty on and off (`period` = its (k_on, k_off)),
-    mean entropy over the first and the last 50 steps, generated tokens and training time per run."""
-    table = []
-    for v in variants:
-        acc = series(rows, v, "val_pass@1")
-        if not acc:
-            continue
-        p4 = [pts[-1][1] for pts in series(rows, v, "val_pass@4").values()]
-        table.append(dict(
-            variant=v, seeds=len(acc), steps=next(iter(acc.values()))[-1][0],
-            start=[pts[0][1] for pts in acc.values()], final=[pts[-1][1] for pts in acc.values()],
-            best=[max(y for _, y in pts) for pts in acc.values()],
-            final_pass4=sum(p4) / len(p4) if p4 else float("nan"),
-            length_on=_phase_mean(rows, v, "response_length", period, on=True),
-            length_off=_phase_mean(rows, v, "response_length", period, on=False),
-            entropy_first=_phase_mean(rows, v, "entropy", (50, 10**9), on=True),
-            entropy=_over_seeds(rows, v, "entropy", lambda pts: _mean([y for _, y in pts[-50:]])),
-            gen_tokens=_total(rows, v, "generated_tokens"), train_s=_total(rows, v, "step_time"),
-        ))  # fmt: skip
-    return table
+    mean entropy over the first and the last 50 steps, generated tokens, training time per run."""
+    return [_summary_of(rows, v, period) for v in variants if series(rows, v, "val_pass@1")]
+
+
+def _summary_of(rows: list[dict], v: str, period: tuple[int, int]) -> dict:
+    acc = list(series(rows, v, "val_pass@1").values())
+    p4 = [pts[-1][1] for pts in series(rows, v, "val_pass@4").values()]
+    last50 = lambda pts: _mean([y for _, y in pts[-50:]])
+    t = dict(variant=v, seeds=len(acc), steps=acc[0][-1][0], start=[pts[0][1] for pts in acc])
+    t.update(final=[pts[-1][1] for pts in acc], best=[max(y for _, y in pts) for pts in acc])
+    t.update(final_pass4=sum(p4) / len(p4) if p4 else float("nan"))
+    t.update(length_on=_phase_mean(rows, v, "response_length", period, on=True))
+    t.update(length_off=_phase_mean(rows, v, "response_length", period, on=False))
+    t.update(entropy_first=_phase_mean(rows, v, "entropy", (50, 10**9), on=True))
+    t.update(entropy=_over_seeds(rows, v, "entropy", last50))
+    t.update(gen_tokens=_total(rows, v, "generated_tokens"), train_s=_total(rows, v, "step_time"))
+    return t
 
 
 def cumulative_tokens(rows: list[dict], variant: str) -> dict[int, dict[int, float]]:
@@ -210,8 +206,8 @@ def equal_compute(rows: list[dict], variants: list[str]) -> str:
     if not totals:
         return ""
     budget = min(totals)
-    lines = [f"\nEqual compute: held-out pass@1 % at {budget / 1e3:.0f} K generated training tokens "
-             "(the cheapest run's total), mean (min-max) over seeds:\n"]  # fmt: skip
+    head = f"\nEqual compute: held-out pass@1 % at {budget / 1e3:.0f} K generated training tokens "
+    lines = [head + "(the cheapest run's total), mean (min-max) over seeds:\n"]
     got = {v: pass_at_tokens(rows, v, budget) for v in variants}
     lines += [f"- {v}: {_mean_range(xs)}" for v, xs in got.items() if xs]
     return "\n".join(lines) + "\n"
@@ -243,8 +239,8 @@ def markdown(table: list[dict]) -> str:
 
 def _band(per_seed: dict[int, list[tuple[int, float]]], window: int):
     """(steps, mean, low, high) over the seeds, on the steps every seed has."""
-    smoothed = [dict(zip((s for s, _ in pts), moving_mean([y for _, y in pts], window)))
-                for pts in per_seed.values()]  # fmt: skip
+    smooth = lambda pts: dict(zip((s for s, _ in pts), moving_mean([y for _, y in pts], window)))
+    smoothed = [smooth(pts) for pts in per_seed.values()]
     steps = sorted(set.intersection(*(set(d) for d in smoothed)))
     cols = [[d[s] for d in smoothed] for s in steps]
     return steps, [sum(c) / len(c) for c in cols], [min(c) for c in cols], [max(c) for c in cols]

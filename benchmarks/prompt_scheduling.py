@@ -27,9 +27,9 @@ UNITS = dict(wall_time="s", val_accuracy="fraction", kept_group_fraction="fracti
 
 def run(provider: str, steps: int, val_every: int, out: Path, timeout: float) -> list[dict]:
     """One training run of the embedded default with this provider's scheduler; its metrics rows."""
-    cmd = harness.train_command(2, f"output_dir={out}", f"trainer.total_steps={steps}",
-                                f"trainer.val_every={val_every}", f"scheduler.mode={PROVIDERS[provider]}",
-                                "trainer.save_every=0", "algorithm.reset.interval=100")  # fmt: skip
+    run = [f"output_dir={out}", f"trainer.total_steps={steps}", f"trainer.val_every={val_every}"]
+    run += [f"scheduler.mode={PROVIDERS[provider]}", "trainer.save_every=0"]
+    cmd = harness.train_command(2, *run, "algorithm.reset.interval=100")
     env = dict(os.environ, **harness.TRAIN_ENV)
     kw = dict(cwd=harness.REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     proc = subprocess.run(cmd, **kw)

@@ -1,11 +1,10 @@
 """Benchmark of reward verification: verifications per second for math and code, RewardPool vs in-process.
 
-    python -m benchmarks rewards [--quick] [--workers 2] [--domains math,code] [--providers prorl,naive]
+    python -m benchmarks rewards [--quick] [--workers 2] [--domains math,code]
+        [--providers prorl,naive]
 
-Providers: `prorl` (RewardPool workers, hard timeouts, the code sandbox) and `naive` (`score` in the
-calling process, one item after another), on fixed workloads whose every score is checked against
-the known answer. Rows: time (ms per batch) and throughput (verifications/s). Details:
-docs/benchmarks.md.
+`prorl` (RewardPool) against `naive` (`score` in-process) on fixed workloads, every score checked
+against the known answer. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """End-to-end RL step: prorl's Trainer vs TRL's GRPOTrainer at equal work, per phase, with ablations.
 
-    python -m benchmarks rl_step [--quick] [--threads 1] [--models tiny,random] [--providers prorl,trl,...]
-    python -m benchmarks rl_step --scaling [--quick]    # prorl only: prompts, group size, length doubled
-    python -m benchmarks rl_step --gpu                  # vLLM rollouts in both, bf16, big model
+    python -m benchmarks rl_step [--quick] [--threads 1] [--models tiny,random]
+        [--providers prorl,trl,...]
+    python -m benchmarks rl_step --scaling [--quick]  # prorl only: P, n and L doubled
+    python -m benchmarks rl_step --gpu                # vLLM rollouts in both, bf16, big model
     python -m benchmarks rl_step --gpu --gpu-gen native --models tiny,random
 
-Both trainers get the same checkpoint, prompts, samples, response cap, verifier, loss settings,
-optimizer and threads; the mode column names the phase (gen, reward, old_logp, update, sync, other,
-step). Providers: `prorl`, `trl`, prorl ablations named by what they switch off (`prorl-nofused`,
-`-noshare`, `-nopack`, `-hfgen`, combinable) and `prorl-compile`. Details: docs/benchmarks.md.
+The mode column names the phase (`PHASES`); prorl's ablations are named by what they switch off
+(`ABLATIONS`, combinable). Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ RANDOM_MODELS = {  # random-weight Qwen2 checkpoints with the tiny reasoner's to
     "large": qwen2_shape(1024, 2816, 12, 16, max_position_embeddings=4096),
 }
 LR = 3e-5
+MEASURE = "benchmarks.rl_step:measure"  # worker_main's measure: whole trainer steps
 GPU_GENS = ("vllm", "native")  # --gpu-gen: the samplers of the --gpu run
 ABLATIONS = ("nofused", "nopack", "noshare", "hfgen", "compile")  # the flags of prorl-<flag>-<flag>
 
@@ -273,8 +273,7 @@ def _shapes(args) -> list[dict]:
 
 
 VIEW = View(extras=SUMMARY, ratios=(("trl", "speedup"),), phases=PHASES[:-1])
-BENCHMARK = harness.Benchmark(
-    NAME, lambda args: ["prorl"] if args.scaling else PROVIDERS, _shapes, _options, modes=("step",),
-    warmup=(2, 1), threads=1, view=VIEW, plot=_plot, measure="benchmarks.rl_step:measure",
-)  # fmt: skip
+providers = lambda args: ["prorl"] if args.scaling else PROVIDERS
+settings = dict(modes=("step",), warmup=(2, 1), threads=1, view=VIEW, plot=_plot)
+BENCHMARK = harness.Benchmark(NAME, providers, _shapes, _options, measure=MEASURE, **settings)
 main = BENCHMARK.main

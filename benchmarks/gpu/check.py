@@ -28,7 +28,8 @@ RUNS = "/tmp/prorl-gpu-runs"  # the preset runs' output directories (off RESULTS
 TAIL_LINES = 25  # of a failed step's log, printed under its end line
 
 # torch's own answer, before anything is installed: [version, CUDA build, a device is usable]
-CUDA_PROBE = "import json, torch; print(json.dumps([torch.__version__, torch.version.cuda, torch.cuda.is_available()]))"  # noqa: E501
+CUDA_PROBE = "import json, torch; print(json.dumps([torch.__version__, torch.version.cuda, "
+CUDA_PROBE += "torch.cuda.is_available()]))"
 # what the steps will see, carried wheels included: versions, the import errors of what is missing
 PROBE = r"""
 import importlib, json, sys
@@ -80,9 +81,9 @@ def step_env() -> dict:
         os.path.join(ROOT, "tests/helpers"),
         *filter(None, [os.environ.get("PYTHONPATH")]),
     ]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1",
-                HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"))  # fmt: skip
+    env = dict(PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    threads = os.environ.get("OMP_NUM_THREADS", "4")
+    return dict(os.environ, **env, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=threads)
 
 
 def run_step(step: Step, logs: str, left_s: float, say: Callable) -> Row:
@@ -99,8 +100,8 @@ def run_step(step: Step, logs: str, left_s: float, say: Callable) -> Row:
     say(f"=== [{step.name}] start, limit {limit:.0f} s: {' '.join(step.cmd)}")
     t0 = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(step.cmd, cwd=ROOT, env=step_env(), stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        io = dict(cwd=ROOT, env=step_env(), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(step.cmd, **io, start_new_session=True)  # its own process group
         _RUNNING.append(proc)
         try:
             rc = proc.wait(timeout=limit)
@@ -188,13 +189,16 @@ def main(argv: list[str]) -> int:
     python = os.environ.get("PYTHON", sys.executable)
     why = "no /dev/nvidia*, no nvidia-smi"  # then at once: not even torch is imported
     if glob.glob("/dev/nvidia[0-9]*") or shutil.which("nvidia-smi"):
-        probe = subprocess.run([python, "-c", CUDA_PROBE], capture_output=True, text=True, cwd=ROOT,
-                               timeout=120)  # fmt: skip
+        probe = subprocess.run(
+            [python, "-c", CUDA_PROBE], capture_output=True, text=True, cwd=ROOT, timeout=120
+        )
         version, build, cuda = json.loads(probe.stdout) if probe.returncode == 0 else ("?", None, 0)
         why = None if cuda else f"torch {version} (CUDA build {build}) sees no CUDA device"
     if why:
-        print(f"gpu_check: no GPU here ({why}): this check is for a CUDA machine; nothing was run. "
-              "The CPU suite is `python -m pytest`.", file=sys.stderr)  # fmt: skip
+        tail = (
+            "this check is for a CUDA machine; nothing was run. The CPU suite: `python -m pytest`."
+        )
+        print(f"gpu_check: no GPU here ({why}): {tail}", file=sys.stderr)
         return 2
     out = argv[0] if argv else os.environ.get("OUT") or os.path.join(ROOT, "benchmarks/results/gpu")
     results = os.path.abspath(out)
@@ -220,8 +224,9 @@ def _run(results: str, python: str, end: float, t0: float) -> int:
     if any(r.status != "ok" for r in installed):
         say("gpu_check: the install failed (logs/install.log): nothing else can run")
         return 1
-    probe = subprocess.run([python, "-c", PROBE], capture_output=True, text=True, cwd=ROOT,
-                           env=step_env())  # fmt: skip
+    probe = subprocess.run(
+        [python, "-c", PROBE], capture_output=True, text=True, cwd=ROOT, env=step_env()
+    )
     env = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else {}
     env = env or {"cuda": True}
     say("=== machine:", json.dumps(env))

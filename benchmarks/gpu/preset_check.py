@@ -1,9 +1,6 @@
 """The prorl_v2_1.5b preset in miniature under `torchrun --nproc_per_node=1` (NCCL on a GPU, gloo on the
-CPU), one step of benchmarks/gpu_check.sh per variant: `base` (FSDP2 bf16 + activation
-checkpointing, validation, a reference reset, a checkpoint at step 2, then a resume to step 3),
-`fp8` (model.fp8=torchao), `offload` (model.cpu_offload=true). Prints one line of numbers and
-writes RESULTS/preset_<variant>.json; exits 1 naming the first failed check. Details:
-docs/benchmarks.md.
+CPU), one step of benchmarks/gpu_check.sh per variant (`VARIANTS`: base, fp8, offload); writes
+RESULTS/preset_<variant>.json, exits 1 naming the first failed check. Details: docs/benchmarks.md.
 
     python benchmarks/gpu/preset_check.py --variant base --results DIR --runs /tmp/runs
 """

@@ -32,8 +32,8 @@ def _steps(step, k: int, label: str, responses: int) -> None:
         wall = (time.perf_counter() - t0) * 1e3
         phases = " ".join(f"{p} {m[p] * 1e3:7.1f}" for p in ("gen", "reward", "old_logp", "update"))
         length, cache = m["tokens"] / responses, _triton_cache_files() - before
-        print(f"{label:<14} step {i}: {wall:8.1f} ms | {phases} | resp len {length:.1f}"
-              f" | triton cache +{cache}", flush=True)  # fmt: skip
+        line = f"{label:<14} step {i}: {wall:8.1f} ms | {phases} | resp len {length:.1f}"
+        print(f"{line} | triton cache +{cache}", flush=True)
 
 
 def profile_trainer(args) -> None:

@@ -2,9 +2,8 @@
 
     python -m benchmarks readme [--check] [--readme README.md] [--results benchmarks/results]
 
-Rewrites the text between `<!-- perf:begin -->` and `<!-- perf:end -->`: per results CSV and machine
-one table of the newest rows, the metrics `VIEWS` picks, ratios within one invocation, the runs the
-rows come from and links to the PNGs. Only numbers the CSVs hold are printed. Details:
+Rewrites the text between `<!-- perf:begin -->` and `<!-- perf:end -->`: per CSV and machine a
+table of the newest rows (`VIEWS`), the runs behind them, links to the PNGs. Details:
 docs/benchmarks.md.
 """
 
