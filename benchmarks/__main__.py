@@ -25,14 +25,8 @@ def available() -> dict[str, tuple[str, str]]:
         if name in _NOT_BENCHMARKS or name.startswith("_"):
             continue
         tree = ast.parse((_HERE.parent / (module.replace(".", "/") + ".py")).read_text())
-        names = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
-        names += [
-            t.id
-            for n in tree.body
-            if isinstance(n, ast.Assign)
-            for t in n.targets
-            if isinstance(t, ast.Name)
-        ]
+        names = {getattr(n, "name", None) for n in tree.body}  # functions
+        names |= {getattr(t, "id", None) for n in tree.body for t in getattr(n, "targets", ())}
         if "main" in names:
             found[name] = (module, (ast.get_docstring(tree) or "").strip().split("\n")[0])
     return dict(sorted(found.items()))
