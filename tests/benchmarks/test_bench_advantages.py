@@ -1,6 +1,6 @@
-"""Smoke test of the advantages benchmark (tiny shapes, temp CSV; never asserts speed), and a check that
-its Python-loop baseline computes what the op computes (else the speed ratio would compare different math).
-"""
+"""Smoke test of the advantages benchmark (tiny shapes, temp CSV; never asserts speed), and a check
+that its Python-loop baseline computes what the op computes (else the speed ratio would compare
+different math)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""benchmarks/async_rl.py: the `--quick` smoke run (real torchrun jobs: sync and 1 + 1 async), and its
-arithmetic (time base, idle fractions, overlap, accuracy delta, the GPU projection) on hand-made
+"""benchmarks/async_rl.py: the `--quick` smoke run (real torchrun jobs: sync and 1 + 1 async), and
+its arithmetic (time base, idle fractions, overlap, accuracy delta, the GPU projection) on hand-made
 numbers worked out in the comments."""
 
 from __future__ import annotations

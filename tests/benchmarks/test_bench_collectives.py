@@ -1,5 +1,5 @@
-"""Smoke test of benchmarks/collectives.py: 2 gloo ranks under torchrun, one small size, a temp CSV; and the
-nccl-tests conventions (bus-bandwidth factors, their table format). Never asserts speed."""
+"""Smoke test of benchmarks/collectives.py: 2 gloo ranks under torchrun, one small size, a temp CSV;
+and the nccl-tests conventions (bus-bandwidth factors, their table format). Never asserts speed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 
 from benchmarks import collectives
 
-# nccl-tests' table (all_reduce_perf -b 1K -e 4K -f 4 -g 2; spacing narrowed), out-of-place then in-place
+# nccl-tests' table (all_reduce_perf -b 1K -e 4K -f 4 -g 2; spacing narrowed), out-of-place then
+# in-place
 NCCL_TESTS_TABLE = """\
 #                                                          out-of-place                   in-place
 #   size     count  type  redop  root  time  algbw  busbw #wrong  time  algbw  busbw #wrong

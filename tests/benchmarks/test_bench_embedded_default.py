@@ -1,5 +1,5 @@
-"""`python -m benchmarks embedded_default` on a hand-made run and control log: the rows it appends (the
-shared columns, the command) and the figure. Never runs training."""
+"""`python -m benchmarks embedded_default` on a hand-made run and control log: the rows it appends
+(the shared columns, the command) and the figure. Never runs training."""
 
 from __future__ import annotations
 
@@ -36,7 +36,8 @@ def test_rows_from_a_run_and_its_control(tmp_path, run_main):
     args = ["--run", str(run), "--control", str(control), "--out", str(out)]
     rows = run_main(embedded_default.main, args, out, "accuracy after (mean of last 3)")
     got = {(r["provider"], r["metric"]): float(r["p50"]) for r in rows}
-    # RL: (0 s, 0.2), (60 s, 0.5), (120 s, 0.4); control: (0 s, 0.2: the run's start), (50, 0.3), (100, 0.6)
+    # RL: (0 s, 0.2), (60 s, 0.5), (120 s, 0.4); control: (0 s, 0.2: the run's start), (50, 0.3),
+    # (100, 0.6)
     assert got == pytest.approx(
         {
             ("prorl-rl", "accuracy_before"): 0.2,

@@ -1,7 +1,9 @@
-"""Smoke test of the benchmark harness: a tiny shape, two CPU providers, a temp CSV. Never asserts speed.
+"""Smoke test of the benchmark harness: a tiny shape, two CPU providers, a temp CSV. Never asserts
+speed.
 
-Checks that `python -m benchmarks linear_logprob_entropy` plumbing works end to end (worker processes,
-long-format CSV with the documented columns, the summary) and that the plot script reads what it wrote.
+Checks that `python -m benchmarks linear_logprob_entropy` plumbing works end to end (worker
+processes, long-format CSV with the documented columns, the summary) and that the plot script reads
+what it wrote.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Smoke test of the ppo_loss and linear_ppo_loss benchmarks: tiny shapes, temp CSV. Never asserts speed."""
+"""Smoke test of the ppo_loss and linear_ppo_loss benchmarks: tiny shapes, temp CSV. Never asserts
+speed."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""benchmarks/prolonged.py: the `--quick` smoke run (two variants, one seed, four tiny steps, real trainer
-processes) and the summary table's arithmetic on hand-made rows."""
+"""benchmarks/prolonged.py: the `--quick` smoke run (two variants, one seed, four tiny steps, real
+trainer processes) and the summary table's arithmetic on hand-made rows."""
 
 from __future__ import annotations
 
@@ -85,8 +85,8 @@ def test_summary_final_best_and_spread_over_seeds():
 
 def test_equal_compute_interpolates_pass_at1_at_a_token_budget():
     """pass@1 once a run had generated the budget's tokens: linear between the evaluations on either
-    side (cumulative generated tokens at each evaluation), per seed; a seed short of the budget is left
-    out."""
+    side (cumulative generated tokens at each evaluation), per seed; a seed short of the budget is
+    left out."""
     rows = [_val("ds", 1, 0, 0.2), _val("ds", 1, 2, 0.6), _val("ds", 1, 4, 0.8)]
     rows += [
         dict(variant="ds", seed=1, step=t, metric="generated_tokens", value=100.0)
@@ -100,7 +100,8 @@ def test_equal_compute_interpolates_pass_at1_at_a_token_budget():
     assert prolonged.pass_at_tokens(rows, "ds", 300.0) == [0.7]
     # 50 tokens: seed 1 a quarter of the way to step 2 (0.3), seed 2 half way (0.3)
     assert [round(x, 12) for x in prolonged.pass_at_tokens(rows, "ds", 50.0)] == [0.3, 0.3]
-    # the budget is the cheapest run's total (seed 2: 100 tokens), which every run reached: 0.4 and 0.4
+    # the budget is the cheapest run's total (seed 2: 100 tokens), which every run reached: 0.4 and
+    # 0.4
     text = prolonged.equal_compute(rows, ["ds"])
     assert "at 0 K generated" in text and "- ds: 40.0 (40.0-40.0)" in text
 
@@ -122,7 +123,8 @@ def test_each_variant_changes_only_its_piece():
     from prorl.config import load_config
 
     full = _flat(asdict(load_config("prolonged", [])))
-    # the full recipe: clip-higher, dynamic sampling, KL with interval resets, length penalty, 80 then 128
+    # the full recipe: clip-higher, dynamic sampling, KL with interval resets, length penalty, 80
+    # then 128
     assert (full["algorithm.eps_low"], full["algorithm.eps_high"]) == (0.2, 0.28)
     assert full["algorithm.dynamic_sampling"] and full["reward.length_penalty"]
     assert full["algorithm.kl_coef"] > 0 and full["algorithm.reset.interval"] == 100

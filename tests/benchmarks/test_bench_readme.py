@@ -67,7 +67,8 @@ def _setup(tmp_path):
             _row("naive", "gflops", 3.0, stamp=t2, unit="GFLOPS", command=cmd),
         ],
     )
-    # a CSV from before the `command` column; rl_step: one row per (shape, provider), phases as columns
+    # a CSV from before the `command` column; rl_step: one row per (shape, provider), phases as
+    # columns
     rl = dict(name="rl_step", stamp=t1, shape="tiny P=2")
     _write(
         results / "rl_step.csv",
@@ -104,14 +105,16 @@ Shape: N=8; mode `full`.
 | prorl | 1.00 (0.900–1.10) | 4.00× | 2.50 |
 | naive | 4.00 (3.90–4.10) | 1.00× | 10.0 |
 
-time: p50 (p20–p80) of the timed repetitions; other columns p50. speed-up vs naive: naive's ÷ the row's \
+time: p50 (p20–p80) of the timed repetitions; other columns p50. speed-up vs naive: \
+naive's ÷ the row's \
 time p50, both from the same run.
 
 Run:
 
 - `python -m benchmarks ppo_loss --reps 20` — Test CPU, threads=2, 2026-01-02 11:30, rev `abc123`
 
-Plots: [ppo_loss_old.png](results/ppo_loss_old.png), [ppo_loss_time.png](results/ppo_loss_time.png) \
+Plots: [ppo_loss_old.png](results/ppo_loss_old.png), \
+[ppo_loss_time.png](results/ppo_loss_time.png) \
 (`python -m benchmarks plot ppo_loss`).
 """
 

@@ -1,5 +1,6 @@
-"""Smoke test of `python -m benchmarks rewards`: two items per domain, one worker, a temp CSV. Never asserts
-speed; checks the plumbing (pool and in-process providers, score checks, docs/architecture.md CSV columns)."""
+"""Smoke test of `python -m benchmarks rewards`: two items per domain, one worker, a temp CSV. Never
+asserts speed; checks the plumbing (pool and in-process providers, score checks,
+docs/architecture.md CSV columns)."""
 
 from __future__ import annotations
 

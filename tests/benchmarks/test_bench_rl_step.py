@@ -1,5 +1,6 @@
-"""Smoke test of benchmarks/rl_step.py: one step each of prorl and TRL's GRPOTrainer on the tiny reasoner
-into a temp CSV, and the ablation swaps checked against prorl's own path. Never asserts speed."""
+"""Smoke test of benchmarks/rl_step.py: one step each of prorl and TRL's GRPOTrainer on the tiny
+reasoner into a temp CSV, and the ablation swaps checked against prorl's own path. Never asserts
+speed."""
 
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ def test_ablations_compute_what_prorl_computes(trainer):
 
     tr, tok, path = trainer
     prompts = tr.sampler.prompts[:2]
-    # transformers.generate: its sampled-token log-probs are the policy's (same weights, same distribution)
+    # transformers.generate: its sampled-token log-probs are the policy's (same weights, same
+    # distribution)
     params = SamplingParams(
         n=2, temperature=1.0, max_new_tokens=10, stop_token_ids=tr.stop_ids, seed=1
     )

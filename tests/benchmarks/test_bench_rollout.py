@@ -1,5 +1,6 @@
-"""benchmarks/rollout.py: the CPU defaults as before --device/--dtype, the dtype in the shapes and notes,
-one tiny generate step on CPU, and --device cuda refused without a GPU. Never asserts speed."""
+"""benchmarks/rollout.py: the CPU defaults as before --device/--dtype, the dtype in the shapes and
+notes, one tiny generate step on CPU, and --device cuda refused without a GPU. Never asserts speed.
+"""
 
 from __future__ import annotations
 

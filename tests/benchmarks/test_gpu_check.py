@@ -1,6 +1,7 @@
-"""benchmarks/gpu_check.sh on the CPU: it refuses at once without a GPU, and its runner (benchmarks/gpu/
-check.py) reports each step's outcome, cuts limits to the budget and fails the run when a step fails.
-The GPU steps themselves run only on a GPU machine; here their commands are replaced by small ones."""
+"""benchmarks/gpu_check.sh on the CPU: it refuses at once without a GPU, and its runner
+(benchmarks/gpu/ check.py) reports each step's outcome, cuts limits to the budget and fails the run
+when a step fails. The GPU steps themselves run only on a GPU machine; here their commands are
+replaced by small ones."""
 
 import glob
 import json
@@ -79,8 +80,9 @@ def test_only_and_skip_select_steps_by_name():
 
 
 def test_the_plan_names_files_that_exist_and_says_why_it_skips(tmp_path):
-    """Every path a step runs is in the tree (a rename fails here, not on the lent GPU), the crash-prone
-    steps come first, and without torchao or the config's wheels the steps that need them are skipped."""
+    """Every path a step runs is in the tree (a rename fails here, not on the lent GPU), the
+    crash-prone steps come first, and without torchao or the config's wheels the steps that need
+    them are skipped."""
     full = {
         "cuda": True,
         "torchao": "0.18.0",
@@ -124,7 +126,8 @@ def test_the_plan_names_files_that_exist_and_says_why_it_skips(tmp_path):
 
 
 def test_main_runs_install_then_plan_and_writes_the_summary(tmp_path, monkeypatch):
-    """The whole runner on a pretend GPU machine: the probe's answer, the install and the plan replaced."""
+    """The whole runner on a pretend GPU machine: the probe's answer, the install and the plan
+    replaced."""
     monkeypatch.setattr(check, "glob", types.SimpleNamespace(glob=lambda pattern: ["/dev/nvidia0"]))
     monkeypatch.setattr(check, "CUDA_PROBE", 'print(\'["pretend", "13.0", true]\')')
     monkeypatch.setattr(
