@@ -2,7 +2,7 @@
 
 A benchmark is a module here with a top-level `main` (a function, or `main = BENCHMARK.main`);
 `COMMANDS` adds sub-folders' commands. Listing reads the docstrings without importing (no torch).
-"""
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 The `shape` column names the algorithm (`reinforce++-baseline`, `grpo`); mode `forward` only.
 Providers: `prorl`, `prorl-dense` (num_groups=G), `python-loop` (verl's). Details:
 docs/benchmarks.md.
-"""
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 

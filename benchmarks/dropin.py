@@ -6,7 +6,7 @@
 A tiny random Qwen2; one call = one update of the peer's own code. Providers: `trl` / `trl-fused`
 (`trl-loss` on request), `verl` / `verl-fused`, `openrlhf` / `openrlhf-fused` (with the stand-ins of
 tests/peers/peer_stubs.py). Details: docs/benchmarks.md.
-"""
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 

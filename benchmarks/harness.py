@@ -4,7 +4,7 @@ A benchmark module defines `build(provider, mode, shape, device) -> Step | None`
 for the provider) and a `Benchmark`, whose `main` is its command line. Each provider runs in a fresh
 worker process; the rows (columns `COLUMNS`) are appended to `benchmarks/results/<name>.csv`. What
 is measured and how: docs/benchmarks.md.
-"""
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
 
 Mode `full` only, every provider credited with 6NDV FLOPs; `prorl-unfused` is linear_logprob_entropy
 then ppo_loss. Details: docs/benchmarks.md.
-"""
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 

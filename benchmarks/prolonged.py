@@ -6,7 +6,7 @@
 
 Every run is `python prorl/train.py --config prolonged` on one thread; a variant changes one thing
 (`VARIANTS`). Writes prolonged.csv, prolonged.md and three figures. Details: docs/benchmarks.md.
-"""
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 

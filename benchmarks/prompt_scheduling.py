@@ -5,7 +5,7 @@
 The embedded default (torchrun, 2 CPU processes), same seed and steps per provider:
 `dynamic-sampling` (scheduler.mode=none), `pass-rate` (prorl/scheduler.py), `exclude-solved`
 (open-instruct's rule); plot prompt_scheduling.png. Details: docs/benchmarks.md.
-"""
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 

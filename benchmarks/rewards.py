@@ -5,7 +5,7 @@
 
 `prorl` (RewardPool) against `naive` (`score` in-process) on fixed workloads, every score checked
 against the known answer. Details: docs/benchmarks.md.
-"""
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@
 
 The mode column names the phase (`PHASES`); prorl's ablations are named by what they switch off
 (`ABLATIONS`, combinable). Details: docs/benchmarks.md.
-"""
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 

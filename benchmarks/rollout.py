@@ -5,7 +5,7 @@
 
 Same random checkpoint and prompts, temperature 1, no stop tokens; modes `generate`,
 `weight_sync`, `weight_sync_checked` (vLLM only). Details: docs/benchmarks.md.
-"""
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 

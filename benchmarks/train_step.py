@@ -8,7 +8,7 @@
 
 One call = forward, the mean next-token NLL over the real tokens, backward, on the same weights and
 batch for every provider (each row's note carries `loss=...`). Details: docs/benchmarks.md.
-"""
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 

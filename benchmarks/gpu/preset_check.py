@@ -3,7 +3,7 @@ CPU), one step of benchmarks/gpu_check.sh per variant (`VARIANTS`: base, fp8, of
 RESULTS/preset_<variant>.json, exits 1 naming the first failed check. Details: docs/benchmarks.md.
 
     python benchmarks/gpu/preset_check.py --variant base --results DIR --runs /tmp/runs
-"""
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 
