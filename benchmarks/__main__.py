@@ -1,10 +1,8 @@
 """`python -m benchmarks <name> [args...]` runs benchmarks/<name>.py's `main(args)`; `--list` lists them.
 
-A benchmark is any module in this folder with a top-level `main` (a function, or `main =
-BENCHMARK.main`), except the harness itself; `COMMANDS` adds the commands whose modules live in a
-sub-folder. Listing reads each module's docstring without importing it (no torch import just to
-list).
-"""
+A benchmark is a module here with a top-level `main` (a function, or `main = BENCHMARK.main`);
+`COMMANDS` adds sub-folders' commands. Listing reads the docstrings without importing (no torch).
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 
@@ -27,10 +25,8 @@ def available() -> dict[str, tuple[str, str]]:
         if name in _NOT_BENCHMARKS or name.startswith("_"):
             continue
         tree = ast.parse((_HERE.parent / (module.replace(".", "/") + ".py")).read_text())
-        names = [n.name for n in tree.body if isinstance(n, ast.FunctionDef)]
-        names += [
-            t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)
-        ]
+        names = {getattr(n, "name", None) for n in tree.body}  # functions
+        names |= {getattr(t, "id", None) for n in tree.body for t in getattr(n, "targets", ())}
         if "main" in names:
             found[name] = (module, (ast.get_docstring(tree) or "").strip().split("\n")[0])
     return dict(sorted(found.items()))

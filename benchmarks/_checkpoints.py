@@ -19,7 +19,9 @@ def qwen2_shape(hidden: int, intermediate: int, layers: int, heads: int, **more)
     return dict(shape, num_attention_heads=heads, **more)
 
 
-def random_checkpoint(config: dict, *, std=None, tokenizer: Path | None = None, folder=CHECKPOINT_DIR) -> str:
+def random_checkpoint(
+    config: dict, *, std=None, tokenizer: Path | None = None, folder=CHECKPOINT_DIR
+) -> str:
     """The directory of a random-weight Qwen2 checkpoint, built once per machine and config.
 
     config: `transformers.Qwen2Config` keywords (default 2 KV heads, tied embeddings). Seed 0;
@@ -44,7 +46,9 @@ def random_checkpoint(config: dict, *, std=None, tokenizer: Path | None = None, 
                     p.normal_(0, std)
     tmp = f"{path}.tmp{os.getpid()}"
     model.save_pretrained(tmp)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja") if tokenizer else ():
+    for f in (
+        ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja") if tokenizer else ()
+    ):
         shutil.copy(Path(tokenizer) / f, tmp)
     os.replace(tmp, path)
     return path

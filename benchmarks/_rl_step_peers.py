@@ -1,7 +1,7 @@
-"""The pieces of rl_step.py that are not prorl's own code path: TRL's GRPOTrainer instrumented per phase
-(`TRLPhases`, `run_trl`), and the ablations that swap one prorl piece for the conventional one:
-`naive_lle` (nofused), `padded_logprobs` (nopack), `HFGenerator` (hfgen), applied by
-`rl_step.prorl_trainer` inside the worker process; nothing in prorl changes.
+"""The pieces of rl_step.py that are not prorl's own code path: TRL's GRPOTrainer instrumented per
+phase (`TRLPhases`, `run_trl`), and the ablations `naive_lle` (nofused), `padded_logprobs`
+(nopack) and `HFGenerator` (hfgen) that `rl_step.prorl_trainer` applies. Details:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -167,10 +167,7 @@ class TRLPhases:
     """
 
     def __init__(self, memory):
-        self.memory = memory
-        self.records: list[dict] = []
-        self._cur = self._fresh()
-        self._t_end: float | None = None
+        self.memory, self.records, self._cur, self._t_end = memory, [], self._fresh(), None
 
     @staticmethod
     def _fresh() -> dict:
@@ -259,24 +256,21 @@ def run_trl(work: dict, model_path: str, steps: int, memory, gpu: bool, gen: str
     kwargs.update(max_completion_length=work["max_new"], temperature=1.0, top_p=1.0, top_k=0)
     kwargs.update(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=1e-4)  # token-level loss
     kwargs.update(learning_rate=work["lr"], lr_scheduler_type="constant")
-    kwargs.update(weight_decay=0.0, max_grad_norm=1.0)
     # TRL defaults to activation checkpointing (an extra forward in backward); prorl does not
     # checkpoint here, so TRL must not either: equal work
-    kwargs.update(gradient_checkpointing=False, bf16=gpu, use_cpu=not gpu)
-    kwargs.update(model_init_kwargs={"dtype": dtype})
+    kwargs.update(weight_decay=0.0, max_grad_norm=1.0, gradient_checkpointing=False)
+    kwargs.update(bf16=gpu, use_cpu=not gpu, model_init_kwargs={"dtype": dtype})
     kwargs.update(output_dir=out_dir, logging_steps=10**6, save_strategy="no", report_to="none")
     kwargs.update(disable_tqdm=True, dataloader_num_workers=0, log_completions=False)
     use_vllm = gpu and gen == "vllm"
     if use_vllm:  # colocated vLLM (TRL's recipe for one GPU)
-        for k, v in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1").items():
+        single = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+        for k, v in dict(single, MASTER_PORT="29517").items():
             os.environ.setdefault(k, v)
-        os.environ.setdefault("MASTER_PORT", "29517")
         kwargs.update(use_vllm=True, vllm_mode="colocate", vllm_gpu_memory_utilization=0.3)
-    args = GRPOConfig(**kwargs)
     threads = torch.get_num_threads()
-    trainer = GRPOTrainer(
-        model=model_path, reward_funcs=math_reward, args=args, train_dataset=ds, processing_class=tok
-    )
+    setup = dict(args=GRPOConfig(**kwargs), train_dataset=ds, processing_class=tok)
+    trainer = GRPOTrainer(model=model_path, reward_funcs=math_reward, **setup)
     torch.set_num_threads(threads)  # whatever the trainer's set-up did, the same threads as prorl
     phases = TRLPhases(memory)
     phases.instrument(trainer)
@@ -284,10 +278,7 @@ def run_trl(work: dict, model_path: str, steps: int, memory, gpu: bool, gen: str
         trainer.train()
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
-    note = (
-        f"trl={dist_version('trl')} transformers={dist_version('transformers')} "
-        f"loss=dapo kl=k3 old_logp={'recomputed' if use_vllm else 'skipped (on-policy)'} "
-        f"gen={'vllm-colocate' if use_vllm else 'transformers.generate'} reward=in-process"
-        + (" dtype=bfloat16" if gpu else "")
-    )
-    return phases.records, note
+    note = f"trl={dist_version('trl')} transformers={dist_version('transformers')} loss=dapo kl=k3"
+    note += f" old_logp={'recomputed' if use_vllm else 'skipped (on-policy)'}"
+    note += f" gen={'vllm-colocate' if use_vllm else 'transformers.generate'} reward=in-process"
+    return phases.records, note + (" dtype=bfloat16" if gpu else "")

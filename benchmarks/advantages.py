@@ -2,17 +2,16 @@
 
     python -m benchmarks advantages [--quick] [--threads N] [--groups G1,G2] [--n 16] [--algos a,b]
 
-G groups of n = 16 responses, rewards in {0, 1}, lengths uniform in [1, 1024]; the `shape` column
-names the algorithm: `reinforce++-baseline` (ProRL v2: group mean subtracted, then token-weighted
-whitening over the batch) or `grpo` (ProRL v1: divided by the group's unbiased std + 1e-6). Mode
-`forward` only. Providers: `prorl`, `prorl-dense` (num_groups=G: no torch.unique), `python-loop`
-(verl's per-response loops transcribed). Details: docs/benchmarks.md.
-"""
+The `shape` column names the algorithm (`reinforce++-baseline`, `grpo`); mode `forward` only.
+Providers: `prorl`, `prorl-dense` (num_groups=G), `python-loop` (verl's). Details:
+docs/benchmarks.md.
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 
-import sys
 from collections import defaultdict
+
+import torch
 
 from benchmarks import harness
 
@@ -21,7 +20,6 @@ PROVIDERS = ("prorl", "prorl-dense", "python-loop")
 ALGOS = ("reinforce++-baseline", "grpo")
 GROUPS = (256, 4096)
 QUICK_GROUPS = (32,)
-N_PER_GROUP = 16
 MAX_LEN = 1024
 EPS = 1e-6
 
@@ -30,8 +28,6 @@ def verl_loop(scores, index, epsilon=None):
     """verl's compute_grpo_outcome_advantage (with `epsilon`: divided by the group std + epsilon) or
     compute_reinforce_plus_plus_baseline_outcome_advantage (without), on [B] scores, a list of
     ids."""
-    import torch
-
     scores = scores.clone()
     id2score, id2mean, id2std = defaultdict(list), {}, {}
     for i in range(scores.shape[0]):
@@ -54,8 +50,6 @@ def loop_grpo(scores, index):
 
 def loop_reinforce_pp_baseline(scores, index, lengths, eps=1e-8):
     """verl's reinforce++-baseline loop (group means subtracted), then token-weighted whitening."""
-    import torch
-
     scores = verl_loop(scores, index)
     w = lengths.to(scores.dtype)
     mean = (w * scores).sum() / w.sum()
@@ -68,8 +62,6 @@ def make_shape(groups: int, n: int, algo: str) -> dict:
 
 
 def _inputs(shape: dict, device):
-    import torch
-
     b = shape["G"] * shape["n"]
     g = torch.Generator().manual_seed(0)
     rewards = (torch.rand(b, generator=g) < 0.5).float().to(device)
@@ -80,33 +72,28 @@ def _inputs(shape: dict, device):
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     """The Step that measures `provider` on `shape` (mode `forward` only)."""
-    if mode != "forward":
-        return None
     rewards, group_ids, lengths = _inputs(shape, device)
     algo = shape["algo"]
-    if provider in ("prorl", "prorl-dense"):
-        from prorl.kernels import group_advantages
-
-        kw = dict(mode=algo, lengths=lengths) if algo != "grpo" else dict(mode=algo, std_unbiased=True)
-        if provider == "prorl-dense":
-            kw["num_groups"] = shape["G"]
-        return harness.Step(run=lambda: group_advantages(rewards, group_ids, **kw), note=f"algo={algo}")
     if provider == "python-loop":
         ids = group_ids.tolist()  # verl: a numpy array of uid strings, already on the host
+        run = lambda: loop_reinforce_pp_baseline(rewards, ids, lengths)
         if algo == "grpo":
             run = lambda: loop_grpo(rewards, ids)
-        else:
-            run = lambda: loop_reinforce_pp_baseline(rewards, ids, lengths)
         return harness.Step(run=run, note="verl_style_loop")
-    raise ValueError(f"unknown provider {provider!r}")
+    from prorl.kernels import group_advantages
+
+    kw = dict(mode=algo, std_unbiased=True) if algo == "grpo" else dict(mode=algo, lengths=lengths)
+    if provider == "prorl-dense":
+        kw["num_groups"] = shape["G"]
+    return harness.Step(run=lambda: group_advantages(rewards, group_ids, **kw), note=f"algo={algo}")
 
 
 def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"G in {QUICK_GROUPS}, 2 reps (seconds)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--groups", type=harness.ints, help=f"comma-separated group counts G (default {GROUPS})")
-    p.add_argument("--n", type=int, default=N_PER_GROUP, help="responses per group")
-    p.add_argument("--algos", type=harness.subset_of(ALGOS), default=",".join(ALGOS), help="comma-separated")
+    p.add_argument("--groups", type=harness.ints, help=f"group counts G (default {GROUPS})")
+    p.add_argument("--n", type=int, default=16, help="responses per group")
+    p.add_argument("--algos", type=harness.subset_of(ALGOS), default=",".join(ALGOS))
 
 
 def _shapes(args) -> list[dict]:
@@ -116,6 +103,3 @@ def _shapes(args) -> list[dict]:
 
 BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, modes=("forward",), reps=(10, 2))
 main = BENCHMARK.main
-
-if __name__ == "__main__":
-    sys.exit(main())

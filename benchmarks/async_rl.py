@@ -4,41 +4,12 @@
     python -m benchmarks async_rl --quick          # smoke test (CI): 4 tiny steps per variant
     python -m benchmarks async_rl --report-only    # rows, figure, projection of the runs in --work
 
-Every run is the README's main job, `torchrun --standalone --nproc_per_node=2 prorl/train.py` (the
-embedded default, one thread per rank, no checkpoints), for `--steps` steps (default 100 of its 150,
-so that three runs fit in 15 minutes of a shared 2-core machine), validated on its 200 held-out
-problems before RL and at the end (`--val-every N`: every N steps too; off by default because an
-async rollout rank keeps sampling up to k steps ahead while the trainer validates, time the sync run
-cannot use). The variants: `sync` (2 colocated ranks, each samples and trains), `async-k1` /
-`async-k2` (1 rollout + 1 trainer rank, rollout.async.steps_ahead = 1 / 2, with the off-policy
-correction docs/recipe.md §11 asks for, algorithm.is_mode=tis; sync samples with the policy, w = 1).
-
-Rows (benchmarks/results/async_rl.csv, provider = the variant): `wall_time` (s, the whole command),
-`train_time` (s, first step's start to last step's end less the validations, seen from when each
-metrics row appeared; the time base of the rest), `steps_per_min`, `gen_tokens_per_s`
-(dynamic_sampling/generated_tokens), `rollout_idle` / `trainer_idle` (fractions),
-`overlap_efficiency` (train_time / the busier side's busy time; goal <= 1.1), `staleness_mean` /
-`staleness_max` (updates), `final_val_accuracy` (greedy, at the last step) and `val_accuracy_delta`
-(points against sync; goal within 2; one problem is 0.5), `phase_*` (s per step; `push`: the weight
-sync and the time between steps). Idle: async, each side's own waits (timing_s/wait_rollout on the
-trainer, timing_s/wait_trainer on the rollout rank); sync, both ranks run both sides in turn: the
-rollout side (generation + verification) idles while the trainer side (the rest of the step) runs,
-and vice versa.
-
-Projection (provider `projection`, "not measured" in every row until a GPU measures it; `project()`)
-from the sync run's phases: rollout work G = gen + verify, trainer work T = log-prob passes +
-update, in device-seconds per step. Assumed: (1) T scales as 1/devices; (2) G too, but for a
-`serial` part that does not shrink with devices, the long tail (a batch decodes as many steps as its
-longest response): serial = 1 - mean/max response length (mode `tail`) or 0 (mode `linear`: async
-can at best tie); (3) each step pays its measured push (sync: colocated; async: the async run's);
-(4) k >= 1 overlaps the sides fully (no step-to-step variance: k = 1 and 2 project the same). Sync
-on N devices: G(N) + T(N) + push; async with r rollout devices: max(G(r), T(N - r)) + push, at the
-best r (`8 gpus`) or one node each (`2x8 gpus`).
+Each variant is the README's main job (`sync`: 2 colocated ranks; `async-kK`: 1 rollout + 1
+trainer rank, K steps ahead), and a projection to 8 and 2 x 8 GPUs. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -46,9 +17,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
-from benchmarks import harness
+from benchmarks import harness, plot
 from benchmarks.report import readme
 
 NAME = "async_rl"
@@ -63,26 +33,17 @@ PHASES.update(update=("timing_s/adv", "timing_s/update_actor"))
 
 
 def command(out: Path, steps: int, val_every: int, ranks: int, extra: list[str]) -> list[str]:
-    return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-        "prorl/train.py", f"output_dir={out}", f"trainer.total_steps={steps}",
-        f"trainer.val_every={val_every}", "trainer.save_every=0", *extra,
-    ]  # fmt: skip
-
-
-def read_metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return [json.loads(line) for line in lines if line]
+    run = [f"output_dir={out}", f"trainer.total_steps={steps}", f"trainer.val_every={val_every}"]
+    return harness.train_command(ranks, *run, "trainer.save_every=0", *extra)
 
 
 def launch(out: Path, cmd: list[str]) -> dict:
     """Run `cmd` (a training command) from the repository root, its output in out/train.log,
     watching its metrics.jsonl; returns (and saves as out/timing.json) its wall seconds and the
     second at which each metrics row appeared; raises with the log's tail when it fails."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1")
     out.mkdir(parents=True, exist_ok=True)
     metrics, seen, arrivals, t0 = out / "metrics.jsonl", 0, [], time.time()
+    env = dict(os.environ, **harness.TRAIN_ENV)
     with open(out / "train.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=harness.REPO_ROOT, env=env, stdout=log, stderr=log)
         while proc.poll() is None:
@@ -114,8 +75,8 @@ def training_time(rows: list[dict], arrivals: list[float] | None) -> float:
 
 
 def summarise(rows: list[dict], timing: dict) -> dict:
-    """A run's numbers (module docstring) from its metrics.jsonl rows and `launch`'s timing ({} when
-    the run was not launched here)."""
+    """A run's numbers (docs/benchmarks.md) from its metrics.jsonl rows and `launch`'s timing ({}
+    when the run was not launched here)."""
     steps = [r for r in rows if "timing_s/step" in r]
     if not steps:
         raise ValueError("no training step in metrics.jsonl")
@@ -141,7 +102,7 @@ def summarise(rows: list[dict], timing: dict) -> dict:
 
 
 def project(phases: dict, devices: int, total: int, rollout: int | None, serial: float) -> dict:
-    """Projected seconds per step, sync against async on `total` devices (module docstring).
+    """Projected seconds per step, sync against async on `total` devices (docs/benchmarks.md).
 
     phases: seconds per step measured on `devices` devices (gen, verify, logprob, update, push: the
     sync run's; `async_push`: the push an async step pays, default `push`). rollout: the async run's
@@ -173,11 +134,10 @@ UNITS.update(staleness_mean="updates", staleness_max="updates")
 
 
 def csv_rows(runs: dict[str, dict], shape: str, note: str) -> list[dict]:
-    """The CSV rows of every run (module docstring), then the projection's."""
+    """The CSV rows of every run (docs/benchmarks.md), then the projection's."""
     import torch
 
-    kind = "cuda" if torch.cuda.is_available() else "cpu"
-    device = harness.device_name(SimpleNamespace(type=kind))
+    device = harness.device_name("cuda" if torch.cuda.is_available() else "cpu")
     common = dict(name=NAME, device=device, git_rev=harness.git_rev(), timestamp=harness.utc_now())
     rows, common_steps = [], set.intersection(*(set(s["accuracy"]) for s in runs.values()))
     at = max(common_steps) if common_steps else None
@@ -190,27 +150,21 @@ def csv_rows(runs: dict[str, dict], shape: str, note: str) -> list[dict]:
             delta = 100 * (s["accuracy"][at] - runs["sync"]["accuracy"][at])
             values.append(("val_accuracy_delta", "points", delta))
         case = dict(common, provider=variant, mode="measured", shape=shape, versions=note)
-        rows += [harness.single_row(m, u, v, **case) for m, u, v in values]
+        rows += [harness.row(m, u, [v], **case) for m, u, v in values]
     if "sync" in runs:
         pushes = [s["phases"]["push"] for v, s in runs.items() if v != "sync"]
-        async_push = max(pushes) if pushes else None
         ranks = runs["sync"].get("ranks", 2)
-        for mode, where, p in projections(runs["sync"], async_push, ranks):
+        for mode, where, p in projections(runs["sync"], max(pushes, default=None), ranks):
             case = dict(common, provider="projection", mode=mode, shape=where)
             case["versions"] = f"projection, not measured: {ranks}-rank sync, r={p['rollout']}"
             for key, unit in (("sync_s", "s"), ("async_s", "s"), ("speedup", "x")):
-                rows.append(harness.single_row(key, unit, p[key], **case))
+                rows.append(harness.row(key, unit, [p[key]], **case))
     return rows
 
 
-def plot(runs: dict[str, dict], png: Path) -> Path | None:
+def draw(runs: dict[str, dict], png: Path) -> Path:
     """Each side's busy time beside the training time per run; held-out accuracy against step."""
-    try:
-        import matplotlib.pyplot as plt
-    except ImportError:  # matplotlib is optional: the CSV is written either way
-        return None
-    plt.switch_backend("Agg")
-    fig, (bars, curves) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (bars, curves) = plot.pyplot().subplots(1, 2, figsize=(11, 4))
     x = range(len(runs))
     for i, side in enumerate(("rollout", "trainer")):
         busy = [s["train_time"] * (1 - s[f"{side}_idle"]) for s in runs.values()]
@@ -219,17 +173,13 @@ def plot(runs: dict[str, dict], png: Path) -> Path | None:
     bars.bar([j + 0.27 for j in x], train, 0.27, label="training time")
     bars.set_xticks(list(x), [f"{v}\n{s['overlap_efficiency']:.2f}x" for v, s in runs.items()])
     bars.set_ylabel("seconds (x labels: overlap efficiency)")
-    bars.legend(fontsize=8)
     for variant, s in runs.items():
         steps = sorted(s["accuracy"])
         curves.plot(steps, [100 * s["accuracy"][t] for t in steps], "o-", label=variant)
-    curves.set_xlabel("step")
-    curves.set_ylabel("held-out greedy accuracy (%)")
-    curves.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=100)
-    plt.close(fig)
-    return png
+    curves.set(xlabel="step", ylabel="held-out greedy accuracy (%)")
+    for ax in (bars, curves):
+        ax.legend(fontsize=8)
+    return plot.save(fig, png, 100)
 
 
 def run_variants(args, variants: list[str], extra: list[str]) -> dict[str, dict]:
@@ -246,22 +196,22 @@ def run_variants(args, variants: list[str], extra: list[str]) -> dict[str, dict]
             print(f"{NAME}: {variant}: {' '.join(cmd[1:])}", flush=True)
             shutil.rmtree(out, ignore_errors=True)
             print(f"{NAME}: {variant}: {launch(out, cmd)['wall_s']:.0f} s", flush=True)
-        if not any(r.get("step") == args.steps and "timing_s/step" in r for r in read_metrics(out)):
+        metrics = harness.read_metrics(out)
+        if not any(r.get("step") == args.steps and "timing_s/step" in r for r in metrics):
             print(f"{NAME}: {variant}: no complete {args.steps}-step run in {out}", flush=True)
             continue
         timing = out / "timing.json"
-        dirs[variant] = (out, json.loads(timing.read_text()) if timing.exists() else {})
+        dirs[variant] = (metrics, json.loads(timing.read_text()) if timing.exists() else {})
     # one time base for every run: seen from outside only when every run was watched
     watched = all(t.get("arrivals") for _, t in dirs.values())
-    for variant, (out, timing) in dirs.items():
+    for variant, (metrics, timing) in dirs.items():
         timing = timing if watched else dict(wall_s=timing.get("wall_s"))
-        runs[variant] = dict(summarise(read_metrics(out), timing), ranks=args.sync_ranks)
+        runs[variant] = dict(summarise(metrics, timing), ranks=args.sync_ranks)
     return runs
 
 
 def main(argv=None) -> int:
-    doc = __doc__.splitlines()[0]
-    ap = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=doc)
+    ap = harness.argparser(NAME, __doc__)
     ap.add_argument("--steps", type=int, default=100, help="RL steps per run (default config: 150)")
     ap.add_argument("--val-every", type=int, default=0, help="validate every N steps (0: at end)")
     ap.add_argument("--variants", type=harness.subset_of(tuple(VARIANTS)), default=list(VARIANTS))
@@ -283,16 +233,13 @@ def main(argv=None) -> int:
         return 1
     shape = f"embedded default, {args.steps} steps" + (" (quick)" if args.quick else "")
     note = f"OMP_NUM_THREADS=1 per rank, sync {args.sync_ranks} ranks, async 1 + 1"
-    note += f"; load average {load:.1f} at the start"
-    rows = csv_rows(runs, shape, note)
+    rows = csv_rows(runs, shape, note + f"; load average {load:.1f} at the start")
     harness.append_csv(args.out, rows)
     print(readme.summary(NAME, rows))
     for r in [r for r in rows if r["provider"] == "projection"]:
         print(f"projection (not measured) {r['mode']} {r['shape']}: {r['metric']} {r['p50']:.4g}")
-    png = plot(runs, args.out.with_suffix(".png"))
-    print(f"wrote {args.out}" + (f" and {png}" if png else ""))
+    try:
+        print(f"wrote {args.out} and {draw(runs, args.out.with_suffix('.png'))}")
+    except ImportError:  # matplotlib is optional: the CSV is written either way
+        print(f"wrote {args.out}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,15 +1,12 @@
 """Collective bandwidth under torchrun: all-reduce, all-gather, reduce-scatter across message sizes.
 
-    python -m benchmarks collectives [--quick] [--ranks 2] [--ops
-    all_reduce,all_gather,reduce_scatter] torchrun --nproc_per_node=8 -m benchmarks.collectives
-    [--quick]      # already under torchrun
+    python -m benchmarks collectives [--quick] [--ranks 2]
+        [--ops all_reduce,all_gather,reduce_scatter]
+    torchrun --nproc_per_node=8 -m benchmarks.collectives [--quick]      # already under torchrun
 
-gloo on CPU, NCCL on CUDA; the parent starts `torchrun --standalone` with `--ranks` processes.
-Sizes, time, algbw and busbw follow nccl-tests' conventions (size = the whole buffer; time = the
-slowest rank's per call; busbw = algbw x 2(n-1)/n for all-reduce, x (n-1)/n otherwise). With CUDA
-and nccl-tests' binaries on PATH their tables are recorded too (provider `nccl-tests`). Rows:
-provider `torch-gloo` / `torch-nccl` / `nccl-tests`, mode = the op, shape = "<size> B world=<n>",
-metrics time (us), algbw and busbw (GB/s); plot collectives.png. Details: docs/benchmarks.md.
+gloo on CPU, NCCL on CUDA; nccl-tests' conventions (and its own tables where its binaries are on
+PATH). Mode = the op, shape = "<size> B world=<n>"; plot collectives.png. Details:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -26,6 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from benchmarks import harness, plot
 from benchmarks.report.readme import View
 
@@ -33,11 +33,7 @@ NAME = "collectives"
 OPS = ("all_reduce", "all_gather", "reduce_scatter")
 SIZES = [1024 * 4**i for i in range(9)]  # 1 KiB .. 64 MiB
 QUICK_SIZES = [1024, 32 * 1024, 2**20, 8 * 2**20]
-NCCL_TESTS = {
-    "all_reduce": "all_reduce_perf",
-    "all_gather": "all_gather_perf",
-    "reduce_scatter": "reduce_scatter_perf",
-}
+BUDGET_BYTES = 2e9  # cap on iters x size per timed batch
 
 
 def bus_factor(op: str, world: int) -> float:
@@ -56,9 +52,6 @@ def _rows_for(provider, op, size, world, times_s: list[float]) -> list[dict]:
 
 def _collective(op: str, size: int, world: int, device):
     """(call, size as nccl-tests counts it) of one op on fp32 buffers of `size` bytes."""
-    import torch
-    import torch.distributed as dist
-
     # torch 2.13 renamed reduce_scatter_tensor (deprecated there) to reduce_scatter_single
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     numel = size // 4
@@ -74,9 +67,6 @@ def _collective(op: str, size: int, world: int, device):
 
 def _time_collective(call, iters: int, args, device) -> list[float]:
     """Seconds per call, the slowest rank's, of `args.reps` timed batches of `iters` calls."""
-    import torch
-    import torch.distributed as dist
-
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for _ in range(args.warmup):
         call()
@@ -96,9 +86,6 @@ def _time_collective(call, iters: int, args, device) -> list[float]:
 
 def rank_main(args) -> dict | None:
     """One torchrun rank: measure every (op, size); rank 0 returns {rows, device, versions}."""
-    import torch
-    import torch.distributed as dist
-
     torch.set_num_threads(args.threads)
     cuda = torch.cuda.is_available() and not args.cpu
     backend = "nccl" if cuda else "gloo"
@@ -109,9 +96,9 @@ def rank_main(args) -> dict | None:
     device = torch.device("cuda") if cuda else torch.device("cpu")
     rows = []
     for op in args.ops:
-        for size in [int(s) for s in args.sizes.split(",")]:
+        for size in args.sizes:
             call, size_eff = _collective(op, size, world, device)
-            iters = max(1, min(args.iters, int(args.budget_bytes // max(size_eff, 1))))
+            iters = max(1, min(args.iters, int(BUDGET_BYTES // max(size_eff, 1))))
             times = _time_collective(call, iters, args, device)
             rows += _rows_for(f"torch-{backend}", op, size_eff, world, times)
             if rank == 0:
@@ -122,7 +109,7 @@ def rank_main(args) -> dict | None:
     if rank != 0:
         return None
     # as the ranks ran
-    versions = f"{harness.versions_string(args.threads)} backend={backend} ranks={world}"
+    versions = f"{harness.versions_string()} backend={backend} ranks={world}"
     return dict(rows=rows, device=harness.device_name(device), versions=versions)
 
 
@@ -136,20 +123,21 @@ def parse_nccl_tests(text: str, op: str, world: int) -> list[dict]:
             continue
         case = dict(provider="nccl-tests", mode=op, shape=f"{int(parts[0])} B world={world}")
         for metric, unit, v in zip(("time", "algbw", "busbw"), ("us", "GB/s", "GB/s"), parts[5:8]):
-            rows.append(harness.single_row(metric, unit, float(v), **case))
+            rows.append(harness.row(metric, unit, [float(v)], **case))
     return rows
 
 
 def run_nccl_tests(ops, sizes, nproc) -> tuple[list[dict], list[str]]:
     rows, errors = [], []
     for op in ops:
-        exe = shutil.which(NCCL_TESTS[op])
+        exe = shutil.which(f"{op}_perf")
         if exe is None:
             continue
         cmd = [exe, "-b", str(min(sizes)), "-e", str(max(sizes)), "-f", "4", "-g", str(nproc)]
-        cmd += ["-d", "float"]
         try:
-            out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
+            out = subprocess.run(
+                [*cmd, "-d", "float"], capture_output=True, text=True, timeout=600, check=True
+            ).stdout
             rows += parse_nccl_tests(out, op, nproc)
         except (OSError, subprocess.SubprocessError) as exc:
             errors.append(f"nccl-tests {op}: {exc}")
@@ -157,23 +145,22 @@ def run_nccl_tests(ops, sizes, nproc) -> tuple[list[dict], list[str]]:
 
 
 def _args(argv):
-    doc = __doc__.split("\n")[0]
-    p = argparse.ArgumentParser(prog=f"python -m benchmarks {NAME}", description=doc)
-    p.add_argument("--quick", action="store_true", help="sizes 1 KiB, 32 KiB, 1 MiB, 8 MiB; 3 reps")
-    p.add_argument("--ranks", type=int, default=2, help="processes (torchrun --nproc_per_node)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--ops", type=harness.subset_of(OPS), default=",".join(OPS), help="comma-separated")
-    p.add_argument("--sizes", help="comma-separated bytes (default 1 KiB .. 64 MiB by 4x)")
-    p.add_argument("--iters", type=int, default=20, help="calls per timed batch (fewer if large)")
-    p.add_argument("--budget-bytes", type=float, default=2e9, help="cap on iters x size per batch")
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--reps", type=int, default=None, help="timed batches (default 5; --quick 3)")
-    p.add_argument("--cpu", action="store_true", help="gloo even where CUDA is present")
-    p.add_argument("--out", help=f"CSV to append to (default benchmarks/results/{NAME}.csv)")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--result", help=argparse.SUPPRESS)  # rank 0's JSON (set by the parent)
+    p = harness.argparser(NAME, __doc__)
+    add = p.add_argument
+    add("--quick", action="store_true", help="sizes 1 KiB, 32 KiB, 1 MiB, 8 MiB; 3 reps")
+    add("--ranks", type=int, default=2, help="processes (torchrun --nproc_per_node)")
+    add("--threads", type=int, default=1, help="torch threads per rank")
+    add("--ops", type=harness.subset_of(OPS), default=",".join(OPS))
+    add("--sizes", type=harness.ints, help="comma-separated bytes (default 1 KiB .. 64 MiB by 4x)")
+    add("--iters", type=int, default=20, help="calls per timed batch (fewer if large)")
+    add("--warmup", type=int, default=3)
+    add("--reps", type=int, help="timed batches (default 5; --quick 3)")
+    add("--cpu", action="store_true", help="gloo even where CUDA is present")
+    add("--out", help=f"CSV to append to (default benchmarks/results/{NAME}.csv)")
+    add("--no-plot", action="store_true")
+    add("--result", help=argparse.SUPPRESS)  # rank 0's JSON (set by the parent)
     args = p.parse_args(argv)
-    args.sizes = args.sizes or ",".join(map(str, QUICK_SIZES if args.quick else SIZES))
+    args.sizes = args.sizes or (QUICK_SIZES if args.quick else SIZES)
     args.reps = args.reps or (3 if args.quick else 5)
     return args
 
@@ -204,11 +191,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(result) as f:
             measured = json.load(f)
     errors = []
-    import torch
-
     if torch.cuda.is_available() and not args.cpu:
-        sizes = [int(s) for s in args.sizes.split(",")]
-        nt_rows, errors = run_nccl_tests(args.ops, sizes, args.ranks)
+        nt_rows, errors = run_nccl_tests(args.ops, args.sizes, args.ranks)
         measured["rows"] += [dict(r, device=measured["device"]) for r in nt_rows]
     return _finish(args, measured, errors)
 

@@ -1,21 +1,20 @@
 """Stock vs prorl drop-in inside each peer (TRL, verl, OpenRLHF): one update's time and peak extra memory.
 
     python -m benchmarks dropin [--quick] [--vocab 32768,151936] [--providers a,b] [--threads N]
-    [--out CSV]
+        [--out CSV]
 
-A tiny random Qwen2 (hidden 128, 2 layers, untied head, fp32) at each vocabulary size, B = 8
-sequences of 8 prompt + 128 completion tokens; one call = forward and backward of one update of the
-peer's own code. Providers: `trl` / `trl-fused` (GRPOTrainer / FusedGRPOTrainer; `trl-loss` on
-request), `verl` / `verl-fused` (its fused-kernel forward / with verl_fused_plugin), `openrlhf` /
-`openrlhf-fused` (Actor.forward / openrlhf_actor_forward). verl and OpenRLHF import with the
-stand-ins of tests/peers/peer_stubs.py (the peers venv, .ci/peers.sh). Details: docs/benchmarks.md.
-"""
+A tiny random Qwen2; one call = one update of the peer's own code. Providers: `trl` / `trl-fused`
+(`trl-loss` on request), `verl` / `verl-fused`, `openrlhf` / `openrlhf-fused` (with the stand-ins of
+tests/peers/peer_stubs.py). Details: docs/benchmarks.md.
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 
 import sys
 import tempfile
 import warnings
+
+import torch
 
 from benchmarks import harness
 from benchmarks.plot import plot as plot_csv
@@ -30,21 +29,17 @@ QUICK_VOCABS = (4096,)
 
 def qwen2(v: int, seed: int = 0):
     """The tiny random Qwen2 at vocabulary `v` (fp32, untied LM head)."""
-    import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(
-        vocab_size=v, hidden_size=D, intermediate_size=3 * D, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, tie_word_embeddings=False, max_position_embeddings=P + C,
-    )  # fmt: skip
+    shape = dict(hidden_size=D, intermediate_size=3 * D, num_hidden_layers=2, num_attention_heads=4)
+    config = Qwen2Config(vocab_size=v, **shape, num_key_value_heads=2, tie_word_embeddings=False,
+                         max_position_embeddings=P + C)  # fmt: skip
     return Qwen2ForCausalLM(config).float()
 
 
 def grpo_micro_batch(v: int, b: int = B, seed: int = 0) -> dict:
     """A GRPOTrainer micro-batch as its _prepare_inputs returns it (on-policy: no old log-probs)."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     ids = lambda n: torch.randint(3, v, (b, n), generator=g)
     return dict(
@@ -61,15 +56,17 @@ def grpo_trainer(cls, model, **config):
     from transformers import PreTrainedTokenizerFast
     from trl import GRPOConfig
 
-    tok = PreTrainedTokenizerFast.from_pretrained(harness.REPO_ROOT / "prorl" / "assets" / "tiny-reasoner")
-    kw = dict(per_device_train_batch_size=B, num_generations=B, max_completion_length=C, use_cpu=True)
-    kw.update(bf16=False, report_to="none", save_strategy="no", disable_tqdm=True)
+    tok = PreTrainedTokenizerFast.from_pretrained(harness.REPO_ROOT / "prorl/assets/tiny-reasoner")
+    kw = dict(per_device_train_batch_size=B, num_generations=B, max_completion_length=C)
+    kw.update(use_cpu=True, bf16=False, report_to="none", save_strategy="no", disable_tqdm=True)
     args = GRPOConfig(output_dir=tempfile.mkdtemp(), **(kw | config))
     ds = Dataset.from_list([{"prompt": "1+1="}] * B)
+    reward = lambda completions, **_: [0.0] * len(completions)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = cls(model=model, reward_funcs=lambda completions, **_: [0.0] * len(completions), args=args,
-                      train_dataset=ds, processing_class=tok)  # fmt: skip
+        trainer = cls(
+            model=model, reward_funcs=reward, args=args, train_dataset=ds, processing_class=tok
+        )
     trainer.current_gradient_accumulation_steps = 1
     trainer.model.train()
     return trainer
@@ -79,12 +76,10 @@ def _stub(peer: str):
     sys.path.insert(0, str(harness.REPO_ROOT / "tests" / "peers"))
     import peer_stubs
 
-    peer_stubs.stub_missing(peer, peer_stubs.VERL_STUBS if peer == "verl" else peer_stubs.OPENRLHF_STUBS)
+    peer_stubs.stub_missing(peer, getattr(peer_stubs, f"{peer.upper()}_STUBS"))
 
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
-    import torch
-
     v = shape["V"]
     model = qwen2(v)
     clear = lambda: model.zero_grad(set_to_none=True)
@@ -109,15 +104,15 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
         if fused:
             import prorl.kernels.adapters.verl_fused_plugin  # noqa: F401
         patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
-        ids = torch.cat([grpo_micro_batch(v)["prompt_ids"], grpo_micro_batch(v)["completion_ids"]], 1)
+        mb = grpo_micro_batch(v)
+        ids = torch.cat([mb["prompt_ids"], mb["completion_ids"]], 1)
 
         def run():
             out = model(input_ids=ids, attention_mask=torch.ones_like(ids), return_dict=True)
             (out.log_probs.sum() + out.entropy.sum()).backward()
     else:
         _stub("openrlhf")
-        # a stand-in: take OpenRLHF's torch path
-        sys.modules["flash_attn.ops.triton.cross_entropy"] = None
+        sys.modules["flash_attn.ops.triton.cross_entropy"] = None  # a stand-in: the torch path
         from openrlhf.models import Actor
         from prorl.kernels.adapters import openrlhf_actor_forward
 
@@ -146,16 +141,6 @@ def _shapes(args) -> list[dict]:
     return [dict(V=v, label=f"V={v} B={B} T={P}+{C} D={D} fp32") for v in vocabs]
 
 
-BENCHMARK = harness.Benchmark(
-    NAME,
-    PROVIDERS,
-    _shapes,
-    _options,
-    known_providers=KNOWN,
-    reps=(3, 2),
-    plot=lambda csv, rows, args: plot_csv(csv),
-)
+plot = lambda csv, rows, args: plot_csv(csv)
+BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, KNOWN, reps=(3, 2), plot=plot)
 main = BENCHMARK.main
-
-if __name__ == "__main__":
-    sys.exit(main())

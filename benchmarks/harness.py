@@ -2,28 +2,14 @@
 
 A benchmark module defines `build(provider, mode, shape, device) -> Step | None` (None: no such mode
 for the provider) and a `Benchmark`, whose `main` is its command line. Each provider runs in a fresh
-worker process (`OMP_NUM_THREADS` and `torch.set_num_threads` both `threads`), so no provider
-inherits another's allocator state, compiled-graph caches or resident freed memory. Per (provider,
-shape, mode):
-- time (ms): `warmup` untimed calls (they absorb torch.compile and Triton JIT), then `reps` timed
-  calls of `step.run()` (after an untimed `step.prepare()`), CUDA synchronised on both sides;
-  p50/p20/p80 over the reps (linear interpolation).
-- gflops (CPU) / tflops and peak_fraction (% of `peak_tflops`, CUDA): `step.flops` / time, the same
-  nominal FLOP count for every provider of a mode ("effective" throughput).
-- peak_extra_memory (MB): one call after the timed ones, above the baseline after `step.prepare()`
-  (`PeakMemory`: CUDA max_memory_allocated; CPU the resident-set high-water mark VmHWM, reset
-  through /proc/self/clear_refs after gc and malloc_trim; no row where that file cannot be written).
-
-Rows go to the CSV with the columns in `COLUMNS` (docs/architecture.md "Public names"); `versions`
-lists torch, triton, liger-kernel, the thread settings and the provider's note; `git_rev` is the
-short commit (`+dirty` when tracked files differ); one UTC `timestamp` per invocation; `command` the
-invocation. Timing on shared machines varies (up to 30x with 2 threads on 2 busy cores): compare
-ratios within one invocation and look at the p20-p80 spread. Details: docs/benchmarks.md.
-"""
+worker process; the rows (columns `COLUMNS`) are appended to `benchmarks/results/<name>.csv`. What
+is measured and how: docs/benchmarks.md.
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import ctypes
 import datetime
@@ -39,7 +25,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -53,6 +39,8 @@ COLUMNS_BEFORE_COMMAND = COLUMNS[:-1]  # older CSVs: append_csv adds the column 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 REPO_ROOT = Path(__file__).resolve().parent.parent
 H200_BF16_DENSE_TFLOPS = 989.0
+# the environment of a training run a benchmark starts: one thread per process, offline
+TRAIN_ENV = dict(OMP_NUM_THREADS="1", OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1")
 
 
 @dataclass
@@ -73,32 +61,16 @@ def autograd_step(mode: str, forward, leaves, grads, flops: float = 0.0, note: s
 
     saved = {}
 
-    def clear_grads():
+    def prepare():  # mode backward: the forward too, untimed
         for t in leaves:
             t.grad = None
-
-    def prepare_backward():
-        clear_grads()
-        saved["outs"] = forward()
+        if mode == "backward":
+            saved["outs"] = forward()
 
     backward = lambda outs: torch.autograd.backward(outs, grads[: len(outs)])
-    if mode == "forward":
-        return Step(run=forward, prepare=clear_grads, flops=flops, note=note)
-    if mode == "full":
-        return Step(run=lambda: backward(forward()), prepare=clear_grads, flops=flops, note=note)
-    run = lambda: backward(saved.pop("outs"))
-    return Step(run=run, prepare=prepare_backward, flops=flops, note=note)
-
-
-@dataclass
-class Result:
-    """One worker's answer for one provider."""
-
-    provider: str
-    rows: list[dict] = field(default_factory=list)  # shape, mode, metric, unit, p50, p20, p80, note
-    errors: list[str] = field(default_factory=list)
-    device: str = ""
-    versions: str = ""
+    run = dict(forward=forward, full=lambda: backward(forward()))
+    run["backward"] = lambda: backward(saved.pop("outs"))
+    return Step(run=run[mode], prepare=prepare, flops=flops, note=note)
 
 
 def quantile(xs: Sequence[float], q: float) -> float:
@@ -106,19 +78,13 @@ def quantile(xs: Sequence[float], q: float) -> float:
     s = sorted(xs)
     pos = q * (len(s) - 1)
     lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+    return s[lo] + (s[min(lo + 1, len(s) - 1)] - s[lo]) * (pos - lo)
 
 
 def row(metric: str, unit: str, values: Sequence[float], **fields) -> dict:
     """A row of `metric` with the p50/p20/p80 of `values`, plus `fields` (mode, shape, note)."""
     q = {f"p{p}": quantile(values, p / 100) for p in (50, 20, 80)}
     return dict(metric=metric, unit=unit, **q, **fields)
-
-
-def single_row(metric: str, unit: str, value: float, **fields) -> dict:
-    """A row of one value (p20 = p50 = p80)."""
-    return dict(metric=metric, unit=unit, p50=value, p20=value, p80=value, **fields)
 
 
 def rate_row(time_row: dict, amount: float, metric: str, unit: str, seconds_per_unit=1e-3) -> dict:
@@ -153,6 +119,20 @@ def newest(rows: Sequence[dict]) -> dict[tuple, dict]:
     return out
 
 
+def read_metrics(run: Path) -> list[dict]:
+    """The rows of a training run's metrics.jsonl ([] before it has one)."""
+    path = Path(run) / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def train_command(ranks: int | None, *overrides: str) -> list[str]:
+    """`prorl/train.py` with `overrides` under `torchrun --standalone` with `ranks` processes
+    (None: in this interpreter, one process)."""
+    torchrun = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}"]
+    return [sys.executable, *(torchrun if ranks else []), "prorl/train.py", *overrides]
+
+
 # --- Measurement (runs inside the worker process) -------------------------------------------------
 
 
@@ -177,8 +157,9 @@ def time_step(step: Step, device, warmup: int, reps: int) -> list[float]:
 
 
 class PeakMemory:
-    """Peak memory (MB) between `start()` and `stop()` (module docstring). `stop()` returns (peak,
-    peak - baseline), or None on a CPU where the mark cannot be reset."""
+    """Peak memory (MB) between `start()` and `stop()` (docs/benchmarks.md): CUDA
+    max_memory_allocated, CPU the resident-set mark VmHWM. `stop()` returns (peak, peak -
+    baseline), or None on a CPU where the mark cannot be reset."""
 
     def __init__(self, device):
         self.device = device
@@ -186,8 +167,7 @@ class PeakMemory:
     @staticmethod
     def _vm_hwm_mb() -> float:
         with open("/proc/self/status") as f:
-            kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
-        return kb / 1024.0
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
 
     def start(self) -> None:
         import torch
@@ -197,12 +177,9 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
             self.base = torch.cuda.memory_allocated(self.device) / 2**20
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
-        try:
+            return torch.cuda.reset_peak_memory_stats(self.device)
+        with contextlib.suppress(OSError, AttributeError):  # not glibc: a higher baseline
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-        except (OSError, AttributeError):
-            pass  # not glibc: freed heap pages may stay resident, the baseline is then higher
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # VmHWM := VmRSS
@@ -224,7 +201,7 @@ class PeakMemory:
 
 
 def peak_extra_memory_mb(step: Step, device) -> float | None:
-    """Peak memory above the post-`prepare` baseline during one `step.run()` (module docstring)."""
+    """Peak memory above the post-`prepare` baseline during one `step.run()`."""
     step.prepare()
     memory = PeakMemory(device)
     memory.start()
@@ -233,8 +210,7 @@ def peak_extra_memory_mb(step: Step, device) -> float | None:
     del out
     if peak is None:
         print("harness: /proc/self/clear_refs not writable: no CPU memory row", file=sys.stderr)
-        return None
-    return peak[1]
+    return peak and peak[1]
 
 
 def device_name(device) -> str:
@@ -245,8 +221,9 @@ def device_name(device) -> str:
         return torch.cuda.get_device_name(device)
     try:
         with open("/proc/cpuinfo") as f:
-            names = (line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-            return next(names)
+            return next(
+                line.split(":", 1)[1].strip() for line in f if line.startswith("model name")
+            )
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
 
@@ -259,16 +236,15 @@ def dist_version(dist: str, absent: str | None = "absent") -> str | None:
         return absent
 
 
-def versions_string(threads: int) -> str:
+def versions_string() -> str:
+    """torch, triton and liger-kernel's versions and the thread settings (the `versions` column)."""
     import torch
 
-    parts = [f"torch={torch.__version__}"]
-    parts += [f"{d}={dist_version(d)}" for d in ("triton", "liger-kernel")]
-    parts.append(f"threads={torch.get_num_threads()}")
+    parts = [f"torch={torch.__version__}", f"triton={dist_version('triton')}"]
+    parts += [f"liger-kernel={dist_version('liger-kernel')}", f"threads={torch.get_num_threads()}"]
     parts.append(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}")
-    if "OMP_WAIT_POLICY" in os.environ:
-        parts.append(f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
-    return " ".join(parts)
+    policy = os.environ.get("OMP_WAIT_POLICY")
+    return " ".join(parts + ([f"OMP_WAIT_POLICY={policy}"] if policy else []))
 
 
 def measure_step(spec: dict, provider: str, mode: str, shape: dict, device) -> list[dict] | None:
@@ -286,17 +262,17 @@ def measure_step(spec: dict, provider: str, mode: str, shape: dict, device) -> l
         rows.append(row("gflops", "GFLOPS", [step.flops / t / 1e9 for t in times]))
     mb = peak_extra_memory_mb(step, device) if step.measure_memory else None
     if mb is not None:
-        rows.append(single_row("peak_extra_memory", "MB", mb))
+        rows.append(row("peak_extra_memory", "MB", [mb]))
     return [dict(r, mode=mode, note=step.note) for r in rows]
 
 
 def worker_main(argv: Sequence[str]) -> None:
     """Entry of the worker process: argv = [spec JSON, result path]. Measures one provider.
 
-    Each (shape, mode) case is `spec["measure"]` ("module:function", default `measure_step`) called
-    as (spec, provider, mode, shape, device) -> rows (None: no such case); a failing case is
-    recorded as an error and the others still run. The result file is rewritten after every case, so
-    a later crash (an OOM kill) keeps what was measured."""
+    Each (shape, mode) case is `spec["measure"]` ("module:function") called as (spec, provider,
+    mode, shape, device) -> rows (None: no such case); a failing case is recorded as an error and
+    the others still run. The result file is rewritten after every case, so a later crash (an OOM
+    kill) keeps what was measured."""
     import torch
 
     spec, result_path = json.loads(argv[0]), argv[1]
@@ -305,7 +281,7 @@ def worker_main(argv: Sequence[str]) -> None:
     module, func = spec["measure"].split(":")
     measure = getattr(importlib.import_module(module), func)
     provider = spec["provider"]
-    res = Result(provider, device=device_name(device), versions=versions_string(spec["threads"]))
+    res = dict(rows=[], errors=[], device=device_name(device), versions=versions_string())
     for shape in spec["shapes"]:
         for mode in spec["modes"]:
             tag = f"{provider} {mode} {shape['label']}"
@@ -313,18 +289,18 @@ def worker_main(argv: Sequence[str]) -> None:
                 rows = measure(spec, provider, mode, shape, device)
                 if rows is None:
                     continue
-                res.rows.extend(dict(r, shape=shape["label"]) for r in rows)
+                res["rows"] += [dict(r, shape=shape["label"]) for r in rows]
                 t = next(r for r in rows if r["mode"] == mode and r["metric"] == "time")
                 spread = f"p20 {t['p20']:.3f}, p80 {t['p80']:.3f}"
                 print(f"  {tag}: {t['p50']:.3f} ms ({spread})", flush=True)
             except Exception as exc:  # noqa: BLE001 - one failing case must not lose the others
-                res.errors.append(f"{tag}: {type(exc).__name__}: {exc}")
+                res["errors"].append(f"{tag}: {type(exc).__name__}: {exc}")
                 print(f"  {tag}: FAILED {type(exc).__name__}: {exc}", flush=True)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             with open(result_path, "w") as f:
-                json.dump(res.__dict__, f)
+                json.dump(res, f)
 
 
 # --- Orchestration (the parent process) -----------------------------------------------------------
@@ -332,20 +308,12 @@ def worker_main(argv: Sequence[str]) -> None:
 
 def git_rev() -> str:
     opts = dict(cwd=REPO_ROOT, capture_output=True, text=True, check=True)
-    git = lambda *a: subprocess.run(["git", *a], **opts)
+    git = lambda *a: subprocess.run(["git", *a], **opts).stdout.strip()
     try:
-        rev = git("rev-parse", "--short=12", "HEAD").stdout.strip()
-        dirty = git("status", "--porcelain", "--untracked-files=no").stdout.strip()
+        rev, dirty = git("rev-parse", "--short=12", "HEAD"), git("status", "--porcelain", "-uno")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return rev + ("+dirty" if dirty else "")
-
-
-def default_threads() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:
-        return os.cpu_count() or 1
 
 
 def utc_now() -> str:
@@ -360,8 +328,9 @@ def subprocess_env(threads: int) -> dict:
     return env
 
 
-def run_provider(provider: str, spec: dict, timeout: float | None = None) -> Result:
-    """Measure one provider in a fresh worker process (`worker_main`), given `spec` as JSON."""
+def run_provider(provider: str, spec: dict, timeout: float | None = None) -> dict:
+    """Measure one provider in a fresh worker process (`worker_main`), given `spec` as JSON; its
+    rows, errors, device and versions."""
     code = "import sys; from benchmarks.harness import worker_main; worker_main(sys.argv[1:])"
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "result.json")
@@ -372,22 +341,19 @@ def run_provider(provider: str, spec: dict, timeout: float | None = None) -> Res
         except subprocess.TimeoutExpired:
             rc = f"timeout after {timeout} s"
         if not os.path.exists(path):
-            error = f"{provider}: worker exited without a result (rc={rc})"
-            return Result(provider, errors=[error])
+            return dict(rows=[], errors=[f"{provider}: worker exited without a result (rc={rc})"])
         with open(path) as f:
-            res = Result(**json.load(f))
+            res = json.load(f)
         if rc != 0:
-            res.errors.append(f"{provider}: worker exited early (rc={rc}); later cases are missing")
+            early = f"{provider}: worker exited early (rc={rc}); later cases are missing"
+            res["errors"].append(early)
         return res
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:
-    """The invocation as a shell command, from `argv` (default: this process's sys.argv).
-
-    `python -m benchmarks rl_step --quick` has sys.argv[0] = <repo>/benchmarks/__main__.py and is
-    given back as written; another script of the repository is named as a module (`python -m
-    benchmarks.x`), anything else by its file name.
-    """
+    """The invocation as a shell command, from `argv` (default: this process's sys.argv): a script
+    of the repository (`benchmarks/__main__.py`, `benchmarks/x.py`) or a package's __main__.py as
+    `python -m <module>`, anything else by its file name."""
     argv = list(sys.argv if argv is None else argv)
     if not argv or not argv[0]:
         return ""
@@ -397,11 +363,9 @@ def command_line(argv: Sequence[str] | None = None) -> str:
         try:
             parts = list(head.resolve().relative_to(REPO_ROOT).with_suffix("").parts)
         except ValueError:
-            parts = [head.parent.name] if head.name == "__main__.py" else []
-        if parts and parts[-1] == "__main__":
-            parts = parts[:-1]
-        if parts:
-            prog = ["python", "-m", ".".join(parts)]
+            parts = [head.parent.name, "__main__"] if head.name == "__main__.py" else []
+        parts = parts[:-1] if parts[-1:] == ["__main__"] else parts
+        prog = ["python", "-m", ".".join(parts)] if parts else prog
     return shlex.join(prog + argv[1:])
 
 
@@ -416,9 +380,8 @@ def append_csv(path: Path, rows: Sequence[dict]) -> None:
     if not new:
         with open(path, newline="") as f:
             header = tuple(next(csv.reader(f), []))
-            older = header == COLUMNS_BEFORE_COMMAND
-            old = list(csv.DictReader(f, fieldnames=header)) if older else None
-        if old is not None:
+            old = list(csv.DictReader(f, fieldnames=header))
+        if header == COLUMNS_BEFORE_COMMAND:
             tmp = path.with_name(path.name + ".tmp")
             with open(tmp, "w", newline="") as f:
                 writer = csv.DictWriter(f, fieldnames=COLUMNS, restval="")
@@ -426,9 +389,7 @@ def append_csv(path: Path, rows: Sequence[dict]) -> None:
                 writer.writerows(old)
             os.replace(tmp, path)
         elif header != COLUMNS:
-            raise ValueError(
-                f"{path} has columns {list(header)}, expected {list(COLUMNS)}; use another --out"
-            )
+            raise ValueError(f"{path} has columns {list(header)}, not {list(COLUMNS)}; use --out")
     with open(path, "a", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         if new:
@@ -439,33 +400,23 @@ def append_csv(path: Path, rows: Sequence[dict]) -> None:
             writer.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
 
 
-def run_benchmark(name: str, providers: Sequence[str], spec: dict, *, out=None, timeout=None):
-    """Measure every provider (one worker each), append all rows to the CSV; return (rows, errors).
-
-    spec: what the workers read: module (the benchmark's), modes, shapes (dicts with at least a
-    `label`, the CSV `shape` column, and whatever `build` reads), device, threads, warmup, reps,
-    peak_tflops, measure (`worker_main`), and any keys of the benchmark's own.
-    """
-    defaults = dict(device="cpu", warmup=1, reps=5, measure="benchmarks.harness:measure_step")
-    spec = dict(defaults, peak_tflops=H200_BF16_DENSE_TFLOPS, **spec)
-    spec["threads"] = spec.get("threads") or default_threads()
-    out = Path(out) if out else RESULTS_DIR / f"{name}.csv"
-    stamp, rev = utc_now(), git_rev()
-    print(
-        f"{name}: {len(providers)} providers x {list(spec['modes'])} x {len(spec['shapes'])} shapes"
-        f" on {spec['device']}, threads={spec['threads']}, warmup={spec['warmup']},"
-        f" reps={spec['reps']} -> {out}",
-        flush=True,
-    )
-    rows, errors = [], []
+def run_benchmark(name: str, providers: Sequence[str], spec: dict, out: Path, timeout=None):
+    """Measure every provider (one worker each), append all rows to `out`; return (rows, errors).
+    spec: what the workers read (Benchmark.main's: module, shapes, modes, device, threads, reps,
+    warmup, measure, options)."""
+    spec = dict(spec, peak_tflops=H200_BF16_DENSE_TFLOPS)
+    spec["threads"] = spec["threads"] or len(os.sched_getaffinity(0))
+    cases = f"{len(providers)} providers x {list(spec['modes'])} x {len(spec['shapes'])} shapes"
+    settings = f"threads={spec['threads']}, warmup={spec['warmup']}, reps={spec['reps']}"
+    print(f"{name}: {cases} on {spec['device']}, {settings} -> {out}", flush=True)
+    rows, errors, stamp = [], [], dict(name=name, git_rev=git_rev(), timestamp=utc_now())
     for provider in providers:
         print(f"[{provider}]", flush=True)
         res = run_provider(provider, spec, timeout)
-        errors.extend(res.errors)
-        for r in res.rows:
-            versions = res.versions + (f" note={r['note']}" if r.get("note") else "")
-            common = dict(name=name, provider=provider, device=res.device)
-            common.update(git_rev=rev, timestamp=stamp)
+        errors.extend(res["errors"])
+        common = dict(stamp, provider=provider, device=res.get("device"))
+        for r in res["rows"]:
+            versions = res["versions"] + (f" note={r['note']}" if r.get("note") else "")
             rows.append(dict(r, versions=versions, **common))
     append_csv(out, rows)
     return rows, errors
@@ -476,8 +427,8 @@ def record(name: str, rows: list[dict], out: Path | None, *, device: str, versio
     added (a row's own keys win), appended to `out` (None: not written), the summary printed."""
     from benchmarks.report.readme import summary
 
-    common = dict(name=name, device=device, versions=versions)
-    common.update(git_rev=git_rev(), timestamp=utc_now())
+    stamp = utc_now()
+    common = dict(name=name, device=device, versions=versions, git_rev=git_rev(), timestamp=stamp)
     rows = [dict(common, **r) for r in rows]
     if out is not None:
         append_csv(out, rows)
@@ -485,16 +436,14 @@ def record(name: str, rows: list[dict], out: Path | None, *, device: str, versio
     return rows
 
 
+def argparser(name: str, doc: str) -> argparse.ArgumentParser:
+    """The parser of `python -m benchmarks <name>`, described by the first line of `doc`."""
+    return argparse.ArgumentParser(f"python -m benchmarks {name}", description=doc.split("\n")[0])
+
+
 def ints(text: str) -> list[int]:
     """An argparse `type`: comma-separated integers, as a list."""
     return [int(x) for x in text.split(",")]
-
-
-def prorl_backend(provider: str, device) -> str:
-    """The backend of provider `prorl` (Triton on CUDA, native on the CPU) or `prorl-torch`."""
-    if provider.endswith("-torch"):
-        return "torch"
-    return "triton" if device.type == "cuda" else "native"
 
 
 def subset_of(choices: Sequence[str]) -> Callable[[str], list[str]]:
@@ -509,13 +458,20 @@ def subset_of(choices: Sequence[str]) -> Callable[[str], list[str]]:
     return parse
 
 
+def prorl_backend(provider: str, device) -> str:
+    """The backend of provider `prorl` (Triton on CUDA, native on the CPU) or `prorl-torch`."""
+    if provider.endswith("-torch"):
+        return "torch"
+    return "triton" if device.type == "cuda" else "native"
+
+
 @dataclass
 class Benchmark:
     """A benchmark's command line: `main(argv)` parses it, runs the providers in their workers,
     appends the rows to the CSV, prints the summary (`view`, then `notes`) and plots. Every one has
-    --threads --providers --reps --warmup --timeout --out, --modes with more than one mode, --no-plot
-    and --plot-only when it plots; `options` adds --quick and its own; `--gpu` or `--device cuda`
-    means CUDA. providers: the defaults (a sequence, which --providers must be a subset of unless
+    --threads --providers --reps --warmup --timeout --out, --modes with more than one mode and
+    --no-plot when it plots; `options` adds --quick and its own; `--gpu` or `--device cuda` means
+    CUDA. providers: the defaults (a sequence, which --providers must be a subset of unless
     `known_providers` says otherwise, or a function of the options). derive(rows, args): rows
     computed from the measured ones, appended too. plot(csv, rows, args) -> the PNG paths."""
 
@@ -535,26 +491,22 @@ class Benchmark:
     measure: str = "benchmarks.harness:measure_step"  # worker_main's measure of one case
 
     def parser(self) -> argparse.ArgumentParser:
-        doc = importlib.import_module(f"benchmarks.{self.name}").__doc__.split("\n")[0]
-        p = argparse.ArgumentParser(f"python -m benchmarks {self.name}", description=doc)
+        p = argparser(self.name, importlib.import_module(f"benchmarks.{self.name}").__doc__)
         add = p.add_argument
         self.options(p)
         known = self.known_providers or ([] if callable(self.providers) else self.providers)
         threads = f"torch/OMP threads (default {self.threads or 'all cores'})"
         add("--threads", type=int, default=self.threads, help=threads)
-        names = subset_of(known) if known else lambda s: s.split(",")
-        add("--providers", type=names, help="comma-separated")
+        add("--providers", type=subset_of(known) if known else lambda s: s.split(","))
         if len(self.modes) > 1:
-            modes = ",".join(self.modes)
-            add("--modes", type=subset_of(self.modes), default=modes, help="comma-separated")
+            add("--modes", type=subset_of(self.modes), default=",".join(self.modes))
         (r, qr), (w, qw) = self.reps, self.warmup
-        add("--reps", type=int, default=None, help=f"timed calls (default {r}, --quick {qr})")
+        add("--reps", type=int, help=f"timed calls (default {r}, --quick {qr})")
         add("--warmup", type=int, help=f"untimed calls first (default {w}, --quick {qw})")
-        add("--timeout", type=float, default=None, help="seconds per provider worker")
+        add("--timeout", type=float, help="seconds per provider worker")
         add("--out", help=f"CSV to append to (default benchmarks/results/{self.name}.csv)")
         if self.plot:
             add("--no-plot", action="store_true", help="write no PNG")
-            add("--plot-only", action="store_true", help="measure nothing: plot the CSV")
         return p
 
     def main(self, argv: Sequence[str] | None = None) -> int:
@@ -563,8 +515,6 @@ class Benchmark:
         p = self.parser()
         args = p.parse_args(argv)
         out = Path(args.out) if args.out else RESULTS_DIR / f"{self.name}.csv"
-        if getattr(args, "plot_only", False):
-            return self._plot(out, [], args)
         gpu = getattr(args, "gpu", False)
         device = "cuda" if gpu else getattr(args, "device", "cpu")
         if device == "cuda":
@@ -573,12 +523,12 @@ class Benchmark:
             if not torch.cuda.is_available():
                 p.error(f"{'--gpu' if gpu else '--device cuda'} needs a visible CUDA device")
         providers = self.providers(args) if callable(self.providers) else self.providers
-        providers = args.providers or providers
         spec = dict(module=f"benchmarks.{self.name}", shapes=self.shapes(args), options=vars(args))
         spec.update(device=device, modes=getattr(args, "modes", self.modes), measure=self.measure)
         spec.update(threads=args.threads, reps=args.reps or self.reps[args.quick])
         spec.update(warmup=self.warmup[args.quick] if args.warmup is None else args.warmup)
-        rows, errors = run_benchmark(self.name, providers, spec, out=out, timeout=args.timeout)
+        run = args.providers or providers
+        rows, errors = run_benchmark(self.name, run, spec, out, args.timeout)
         derived = self.derive(rows, args) if self.derive else []
         if derived:
             append_csv(out, derived)
@@ -586,15 +536,11 @@ class Benchmark:
         for note in self.notes(args) if callable(self.notes) else self.notes:
             print(f"note: {note}")
         if rows and self.plot and not args.no_plot:
-            self._plot(out, rows + derived, args)
+            try:
+                for png in self.plot(out, rows + derived, args):
+                    print(f"plot: {png}")
+            except ImportError as exc:  # matplotlib is optional; the CSV is written either way
+                print(f"no plot: {exc}", file=sys.stderr)
         for e in errors:
             print(f"error: {e}", file=sys.stderr)
         return 1 if errors and not rows else 0
-
-    def _plot(self, out: Path, rows: list[dict], args) -> int:
-        try:
-            for png in self.plot(out, rows, args):
-                print(f"plot: {png}")
-        except ImportError as exc:  # matplotlib is optional; the CSV is written either way
-            print(f"no plot: {exc}", file=sys.stderr)
-        return 0

@@ -1,19 +1,17 @@
 """Benchmark of `prorl.kernels.linear_ppo_loss` (loss from hidden states, 6NDV) against its GEMM floor.
 
     python -m benchmarks linear_ppo_loss [--quick] [--threads N] [--shape N,D,V] [--providers a,b]
-    [--out CSV]
+        [--out CSV]
 
-Mode `full` only (the op computes its gradients in the forward); every provider credited with 6NDV
-FLOPs; inputs as linear_logprob_entropy's, the loss ppo_loss's. Providers (CPU, fp32): `prorl`
-(fused, native), `prorl-torch`, `prorl-unfused` (linear_logprob_entropy then ppo_loss, 8NDV),
-`naive` (eager [N, V] logits, verl's loss), `sgemm-floor` (the three products alone). Details:
-docs/benchmarks.md.
-"""
+Mode `full` only, every provider credited with 6NDV FLOPs; `prorl-unfused` is linear_logprob_entropy
+then ppo_loss. Details: docs/benchmarks.md.
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 
 import math
-import sys
+
+import torch
 
 from benchmarks import harness
 from benchmarks.linear_logprob_entropy import VIEW, floor_step, inputs, make_shape
@@ -27,29 +25,23 @@ QUICK_SHAPE = (256, 128, 8192)
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     """The Step that measures `provider` on `shape` (mode `full` only)."""
-    import torch
-
     n, d, v = shape["N"], shape["D"], shape["V"]
     flops = float(6 * n * d * v)
-    if provider == "sgemm-floor":
-        # Z, then dH and dW: the op's three products
+    if provider == "sgemm-floor":  # Z, then dH and dW: the op's three products
         return floor_step("backward", shape, device, flops)
     h, w, y, _, _ = inputs(shape, device)
     g = torch.Generator(device=device).manual_seed(1)
-    # near logp ~ -log V: ratios ~ 1
-    old = torch.randn(n, generator=g, device=device) * 0.3 - math.log(v)
+    old = torch.randn(n, generator=g, device=device) * 0.3 - math.log(v)  # logp ~ -log V: ratio ~ 1
     ref = old + torch.randn(n, generator=g, device=device) * 0.3
     adv = torch.randn(n, generator=g, device=device)
     mask = torch.ones(n, dtype=torch.bool, device=device)
     kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, ref_logp=ref, kl_coef=BETA, kl_estimator="k2")
-    backend = "triton" if device.type == "cuda" else "native"
-
+    backend = harness.prorl_backend(provider, device)
     if provider in ("prorl", "prorl-torch"):
         from prorl.kernels import linear_ppo_loss
 
-        be = harness.prorl_backend(provider, device)
-        loss_fn = lambda: linear_ppo_loss(h, w, y, old, adv, mask, backend=be, **kw)[0]
-        note = f"prorl_backend={be} fused_6NDV"
+        loss_fn = lambda: linear_ppo_loss(h, w, y, old, adv, mask, backend=backend, **kw)[0]
+        note = f"prorl_backend={backend} fused_6NDV"
     elif provider == "prorl-unfused":
         from prorl.kernels import linear_logprob_entropy, ppo_loss
 
@@ -58,31 +50,25 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
             return ppo_loss(logp, old, adv, mask, backend=backend, **kw)[0]
 
         note = f"prorl_backend={backend} unfused_8NDV"
-    elif provider == "naive":
+    else:  # naive
 
         def loss_fn():
             logp = torch.log_softmax((h @ w.t()).float(), dim=-1).gather(1, y[:, None]).squeeze(1)
             return naive_ppo_loss(logp, old, adv, mask.float(), ref)[0]
 
         note = "eager_logits"
-    else:
-        raise ValueError(f"unknown provider {provider!r}")
     one = (torch.ones((), device=device),)
     return harness.autograd_step(mode, lambda: (loss_fn(),), (h, w), one, flops, note=note)
 
 
 def _options(p) -> None:
-    p.add_argument("--quick", action="store_true", help=f"tiny shape {QUICK_SHAPE}, 2 reps (seconds)")
+    p.add_argument("--quick", action="store_true", help=f"tiny shape {QUICK_SHAPE}, 2 reps")
     p.add_argument("--shape", type=harness.ints, help=f"N,D,V (default {CPU_SHAPE})")
 
 
 def _shapes(args) -> list[dict]:
-    dims = args.shape or (QUICK_SHAPE if args.quick else CPU_SHAPE)
-    return [make_shape(*dims, "float32", 1.0)]
+    return [make_shape(*(args.shape or (QUICK_SHAPE if args.quick else CPU_SHAPE)), "float32")]
 
 
 BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, view=VIEW)
 main = BENCHMARK.main
-
-if __name__ == "__main__":
-    sys.exit(main())

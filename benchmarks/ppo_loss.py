@@ -1,17 +1,16 @@
 """Benchmark of `prorl.kernels.ppo_loss` against the same loss in eager torch, as trainers write it.
 
-    python -m benchmarks ppo_loss [--quick] [--threads N] [--sizes N1,N2] [--providers a,b] [--out
-    CSV] python -m benchmarks ppo_loss --device cuda
+    python -m benchmarks ppo_loss [--quick] [--threads N] [--sizes N1,N2] [--providers a,b]
+        [--out CSV]
+    python -m benchmarks ppo_loss --device cuda
 
-The ProRL v2 loss (clip 0.2 / 0.28, k2 KL 1e-4 with the log-ratio clamped, token-mean, clip
-fractions) on padded [B, T] log-probs, modes forward / backward / full; rows are time and peak extra
-memory. Providers: `prorl` (native on the CPU, Triton on CUDA), `prorl-torch`, `naive` (verl's eager
-loss), `trl-style` (TRL's eager dapo loss, k3 KL). Details: docs/benchmarks.md.
+The ProRL v2 loss on padded [B, T] log-probs, modes forward / backward / full. Providers: `prorl`,
+`prorl-torch`, `naive` (verl's eager loss), `trl-style` (TRL's, k3 KL). Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
-import sys
+import torch
 
 from benchmarks import harness
 
@@ -30,8 +29,6 @@ def _masked_mean(x, mask):
 
 def naive_ppo_loss(logp, old, adv, mask, ref):
     """verl-style eager loss: (loss, pg_clipfrac, ppo_kl); adv [B, 1] broadcasts over T."""
-    import torch
-
     log_ratio = torch.clamp(logp - old, min=-20.0, max=20.0)
     ratio = torch.exp(log_ratio)
     ppo_kl = _masked_mean(-log_ratio, mask)
@@ -46,8 +43,6 @@ def naive_ppo_loss(logp, old, adv, mask, ref):
 
 def trl_style_loss(logp, old, adv, mask, ref):
     """TRL-style eager loss (dapo, k3): (loss, low clip fraction, high clip fraction)."""
-    import torch
-
     coef_1 = torch.exp(logp - old)
     coef_2 = torch.clamp(coef_1, 1 - EPS_LOW, 1 + EPS_HIGH)
     per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
@@ -64,12 +59,8 @@ def make_shape(n: int, dtype: str = "float32") -> dict:
 
 
 def _inputs(shape: dict, device):
-    """logp [B, T] (leaf), old/ref near it, adv [B, 1] and [B], mask [B, T] with ~10% of each row
-    padding."""
-    import torch
-
+    """logp [B, T] (leaf), old/ref near it, adv [B], mask [B, T] with ~10% of each row padding."""
     b, t = shape["N"] // shape["T"], shape["T"]
-    dtype = getattr(torch, shape["dtype"])
     g = torch.Generator(device=device).manual_seed(0)
     logp = -torch.rand(b, t, generator=g, device=device) * 3
     old = logp + torch.randn(b, t, generator=g, device=device) * 0.3
@@ -77,14 +68,12 @@ def _inputs(shape: dict, device):
     lengths = torch.randint(int(0.8 * t), t + 1, (b,), generator=g, device=device)
     mask = torch.arange(t, device=device)[None, :] < lengths[:, None]
     adv = torch.randn(b, generator=g, device=device)
-    logp, old, ref = (x.to(dtype) for x in (logp, old, ref))
+    logp, old, ref = (x.to(getattr(torch, shape["dtype"])) for x in (logp, old, ref))
     return logp.requires_grad_(), old, ref, adv, mask
 
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     """The Step that measures `provider` in `mode` on `shape`."""
-    import torch
-
     logp, old, ref, adv, mask = _inputs(shape, device)
     one = (torch.ones((), device=device),)
     if provider in ("prorl", "prorl-torch"):
@@ -94,12 +83,8 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
         kw = dict(eps_low=EPS_LOW, eps_high=EPS_HIGH, ref_logp=ref, kl_coef=BETA, kl_estimator="k2")
         forward = lambda: (ppo_loss(logp, old, adv, mask, backend=backend, **kw)[0],)
         return harness.autograd_step(mode, forward, (logp,), one, note=f"prorl_backend={backend}")
-    losses = {
-        "naive": (naive_ppo_loss, "verl_style_eager"),
-        "trl-style": (trl_style_loss, "trl_style_eager_k3"),
-    }
-    if provider not in losses:
-        raise ValueError(f"unknown provider {provider!r}")
+    losses = dict(naive=(naive_ppo_loss, "verl_style_eager"))
+    losses["trl-style"] = (trl_style_loss, "trl_style_eager_k3")
     loss, note = losses[provider]
     maskf, adv2 = mask.to(logp.dtype), adv[:, None]
     forward = lambda: (loss(logp, old, adv2, maskf, ref)[0],)
@@ -109,19 +94,16 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
 def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"N in {QUICK_SIZES}, 2 reps (seconds)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--sizes", type=harness.ints, help=f"comma-separated token counts N (default {CPU_SIZES})")
+    p.add_argument("--sizes", type=harness.ints, help=f"token counts N (default {CPU_SIZES})")
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16 (of the log-probs)")
 
 
 def _shapes(args) -> list[dict]:
-    sizes = args.sizes or (QUICK_SIZES if args.quick else CPU_SIZES)
-    return [make_shape(n, args.dtype) for n in sizes]
+    return [
+        make_shape(n, args.dtype) for n in args.sizes or (QUICK_SIZES if args.quick else CPU_SIZES)
+    ]
 
 
-BENCHMARK = harness.Benchmark(
-    NAME, PROVIDERS, _shapes, _options, modes=harness.MODES, reps=(20, 2), warmup=(2, 2), notes=[NOTE]
-)
+settings = dict(modes=harness.MODES, reps=(20, 2), warmup=(2, 2), notes=[NOTE])
+BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, **settings)
 main = BENCHMARK.main
-
-if __name__ == "__main__":
-    sys.exit(main())

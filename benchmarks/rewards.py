@@ -1,20 +1,15 @@
 """Benchmark of reward verification: verifications per second for math and code, RewardPool vs in-process.
 
-    python -m benchmarks rewards [--quick] [--workers 2] [--domains math,code] [--providers
-    prorl,naive]
+    python -m benchmarks rewards [--quick] [--workers 2] [--domains math,code]
+        [--providers prorl,naive]
 
-Providers: `prorl` (RewardPool workers, hard timeouts, the code sandbox) and `naive` (`score` in the
-calling process, one item after another). Fixed workloads: math (boxed answers against LaTeX gold,
-half right, numbers varying per item so no parse cache is hit) and code (programs against
-stdin/stdout or function-call tests); every score is checked against the known answer, and a batch
-with a wrong score, a timeout or an error is an error, not a number. Rows: time (ms per batch) and
-throughput (verifications/s). Details: docs/benchmarks.md.
-"""
+`prorl` (RewardPool) against `naive` (`score` in-process) on fixed workloads, every score checked
+against the known answer. Details: docs/benchmarks.md.
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 
 import platform
-import sys
 import time
 
 from benchmarks import harness
@@ -47,15 +42,12 @@ def math_case(i: int) -> tuple[str, str, float]:
 
 
 _SUM = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
-_STDIO = {
-    "inputs": [f"{i} {2 * i}\n" for i in range(1, 6)],
-    "outputs": [f"{3 * i}\n" for i in range(1, 6)],
-}
-_CALL = {
-    "inputs": [[[3, 1, 2]], [[5, 4]], [[]]],
-    "outputs": [[[1, 2, 3]], [[4, 5]], [[]]],
-    "fn_name": "sort_list",
-}
+_STDIO = dict(
+    inputs=[f"{i} {2 * i}\n" for i in range(1, 6)], outputs=[f"{3 * i}\n" for i in range(1, 6)]
+)
+_CALL = dict(
+    inputs=[[[3, 1, 2]], [[5, 4]], [[]]], outputs=[[[1, 2, 3]], [[4, 5]], [[]]], fn_name="sort_list"
+)
 CODE_CASES = [
     (_SUM, _STDIO, 1.0),
     (_SUM.replace("a + b", "a - b"), _STDIO, 0.0),
@@ -71,8 +63,7 @@ def workload(domain: str, batch: int) -> tuple[list[str], list, list[float]]:
     return [r for r, _, _ in items], [g for _, g, _ in items], [e for _, _, e in items]
 
 
-def _check(domain: str, scores: list[float], expected: list[float], timed_out=None, errored=None):
-    timed_out, errored = timed_out or [False] * len(scores), errored or [False] * len(scores)
+def _check(domain: str, scores: list[float], expected: list[float], timed_out=(), errored=()):
     wrong = [i for i, (s, e) in enumerate(zip(scores, expected)) if s != e]
     if wrong or any(timed_out) or any(errored):
         i = (wrong or [0])[0]
@@ -130,10 +121,8 @@ def measure(spec: dict, provider: str, mode: str, shape: dict, device) -> list[d
 def _options(p) -> None:
     p.add_argument("--quick", action="store_true", help=f"batches {QUICK_BATCH}, 2 reps (seconds)")
     p.add_argument("--workers", type=int, default=2, help="RewardPool worker processes")
-    p.add_argument(
-        "--domains", type=harness.subset_of(DOMAINS), default=",".join(DOMAINS), help="comma-separated"
-    )
-    p.add_argument("--batch", type=int, default=None, help="items per batch for every domain")
+    p.add_argument("--domains", type=harness.subset_of(DOMAINS), default=",".join(DOMAINS))
+    p.add_argument("--batch", type=int, help="items per batch for every domain")
 
 
 def _shapes(args) -> list[dict]:
@@ -141,9 +130,7 @@ def _shapes(args) -> list[dict]:
     return [dict(domain=d, batch=b, label=f"{d} batch={b}") for d, b in batches.items()]
 
 
-MEASURE = "benchmarks.rewards:measure"
-BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, measure=MEASURE)
+BENCHMARK = harness.Benchmark(
+    NAME, PROVIDERS, _shapes, _options, measure="benchmarks.rewards:measure"
+)
 main = BENCHMARK.main
-
-if __name__ == "__main__":
-    sys.exit(main())

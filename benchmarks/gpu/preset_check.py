@@ -1,11 +1,9 @@
 """The prorl_v2_1.5b preset in miniature under `torchrun --nproc_per_node=1` (NCCL on a GPU, gloo on the
-CPU), one step of benchmarks/gpu_check.sh per variant: `base` (FSDP2 bf16 + activation
-checkpointing, validation, a reference reset, a checkpoint at step 2, then a resume to step 3),
-`fp8` (model.fp8=torchao on packed odd token counts), `offload` (model.cpu_offload=true). Prints one
-line of numbers and writes RESULTS/preset_<variant>.json; exits 1 naming the first failed check.
+CPU), one step of benchmarks/gpu_check.sh per variant (`VARIANTS`: base, fp8, offload); writes
+RESULTS/preset_<variant>.json, exits 1 naming the first failed check. Details: docs/benchmarks.md.
 
     python benchmarks/gpu/preset_check.py --variant base --results DIR --runs /tmp/runs
-"""
+"""  # noqa: E501 - its first line is read whole (--list, the README)
 
 from __future__ import annotations
 
@@ -20,12 +18,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HELPERS = os.path.join(ROOT, "tests", "helpers")
-SHORT = [
-    "trainer.total_steps=2",
-    "trainer.save_every=0",
-    "trainer.val_before_train=false",
-    "trainer.val_every=0",
-]
+SHORT = ["trainer.total_steps=2", "trainer.save_every=0", "trainer.val_before_train=false"]
+SHORT += ["trainer.val_every=0"]
 VARIANTS = {
     "base": ["trainer.total_steps=2", "trainer.save_every=2", "trainer.val_every=2"],
     "fp8": ["model.fp8=torchao", *SHORT],
@@ -37,18 +31,16 @@ class CheckFailed(Exception):
     pass
 
 
+def check(ok: bool, what: str) -> None:
+    if not ok:
+        raise CheckFailed(what)
+
+
 def launch(out: str, overrides: list[str], log_path: str) -> float:
     """One `torchrun --standalone --nproc_per_node=1 prorl/train.py --config prorl_v2_1.5b ...`;
     seconds."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node=1",
-        "prorl/train.py",
-    ]
-    cmd += ["--config", "prorl_v2_1.5b", *overrides, f"output_dir={out}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    cmd += ["prorl/train.py", "--config", "prorl_v2_1.5b", *overrides, f"output_dir={out}"]
     print("$", " ".join(cmd), flush=True)
     path = os.pathsep.join(p for p in (HELPERS, os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1")
@@ -57,10 +49,8 @@ def launch(out: str, overrides: list[str], log_path: str) -> float:
         rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
     seconds = time.monotonic() - t0
     with open(log_path, errors="replace") as f:
-        text = f.read()
-    print(text[-4000:], flush=True)
-    if rc != 0:
-        raise CheckFailed(f"train.py exited {rc} after {seconds:.0f} s (log {log_path})")
+        print(f.read()[-4000:], flush=True)
+    check(rc == 0, f"train.py exited {rc} after {seconds:.0f} s (log {log_path})")
     return round(seconds, 1)
 
 
@@ -69,65 +59,62 @@ def rows(run_dir: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def check(ok: bool, what: str) -> None:
-    if not ok:
-        raise CheckFailed(what)
-
-
 def run(variant: str, results: str, runs: str) -> dict:
     sys.path.insert(0, HELPERS)
     from preset_helpers import preset_overrides, write_bf16_untied_checkpoint, write_data
 
     base = os.path.join(runs, f"preset-{variant}")
-    # a warm machine keeps an earlier call's run: it would resume
-    shutil.rmtree(base, ignore_errors=True)
+    shutil.rmtree(
+        base, ignore_errors=True
+    )  # a warm machine keeps an earlier call's run: it resumes
     os.makedirs(base)
     ckpt = write_bf16_untied_checkpoint(os.path.join(base, "ckpt"))
     overrides = [*preset_overrides(ckpt, *write_data(base)), *VARIANTS[variant]]
     out, logs = os.path.join(base, "run"), os.path.join(results, "logs")
     os.makedirs(logs, exist_ok=True)
-    numbers = {"variant": variant, "launch_s": [launch(out, overrides, f"{logs}/preset_{variant}_1.log")]}
+    numbers = dict(
+        variant=variant, launch_s=[launch(out, overrides, f"{logs}/preset_{variant}_1.log")]
+    )
     if variant == "base":  # the same command to step 3: it must resume from step 2's checkpoint
-        again = [o for o in overrides if not o.startswith("trainer.total_steps=")] + ["trainer.total_steps=3"]
-        numbers["launch_s"].append(launch(out, again, f"{logs}/preset_{variant}_2.log"))
+        again = [o for o in overrides if not o.startswith("trainer.total_steps=")]
+        numbers["launch_s"].append(
+            launch(out, [*again, "trainer.total_steps=3"], f"{logs}/preset_{variant}_2.log")
+        )
         with open(f"{logs}/preset_{variant}_2.log", errors="replace") as f:
-            check(
-                "prorl: resumed from" in f.read(), "the second launch did not resume from step 2's checkpoint"
-            )
+            resumed = "prorl: resumed from" in f.read()
+        check(resumed, "the second launch did not resume from step 2's checkpoint")
     steps = [r for r in rows(out) if r.get("step", 0) >= 1 and "actor/pg_loss" in r]
     want = 3 if variant == "base" else 2
-    check(
-        [r["step"] for r in steps] == list(range(1, want + 1)),
-        f"steps {[r['step'] for r in steps]}, not 1..{want}",
-    )
+    got = [r["step"] for r in steps]
+    check(got == list(range(1, want + 1)), f"steps {got}, not 1..{want}")
     for r in steps:
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_mean"):
             check(math.isfinite(float(r[key])), f"step {r['step']}: {key} = {r[key]}")
     numbers["step_s"] = [round(float(r.get("timing_s/step", float("nan"))), 3) for r in steps]
     numbers["grad_norm"] = [round(float(r["actor/grad_norm"]), 6) for r in steps]
     if variant == "base":
-        check(
-            steps[1].get("ref/reset_reason") == "interval",
-            f"no reference reset after step 2: {steps[1].get('ref/reset_reason')!r}",
-        )
+        reason = steps[1].get("ref/reset_reason")
+        check(reason == "interval", f"no reference reset after step 2: {reason!r}")
         vals = [r["val/accuracy"] for r in rows(out) if "val/accuracy" in r]
-        check(len(vals) >= 2, f"validation ran {len(vals)} times, expected before training and at step 2")
+        check(len(vals) >= 2, f"validation ran {len(vals)} times, expected before and at step 2")
         numbers["val_accuracy"] = [round(v, 4) for v in vals]
         from safetensors.torch import load_file
 
         final = load_file(os.path.join(out, "checkpoints", "final", "model.safetensors"))
-        check(
-            not (final["lm_head.weight"] == final["model.embed_tokens.weight"]).all(),
-            "the exported head is tied",
-        )
+        tied = (final["lm_head.weight"] == final["model.embed_tokens.weight"]).all()
+        check(not tied, "the exported head is tied")
     return numbers
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", choices=sorted(VARIANTS), required=True)
-    parser.add_argument("--results", required=True, help="where preset_<variant>.json and the logs go")
-    parser.add_argument("--runs", default="/tmp/prorl-gpu-runs", help="the runs' output directories")
+    parser.add_argument(
+        "--results", required=True, help="where preset_<variant>.json and the logs go"
+    )
+    parser.add_argument(
+        "--runs", default="/tmp/prorl-gpu-runs", help="the runs' output directories"
+    )
     args = parser.parse_args(argv)
     os.makedirs(args.results, exist_ok=True)
     try:

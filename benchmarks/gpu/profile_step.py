@@ -1,13 +1,11 @@
 """Where prorl's RL step spends its time on a GPU, and the fused ops' device-only times.
 
     python -m benchmarks.gpu.profile_step [--model random] [--steps 6] [--prompts 16] [--n 8]
-    [--max-new 128]
+        [--max-new 128]
 
-1. rl_step's prorl Trainer (bf16, native sampler) on cuda:0: phase times and Triton kernels compiled
-   per step, then again with each SDPA kernel family switched off in turn; 2. torch.profiler's top
-   ops over one step; 3. ppo_loss (Triton) wall and CUDA-graph device times at N = 4K / 64K / 1M
-   tokens.
-Prints only; nothing is written to the results CSVs.
+Phase times of rl_step's prorl Trainer on cuda:0 (then with each SDPA kernel family off),
+torch.profiler's top ops over one step, and ppo_loss's wall and CUDA-graph device times. Prints
+only. Details: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import time
 
 
 def _triton_cache_files() -> int:
-    root = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    root = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
     return sum(len(files) for _, _, files in os.walk(root)) if os.path.isdir(root) else 0
 
 
@@ -33,11 +31,9 @@ def _steps(step, k: int, label: str, responses: int) -> None:
         torch.cuda.synchronize()
         wall = (time.perf_counter() - t0) * 1e3
         phases = " ".join(f"{p} {m[p] * 1e3:7.1f}" for p in ("gen", "reward", "old_logp", "update"))
-        print(
-            f"{label:<14} step {i}: {wall:8.1f} ms | {phases} | resp len {m['tokens'] / responses:.1f}"
-            f" | triton cache +{_triton_cache_files() - before}",
-            flush=True,
-        )
+        length, cache = m["tokens"] / responses, _triton_cache_files() - before
+        line = f"{label:<14} step {i}: {wall:8.1f} ms | {phases} | resp len {length:.1f}"
+        print(f"{line} | triton cache +{cache}", flush=True)
 
 
 def profile_trainer(args) -> None:
@@ -49,8 +45,8 @@ def profile_trainer(args) -> None:
     from prorl.rewards.pool import RewardPool
 
     w, path = work(args.model, args.prompts, args.n, args.max_new), model_path(args.model)
-    all_backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION]
-    all_backends.append(SDPBackend.MATH)
+    all_backends = [SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+    all_backends += [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
     with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
         run = prorl_trainer(w, path, gpu=True, gen="native", pool=pool)
         print(f"model {args.model} ({path}); attention {run.attention()}", flush=True)
@@ -62,9 +58,8 @@ def profile_trainer(args) -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             run.step()
             torch.cuda.synchronize()
-        table = prof.key_averages()
-        print(table.table(sort_by="self_cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
-        print(table.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60), flush=True)
+        for key in ("self_cuda_time_total", "self_cpu_time_total"):
+            print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
 
 
 def _ppo_loss_calls(n: int):
@@ -80,8 +75,8 @@ def _ppo_loss_calls(n: int):
     ref = old - 0.1
     cu = torch.arange(0, n + 1, 1024, device="cuda", dtype=torch.int32)
 
-    def fwd():
-        return ppo_loss(logp, old, adv, mask, ref_logp=ref, kl_coef=1e-3, cu_seqlens=cu, backend="triton")
+    kw = dict(ref_logp=ref, kl_coef=1e-3, cu_seqlens=cu, backend="triton")
+    fwd = lambda: ppo_loss(logp, old, adv, mask, **kw)
 
     def fwd_bwd():
         loss, _ = fwd()
@@ -101,14 +96,14 @@ def ppo_loss_device_times() -> None:
                 dev = f"{triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3:8.1f} us"
             except Exception as exc:  # noqa: BLE001 - report and go on
                 dev = f"capture failed ({type(exc).__name__}: {exc})"
-            print(f"ppo_loss N={n:>8} {name:<17} wall {wall:8.1f} us   device (CUDA graph) {dev}", flush=True)
+            print(f"ppo_loss N={n:>8} {name:<17} wall {wall:8.1f} us   device (CUDA graph) {dev}")
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m benchmarks.gpu.profile_step", description=__doc__.split("\n")[0]
+    p = argparse.ArgumentParser("python -m benchmarks.gpu.profile_step", description=__doc__)
+    p.add_argument(
+        "--model", default="random", help="tiny | random | large (benchmarks/rl_step.py)"
     )
-    p.add_argument("--model", default="random", help="tiny | random | large (benchmarks/rl_step.py)")
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--n", type=int, default=8)

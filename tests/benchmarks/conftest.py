@@ -1,4 +1,4 @@
-"""What the benchmark smoke tests share: running a benchmark's `main` and reading the CSV it wrote."""
+"""What the benchmark smoke tests share: running a benchmark's `main`, reading the CSV it wrote."""
 
 import csv
 
@@ -9,8 +9,9 @@ from benchmarks import harness
 
 @pytest.fixture
 def run_main(capsys):
-    """run(main, args, out, printed) -> the rows `main(args)` appended to the CSV `out`, after checking
-    that it exited 0, printed `printed` (the summary) and wrote the CSV columns (harness.COLUMNS)."""
+    """run(main, args, out, printed) -> the rows `main(args)` appended to the CSV `out`, after
+    checking that it exited 0, printed `printed` (the summary) and wrote the CSV columns
+    (harness.COLUMNS)."""
 
     def run(main, args, out, printed=""):
         assert main(args) == 0

@@ -1,6 +1,6 @@
-"""Smoke test of the advantages benchmark (tiny shapes, temp CSV; never asserts speed), and a check that
-its Python-loop baseline computes what the op computes (else the speed ratio would compare different math).
-"""
+"""Smoke test of the advantages benchmark (tiny shapes, temp CSV; never asserts speed), and a check
+that its Python-loop baseline computes what the op computes (else the speed ratio would compare
+different math)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,20 @@ from benchmarks import advantages
 
 def test_advantages_benchmark_smoke(tmp_path, run_main):
     out = tmp_path / "adv.csv"
-    args = ["--groups", "4", "--n", "4", "--reps", "2", "--warmup", "0", "--threads", "1", "--out", str(out)]
+    args = [
+        "--groups",
+        "4",
+        "--n",
+        "4",
+        "--reps",
+        "2",
+        "--warmup",
+        "0",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
     rows = run_main(advantages.main, args, out, "speed-up vs python-loop")
     seen = {(r["provider"], r["shape"].split()[-1], r["metric"]) for r in rows}
     for provider in advantages.PROVIDERS:

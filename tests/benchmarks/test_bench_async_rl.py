@@ -1,5 +1,5 @@
-"""benchmarks/async_rl.py: the `--quick` smoke run (real torchrun jobs: sync and 1 + 1 async), and its
-arithmetic (time base, idle fractions, overlap, accuracy delta, the GPU projection) on hand-made
+"""benchmarks/async_rl.py: the `--quick` smoke run (real torchrun jobs: sync and 1 + 1 async), and
+its arithmetic (time base, idle fractions, overlap, accuracy delta, the GPU projection) on hand-made
 numbers worked out in the comments."""
 
 from __future__ import annotations
@@ -127,6 +127,8 @@ def test_the_gpu_check_runs_async_after_main_job_and_reads_its_run(tmp_path):
     assert names.index("async_rl") == names.index("main_job") + 1
     cmd = steps[names.index("async_rl")].cmd
     assert cmd[cmd.index("--sync-run") + 1].endswith("/default")  # main_job's output_dir
-    assert f"output_dir={cmd[cmd.index('--sync-run') + 1]}" in steps[names.index("main_job")].cmd[-1]
+    assert (
+        f"output_dir={cmd[cmd.index('--sync-run') + 1]}" in steps[names.index("main_job")].cmd[-1]
+    )
     bare = {s.name: s.skip for s in plan.plan("python", {"cuda": True}, str(tmp_path))}
     assert "omegaconf, math_verify not importable" in bare["async_rl"]

@@ -1,5 +1,5 @@
-"""Smoke test of benchmarks/collectives.py: 2 gloo ranks under torchrun, one small size, a temp CSV; and the
-nccl-tests conventions (bus-bandwidth factors, their table format). Never asserts speed."""
+"""Smoke test of benchmarks/collectives.py: 2 gloo ranks under torchrun, one small size, a temp CSV;
+and the nccl-tests conventions (bus-bandwidth factors, their table format). Never asserts speed."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import pytest
 
 from benchmarks import collectives
 
-# nccl-tests' table (all_reduce_perf -b 1K -e 4K -f 4 -g 2; spacing narrowed), out-of-place then in-place
+# nccl-tests' table (all_reduce_perf -b 1K -e 4K -f 4 -g 2; spacing narrowed), out-of-place then
+# in-place
 NCCL_TESTS_TABLE = """\
 #                                                          out-of-place                   in-place
 #   size     count  type  redop  root  time  algbw  busbw #wrong  time  algbw  busbw #wrong
@@ -40,7 +41,19 @@ def test_parse_nccl_tests_reads_out_of_place_columns():
 
 def test_collectives_two_gloo_ranks(tmp_path, run_main):
     out = tmp_path / "collectives.csv"
-    args = ["--sizes", "4096", "--reps", "2", "--iters", "3", "--warmup", "1", "--cpu", "--out", str(out)]
+    args = [
+        "--sizes",
+        "4096",
+        "--reps",
+        "2",
+        "--iters",
+        "3",
+        "--warmup",
+        "1",
+        "--cpu",
+        "--out",
+        str(out),
+    ]
     rows = run_main(collectives.main, args + ["--no-plot"], out, "busbw")
     by = {(r["mode"], r["metric"]): r for r in rows}
     for op in collectives.OPS:
@@ -49,4 +62,6 @@ def test_collectives_two_gloo_ranks(tmp_path, run_main):
         assert float(t["p50"]) > 0
         # algbw = size / time; busbw = algbw x the op's factor (2 ranks)
         assert float(alg["p50"]) == pytest.approx(4096 / (float(t["p50"]) * 1e-6) / 1e9, rel=1e-4)
-        assert float(bus["p50"]) == pytest.approx(float(alg["p50"]) * collectives.bus_factor(op, 2), rel=1e-4)
+        assert float(bus["p50"]) == pytest.approx(
+            float(alg["p50"]) * collectives.bus_factor(op, 2), rel=1e-4
+        )

@@ -1,5 +1,5 @@
-"""Smoke test of `python -m benchmarks dropin` (TRL's providers: verl and OpenRLHF live in the peers venv).
-Never asserts speed."""
+"""Smoke test of `python -m benchmarks dropin` (TRL's providers: verl and OpenRLHF live in the peers
+venv). Never asserts speed."""
 
 from __future__ import annotations
 

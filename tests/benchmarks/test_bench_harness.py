@@ -1,7 +1,9 @@
-"""Smoke test of the benchmark harness: a tiny shape, two CPU providers, a temp CSV. Never asserts speed.
+"""Smoke test of the benchmark harness: a tiny shape, two CPU providers, a temp CSV. Never asserts
+speed.
 
-Checks that `python -m benchmarks linear_logprob_entropy` plumbing works end to end (worker processes,
-long-format CSV with the documented columns, the summary) and that the plot script reads what it wrote.
+Checks that `python -m benchmarks linear_logprob_entropy` plumbing works end to end (worker
+processes, long-format CSV with the documented columns, the summary) and that the plot script reads
+what it wrote.
 """
 
 from __future__ import annotations
@@ -54,4 +56,6 @@ def test_linear_logprob_entropy_smoke(tmp_path, run_main):
     from benchmarks import plot
 
     pngs = plot.plot(out, tmp_path)
-    assert [p.name for p in pngs][:1] == ["llle_time.png"] and all(p.stat().st_size > 0 for p in pngs)
+    assert [p.name for p in pngs][:1] == ["llle_time.png"] and all(
+        p.stat().st_size > 0 for p in pngs
+    )

@@ -1,4 +1,5 @@
-"""Smoke test of the ppo_loss and linear_ppo_loss benchmarks: tiny shapes, temp CSV. Never asserts speed."""
+"""Smoke test of the ppo_loss and linear_ppo_loss benchmarks: tiny shapes, temp CSV. Never asserts
+speed."""
 
 from __future__ import annotations
 
@@ -7,7 +8,16 @@ from benchmarks import linear_ppo_loss, ppo_loss
 
 def test_ppo_loss_benchmark_smoke(tmp_path, run_main):
     out = tmp_path / "ppo.csv"
-    args = ["--sizes", "64", "--providers", "prorl,naive,trl-style", "--modes", "full", "--reps", "2"]
+    args = [
+        "--sizes",
+        "64",
+        "--providers",
+        "prorl,naive,trl-style",
+        "--modes",
+        "full",
+        "--reps",
+        "2",
+    ]
     args += ["--warmup", "0", "--threads", "1", "--out", str(out)]
     rows = run_main(ppo_loss.main, args, out, "speed-up vs naive")
     seen = {(r["provider"], r["metric"]) for r in rows}

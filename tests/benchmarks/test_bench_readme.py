@@ -11,7 +11,19 @@ from benchmarks.report import readme
 OLD = harness.COLUMNS_BEFORE_COMMAND
 
 
-def _row(provider, metric, p50, *, stamp, mode="full", shape="N=8", unit="ms", spread=0.1, command="", **kw):
+def _row(
+    provider,
+    metric,
+    p50,
+    *,
+    stamp,
+    mode="full",
+    shape="N=8",
+    unit="ms",
+    spread=0.1,
+    command="",
+    **kw,
+):
     return dict(
         name=kw.get("name", "ppo_loss"),
         provider=provider,
@@ -55,7 +67,8 @@ def _setup(tmp_path):
             _row("naive", "gflops", 3.0, stamp=t2, unit="GFLOPS", command=cmd),
         ],
     )
-    # a CSV from before the `command` column; rl_step: one row per (shape, provider), phases as columns
+    # a CSV from before the `command` column; rl_step: one row per (shape, provider), phases as
+    # columns
     rl = dict(name="rl_step", stamp=t1, shape="tiny P=2")
     _write(
         results / "rl_step.csv",
@@ -92,14 +105,16 @@ Shape: N=8; mode `full`.
 | prorl | 1.00 (0.900–1.10) | 4.00× | 2.50 |
 | naive | 4.00 (3.90–4.10) | 1.00× | 10.0 |
 
-time: p50 (p20–p80) of the timed repetitions; other columns p50. speed-up vs naive: naive's ÷ the row's \
+time: p50 (p20–p80) of the timed repetitions; other columns p50. speed-up vs naive: \
+naive's ÷ the row's \
 time p50, both from the same run.
 
 Run:
 
 - `python -m benchmarks ppo_loss --reps 20` — Test CPU, threads=2, 2026-01-02 11:30, rev `abc123`
 
-Plots: [ppo_loss_old.png](results/ppo_loss_old.png), [ppo_loss_time.png](results/ppo_loss_time.png) \
+Plots: [ppo_loss_old.png](results/ppo_loss_old.png), \
+[ppo_loss_time.png](results/ppo_loss_time.png) \
 (`python -m benchmarks plot ppo_loss`).
 """
 
@@ -162,7 +177,9 @@ def test_readme_without_markers_fails(tmp_path):
 def test_command_line():
     root = harness.REPO_ROOT
     assert (
-        harness.command_line([str(root / "benchmarks" / "__main__.py"), "rl_step", "--models", "tiny random"])
+        harness.command_line(
+            [str(root / "benchmarks" / "__main__.py"), "rl_step", "--models", "tiny random"]
+        )
         == "python -m benchmarks rl_step --models 'tiny random'"
     )
     assert harness.command_line([str(root / "benchmarks" / "rl_step.py"), "--quick"]) == (
@@ -173,10 +190,14 @@ def test_command_line():
 
 
 def test_append_csv_records_command_and_upgrades_old_csv(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", [str(harness.REPO_ROOT / "benchmarks" / "__main__.py"), "x", "--quick"])
+    monkeypatch.setattr(
+        sys, "argv", [str(harness.REPO_ROOT / "benchmarks" / "__main__.py"), "x", "--quick"]
+    )
     old = tmp_path / "old.csv"
     _write(old, [_row("a", "time", 1.0, stamp="t0")], columns=OLD)
-    harness.append_csv(old, [{k: v for k, v in _row("b", "time", 2.0, stamp="t1").items() if k != "command"}])
+    harness.append_csv(
+        old, [{k: v for k, v in _row("b", "time", 2.0, stamp="t1").items() if k != "command"}]
+    )
     with open(old, newline="") as f:
         reader = csv.DictReader(f)
         assert tuple(reader.fieldnames) == harness.COLUMNS

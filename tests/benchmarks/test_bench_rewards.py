@@ -1,5 +1,6 @@
-"""Smoke test of `python -m benchmarks rewards`: two items per domain, one worker, a temp CSV. Never asserts
-speed; checks the plumbing (pool and in-process providers, score checks, docs/architecture.md CSV columns)."""
+"""Smoke test of `python -m benchmarks rewards`: two items per domain, one worker, a temp CSV. Never
+asserts speed; checks the plumbing (pool and in-process providers, score checks,
+docs/architecture.md CSV columns)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,23 @@ from benchmarks import rewards
 
 
 def test_workloads_score_as_stated():
-    pytest.importorskip("math_verify", reason="the math verifier needs math-verify (a base dependency)")
+    pytest.importorskip(
+        "math_verify", reason="the math verifier needs math-verify (a base dependency)"
+    )
     from prorl.rewards import score
 
     for i in range(10):  # every math template once
         response, truth, expected = rewards.math_case(i)
         assert score("math", response, truth) == expected, response
-    assert len({rewards.math_case(i)[0] for i in range(40)}) == 40  # no repeated strings (parse cache)
+    assert (
+        len({rewards.math_case(i)[0] for i in range(40)}) == 40
+    )  # no repeated strings (parse cache)
 
 
 def test_rewards_benchmark_smoke(tmp_path, run_main):
-    pytest.importorskip("math_verify", reason="the math verifier needs math-verify (a base dependency)")
+    pytest.importorskip(
+        "math_verify", reason="the math verifier needs math-verify (a base dependency)"
+    )
     out = tmp_path / "rewards.csv"
     args = ["--batch", "2", "--reps", "1", "--warmup", "0", "--workers", "1", "--out", str(out)]
     rows = run_main(rewards.main, args, out, "speed-up vs naive")

@@ -1,5 +1,6 @@
-"""Smoke test of benchmarks/rl_step.py: one step each of prorl and TRL's GRPOTrainer on the tiny reasoner
-into a temp CSV, and the ablation swaps checked against prorl's own path. Never asserts speed."""
+"""Smoke test of benchmarks/rl_step.py: one step each of prorl and TRL's GRPOTrainer on the tiny
+reasoner into a temp CSV, and the ablation swaps checked against prorl's own path. Never asserts
+speed."""
 
 from __future__ import annotations
 
@@ -15,7 +16,18 @@ def test_rl_step_prorl_and_trl_one_step(tmp_path, run_main):
     pytest.importorskip("trl", reason="TRL is not installed (pip install trl)")
     pytest.importorskip("datasets", reason="TRL's GRPOTrainer needs datasets")
     out = tmp_path / "rl_step.csv"
-    args = ["--providers", "prorl,trl", "--models", "tiny", "--prompts", "2", "--n", "2", "--max-new", "8"]
+    args = [
+        "--providers",
+        "prorl,trl",
+        "--models",
+        "tiny",
+        "--prompts",
+        "2",
+        "--n",
+        "2",
+        "--max-new",
+        "8",
+    ]
     args += ["--warmup", "0", "--reps", "1", "--threads", "1", "--out", str(out), "--no-plot"]
     rows = run_main(rl_step.main, args, out, "speed-up vs trl")
     by = {(r["provider"], r["mode"], r["metric"]): r for r in rows}
@@ -55,10 +67,15 @@ def test_ablations_compute_what_prorl_computes(trainer):
 
     tr, tok, path = trainer
     prompts = tr.sampler.prompts[:2]
-    # transformers.generate: its sampled-token log-probs are the policy's (same weights, same distribution)
-    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=10, stop_token_ids=tr.stop_ids, seed=1)
+    # transformers.generate: its sampled-token log-probs are the policy's (same weights, same
+    # distribution)
+    params = SamplingParams(
+        n=2, temperature=1.0, max_new_tokens=10, stop_token_ids=tr.stop_ids, seed=1
+    )
     samples = HFGenerator(tr.policy, path, tok.pad_token_id).generate(prompts, params).samples
-    assert len(samples) == 4 and all(1 <= len(s.token_ids) == len(s.logprobs) <= 10 for s in samples)
+    assert len(samples) == 4 and all(
+        1 <= len(s.token_ids) == len(s.logprobs) <= 10 for s in samples
+    )
     # sequences of unequal length, so that padding is real
     seqs = [(prompts[s.prompt_index], s.token_ids[: 3 + i]) for i, s in enumerate(samples)]
     batch = pack([(p, [t]) for p, t in seqs], share=False)
@@ -87,7 +104,9 @@ def test_gpu_gen_overrides_and_refusal(capsys):
     native = rl_step.prorl_overrides(w, "p", gpu=True, gen="native")
     assert "model.dtype=bfloat16" in native and "rollout.backend=native" in native
     assert not any("gpu_memory_utilization" in o for o in native)
-    assert "rollout.backend=vllm" in rl_step.prorl_overrides(w, "p", gpu=True)  # the default stays vLLM
+    assert "rollout.backend=vllm" in rl_step.prorl_overrides(
+        w, "p", gpu=True
+    )  # the default stays vLLM
     with pytest.raises(ValueError):
         rl_step.prorl_overrides(w, "p", gpu=True, gen="hf")
     if not torch.cuda.is_available():

@@ -1,5 +1,6 @@
-"""benchmarks/rollout.py: the CPU defaults as before --device/--dtype, the dtype in the shapes and notes,
-one tiny generate step on CPU, and --device cuda refused without a GPU. Never asserts speed."""
+"""benchmarks/rollout.py: the CPU defaults as before --device/--dtype, the dtype in the shapes and
+notes, one tiny generate step on CPU, and --device cuda refused without a GPU. Never asserts speed.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ def test_defaults_and_notes():
     assert rollout.DEFAULT_CKPTS == ("tiny", "small") and "medium" in rollout.CHECKPOINTS
     shapes = rollout.make_shapes(["tiny"], [16], [128, 512])
     assert [s["label"] for s in shapes] == ["tiny B=16 new=128", "tiny B=16 new=512"]
-    assert all(s["dtype"] == "float32" for s in shapes) and [s["sync"] for s in shapes] == [True, False]
+    assert all(s["dtype"] == "float32" for s in shapes) and [s["sync"] for s in shapes] == [
+        True,
+        False,
+    ]
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert rollout._note("prorl", shapes[0], cpu) == ""  # CPU fp32 rows read as before
     assert rollout._note("transformers", shapes[0], cpu).endswith("static_cache no_logprobs")

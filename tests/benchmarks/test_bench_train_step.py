@@ -9,13 +9,32 @@ import torch
 
 from benchmarks import train_step
 
-ARGS = ["--quick", "--seqs", "3", "--lengths", "5,12", "--reps", "1", "--warmup", "0", "--threads", "1"]
+ARGS = [
+    "--quick",
+    "--seqs",
+    "3",
+    "--lengths",
+    "5,12",
+    "--reps",
+    "1",
+    "--warmup",
+    "0",
+    "--threads",
+    "1",
+]
 
 
 def test_train_step_benchmark_smoke(tmp_path, run_main):
     # Two providers through the worker processes (each worker costs seconds of imports).
     out = tmp_path / "train_step.csv"
-    args = ARGS + ["--providers", "prorl,transformers-padded", "--ckpt-dir", str(tmp_path), "--out", str(out)]
+    args = ARGS + [
+        "--providers",
+        "prorl,transformers-padded",
+        "--ckpt-dir",
+        str(tmp_path),
+        "--out",
+        str(out),
+    ]
     rows = run_main(train_step.main, args, out, "speed-up vs transformers-padded")
     seen = {(r["provider"], r["metric"]) for r in rows}
     for provider in ("prorl", "transformers-padded"):
@@ -27,11 +46,12 @@ def test_train_step_benchmark_smoke(tmp_path, run_main):
 
 
 def test_train_step_providers_compute_the_same_loss(tmp_path):
-    # Every provider built in this process: same weights, batch and loss, so each untimed loss (in the
-    # note) matches transformers on the padded batch, the independent reference; one step runs.
+    # Every provider built in this process: same weights, batch and loss, so each untimed loss (in
+    # the note) matches transformers on the padded batch, the independent reference; one step runs.
     shape = train_step.make_shape("tiny", 3, 5, 12, "float32", str(tmp_path))
-    # The FP8 rows: the same loss up to e4m3 quantisation of the block GEMMs (within 1%: a 5% error on
-    # activations of random weights moves the loss far less), but not bf16's number; TE refuses the CPU.
+    # The FP8 rows: the same loss up to e4m3 quantisation of the block GEMMs (within 1%: a 5% error
+    # on activations of random weights moves the loss far less), but not bf16's number; TE refuses
+    # the CPU.
     losses = {}
     with pytest.raises(RuntimeError, match="prorl-fp8-te needs Transformer Engine"):
         train_step.build("prorl-fp8-te", "full", shape, torch.device("cpu"))

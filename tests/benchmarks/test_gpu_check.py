@@ -1,6 +1,7 @@
-"""benchmarks/gpu_check.sh on the CPU: it refuses at once without a GPU, and its runner (benchmarks/gpu/
-check.py) reports each step's outcome, cuts limits to the budget and fails the run when a step fails.
-The GPU steps themselves run only on a GPU machine; here their commands are replaced by small ones."""
+"""benchmarks/gpu_check.sh on the CPU: it refuses at once without a GPU, and its runner
+(benchmarks/gpu/ check.py) reports each step's outcome, cuts limits to the budget and fails the run
+when a step fails. The GPU steps themselves run only on a GPU machine; here their commands are
+replaced by small ones."""
 
 import glob
 import json
@@ -39,9 +40,15 @@ def test_steps_report_ok_fail_timeout_and_skips_and_the_run_fails(tmp_path):
     steps = [
         check.Step("fine", 8, _py("print('3 passed')"), "prints"),
         check.Step("broken", 8, _py("import sys; print('boom'); sys.exit(3)"), "exits 3"),
-        check.Step("hangs", 1.5, _py("import time; print('waiting', flush=True); time.sleep(60)"), "sleeps"),
         check.Step(
-            "absent", 30, _py("raise SystemExit(9)"), "never runs", skip="flash-attn is not installed"
+            "hangs", 1.5, _py("import time; print('waiting', flush=True); time.sleep(60)"), "sleeps"
+        ),
+        check.Step(
+            "absent",
+            30,
+            _py("raise SystemExit(9)"),
+            "never runs",
+            skip="flash-attn is not installed",
         ),
         check.Step("late", 50, _py("print('x')"), "over budget"),
     ]
@@ -73,19 +80,38 @@ def test_only_and_skip_select_steps_by_name():
 
 
 def test_the_plan_names_files_that_exist_and_says_why_it_skips(tmp_path):
-    """Every path a step runs is in the tree (a rename fails here, not on the lent GPU), the crash-prone
-    steps come first, and without torchao or the config's wheels the steps that need them are skipped."""
-    full = {"cuda": True, "torchao": "0.18.0", "omegaconf": "2.4.0", "math_verify": "0.9.0", "vllm": None}
+    """Every path a step runs is in the tree (a rename fails here, not on the lent GPU), the
+    crash-prone steps come first, and without torchao or the config's wheels the steps that need
+    them are skipped."""
+    full = {
+        "cuda": True,
+        "torchao": "0.18.0",
+        "omegaconf": "2.4.0",
+        "math_verify": "0.9.0",
+        "vllm": None,
+    }
     steps = plan.plan(sys.executable, full, str(tmp_path))
     names = [s.name for s in steps]
-    assert names[:6] == ["gpu_rules", "fp8_cuda", "preset_fp8", "preset", "preset_offload", "cuda_paths"]
+    assert names[:6] == [
+        "gpu_rules",
+        "fp8_cuda",
+        "preset_fp8",
+        "preset",
+        "preset_offload",
+        "cuda_paths",
+    ]
     for step in steps:
         for arg in step.cmd:
             if arg.startswith(("tests/", "benchmarks/", "prorl/")) and arg.endswith((".py", ".sh")):
-                assert os.path.exists(os.path.join(ROOT, arg)) or arg == plan.GPU_RULES, (step.name, arg)
+                assert os.path.exists(os.path.join(ROOT, arg)) or arg == plan.GPU_RULES, (
+                    step.name,
+                    arg,
+                )
         assert step.skip is None or step.name in ("gpu_rules", "gpu_other"), (step.name, step.skip)
     covered = {a for s in steps for a in s.cmd if a.startswith("tests/gpu/")}
-    on_disk = {os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests/gpu/test_*.py"))}
+    on_disk = {
+        os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests/gpu/test_*.py"))
+    }
     assert on_disk <= covered, on_disk - covered  # every GPU test file runs
     bare = plan.plan(
         sys.executable, {"cuda": True, "torchao": None, "torchao_error": "No module"}, str(tmp_path)
@@ -100,14 +126,20 @@ def test_the_plan_names_files_that_exist_and_says_why_it_skips(tmp_path):
 
 
 def test_main_runs_install_then_plan_and_writes_the_summary(tmp_path, monkeypatch):
-    """The whole runner on a pretend GPU machine: the probe's answer, the install and the plan replaced."""
+    """The whole runner on a pretend GPU machine: the probe's answer, the install and the plan
+    replaced."""
     monkeypatch.setattr(check, "glob", types.SimpleNamespace(glob=lambda pattern: ["/dev/nvidia0"]))
     monkeypatch.setattr(check, "CUDA_PROBE", 'print(\'["pretend", "13.0", true]\')')
-    monkeypatch.setattr(check, "PROBE", "import json; print(json.dumps({'cuda': True, 'torch': 'pretend'}))")
+    monkeypatch.setattr(
+        check, "PROBE", "import json; print(json.dumps({'cuda': True, 'torch': 'pretend'}))"
+    )
     monkeypatch.setattr(
         plan, "install_steps", lambda python: [check.Step("install", 10, _py("print(1)"), "i")]
     )
-    steps = [check.Step("good", 10, _py("print('fine')"), "g"), check.Step("bad", 10, _py("exit(4)"), "b")]
+    steps = [
+        check.Step("good", 10, _py("print('fine')"), "g"),
+        check.Step("bad", 10, _py("exit(4)"), "b"),
+    ]
     monkeypatch.setattr(plan, "plan", lambda python, env, results: steps)
     out = tmp_path / "out"
     assert check.main([str(out)]) == 1
@@ -125,4 +157,6 @@ def test_main_runs_install_then_plan_and_writes_the_summary(tmp_path, monkeypatc
     failing_install = [check.Step("install", 10, _py("exit(1)"), "i")]
     monkeypatch.setattr(plan, "install_steps", lambda python: failing_install)
     assert check.main([str(tmp_path / "third")]) == 1
-    assert not (tmp_path / "third" / "logs" / "good.log").exists()  # nothing runs after a failed install
+    assert not (
+        tmp_path / "third" / "logs" / "good.log"
+    ).exists()  # nothing runs after a failed install
