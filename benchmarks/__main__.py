@@ -1,8 +1,8 @@
-"""`python -m benchmarks <name> [args...]` runs benchmarks/<name>.py's `main(args)`; `--list` lists them.
+"""`python -m benchmarks <name> [args...]` runs benchmarks/<name>.py's `main`; `--list` lists them.
 
 A benchmark is a module here with a top-level `main` (a function, or `main = BENCHMARK.main`);
 `COMMANDS` adds sub-folders' commands. Listing reads the docstrings without importing (no torch).
-"""  # noqa: E501 - its first line is read whole (--list, the README)
+"""
 
 from __future__ import annotations
 

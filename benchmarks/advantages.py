@@ -1,11 +1,11 @@
-"""Benchmark of `prorl.kernels.group_advantages` against a per-group Python loop, as naive trainers write it.
+"""Benchmark of `prorl.kernels.group_advantages` against a per-group Python loop (naive trainers).
 
     python -m benchmarks advantages [--quick] [--threads N] [--groups G1,G2] [--n 16] [--algos a,b]
 
 The `shape` column names the algorithm (`reinforce++-baseline`, `grpo`); mode `forward` only.
 Providers: `prorl`, `prorl-dense` (num_groups=G), `python-loop` (verl's). Details:
 docs/benchmarks.md.
-"""  # noqa: E501 - its first line is read whole (--list, the README)
+"""
 
 from __future__ import annotations
 

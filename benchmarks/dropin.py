@@ -1,4 +1,4 @@
-"""Stock vs prorl drop-in inside each peer (TRL, verl, OpenRLHF): one update's time and peak extra memory.
+"""Stock vs prorl drop-in inside TRL, verl and OpenRLHF: one update's time and peak extra memory.
 
     python -m benchmarks dropin [--quick] [--vocab 32768,151936] [--providers a,b] [--threads N]
         [--out CSV]
@@ -6,7 +6,7 @@
 A tiny random Qwen2; one call = one update of the peer's own code. Providers: `trl` / `trl-fused`
 (`trl-loss` on request), `verl` / `verl-fused`, `openrlhf` / `openrlhf-fused` (with the stand-ins of
 tests/peers/peer_stubs.py). Details: docs/benchmarks.md.
-"""  # noqa: E501 - its first line is read whole (--list, the README)
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The embedded default's result beside its control: RL vs the same minutes of further supervised training.
+"""The embedded default's result beside its control: RL vs the same minutes of supervised training.
 
     OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node=2 prorl/train.py     # -> runs/<ts>/
     OMP_NUM_THREADS=1 python -m prorl.warmstart --init prorl/assets/tiny-reasoner \\
@@ -8,7 +8,7 @@
 
 Held-out greedy accuracy against wall time for both (the same 200 problems): embedded_default.png
 and rows in embedded_default.csv. Details: docs/benchmarks.md.
-"""  # noqa: E501 - its first line is read whole (--list, the README)
+"""
 
 from __future__ import annotations
 

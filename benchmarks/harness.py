@@ -1,10 +1,10 @@
-"""The shared benchmark harness: providers x modes x shapes -> time, throughput and peak extra memory.
+"""The shared benchmark harness: providers x modes x shapes -> time, throughput, peak extra memory.
 
 A benchmark module defines `build(provider, mode, shape, device) -> Step | None` (None: no such mode
 for the provider) and a `Benchmark`, whose `main` is its command line. Each provider runs in a fresh
 worker process; the rows (columns `COLUMNS`) are appended to `benchmarks/results/<name>.csv`. What
 is measured and how: docs/benchmarks.md.
-"""  # noqa: E501 - its first line is read whole (--list, the README)
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Benchmark of `prorl.kernels.linear_ppo_loss` (loss from hidden states, 6NDV) against its GEMM floor.
+"""Benchmark of `prorl.kernels.linear_ppo_loss` (loss from hidden states, 6NDV) vs its GEMM floor.
 
     python -m benchmarks linear_ppo_loss [--quick] [--threads N] [--shape N,D,V] [--providers a,b]
         [--out CSV]
 
 Mode `full` only, every provider credited with 6NDV FLOPs; `prorl-unfused` is linear_logprob_entropy
 then ppo_loss. Details: docs/benchmarks.md.
-"""  # noqa: E501 - its first line is read whole (--list, the README)
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Plots of the benchmark results CSVs: the generic time and memory bars, and each benchmark's own figure.
+"""Plots of the benchmark results CSVs: time and memory bars, and each benchmark's own figure.
 
     python -m benchmarks plot [linear_logprob_entropy | path/to/results.csv] [--outdir DIR]
 
 The command draws, per (device, shape) panel, the newest row of every (provider, mode, metric) as a
 bar at the p50 with a p20-p80 whisker: <stem>_time.png and <stem>_memory.png. The other functions
 draw one benchmark's figure. Details: docs/benchmarks.md.
-"""  # noqa: E501 - its first line is read whole (--list, the README)
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""ProRL's claims on a prolonged run, in miniature: the full recipe against one-piece ablations, >= 2 seeds.
+"""ProRL's claims on a small prolonged run: the full recipe vs one-piece ablations, 2+ seeds.
 
     OMP_NUM_THREADS=1 python -m benchmarks prolonged [--steps 500] [--seeds 1,2] [--jobs 2]
     python -m benchmarks prolonged --quick       # smoke test: 2 variants x 1 seed x 4 tiny steps
@@ -6,7 +6,7 @@
 
 Every run is `python prorl/train.py --config prolonged` on one thread; a variant changes one thing
 (`VARIANTS`). Writes prolonged.csv, prolonged.md and three figures. Details: docs/benchmarks.md.
-"""  # noqa: E501 - its first line is read whole (--list, the README)
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Prompt scheduling on a prolonged run: generated tokens per kept group, kept fraction, accuracy, wall time.
+"""Prompt scheduling on a prolonged run: tokens per kept group, kept fraction, accuracy, wall time.
 
     OMP_NUM_THREADS=1 python -m benchmarks prompt_scheduling [--steps 300] [--providers ...]
 
 The embedded default (torchrun, 2 CPU processes), same seed and steps per provider:
 `dynamic-sampling` (scheduler.mode=none), `pass-rate` (prorl/scheduler.py), `exclude-solved`
 (open-instruct's rule); plot prompt_scheduling.png. Details: docs/benchmarks.md.
-"""  # noqa: E501 - its first line is read whole (--list, the README)
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Benchmark of reward verification: verifications per second for math and code, RewardPool vs in-process.
+"""Benchmark of reward verification: verifications/s for math and code, RewardPool vs in-process.
 
     python -m benchmarks rewards [--quick] [--workers 2] [--domains math,code]
         [--providers prorl,naive]
 
 `prorl` (RewardPool) against `naive` (`score` in-process) on fixed workloads, every score checked
 against the known answer. Details: docs/benchmarks.md.
-"""  # noqa: E501 - its first line is read whole (--list, the README)
+"""
 
 from __future__ import annotations
 

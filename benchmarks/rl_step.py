@@ -1,4 +1,4 @@
-"""End-to-end RL step: prorl's Trainer vs TRL's GRPOTrainer at equal work, per phase, with ablations.
+"""End-to-end RL step: prorl's Trainer vs TRL's GRPOTrainer at equal work, per phase, ablations.
 
     python -m benchmarks rl_step [--quick] [--threads 1] [--models tiny,random]
         [--providers prorl,trl,...]
@@ -8,7 +8,7 @@
 
 The mode column names the phase (`PHASES`); prorl's ablations are named by what they switch off
 (`ABLATIONS`, combinable). Details: docs/benchmarks.md.
-"""  # noqa: E501 - its first line is read whole (--list, the README)
+"""
 
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
-"""Rollout throughput: NativeGenerator vs transformers.generate (static cache) vs vLLM, and weight-sync cost.
+"""Rollout throughput: NativeGenerator vs transformers.generate vs vLLM, and weight-sync cost.
 
     python -m benchmarks rollout [--quick] [--threads N] [--providers a,b] [--out CSV]
     python -m benchmarks rollout --device cuda [--dtype bfloat16] --ckpts tiny,small,medium
 
 Same random checkpoint and prompts, temperature 1, no stop tokens; modes `generate`,
 `weight_sync`, `weight_sync_checked` (vLLM only). Details: docs/benchmarks.md.
-"""  # noqa: E501 - its first line is read whole (--list, the README)
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Training step throughput: our Decoder + fused loss on packed sequences vs transformers' Qwen2 (fwd+bwd).
+"""Training step throughput: our Decoder + fused loss on packed sequences vs transformers' Qwen2.
 
     python -m benchmarks train_step [--quick] [--threads N] [--model small] [--seqs 16]
         [--lengths 64,512] [--providers a,b] [--reps R] [--warmup W] [--out CSV]
@@ -8,7 +8,7 @@
 
 One call = forward, the mean next-token NLL over the real tokens, backward, on the same weights and
 batch for every provider (each row's note carries `loss=...`). Details: docs/benchmarks.md.
-"""  # noqa: E501 - its first line is read whole (--list, the README)
+"""
 
 from __future__ import annotations
 

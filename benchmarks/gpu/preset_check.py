@@ -1,9 +1,10 @@
-"""The prorl_v2_1.5b preset in miniature under `torchrun --nproc_per_node=1` (NCCL on a GPU, gloo on the
-CPU), one step of benchmarks/gpu_check.sh per variant (`VARIANTS`: base, fp8, offload); writes
-RESULTS/preset_<variant>.json, exits 1 naming the first failed check. Details: docs/benchmarks.md.
+"""The prorl_v2_1.5b preset in miniature under `torchrun --nproc_per_node=1` (NCCL on a GPU, gloo
+on the CPU), one step of benchmarks/gpu_check.sh per variant (`VARIANTS`: base, fp8, offload);
+writes RESULTS/preset_<variant>.json, exits 1 naming the first failed check. Details:
+docs/benchmarks.md.
 
     python benchmarks/gpu/preset_check.py --variant base --results DIR --runs /tmp/runs
-"""  # noqa: E501 - its first line is read whole (--list, the README)
+"""
 
 from __future__ import annotations
 

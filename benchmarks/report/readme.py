@@ -1,11 +1,11 @@
-"""Regenerate README.md's performance tables from benchmarks/results/*.csv (`--check`: fail if stale).
+"""Regenerate README.md's performance tables from benchmarks/results/*.csv (`--check`: if stale).
 
     python -m benchmarks readme [--check] [--readme README.md] [--results benchmarks/results]
 
 Rewrites the text between `<!-- perf:begin -->` and `<!-- perf:end -->`: per CSV and machine a
 table of the newest rows (`VIEWS`), the runs behind them, links to the PNGs. Details:
 docs/benchmarks.md.
-"""  # noqa: E501 - its first line is read whole (--list, the README)
+"""
 
 from __future__ import annotations
 
