@@ -65,6 +65,7 @@ CHECKED = {
     "functions over 8 parameters",
     "import cycles",
     "function-level imports of own modules",
+    "max lines over 100 chars in one file",
 }
 
 
