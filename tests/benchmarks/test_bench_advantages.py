@@ -13,20 +13,7 @@ from benchmarks import advantages
 
 def test_advantages_benchmark_smoke(tmp_path, run_main):
     out = tmp_path / "adv.csv"
-    args = [
-        "--groups",
-        "4",
-        "--n",
-        "4",
-        "--reps",
-        "2",
-        "--warmup",
-        "0",
-        "--threads",
-        "1",
-        "--out",
-        str(out),
-    ]
+    args = [*"--groups 4 --n 4 --reps 2 --warmup 0 --threads 1 --out".split(), str(out)]
     rows = run_main(advantages.main, args, out, "speed-up vs python-loop")
     seen = {(r["provider"], r["shape"].split()[-1], r["metric"]) for r in rows}
     for provider in advantages.PROVIDERS:

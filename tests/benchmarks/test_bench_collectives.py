@@ -41,19 +41,7 @@ def test_parse_nccl_tests_reads_out_of_place_columns():
 
 def test_collectives_two_gloo_ranks(tmp_path, run_main):
     out = tmp_path / "collectives.csv"
-    args = [
-        "--sizes",
-        "4096",
-        "--reps",
-        "2",
-        "--iters",
-        "3",
-        "--warmup",
-        "1",
-        "--cpu",
-        "--out",
-        str(out),
-    ]
+    args = [*"--sizes 4096 --reps 2 --iters 3 --warmup 1 --cpu --out".split(), str(out)]
     rows = run_main(collectives.main, args + ["--no-plot"], out, "busbw")
     by = {(r["mode"], r["metric"]): r for r in rows}
     for op in collectives.OPS:

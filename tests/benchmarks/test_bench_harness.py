@@ -18,19 +18,8 @@ from benchmarks import harness, linear_logprob_entropy
 def test_linear_logprob_entropy_smoke(tmp_path, run_main):
     out = tmp_path / "llle.csv"
     args = [
-        "--shape",
-        "32,16,512",
-        "--providers",
-        "prorl-torch,naive",
-        "--modes",
-        "forward,full",
-        "--reps",
-        "2",
-        "--warmup",
-        "0",
-        "--threads",
-        "1",
-        "--out",
+        *"--shape 32,16,512 --providers prorl-torch,naive --modes forward,full".split(),
+        *"--reps 2 --warmup 0 --threads 1 --out".split(),
         str(out),
     ]
     rows = run_main(linear_logprob_entropy.main, args, out, "speed-up vs naive")

@@ -8,16 +8,7 @@ from benchmarks import linear_ppo_loss, ppo_loss
 
 def test_ppo_loss_benchmark_smoke(tmp_path, run_main):
     out = tmp_path / "ppo.csv"
-    args = [
-        "--sizes",
-        "64",
-        "--providers",
-        "prorl,naive,trl-style",
-        "--modes",
-        "full",
-        "--reps",
-        "2",
-    ]
+    args = "--sizes 64 --providers prorl,naive,trl-style --modes full --reps 2".split()
     args += ["--warmup", "0", "--threads", "1", "--out", str(out)]
     rows = run_main(ppo_loss.main, args, out, "speed-up vs naive")
     seen = {(r["provider"], r["metric"]) for r in rows}

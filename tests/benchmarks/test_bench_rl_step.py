@@ -16,18 +16,7 @@ def test_rl_step_prorl_and_trl_one_step(tmp_path, run_main):
     pytest.importorskip("trl", reason="TRL is not installed (pip install trl)")
     pytest.importorskip("datasets", reason="TRL's GRPOTrainer needs datasets")
     out = tmp_path / "rl_step.csv"
-    args = [
-        "--providers",
-        "prorl,trl",
-        "--models",
-        "tiny",
-        "--prompts",
-        "2",
-        "--n",
-        "2",
-        "--max-new",
-        "8",
-    ]
+    args = "--providers prorl,trl --models tiny --prompts 2 --n 2 --max-new 8".split()
     args += ["--warmup", "0", "--reps", "1", "--threads", "1", "--out", str(out), "--no-plot"]
     rows = run_main(rl_step.main, args, out, "speed-up vs trl")
     by = {(r["provider"], r["mode"], r["metric"]): r for r in rows}

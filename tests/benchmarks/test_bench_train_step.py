@@ -9,19 +9,7 @@ import torch
 
 from benchmarks import train_step
 
-ARGS = [
-    "--quick",
-    "--seqs",
-    "3",
-    "--lengths",
-    "5,12",
-    "--reps",
-    "1",
-    "--warmup",
-    "0",
-    "--threads",
-    "1",
-]
+ARGS = "--quick --seqs 3 --lengths 5,12 --reps 1 --warmup 0 --threads 1".split()
 
 
 def test_train_step_benchmark_smoke(tmp_path, run_main):
