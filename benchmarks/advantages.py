@@ -103,3 +103,7 @@ def _shapes(args) -> list[dict]:
 
 BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, modes=("forward",), reps=(10, 2))
 main = BENCHMARK.main
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -243,3 +243,7 @@ def main(argv=None) -> int:
     except ImportError:  # matplotlib is optional: the CSV is written either way
         print(f"wrote {args.out}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -144,3 +144,7 @@ def _shapes(args) -> list[dict]:
 plot = lambda csv, rows, args: plot_csv(csv)
 BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, KNOWN, reps=(3, 2), plot=plot)
 main = BENCHMARK.main
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

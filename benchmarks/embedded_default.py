@@ -22,8 +22,12 @@ NAME = "embedded_default"
 
 def rl_curve(run: Path) -> list[tuple[float, float]]:
     """(seconds since the first step, held-out accuracy) of an RL run; accuracy before RL at 0 s."""
-    elapsed, curve = 0.0, []
-    for r in harness.read_metrics(run):
+    elapsed, curve, rows = 0.0, [], harness.read_metrics(run)
+    if not rows:
+        raise FileNotFoundError(
+            f"{run}/metrics.jsonl: no such file or no rows (not a run directory?)"
+        )
+    for r in rows:
         elapsed += r.get("timing_s/step", 0.0)
         if "val/accuracy" in r:
             curve.append((elapsed, r["val/accuracy"]))
@@ -61,3 +65,7 @@ def main(argv=None) -> int:
     png = plot.curves(curves, args.out.with_suffix(".png"), xlabel, ylabel)
     print(f"wrote {args.out} and {png}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

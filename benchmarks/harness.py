@@ -405,7 +405,8 @@ def run_benchmark(name: str, providers: Sequence[str], spec: dict, out: Path, ti
     spec: what the workers read (Benchmark.main's: module, shapes, modes, device, threads, reps,
     warmup, measure, options)."""
     spec = dict(spec, peak_tflops=H200_BF16_DENSE_TFLOPS)
-    spec["threads"] = spec["threads"] or len(os.sched_getaffinity(0))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    spec["threads"] = spec["threads"] or cores
     cases = f"{len(providers)} providers x {list(spec['modes'])} x {len(spec['shapes'])} shapes"
     settings = f"threads={spec['threads']}, warmup={spec['warmup']}, reps={spec['reps']}"
     print(f"{name}: {cases} on {spec['device']}, {settings} -> {out}", flush=True)

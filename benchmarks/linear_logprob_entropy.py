@@ -143,3 +143,7 @@ known = tuple(dict.fromkeys(CPU_PROVIDERS + GPU_PROVIDERS))
 settings = dict(modes=harness.MODES, view=VIEW, notes=_notes)
 BENCHMARK = harness.Benchmark(NAME, providers, _shapes, _options, known, **settings)
 main = BENCHMARK.main
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

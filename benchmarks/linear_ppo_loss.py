@@ -72,3 +72,7 @@ def _shapes(args) -> list[dict]:
 
 BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, view=VIEW)
 main = BENCHMARK.main
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

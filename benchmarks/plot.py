@@ -245,3 +245,7 @@ def main(argv: list[str] | None = None) -> int:
     for png in plot(path, args.outdir):
         print(png)
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -107,3 +107,7 @@ def _shapes(args) -> list[dict]:
 settings = dict(modes=harness.MODES, reps=(20, 2), warmup=(2, 2), notes=[NOTE])
 BENCHMARK = harness.Benchmark(NAME, PROVIDERS, _shapes, _options, **settings)
 main = BENCHMARK.main
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

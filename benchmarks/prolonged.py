@@ -374,3 +374,7 @@ def main(argv=None) -> int:
     written = [args.results / f"{NAME}.csv", args.results / f"{NAME}.md", *pngs]
     print("wrote " + ", ".join(map(str, written)))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

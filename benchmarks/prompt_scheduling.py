@@ -36,7 +36,10 @@ def run(provider: str, steps: int, val_every: int, out: Path, timeout: float) ->
     if proc.returncode != 0:
         tail = f"{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
         raise RuntimeError(f"{provider}: exit {proc.returncode}\n{tail}")
-    return harness.read_metrics(out)
+    rows = harness.read_metrics(out)
+    if not rows:
+        raise RuntimeError(f"{provider}: the run wrote no {out}/metrics.jsonl rows")
+    return rows
 
 
 def summary(rows: list[dict]) -> dict[str, float]:
@@ -85,3 +88,7 @@ def main(argv=None) -> int:
     png = plot.scheduling(tokens, curves, args.out.with_suffix(".png"))
     print(f"wrote {'' if args.quick else str(args.out) + ' and '}{png}")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

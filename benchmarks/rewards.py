@@ -134,3 +134,7 @@ BENCHMARK = harness.Benchmark(
     NAME, PROVIDERS, _shapes, _options, measure="benchmarks.rewards:measure"
 )
 main = BENCHMARK.main
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -277,3 +277,7 @@ providers = lambda args: ["prorl"] if args.scaling else PROVIDERS
 settings = dict(modes=("step",), warmup=(2, 1), threads=1, view=VIEW, plot=_plot)
 BENCHMARK = harness.Benchmark(NAME, providers, _shapes, _options, measure=MEASURE, **settings)
 main = BENCHMARK.main
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -178,3 +178,7 @@ BENCHMARK = harness.Benchmark(
     NAME, PROVIDERS, _shapes, _options, KNOWN, modes=MODES, derive=_tokens_per_s, plot=_plot
 )
 main = BENCHMARK.main
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

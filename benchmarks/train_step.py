@@ -257,3 +257,7 @@ BENCHMARK = harness.Benchmark(
     NAME, providers, _shapes, _options, GPU_PROVIDERS, derive=derived_rows, view=VIEW
 )
 main = BENCHMARK.main
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -48,7 +48,10 @@ for name in ("triton", "transformers", "omegaconf", "math_verify", "safetensors"
         out[name.split(".")[0]] = getattr(sys.modules[name.split(".")[0]], "__version__", "present")
     except Exception as exc:
         out[name.split(".")[0]] = None
-        if not isinstance(exc, ModuleNotFoundError) or name == "torchao.float8":
+        # not installed at all: no error to record; a missing part of it (a compiled extension,
+        # a dependency) is recorded
+        absent = isinstance(exc, ModuleNotFoundError) and exc.name == name.split(".")[0]
+        if not absent or name == "torchao.float8":
             out[name.split(".")[0] + "_error"] = str(exc)[:200]
 print(json.dumps(out))
 """

@@ -59,7 +59,10 @@ def profile_trainer(args) -> None:
             run.step()
             torch.cuda.synchronize()
         for key in ("self_cuda_time_total", "self_cpu_time_total"):
-            print(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60))
+            print(
+                prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=60),
+                flush=True,
+            )
 
 
 def _ppo_loss_calls(n: int):
@@ -96,7 +99,10 @@ def ppo_loss_device_times() -> None:
                 dev = f"{triton.testing.do_bench_cudagraph(fn, rep=200) * 1e3:8.1f} us"
             except Exception as exc:  # noqa: BLE001 - report and go on
                 dev = f"capture failed ({type(exc).__name__}: {exc})"
-            print(f"ppo_loss N={n:>8} {name:<17} wall {wall:8.1f} us   device (CUDA graph) {dev}")
+            print(
+                f"ppo_loss N={n:>8} {name:<17} wall {wall:8.1f} us   device (CUDA graph) {dev}",
+                flush=True,
+            )
 
 
 def main(argv=None) -> int:

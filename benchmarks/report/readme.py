@@ -335,3 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"{readme}: already up to date")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -153,3 +153,19 @@ def test_main_runs_install_then_plan_and_writes_the_summary(tmp_path, monkeypatc
     assert not (
         tmp_path / "third" / "logs" / "good.log"
     ).exists()  # nothing runs after a failed install
+
+
+def test_the_probe_says_why_an_installed_package_does_not_import(tmp_path):
+    """A package that is installed but whose compiled part is missing (flash-attn built for another
+    CUDA) gets its error in the machine record; one that is not installed gets none."""
+    fake = tmp_path / "flash_attn"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("import flash_attn_2_cuda_missing_part\n")
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.run(
+        [sys.executable, "-c", check.PROBE], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["flash_attn"] is None and "flash_attn_2_cuda_missing_part" in out["flash_attn_error"]
+    assert out["transformer_engine"] is None and "transformer_engine_error" not in out
