@@ -117,9 +117,14 @@ def init_distributed(
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
         device_id = _default_device(local_rank)
         torch.cuda.set_device(device_id)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     dist.init_process_group(
         backend=backend,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        store=dist.PrefixStore(f"attempt_{restart_count()}/", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
         device_id=device_id,  # NCCL: eager communicator creation on this GPU
     )
     info = dist_info()
@@ -128,6 +133,13 @@ def init_distributed(
             "distributed: %s, world size %d, device %s", backend, info.world_size, info.device
         )
     return info
+
+
+def restart_count() -> int:
+    """How often torchrun has restarted the workers (`--max-restarts`). Its store outlives a
+    restart, keys and all, so each attempt's process groups key their addresses under their own
+    prefix: a restarted rank would otherwise read a dead rank's address and wait for it."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 
 
 def destroy_distributed() -> None:

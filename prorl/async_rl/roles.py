@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from prorl.config import Config, ConfigError
 from prorl.config_runtime import collective_timeout_s
+from prorl.engine.distributed import restart_count
 
 STORE_PREFIX = "prorl/async/"
 
@@ -132,6 +133,8 @@ def init_async(cfg: Config, backend: str) -> Roles:
     trainers = world - r
     rollout = rank >= trainers
     store, _, _ = next(dist.rendezvous("env://"))
+    # every key of this attempt (the process groups' addresses, stop, pushes, batches) is its own
+    attempt = restart_count()  # engine/distributed.py says why
     side = "rollout" if rollout else "train"
     limits = timeouts(cfg, trainers, r)
     timeout_s = limits[side]
@@ -145,7 +148,7 @@ def init_async(cfg: Config, backend: str) -> Roles:
         torch.cuda.set_device(device_id)
     dist.init_process_group(
         backend=backend,
-        store=dist.PrefixStore(f"prorl/{side}/", store),
+        store=dist.PrefixStore(f"prorl/{attempt}/{side}/", store),
         rank=rank - trainers if rollout else rank,
         world_size=r if rollout else trainers,
         timeout=timeout,
@@ -153,11 +156,9 @@ def init_async(cfg: Config, backend: str) -> Roles:
     )
     push = None
     if rank == 0 or rollout:  # trainer 0 is the push group's rank 0
-        push_store = dist.PrefixStore("prorl/push/", store)
+        push_store = dist.PrefixStore(f"prorl/{attempt}/push/", store)
         step = datetime.timedelta(seconds=limits["step"])
         push = dist.ProcessGroupGloo(push_store, rank - trainers + 1 if rollout else 0, r + 1, step)
-    # a torchrun restart reuses the store: its attempt's keys (stop, pushes, batches) start afresh
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     store = dist.PrefixStore(f"{STORE_PREFIX}{attempt}/", store)
     _ROLES[:] = [Roles(rank, world, trainers, r, store, push, timeout_s)]
     return _ROLES[0]

@@ -213,3 +213,26 @@ def test_killed_rollout_rank_stops_the_run(tmp_path):
     # (137)
     assert code in (8, 128 + signal.SIGKILL), text[-3000:]
     assert max(complete_steps(ckpt)) < TOTAL
+
+
+@pytest.mark.tally("faults")
+def test_a_killed_rollout_rank_under_max_restarts_resumes_and_trains_every_step_once(tmp_path):
+    """`--max-restarts=1` (torchrun's): once a rank dies, torchrun stops the others (the trainer
+    finishes its step and saves on the SIGTERM) and restarts every rank, which resume from the last
+    checkpoint: every step trained once, no group twice, metrics.jsonl one row per step."""
+    out, log = tmp_path / "run", tmp_path / "a.log"
+    cmd = command(out, 2, ["rollout.async.steps_ahead=1"])
+    cmd.insert(cmd.index("--nproc_per_node=2") + 1, "--max-restarts=1")
+    proc = start(cmd, log)
+    ckpt = os.path.join(out, "checkpoints")
+    saved = wait_for(lambda: max(complete_steps(ckpt), default=0) >= 2, proc)
+    assert saved, open(log).read()[-3000:]
+    os.kill(worker_pid(proc.pid, 1), signal.SIGKILL)  # the rollout rank, as the OOM killer would
+    code, text = finish(proc, log)
+    assert code == 0, text[-3000:]
+    assert text.count("prorl: resumed from") == 1, text[-3000:]
+    trace = trained(out, 1)
+    assert [r["step"] for r in trace] == list(range(TOTAL))
+    uids = collections.Counter(g[0] for r in trace for g in r["groups"])
+    assert [u for u, n in uids.items() if n > 1] == []
+    assert [r["step"] for r in rows(out)] == list(range(TOTAL + 1))

@@ -162,6 +162,28 @@ def test_a_frozen_rank_is_named_and_ends_the_run_cleanly(tmp_path):
     assert complete_steps(out / "checkpoints")[: len(saved)] == saved
 
 
+@pytest.mark.tally("faults")
+@pytest.mark.slow
+def test_a_killed_rank_under_max_restarts_resumes_from_the_last_checkpoint(tmp_path):
+    """torchrun --max-restarts=1: once rank 1 is killed (SIGKILL, as the OOM killer would), torchrun
+    restarts both ranks, which resume from the last complete checkpoint and finish the run, every
+    step logged once. (torchrun's store keeps the first attempt's keys: a restarted rank that read
+    them waited for the dead rank's address until the collective timeout.)"""
+    out, log = tmp_path / "run", tmp_path / "run.log"
+    cmd = train_command(out, [*TINY, "trainer.total_steps=12", "trainer.collective_timeout_s=20"])
+    cmd.insert(cmd.index("--nproc_per_node=2") + 1, "--max-restarts=1")
+    proc = launch(cmd, log)
+    saved = wait_for(lambda: max(complete_steps(out / "checkpoints"), default=0) >= 2, proc)
+    assert saved, log.read_text()[-3000:]
+    os.kill(_rank_worker(process_tree(proc.pid), 1), signal.SIGKILL)
+    proc.wait(timeout=300)
+    text = log.read_text()
+    assert proc.returncode == 0, text[-3000:]
+    assert text.count("prorl: resumed from") == 1, text[-3000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(13))
+
+
 # --------------------------------------------------------------------------------------------------
 # Damaged checkpoints, model directories and data files (issue 20)
 
