@@ -94,9 +94,8 @@ class AttentionBackend:
     def _self_attention_only(ctx: AttentionContext) -> None:
         if ctx.cu_seqlens_k is not ctx.cu_seqlens_q:
             raise NotImplementedError(
-                "this attention backend supports "
-                "self-attention only (no separate key boundaries, e.g. a "
-                "shared prompt prefix): use 'sdpa' or 'flash'"
+                "this attention backend supports self-attention only (no separate key boundaries, "
+                "e.g. a shared prompt prefix): use 'sdpa' or 'flash'"
             )
 
 
@@ -302,9 +301,8 @@ class FlashAttention(AttentionBackend):
     def __call__(self, q, k, v, ctx, scale):
         if q.dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(
-                "flash-attn computes in fp16/bf16 only, "
-                f"got {q.dtype}: use model.dtype=bfloat16, or "
-                "attention='sdpa' (the default picks SDPA for fp32)"
+                f"flash-attn computes in fp16/bf16 only, got {q.dtype}: use model.dtype=bfloat16, "
+                "or attention='sdpa' (the default picks SDPA for fp32)"
             )
         return self._fn(
             q,

@@ -138,9 +138,8 @@ def _split(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[
             objects[key] = value
         else:
             raise CheckpointError(
-                f"state[{key!r}] ({type(value).__name__}) is "
-                "neither a module, an optimizer, a dict nor an "
-                "object with state_dict/load_state_dict"
+                f"state[{key!r}] ({type(value).__name__}) is neither a module, an optimizer, a "
+                "dict nor an object with state_dict/load_state_dict"
             )
     return dcp_state, objects, models
 
@@ -343,10 +342,9 @@ class Checkpointer:
         ok = distributed.all_reduce_min(1.0 if free >= needed else 0.0)
         if ok < 1.0:
             raise CheckpointError(
-                "not enough free disk space for a "
-                f"checkpoint in {self.directory}: about {_gib(needed)} "
-                "needed (shards of all ranks + "
-                f"{_gib(self.min_free_bytes)} margin), {_gib(free)} free"
+                f"not enough free disk space for a checkpoint in {self.directory}: about "
+                f"{_gib(needed)} needed (shards of all ranks + {_gib(self.min_free_bytes)} "
+                f"margin), {_gib(free)} free"
                 + ("" if free < needed else " here but less on another rank's filesystem")
             )
 

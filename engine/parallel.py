@@ -78,9 +78,8 @@ def data_parallel_mesh(replicate: int = 1):
     world = dist.get_world_size()
     if replicate < 1 or world % replicate:
         raise ValueError(
-            f"dp_replicate={replicate} must be >= 1 and "
-            f"divide the {world} ranks (the number of nodes, "
-            "or 1 for plain FSDP2)"
+            f"dp_replicate={replicate} must be >= 1 and divide the {world} ranks (the number of "
+            "nodes, or 1 for plain FSDP2)"
         )
     device_type = dist_info().device.type
     key = (dist.group.WORLD, device_type, replicate)
@@ -148,9 +147,8 @@ def parallelize(
         return model
     if plan.cpu_offload and dist_info().device.type != "cuda":
         raise ValueError(
-            "model.cpu_offload (FSDP2 CPUOffloadPolicy) "
-            "needs a CUDA device: FSDP2 pins the host copies "
-            "(torch 2.13 fails with 'Cannot access accelerator device' without one)"
+            "model.cpu_offload (FSDP2 CPUOffloadPolicy) needs a CUDA device: FSDP2 pins the host "
+            "copies (torch 2.13 fails with 'Cannot access accelerator device' without one)"
         )
     # fully_shard replaces every parameter by a DTensor, dropping the attributes TE's modules set on
     # theirs and read back in forward (TE's FSDP2 tests put them back the same way)
@@ -194,9 +192,8 @@ def _check_single_process(model: Decoder, plan: ParallelPlan) -> None:
     own = {p.dtype for p in model.parameters()}
     if plan.param_dtype is not None and own != {plan.param_dtype}:
         raise ValueError(
-            f"param_dtype={plan.param_dtype} is applied by "
-            "FSDP2, which needs a process group: run under "
-            "torchrun (--nproc_per_node=1 is fine), or build the model in that dtype"
+            f"param_dtype={plan.param_dtype} is applied by FSDP2, which needs a process group: run "
+            "under torchrun (--nproc_per_node=1 is fine), or build the model in that dtype"
         )
 
 

@@ -73,9 +73,8 @@ class Watchdog:
                 self._warned += 1
                 phase = self._phase
             self.log(
-                f"prorl: rank {self.rank} has waited "
-                f"{waited:.0f} s for the other ranks ({what}, in phase "
-                f"{phase!r}): a rank may be stopped, stuck or much slower"
+                f"prorl: rank {self.rank} has waited {waited:.0f} s for the other ranks ({what}, "
+                f"in phase {phase!r}): a rank may be stopped, stuck or much slower"
             )
 
 

@@ -96,9 +96,8 @@ class ModelConfig:
     )
     fp8_emulate: bool | str = _f(
         "auto",
-        "torchao: quantise as FP8 but multiply in high "
-        "precision (auto: on the CPU only; false: the real "
-        "torch._scaled_mm everywhere, slow on the CPU but what a GPU runs)",
+        "torchao: quantise as FP8 but multiply in high precision (auto: on the CPU only; false: "
+        "the real torch._scaled_mm everywhere, slow on the CPU but what a GPU runs)",
         ("auto", True, False),
     )
 
@@ -142,9 +141,8 @@ class RolloutConfig:
     )
     gpu_memory_utilization: float | str = _f(
         "auto",
-        "vLLM: fraction of GPU memory for its weights and "
-        "KV cache (auto: what the colocated trainer leaves, "
-        "at most 0.9; prorl/rollout_budget.py)",
+        "vLLM: fraction of GPU memory for its weights and KV cache (auto: what the colocated "
+        "trainer leaves, at most 0.9; prorl/rollout_budget.py)",
     )
     tensor_parallel_size: int = _f(
         1, "vLLM tensor parallelism (one process only; not under torchrun)"
@@ -508,21 +506,18 @@ def _check_model(m: ModelConfig) -> None:
     """The model section's combinations: the FP8 recipe of the FP8 backend, what needs FSDP."""
     if m.fp8_recipe not in FP8_RECIPES[m.fp8]:
         raise ConfigError(
-            f"model.fp8_recipe={m.fp8_recipe!r} is not a "
-            f"recipe of model.fp8={m.fp8!r}: choose one of "
-            f"{', '.join(FP8_RECIPES[m.fp8])}"
+            f"model.fp8_recipe={m.fp8_recipe!r} is not a recipe of model.fp8={m.fp8!r}: choose one "
+            f"of {', '.join(FP8_RECIPES[m.fp8])}"
         )
     if m.dp_replicate < 1 or (m.dp_replicate > 1 and not m.fsdp):
         raise ConfigError(
-            f"model.dp_replicate={m.dp_replicate}: must be "
-            ">= 1, and above 1 needs model.fsdp=true (HSDP: "
-            "FSDP2 within each of dp_replicate groups of ranks, replicated across them)"
+            f"model.dp_replicate={m.dp_replicate}: must be >= 1, and above 1 needs model.fsdp=true "
+            "(HSDP: FSDP2 within each of dp_replicate groups of ranks, replicated across them)"
         )
     if m.fp8 != "none" and not m.fsdp:
         raise ConfigError(
-            f"model.fp8={m.fp8} needs model.fsdp=true "
-            "(under torchrun; one process is enough): FP8 layers "
-            "train over fp32 master weights, and the sampler gets an unconverted bf16 copy"
+            f"model.fp8={m.fp8} needs model.fsdp=true (under torchrun; one process is enough): FP8 "
+            "layers train over fp32 master weights, and the sampler gets an unconverted bf16 copy"
         )
 
 

@@ -48,9 +48,8 @@ def read_yaml(path: str) -> DictConfig:
         )
     if not isinstance(cfg, DictConfig):
         raise ValueError(
-            f"config file {path} must be a mapping of "
-            "sections (model:, data:, trainer:, ...), got a "
-            f"{type(OmegaConf.to_container(cfg)).__name__}"
+            f"config file {path} must be a mapping of sections (model:, data:, trainer:, ...), got "
+            f"a {type(OmegaConf.to_container(cfg)).__name__}"
         )
     return cfg
 

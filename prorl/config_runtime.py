@@ -21,18 +21,15 @@ def check_world(cfg: Config, world: int) -> None:
     if world % rep:
         divisors = [d for d in range(1, world + 1) if world % d == 0]
         raise ConfigError(
-            f"model.dp_replicate={rep} does not divide the "
-            f"{world} ranks: HSDP keeps dp_replicate copies of "
-            "the model, each sharded over world / "
-            "dp_replicate ranks (set it to the number of nodes; "
-            f"divisors of {world}: {', '.join(map(str, divisors))})"
+            f"model.dp_replicate={rep} does not divide the {world} ranks: HSDP keeps dp_replicate "
+            "copies of the model, each sharded over world / dp_replicate ranks (set it to the "
+            f"number of nodes; divisors of {world}: {', '.join(map(str, divisors))})"
         )
     pps = cfg.trainer.prompts_per_step
     if pps % world:
         raise ConfigError(
-            f"trainer.prompts_per_step={pps} is not a "
-            f"multiple of the {world} ranks: each rank takes "
-            f"prompts_per_step / world prompts (use {pps - pps % world or world} or "
+            f"trainer.prompts_per_step={pps} is not a multiple of the {world} ranks: each rank "
+            f"takes prompts_per_step / world prompts (use {pps - pps % world or world} or "
             f"{pps + world - pps % world})"
         )
 

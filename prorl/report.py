@@ -79,9 +79,8 @@ def start_wandb(cfg):
         import wandb
     except ImportError as exc:
         raise ImportError(
-            f"logging.wandb_project={cfg.logging.wandb_project!r} "
-            "needs the wandb package: pip install wandb "
-            "(or unset logging.wandb_project)"
+            f"logging.wandb_project={cfg.logging.wandb_project!r} needs the wandb package: pip "
+            "install wandb (or unset logging.wandb_project)"
         ) from exc
 
     return wandb.init(
@@ -112,9 +111,8 @@ class Reporter:
                 except ImportError:
                     self.tb = None
                     print(
-                        "prorl: warning: "
-                        "logging.tensorboard=true but tensorboard is not installed (pip "
-                        "install tensorboard): metrics go to metrics.jsonl only",
+                        "prorl: warning: logging.tensorboard=true but tensorboard is not "
+                        "installed (pip install tensorboard): metrics go to metrics.jsonl only",
                         flush=True,
                     )
             if cfg.logging.wandb_project:

@@ -95,14 +95,12 @@ def check_native(cfg, world: int, generator) -> str:
     if need > free:
         fit = max(int(prompts * free / need), 0)
         raise ConfigError(
-            f"rollout.backend=native: {line}, so it cannot "
-            "be allocated. The native sampler holds a whole "
-            "round at once: use rollout.backend=vllm (it "
-            "schedules within its KV cache), or shrink the "
-            "round - trainer.prompts_per_step (now "
-            f"{cfg.trainer.prompts_per_step} over {world} ranks; at "
-            f"most {fit} prompts per rank per round fit), algorithm.oversample, rollout.n, "
-            "rollout.max_response_tokens or data.max_prompt_tokens - or launch on more ranks"
+            f"rollout.backend=native: {line}, so it cannot be allocated. The native sampler holds "
+            "a whole round at once: use rollout.backend=vllm (it schedules within its KV cache), "
+            f"or shrink the round - trainer.prompts_per_step (now {cfg.trainer.prompts_per_step} "
+            f"over {world} ranks; at most {fit} prompts per rank per round fit), "
+            "algorithm.oversample, rollout.n, rollout.max_response_tokens or "
+            "data.max_prompt_tokens - or launch on more ranks"
         )
     return line
 
@@ -118,9 +116,8 @@ def vllm_report(cfg, world: int, generator) -> str:
     line = f"vLLM: the KV cache holds {capacity / 1e6:.2f}M tokens; {asks}"
     if capacity < sequences * seq_len:
         line += (
-            f": about {capacity // seq_len} sequences at "
-            "full length run at once, the rest wait or are "
-            "preempted (rollout.gpu_memory_utilization sets the engine's share of the GPU)"
+            f": about {capacity // seq_len} sequences at full length run at once, the rest wait or "
+            "are preempted (rollout.gpu_memory_utilization sets the engine's share of the GPU)"
         )
     return line
 
@@ -170,29 +167,25 @@ def gpu_fraction(cfg, policy, backend: str) -> float:
     if value == "auto":
         if fits < 0.05:
             raise ConfigError(
-                "rollout.gpu_memory_utilization=auto: no "
-                "room for the vLLM engine beside the trainer "
-                f"({free / GiB:.1f} of {total / GiB:.1f} GiB "
-                f"free, {growth / GiB:.1f} GiB still to come for "
-                "gradients and AdamW): use more ranks (FSDP "
-                "shards the trainer) or model.cpu_offload=true"
+                "rollout.gpu_memory_utilization=auto: no room for the vLLM engine beside the "
+                f"trainer ({free / GiB:.1f} of {total / GiB:.1f} GiB free, {growth / GiB:.1f} GiB "
+                "still to come for gradients and AdamW): use more ranks (FSDP shards the trainer) "
+                "or model.cpu_offload=true"
             )
         chosen = min(fits, MAX_AUTO_FRACTION)
         if not dist.is_initialized() or dist.get_rank() == 0:
             print(
-                f"prorl: rollout: vLLM gets {chosen:.2f} of "
-                "the GPU (rollout.gpu_memory_utilization=auto: "
-                f"{free / GiB:.1f} of {total / GiB:.1f} GiB "
-                f"free, {growth / GiB:.1f} GiB to come for "
-                f"gradients and AdamW, {HEADROOM_BYTES / GiB:.0f} GiB headroom)"
+                f"prorl: rollout: vLLM gets {chosen:.2f} of the GPU "
+                f"(rollout.gpu_memory_utilization=auto: {free / GiB:.1f} of {total / GiB:.1f} GiB "
+                f"free, {growth / GiB:.1f} GiB to come for gradients and AdamW, "
+                f"{HEADROOM_BYTES / GiB:.0f} GiB headroom)"
             )
         return chosen
     if float(value) > fits:
         raise ConfigError(
             f"rollout.gpu_memory_utilization={value} does not leave the colocated trainer room: "
             f"{free / GiB:.1f} of {total / GiB:.1f} GiB are free, the trainer will still allocate "
-            f"{growth / GiB:.1f} GiB (gradients and AdamW) "
-            f"and {HEADROOM_BYTES / GiB:.0f} GiB are kept "
-            f"free; at most {max(fits, 0):.2f} fits (or set auto)"
+            f"{growth / GiB:.1f} GiB (gradients and AdamW) and {HEADROOM_BYTES / GiB:.0f} GiB are "
+            f"kept free; at most {max(fits, 0):.2f} fits (or set auto)"
         )
     return float(value)

@@ -31,9 +31,8 @@ def load_tokenizer(path: str):
 
     if not os.path.isfile(os.path.join(path, TOKENIZER_FILE)):
         raise ValueError(
-            f"{os.path.join(path, TOKENIZER_FILE)} is "
-            "missing: prorl needs the model's fast tokenizer beside "
-            "its weights (save it with tokenizer.save_pretrained(DIR))"
+            f"{os.path.join(path, TOKENIZER_FILE)} is missing: prorl needs the model's fast "
+            "tokenizer beside its weights (save it with tokenizer.save_pretrained(DIR))"
         )
     return PreTrainedTokenizerFast.from_pretrained(path)
 
@@ -50,11 +49,9 @@ def vocab_problem(n_tokens: int, vocab_size: int, first_ids: list[tuple[int, str
         )
     if vocab_size > MAX_PADDING * n_tokens:
         return (
-            f"the model has {rows} for a tokenizer of "
-            f"{n_tokens} tokens: {vocab_size / n_tokens:.0f}x, while "
-            "real models pad by under 1%; this tokenizer "
-            "is not the model's (the unused rows would cost "
-            "LM-head time on every token)"
+            f"the model has {rows} for a tokenizer of {n_tokens} tokens: "
+            f"{vocab_size / n_tokens:.0f}x, while real models pad by under 1%; this tokenizer is "
+            "not the model's (the unused rows would cost LM-head time on every token)"
         )
     return None
 

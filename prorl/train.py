@@ -170,11 +170,9 @@ def check_training_data(cfg, preset: str | None, explicit: bool) -> None:
     ):
         return
     raise ConfigError(
-        f"--config {preset} trains "
-        f"model.path={cfg.model.path!r} but sets no data.train_files: give "
-        "data.train_files=[FILE] (verl parquet / JSONL), "
-        "or data.builtin_task=NAME to train on a generated "
-        "task on purpose"
+        f"--config {preset} trains model.path={cfg.model.path!r} but sets no data.train_files: "
+        "give data.train_files=[FILE] (verl parquet / JSONL), or data.builtin_task=NAME to train "
+        "on a generated task on purpose"
     )
 
 
@@ -215,12 +213,10 @@ def main(argv: list[str] | None = None) -> int:
             raise
         first = str(exc).strip().splitlines()[0][:300]
         print(
-            f"prorl: rank {info.rank}: the other ranks "
-            f"stopped answering ({first}). A rank died, was "
-            f"stopped or hangs; collectives time out after {collective_timeout_s(cfg):.0f} s "
-            "(trainer.collective_timeout_s). The last "
-            "complete checkpoint is kept: re-run the same command "
-            "to resume.",
+            f"prorl: rank {info.rank}: the other ranks stopped answering ({first}). A rank died, "
+            f"was stopped or hangs; collectives time out after {collective_timeout_s(cfg):.0f} s "
+            "(trainer.collective_timeout_s). The last complete checkpoint is kept: re-run the "
+            "same command to resume.",
             file=sys.stderr,
         )
         return lifecycle.EXIT_PEER_LOST
@@ -343,9 +339,8 @@ def load_reward_code(plugins, function: str) -> None:
         if module.endswith(".py") or os.sep in module:
             raise Fatal(
                 lifecycle.EXIT_CONFIG,
-                f"reward.plugins: {module!r} is a file, not "
-                "an importable module name; for a file with "
-                f"verl's compute_score use reward.function={module}:compute_score",
+                f"reward.plugins: {module!r} is a file, not an importable module name; for a file "
+                f"with verl's compute_score use reward.function={module}:compute_score",
             )
         try:
             importlib.import_module(module)
@@ -381,12 +376,10 @@ def check_context(cfg, model_path: str, reporter_say=None) -> None:
         )
     if response + cfg.data.max_prompt_tokens > context and reporter_say is not None:
         reporter_say(
-            "prorl: warning: "
-            f"data.max_prompt_tokens={cfg.data.max_prompt_tokens} + {keys}={response} = "
-            f"{cfg.data.max_prompt_tokens + response} "
-            f"exceeds the model's context of {context} tokens "
-            "(max_position_embeddings in "
-            f"{model_path}/config.json): a long prompt's response runs past it"
+            f"prorl: warning: data.max_prompt_tokens={cfg.data.max_prompt_tokens} + "
+            f"{keys}={response} = {cfg.data.max_prompt_tokens + response} exceeds the model's "
+            f"context of {context} tokens (max_position_embeddings in {model_path}/config.json): a "
+            "long prompt's response runs past it"
         )
 
 
@@ -434,9 +427,8 @@ def refuse_incompatible_resume(ckpt, cfg, rank: int) -> None:
         details = "; ".join(f"{k}: {changed[k][0]!r} -> {changed[k][1]!r}" for k in bad)
         raise Fatal(
             lifecycle.EXIT_RESUME,
-            f"cannot resume {path}: settings that fix the "
-            f"run's data and batch changed: {details} (use a "
-            "new output_dir, or restore them)"
+            f"cannot resume {path}: settings that fix the run's data and batch changed: {details} "
+            "(use a new output_dir, or restore them)"
             if rank == 0
             else "",
         )

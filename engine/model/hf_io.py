@@ -204,10 +204,9 @@ def _check_checkpoint(path, cfg: ModelConfig, expected: dict, files: dict, by_fi
     parts += [f"unexpected {show(unexpected)}"] if unexpected else []
     parts += [f"wrong shape {show(sorted(wrong_shape))}"] if wrong_shape else []
     raise ValueError(
-        f"checkpoint {path} does not match its "
-        f"config.json ({cfg.model_type}, {cfg.num_layers} layers, "
-        f"hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, vocab {cfg.vocab_size}, "
-        f"tie_word_embeddings={cfg.tie_word_embeddings}): " + "; ".join(parts)
+        f"checkpoint {path} does not match its config.json ({cfg.model_type}, {cfg.num_layers} "
+        f"layers, hidden {cfg.hidden_size}, intermediate {cfg.intermediate_size}, vocab "
+        f"{cfg.vocab_size}, tie_word_embeddings={cfg.tie_word_embeddings}): " + "; ".join(parts)
     )
 
 

@@ -74,10 +74,9 @@ class OpenRLHFPolicyLoss(nn.Module):
         if is_correction_level != "off":
             if is_correction_level != "token" or is_correction_gating != "ratio":
                 raise ValueError(
-                    f"is_correction_level={is_correction_level!r} with is_correction_gating="
-                    f"{is_correction_gating!r} is not fused by "
-                    "prorl (only token level with ratio gating "
-                    "is); use openrlhf.models.PolicyLoss for it"
+                    f"is_correction_level={is_correction_level!r} with "
+                    f"is_correction_gating={is_correction_gating!r} is not fused by prorl (only "
+                    "token level with ratio gating is); use openrlhf.models.PolicyLoss for it"
                 )
             low, high = is_correction_threshold
             if not 0.0 <= low <= high:

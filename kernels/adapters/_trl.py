@@ -184,9 +184,8 @@ def _check_supported(trainer, who: str = "trl_compute_loss") -> None:
     bad = [f"{name}={value!r}" for name, (value, is_bad) in unsupported.items() if is_bad]
     if bad:
         raise ValueError(
-            f"{who} does not fuse {', '.join(bad)}; it covers loss_type "
-            f"{', '.join(LOSS_TYPES)} with token-level importance sampling: use GRPOTrainer itself "
-            "for these settings"
+            f"{who} does not fuse {', '.join(bad)}; it covers loss_type {', '.join(LOSS_TYPES)} "
+            "with token-level importance sampling: use GRPOTrainer itself for these settings"
         )
 
 

@@ -201,9 +201,8 @@ def _check_head(model) -> None:
         bad.append(f"logits_scaling={text.logits_scaling!r}")
     if bad:
         raise ValueError(
-            "FusedGRPOTrainer computes log-probs as "
-            "softmax(hidden @ lm_head.weight.T / T); it does not "
-            f"support {', '.join(bad)}: use GRPOTrainer"
+            "FusedGRPOTrainer computes log-probs as softmax(hidden @ lm_head.weight.T / T); it "
+            f"does not support {', '.join(bad)}: use GRPOTrainer"
         )
 
 

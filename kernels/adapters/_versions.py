@@ -45,11 +45,9 @@ def check_peer_version(dist: str, version: str | None = None) -> bool:
     if in_tested_range(dist, version):
         return True
     warnings.warn(
-        f"prorl.kernels.adapters: {dist} {version} is "
-        f"installed, but the {dist} adapter is tested against "
-        f"{dist} {TESTED[dist]} only "
-        "(kernels/ADAPTERS.md); its argument names, loss or metrics may differ "
-        "in this version",
+        f"prorl.kernels.adapters: {dist} {version} is installed, but the {dist} adapter is tested "
+        f"against {dist} {TESTED[dist]} only (kernels/ADAPTERS.md); its argument names, loss or "
+        "metrics may differ in this version",
         PeerVersionWarning,
         stacklevel=3,
     )

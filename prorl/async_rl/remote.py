@@ -51,11 +51,9 @@ class RemoteRollouts:
         self.trace = os.path.join(cfg.output_dir, f"async_trained.rank{rank}.jsonl")
         if rank == 0 and cfg.algorithm.is_mode == "none":
             print(
-                "prorl: warning: asynchronous RL with "
-                "algorithm.is_mode=none: the gap between the sampler's "
-                "(older) weights and the trainer's pi_old "
-                "is not corrected; set is_mode=tis or icepop "
-                "(docs/recipe.md §11)",
+                "prorl: warning: asynchronous RL with algorithm.is_mode=none: the gap between the "
+                "sampler's (older) weights and the trainer's pi_old is not corrected; set "
+                "is_mode=tis or icepop (docs/recipe.md §11)",
                 flush=True,
             )
 

@@ -77,23 +77,20 @@ def check_async(cfg: Config, world: int, torchrun: bool) -> None:
     a, pps = cfg.rollout.async_rl, cfg.trainer.prompts_per_step
     if a.steps_ahead < 0 or a.rollout_ranks < 1:
         raise ConfigError(
-            f"rollout.async.steps_ahead={a.steps_ahead} "
-            "must be >= 0 and rollout.async.rollout_ranks="
-            f"{a.rollout_ranks} >= 1"
+            f"rollout.async.steps_ahead={a.steps_ahead} must be >= 0 and "
+            f"rollout.async.rollout_ranks={a.rollout_ranks} >= 1"
         )
     if a.steps_ahead == 0:
         return
     if not torchrun:
         raise ConfigError(
-            f"rollout.async.steps_ahead={a.steps_ahead} "
-            "puts sampling and training on different ranks: "
-            "launch with torchrun (e.g. --nproc_per_node=2 for 1 rollout + 1 trainer rank)"
+            f"rollout.async.steps_ahead={a.steps_ahead} puts sampling and training on different "
+            "ranks: launch with torchrun (e.g. --nproc_per_node=2 for 1 rollout + 1 trainer rank)"
         )
     if a.rollout_ranks >= world:
         raise ConfigError(
-            f"rollout.async.rollout_ranks={a.rollout_ranks} "
-            f"leaves no trainer rank among the {world} "
-            f"ranks: at most {world - 1}"
+            f"rollout.async.rollout_ranks={a.rollout_ranks} leaves no trainer rank among the "
+            f"{world} ranks: at most {world - 1}"
         )
     trainers = world - a.rollout_ranks
     for count, who in ((trainers, "trainer"), (a.rollout_ranks, "rollout")):
@@ -104,9 +101,8 @@ def check_async(cfg: Config, world: int, torchrun: bool) -> None:
             )
     if cfg.rollout.tensor_parallel_size > 1:
         raise ConfigError(
-            "rollout.tensor_parallel_size>1 does not work "
-            "with rollout.async.steps_ahead yet: each rollout "
-            "rank runs its own engine (set rollout.tensor_parallel_size=1)"
+            "rollout.tensor_parallel_size>1 does not work with rollout.async.steps_ahead yet: "
+            "each rollout rank runs its own engine (set rollout.tensor_parallel_size=1)"
         )
 
 

@@ -16,9 +16,8 @@ def _help(default, text: str):
 class AsyncConfig:
     steps_ahead: int = _help(
         0,
-        "asynchronous RL: a group trained at step s was "
-        "sampled with weights at most this many updates "
-        "old (0: the synchronous colocated step; >= 1 needs torchrun and rollout_ranks)",
+        "asynchronous RL: a group trained at step s was sampled with weights at most this many "
+        "updates old (0: the synchronous colocated step; >= 1 needs torchrun and rollout_ranks)",
     )
     rollout_ranks: int = _help(
         1, "with steps_ahead >= 1: the last this-many ranks sample and verify, the others train"

@@ -314,9 +314,8 @@ class WeightReceiver:
                 target = self.params.get(name)
                 if target is None or tuple(target.shape) != shape or target.dtype != dtype:
                     raise RolloutLost(
-                        f"weight push: the trainers send {name} "
-                        f"{shape} {dtype}, the rollout model holds "
-                        f"{None if target is None else (tuple(target.shape), target.dtype)}"
+                        f"weight push: the trainers send {name} {shape} {dtype}, the rollout model "
+                        f"holds {None if target is None else (tuple(target.shape), target.dtype)}"
                     )
                 target.copy_(buf[offset : offset + nb].view(dtype).view(shape))
                 order.append(target)

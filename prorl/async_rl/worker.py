@@ -136,9 +136,8 @@ class RolloutWorker:
                 self.engine_check = self.generator.update_weights(params, reference=self.model)
             except StaleWeightsError as exc:  # the documented exit 8, not a crash
                 raise transport.RolloutLost(
-                    f"rollout rank {self.roles.index}: the "
-                    "vLLM engine does not follow the weights of "
-                    f"version {self.weights.version}: {exc}"
+                    f"rollout rank {self.roles.index}: the vLLM engine does not follow the weights "
+                    f"of version {self.weights.version}: {exc}"
                 ) from exc
 
     def run(self) -> int:

@@ -49,9 +49,8 @@ def parse_spec(spec: str) -> tuple[str, str]:
         path, name = head, tail
     if not path.endswith(".py"):
         raise RewardFunctionError(
-            f"reward.function={spec!r}: expected "
-            "'path/to/file.py:function_name' (a Python file; for an "
-            "importable module that registers verifiers use reward.plugins)"
+            f"reward.function={spec!r}: expected 'path/to/file.py:function_name' (a Python file; "
+            "for an importable module that registers verifiers use reward.plugins)"
         )
     return os.path.abspath(os.path.expanduser(path)), name
 

@@ -88,9 +88,8 @@ def score(response: str, ground_truth: Any, extra: dict | None = None) -> dict:
     entry, task = _entry_and_task(ground_truth, extra or {})
     if not task:
         raise ValueError(
-            "reasoning_gym: cannot tell the task; use "
-            "data_source 'reasoning_gym/<task>' or an entry "
-            "with metadata.source_dataset"
+            "reasoning_gym: cannot tell the task; use data_source 'reasoning_gym/<task>' or an "
+            "entry with metadata.source_dataset"
         )
     answer = last_tag(final_text(response), "answer")
     if answer is None:

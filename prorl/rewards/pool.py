@@ -261,9 +261,8 @@ class RewardPool:
                 pickle.dumps(entry)
             except Exception as exc:
                 raise TypeError(
-                    f"the verifier for {ds!r} cannot be sent "
-                    f"to worker processes ({exc}); register a "
-                    "module-level function of an importable module (not a lambda or closure)"
+                    f"the verifier for {ds!r} cannot be sent to worker processes ({exc}); register "
+                    "a module-level function of an importable module (not a lambda or closure)"
                 ) from exc
             entries[ds] = entry
         result = BatchResult(

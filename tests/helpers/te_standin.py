@@ -190,9 +190,8 @@ class Linear(nn.Module):
         in_backward = torch._C._current_graph_task_id() != -1
         if in_backward and not STATE.enabled:
             raise RuntimeError(
-                "TE stand-in: an FP8 Linear recomputed in "
-                "backward outside the FP8 state of its forward "
-                "(use te.distributed.checkpoint, not torch's checkpoint)"
+                "TE stand-in: an FP8 Linear recomputed in backward outside the FP8 state of its "
+                "forward (use te.distributed.checkpoint, not torch's checkpoint)"
             )
         if not STATE.enabled:
             return F.linear(
@@ -205,10 +204,9 @@ class Linear(nn.Module):
         for d in inp.shape[:-1]:
             rows *= d
         assert rows % m == 0 and inp.shape[-1] % k == 0, (
-            "FP8 execution requires the product of all "
-            f"dimensions except the last to be divisible by {m} "
-            "and the last dimension to be divisible by "
-            f"{k}, but got tensor with dims={list(inp.shape)}"
+            "FP8 execution requires the product of all dimensions except the last to be divisible "
+            f"by {m} and the last dimension to be divisible by {k}, but got tensor with "
+            f"dims={list(inp.shape)}"
         )
         STATE.fp8_gemms += 1
         out = _Fp8Linear.apply(inp, self.weight.to(inp.dtype))

@@ -65,9 +65,8 @@ def test_import_warns_for_an_installed_peer_outside_the_tested_range(monkeypatch
 
 def test_importing_the_adapters_imports_no_peer():
     code = (
-        "import sys, prorl.kernels.adapters; "
-        "peers = {'verl', 'openrlhf', 'trl', 'ray', 'deepspeed'}; "
-        "print(sorted({m.split('.')[0] for m in sys.modules} & peers))"
+        "import sys, prorl.kernels.adapters; peers = {'verl', 'openrlhf', 'trl', 'ray', "
+        "'deepspeed'}; print(sorted({m.split('.')[0] for m in sys.modules} & peers))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True

@@ -29,10 +29,9 @@ from train_helpers import (
 LONG = [*TINY, "trainer.total_steps=200"]  # never reached: every test here stops the run early
 # train.py with a disk that has 1 KiB free (shutil.disk_usage replaced before prorl is imported)
 DISK_FULL = (
-    "import collections, shutil, sys; "
-    "usage = collections.namedtuple('usage', 'total used free'); "
-    "shutil.disk_usage = lambda path: usage(2**40, 2**40, 1024); "
-    "from prorl.train import main; sys.exit(main(sys.argv[1:]))"
+    "import collections, shutil, sys; usage = collections.namedtuple('usage', 'total used free'); "
+    "shutil.disk_usage = lambda path: usage(2**40, 2**40, 1024); from prorl.train import main; "
+    "sys.exit(main(sys.argv[1:]))"
 )
 
 

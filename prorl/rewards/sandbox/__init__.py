@@ -175,20 +175,17 @@ def backend() -> str:
     else:
         name = "none"
         log.warning(
-            "code sandbox: no namespaces (%s); untrusted "
-            "code sees the host's files and network and runs "
-            "with rlimits, a private directory and a "
-            "process-group kill only. Install bubblewrap or allow "
-            "user namespaces.",
+            "code sandbox: no namespaces (%s); untrusted code sees the host's files and network "
+            "and runs with rlimits, a private directory and a process-group kill only. Install "
+            "bubblewrap or allow user namespaces.",
             "; ".join(failures) or "neither util-linux unshare+setpriv nor bubblewrap is installed",
         )
     cg = cgroups.setup()
     if cg.missing:
         log.warning(
-            "code sandbox: no cgroup for %s (%s): those "
-            "limits are per process (memory: address space × "
-            "up to nproc processes; CPU: seconds per process "
-            "and the wall clock), not for the run as a whole",
+            "code sandbox: no cgroup for %s (%s): those limits are per process (memory: address "
+            "space × up to nproc processes; CPU: seconds per process and the wall clock), not for "
+            "the run as a whole",
             ", ".join(cg.missing),
             cg.reason,
         )
@@ -205,9 +202,8 @@ def _filter_hex() -> str:
     prog = seccomp.program()
     if prog is None:
         log.warning(
-            "code sandbox: no seccomp filter for %s "
-            "(written for %s): sandboxed code can use keyrings "
-            "and create user namespaces",
+            "code sandbox: no seccomp filter for %s (written for %s): sandboxed code can use "
+            "keyrings and create user namespaces",
             platform.machine(),
             ", ".join(seccomp.AUDIT_ARCH),
         )
@@ -335,16 +331,12 @@ def _none_workdir(work: str, uid: int | None) -> int | None:
     if any(rootfs.hidden_from_others(p) for p in exe):
         if os.environ.get("PRORL_SANDBOX_ROOT_OK") != "1":
             raise SandboxError(
-                "code sandbox `none` as root: the "
-                f"interpreter {exe[1]} lies where other users cannot "
-                "read it (e.g. under /root), so the code "
-                "cannot drop to an unprivileged uid and would "
-                "run as root (able to signal or write "
-                "anything on the machine). Install Python or the "
-                "venv where other users can read it (/opt, "
-                "/usr/local, chmod o+rx on its folders), make "
-                "a namespace sandbox work (install bubblewrap, allow user namespaces), or, in a "
-                "throwaway container, set PRORL_SANDBOX_ROOT_OK=1"
+                f"code sandbox `none` as root: the interpreter {exe[1]} lies where other users "
+                "cannot read it (e.g. under /root), so the code cannot drop to an unprivileged "
+                "uid and would run as root (able to signal or write anything on the machine). "
+                "Install Python or the venv where other users can read it (/opt, /usr/local, "
+                "chmod o+rx on its folders), make a namespace sandbox work (install bubblewrap, "
+                "allow user namespaces), or, in a throwaway container, set PRORL_SANDBOX_ROOT_OK=1"
             )
         log.warning("code sandbox `none`: PRORL_SANDBOX_ROOT_OK=1: the code runs as root")
         return None
