@@ -133,6 +133,7 @@ setup(
             "ruff",
             "triton",
             "liger-kernel",
+            "kernels",  # Hugging Face's: tests/test_import_names.py imports it beside ours
             "trl==1.16.*",
             "reasoning-gym>=0.1.25",
             "pyarrow",

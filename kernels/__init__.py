@@ -13,34 +13,42 @@ them):
                                                     too)
 """
 
-from ._backend import native_available
-from ._backend import resolve as resolve_backend
-from ._ppo_common import AGG_MODES, IS_MODES, KL_CLAMPS, KL_ESTIMATORS
-from .advantages import ADVANTAGE_MODES, WHITEN_WEIGHTINGS, batch_whiten, group_advantages
-from .linear_logprob_entropy import linear_logprob_entropy
-from .linear_ppo_loss import linear_ppo_loss
-from .ppo_loss import ppo_loss
-from .reference import (
-    group_advantages_reference,
-    linear_logprob_entropy_reference,
-    ppo_loss_reference,
-)
+if __name__ == "kernels":
+    # Found by its folder name because the repository root is on sys.path (`python -m ...` or
+    # pytest from the checkout): the name `kernels` belongs to whatever else provides it (Hugging
+    # Face's `kernels`, which transformers imports). These ops are `prorl.kernels`.
+    from ._toplevel import hand_over
 
-__all__ = [
-    "ADVANTAGE_MODES",
-    "AGG_MODES",
-    "IS_MODES",
-    "KL_CLAMPS",
-    "KL_ESTIMATORS",
-    "WHITEN_WEIGHTINGS",
-    "batch_whiten",
-    "group_advantages",
-    "group_advantages_reference",
-    "linear_logprob_entropy",
-    "linear_logprob_entropy_reference",
-    "linear_ppo_loss",
-    "native_available",
-    "ppo_loss",
-    "ppo_loss_reference",
-    "resolve_backend",
-]
+    hand_over(__name__, __file__)
+else:
+    from ._backend import native_available
+    from ._backend import resolve as resolve_backend
+    from ._ppo_common import AGG_MODES, IS_MODES, KL_CLAMPS, KL_ESTIMATORS
+    from .advantages import ADVANTAGE_MODES, WHITEN_WEIGHTINGS, batch_whiten, group_advantages
+    from .linear_logprob_entropy import linear_logprob_entropy
+    from .linear_ppo_loss import linear_ppo_loss
+    from .ppo_loss import ppo_loss
+    from .reference import (
+        group_advantages_reference,
+        linear_logprob_entropy_reference,
+        ppo_loss_reference,
+    )
+
+    __all__ = [
+        "ADVANTAGE_MODES",
+        "AGG_MODES",
+        "IS_MODES",
+        "KL_CLAMPS",
+        "KL_ESTIMATORS",
+        "WHITEN_WEIGHTINGS",
+        "batch_whiten",
+        "group_advantages",
+        "group_advantages_reference",
+        "linear_logprob_entropy",
+        "linear_logprob_entropy_reference",
+        "linear_ppo_loss",
+        "native_available",
+        "ppo_loss",
+        "ppo_loss_reference",
+        "resolve_backend",
+    ]

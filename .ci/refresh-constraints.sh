@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Rewrite constraints.txt: every package of the CPU stack that the README's commands install (torch,
+# the `test` and `rewards` extras and all they pull in) at the version the registry resolves today.
+#
+#   bash .ci/refresh-constraints.sh
+#
+# Installs into a fresh venv under a temporary directory without constraints, then writes its
+# `pip freeze`; run `bash .ci/run` after it and commit both only if CI passes with them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_PROGRESS_BAR=off PIP_DISABLE_PIP_VERSION_CHECK=1
+work=$(mktemp -d "${TMPDIR:-/tmp}/prorl-lock.XXXXXX")
+trap 'rm -rf "$work"' EXIT
+python3 -m venv "$work/venv"
+"$work/venv/bin/pip" install -q torch==2.13.0
+PRORL_TARGET_DEVICE=none "$work/venv/bin/pip" install -q --no-build-isolation -e ".[test,rewards]"
+{
+  echo "# The CPU stack CI tested: pip install -c constraints.txt ... (README). Written by"
+  echo "# \`bash .ci/refresh-constraints.sh\` on $(date -u +%Y-%m-%d) with $("$work/venv/bin/python" --version)."
+  # torch's local tag (+cpu) dropped: ==2.13.0 admits the CPU build and the CUDA build alike
+  "$work/venv/bin/pip" freeze --exclude-editable | sed -E 's/^(torch==[^+]*)\+.*/\1/'
+} > constraints.txt
+echo "constraints.txt: $(grep -vc '^#' constraints.txt) packages"
