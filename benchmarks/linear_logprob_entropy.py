@@ -133,7 +133,7 @@ def _notes(args) -> list[str]:
     return notes
 
 
-# the console's table: the README's columns, the throughput and both floors
+# the console's table: docs/results.md's columns, the throughput and both floors
 VIEW = View(
     extras=("gflops", "tflops", "peak_fraction", "peak_extra_memory"),
     ratios=(("naive", "speedup"), ("sgemm-floor", "multiple"), ("gemm-floor", "multiple")),

@@ -5,7 +5,7 @@ model.safetensors, tokenizer, chat template).
 
     python -m prorl.warmstart --out prorl/assets/tiny-reasoner  # ~10 min on one CPU core
     python -m prorl.warmstart --task chain_sums --out prorl/assets/chain-reasoner ...  # chain_sums
-    python -m prorl.warmstart --task long_sums --out prorl/assets/long-reasoner ...    # (README)
+    python -m prorl.warmstart --task long_sums --out prorl/assets/long-reasoner ...  # long_sums
 
 Why imperfect demonstrations. ProRL starts from a distilled model that imitation has taken as far as
 it goes; RL must then add what imitation cannot. A tiny model trained on *perfect* worked sums would
@@ -13,9 +13,9 @@ keep improving with more supervised steps, and RL would only race imitation. So 
 here have a systematic slip: whenever an addition crosses a multiple of ten, the worked solution
 forgets the carry with probability `--slip` (default 0.6) - "7+5=2" - and carries the mistake to a
 wrong boxed answer. Imitation learns the majority habit at each carry, so its greedy accuracy
-plateaus near the share of problems without a carry (about 30%), however long it trains (the README
-shows that control). The verifier rewards only correct answers, so RL can find and reinforce the
-minority, correct, behaviour.
+plateaus near the share of problems without a carry (about 30%), however long it trains
+(docs/results.md shows that control). The verifier rewards only correct answers, so RL can find and
+reinforce the minority, correct, behaviour.
 
 The model: Qwen2 architecture (hidden 128, 2 layers, 4 heads / 2 KV heads, tied embeddings, ~0.5M
 parameters) over a character vocabulary built with the `tokenizers` library, ChatML-style template.

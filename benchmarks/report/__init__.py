@@ -1,1 +1,1 @@
-"""The README generator: `python -m benchmarks readme` (report/readme.py)."""
+"""The results tables' generator: `python -m benchmarks readme` (report/readme.py)."""

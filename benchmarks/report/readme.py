@@ -1,9 +1,9 @@
-"""Regenerate README.md's performance tables from benchmarks/results/*.csv (`--check`: if stale).
+"""Regenerate docs/results.md's performance tables from benchmarks/results/*.csv (`--check`: stale?)
 
-    python -m benchmarks readme [--check] [--readme README.md] [--results benchmarks/results]
+    python -m benchmarks readme [--check] [--doc docs/results.md] [--results benchmarks/results]
 
-Rewrites the text between `<!-- perf:begin -->` and `<!-- perf:end -->`: per CSV and machine a
-table of the newest rows (`VIEWS`), the runs behind them, links to the PNGs. Details:
+Rewrites docs/results.md (or `--doc`) between `<!-- perf:begin -->` and `<!-- perf:end -->`: per CSV
+and machine a table of the newest rows (`VIEWS`), the runs behind them, links to the PNGs. Details:
 docs/benchmarks.md.
 """
 
@@ -18,6 +18,7 @@ from benchmarks.harness import REPO_ROOT, RESULTS_DIR, argparser, command_line, 
 
 BEGIN = "<!-- perf:begin -->"
 END = "<!-- perf:end -->"
+DOC = REPO_ROOT / "docs" / "results.md"  # the markdown file whose block is written
 GENERATED = (
     "<!-- generated from benchmarks/results/*.csv by `python -m benchmarks readme`: do not edit -->"
 )
@@ -47,7 +48,7 @@ RL_PHASES = ("gen", "sync", "reward", "old_logp", "update", "other")
 ASYNC_EXTRAS = ("steps_per_min", "gen_tokens_per_s", "rollout_idle", "trainer_idle")
 ASYNC_EXTRAS += ("overlap_efficiency", "final_val_accuracy", "val_accuracy_delta")
 FLOORS = (("naive", "speedup"), ("sgemm-floor", "multiple"))
-# in README order; benchmarks not named here get View() and follow in name order
+# in the document's order; benchmarks not named here get View() and follow in name order
 VIEWS: dict[str, View] = {
     "rl_step": View(
         extras=("tokens_per_s", "peak_memory"), ratios=(("trl", "speedup"),), phases=RL_PHASES
@@ -237,7 +238,7 @@ def render(name: str, rows: list[dict], view: View | None = None) -> list[str]:
 
 
 def summary(name: str, rows: list[dict], view: View | None = None) -> str:
-    """One invocation's rows as the README shows them, for the console."""
+    """One invocation's rows as docs/results.md shows them, for the console."""
     rows = [dict(r, command=r.get("command") or command_line()) for r in rows]
     return "\n".join(render(name, rows, view))
 
@@ -251,7 +252,7 @@ PNG_SOURCES = {
 }
 
 
-def _render_folder(results: Path, readme: Path) -> list[str]:
+def _render_folder(results: Path, doc: Path) -> list[str]:
     """The tables and plot links of the CSVs and PNGs directly in `results`: each PNG goes to the
     longest benchmark name its stem is or starts with + '_'."""
     from benchmarks.__main__ import available  # the first lines of the benchmarks' docstrings
@@ -265,7 +266,7 @@ def _render_folder(results: Path, readme: Path) -> list[str]:
         if owners:
             pngs[max(owners, key=len)].append(png)
     docs = {name: doc for name, (_, doc) in available().items()}
-    base = Path(os.path.relpath(results.resolve(), Path(readme).resolve().parent)).as_posix()
+    base = Path(os.path.relpath(results.resolve(), Path(doc).resolve().parent)).as_posix()
     out = []
     for name in order:
         body = render(name, found[name])
@@ -292,12 +293,11 @@ SUBFOLDERS = {
 }
 
 
-def generate(results: Path = RESULTS_DIR, readme: Path = REPO_ROOT / "README.md") -> str:
+def generate(results: Path = RESULTS_DIR, doc: Path = DOC) -> str:
     """The block between the markers (without them), from the CSVs in `results` and SUBFOLDERS."""
-    results = Path(results)
-    body = _render_folder(results, readme)
+    body = _render_folder(results, doc)
     for sub, heading in SUBFOLDERS.items():
-        lines = _render_folder(results / sub, readme) if (results / sub).is_dir() else []
+        lines = _render_folder(results / sub, doc) if (results / sub).is_dir() else []
         body += [f"#### {heading}", "", *lines] if lines else []
     return "\n".join(["", GENERATED, "", *(body or ["No results yet.", ""])])
 
@@ -306,34 +306,34 @@ def splice(text: str, block: str) -> str:
     """`text` with the part between the markers replaced by `block`; ValueError without them."""
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"README has no {BEGIN} ... {END} block")
+        raise ValueError(f"no {BEGIN} ... {END} block")
     return text[: start + len(BEGIN)] + "\n" + block.strip("\n") + "\n" + text[end:]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparser("readme", __doc__)
     p.add_argument("--check", action="store_true", help="exit 1 if the block is stale; no writes")
-    p.add_argument("--readme", default=str(REPO_ROOT / "README.md"))
+    p.add_argument("--doc", default=str(DOC), help="the markdown file with the block to write")
     p.add_argument("--results", default=str(RESULTS_DIR), help="folder of the CSVs and PNGs")
     args = p.parse_args(argv)
-    readme = Path(args.readme)
-    text = readme.read_text()
+    doc = Path(args.doc)
+    text = doc.read_text()
     try:
-        new = splice(text, generate(Path(args.results), readme))
+        new = splice(text, generate(Path(args.results), doc))
     except ValueError as exc:
-        print(f"{readme}: {exc}", file=sys.stderr)
+        print(f"{doc}: {exc}", file=sys.stderr)
         return 1
     if args.check and new != text:
         stale = "the performance tables are stale; run `python -m benchmarks readme`"
-        print(f"{readme}: {stale}", file=sys.stderr)
+        print(f"{doc}: {stale}", file=sys.stderr)
         return 1
     if args.check:
-        print(f"{readme}: the performance tables are up to date")
+        print(f"{doc}: the performance tables are up to date")
     elif new != text:
-        readme.write_text(new)
-        print(f"{readme}: performance tables regenerated")
+        doc.write_text(new)
+        print(f"{doc}: performance tables regenerated")
     else:
-        print(f"{readme}: already up to date")
+        print(f"{doc}: already up to date")
     return 0
 
 

@@ -85,7 +85,8 @@ def _setup(tmp_path):
     (results / "ppo_loss_time.png").write_bytes(b"png")
     (results / "ppo_loss_old.png").write_bytes(b"png")  # no known source: linked without a command
     (results / "unrelated.png").write_bytes(b"png")
-    doc = tmp_path / "README.md"
+    doc = tmp_path / "docs" / "results.md"  # beside the results folder's parent, as in the repo
+    doc.parent.mkdir()
     doc.write_text(
         "# x\n\n## Performance\n\nhand-written\n\n"
         "<!-- perf:begin -->\nstale\n<!-- perf:end -->\n\n## Layout\n"
@@ -113,8 +114,8 @@ Run:
 
 - `python -m benchmarks ppo_loss --reps 20` — Test CPU, threads=2, 2026-01-02 11:30, rev `abc123`
 
-Plots: [ppo_loss_old.png](results/ppo_loss_old.png), \
-[ppo_loss_time.png](results/ppo_loss_time.png) \
+Plots: [ppo_loss_old.png](../results/ppo_loss_old.png), \
+[ppo_loss_time.png](../results/ppo_loss_time.png) \
 (`python -m benchmarks plot ppo_loss`).
 """
 
@@ -128,7 +129,7 @@ EXPECTED_RL = """\
 
 def test_readme_block_from_synthetic_csvs(tmp_path, capsys):
     results, doc = _setup(tmp_path)
-    args = ["--readme", str(doc), "--results", str(results)]
+    args = ["--doc", str(doc), "--results", str(results)]
     assert readme.main(args + ["--check"]) == 1  # "stale" is not what the CSVs give
     assert "stale" in doc.read_text()  # --check writes nothing
 
@@ -146,7 +147,7 @@ def test_readme_block_from_synthetic_csvs(tmp_path, capsys):
     assert "gflops" not in block and "unrelated.png" not in block and "9.00" not in block
 
     assert readme.main(args + ["--check"]) == 0
-    # a newer run in a CSV makes the block stale; --check says so and leaves the README alone
+    # a newer run in a CSV makes the block stale; --check says so and leaves the document alone
     with open(results / "ppo_loss.csv", "a", newline="") as f:
         csv.DictWriter(f, fieldnames=harness.COLUMNS).writerow(
             _row(
@@ -169,9 +170,18 @@ def test_readme_block_from_synthetic_csvs(tmp_path, capsys):
 def test_readme_without_markers_fails(tmp_path):
     results, doc = _setup(tmp_path)
     doc.write_text("# no block\n")
-    assert readme.main(["--readme", str(doc), "--results", str(results), "--check"]) == 1
-    assert readme.main(["--readme", str(doc), "--results", str(results)]) == 1
+    assert readme.main(["--doc", str(doc), "--results", str(results), "--check"]) == 1
+    assert readme.main(["--doc", str(doc), "--results", str(results)]) == 1
     assert doc.read_text() == "# no block\n"
+
+
+def test_default_target_is_the_results_doc():
+    """Without --doc, `python -m benchmarks readme` writes docs/results.md's one block."""
+    assert readme.DOC == harness.REPO_ROOT / "docs" / "results.md"
+    text = readme.DOC.read_text()
+    assert text.count(readme.BEGIN) == 1 and text.count(readme.END) == 1
+    assert text.index(readme.BEGIN) < text.index(readme.END)
+    assert readme.BEGIN not in (harness.REPO_ROOT / "README.md").read_text()
 
 
 def test_command_line():
