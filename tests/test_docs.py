@@ -1,8 +1,9 @@
-"""The README stays a short front page whose links, example data row and reliability figures work:
+"""The README stays a short front page whose links, data row, keys and reliability figures work:
 under 300 lines; every relative link of README.md, docs/*.md and kernels/ADAPTERS.md names a file
 that exists and, after '#', a heading of that file (GitHub's anchors); the data row it shows is read
-by prorl's data reader and scored by the verifier its `data_source` names; tests/helpers/tally.py
-finds each kind of reliability figure in it."""
+by prorl's data reader and scored by the verifier its `data_source` names; the prorl keys and values
+of its TRL table are accepted by the configuration; tests/helpers/tally.py finds each kind of
+reliability figure in it."""
 
 import json
 import re
@@ -99,3 +100,36 @@ def test_the_readme_data_row_is_read_and_scored(tmp_path):
 def test_tally_finds_each_reliability_figure_in_the_readme():
     found = tally.readme_figures(README.read_text())
     assert {kind: len(pairs) for kind, pairs in found.items()} == dict.fromkeys(tally.KINDS, 1)
+
+
+def trl_table_settings() -> list[str]:
+    """The prorl column of the README's `GRPOConfig` table as `key` or `key=value` strings; a bare
+    word after `key=value` in the same cell (`grpo` / `dr-grpo`) is another value of that key."""
+    text = README.read_text()
+    table = text[
+        text.index("| `GRPOConfig` | prorl |") : text.index("\n\n", text.index("| `GRPOConfig`"))
+    ]
+    out = []
+    for row in table.splitlines()[2:]:
+        key = None
+        for token in re.findall(r"`([^`]+)`", row.split("|")[2]):
+            if "=" in token or "." in token:
+                key = token.split("=", 1)[0]
+                out.append(token)
+            elif key and re.fullmatch(r"[\w-]+", token):
+                out.append(f"{key}={token}")
+    return out
+
+
+def test_the_trl_table_names_real_keys_and_values():
+    from prorl.config import fields
+    from prorl.train import parse_config
+
+    settings = trl_table_settings()
+    assert "algorithm.advantage=dr-grpo" in settings and "algorithm.reset.interval=N" in settings
+    keys = {key for key, _ in fields()}
+    for setting in settings:
+        key, _, value = setting.partition("=")
+        assert key in keys, f"README's TRL table: no config key {key}"
+        if value and value not in ("N", "file.py:compute_score"):  # placeholders
+            parse_config(["model.path=/models/mine", setting])  # a value the key refuses raises
