@@ -122,8 +122,7 @@ def trl_table_settings() -> list[str]:
 
 
 def test_the_trl_table_names_real_keys_and_values():
-    from prorl.config import fields
-    from prorl.train import parse_config
+    from prorl.config import fields, load_config
 
     settings = trl_table_settings()
     assert "algorithm.advantage=dr-grpo" in settings and "algorithm.reset.interval=N" in settings
@@ -132,4 +131,4 @@ def test_the_trl_table_names_real_keys_and_values():
         key, _, value = setting.partition("=")
         assert key in keys, f"README's TRL table: no config key {key}"
         if value and value not in ("N", "file.py:compute_score"):  # placeholders
-            parse_config(["model.path=/models/mine", setting])  # a value the key refuses raises
+            load_config(None, ["model.path=/models/mine", setting])  # a refused value raises
