@@ -161,10 +161,8 @@ class Updater:
             # no response token in this mini-batch on any rank (a rank with none still steps)
             if mini.empty:
                 continue
-            for i, micro in enumerate(mini.passes):
-                # HSDP: the cross-replica all-reduce once per mini-batch, in its last backward
-                # (every rank runs as many passes: the same one is last everywhere)
-                parallel.set_gradient_all_reduce(self.policy, i == len(mini.passes) - 1)
+            for i, micro in enumerate(mini.passes):  # as many on every rank under FSDP
+                parallel.set_gradient_all_reduce(self.policy, i == len(mini.passes) - 1)  # HSDP
                 if micro is None:
                     self.dummy_pass(self.policy, grad=True)
                     continue
