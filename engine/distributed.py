@@ -35,8 +35,11 @@ writes its shards).
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
 import os
+import socket
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,6 +121,8 @@ def init_distributed(
         device_id = _default_device(local_rank)
         torch.cuda.set_device(device_id)
     timeout = datetime.timedelta(seconds=timeout_s)
+    if local_rank == 0 and (warning := loopback_warning(os.environ)):
+        warnings.warn(warning, RuntimeWarning, stacklevel=2)
     store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
     dist.init_process_group(
         backend=backend,
@@ -133,6 +138,34 @@ def init_distributed(
             "distributed: %s, world size %d, device %s", backend, info.world_size, info.device
         )
     return info
+
+
+def hostname_address() -> str:
+    """The address this host's name resolves to: the one gloo binds without GLOO_SOCKET_IFNAME."""
+    return socket.gethostbyname(socket.gethostname())
+
+
+def loopback_warning(env, resolve=None) -> str | None:
+    """The warning for ranks that span nodes (torchrun's LOCAL_WORLD_SIZE < WORLD_SIZE) when this
+    host's name resolves to a loopback address and GLOO_SOCKET_IFNAME is unset, else None. gloo
+    (the CPU backend, `cuda:nccl,cpu:gloo` under CPU offload, vLLM's CPU group) binds the hostname's
+    address; a default Ubuntu /etc/hosts maps it to 127.0.1.1, which no other node can reach."""
+    world, local = int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_WORLD_SIZE", 0))
+    if not 0 < local < world or env.get("GLOO_SOCKET_IFNAME"):
+        return None
+    try:
+        address = (resolve or hostname_address)()
+        loopback = ipaddress.ip_address(address).is_loopback
+    except (OSError, ValueError):
+        return None
+    if not loopback:
+        return None
+    return (
+        f"ranks span nodes ({local} of {world} on this one) but this host's name resolves to the "
+        f"loopback address {address}, which gloo binds: peers on other nodes cannot connect. Set "
+        "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to the interface the nodes reach each other "
+        "on, e.g. GLOO_SOCKET_IFNAME=eth0 (`ip -br addr` lists them)"
+    )
 
 
 def restart_count() -> int:
