@@ -32,7 +32,7 @@ def test_no_warning_when_gloo_can_connect(env, address):
 
 
 def test_init_distributed_warns_before_the_rendezvous(monkeypatch):
-    """The warning comes before torchrun's rendezvous, where a run that cannot connect would wait."""
+    """The warning comes before the rendezvous, where a run that cannot connect would wait."""
     for key, value in {**TWO_NODES, "RANK": "3", "LOCAL_RANK": "0"}.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
