@@ -39,6 +39,7 @@ import ipaddress
 import logging
 import os
 import socket
+import time
 import warnings
 from dataclasses import dataclass
 from typing import Any
@@ -123,10 +124,10 @@ def init_distributed(
     timeout = datetime.timedelta(seconds=timeout_s)
     if local_rank == 0 and (warning := loopback_warning(os.environ)):
         warnings.warn(warning, RuntimeWarning, stacklevel=2)
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    store, rank, world = attempt_store(timeout)
     dist.init_process_group(
         backend=backend,
-        store=dist.PrefixStore(f"attempt_{restart_count()}/", store),
+        store=store,
         rank=rank,
         world_size=world,
         timeout=timeout,
@@ -168,11 +169,42 @@ def loopback_warning(env, resolve=None) -> str | None:
     )
 
 
-def restart_count() -> int:
-    """How often torchrun has restarted the workers (`--max-restarts`). Its store outlives a
-    restart, keys and all, so each attempt's process groups key their addresses under their own
-    prefix: a restarted rank would otherwise read a dead rank's address and wait for it."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+def attempt_store(timeout: datetime.timedelta):
+    """torchrun's env:// rendezvous, with a store of this attempt's own: (store, rank, world).
+
+    Under torchrun (TORCHELASTIC_USE_AGENT_STORE) the workers share the agents' store, which
+    outlives a `--max-restarts` restart with the dead attempt's keys in it; a restarted rank would
+    read a dead rank's address. No count that every rank agrees on tells the attempts apart:
+    TORCHELASTIC_RESTART_COUNT grows only on the node whose worker failed (a membership change does
+    not count as a retry, torch/distributed/elastic/agent/server/api.py). So rank 0 starts a fresh
+    TCPStore on MASTER_ADDR and posts its port and a nonce in the agents' store; the other ranks
+    connect to what is posted there, retrying while it is a dead attempt's (refused, or another
+    nonce), and every key of the attempt lives in the fresh store. Otherwise rank 0 hosts the
+    env:// store itself, fresh with each process."""
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return store, rank, world
+    host = os.environ["MASTER_ADDR"]
+    if rank == 0:
+        own = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        nonce = f"{socket.gethostname()}/{os.getpid()}/{time.time_ns()}"
+        own.set("prorl/nonce", nonce)
+        store.set("prorl/attempt_store", f"{own.port} {nonce}")
+        return own, rank, world
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        port, nonce = store.get("prorl/attempt_store").decode().split(" ", 1)
+        try:
+            probe = datetime.timedelta(seconds=3)
+            own = dist.TCPStore(host, int(port), world, is_master=False, timeout=probe)
+            if own.get("prorl/nonce").decode() == nonce:
+                own.set_timeout(timeout)
+                return own, rank, world
+        except (RuntimeError, OSError):  # a dead attempt's store: nothing listens there now
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: no store of this attempt posted by rank 0")
+        time.sleep(0.2)
 
 
 def destroy_distributed() -> None:
