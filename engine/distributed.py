@@ -35,8 +35,12 @@ writes its shards).
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import logging
 import os
+import socket
+import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,10 +122,12 @@ def init_distributed(
         device_id = _default_device(local_rank)
         torch.cuda.set_device(device_id)
     timeout = datetime.timedelta(seconds=timeout_s)
-    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    if local_rank == 0 and (warning := loopback_warning(os.environ)):
+        warnings.warn(warning, RuntimeWarning, stacklevel=2)
+    store, rank, world = attempt_store(timeout)
     dist.init_process_group(
         backend=backend,
-        store=dist.PrefixStore(f"attempt_{restart_count()}/", store),
+        store=store,
         rank=rank,
         world_size=world,
         timeout=timeout,
@@ -135,11 +141,70 @@ def init_distributed(
     return info
 
 
-def restart_count() -> int:
-    """How often torchrun has restarted the workers (`--max-restarts`). Its store outlives a
-    restart, keys and all, so each attempt's process groups key their addresses under their own
-    prefix: a restarted rank would otherwise read a dead rank's address and wait for it."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+def hostname_address() -> str:
+    """The address this host's name resolves to: the one gloo binds without GLOO_SOCKET_IFNAME."""
+    return socket.gethostbyname(socket.gethostname())
+
+
+def loopback_warning(env, resolve=None) -> str | None:
+    """The warning for ranks that span nodes (torchrun's LOCAL_WORLD_SIZE < WORLD_SIZE) when this
+    host's name resolves to a loopback address and GLOO_SOCKET_IFNAME is unset, else None. gloo
+    (the CPU backend, `cuda:nccl,cpu:gloo` under CPU offload, vLLM's CPU group) binds the hostname's
+    address; a default Ubuntu /etc/hosts maps it to 127.0.1.1, which no other node can reach."""
+    world, local = int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_WORLD_SIZE", 0))
+    if not 0 < local < world or env.get("GLOO_SOCKET_IFNAME"):
+        return None
+    try:
+        address = (resolve or hostname_address)()
+        loopback = ipaddress.ip_address(address).is_loopback
+    except (OSError, ValueError):
+        return None
+    if not loopback:
+        return None
+    return (
+        f"ranks span nodes ({local} of {world} on this one) but this host's name resolves to the "
+        f"loopback address {address}, which gloo binds: peers on other nodes cannot connect. Set "
+        "GLOO_SOCKET_IFNAME (and NCCL_SOCKET_IFNAME) to the interface the nodes reach each other "
+        "on, e.g. GLOO_SOCKET_IFNAME=eth0 (`ip -br addr` lists them)"
+    )
+
+
+def attempt_store(timeout: datetime.timedelta):
+    """torchrun's env:// rendezvous, with a store of this attempt's own: (store, rank, world).
+
+    Under torchrun (TORCHELASTIC_USE_AGENT_STORE) the workers share the agents' store, which
+    outlives a `--max-restarts` restart with the dead attempt's keys in it; a restarted rank would
+    read a dead rank's address. No count that every rank agrees on tells the attempts apart:
+    TORCHELASTIC_RESTART_COUNT grows only on the node whose worker failed (a membership change does
+    not count as a retry, torch/distributed/elastic/agent/server/api.py). So rank 0 starts a fresh
+    TCPStore on MASTER_ADDR and posts its port and a nonce in the agents' store; the other ranks
+    connect to what is posted there, retrying while it is a dead attempt's (refused, or another
+    nonce), and every key of the attempt lives in the fresh store. Otherwise rank 0 hosts the
+    env:// store itself, fresh with each process."""
+    store, rank, world = next(dist.rendezvous("env://", timeout=timeout))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return store, rank, world
+    host = os.environ["MASTER_ADDR"]
+    if rank == 0:
+        own = dist.TCPStore(host, 0, world, is_master=True, timeout=timeout, wait_for_workers=False)
+        nonce = f"{socket.gethostname()}/{os.getpid()}/{time.time_ns()}"
+        own.set("prorl/nonce", nonce)
+        store.set("prorl/attempt_store", f"{own.port} {nonce}")
+        return own, rank, world
+    deadline = time.monotonic() + timeout.total_seconds()
+    while True:
+        port, nonce = store.get("prorl/attempt_store").decode().split(" ", 1)
+        try:
+            probe = datetime.timedelta(seconds=3)
+            own = dist.TCPStore(host, int(port), world, is_master=False, timeout=probe)
+            if own.get("prorl/nonce").decode() == nonce:
+                own.set_timeout(timeout)
+                return own, rank, world
+        except (RuntimeError, OSError):  # a dead attempt's store: nothing listens there now
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: no store of this attempt posted by rank 0")
+        time.sleep(0.2)
 
 
 def destroy_distributed() -> None:

@@ -254,6 +254,18 @@ def reshard(model: nn.Module) -> None:
             module.reshard()
 
 
+def set_gradient_all_reduce(model: nn.Module, enabled: bool) -> None:
+    """HSDP: whether the next backward all-reduces the gradient shards across the replicas (the
+    reduce-scatter within a replica runs every backward). Off for all but a mini-batch's last
+    micro-batch, FSDP2 sums the reduce-scattered shards locally and all-reduces that sum once: one
+    cross-node all-reduce per mini-batch instead of one per micro-batch. A no-op for plain FSDP2
+    (no replicate group) and for an unsharded model."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        model.set_requires_all_reduce(enabled)  # recurses into the blocks
+
+
 @torch.no_grad()
 def copy_parameters_(dst: nn.Module, src: nn.Module) -> None:
     """dst's parameters <- src's, exactly, for two models of one architecture and one placement

@@ -150,6 +150,10 @@ def gpu_fraction(cfg, policy, backend: str) -> float:
     value = cfg.rollout.gpu_memory_utilization
     if backend != "vllm" or not torch.cuda.is_available():
         return 0.5 if value == "auto" else float(value)
+    # the blocks PyTorch's allocator caches (the fp32 load copies FSDP2 freed when it sharded the
+    # policy) are free to vLLM only once returned to the driver: measured before, vLLM's share
+    # came out ~11% smaller at 1.5B on 80 GB, ~2.5x at 7B
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     local = (
         p.to_local() if hasattr(p, "to_local") else p

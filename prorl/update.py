@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from prorl import algorithm, packing
 from prorl.config import Config
+from prorl.engine import parallel
 from prorl.engine.distributed import watchdog
 from prorl.engine.optim import Optimizer
 from prorl.kernels import group_advantages, linear_logprob_entropy, ppo_loss
@@ -102,18 +103,24 @@ class Updater:
             g.old_logps = [old[cu[i * n + j] : cu[i * n + j + 1]] for j in range(len(g.responses))]
 
     @torch.no_grad()
-    def response_logprobs(self, model, batch: StepBatch, first_group: int = 0) -> torch.Tensor:
-        """Log-probs of the response tokens under `model`, micro-batched: fp32 [R], 0 before
-        first_group."""
+    def response_logprobs(self, model, batch: StepBatch, passes=None) -> torch.Tensor:
+        """Log-probs of the response tokens under `model`: fp32 [R], 0 outside `passes` (the
+        step's planned micro-batches; None: planned here for the whole batch)."""
         model.eval()
         out = torch.zeros(batch.resp_cu[-1], dtype=torch.float32, device=self.device)
-        budget = self.cfg.trainer.micro_batch_tokens
-        plan = dict(budget=budget, share=self.share, lockstep=self.fsdp)
-        for micro in packing.plan_passes(batch, first_group, len(batch.groups), **plan):
+        if passes is None:
+            budget = self.cfg.trainer.micro_batch_tokens
+            plan = dict(budget=budget, share=self.share, lockstep=self.fsdp)
+            passes = packing.plan_passes(batch, 0, len(batch.groups), **plan)
+        for micro in passes:
             if micro is None:
                 self.dummy_pass(model, grad=False)
             else:
                 out[micro.lo : micro.hi] = self.logprobs(model, micro.packed, grad=False)[0].float()
+        # FSDP2 keeps the root and the last block unsharded after a forward and reshards them in
+        # backward, which a no-grad pass lacks: without this the reference would hold them full
+        # (0.9 GB at 1.5B) through the update and the colocated sampler's wake
+        parallel.reshard(model)
         return out
 
     # -- the update ----------------------------------------------------------------------------
@@ -142,13 +149,7 @@ class Updater:
         )
         # this step's groups in mini-batch 0: old_logp = logp.detach(), no pass
         first = 0 if schedule.recompute_old_logp else minis[0].groups[1]
-        old = None
-        if schedule.mini_batches > 1 or schedule.recompute_old_logp:
-            old = batch.tokens.pi_old(self.response_logprobs(self.policy, batch, first))
-        timing["timing_s/old_log_prob"], t0 = clock(self.device) - t0, clock(self.device)
-        with watchdog().phase(f"step {step + 1}, reference log-probs"):
-            ref = self.response_logprobs(self.reference, batch)
-        timing["timing_s/ref"], t0 = clock(self.device) - t0, clock(self.device)
+        old, ref, t0 = self.old_and_reference(batch, minis, step, timing, t0)
         inputs = dataclasses.replace(batch.tokens, advantage=token_adv, ref_logp=ref, old_logp=old)
         self.policy.train()
         norms = 0.0
@@ -156,7 +157,8 @@ class Updater:
             # no response token in this mini-batch on any rank (a rank with none still steps)
             if mini.empty:
                 continue
-            for micro in mini.passes:
+            for i, micro in enumerate(mini.passes):  # as many on every rank under FSDP
+                parallel.set_gradient_all_reduce(self.policy, i == len(mini.passes) - 1)  # HSDP
                 if micro is None:
                     self.dummy_pass(self.policy, grad=True)
                     continue
@@ -176,6 +178,23 @@ class Updater:
         acc.max("advantage", adv.max() if adv.numel() else -math.inf)
         acc.min("advantage", adv.min() if adv.numel() else math.inf)
         return timing
+
+    def old_and_reference(self, batch: StepBatch, minis: list, step: int, timing: dict, t0):
+        """pi_old [R] (None when every mini-batch takes it from its own pass; mini-batch 0's
+        groups sampled this step skipped, `run`) and the reference's log-probs [R], through the
+        update's own passes: packed once per step, they serve all three. Adds their timings;
+        returns (old, ref, clock)."""
+        schedule = self.cfg.trainer
+        passes = [[p for mini in minis[m:] for p in mini.passes] for m in (0, 1)]
+        old = None
+        if schedule.mini_batches > 1 or schedule.recompute_old_logp:
+            old_passes = passes[0] if schedule.recompute_old_logp else passes[1]
+            old = batch.tokens.pi_old(self.response_logprobs(self.policy, batch, old_passes))
+        timing["timing_s/old_log_prob"], t0 = clock(self.device) - t0, clock(self.device)
+        with watchdog().phase(f"step {step + 1}, reference log-probs"):
+            ref = self.response_logprobs(self.reference, batch, passes[0])
+        timing["timing_s/ref"] = clock(self.device) - t0
+        return old, ref, clock(self.device)
 
     def advantages(self, batch: StepBatch) -> torch.Tensor:
         """Per-response advantages [S]: centred per group, whitened over all ranks (recipe §2)."""

@@ -1,13 +1,16 @@
 """The one prepared run for a lent GPU machine: `bash benchmarks/gpu_check.sh [RESULTS_DIR]`.
 
-Steps (benchmarks/gpu/plan.py) run most crash-prone first, each under its own limit, all within
-`GPU_CHECK_DEADLINE` (335 s); then one summary table. Exit 1 when a step failed or timed out, 2 at
-once without CUDA. `GPU_CHECK_ONLY=a,b` / `GPU_CHECK_SKIP=a,b` select steps. What it writes, and the
-wheels to carry: docs/benchmarks.md.
+Steps (benchmarks/gpu/plan.py) run the never-run paths first, each under its own limit, all within
+`GPU_CHECK_DEADLINE` (335 s): a step starts only while its whole limit is left, else it is reported
+skipped. Then one summary table, headed by the stack it certified (torch, CUDA, which of vLLM, TE
+and flash-attn were there). Exit 1 when a step failed or timed out, 2 at once without CUDA.
+`GPU_CHECK_ONLY=a,b` / `GPU_CHECK_SKIP=a,b` select steps. What it writes, and the wheels to carry:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import glob
 import json
@@ -21,7 +24,6 @@ from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DEADLINE_S = 335  # s from the start for everything; + a last step's kill grace: under 6 minutes
-MIN_STEP_S = 20  # with less left a step is skipped (unless its own limit is lower)
 KILL_GRACE_S = 10  # SIGTERM, then this long before SIGKILL (torchrun passes SIGTERM to its ranks)
 SITE = "/tmp/prorl-gpu-site"  # carried wheels go here (the image's site-packages stay as they are)
 RUNS = "/tmp/prorl-gpu-runs"  # the preset runs' output directories (off RESULTS_DIR)
@@ -89,19 +91,20 @@ def step_env() -> dict:
     return dict(os.environ, **env, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=threads)
 
 
-def run_step(step: Step, logs: str, left_s: float, say: Callable) -> Row:
-    """Run one step, its output in logs/<name>.log; kill its whole process group at its limit."""
-    limit = min(step.limit_s, left_s)
-    skip = step.skip
-    if not skip and left_s < min(MIN_STEP_S, step.limit_s):
-        skip = f"{left_s:.0f} s left of the budget (GPU_CHECK_DEADLINE), it needs up to "
+def run_step(step: Step, logs: str, left_s: float, say: Callable, clock: Callable = time.monotonic):
+    """Run one step, its output in logs/<name>.log; kill its whole process group at its limit.
+    A step starts only with its whole limit left (`left_s`): a step cut short by the budget would
+    read as TIMEOUT, a failure that is not one."""
+    limit, skip = step.limit_s, step.skip
+    if not skip and left_s < step.limit_s:
+        skip = f"{max(left_s, 0):.0f} s left of the budget (GPU_CHECK_DEADLINE), it needs up to "
         skip += f"{step.limit_s:.0f} s"
     if skip:
         say(f"=== [{step.name}] skipped: {skip}")
         return Row(step.name, "skipped", 0.0, skip)
     log_path = os.path.join(logs, f"{step.name}.log")
+    t0 = clock()
     say(f"=== [{step.name}] start, limit {limit:.0f} s: {' '.join(step.cmd)}")
-    t0 = time.monotonic()
     with open(log_path, "w") as log:
         io = dict(cwd=ROOT, env=step_env(), stdout=log, stderr=subprocess.STDOUT)
         proc = subprocess.Popen(step.cmd, **io, start_new_session=True)  # its own process group
@@ -118,7 +121,7 @@ def run_step(step: Step, logs: str, left_s: float, say: Callable) -> Row:
     status, note = ("ok", last) if rc == 0 else ("FAIL", f"exit {rc}: {last}")
     if rc == "timeout":
         status, note = "TIMEOUT", f"ran past its {limit:.0f} s limit"
-    seconds = time.monotonic() - t0
+    seconds = clock() - t0
     say(f"=== [{step.name}] {status} in {seconds:.0f} s ({note})")
     for line in lines[-TAIL_LINES:] if status != "ok" else []:
         say(f"    | {line[:300]}")
@@ -150,17 +153,57 @@ def _kill_group(proc: subprocess.Popen) -> str:
     return "timeout"
 
 
-def run_steps(steps: list[Step], results: str, end: float, say: Callable) -> list[Row]:
-    """Run `steps` in order, each within what is left until `end` (a time.monotonic() value)."""
+def run_steps(
+    steps: list[Step], results: str, end: float, say: Callable, clock: Callable = time.monotonic
+) -> list[Row]:
+    """Run `steps` in order, each only while its whole limit is left until `end` (a `clock()`
+    value; tests pass a fake clock)."""
     logs = os.path.join(results, "logs")
     os.makedirs(logs, exist_ok=True)
-    return [run_step(step, logs, end - time.monotonic(), say) for step in steps]
+    return [run_step(step, logs, end - clock(), say, clock) for step in steps]
 
 
-def summary(rows: list[Row], steps: list[Step]) -> str:
-    """The table: one line per step, in the order they ran."""
+def pinned_gpu_stack() -> dict[str, str]:
+    """setup.py's `gpu` extra as {distribution: version}: the stack the GPU paths target."""
+    with open(os.path.join(ROOT, "setup.py")) as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values):
+                if isinstance(key, ast.Constant) and key.value == "gpu":
+                    pins = [ast.literal_eval(v).split("==") for v in value.elts]
+                    return {name.split("[")[0]: version for name, version in pins}
+    return {}
+
+
+# the probe's key for each distribution of the `gpu` extra
+PROBE_KEYS = {"torch": "torch", "vllm": "vllm", "transformer-engine": "transformer_engine"}
+PROBE_KEYS["flash-attn"] = "flash_attn"
+
+
+def stack_line(env: dict, pinned: dict[str, str]) -> str:
+    """What this run certified: the probe's torch, CUDA and GPU, which of vLLM / TE / flash-attn
+    were importable, and how that differs from the pinned `gpu` extra."""
+    gpu = f" on {env['gpu']}" if env.get("gpu") else ""
+    head = f"certified stack: torch {env.get('torch', '?')} (CUDA {env.get('cuda_version')}){gpu}"
+    have = []
+    for dist, key in PROBE_KEYS.items():
+        if dist != "torch":
+            have.append(f"{dist} {env.get(key) or 'absent'}")
+    differs = [f"{d} {v}" for d, v in pinned.items() if env.get(PROBE_KEYS.get(d, d)) != v]
+    verdict = (
+        "the pinned `gpu` extra exactly"
+        if not differs
+        else (f"not the pinned `gpu` extra: {', '.join(differs)} untested")
+    )
+    return f"{head}; {', '.join(have)}; {verdict}"
+
+
+def summary(rows: list[Row], steps: list[Step], stack: str | None = None) -> str:
+    """The table: the stack line (when given), then one line per step, in the order they ran."""
     what = {s.name: s.what for s in steps}
-    lines = ["| step | status | s | checks | result |", "|---|---|---|---|---|"]
+    lines = [stack, ""] if stack else []
+    lines += ["| step | status | s | checks | result |", "|---|---|---|---|---|"]
     for r in rows:
         note = r.note.replace("|", "/")
         lines.append(
@@ -236,13 +279,14 @@ def _run(results: str, python: str, end: float, t0: float) -> int:
     only, skip = (os.environ.get(f"GPU_CHECK_{k}", "") for k in ("ONLY", "SKIP"))
     steps = select(plan(python, env, results), only, skip)
     rows = run_steps(steps, results, end, say)
-    table = summary(installed + rows, install_steps(python) + steps)
+    stack = stack_line(env, pinned_gpu_stack())
+    table = summary(installed + rows, install_steps(python) + steps, stack)
     say("=== summary (" + f"{time.monotonic() - t0:.0f} s in all)\n" + table)
     with open(os.path.join(results, "gpu_check_summary.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(results, "gpu_check_summary.json"), "w") as f:
         rows_json = [dataclasses.asdict(r) for r in installed + rows]
-        json.dump({"machine": env, "rows": rows_json}, f, indent=1)
+        json.dump({"machine": env, "stack": stack, "rows": rows_json}, f, indent=1)
     return exit_code(rows)
 
 

@@ -1,8 +1,8 @@
 """What `benchmarks/gpu_check.sh` runs, in order (benchmarks/gpu/check.py runs it).
 
-First the paths that pass on the CPU but can crash on a GPU, then the CUDA tests of the kernels and
-attention, then the embedded default and its asynchronous run, then benchmark rows while the budget
-lasts. Limits are ceilings sized from the H200 runs (docs/benchmarks.md); the budget cuts the last.
+First the paths no GPU has run yet (asynchronous RL on CUDA, the preset on NCCL, FP8), whose limits
+together fit the deadline (`PRIORITY_S`), then the other CUDA checks and benchmark rows, each only
+while its whole limit is left. Limits are ceilings sized from the H200 runs (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -16,6 +16,10 @@ from benchmarks.gpu.check import ROOT, RUNS, SITE, Step
 GPU_RULES = "tests/gpu/test_gpu_rules.py"
 
 
+# the never-run steps: with the install they must fit check.DEADLINE_S with their whole limits
+NEVER_RUN = ("async_rl", "preset", "preset_fp8")
+
+
 def install_steps(python: str) -> list[Step]:
     """Carried wheels into SITE, then prorl editable, without the native CPU build or fetching."""
     wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
@@ -26,7 +30,7 @@ def install_steps(python: str) -> list[Step]:
         f"{python} -c 'import prorl.trainer, prorl.kernels; print(\"prorl imports ok\")'",
     ]
     what = f"{len(wheels)} carried wheels, prorl editable"
-    return [Step("install", 120, ["bash", "-c", " && ".join(script)], what)]
+    return [Step("install", 60, ["bash", "-c", " && ".join(script)], what)]
 
 
 def plan(python: str, env: dict, results: str) -> list[Step]:
@@ -57,25 +61,28 @@ def plan(python: str, env: dict, results: str) -> list[Step]:
     main_job = (f"rm -rf {RUNS}/default && exec {python} -m torch.distributed.run --standalone"
                 f" --nproc_per_node=1 prorl/train.py output_dir={RUNS}/default"
                 " trainer.total_steps=30 trainer.val_every=30 trainer.save_every=0")  # fmt: skip
-    async_rl = ["async_rl", "--variants", "sync,async-k1", "--sync-ranks", "1", "--sync-run",
-                f"{RUNS}/default", "--steps", "30", "--val-every", "30", "--work",
-                f"{RUNS}/async_rl", "--out", f"{results}/async_rl.csv"]  # fmt: skip
+    async_rl = ["async_rl", "--variants", "async-k1", "--steps", "30", "--val-every", "30",
+                "--work", f"{RUNS}/async_rl", "--out", f"{results}/async_rl.csv"]  # fmt: skip
     ppo = ["ppo_loss", "--device", "cuda", "--reps", "20", "--warmup", "3"]
     llpe = ["linear_logprob_entropy", "--gpu", "--warmup", "1", "--reps", "3", "--timeout", "25",
             "--shape", "16384,1536,151936", "--providers",
             "prorl,naive" + (",liger-flce" if env.get("liger_kernel") else "")]  # fmt: skip
     steps = [
-        Step("gpu_rules", 90, pytest("gpu_rules", GPU_RULES), "CUDA's rules: FP8 odd token counts,"
-             " offload probe device, validation batching", rules),
-        Step("fp8_cuda", 60, pytest("fp8_cuda", "tests/gpu/test_fp8_cuda.py"),
-             "torchao's real FP8 GEMMs vs float64; TE when installed", torchao),
-        Step("preset_fp8", 75, [*preset, "--variant", "fp8"],
-             "the preset in miniature, model.fp8=torchao, odd packed token counts, NCCL", torchao),
+        # never run on a GPU: these three first, their limits with the install's within the deadline
+        Step("async_rl", 75, [*bench, *async_rl], "asynchronous RL on cuda:0: 1 rollout + 1 trainer"
+             " process, k=1, 30 steps"),
         Step("preset", 120, [*preset, "--variant", "base"],
              "the preset in miniature on NCCL, 1 rank: bf16 untied head, FSDP2, AC, validation, "
              "reset, save, resume" + no_vllm),
+        Step("preset_fp8", 75, [*preset, "--variant", "fp8"],
+             "the preset in miniature, model.fp8=torchao, odd packed token counts, NCCL", torchao),
+        # then while each whole limit is left
+        Step("fp8_cuda", 60, pytest("fp8_cuda", "tests/gpu/test_fp8_cuda.py"),
+             "torchao's real FP8 GEMMs vs float64; TE when installed", torchao),
         Step("preset_offload", 75, [*preset, "--variant", "offload"],
              "the preset with model.cpu_offload=true (FSDP2 CPUOffloadPolicy; NCCL + gloo)"),
+        Step("gpu_rules", 90, pytest("gpu_rules", GPU_RULES), "CUDA's rules: FP8 odd token counts,"
+             " offload probe device, validation batching", rules),
         Step("cuda_paths", 110, pytest("cuda_paths", "tests/gpu/test_cuda_paths.py"),
              "compiled Triton kernels vs float64, no host sync, sampler vs HF, trainer on CUDA"),
         Step("gpu_other", 60, pytest("gpu_other", *others), "the other files of tests/gpu",
@@ -86,9 +93,6 @@ def plan(python: str, env: dict, results: str) -> list[Step]:
         # a warm machine keeps an earlier call's run directory: start afresh
         Step("main_job", 70, ["bash", "-c", main_job],
              "the embedded default on cuda:0, 30 of its 150 steps (accuracy before/after)"),
-        # main_job's run is the sync side; both processes share cuda:0 (a 1-rank NCCL group each)
-        Step("async_rl", 75, [*bench, *async_rl], "asynchronous RL on cuda:0: 1 rollout + 1 trainer"
-             " process, k=1, 30 steps, vs main_job"),
         Step("ppo_loss", 45, [*bench, *ppo, "--out", f"{results}/ppo_loss.csv"],
              "ppo_loss rows on CUDA"),
         Step("llpe", 60, [*bench, *llpe, "--out", f"{results}/linear_logprob_entropy.csv"],

@@ -173,6 +173,7 @@ class Decoder(nn.Module):
         max_seqlen: int | None = None,
         cu_seqlens_k: torch.Tensor | None = None,
         kv_index: torch.Tensor | None = None,
+        max_seqlen_k: int | None = None,
     ) -> torch.Tensor:
         """Hidden states after the final norm.
 
@@ -181,7 +182,8 @@ class Decoder(nn.Module):
         Padded (convenience): input_ids [B, T], attention_mask [B, T] (1 = token, 0 = padding;
         None = all tokens) -> [B, T, D], zeros at padding. Each row's tokens are packed in order
         and, unless position_ids [B, T] is given, numbered from 0 as `generate` does.
-        max_seqlen: longest sequence, if the caller knows it (saves flash-attn a host sync).
+        max_seqlen (max_seqlen_k: of the keys, shared prefix): longest sequence, if the caller
+        knows it (saves flash-attn a host sync).
         Shared prefix (packed only): `cu_seqlens_k` [B+1] and `kv_index` [Nk] give each sequence of
         `cu_seqlens` its keys, gathered from all tokens' keys (see engine/attention.py,
         `shared_prefix_layout`, which also gives the position_ids this needs).
@@ -204,8 +206,9 @@ class Decoder(nn.Module):
 
         attn = self.attention_backend(input_ids.device)
         context = make_context(
-            n, cu_seqlens, max_seqlen, cu_seqlens_k=cu_seqlens_k, kv_index=kv_index
-        )
+            n, cu_seqlens, max_seqlen, cu_seqlens_k=cu_seqlens_k, kv_index=kv_index,
+            max_seqlen_k=max_seqlen_k,
+        )  # fmt: skip
         ctx = attn.prepare(context)
         cos, sin = rope_cos_sin(self.config, position_ids, cu_seqlens)  # [N, head_dim] fp32
 

@@ -172,6 +172,7 @@ class NativeGenerator(Generator):
         available."""
         device = self.model.embed_tokens.weight.device
         if device.type == "cuda":
+            torch.cuda.empty_cache()  # PyTorch's cached blocks (the trainer's freed ones) count
             return torch.cuda.mem_get_info(device)[0]
         return host_available_bytes()
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from prorl.config import Config, ConfigError
 from prorl.config_runtime import collective_timeout_s
-from prorl.engine.distributed import restart_count
+from prorl.engine.distributed import attempt_store
 
 STORE_PREFIX = "prorl/async/"
 
@@ -128,13 +128,13 @@ def init_async(cfg: Config, backend: str) -> Roles:
     r = cfg.rollout.async_rl.rollout_ranks
     trainers = world - r
     rollout = rank >= trainers
-    store, _, _ = next(dist.rendezvous("env://"))
-    # every key of this attempt (the process groups' addresses, stop, pushes, batches) is its own
-    attempt = restart_count()  # engine/distributed.py says why
     side = "rollout" if rollout else "train"
     limits = timeouts(cfg, trainers, r)
     timeout_s = limits[side]
     timeout = datetime.timedelta(seconds=timeout_s)
+    # a store of this attempt's own (engine/distributed.py says why): the process groups'
+    # addresses, stop, pushes and batches of a restarted attempt never meet a dead one's
+    store, _, _ = attempt_store(timeout)
     device_id = None
     if "nccl" in backend:
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
@@ -144,7 +144,7 @@ def init_async(cfg: Config, backend: str) -> Roles:
         torch.cuda.set_device(device_id)
     dist.init_process_group(
         backend=backend,
-        store=dist.PrefixStore(f"prorl/{attempt}/{side}/", store),
+        store=dist.PrefixStore(f"prorl/{side}/", store),
         rank=rank - trainers if rollout else rank,
         world_size=r if rollout else trainers,
         timeout=timeout,
@@ -152,9 +152,9 @@ def init_async(cfg: Config, backend: str) -> Roles:
     )
     push = None
     if rank == 0 or rollout:  # trainer 0 is the push group's rank 0
-        push_store = dist.PrefixStore(f"prorl/{attempt}/push/", store)
+        push_store = dist.PrefixStore("prorl/push/", store)
         step = datetime.timedelta(seconds=limits["step"])
         push = dist.ProcessGroupGloo(push_store, rank - trainers + 1 if rollout else 0, r + 1, step)
-    store = dist.PrefixStore(f"{STORE_PREFIX}{attempt}/", store)
+    store = dist.PrefixStore(STORE_PREFIX, store)
     _ROLES[:] = [Roles(rank, world, trainers, r, store, push, timeout_s)]
     return _ROLES[0]

@@ -92,7 +92,8 @@ def test_the_plan_names_files_that_exist_and_says_why_it_skips(tmp_path):
     }
     steps = plan.plan(sys.executable, full, str(tmp_path))
     names = [s.name for s in steps]
-    assert names[:6] == "gpu_rules fp8_cuda preset_fp8 preset preset_offload cuda_paths".split()
+    assert names[:3] == ["async_rl", "preset", "preset_fp8"] == list(plan.NEVER_RUN)
+    assert "async-k1" in steps[0].cmd and "--sync-run" not in steps[0].cmd
     for step in steps:
         for arg in step.cmd:
             if arg.startswith(("tests/", "benchmarks/", "prorl/")) and arg.endswith((".py", ".sh")):
@@ -143,7 +144,9 @@ def test_main_runs_install_then_plan_and_writes_the_summary(tmp_path, monkeypatc
         ("good", "ok"),
         ("bad", "FAIL"),
     ]
-    assert "| bad | FAIL |" in (out / "gpu_check_summary.md").read_text()
+    assert saved["stack"].startswith("certified stack: torch pretend")
+    md = (out / "gpu_check_summary.md").read_text()
+    assert md.startswith("certified stack: torch pretend") and "| bad | FAIL |" in md
     assert "=== summary" in (out / "gpu_check.log").read_text()
     steps.pop()
     assert check.main([str(tmp_path / "again")]) == 0
@@ -169,3 +172,72 @@ def test_the_probe_says_why_an_installed_package_does_not_import(tmp_path):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["flash_attn"] is None and "flash_attn_2_cuda_missing_part" in out["flash_attn_error"]
     assert out["transformer_engine"] is None and "transformer_engine_error" not in out
+
+
+class FakeClock:
+    """time.monotonic() stand-in: a step "takes" the seconds the test gives it, advanced when the
+    runner announces the step's start (its command itself returns at once)."""
+
+    def __init__(self, takes: dict[str, float]):
+        self.now, self.takes = 1000.0, takes
+
+    def __call__(self) -> float:
+        return self.now
+
+    def say(self, line: str) -> None:
+        if line.startswith("=== [") and "] start" in line:
+            self.now += self.takes[line[5 : line.index("]")]]
+
+
+def test_a_step_starts_only_with_its_whole_limit_left(tmp_path):
+    """With 60 s left, a step of limit 70 is skipped (not started under a cut limit, where a slow
+    pass would read as TIMEOUT), the next one of limit 60 runs, and the run passes."""
+    takes = {"first": 90, "cut": 5, "fits": 20, "last": 1}
+    clock = FakeClock(takes)
+    steps = [
+        check.Step("first", 100, _py("pass"), "a"),
+        check.Step("cut", 70, _py("pass"), "b"),
+        check.Step("fits", 60, _py("pass"), "c"),
+        check.Step("last", 41, _py("pass"), "d"),
+    ]
+    rows = check.run_steps(steps, str(tmp_path), clock.now + 150, clock.say, clock)
+    got = {r.name: r.status for r in rows}
+    assert got == {"first": "ok", "cut": "skipped", "fits": "ok", "last": "skipped"}
+    notes = {r.name: r.note for r in rows}
+    assert notes["cut"].startswith("60 s left") and "needs up to 70 s" in notes["cut"]
+    assert notes["last"].startswith("40 s left")
+    assert [r.seconds for r in rows] == [90, 0, 20, 0]
+    assert check.exit_code(rows) == 0
+
+
+def test_the_never_run_steps_run_even_when_every_step_takes_its_whole_limit(tmp_path):
+    """The install and the never-run steps (async RL on CUDA, the preset on NCCL, FP8) fit the
+    deadline at their full limits: on the worst clock they still all run, and what follows is
+    skipped, not cut."""
+    env = {"cuda": True, "torchao": "0.18.0", "omegaconf": "2.4.0", "math_verify": "0.9.0"}
+    steps = plan.install_steps(sys.executable) + plan.plan(sys.executable, env, str(tmp_path))
+    for step in steps:
+        step.cmd = _py("pass")
+    clock = FakeClock({s.name: s.limit_s for s in steps})
+    rows = check.run_steps(steps, str(tmp_path), clock.now + check.DEADLINE_S, clock.say, clock)
+    ran = [r.name for r in rows if r.status == "ok"]
+    assert ran[:4] == ["install", *plan.NEVER_RUN]
+    assert all(r.status in ("ok", "skipped") for r in rows)
+    assert sum(r.seconds for r in rows) <= check.DEADLINE_S
+
+
+def test_the_summary_names_the_stack_it_certified():
+    """The device image's torch without vLLM / TE / flash-attn is said to be that, not the pinned
+    `gpu` extra of setup.py (torch 2.13.0, vLLM 0.32.0, TE 2.20.2, flash-attn 2.8.3.post2)."""
+    pinned = check.pinned_gpu_stack()
+    want = {"torch": "2.13.0", "vllm": "0.32.0", "transformer-engine": "2.20.2"}
+    assert pinned == {**want, "flash-attn": "2.8.3.post2"}
+    image = {"torch": "2.11.0+cu130", "cuda_version": "13.0", "gpu": "NVIDIA H200", "vllm": None}
+    line = check.stack_line(image, pinned)
+    assert line.startswith("certified stack: torch 2.11.0+cu130 (CUDA 13.0) on NVIDIA H200")
+    assert "vllm absent, transformer-engine absent, flash-attn absent" in line
+    assert "not the pinned `gpu` extra: torch 2.13.0, vllm 0.32.0" in line
+    full = {"torch": "2.13.0", "cuda_version": "12.9", "vllm": "0.32.0"}
+    full.update(transformer_engine="2.20.2", flash_attn="2.8.3.post2")
+    line = check.stack_line(full, pinned)
+    assert "vllm 0.32.0, transformer-engine 2.20.2" in line and line.endswith("extra exactly")

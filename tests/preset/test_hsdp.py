@@ -9,6 +9,8 @@ relies on:
 - a 2 x 2 run that stopped after its step-1 checkpoint resumes from it (DCP of the 2-D-sharded model
   and optimizer, the prompt scheduler's record, the samples carried over) and continues as the
   uninterrupted 1-D run did;
+- the gradients cross the replicas once per mini-batch: each backward reduce-scatters within a
+  replica, and only a mini-batch's last one all-reduces across the replicas (across nodes);
 - the 2-D mesh is row-major (each shard group is consecutive ranks: one node's, under torchrun), and
   the disk-space check before a save counts a replicated shard once, as DCP writes it.
 
@@ -61,7 +63,7 @@ def _runs(rank, world, tmp, ckpt, train, val):
         ("hsdp", ["model.dp_replicate=2", "trainer.total_steps=1"]),
         ("hsdp", ["model.dp_replicate=2", f"trainer.total_steps={STEPS}"]),  # resumes from step 1
     ]
-    said = []
+    said, events = [], _count_collectives(rank)
     for i, (name, extra) in enumerate(plan):
         # a fresh process group per run, as a new torchrun launch has (main destroys it at the end)
         dist.init_process_group(
@@ -76,7 +78,35 @@ def _runs(rank, world, tmp, ckpt, train, val):
             )
         assert code == 0, out.getvalue()[-3000:]
         said.append(out.getvalue())
-    return said, layout
+        events.append("RUN")
+    return said, layout, events
+
+
+def _count_collectives(rank: int) -> list[str]:
+    """Records, in order, this rank's gradient collectives: "AR" for an all-reduce over its
+    replicate group (ranks r % 2 and r % 2 + 2), "RS" for a reduce-scatter over its shard group
+    (2 (r // 2) and the next), "STEP" when the optimizer steps, "RUN" at the end of a run."""
+    import torch.distributed as dist
+    from prorl.engine import optim
+
+    events = []
+    groups = {"AR": [rank % 2, rank % 2 + 2], "RS": [2 * (rank // 2), 2 * (rank // 2) + 1]}
+
+    def counted(kind, real, group_at):
+        def call(*args, **kwargs):
+            group = kwargs.get("group", args[group_at] if len(args) > group_at else None)
+            if group is not None and dist.get_process_group_ranks(group) == groups[kind]:
+                events.append(kind)
+            return real(*args, **kwargs)
+
+        return call
+
+    dist.all_reduce = counted("AR", dist.all_reduce, 2)
+    # FSDP2's reduce-scatter (torch 2.13: reduce_scatter_single)
+    dist.reduce_scatter_single = counted("RS", dist.reduce_scatter_single, 2)
+    step = optim.Optimizer.step
+    optim.Optimizer.step = lambda self: (events.append("STEP"), step(self))[1]
+    return events
 
 
 def _mesh_layout():
@@ -101,6 +131,18 @@ def _mesh_layout():
     unsharded = sum(v.numel() * v.element_size() for v in random_decoder().state_dict().values())
     layout = mesh.mesh_dim_names, mesh.get_coordinate(), mesh["dp_shard"].mesh.tolist(), error
     return layout, save_bytes, unsharded
+
+
+def _split(events: list[str], end: str) -> list[list[str]]:
+    """The events before each `end` (what follows the last one is dropped)."""
+    out, current = [], []
+    for e in events:
+        if e == end:
+            out.append(current)
+            current = []
+        else:
+            current.append(e)
+    return out
 
 
 def step_rows(run_dir) -> dict[int, dict]:
@@ -134,7 +176,7 @@ def test_two_by_two_hsdp_equals_flat_fsdp2_and_resumes(preset, tmp_path):
         _runs, tmp_path, str(tmp_path), ckpt, train, val, world=4, init=False, timeout_s=600
     )
     # row-major: shard groups are consecutive ranks, as torchrun numbers one node's processes
-    for rank, (_, (layout, save_bytes, unsharded)) in res.items():
+    for rank, (_, (layout, save_bytes, unsharded), _) in res.items():
         assert save_bytes == {1: unsharded, 2: unsharded}, (save_bytes, unsharded)
         names, coordinate, shard_group, error = layout
         assert names == ("dp_replicate", "dp_shard") and list(coordinate) == [
@@ -144,6 +186,17 @@ def test_two_by_two_hsdp_equals_flat_fsdp2_and_resumes(preset, tmp_path):
         assert shard_group == [2 * (rank // 2), 2 * (rank // 2) + 1], layout
         assert "dp_replicate=3 must be >= 1 and divide the 4 ranks" in error, error
     said = res[0][0]
+    # one all-reduce across the replicas per FSDP unit (each block and the root) and mini-batch,
+    # however many micro-batches reduce-scatter into it
+    units = 1 + json.load(open(f"{ckpt}/config.json"))["num_hidden_layers"]
+    for rank, (_, _, events) in res.items():
+        flat, *hsdp = _split(events, "RUN")
+        assert flat and "AR" not in flat, (rank, flat)  # 1-D: no replicate group
+        windows = [w for run in hsdp for w in _split(run, "STEP")]  # one per optimizer step
+        assert len(windows) == 2 * STEPS, (rank, windows)  # 2 mini-batches a step
+        for w in windows:
+            assert w.count("AR") == units and w.count("RS") % units == 0, (rank, w)
+        assert max(w.count("RS") for w in windows) > units, (rank, windows)  # micro-batched
     assert "prorl: resumed from" in said[2] and "step 1" in said[2], said[2][-2000:]
 
     flat, hsdp = step_rows(tmp_path / "flat"), step_rows(tmp_path / "hsdp")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from prorl.engine.model import load_hf
 
-from prorl.packing import hidden_states, pack, split_groups, unit_tokens
+from prorl.packing import hidden_states, pack, padded, split_groups, unit_tokens
 
 TINY = str(Path(__file__).resolve().parents[2] / "prorl" / "assets" / "tiny-reasoner")
 
@@ -86,3 +86,72 @@ def test_split_groups_respects_the_budget_and_covers_every_response():
                     assert unit_tokens(lp[g], lr[g][a:b], share) <= budget
     assert split_groups(lp, lr, 10, True) == [(0, 0, 2), (0, 2, 4), (1, 0, 1), (1, 1, 2)]
     assert split_groups(lp, lr, 0, True) == [(0, 0, 4), (1, 0, 2)]
+
+
+def plain_pack(data, share):
+    """The packed layout written out token by token (the module docstring's definition): ids, the
+    row predicting each response token, segment offsets, and for sharing each segment's keys and
+    the positions."""
+    ids, rows, cu, cu_k, keys, pos = [], [], [0], [0], [], []
+    for prompt, responses in data:
+        if share:
+            p0 = len(ids)
+            ids += prompt
+            cu.append(len(ids))
+            keys += list(range(p0, p0 + len(prompt)))
+            cu_k.append(len(keys))
+            pos += list(range(len(prompt)))
+            for r in responses:
+                r0 = len(ids)
+                rows += [p0 + len(prompt) - 1] + list(range(r0, r0 + len(r) - 1)) if r else []
+                ids += r
+                cu.append(len(ids))
+                keys += list(range(p0, p0 + len(prompt))) + list(range(r0, r0 + len(r)))
+                cu_k.append(len(keys))
+                pos += list(range(len(prompt), len(prompt) + len(r)))
+        else:
+            for r in responses:
+                s0 = len(ids)
+                ids += prompt + r
+                rows += list(range(s0 + len(prompt) - 1, s0 + len(prompt) - 1 + len(r)))
+                cu.append(len(ids))
+    return ids, rows, cu, cu_k, keys, pos
+
+
+@pytest.mark.parametrize("share", [True, False])
+def test_pack_builds_the_layout_of_its_definition(share):
+    """Every index tensor equals the token-by-token layout, an empty response included, and the
+    longest sequence and key run are handed on as host ints (flash-attn's max_seqlen, no sync)."""
+    data = [*entries(3), ([7, 8, 9], [[], [4, 5], [6]])]
+    ids, rows, cu, cu_k, keys, pos = plain_pack(data, share)
+    batch = pack(data, share=share)
+    assert batch.ids.tolist() == ids and batch.hidden_rows.tolist() == rows
+    assert batch.cu_seqlens.tolist() == cu
+    assert batch.labels.tolist() == [t for _, rs in data for r in rs for t in r]
+    lengths = [b - a for a, b in zip(cu, cu[1:])]
+    assert batch.max_seqlen_q == max(lengths)
+    if share:
+        assert batch.cu_seqlens_k.tolist() == cu_k and batch.kv_index.tolist() == keys
+        assert batch.position_ids.tolist() == pos
+        assert batch.max_seqlen_k == max(b - a for a, b in zip(cu_k, cu_k[1:]))
+    else:
+        assert batch.kv_index is None and batch.max_seqlen_k == max(lengths)
+    # with the response tokens handed over as one tensor (StepBatch.response_ids): the same
+    labels = torch.tensor([t for _, rs in data for r in rs for t in r])
+    assert torch.equal(pack(data, share=share, labels=labels).ids, batch.ids)
+    wide = padded(batch, 64)  # a 64-token dummy sequence would be the longest
+    assert wide.max_seqlen_q == max(max(lengths), -batch.num_tokens % 64)
+
+
+def test_hidden_states_hands_the_model_the_longest_lengths():
+    seen = {}
+
+    def model(ids, pos, cu, **kwargs):
+        seen.update(kwargs)
+        return torch.zeros(ids.numel(), 4)
+
+    batch = pack(entries(), share=True)
+    hidden_states(model, batch)
+    cu, cu_k = batch.cu_seqlens, batch.cu_seqlens_k
+    assert seen["max_seqlen"] == int(cu.diff().max()) == 12  # the 12-token response
+    assert seen["max_seqlen_k"] == int(cu_k.diff().max()) == 17  # it reads its 5-token prompt

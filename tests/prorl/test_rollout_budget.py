@@ -168,6 +168,42 @@ def test_auto_gpu_fraction_leaves_the_trainer_its_gradients_and_moments(preset, 
     assert rollout_budget.gpu_fraction(offload, policy, "vllm") == pytest.approx(17 / 80)
 
 
+class _CachingAllocator:
+    """PyTorch's CUDA allocator in figures: `live` bytes in tensors, `cached` bytes of freed
+    blocks it keeps reserved (the driver counts them as used) until `empty_cache` returns them."""
+
+    def __init__(self, total, live, cached):
+        self.total, self.live, self.cached = total, live, cached
+
+    def mem_get_info(self, *device):
+        return self.total - self.live - self.cached, self.total
+
+    def empty_cache(self):
+        self.cached = 0
+
+
+def test_the_auto_fraction_counts_the_allocators_cached_blocks_as_free(preset, monkeypatch):
+    """After FSDP2 shards the policy, the fp32 load copies sit in PyTorch's cache: 1.5B's 6.2 GB of
+    them on an 80 GB GPU with 20 GB live. vLLM's share is taken with them returned: (80 - 20 - 3
+    GiB headroom - 12 MiB to come) / 80, not 6.2 GB less. The native sampler's free memory too."""
+    policy = nn.Linear(1024, 1024, bias=False)  # 4 MiB fp32: 12 MiB of gradients and moments
+    gpu = _CachingAllocator(total=80 * GiB, live=20 * GiB, cached=6_200_000_000)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", gpu.mem_get_info)
+    monkeypatch.setattr(torch.cuda, "empty_cache", gpu.empty_cache)
+    want = (60 * GiB - 12 * 2**20 - 3 * GiB) / (80 * GiB)
+    assert rollout_budget.gpu_fraction(preset, policy, "vllm") == pytest.approx(want, rel=1e-12)
+    gpu.cached = 6_200_000_000
+    on_cuda = types.SimpleNamespace(
+        embed_tokens=types.SimpleNamespace(
+            weight=types.SimpleNamespace(device=torch.device("cuda"))
+        )
+    )
+    native = object.__new__(NativeGenerator)
+    native.model = on_cuda
+    assert native.free_bytes() == 60 * GiB
+
+
 def test_a_gpu_fraction_the_trainer_cannot_fit_beside_is_refused(preset, monkeypatch):
     policy = nn.Linear(1024, 1024, bias=False)
     fixed = dataclasses.replace(

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import sys
 
 import pytest
@@ -181,6 +182,40 @@ def test_a_killed_rank_under_max_restarts_resumes_from_the_last_checkpoint(tmp_p
     assert text.count("prorl: resumed from") == 1, text[-3000:]
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(13))
+
+
+@pytest.mark.tally("faults")
+@pytest.mark.slow
+def test_a_killed_rank_on_one_of_two_nodes_under_max_restarts_resumes(tmp_path):
+    """Two torchrun agents (two "nodes" on localhost, c10d rendezvous, one rank each) with
+    --max-restarts=1: once rank 1 is killed, both agents restart their workers - the dead one's
+    counts a restart, the other's does not (a membership change), so TORCHELASTIC_RESTART_COUNT
+    differs between the nodes - and the run resumes from its last checkpoint to the end, every step
+    logged once. (Keyed on that count, the restarted ranks read different attempts' keys and gloo
+    failed to connect.)"""
+    out = tmp_path / "run"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    short = ["trainer.total_steps=4", "trainer.val_before_train=false", "trainer.val_every=0"]
+    cmd = train_command(out, [*TINY, *short, "trainer.collective_timeout_s=20"])
+    at = cmd.index("--standalone")
+    cmd[at : at + 2] = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d"]
+    cmd[at + 3 : at + 3] = [f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=two-nodes"]
+    cmd.insert(at + 5, "--max-restarts=1")
+    logs = [tmp_path / f"node{i}.log" for i in (0, 1)]
+    nodes = [launch(cmd, log) for log in logs]
+    saved = wait_for(lambda: max(complete_steps(out / "checkpoints"), default=0) >= 2, nodes[0])
+    assert saved, logs[0].read_text()[-3000:]
+    tree = [pid for node in nodes for pid in process_tree(node.pid)]
+    os.kill(_rank_worker(tree, 1), signal.SIGKILL)
+    for node in nodes:
+        node.wait(timeout=300)
+    text = "".join(log.read_text() for log in logs)
+    assert [node.returncode for node in nodes] == [0, 0], text[-4000:]
+    assert text.count("prorl: resumed from") == 1, text[-4000:]
+    rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, 5)), rows
 
 
 # --------------------------------------------------------------------------------------------------
