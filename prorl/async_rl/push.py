@@ -39,6 +39,7 @@ from prorl.async_rl.transport import (
     ready,
     same_checksum,
     stopped,
+    valid_ticket,
 )
 
 BUCKET_BYTES = 256 * 2**20
@@ -204,9 +205,10 @@ class WeightReceiver:
             time.sleep(POLL_S)
 
     def visible(self) -> int:
-        """The index after the last push announced in the store now (non-blocking)."""
+        """The index after the last push announced in the store now (non-blocking; a ticket that
+        is not the run's announces nothing)."""
         n = self.next
-        while ready(self.store, f"push/{n}"):
+        while valid_ticket(self.store, self.secret, f"push/{n}"):
             n += 1
         return n
 

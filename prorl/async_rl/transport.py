@@ -233,5 +233,3 @@ def checksum(tensors) -> float:
 
 def same_checksum(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1.0)
-
-

@@ -52,7 +52,7 @@ NAMES = {v: k for k, v in DTYPES.items()}
 
 class RolloutLost(RuntimeError):
     """The rollout side stopped answering (died, hung past the timeout, or sent weights that are not
-the version it reports); train.py exits with lifecycle.EXIT_ROLLOUT_LOST."""
+    the version it reports); train.py exits with lifecycle.EXIT_ROLLOUT_LOST."""
 
 
 class Refused(RolloutLost):
@@ -232,7 +232,8 @@ def pack(secret: bytes, key: str, obj) -> tuple[bytes, list[torch.Tensor]]:
     """(signed header, payload tensors) of `obj` as the message under `key` (module docstring)."""
     tree, payload = encode(obj)
     specs = [[NAMES[t.dtype], t.numel()] for t in payload]
-    return sign(secret, {"key": key, "tree": tree, "specs": specs, "sha256": digest(payload)}), payload
+    body = {"key": key, "tree": tree, "specs": specs, "sha256": digest(payload)}
+    return sign(secret, body), payload
 
 
 def send_packed(channel, header: bytes, payload: list[torch.Tensor]) -> None:
