@@ -124,6 +124,8 @@ class BatchSender:
             except Exception as exc:  # noqa: BLE001 - surfaced on the main thread by send()
                 self.error = str(exc).splitlines()[0][:300]
                 return
+            finally:
+                self.queue.task_done()
 
 
 def take(store, channel, secret: bytes, key: str, timeout_s: float, what: str, alive=()):
