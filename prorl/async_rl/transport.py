@@ -132,7 +132,12 @@ def take(store, channel, secret: bytes, key: str, timeout_s: float, what: str, a
     """The message under `key` from the pair group `channel`, once its ticket is in the store
     (module docstring); the ticket is then checked (named when not the run's) and deleted."""
     wait_ready(store, key, timeout_s, what, alive)
-    message = wire.recv(channel, secret, key)
+    try:
+        message = wire.recv(channel, secret, key)
+    except wire.Refused:
+        raise
+    except RuntimeError as exc:  # the pair group timed out or its peer left
+        raise RolloutLost(f"receiving the {what}: {str(exc).splitlines()[0][:300]}") from exc
     try:
         wire.verify(secret, store.get(key), key)
     except wire.Refused as exc:
