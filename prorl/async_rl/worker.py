@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from prorl import algorithm
+from prorl import algorithm, rollout_budget
 from prorl.async_rl import transport
 from prorl.async_rl.push import WeightReceiver
 from prorl.async_rl.roles import Roles, batch_key, slices
@@ -107,9 +107,8 @@ class RolloutWorker:
             world_size=self.roles.rollouts,
             seed=cfg.seed + self.roles.rank,
             deterministic=cfg.trainer.deterministic,
-            gpu_memory_utilization=0.9
-            if r.gpu_memory_utilization == "auto"
-            else r.gpu_memory_utilization,
+            # asked now that the model copy is resident (vLLM refuses more than is free)
+            gpu_memory_utilization=rollout_budget.rollout_rank_fraction(cfg, device),
             max_model_len=cfg.data.max_prompt_tokens + budget,
         )
         generator.calibrate(self.model)
