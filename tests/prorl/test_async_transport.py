@@ -288,3 +288,16 @@ def test_a_push_holds_one_full_tensor_at_a_time(monkeypatch):
         pg.sent[5][: 6 * 64].view(torch.float32).view(6, 16)[:, :4].reshape(-1)
     )  # 64-byte aligned
     torch.testing.assert_close(sent, torch.arange(6.0).repeat_interleave(4), rtol=0, atol=0)
+
+
+@pytest.mark.tally("attacks")
+def test_weights_changed_on_the_way_are_refused_before_sampling():
+    """The push's buckets are checked against the trainers' signed checksum once loaded: a bucket
+    altered after the header was signed stops the rollout (Refused: exit 8)."""
+    named = [("weight", torch.ones(1, 2))]
+    store, sent = _pushed([(0, named, None)])
+    sent[5] = sent[5].clone()
+    sent[5][:8].view(torch.float32)[1] = 3.0  # the second weight, 1.0 -> 3.0
+    receiver = _receiver(store, ReplayGroup(sent))
+    with pytest.raises(wire.Refused, match="push/0: the weights received .* not the version 0"):
+        receiver.receive()
