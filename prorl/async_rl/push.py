@@ -103,21 +103,25 @@ class WeightPusher:
         whole before a failed push raises: it may be a collective's iterator."""
         with self.cond:
             replaced = self.slot["header"]["extra"] if self.slot is not None else None
-        buffers, layout, sizes = self._buffers(), [], []
+        buffers, layout, sizes, caps = self._buffers(), [], [], []
         for name, t in named:
             nbytes = t.numel() * t.element_size()
-            if not layout or (layout[-1] and sizes[-1] + _aligned(nbytes) > BUCKET_BYTES):
+            if not layout or (layout[-1] and sizes[-1] + _aligned(nbytes) > caps[-1]):
                 layout.append([])
                 sizes.append(0)
-                need, i = max(BUCKET_BYTES, _aligned(nbytes)), len(layout) - 1
+                need, i = _aligned(nbytes), len(layout) - 1
                 if i == len(buffers) or buffers[i].numel() < need:
-                    buffers[i : i + 1] = [_host_bucket(need)]
+                    buffers[i : i + 1] = [_host_bucket(max(BUCKET_BYTES, need))]
+                caps.append(min(buffers[i].numel(), max(BUCKET_BYTES, need)))
             host = buffers[len(layout) - 1][sizes[-1] : sizes[-1] + nbytes]
             host.view(t.dtype).copy_(t.detach().reshape(-1), non_blocking=True)
             layout[-1].append([name, list(t.shape), wire.NAMES[t.dtype]])
             sizes[-1] += _aligned(nbytes)
         if torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # the non-blocking copies have landed
+        if layout and buffers[len(layout) - 1].numel() > 2 * sizes[-1]:  # a small last bucket
+            last = _host_bucket(sizes[-1])  # its own size: the next push fills it exactly
+            buffers[len(layout) - 1] = last.copy_(buffers[len(layout) - 1][: sizes[-1]])
         if self.error is not None:
             raise RolloutLost(f"the weight push to the rollout ranks failed: {self.error}")
         value = checksum_of() if checksum_of is not None else None
