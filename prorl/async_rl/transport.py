@@ -220,14 +220,21 @@ class Checksum:
 
     def __init__(self):
         self.value, self.count = 0.0, 0
+        self.weights: dict = {}  # device -> p % 1009 + 1 for p in one chunk, float64
 
     def add(self, t: torch.Tensor) -> None:
         flat, i = t.detach().reshape(-1), self.count
         self.count += 1
-        for lo in range(0, flat.numel(), CHECKSUM_CHUNK):
-            part = flat[lo : lo + CHECKSUM_CHUNK].double()
-            at = torch.arange(lo, lo + part.numel(), dtype=torch.float64, device=part.device)
-            self.value += float((part * (at % 1009 + 1 + i)).sum())
+        # a chunk is a whole number of 1009-periods: every chunk has the same weights, made once
+        chunk = max(CHECKSUM_CHUNK // 1009, 1) * 1009
+        w = self.weights.get(flat.device)
+        if w is None:
+            w = torch.arange(chunk, dtype=torch.float64, device=flat.device) % 1009 + 1
+            self.weights[flat.device] = w
+        for lo in range(0, flat.numel(), chunk):
+            part = flat[lo : lo + chunk].double()
+            # sum(x * (p % 1009 + 1 + i)) = x . (p % 1009 + 1) + i * sum(x)
+            self.value += float(torch.dot(part, w[: part.numel()]) + i * part.sum())
 
 
 def checksum(tensors) -> float:
