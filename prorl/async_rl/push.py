@@ -88,22 +88,22 @@ class WeightPusher:
         self.thread = threading.Thread(target=self._loop, name="prorl-weight-push", daemon=True)
         self.thread.start()
 
-    def _buffers(self) -> list[torch.Tensor]:
-        """A set of host buckets to stage into: the replaced unsent push's, the one the thread
-        returned, or none yet (allocated as the tensors arrive): two sets at most."""
+    def _buffers(self) -> tuple[list[torch.Tensor], object]:
+        """(host buckets to stage into, the replaced push's resume states): an unsent older push's
+        buckets (it is withdrawn: the newest wins), the set the thread returned, or none yet
+        (allocated as the tensors arrive): two sets at most."""
         with self.cond:
             if self.slot is not None and not self.slot["header"]["stop"]:
-                return self.slot.pop("buckets")
-            return self.free.pop() if self.free else []
+                item, self.slot = self.slot, None
+                return item["buckets"], item["header"]["extra"]
+            return (self.free.pop() if self.free else []), None
 
     def stage(self, version: int, named, extra=None, checksum_of=None) -> None:
         """Copy (name, tensor) pairs, taken one at a time (an iterator: each tensor may be freed
         once copied), into host buckets and hand them to the push thread. `checksum_of()`: the
         trainers' checksum of these weights, read once `named` is consumed. `named` is consumed
         whole before a failed push raises: it may be a collective's iterator."""
-        with self.cond:
-            replaced = self.slot["header"]["extra"] if self.slot is not None else None
-        buffers, layout, sizes, caps = self._buffers(), [], [], []
+        (buffers, replaced), layout, sizes, caps = self._buffers(), [], [], []
         for name, t in named:
             nbytes = t.numel() * t.element_size()
             if not layout or (layout[-1] and sizes[-1] + _aligned(nbytes) > caps[-1]):
