@@ -234,6 +234,8 @@ class WeightReceiver:
             raise
         self.next += 1
         layout, version, value = _check_header(header, self.params, key)
+        if self.version is not None and version < self.version:
+            raise wire.Refused(f"{key}: version {version} after version {self.version}")
         if header["extra"] is not None:
             self.extra = header["extra"]
         order = []

@@ -319,3 +319,13 @@ def test_host_buckets_are_allocated_once_and_the_last_one_at_its_size(monkeypatc
     # c (12 -> 64) in a second, then trimmed to its 320 bytes; nothing allocated after push 0
     assert made == [1024, 1024, 320]
     assert [b.numel() for b in pusher.free[0]] == [1024, 320]
+
+
+@pytest.mark.tally("attacks")
+def test_a_push_of_an_older_version_than_the_rollout_holds_is_refused():
+    named = [("weight", torch.ones(1, 2))]
+    store, sent = _pushed([(3, named, None), (2, named, None)])
+    receiver = _receiver(store, ReplayGroup(sent))
+    receiver.receive()
+    with pytest.raises(wire.Refused, match="push/1: version 2 after version 3"):
+        receiver.receive()
