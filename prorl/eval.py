@@ -64,7 +64,7 @@ from prorl.export import export_checkpoint, is_checkpoint
 from prorl.rewards import builtin_keys, use_function
 from prorl.rewards.function import RewardFunctionError, numeric_extras
 from prorl.rewards.pool import RewardPool
-from prorl.rollout_budget import HEADROOM_BYTES
+from prorl.rollout_budget import validation_kv_gib
 
 PROGRESS_EVERY_S = 10.0  # a progress line at most this often, counted in finished samples
 BACKENDS = ("native", "vllm")
@@ -80,22 +80,6 @@ def _chunk_size(model, k: int, seq_len: int, kv_cache_gib: float) -> int:
     elem = model.embed_tokens.weight.element_size()
     per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * elem  # K and V, every layer
     return max(1, int(kv_cache_gib * 2**30 // (k * seq_len * per_token)))
-
-
-# The share of a CUDA device's free memory (less rollout_budget.HEADROOM_BYTES) the trainer's
-# validation gives one generate call's KV cache; the sampler's logits and activations take the rest
-VAL_KV_SHARE = 0.5
-
-
-def validation_kv_gib(device, floor_gib: float = 2.0) -> float:
-    """The KV budget of one validation generate call on `device` (GiB): VAL_KV_SHARE of what is
-    free now beyond the headroom, at least `floor_gib` (the CPU: `floor_gib`). The preset's
-    validation (16 samples of up to 9,216 tokens, 4 GiB of KV per prompt for 1.5B) would otherwise
-    take one prompt per call."""
-    if torch.device(device).type != "cuda":
-        return floor_gib
-    free, _ = torch.cuda.mem_get_info(device)
-    return max(floor_gib, (free - HEADROOM_BYTES) * VAL_KV_SHARE / 2**30)
 
 
 # Host memory per sampled token while a call's results are held: a finished vLLM request keeps the
@@ -253,7 +237,6 @@ def evaluate(
 
 def _load(inputs: EvalInputs, s: EvalSettings):
     """The model and tokenizer: the ones given, else loaded from `inputs.model_path`."""
-    import torch
 
     tokenizer, model = inputs.tokenizer, inputs.model
     if tokenizer is None:

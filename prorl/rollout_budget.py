@@ -217,3 +217,19 @@ def rollout_rank_fraction(cfg, device) -> float:
             f"{HEADROOM_BYTES / GiB:.0f} GiB kept free): at most {max(fits, 0):.2f}, or auto"
         )
     return float(value)
+
+
+# The share of a CUDA device's free memory (less HEADROOM_BYTES) the trainer's
+# validation gives one generate call's KV cache; the sampler's logits and activations take the rest
+VAL_KV_SHARE = 0.5
+
+
+def validation_kv_gib(device, floor_gib: float = 2.0) -> float:
+    """The KV budget of one validation generate call on `device` (GiB): VAL_KV_SHARE of what is
+    free now beyond the headroom, at least `floor_gib` (the CPU: `floor_gib`). The preset's
+    validation (16 samples of up to 9,216 tokens, 4 GiB of KV per prompt for 1.5B) would otherwise
+    take one prompt per call."""
+    if torch.device(device).type != "cuda":
+        return floor_gib
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(floor_gib, (free - HEADROOM_BYTES) * VAL_KV_SHARE / 2**30)

@@ -130,6 +130,7 @@ def test_the_presets_validation_takes_more_than_one_prompt_per_call_on_a_trainer
     import torch
 
     from prorl import eval as eval_module
+    from prorl import rollout_budget
     from prorl.config import load_config
 
     cfg = load_config(
@@ -159,4 +160,4 @@ def test_the_presets_validation_takes_more_than_one_prompt_per_call_on_a_trainer
     chunk = eval_module._chunk_size(model, s.k, seq, s.kv_cache_gib)
     assert chunk == int(28.5 * GiB // per_prompt) == 7
     assert eval_module._chunk_size(model, s.k, seq, 2.0) == 1
-    assert eval_module.validation_kv_gib(torch.device("cpu")) == 2.0  # the CPU: as before
+    assert rollout_budget.validation_kv_gib(torch.device("cpu")) == 2.0  # the CPU: as before
