@@ -142,7 +142,8 @@ class RolloutConfig:
     gpu_memory_utilization: float | str = _f(
         "auto",
         "vLLM: fraction of GPU memory for its weights and KV cache (auto: what the colocated "
-        "trainer leaves, at most 0.9; prorl/rollout_budget.py)",
+        "trainer leaves, or on an async rollout rank what is free beside its model copy, at most "
+        "0.9; prorl/rollout_budget.py)",
     )
     tensor_parallel_size: int = _f(
         1, "vLLM tensor parallelism (one process only; not under torchrun)"

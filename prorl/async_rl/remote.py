@@ -21,11 +21,13 @@ import os
 import time
 
 from prorl.async_rl import transport
-from prorl.async_rl.roles import Roles, timeouts
-from prorl.async_rl.worker import batch_key, slices
+from prorl.async_rl.push import WeightPusher
+from prorl.async_rl.roles import Roles, batch_key, slices, timeouts
+from prorl.async_rl.wire import Refused
 from prorl.config import Config
 from prorl.engine.parallel import iter_full_tensors
 from prorl.metrics import StepAccumulator
+from prorl.sampling import Group
 
 
 class RemoteRollouts:
@@ -34,7 +36,7 @@ class RemoteRollouts:
         self.k = cfg.rollout.async_rl.steps_ahead
         pps = cfg.trainer.prompts_per_step
         self.slices = [s for s in slices(pps, roles.trainers, roles.rollouts) if s[1] == rank]
-        self.pusher = transport.WeightPusher(roles.store, roles.push) if rank == 0 else None
+        self.pusher = WeightPusher(roles.store, roles.push, roles.secret) if rank == 0 else None
         self.checksums: dict[int, float] = {}
         self.states: dict[int, dict] = {}  # rollout rank -> newest sampler state received
         self.started, self.taken = False, -1
@@ -70,7 +72,7 @@ class RemoteRollouts:
                 yield name, t
 
         if self.pusher is not None:
-            self.pusher.stage(version, named(), extra=extra)
+            self.pusher.stage(version, named(), extra=extra, checksum_of=lambda: total.value)
         else:
             for _ in named():
                 pass
@@ -96,10 +98,13 @@ class RemoteRollouts:
         """This trainer's groups of `step` and the step's timings (module docstring)."""
         t0, groups, gen, reward, waited = time.perf_counter(), [], 0.0, 0.0, 0.0
         queued = self.queued(step)
-        for j, t, _, _ in self.slices:
+        for j, t, lo, hi in self.slices:
             what = f"groups of step {step + 1} from rollout rank {j}"
-            key = batch_key(step, j, t)
-            message = transport.take(self.roles.store, key, self.timeout_s, what, alive=self.alive)
+            key, roles = batch_key(step, j, t), self.roles
+            message = transport.take(
+                roles.store, roles.pairs[j, t], roles.secret, key, self.timeout_s, what, self.alive
+            )
+            message["groups"] = check_batch(message, hi - lo, self.cfg.rollout.n, key)
             version = message["version"]
             for v in {version, *(g.version for g in message["groups"])}:
                 if step - v > self.k or v > step:
@@ -147,7 +152,7 @@ class RemoteRollouts:
             hi - lo
             for s in range(after + 1, after + self.k + 2)
             for j, t, lo, hi in self.slices
-            if transport.ready(self.roles.store, batch_key(s, j, t))
+            if transport.valid_ticket(self.roles.store, self.roles.secret, batch_key(s, j, t))
         )
 
     def _check_weights(self, version: int, reported: float, what: str) -> None:
@@ -189,3 +194,74 @@ class RemoteRollouts:
             self.pusher.close()
         if self.heartbeat is not None:
             self.heartbeat.stop()
+
+
+GROUP_TYPES = {  # Group's fields (prorl/sampling.py) as they travel, and what each must hold
+    "example_index": "index",
+    "prompt_ids": "tokens",
+    "responses": "n token lists",
+    "sampler_logps": "n number lists",
+    "truncated": "n bools",
+    "raw": "n numbers or None",
+    "shaped": "n numbers or None",
+    "old_logps": "None or []",  # [] marks a carried group (no pi_old travels)
+    "version": "index",
+    "uid": "str",
+}
+
+
+def check_batch(message, most: int, n: int, key: str) -> list[Group]:
+    """The groups of a received batch, each field checked against the rollout's schema (types,
+    counts: at most `most` groups of `n` responses, one log-prob per response token) and the
+    message's own fields typed; Refused naming the key and field otherwise."""
+
+    def need(ok, what):
+        if not ok:
+            raise Refused(f"{key}: {what}")
+
+    need(isinstance(message, dict), "not a dict")
+    need(type(message.get("version")) is int, "version is not an int")
+    need(isinstance(message.get("checksum"), float), "checksum is not a float")
+    need(message.get("engine_rms") is None or _number(message["engine_rms"]), "engine_rms")
+    for name in ("sums", "extrema", "timing"):
+        if name in message:
+            d = message[name]
+            need(isinstance(d, dict) and all(_number(v) for v in d.values()), f"{name}")
+    need("state" not in message or isinstance(message["state"], dict), "state is not a dict")
+    groups = message.get("groups")
+    need(isinstance(groups, list) and len(groups) <= most, f"more than {most} groups")
+    out = []
+    for i, g in enumerate(groups):
+        need(isinstance(g, dict) and set(g) == set(GROUP_TYPES), f"group {i}: fields")
+        for field, kind in GROUP_TYPES.items():
+            need(_typed(g[field], kind, n), f"group {i}: {field} is not {kind}")
+        lengths = [len(r) for r in g["responses"]]
+        need(lengths == [len(lp) for lp in g["sampler_logps"]], f"group {i}: log-probs/tokens")
+        out.append(Group(**g))
+    return out
+
+
+def _number(v) -> bool:
+    return type(v) in (int, float)
+
+
+def _typed(v, kind: str, n: int) -> bool:
+    def tokens(x):
+        return isinstance(x, list) and all(type(t) is int and t >= 0 for t in x)
+
+    def numbers(x):
+        return isinstance(x, list) and all(_number(t) for t in x)
+
+    def n_of(x, each):
+        return isinstance(x, list) and len(x) == n and all(each(e) for e in x)
+
+    return {
+        "index": lambda: type(v) is int and v >= 0,
+        "str": lambda: type(v) is str,
+        "tokens": lambda: tokens(v),
+        "n token lists": lambda: n_of(v, tokens),
+        "n number lists": lambda: n_of(v, numbers),
+        "n bools": lambda: n_of(v, lambda e: type(e) is bool),
+        "n numbers or None": lambda: v is None or n_of(v, _number),
+        "None or []": lambda: v is None or v == [],
+    }[kind]()

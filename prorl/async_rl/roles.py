@@ -8,11 +8,13 @@ rounds and the prompt scheduler's merged record - runs unchanged over one side's
 are an ordinary FSDP2 job of W - r ranks, the rollout ranks an ordinary sampling job of r ranks.
 Across the sides:
 
-- the job's store (torchrun's TCPStore, under `prorl/async/`) carries the step's groups (rollout ->
-  trainers) and the weight-push headers (trainer rank 0 -> rollouts): small pickled objects, with
-  non-blocking probes and timeouts (prorl/async_rl/transport.py);
+- a gloo group of two ranks for each rollout rank j and trainer t that trains part of its batch
+  (`pairs`) carries the step's groups, point to point (prorl/async_rl/transport.py);
 - a gloo group of trainer rank 0 and the rollout ranks (`push`) carries the weights (broadcast,
-  bucketed).
+  bucketed; prorl/async_rl/push.py);
+- the job's store (torchrun's TCPStore, under `prorl/async/`) carries only small control keys:
+  signed tickets announcing batches and pushes, the stop key, heartbeats. Every message is signed
+  with the attempt's secret (`secret`, prorl/async_rl/wire.py), which the store never holds.
 
 Why not one default group over all ranks with sub-groups: every collective and checkpoint of the
 trainer would then have to be told its group, and one missed call would hang both sides.
@@ -22,11 +24,12 @@ from __future__ import annotations
 
 import datetime
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from prorl.async_rl import wire
 from prorl.config import Config, ConfigError
 from prorl.config_runtime import collective_timeout_s
 from prorl.engine.distributed import attempt_store
@@ -45,6 +48,8 @@ class Roles:
     store: object  # the job's store under STORE_PREFIX
     push: object | None  # gloo group of trainer 0 + the rollout ranks (None on the other trainers)
     timeout_s: float  # this side's own collective timeout (`timeouts`)
+    pairs: dict = field(default_factory=dict)  # (rollout j, trainer t) -> wire channel to the peer
+    secret: bytes = b""  # the attempt's secret (prorl/async_rl/wire.py)
 
     @property
     def is_rollout(self) -> bool:
@@ -150,11 +155,35 @@ def init_async(cfg: Config, backend: str) -> Roles:
         timeout=timeout,
         device_id=device_id,
     )
-    push = None
+    push, step = None, datetime.timedelta(seconds=limits["step"])
     if rank == 0 or rollout:  # trainer 0 is the push group's rank 0
         push_store = dist.PrefixStore("prorl/push/", store)
-        step = datetime.timedelta(seconds=limits["step"])
         push = dist.ProcessGroupGloo(push_store, rank - trainers + 1 if rollout else 0, r + 1, step)
+    pairs = {}
+    for j, t, _, _ in slices(cfg.trainer.prompts_per_step, trainers, r):
+        if rank in (trainers + j, t):  # the rollout rank is the pair's rank 0
+            pair_store = dist.PrefixStore(f"prorl/pair/{j}/{t}/", store)
+            pg = dist.ProcessGroupGloo(pair_store, 0 if rollout else 1, 2, step)
+            pairs[j, t] = wire.PairChannel(pg, 1 if rollout else 0)
     store = dist.PrefixStore(STORE_PREFIX, store)
-    _ROLES[:] = [Roles(rank, world, trainers, r, store, push, timeout_s)]
+    secret = wire.run_secret(store, cfg.output_dir, rank, timeout_s)
+    _ROLES[:] = [Roles(rank, world, trainers, r, store, push, timeout_s, pairs, secret)]
     return _ROLES[0]
+
+
+def slices(pps: int, trainers: int, rollouts: int) -> list[tuple[int, int, int, int]]:
+    """(rollout j, trainer t, lo, hi): the step's prompts_per_step groups are rollout 0's batch,
+    then rollout 1's, ...; trainer t trains positions [t * pps / trainers, (t + 1) * pps /
+    trainers). lo:hi is the part of rollout j's batch that goes to trainer t (by nominal positions:
+    a batch short of groups after max_rounds gives its trainers fewer)."""
+    per_r, per_t, out = pps // rollouts, pps // trainers, []
+    for j in range(rollouts):
+        for t in range(trainers):
+            lo, hi = max(j * per_r, t * per_t), min((j + 1) * per_r, (t + 1) * per_t)
+            if lo < hi:
+                out.append((j, t, lo - j * per_r, hi - j * per_r))
+    return out
+
+
+def batch_key(step: int, j: int, t: int) -> str:
+    return f"batch/{step}/{j}/{t}"

@@ -1,26 +1,28 @@
-"""What travels between the two sides of an asynchronous run (prorl/async_rl/roles.py).
+"""What travels between the two sides of an asynchronous run (prorl/async_rl/roles.py), and how
+each side sees the other alive.
 
-Objects (a step's groups, push headers) go through the job's store: `put` pickles under a key,
-`take` waits for it (with a timeout), reads and deletes it, `ready` probes without blocking. The
-store is the rendezvous TCPStore torchrun already runs; a step's groups are token ids and log-probs,
-about 8 bytes per response token.
+Nothing is unpickled: every message is a signed header and tensors (prorl/async_rl/wire.py). The
+job's store (torchrun's TCPStore) carries only small control keys: the signed tickets announcing a
+batch or a push, the stop key, heartbeats and the run secret's fingerprint. The data travel over
+process groups: a step's groups from rollout rank j to trainer t over their gloo pair group
+(`BatchSender` / `take`; any size, no store limit), weights over the push group (push.py).
 
-Weights go from trainer rank 0 to every rollout rank over the gloo `push` group, in buckets of at
-most `BUCKET_BYTES` (bytes of the sampler's dtype, so bf16 travels as bf16). Trainer rank 0 copies
-them into host buckets (`WeightPusher.stage`: the only time the trainer spends on a push) and a
-thread of its own announces the push in the store and broadcasts the buckets; when the rollouts are
-still generating, the thread waits, and a newer staged version replaces an unsent older one
-(rollouts only ever want the newest). The rollout ranks take pushes only between two steps' sampling
-(`WeightReceiver`), all of them the same pushes.
+A batch: the rollout rank puts the signed ticket under `batch/<step>/<j>/<t>` and its sender thread
+sends the message over the pair group (it waits there until the trainer takes it: steps_ahead
+batches queue on the rollout rank, not in the store). The trainer waits for the ticket, receives the
+message (whose signed header names the key: a message out of order is refused), then checks the
+ticket: one that is not the run's (forged, replayed, a pickle) is named and the run goes on with the
+message from the pair group.
 
 Liveness: trainer rank 0 and every rollout rank run a `Heartbeat` thread that bumps a counter under
-`alive/...` in the store; a side waiting for the other (`take` with a `Liveness`) fails once the
-counter it watches has not moved for `HEARTBEAT_STALE_S` (its own clock: no clock is compared across
-nodes), so a long validation or checkpoint save of a live trainer is no timeout and a dead peer is
-seen within minutes. The trainers' `close` also sets `STOP_KEY`, which a rollout rank checks while
-waiting for a push, and a broadcast that fails once it is set is a clean stop: a trainer that gave
-up on a push stuck behind a rollout still mid-step (SIGTERM: save, then exit) stops that rollout
-cleanly.
+`alive/...` in the store; a side waiting for the other (`wait_ready` with a `Liveness`) fails once
+the counter it watches has not moved for `HEARTBEAT_STALE_S` (its own clock: no clock is compared
+across nodes), so a long validation or checkpoint save of a live trainer is no timeout and a dead
+peer is seen within minutes. The trainers' `close` also sets `STOP_KEY` (signed), which a rollout
+rank checks while waiting for a push, and a broadcast that fails once it is set is a clean stop: a
+trainer that gave up on a push stuck behind a rollout still mid-step (SIGTERM: save, then exit)
+stops that rollout cleanly. A forged heartbeat can only make a dead peer look alive: the pair
+group's timeout still ends the wait.
 
 `checksum` is the yardstick of "the rollout's weights are the version it reports": the trainer
 records it per version over its own full tensors, the rollout computes it over its model after
@@ -29,38 +31,32 @@ loading a push, and every received batch is checked against the record (`RemoteR
 
 from __future__ import annotations
 
-import pickle
+import queue
 import threading
 import time
 
 import torch
 import torch.distributed as dist
 
-BUCKET_BYTES = 256 * 2**20
+from prorl.async_rl import wire
+from prorl.async_rl.wire import RolloutLost
+
 POLL_S = 0.005  # how often a waiting side looks for its key in the store
 HEARTBEAT_S = 5.0  # how often each side's heartbeat thread bumps its counter
 HEARTBEAT_STALE_S = 120.0  # a counter that has not moved this long: its side is dead
 CHECKSUM_CHUNK = 1 << 22  # elements per float64 pass of `checksum` (bounds its scratch memory)
 STOP_KEY = "stop"
 
-
-class RolloutLost(RuntimeError):
-    """The rollout side stopped answering (died, hung past the timeout, or sent weights that are not
-    the version it reports); train.py exits with lifecycle.EXIT_ROLLOUT_LOST."""
-
-
-def put(store, key: str, obj) -> None:
-    store.set(key, pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+__all__ = ["RolloutLost"]
 
 
 def ready(store, key: str) -> bool:
     return store.check([key])
 
 
-def take(store, key: str, timeout_s: float, what: str, delete: bool = True, alive=()):
-    """The object under `key`, waited for at most timeout_s (and while every Liveness of `alive`
-    holds), then deleted from the store (`delete`: a push header stays, every rollout rank reads
-    it)."""
+def wait_ready(store, key: str, timeout_s: float, what: str, alive=()) -> None:
+    """Wait until the store holds `key`, at most timeout_s and while every Liveness of `alive`
+    holds."""
     # polled, not store.wait: a waiting client holds its connection's lock, and the push thread
     # shares it
     deadline = time.monotonic() + timeout_s
@@ -70,10 +66,95 @@ def take(store, key: str, timeout_s: float, what: str, delete: bool = True, aliv
         for peer in alive:
             peer.check(what)
         time.sleep(POLL_S)
-    obj = pickle.loads(store.get(key))
-    if delete:
-        store.delete_key(key)
-    return obj
+
+
+def note_refused(seen: set, exc: Exception) -> None:
+    """Name a refused store value once (the run goes on: the genuine data travel elsewhere)."""
+    if str(exc) not in seen:
+        seen.add(str(exc))
+        print(f"prorl: async: refused a value in the job's store: {exc}", flush=True)
+
+
+def stopped(store, secret: bytes, seen: set) -> bool:
+    """True once the store holds the trainers' signed stop (a forged one is named and ignored)."""
+    if not ready(store, STOP_KEY):
+        return False
+    try:
+        wire.verify(secret, store.get(STOP_KEY), STOP_KEY)
+        return True
+    except wire.Refused as exc:
+        note_refused(seen, exc)
+        return False
+
+
+def _bytes(value) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def broadcast(pg, tensor: torch.Tensor) -> None:
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    pg.broadcast([tensor], opts).wait()
+
+
+# -- batches ---------------------------------------------------------------------------------------
+class BatchSender:
+    """A rollout rank's sends to one trainer, in order, on a thread of their own (a send waits
+    until the trainer takes the batch). `send` raises RolloutLost once a send failed."""
+
+    def __init__(self, store, channel, secret: bytes):
+        self.store, self.channel, self.secret = store, channel, secret
+        self.queue: queue.Queue = queue.Queue()
+        self.error = None
+        self.thread = threading.Thread(target=self._loop, name="prorl-batch-send", daemon=True)
+        self.thread.start()
+
+    def send(self, key: str, message: dict) -> None:
+        if self.error is not None:
+            raise RolloutLost(f"sending {key} to its trainer failed: {self.error}")
+        packed = wire.pack(self.secret, key, message)
+        self.store.set(key, wire.ticket(self.secret, key))
+        self.queue.put(packed)
+
+    def _loop(self) -> None:
+        while True:
+            packed = self.queue.get()
+            try:
+                wire.send_packed(self.channel, *packed)
+            except Exception as exc:  # noqa: BLE001 - surfaced on the main thread by send()
+                self.error = str(exc).splitlines()[0][:300]
+                return
+            finally:
+                self.queue.task_done()
+
+
+def take(store, channel, secret: bytes, key: str, timeout_s: float, what: str, alive=()):
+    """The message under `key` from the pair group `channel`, once its ticket is in the store
+    (module docstring); the ticket is then checked (named when not the run's) and deleted."""
+    wait_ready(store, key, timeout_s, what, alive)
+    try:
+        message = wire.recv(channel, secret, key)
+    except wire.Refused:
+        raise
+    except RuntimeError as exc:  # the pair group timed out or its peer left
+        raise RolloutLost(f"receiving the {what}: {str(exc).splitlines()[0][:300]}") from exc
+    try:
+        wire.verify(secret, store.get(key), key)
+    except wire.Refused as exc:
+        note_refused(set(), exc)
+    store.delete_key(key)
+    return message
+
+
+def valid_ticket(store, secret: bytes, key: str) -> bool:
+    """The store holds the run's own ticket under `key` (non-blocking; for counts)."""
+    if not ready(store, key):
+        return False
+    try:
+        wire.verify(secret, store.get(key), key)
+        return True
+    except (wire.Refused, KeyError, ValueError):
+        return False
 
 
 class Heartbeat:
@@ -83,7 +164,7 @@ class Heartbeat:
     def __init__(self, store, key: str, every_s: float = HEARTBEAT_S, healthy=None):
         self.store, self.key, self.every_s, self.done = store, key, every_s, threading.Event()
         self.healthy = healthy
-        put(store, key, 0)
+        store.set(key, "0")
         self.thread = threading.Thread(target=self._loop, name=f"prorl-{key}", daemon=True)
         self.thread.start()
 
@@ -94,7 +175,7 @@ class Heartbeat:
                 continue  # a hung main thread: the other side sees the counter stop
             beat += 1
             try:
-                put(self.store, self.key, beat)
+                self.store.set(self.key, str(beat))
             except Exception:  # noqa: BLE001 - the store is gone: the job is ending
                 return
 
@@ -121,7 +202,8 @@ class Liveness:
         if now - self.looked < self.look_s:
             return
         self.looked = now
-        beat = pickle.loads(self.store.get(self.key)) if ready(self.store, self.key) else None
+        value = _bytes(self.store.get(self.key))[:32] if ready(self.store, self.key) else None
+        beat = int(value) if value is not None and value.isdigit() else self.beat
         if beat != self.beat:
             self.beat, self.seen = beat, now
         elif now - self.seen > (self.startup_s if beat is None else self.stale_s):
@@ -138,14 +220,21 @@ class Checksum:
 
     def __init__(self):
         self.value, self.count = 0.0, 0
+        self.weights: dict = {}  # device -> p % 1009 + 1 for p in one chunk, float64
 
     def add(self, t: torch.Tensor) -> None:
         flat, i = t.detach().reshape(-1), self.count
         self.count += 1
-        for lo in range(0, flat.numel(), CHECKSUM_CHUNK):
-            part = flat[lo : lo + CHECKSUM_CHUNK].double()
-            at = torch.arange(lo, lo + part.numel(), dtype=torch.float64, device=part.device)
-            self.value += float((part * (at % 1009 + 1 + i)).sum())
+        # a chunk is a whole number of 1009-periods: every chunk has the same weights, made once
+        chunk = max(CHECKSUM_CHUNK // 1009, 1) * 1009
+        w = self.weights.get(flat.device)
+        if w is None:
+            w = torch.arange(chunk, dtype=torch.float64, device=flat.device) % 1009 + 1
+            self.weights[flat.device] = w
+        for lo in range(0, flat.numel(), chunk):
+            part = flat[lo : lo + chunk].double()
+            # sum(x * (p % 1009 + 1 + i)) = x . (p % 1009 + 1) + i * sum(x)
+            self.value += float(torch.dot(part, w[: part.numel()]) + i * part.sum())
 
 
 def checksum(tensors) -> float:
@@ -158,173 +247,3 @@ def checksum(tensors) -> float:
 
 def same_checksum(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-9 * max(abs(a), abs(b), 1.0)
-
-
-def _broadcast(pg, tensor: torch.Tensor) -> None:
-    opts = dist.BroadcastOptions()
-    opts.rootRank, opts.rootTensor = 0, 0
-    pg.broadcast([tensor], opts).wait()
-
-
-def bucket_layout(named) -> list[list[tuple[str, tuple, torch.dtype]]]:
-    """(name, shape, dtype) of each tensor, in buckets of at most BUCKET_BYTES (a larger tensor
-    alone)."""
-    return pack(named, copy=False)[0]
-
-
-def pack(named, copy: bool = True) -> tuple[list, list[torch.Tensor]]:
-    """`bucket_layout` of the (name, tensor) pairs, taken one at a time (an iterator: each tensor
-    may be freed once copied), and with `copy` the host buckets of their bytes."""
-    layout, buckets, parts, size = [], [], [], 0
-    for name, t in named:
-        nbytes = t.numel() * t.element_size()
-        if layout and size + nbytes > BUCKET_BYTES:
-            buckets.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8))
-            layout, parts, size = [*layout, []], [], 0
-        if not layout:
-            layout = [[]]
-        layout[-1].append((name, tuple(t.shape), t.dtype))
-        size += nbytes
-        if copy:
-            parts.append(t.detach().reshape(-1).cpu().view(torch.uint8))
-    if layout:
-        buckets.append(torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8))
-    return layout, buckets if copy else []
-
-
-class WeightPusher:
-    """Trainer rank 0's side of the weight push (module docstring). `stage` raises RolloutLost once
-    the push thread failed (a rollout rank died or timed out)."""
-
-    def __init__(self, store, pg):
-        self.store, self.pg, self.sent = store, pg, 0
-        self.slot, self.error = None, None
-        self.cond = threading.Condition()
-        self.thread = threading.Thread(target=self._loop, name="prorl-weight-push", daemon=True)
-        self.thread.start()
-
-    def stage(self, version: int, named, extra=None, stop: bool = False) -> None:
-        """Copy (name, tensor) pairs, one at a time, into host buckets and hand them to the push
-        thread. `named` is consumed whole before a failed push raises: it may be a collective's
-        iterator."""
-        layout, buckets = pack(named)
-        if self.error is not None:
-            raise RolloutLost(f"the weight push to the rollout ranks failed: {self.error}")
-        with self.cond:
-            if self.slot is not None and extra is None:
-                extra = self.slot["extra"]  # a replaced push's resume states still go out
-            header = {"version": version, "stop": stop, "extra": extra, "layout": layout}
-            self.slot = {"header": header, "buckets": buckets, "extra": extra}
-            self.cond.notify()
-
-    def _loop(self) -> None:
-        while True:
-            with self.cond:
-                while self.slot is None:
-                    self.cond.wait()
-                item, self.slot = self.slot, None
-            try:
-                put(self.store, f"push/{self.sent}", item["header"])
-                self.sent += 1
-                if item["header"]["stop"]:
-                    return
-                for bucket in item["buckets"]:
-                    _broadcast(self.pg, bucket)
-            except Exception as exc:  # noqa: BLE001 - surfaced on the main thread by stage()
-                self.error = str(exc).splitlines()[0][:300]
-                return
-
-    def close(self, timeout_s: float = 60.0) -> None:
-        """Tell the rollout ranks to stop: STOP_KEY at once (seen even while a push is stuck), and a
-        stop header after any push under way; wait for the thread."""
-        put(self.store, STOP_KEY, True)
-        if self.thread.is_alive():
-            with self.cond:
-                self.slot = {"header": {"version": -1, "stop": True, "extra": None, "layout": []}}
-                self.slot["buckets"], self.slot["extra"] = [], None
-                self.cond.notify()
-            self.thread.join(timeout_s)
-
-
-class WeightReceiver:
-    """A rollout rank's side of the weight push into `model` (module docstring). `version` and
-    `checksum` describe the weights the model holds now; `stopped` once the trainers said stop. A
-    push is waited for as long as trainer rank 0's heartbeat moves (validation, checkpoints,
-    val_before_train take what they take)."""
-
-    def __init__(self, store, pg, model, startup_s: float, stale_s: float = HEARTBEAT_STALE_S):
-        self.store, self.pg = store, pg
-        self.trainer = Liveness(store, "alive/trainer", "trainer rank 0", startup_s, stale_s)
-        self.params = dict(model.state_dict())
-        self.next, self.version, self.checksum, self.stopped = 0, None, None, False
-        self.released = 0  # headers below this index deleted from the store
-        self.extra = None  # the first push's resume states
-
-    def release(self) -> None:
-        """Delete the headers of the pushes taken (once every rollout rank has taken them)."""
-        for i in range(self.released, self.next):
-            self.store.delete_key(f"push/{i}")
-        self.released = self.next
-
-    def _header(self):
-        """The next push's header, or None once the trainers set STOP_KEY and announced no further
-        push. An announced push is joined even after a stop: its root waits for this rank (the
-        trainer gives it up to `WeightPusher.close`'s timeout), and a root that left meanwhile is a
-        clean stop (`receive`)."""
-        key, what = f"push/{self.next}", "weight push from the trainers"
-        while True:
-            if ready(self.store, key):
-                return pickle.loads(self.store.get(key))
-            if ready(self.store, STOP_KEY):
-                return None
-            self.trainer.check(what)
-            time.sleep(POLL_S)
-
-    def visible(self) -> int:
-        """The index after the last push announced in the store now (non-blocking)."""
-        n = self.next
-        while ready(self.store, f"push/{n}"):
-            n += 1
-        return n
-
-    def receive(self) -> None:
-        """Take the next push (waiting for its announcement) and load it into the model."""
-        header = self._header()
-        if header is None or header["stop"]:
-            self.stopped = True
-            return
-        self.next += 1
-        if header["extra"] is not None:
-            self.extra = header["extra"]
-        order = []
-        for bucket in header["layout"]:
-            nbytes = [
-                _numel(shape) * torch.empty(0, dtype=dt).element_size() for _, shape, dt in bucket
-            ]
-            buf = torch.empty(sum(nbytes), dtype=torch.uint8)
-            try:
-                _broadcast(self.pg, buf)
-            except Exception:  # the root left: a clean stop when it said so, else the error
-                if ready(self.store, STOP_KEY):
-                    self.stopped = True
-                    return
-                raise
-            offset = 0
-            for (name, shape, dtype), nb in zip(bucket, nbytes):
-                target = self.params.get(name)
-                if target is None or tuple(target.shape) != shape or target.dtype != dtype:
-                    raise RolloutLost(
-                        f"weight push: the trainers send {name} {shape} {dtype}, the rollout model "
-                        f"holds {None if target is None else (tuple(target.shape), target.dtype)}"
-                    )
-                target.copy_(buf[offset : offset + nb].view(dtype).view(shape))
-                order.append(target)
-                offset += nb
-        self.version, self.checksum = header["version"], checksum(order)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n

@@ -21,37 +21,21 @@ dynamic_sampling/dropped_groups) when it would be trained more than k updates af
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
 
-from prorl import algorithm
+from prorl import algorithm, rollout_budget
 from prorl.async_rl import transport
-from prorl.async_rl.roles import Roles
+from prorl.async_rl.push import WeightReceiver
+from prorl.async_rl.roles import Roles, batch_key, slices
 from prorl.data import stop_token_ids
 from prorl.engine.distributed import all_reduce, dist_info
 from prorl.engine.model import load_hf
 from prorl.engine.rollout import StaleWeightsError, build_generator, resolve_backend
 from prorl.metrics import StepAccumulator
 from prorl.sampling import GroupSampler
-
-
-def slices(pps: int, trainers: int, rollouts: int) -> list[tuple[int, int, int, int]]:
-    """(rollout j, trainer t, lo, hi): the step's prompts_per_step groups are rollout 0's batch,
-    then rollout 1's, ...; trainer t trains positions [t * pps / trainers, (t + 1) * pps /
-    trainers). lo:hi is the part of rollout j's batch that goes to trainer t (by nominal positions:
-    a batch short of groups after max_rounds gives its trainers fewer)."""
-    per_r, per_t, out = pps // rollouts, pps // trainers, []
-    for j in range(rollouts):
-        for t in range(trainers):
-            lo, hi = max(j * per_r, t * per_t), min((j + 1) * per_r, (t + 1) * per_t)
-            if lo < hi:
-                out.append((j, t, lo - j * per_r, hi - j * per_r))
-    return out
-
-
-def batch_key(step: int, j: int, t: int) -> str:
-    return f"batch/{step}/{j}/{t}"
 
 
 class RolloutWorker:
@@ -74,13 +58,17 @@ class RolloutWorker:
         self.sampler = GroupSampler(
             cfg, tokenizer, examples, self.generator, pool, stop_ids, rank=j, world=r
         )
-        self.weights = transport.WeightReceiver(
-            roles.store, roles.push, self.model, roles.timeout_s
+        self.weights = WeightReceiver(
+            roles.store, roles.push, self.model, roles.secret, roles.timeout_s
         )
         self.engine_check = None  # vLLM: the last post-sync probe report
         self.slices = [
             s for s in slices(cfg.trainer.prompts_per_step, roles.trainers, r) if s[0] == j
         ]
+        self.senders = {
+            t: transport.BatchSender(roles.store, roles.pairs[j, t], roles.secret)
+            for _, t, _, _ in self.slices
+        }
         self.watch_sampler()
 
     def healthy(self) -> bool:
@@ -119,9 +107,8 @@ class RolloutWorker:
             world_size=self.roles.rollouts,
             seed=cfg.seed + self.roles.rank,
             deterministic=cfg.trainer.deterministic,
-            gpu_memory_utilization=0.9
-            if r.gpu_memory_utilization == "auto"
-            else r.gpu_memory_utilization,
+            # asked now that the model copy is resident (vLLM refuses more than is free)
+            gpu_memory_utilization=rollout_budget.rollout_rank_fraction(cfg, device),
             max_model_len=cfg.data.max_prompt_tokens + budget,
         )
         generator.calibrate(self.model)
@@ -168,7 +155,7 @@ class RolloutWorker:
         return 0
 
     def produce(self, step: int, waited: float) -> None:
-        """Sample and verify step `step`'s groups and put each trainer's slice in the store."""
+        """Sample and verify step `step`'s groups and send each trainer its slice."""
         cfg, w, sampler, acc = self.cfg, self.weights, self.sampler, StepAccumulator()
         k = cfg.rollout.async_rl.steps_ahead
         stale = [g for g in sampler.carry if step - g.version > k]
@@ -197,9 +184,10 @@ class RolloutWorker:
         sums = {key: float(v) for key, v in acc._sum.items()}
         extrema = {key: float(v) for key, v in acc._max.items()}
         for n, (j, t, lo, hi) in enumerate(self.slices):
-            message = {"groups": groups[lo:hi], "version": w.version, "checksum": w.checksum}
+            sent = [dataclasses.asdict(g) for g in groups[lo:hi]]
+            message = {"groups": sent, "version": w.version, "checksum": w.checksum}
             message["engine_rms"] = (self.engine_check or {}).get("rms_diff")
             if n == 0:  # the rollout rank's metrics and state travel with its first slice
                 message.update(sums=sums, extrema=extrema, timing=timing, waited=waited)
                 message["state"] = sampler.state_dict()
-            transport.put(self.roles.store, batch_key(step, j, t), message)
+            self.senders[t].send(batch_key(step, j, t), message)

@@ -7,9 +7,10 @@ import time
 
 import pytest
 import torch
-from async_fakes import BlockingGroup, Store
+from async_fakes import SECRET, BlockingGroup, ReplayGroup, Store
 
-from prorl.async_rl import transport
+from prorl.async_rl import push, transport, wire
+from prorl.async_rl.push import WeightPusher, WeightReceiver
 from prorl.async_rl.remote import RemoteRollouts
 from prorl.config import load_config
 
@@ -34,46 +35,81 @@ def test_checksum_tells_versions_apart():
     )
 
 
-def test_bucket_layout_splits_at_the_bucket_size(monkeypatch):
-    monkeypatch.setattr(transport, "BUCKET_BYTES", 64)
+def _wait(cond, seconds=5.0):
+    t0 = time.monotonic()
+    while not cond() and time.monotonic() - t0 < seconds:
+        time.sleep(0.01)
+
+
+def _pushed(pushes, close=True):
+    """(store, what the root broadcast) of trainer rank 0's pushes [(version, named, extra)]."""
+    store, pg = Store(), BlockingGroup()
+    pg.release.set()
+    pusher = WeightPusher(store, pg, SECRET)
+    for version, named, extra in pushes:
+        n = pusher.sent
+        pusher.stage(version, named, extra=extra, checksum_of=lambda n=named: _sum(n))
+        _wait(lambda n=n: pusher.sent > n and pusher.slot is None)
+        _wait(lambda: pusher.free)  # its broadcasts done
+        pusher.free.clear()
+    if close:
+        pusher.close()
+    return store, pg.sent
+
+
+def _sum(named):
+    return transport.checksum([t for _, t in named])
+
+
+def test_a_push_travels_in_aligned_buckets_and_loads_into_the_model(monkeypatch):
+    monkeypatch.setattr(push, "BUCKET_BYTES", 128)
+    gen = torch.Generator().manual_seed(0)
     named = [
-        ("a", torch.zeros(8)),
-        ("b", torch.zeros(8)),
-        ("c", torch.zeros(40)),
-        ("d", torch.zeros(2)),
+        ("a", torch.randn(8, generator=gen)),
+        ("b", torch.randn(2, 4, generator=gen)),
+        ("c", torch.randn(40, generator=gen)),
+        ("d", torch.randn(2, generator=gen)),
     ]
-    # fp32: 32 + 32 bytes fit one bucket; 160 bytes go alone
-    layout = transport.bucket_layout(named)
-    assert [[name for name, *_ in bucket] for bucket in layout] == [["a", "b"], ["c"], ["d"]]
+    store, sent = _pushed([(3, named, {0: {"data_order": [5, 1]}})])
+    # fp32, 64-byte aligned: 32 + 32 bytes fit one 128-byte bucket; 160 bytes go alone
+    assert [t.numel() for t in sent[5:]] == [128, 192, 64]
+    model = torch.nn.Module()
+    for name, t in named:
+        model.register_buffer(name, torch.zeros_like(t))
+    receiver = WeightReceiver(store, ReplayGroup(sent), model, SECRET, startup_s=5.0)
+    receiver.receive()
+    for name, t in named:
+        torch.testing.assert_close(getattr(model, name), t, rtol=0, atol=0)
+    assert receiver.version == 3 and receiver.extra == {0: {"data_order": [5, 1]}}
+    receiver.receive()
+    assert receiver.stopped
 
 
 def test_a_push_costs_the_trainer_the_copy_only_and_the_newest_version_wins():
-    import time
-
     store, pg = Store(), BlockingGroup()
-    pusher = transport.WeightPusher(store, pg)
+    pusher = WeightPusher(store, pg, SECRET)
     weights = {v: [("w", torch.full((4,), float(v)))] for v in range(4)}
     t0 = time.perf_counter()
     # the push thread blocks in its broadcast
-    pusher.stage(0, weights[0], extra={0: "resume state"})
-    for _ in range(100):  # until the thread has announced push 0
-        if store.check(["push/0"]):
-            break
-        time.sleep(0.01)
+    pusher.stage(0, weights[0], extra={0: {"resume": 1}})
+    _wait(lambda: store.check(["push/0"]))
     pusher.stage(1, weights[1])
     pusher.stage(2, weights[2])  # replaces version 1, not sent yet
     assert time.perf_counter() - t0 < 2.0  # stage returned while the rollout rank was not listening
     pg.release.set()
-    for _ in range(200):
-        if store.check(["push/1"]) and len(pg.sent) == 2:
-            break
-        time.sleep(0.01)
+    _wait(lambda: store.check(["push/1"]) and len(pg.sent) == 12)
     pusher.close()
-    headers = [transport.take(store, f"push/{i}", 1.0, "push") for i in range(3)]
-    assert [h["version"] for h in headers] == [0, 2, -1] and headers[2]["stop"]
-    assert headers[0]["extra"] == {0: "resume state"} and headers[1]["extra"] is None
-    sent = [b.view(torch.float32) for b in pg.sent]
-    torch.testing.assert_close(sent, [weights[0][0][1], weights[2][0][1]], rtol=0, atol=0)
+    model = torch.nn.Module()
+    model.register_buffer("w", torch.zeros(4))
+    receiver = WeightReceiver(store, ReplayGroup(pg.sent), model, SECRET, startup_s=5.0)
+    receiver.receive()
+    assert receiver.version == 0 and receiver.extra == {0: {"resume": 1}}
+    torch.testing.assert_close(model.w, weights[0][0][1], rtol=0, atol=0)
+    receiver.receive()
+    assert receiver.version == 2 and receiver.extra == {0: {"resume": 1}}  # from push 0
+    torch.testing.assert_close(model.w, weights[2][0][1], rtol=0, atol=0)
+    receiver.receive()
+    assert receiver.stopped
 
 
 # -- the reviewer's findings (issue 27) ----------------------------------------------------------
@@ -94,11 +130,11 @@ class _FailingGroup:
 
 def _receiver(store, pg=None, startup_s=5.0, stale_s=5.0):
     model = torch.nn.Linear(2, 1, bias=False)
-    return transport.WeightReceiver(store, pg, model, startup_s=startup_s, stale_s=stale_s)
+    return WeightReceiver(store, pg, model, SECRET, startup_s=startup_s, stale_s=stale_s)
 
 
-def _header(version, layout=(), stop=False):
-    return {"version": version, "stop": stop, "extra": None, "layout": list(layout)}
+def _ticket(store, n, stop=False):
+    store.set(f"push/{n}", wire.ticket(SECRET, f"push/{n}", stop=stop))
 
 
 def test_a_stop_while_a_push_is_stuck_ends_the_rollout_cleanly():
@@ -106,7 +142,7 @@ def test_a_stop_while_a_push_is_stuck_ends_the_rollout_cleanly():
     rollout then joins the announced push, finds its root gone, and stops (exit 0), as it stops at
     once when no push is announced."""
     store, pg = Store(), BlockingGroup()  # the rollout is mid-step: the push thread blocks
-    pusher = transport.WeightPusher(store, pg)
+    pusher = WeightPusher(store, pg, SECRET)
     pusher.stage(0, [("weight", torch.zeros(1, 2))])
     for _ in range(100):
         if store.check(["push/0"]):
@@ -126,12 +162,12 @@ def test_a_stop_while_a_push_is_stuck_ends_the_rollout_cleanly():
 
 
 def test_a_broadcast_whose_root_left_is_a_stop_only_when_the_trainers_said_stop():
-    layout = [[("weight", (1, 2), torch.float32)]]
     store = Store()
-    transport.put(store, "push/0", _header(0, layout))
+    _ticket(store, 0)
     with pytest.raises(RuntimeError, match="closed by peer"):
         _receiver(store, _FailingGroup()).receive()
-    pg = _FailingGroup(before=lambda: transport.put(store, transport.STOP_KEY, True))
+    stop = wire.ticket(SECRET, transport.STOP_KEY)
+    pg = _FailingGroup(before=lambda: store.set(transport.STOP_KEY, stop))
     receiver = _receiver(store, pg)
     receiver.receive()
     assert receiver.stopped and pg.calls == 1
@@ -148,7 +184,7 @@ def test_a_heartbeat_that_stops_moving_is_a_lost_peer(monkeypatch):
     with pytest.raises(
         transport.RolloutLost, match=r"rollout rank 0 sent no heartbeat .*\(never started\)"
     ):
-        transport.take(store, "batch/0/0/0", 30.0, "batch", alive=[never])
+        transport.wait_ready(store, "batch/0/0/0", 30.0, "batch", alive=[never])
     assert time.monotonic() - t0 < 5.0  # not the 30 s bound
     beat = transport.Heartbeat(store, "alive/trainer", every_s=0.02)
     live = transport.Liveness(store, "alive/trainer", "trainer rank 0", startup_s=0.2, stale_s=0.2)
@@ -170,11 +206,12 @@ def test_a_rollout_waits_for_a_push_as_long_as_the_trainer_beats(monkeypatch):
     import threading
 
     monkeypatch.setattr(transport.Liveness, "look_s", 0.0)
+    pushed, sent = _pushed([(4, [("weight", torch.ones(1, 2))], None)], close=False)
     store = Store()
     beat = transport.Heartbeat(store, "alive/trainer", every_s=0.02)
-    timer = threading.Timer(0.8, lambda: transport.put(store, "push/0", _header(4)))
+    timer = threading.Timer(0.8, lambda: store.set("push/0", pushed.get("push/0")))
     timer.start()
-    receiver = _receiver(store, startup_s=0.2, stale_s=0.2)
+    receiver = _receiver(store, ReplayGroup(sent), startup_s=0.2, stale_s=0.2)
     receiver.receive()
     beat.stop()
     timer.join()
@@ -186,21 +223,19 @@ def test_push_headers_are_deleted_once_every_rollout_rank_took_them():
 
     from prorl.async_rl.worker import RolloutWorker
 
-    store = Store()
-    for i, header in enumerate([_header(0), _header(1), _header(-1, stop=True)]):
-        transport.put(store, f"push/{i}", header)
-    receiver = _receiver(store)
+    one = [("weight", torch.ones(1, 2))]
+    store, sent = _pushed([(0, one, None), (1, one, None)])
+    receiver = _receiver(store, ReplayGroup(sent))
     receiver.receive()
     receiver.receive()
     receiver.release()
     assert not store.check(["push/0"]) and not store.check(["push/1"]) and store.check(["push/2"])
     # the rollout loop releases them (rollout index 0, after the all-reduce of the announced pushes)
-    for i, header in enumerate([_header(0), _header(1), _header(-1, stop=True)]):
-        transport.put(store, f"push/{i}", header)
+    store, sent = _pushed([(0, one, None), (1, one, None)])
     w = RolloutWorker.__new__(RolloutWorker)
     w.cfg = cfg("rollout.async.steps_ahead=1", "trainer.total_steps=3")
     w.roles = SimpleNamespace(index=0, rollouts=1, trainers=1, store=store)
-    w.weights, w.generator = _receiver(store), object()
+    w.weights, w.generator = _receiver(store, ReplayGroup(sent)), object()
     w.produce = lambda step, waited: None
     assert w.run() == 0
     assert not store.check(["push/0"])
@@ -244,13 +279,53 @@ def test_a_push_holds_one_full_tensor_at_a_time(monkeypatch):
     assert transport.same_checksum(r.checksums[3], reference)
     store, pg = Store(), BlockingGroup()
     pg.release.set()
-    r.pusher, alive[:], made[:] = transport.WeightPusher(store, pg), [], []
+    r.pusher, alive[:], made[:] = WeightPusher(store, pg, SECRET), [], []
     r.push(None, torch.float32, 4)
     assert max(alive) <= 1
-    for _ in range(200):  # until the push thread has sent it
-        if pg.sent:
-            break
-        time.sleep(0.01)
+    _wait(lambda: len(pg.sent) == 6)  # until the push thread has sent it
     r.pusher.close()
-    sent = pg.sent[0].view(torch.float32)
+    sent = (
+        pg.sent[5][: 6 * 64].view(torch.float32).view(6, 16)[:, :4].reshape(-1)
+    )  # 64-byte aligned
     torch.testing.assert_close(sent, torch.arange(6.0).repeat_interleave(4), rtol=0, atol=0)
+
+
+@pytest.mark.tally("attacks")
+def test_weights_changed_on_the_way_are_refused_before_sampling():
+    """The push's buckets are checked against the trainers' signed checksum once loaded: a bucket
+    altered after the header was signed stops the rollout (Refused: exit 8)."""
+    named = [("weight", torch.ones(1, 2))]
+    store, sent = _pushed([(0, named, None)])
+    sent[5] = sent[5].clone()
+    sent[5][:8].view(torch.float32)[1] = 3.0  # the second weight, 1.0 -> 3.0
+    receiver = _receiver(store, ReplayGroup(sent))
+    with pytest.raises(wire.Refused, match="push/0: the weights received .* not the version 0"):
+        receiver.receive()
+
+
+def test_host_buckets_are_allocated_once_and_the_last_one_at_its_size(monkeypatch):
+    monkeypatch.setattr(push, "BUCKET_BYTES", 1024)
+    made, host_bucket = [], push._host_bucket
+    monkeypatch.setattr(push, "_host_bucket", lambda n: made.append(n) or host_bucket(n))
+    store, pg = Store(), BlockingGroup()
+    pg.release.set()
+    pusher = WeightPusher(store, pg, SECRET)
+    named = [("a", torch.zeros(200)), ("b", torch.zeros(50)), ("c", torch.zeros(3))]
+    for v in range(3):
+        pusher.stage(v, [(n, t + v) for n, t in named])
+        _wait(lambda v=v: pusher.sent > v and pusher.free)
+    pusher.close()
+    # fp32, 64-byte aligned: a (800 -> 832 bytes) alone in a 1024-byte bucket; b (200 -> 256) and
+    # c (12 -> 64) in a second, then trimmed to its 320 bytes; nothing allocated after push 0
+    assert made == [1024, 1024, 320]
+    assert [b.numel() for b in pusher.free[0]] == [1024, 320]
+
+
+@pytest.mark.tally("attacks")
+def test_a_push_of_an_older_version_than_the_rollout_holds_is_refused():
+    named = [("weight", torch.ones(1, 2))]
+    store, sent = _pushed([(3, named, None), (2, named, None)])
+    receiver = _receiver(store, ReplayGroup(sent))
+    receiver.receive()
+    with pytest.raises(wire.Refused, match="push/1: version 2 after version 3"):
+        receiver.receive()

@@ -3,18 +3,19 @@ world, the split of a step's groups between rollout and trainer ranks, the rollo
 and carry, the trainer's checks of what it takes, and the async metrics. The weight transport is
 tests/prorl/test_async_transport.py; the multi-rank runs are tests/preset/test_async.py."""
 
+import dataclasses
 import time
 
 import pytest
 import torch
-from async_fakes import BlockingGroup, Store
+from async_fakes import SECRET, BlockingGroup, LoopChannel, Store
 from prorl.kernels import ppo_loss
 
 from prorl.algorithm import importance_weights
-from prorl.async_rl import transport
-from prorl.async_rl.remote import RemoteRollouts
-from prorl.async_rl.roles import check_async
-from prorl.async_rl.worker import slices
+from prorl.async_rl import transport, wire
+from prorl.async_rl.push import WeightPusher
+from prorl.async_rl.remote import RemoteRollouts, check_batch
+from prorl.async_rl.roles import check_async, slices
 from prorl.config import ConfigError, load_config
 from prorl.metrics import StepAccumulator, async_metrics
 from prorl.sampling import Group
@@ -171,11 +172,25 @@ def _worker(step_version: int, carry, schedule):
         "rollout.max_response_tokens=40",
     )
     w.cfg.rollout.max_response_schedule = schedule
-    w.roles = SimpleNamespace(index=0, rollouts=1, trainers=2, store=Store())
+    w.roles = SimpleNamespace(index=0, rollouts=1, trainers=2, store=Store(), secret=SECRET)
+    w.roles.pairs = {(0, t): LoopChannel() for t in range(2)}
     w.weights = SimpleNamespace(version=step_version, checksum=1.5)
     w.sampler, w.engine_check = _Sampler(carry), None
     w.slices = [s for s in slices(4, 2, 1) if s[0] == 0]
+    w.senders = {
+        t: transport.BatchSender(w.roles.store, w.roles.pairs[0, t], SECRET) for t in range(2)
+    }
     return w
+
+
+def _taken(w, key, t):
+    """The message a trainer takes from the worker's slice to trainer t (once sent)."""
+    for _ in range(500):
+        if w.senders[t].queue.empty():
+            break
+        time.sleep(0.01)
+    time.sleep(0.05)
+    return transport.take(w.roles.store, w.roles.pairs[0, t], SECRET, key, 1.0, "batch")
 
 
 def test_a_rollout_samples_with_the_budget_of_the_step_that_trains_the_batch():
@@ -193,9 +208,8 @@ def test_a_carried_group_older_than_the_bound_is_dropped_and_counted():
     fresh = Group(6, [1], [[2]], [[-0.5]], [False], version=1, uid="1/0/9")
     w = _worker(1, [old, fresh], {})
     w.produce(2, waited=0.25)  # k = 1: version 0 would be 2 updates old at step 2, version 1 is 1
-    first = transport.take(w.roles.store, "batch/2/0/0", 1.0, "batch")
-    second = transport.take(w.roles.store, "batch/2/0/1", 1.0, "batch")
-    trained = first["groups"] + second["groups"]
+    first, second = _taken(w, "batch/2/0/0", 0), _taken(w, "batch/2/0/1", 1)
+    trained = check_batch(first, 2, 1, "b0") + check_batch(second, 2, 1, "b1")
     assert [g.uid for g in trained][:1] == ["1/0/9"] and "0/0/9" not in [g.uid for g in trained]
     assert first["sums"]["groups_dropped"] == 1 and "sums" not in second  # metrics travel once
     # the fresh carry's own, then this version's
@@ -233,7 +247,9 @@ def _remote(tmp_path, checksums, total_steps=10):
 
     r = RemoteRollouts.__new__(RemoteRollouts)
     r.cfg = cfg(f"trainer.total_steps={total_steps}", "rollout.async.steps_ahead=1")
-    r.roles, r.rank, r.k = SimpleNamespace(store=Store()), 0, 1
+    r.cfg.rollout.n = 1  # the stand-in groups hold one response
+    r.roles = SimpleNamespace(store=Store(), pairs={(0, 0): LoopChannel()}, secret=SECRET)
+    r.rank, r.k = 0, 1
     r.slices, r.timeout_s, r.alive = [(0, 0, 0, 2)], 1.0, []
     r.checksums, r.states, r.taken = checksums, {}, -1
     r.trace, r.pusher, r.heartbeat = str(tmp_path / "trace.jsonl"), None, None
@@ -242,10 +258,16 @@ def _remote(tmp_path, checksums, total_steps=10):
 
 def _batch(version, group_versions, checksum):
     groups = [
-        Group(i, [1], [[2]], [[-0.5]], [False], version=v, uid=f"u{i}")
+        dataclasses.asdict(Group(i, [1], [[2]], [[-0.5]], [False], version=v, uid=f"u{i}"))
         for i, v in enumerate(group_versions)
     ]
     return {"groups": groups, "version": version, "checksum": checksum, "engine_rms": None}
+
+
+def _deliver(r, key, message):
+    """What a rollout rank's BatchSender does: the ticket in the store, the message on the pair."""
+    r.roles.store.set(key, wire.ticket(SECRET, key))
+    wire.send(r.roles.pairs[0, 0], SECRET, key, message)
 
 
 @pytest.mark.parametrize(
@@ -265,7 +287,7 @@ def test_take_refuses_a_batch_out_of_bound_or_with_other_weights(
     sums = {v: transport.checksum(w) for v, w in weights.items()}
     r = _remote(tmp_path, dict(sums))
     reported = sums[version] + (1.0 if words == "not version 3" else 0.0)
-    transport.put(r.roles.store, "batch/4/0/0", _batch(version, group_versions, reported))
+    _deliver(r, "batch/4/0/0", _batch(version, group_versions, reported))
     acc = StepAccumulator()
     if words is None:
         groups, _ = r.take(4, acc)
@@ -279,14 +301,15 @@ def test_the_rollouts_are_told_to_stop_once_the_last_batch_is_taken(tmp_path):
     store, pg = Store(), BlockingGroup()
     pg.release.set()
     r = _remote(tmp_path, {4: transport.checksum([])}, total_steps=6)
-    r.roles.store, r.pusher = store, transport.WeightPusher(store, pg)
-    transport.put(store, "batch/4/0/0", _batch(4, [4, 4], r.checksums[4]))
+    r.roles.store, r.pusher = store, WeightPusher(store, pg, SECRET)
+    _deliver(r, "batch/4/0/0", _batch(4, [4, 4], r.checksums[4]))
     r.take(4, StepAccumulator())
     assert not store.check([transport.STOP_KEY])  # step 5 of 6: more to come
-    transport.put(store, "batch/5/0/0", _batch(4, [4, 4], r.checksums[4]))
+    _deliver(r, "batch/5/0/0", _batch(4, [4, 4], r.checksums[4]))
     r.take(5, StepAccumulator())
     assert (
-        store.check([transport.STOP_KEY]) and transport.take(store, "push/0", 1.0, "stop")["stop"]
+        store.check([transport.STOP_KEY])
+        and wire.verify(SECRET, store.get("push/0"), "push/0")["stop"]
     )
 
 
@@ -344,7 +367,7 @@ def test_a_rollout_hung_in_one_round_stops_its_heartbeat():
     time.sleep(0.2)
     state["ok"] = False
     time.sleep(0.05)
-    stalled = transport.take(store, "alive/rollout/0", 1.0, "beat", delete=False)
+    stalled = int(store.get("alive/rollout/0"))
     time.sleep(0.2)
-    assert stalled > 0 and transport.take(store, "alive/rollout/0", 1.0, "beat") == stalled
+    assert stalled > 0 and int(store.get("alive/rollout/0")) == stalled
     beat.stop()

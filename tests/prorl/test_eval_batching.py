@@ -118,3 +118,46 @@ def test_vllm_progress_bar_reports_finished_requests():
         bar.update(1)
     bar.close()
     assert seen == [1, 1, 1]
+
+
+def test_the_presets_validation_takes_more_than_one_prompt_per_call_on_a_trainer_gpu(monkeypatch):
+    """prorl_v2_1.5b validates 16 samples of up to 1,024 + 8,192 tokens per prompt: 4 GiB of KV
+    for Qwen2-1.5B (28 layers x 2 KV heads x 128 x K and V x 2 bytes a token). A fixed 2 GiB budget
+    gives one prompt per generate call; sized from a trainer GPU with 60 GiB free, the validate call
+    asks for (60 - 3) / 2 GiB."""
+    import types
+
+    import torch
+
+    from prorl import eval as eval_module
+    from prorl import rollout_budget
+    from prorl.config import load_config
+
+    cfg = load_config(
+        "prorl_v2_1.5b", ["model.path=m", "data.train_files=[a]", "data.val_files=[b]"]
+    )
+    GiB = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (60 * GiB, 80 * 10**9))
+    seen = {}
+
+    def evaluate(examples, inputs, settings, log=None):
+        seen["settings"] = settings
+        return {"samples": []}
+
+    monkeypatch.setattr(eval_module, "evaluate", evaluate)
+    on_gpu = types.SimpleNamespace(device=torch.device("cuda", 0))
+    model = types.SimpleNamespace(
+        parameters=lambda: iter([on_gpu]),
+        config=types.SimpleNamespace(num_layers=28, num_kv_heads=2, head_dim=128),
+        embed_tokens=types.SimpleNamespace(weight=torch.empty(0, dtype=torch.bfloat16)),
+    )
+    eval_module.validate(cfg, [], model, None, None, None)
+    s = seen["settings"]
+    assert s.kv_cache_gib == pytest.approx(28.5)
+    seq = cfg.data.max_prompt_tokens + cfg.rollout.max_response_tokens
+    per_prompt = cfg.trainer.val_samples * seq * 2 * 28 * 2 * 128 * 2
+    assert per_prompt > 2 * GiB  # one prompt per call at the old fixed budget
+    chunk = eval_module._chunk_size(model, s.k, seq, s.kv_cache_gib)
+    assert chunk == int(28.5 * GiB // per_prompt) == 7
+    assert eval_module._chunk_size(model, s.k, seq, 2.0) == 1
+    assert rollout_budget.validation_kv_gib(torch.device("cpu")) == 2.0  # the CPU: as before
