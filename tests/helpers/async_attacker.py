@@ -22,10 +22,14 @@ class Payload:
         return (open, (self.path, "w"))
 
 
-def connect(port: int, attempt: int = 0):
-    """The run's async keys (prorl/async_rl/roles.py's prefix), as a client of its TCPStore."""
-    base = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=30))
-    return dist.PrefixStore(f"prorl/async/{attempt}/", base)
+def connect(port: int):
+    """The run's async keys (prorl/async_rl/roles.py's prefix), a client of the attempt's store,
+    found as every rank finds it: posted in torchrun's store (engine.distributed.attempt_store)."""
+    timeout = datetime.timedelta(seconds=30)
+    agents = dist.TCPStore("127.0.0.1", port, None, False, timeout)
+    own_port = int(agents.get("prorl/attempt_store").decode().split(" ", 1)[0])
+    base = dist.TCPStore("127.0.0.1", own_port, None, False, timeout)
+    return dist.PrefixStore("prorl/async/", base)
 
 
 def forged(key: str) -> bytes:
