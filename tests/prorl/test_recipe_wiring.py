@@ -1,0 +1,258 @@
+"""The trainer's use of every recipe knob, against an independent float64 reference.
+
+For each knob (clip-higher, dual-clip, each KL estimator and its coefficient, each aggregation, the
+sampling temperature, the entropy bonus, each importance-sampling mode) one RL update of a real
+Trainer on tokens its own sampler drew is compared with the gradient of the loss docs/recipe.md
+§2-§4 states, built here in float64 from those tokens, the rewards and the knob's value as the test
+sets it: plain forwards of a float64 copy of the policy and of the reference (log-softmax of
+logits / T), REINFORCE++-baseline advantages, PPO-Clip-Higher, the k1/k2/k3 estimators, the
+aggregations. Nothing is read from the trainer's calls into the loss ops.
+
+pi_old is set by hand (the carried-over groups' stored log-probs, §6) to put tokens on both sides
+of both clips and beyond the dual-clip cap, and the reference is perturbed so that the KL and its
+gradient are not zero. Also: one step with only the KL moves the policy toward the reference, and
+the reference reset keeps AdamW's moments and step unless `reset_optimizer`.
+"""
+
+import copy
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import PreTrainedTokenizerFast
+
+from prorl.config import load_config
+from prorl.data import builtin
+from prorl.metrics import StepAccumulator
+from prorl.packing import StepBatch
+from prorl.rewards.pool import RewardPool
+from prorl.trainer import Trainer
+
+TINY_REASONER = str(Path(__file__).resolve().parents[2] / "prorl" / "assets" / "tiny-reasoner")
+MAX_NEW = 16
+BASE = [
+    "trainer.prompts_per_step=3",
+    "rollout.n=4",
+    f"rollout.max_response_tokens={MAX_NEW}",
+    "reward.length_penalty=false",
+    "trainer.mini_batches=1",
+    "trainer.micro_batch_tokens=0",
+    "model.dtype=float32",
+]
+# pi / pi_old per token, cycled over the response tokens: both sides of 1 +- eps (0.2 / 0.28 and
+# the v1 0.2 / 0.4), inside, and 4.0 beyond a dual-clip cap of 3
+RATIOS = [0.5, 0.75, 0.9, 1.1, 1.24, 1.35, 1.5, 4.0]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = PreTrainedTokenizerFast.from_pretrained(TINY_REASONER)
+    train = builtin("digit_sums", n=16, seed=0, split="train")
+    val = builtin("digit_sums", n=4, seed=0, split="val")
+    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
+        yield tok, train, val, pool
+
+
+def make(setup, overrides=()):
+    tok, train, val, pool = setup
+    cfg = load_config("default", [f"model.path={TINY_REASONER}", *BASE, *overrides])
+    return Trainer(cfg, TINY_REASONER, tok, train, val, pool)
+
+
+def perturb_reference(trainer, std=0.02, seed=3):
+    """Move pi_ref away from the policy, so that the KL term has a gradient."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in trainer.reference.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * std)
+
+
+def forward64(model, prompt, tokens, temperature):
+    """A plain float64 forward: log p(token) [L] and the entropy [L] of softmax(logits / T) at
+    each response position (grad flows to `model`'s parameters)."""
+    ids = torch.tensor(prompt + tokens)
+    logits = model.logits(model(ids))[len(prompt) - 1 : -1].double() / temperature
+    logp_all = torch.log_softmax(logits, -1)
+    logp = logp_all.gather(1, torch.tensor(tokens)[:, None]).squeeze(1)
+    return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def advantages64(groups):
+    """docs/recipe.md §2 REINFORCE++-baseline: centre on the group mean, whiten over every
+    response token (token-weighted mean and population variance, floor 1e-8)."""
+    centred, lengths = [], []
+    for g in groups:
+        mean = sum(g.shaped) / len(g.shaped)
+        centred += [r - mean for r in g.shaped]
+        lengths += [len(t) for t in g.responses]
+    c, w = torch.tensor(centred, dtype=torch.float64), torch.tensor(lengths, dtype=torch.float64)
+    mu = (w * c).sum() / w.sum()
+    var = (w * (c - mu) ** 2).sum() / w.sum()
+    return ((c - mu) / var.clamp(min=1e-8).sqrt()).tolist()
+
+
+def kl64(delta, estimator):
+    """docs/recipe.md §4: Delta = logp - ref_logp clamped to [-10, 10]."""
+    d = delta.clamp(-10, 10)
+    return {"k1": d, "k2": 0.5 * d**2, "k3": torch.exp(-d) - 1 + d}[estimator]
+
+
+def token_loss64(logp, old, adv, ref, knobs, is_w):
+    """docs/recipe.md §3-§4 per token: PPO-Clip-Higher (dual-clip for A < 0), times the bounded
+    importance weight, plus beta x KL."""
+    r = torch.exp((logp - old).clamp(-20, 20))
+    clipped = r.clamp(1 - knobs["eps_low"], 1 + knobs["eps_high"])
+    pg = torch.maximum(-adv * r, -adv * clipped)
+    if knobs.get("dual_clip"):
+        pg = torch.where(adv < 0, torch.minimum(pg, -knobs["dual_clip"] * adv), pg)
+    if is_w is not None:
+        lo, hi = knobs["is_low"], knobs["is_high"]
+        if knobs["is_mode"] == "tis":
+            is_w = is_w.clamp(max=hi)
+        else:  # icepop: zero outside [lo, hi]
+            is_w = torch.where((is_w >= lo) & (is_w <= hi), is_w, torch.zeros_like(is_w))
+        pg = pg * is_w
+    return pg + knobs["kl_coef"] * kl64(logp - ref, knobs["kl_estimator"])
+
+
+def aggregate64(per_seq, agg, max_new):
+    """docs/recipe.md §3: token-mean over all tokens, or over sequences of their token mean / sum,
+    or Dr.GRPO's constant (sequences x the response budget)."""
+    if agg == "token-mean":
+        return torch.cat(per_seq).sum() / sum(len(x) for x in per_seq)
+    if agg == "seq-mean-token-mean":
+        return sum(x.mean() for x in per_seq) / len(per_seq)
+    if agg == "seq-mean-token-sum":
+        return sum(x.sum() for x in per_seq) / len(per_seq)
+    assert agg == "constant"
+    return sum(x.sum() for x in per_seq) / (len(per_seq) * max_new)
+
+
+DOCUMENTED = dict(
+    eps_low=0.2,
+    eps_high=0.28,
+    dual_clip=None,
+    kl_coef=0.1,
+    kl_estimator="k2",
+    agg="token-mean",
+    entropy_coef=0.0,
+    is_mode="none",
+    is_low=0.5,
+    is_high=5.0,
+    temperature=1.0,
+)
+
+
+def reference_gradient(policy, reference, groups, knobs):
+    """The float64 gradient of the documented loss of one mini-batch, per parameter name, and the
+    loss."""
+    t = knobs["temperature"]
+    model = copy.deepcopy(policy).double()
+    ref_model = copy.deepcopy(reference).double()
+    adv = iter(advantages64(groups))
+    per_seq, ent_sum, tokens = [], 0.0, 0
+    for g in groups:
+        for j, resp in enumerate(g.responses):
+            a = next(adv)
+            if not resp:
+                continue
+            logp, ent = forward64(model, g.prompt_ids, resp, t)
+            with torch.no_grad():
+                ref, _ = forward64(ref_model, g.prompt_ids, resp, t)
+            old = torch.tensor(g.old_logps[j], dtype=torch.float64)
+            is_w = None
+            if knobs["is_mode"] != "none":
+                is_w = torch.exp(old - torch.tensor(g.sampler_logps[j], dtype=torch.float64))
+            per_seq.append(token_loss64(logp, old, torch.full_like(logp, a), ref, knobs, is_w))
+            ent_sum, tokens = ent_sum + ent.sum(), tokens + len(resp)
+    loss = aggregate64(per_seq, knobs["agg"], MAX_NEW)
+    if knobs["entropy_coef"]:  # the bonus: entropy is rewarded, so it is subtracted (token-mean)
+        loss = loss - knobs["entropy_coef"] * ent_sum / tokens
+    loss.backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, float(loss)
+
+
+def sampled(trainer, k=3, seed=7):
+    """k groups drawn by the trainer's own sampler, rewards mixed within each group, pi_old stored
+    as for carried-over groups at the RATIOS (pi / pi_old), and sampler log-probs spread around
+    pi_old over [0.05, 20] (for the IS modes)."""
+    groups = trainer.sampler.rollout(list(range(k)), seed=seed, max_new=MAX_NEW)
+    t = trainer.cfg.rollout.temperature or 1.0
+    model = copy.deepcopy(trainer.policy).double()
+    i = 0
+    for g in groups:
+        # responses cut to different lengths (prefixes of what was drawn): the aggregations and the
+        # token-weighted whitening then differ from their neighbours
+        cut = [MAX_NEW - (5 * j + 3 * g.example_index) % 12 for j in range(len(g.responses))]
+        g.responses = [resp[:c] for resp, c in zip(g.responses, cut)]
+        g.raw = [float((j + g.example_index) % 2) for j in range(len(g.responses))]
+        g.shaped = list(g.raw)
+        g.old_logps, g.sampler_logps = [], []
+        for resp in g.responses:
+            with torch.no_grad():
+                logp = forward64(model, g.prompt_ids, resp, t)[0] if resp else torch.zeros(0)
+            old = [float(x) - math.log(RATIOS[(i + n) % len(RATIOS)]) for n, x in enumerate(logp)]
+            w = [0.05 * 400 ** (((i + n) * 7 % 13) / 12) for n in range(len(resp))]
+            g.old_logps.append(old)
+            g.sampler_logps.append([o - math.log(x) for o, x in zip(old, w)])
+            i += len(resp)
+    return groups
+
+
+def trainer_gradient(trainer, groups, monkeypatch):
+    """The gradient the trainer's update hands its optimizer (one mini-batch), per parameter."""
+    got = {}
+    step = trainer.updater.optimizer_step
+
+    def capture():
+        got.update(
+            {n: p.grad.double().clone() for n, p in trainer.policy.named_parameters() if p.grad is not None}
+        )
+        return step()
+
+    monkeypatch.setattr(trainer.updater, "optimizer_step", capture)
+    batch = StepBatch.of(groups, trainer.cfg.rollout.n, trainer.device)
+    trainer.update(batch, MAX_NEW, StepAccumulator())
+    return got
+
+
+CASES = {
+    "clip-higher": {},
+    "clip-v1": {"eps_high": 0.4},
+    "dual-clip": {"dual_clip": 3.0},
+    "kl-k1": {"kl_estimator": "k1", "kl_coef": 0.3},
+    "kl-k2": {"kl_estimator": "k2", "kl_coef": 0.3},
+    "kl-k3": {"kl_estimator": "k3", "kl_coef": 0.3},
+    "agg-seq-mean-token-mean": {"agg": "seq-mean-token-mean"},
+    "agg-seq-mean-token-sum": {"agg": "seq-mean-token-sum"},
+    "agg-constant": {"agg": "constant"},
+    "temperature": {"temperature": 0.7},
+    "entropy": {"entropy_coef": 0.05},
+    "tis": {"is_mode": "tis", "is_high": 3.0},
+    "icepop": {"is_mode": "icepop", "is_low": 0.2, "is_high": 4.0},
+}
+
+
+def overrides(knobs):
+    out = [f"rollout.temperature={knobs['temperature']}"]
+    for k, v in knobs.items():
+        if k != "temperature":
+            out.append(f"algorithm.{k}={'null' if v is None else v}")
+    return out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_step_gradient_is_the_documented_loss(setup, monkeypatch, case):
+    knobs = {**DOCUMENTED, **CASES[case]}
+    trainer = make(setup, overrides(knobs))
+    perturb_reference(trainer)
+    groups = sampled(trainer)
+    want, loss = reference_gradient(trainer.policy, trainer.reference, groups, knobs)
+    got = trainer_gradient(trainer, groups, monkeypatch)
+    assert set(got) == set(want)
+    g = torch.cat([got[n].flatten() for n in sorted(want)])
+    w = torch.cat([want[n].flatten() for n in sorted(want)])
+    err = (g - w).norm() / w.norm()
+    print(case, float(w.norm()), float(err), loss)
+    assert err < 1e-4
