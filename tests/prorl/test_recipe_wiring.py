@@ -319,3 +319,38 @@ def test_the_reference_reset_keeps_adamws_state_unless_asked(setup, reset_optimi
     for key, state in before.items():
         for k, v in state.items():
             assert torch.equal(after[key][k], v), k
+
+
+# -- resume: what the next steps sample ----------------------------------------------------------
+@pytest.mark.parametrize("scheduler", ["none", "pass-rate"])
+def test_a_resumed_trainer_samples_the_prompts_the_uninterrupted_one_does(setup, scheduler):
+    """Trainer.state_dict -> a fresh Trainer's load_state_dict (what a checkpoint carries): the
+    prompts of the next rounds are the uninterrupted run's. Scheduler off, they come from the data
+    order, saved mid-epoch after a reshuffle (16 prompts, 3 a round: round 6 is in epoch 2);
+    scheduler on, from the prompt record."""
+    over = [f"scheduler.mode={scheduler}", "algorithm.dynamic_sampling=false"]
+    a = make(setup, over)
+
+    def round_prompts(trainer, step):
+        return trainer.sampler._round_prompts(3, 0, step, StepAccumulator())
+
+    rng, record = torch.Generator().manual_seed(0), a.sampler.scheduler
+    for step in range(6):
+        if record is not None:
+            record.new_step()
+        for prompt in round_prompts(a, step):
+            if record is not None:  # a random group for each prompt
+                record.observe(prompt, torch.randint(0, 2, (4,), generator=rng).tolist())
+        if record is not None:
+            record.merge(step, [record.pending])
+    b = make(setup, over)
+    b.load_state_dict(copy.deepcopy(a.state_dict()))
+    for step in range(6, 12):
+        for t in (a, b):
+            if t.sampler.scheduler is not None:
+                t.sampler.scheduler.new_step()
+        assert round_prompts(b, step) == round_prompts(a, step), step
+    if scheduler == "none":  # the 17th to 32nd prompts drawn are epoch 2: every prompt once
+        c = make(setup, over)
+        seen = [i for step in range(11) for i in round_prompts(c, step)]
+        assert sorted(seen[16:32]) == list(range(16))
