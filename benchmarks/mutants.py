@@ -38,6 +38,7 @@ SAMPLING = "tests/rollout/test_sampling_support.py"
 ALGORITHM = "tests/prorl/test_algorithm.py"
 SCHEDULE = ("tests/prorl/test_prompt_schedule.py", "-k", "not torchrun")
 MATH = "tests/rewards/test_math.py"
+KERNEL = ("tests/kernels/test_ppo_loss.py", "-k", "torch")
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,14 @@ MUTANTS = [
       "greedy takes the least likely token"),
     m("top-k-plus-one", N, "e.topk(min(params.top_k, e.shape[1]), -1)",
       "e.topk(min(params.top_k + 1, e.shape[1]), -1)", SAMPLING, "top-k keeps k + 1 tokens"),
+    # the loss op's torch backend (the native and Triton backends need a rebuild per mutant; issue
+    # 37's 64 kernel mutants were run by hand)
+    m("clip-low-sign", "kernels/ppo_loss.py", "lo, hi = 1.0 - opts.eps_low, 1.0 + opts.eps_high",
+      "lo, hi = 1.0 + opts.eps_low, 1.0 + opts.eps_high", KERNEL, "the lower clip above 1"),
+    m("pg-min-not-max", "kernels/ppo_loss.py", "pg = torch.maximum(pg_unclipped, pg_clipped)",
+      "pg = torch.minimum(pg_unclipped, pg_clipped)", KERNEL, "PPO's pessimistic max lost"),
+    m("tis-floor", "kernels/ppo_loss.py", "return w.clamp(max=hi)", "return w.clamp(min=hi)",
+      KERNEL, "TIS raises the weights to is_high instead of truncating them"),
     # the math verifier
     m("math-unparsed-accepted", "prorl/rewards/maths.py",
       "if not gold_parsed or not answer_parsed:\n        return False",
