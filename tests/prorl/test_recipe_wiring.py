@@ -146,7 +146,7 @@ DOCUMENTED = dict(
 
 def reference_gradient(policy, reference, groups, knobs):
     """The float64 gradient of the documented loss of one mini-batch, per parameter name."""
-    t = knobs["temperature"]
+    t = knobs["temperature"] or 1.0  # greedy sampling: log-probs at T = 1 (rollout/base.py)
     model = copy.deepcopy(policy).double()
     ref_model = copy.deepcopy(reference).double()
     adv = iter(advantages64(groups))
@@ -172,12 +172,12 @@ def reference_gradient(policy, reference, groups, knobs):
     return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
 
-def sampled(trainer, k=3, seed=7):
+def sampled(trainer, temperature=1.0, k=3, seed=7):
     """k groups drawn by the trainer's own sampler, rewards mixed within each group, pi_old stored
     as for carried-over groups at the RATIOS (pi / pi_old), and sampler log-probs spread around
     pi_old over [0.05, 20] (for the IS modes)."""
     groups = trainer.sampler.rollout(list(range(k)), seed=seed, max_new=MAX_NEW)
-    t = trainer.cfg.rollout.temperature or 1.0
+    t = temperature or 1.0
     model = copy.deepcopy(trainer.policy).double()
     i = 0
     for g in groups:
@@ -231,6 +231,7 @@ CASES = {
     "agg-seq-mean-token-sum": {"agg": "seq-mean-token-sum"},
     "agg-constant": {"agg": "constant"},
     "temperature": {"temperature": 0.7},
+    "greedy": {"temperature": 0.0},
     "entropy": {"entropy_coef": 0.05},
     "tis": {"is_mode": "tis", "is_high": 3.0},
     "icepop": {"is_mode": "icepop", "is_low": 0.2, "is_high": 4.0},
@@ -250,7 +251,7 @@ def test_a_step_gradient_is_the_documented_loss(setup, monkeypatch, case):
     knobs = {**DOCUMENTED, **CASES[case]}
     trainer = make(setup, overrides(knobs))
     perturb_reference(trainer)
-    groups = sampled(trainer)
+    groups = sampled(trainer, knobs["temperature"])
     want = reference_gradient(trainer.policy, trainer.reference, groups, knobs)
     got = trainer_gradient(trainer, groups, monkeypatch)
     assert set(got) == set(want)
