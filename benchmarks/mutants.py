@@ -86,6 +86,8 @@ MUTANTS = [
       "ok = any(is_equivalent(answer, str(g)) or answer.startswith(str(g)) for", MATH,
       "an answer that starts with the gold is accepted"),
     # more of the update's wiring
+    m("kl-clamp-none", U, "kl_clamp=algo.kl_clamp,", 'kl_clamp="none",', GRADIENT,
+      "algorithm.kl_clamp dropped (the KL unclamped)"),
     m("plan-agg-token-mean", U, "agg=self.cfg.algorithm.agg,", 'agg="token-mean",', GRADIENT,
       "the mini-batch normaliser computed for token-mean whatever algorithm.agg says"),
     m("is-mode-tis", U, "is_mode=algo.is_mode,", 'is_mode="tis",', GRADIENT,

@@ -60,12 +60,17 @@ def make(setup, overrides=()):
     return Trainer(cfg, TINY_REASONER, tok, train, val, pool)
 
 
-def perturb_reference(trainer, std=0.02, seed=3):
-    """Move pi_ref away from the policy, so that the KL term has a gradient."""
+def perturb_reference(trainer, std=0.02, seed=3, scramble=0.0):
+    """Move pi_ref away from the policy, so that the KL term has a gradient; `scramble` multiplies
+    each channel of the reference's final norm by N(0, scramble), which spreads |logp - ref_logp|
+    over both sides of the KL clamp's 10 (at 3: about 20% under 4.5, 55% in 4.5-10, 25% over)."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in trainer.reference.parameters():
             p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * std)
+        if scramble:
+            norm = trainer.reference.norm.weight
+            norm.mul_(torch.randn(norm.shape, generator=g, dtype=norm.dtype) * scramble)
 
 
 def forward64(model, prompt, tokens, temperature):
@@ -92,10 +97,12 @@ def advantages64(groups):
     return ((c - mu) / var.clamp(min=1e-8).sqrt()).tolist()
 
 
-def kl64(delta, estimator):
-    """docs/recipe.md §4: Delta = logp - ref_logp clamped to [-10, 10]."""
-    d = delta.clamp(-10, 10)
-    return {"k1": d, "k2": 0.5 * d**2, "k3": torch.exp(-d) - 1 + d}[estimator]
+def kl64(delta, estimator, clamp):
+    """docs/recipe.md §4: Delta = logp - ref_logp clamped to [-10, 10] (`log-ratio`), or the
+    estimate clamped to [-10, 10] (`output`, OpenRLHF's), or neither (`none`)."""
+    d = delta.clamp(-10, 10) if clamp == "log-ratio" else delta
+    kl = {"k1": d, "k2": 0.5 * d**2, "k3": torch.exp(-d) - 1 + d}[estimator]
+    return kl.clamp(-10, 10) if clamp == "output" else kl
 
 
 def token_loss64(logp, old, adv, ref, knobs, is_w):
@@ -113,7 +120,7 @@ def token_loss64(logp, old, adv, ref, knobs, is_w):
         else:  # icepop: zero outside [lo, hi]
             is_w = torch.where((is_w >= lo) & (is_w <= hi), is_w, torch.zeros_like(is_w))
         pg = pg * is_w
-    return pg + knobs["kl_coef"] * kl64(logp - ref, knobs["kl_estimator"])
+    return pg + knobs["kl_coef"] * kl64(logp - ref, knobs["kl_estimator"], knobs["kl_clamp"])
 
 
 def aggregate64(per_seq, agg, max_new):
@@ -135,6 +142,7 @@ DOCUMENTED = dict(
     dual_clip=None,
     kl_coef=0.1,
     kl_estimator="k2",
+    kl_clamp="log-ratio",
     agg="token-mean",
     entropy_coef=0.0,
     is_mode="none",
@@ -227,6 +235,11 @@ CASES = {
     "kl-k1": {"kl_estimator": "k1", "kl_coef": 0.3},
     "kl-k2": {"kl_estimator": "k2", "kl_coef": 0.3},
     "kl-k3": {"kl_estimator": "k3", "kl_coef": 0.3},
+    # a scrambled reference: |logp - ref_logp| on both sides of the clamp (10; k2's output: 4.5)
+    "kl-clamp-log-ratio": {"kl_clamp": "log-ratio", "_scramble": 3.0},
+    "kl-clamp-output": {"kl_clamp": "output", "_scramble": 3.0},
+    "kl-clamp-none": {"kl_clamp": "none", "_scramble": 3.0},
+    "k3-clamp-log-ratio": {"kl_estimator": "k3", "_scramble": 3.0},
     "agg-seq-mean-token-mean": {"agg": "seq-mean-token-mean"},
     "agg-seq-mean-token-sum": {"agg": "seq-mean-token-sum"},
     "agg-constant": {"agg": "constant"},
@@ -241,7 +254,7 @@ CASES = {
 def overrides(knobs):
     out = [f"rollout.temperature={knobs['temperature']}"]
     for k, v in knobs.items():
-        if k != "temperature":
+        if k != "temperature" and not k.startswith("_"):
             out.append(f"algorithm.{k}={'null' if v is None else v}")
     return out
 
@@ -250,7 +263,7 @@ def overrides(knobs):
 def test_a_step_gradient_is_the_documented_loss(setup, monkeypatch, case):
     knobs = {**DOCUMENTED, **CASES[case]}
     trainer = make(setup, overrides(knobs))
-    perturb_reference(trainer)
+    perturb_reference(trainer, scramble=knobs.get("_scramble", 0.0))
     groups = sampled(trainer, knobs["temperature"])
     want = reference_gradient(trainer.policy, trainer.reference, groups, knobs)
     got = trainer_gradient(trainer, groups, monkeypatch)
