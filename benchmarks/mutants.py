@@ -88,6 +88,8 @@ MUTANTS = [
     # more of the update's wiring
     m("kl-clamp-none", U, "kl_clamp=algo.kl_clamp,", 'kl_clamp="none",', GRADIENT,
       "algorithm.kl_clamp dropped (the KL unclamped)"),
+    m("normaliser-local", U, "normalizer=normalizer,", "normalizer=None,", GRADIENT,
+      "each micro-batch divided by its own token count instead of the mini-batch's"),
     m("plan-agg-token-mean", U, "agg=self.cfg.algorithm.agg,", 'agg="token-mean",', GRADIENT,
       "the mini-batch normaliser computed for token-mean whatever algorithm.agg says"),
     m("is-mode-tis", U, "is_mode=algo.is_mode,", 'is_mode="tis",', GRADIENT,

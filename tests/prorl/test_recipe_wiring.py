@@ -1,7 +1,8 @@
 """The trainer's use of every recipe knob, against an independent float64 reference.
 
-For each knob (clip-higher, dual-clip, each KL estimator and its coefficient, each aggregation, the
-sampling temperature, the entropy bonus, each importance-sampling mode) one RL update of a real
+For each knob (clip-higher, dual-clip, each KL estimator, its clamp and its coefficient, each
+aggregation, the sampling temperature and greedy sampling, the entropy bonus, each
+importance-sampling mode, micro-batches) one RL update of a real
 Trainer on tokens its own sampler drew is compared with the gradient of the loss docs/recipe.md
 §2-§4 states, built here in float64 from those tokens, the rewards and the knob's value as the test
 sets it: plain forwards of a float64 copy of the policy and of the reference (log-softmax of
@@ -10,8 +11,9 @@ aggregations. Nothing is read from the trainer's calls into the loss ops.
 
 pi_old is set by hand (the carried-over groups' stored log-probs, §6) to put tokens on both sides
 of both clips and beyond the dual-clip cap, and the reference is perturbed so that the KL and its
-gradient are not zero. Also: one step with only the KL moves the policy toward the reference, and
-the reference reset keeps AdamW's moments and step unless `reset_optimizer`.
+gradient are not zero. Also: one step with only the KL moves the policy toward the reference; the
+reference reset keeps AdamW's moments and step unless `reset_optimizer`; a resumed trainer samples
+the prompts the uninterrupted one does, with the prompt scheduler off and on.
 """
 
 import copy
@@ -243,6 +245,9 @@ CASES = {
     "agg-seq-mean-token-mean": {"agg": "seq-mean-token-mean"},
     "agg-seq-mean-token-sum": {"agg": "seq-mean-token-sum"},
     "agg-constant": {"agg": "constant"},
+    # token-budget micro-batches: each one's share divided by the mini-batch's global normaliser
+    "micro-batches-token-mean": {"_micro_batch_tokens": 40},
+    "micro-batches-seq-mean": {"agg": "seq-mean-token-mean", "_micro_batch_tokens": 40},
     "temperature": {"temperature": 0.7},
     "greedy": {"temperature": 0.0},
     "entropy": {"entropy_coef": 0.05},
@@ -253,6 +258,7 @@ CASES = {
 
 def overrides(knobs):
     out = [f"rollout.temperature={knobs['temperature']}"]
+    out += [f"trainer.micro_batch_tokens={knobs.get('_micro_batch_tokens', 0)}"]
     for k, v in knobs.items():
         if k != "temperature" and not k.startswith("_"):
             out.append(f"algorithm.{k}={'null' if v is None else v}")
