@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -289,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"unknown mutant ids: {sorted(unknown)} (see --list)", file=sys.stderr)
         return 2
     mutants = [mu for mu in MUTANTS if not wanted or mu.id in wanted]
+    # SIGTERM as an exception: the running pytest is killed and the copy removed on the way out
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     rows, baseline = check(mutants, args.timeout)
     if baseline != "passed":
         print(f"the unmutated tests did not pass ({baseline}): no score", file=sys.stderr)
