@@ -2,7 +2,9 @@
 
 A test that takes `backend` runs with "torch", "native" and "triton"; `@pytest.mark.backends(...)`
 on the test or module narrows that. A backend that cannot run here skips with the reason: native
-when the CMake library was not built, triton unless it is installed and interpreted
+when the CMake library was not built (a failure under CI=true, as .ci/run and hosted CI set it: the
+install never fails without the library, and CI must test the backend users get), triton unless it
+is installed and interpreted
 (tests/conftest.py sets TRITON_INTERPRET=1 when there is no CUDA device; on a CUDA machine tests/gpu
 runs the compiled kernels).
 """
@@ -11,7 +13,12 @@ import os
 
 import pytest
 from prorl.kernels import native_available
-from prorl.kernels._backend import BACKENDS, triton_available
+from prorl.kernels._backend import BACKENDS, native_error, triton_available
+
+
+def in_ci() -> bool:
+    """CI=true (or 1): set by .ci/run and by hosted CI services."""
+    return os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
 
 
 def _skip_reason(backend: str) -> str | None:
@@ -44,6 +51,8 @@ def pytest_generate_tests(metafunc):
 def backend(request) -> str:
     """The backend name, for the ops' `backend=` argument; skips when it cannot run here."""
     reason = _skip_reason(request.param)
+    if reason is not None and request.param == "native" and in_ci():
+        pytest.fail(f"CI=true and the native backend cannot run: {native_error() or reason}")
     if reason is not None:
         pytest.skip(reason)
     return request.param

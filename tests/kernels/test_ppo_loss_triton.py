@@ -175,21 +175,22 @@ def test_packed_per_token_advantages_one_launch(monkeypatch):
     torch.testing.assert_close(lp.grad.double(), flat(want_grad), rtol=1e-5, atol=1e-6)
 
 
-def test_deterministic_and_counter_left_at_zero():
+def test_completion_counter_left_at_zero_between_calls():
+    """Each call leaves the last-program counter at 0, so the next call's reduction runs: three
+    calls in a row each equal the float64 reference. (Bitwise determinism under concurrent programs
+    needs a GPU: tests/gpu/test_cuda_paths.py; the interpreter runs programs one after another.)"""
     from prorl.kernels import ppo_loss_triton as T
 
     # 10 programs of 32 tokens, the last partial
     logp, old, adv, mask, ref = _batch(b=5, t=61, seed=2)
-    runs = []
+    want_loss, want_grad, _ = _reference(logp, old, adv, mask, ref)
     for _ in range(3):
         lp = logp.clone().requires_grad_()
-        loss, metrics = ppo_loss(lp, old, adv, mask, ref_logp=ref, backend="triton", **KW)
+        loss, _ = ppo_loss(lp, old, adv, mask, ref_logp=ref, backend="triton", **KW)
         loss.backward()
-        runs.append((loss.detach(), torch.stack(list(metrics.values())), lp.grad))
         assert all(int(c.item()) == 0 for c in T._counters.values()), "completion counter not reset"
-    for other in runs[1:]:
-        for a, b in zip(runs[0], other):
-            assert torch.equal(a, b)  # bitwise: the partials are reduced in a fixed order
+        torch.testing.assert_close(loss.double(), want_loss, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lp.grad.double(), want_grad, rtol=1e-5, atol=1e-6)
 
 
 def test_no_valid_token_deferred_count():

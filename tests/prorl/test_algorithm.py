@@ -148,9 +148,16 @@ def test_post_reset_rise_is_not_a_spike():
     p = ReferenceResetPolicy(interval=0, kl_spike_factor=5.0, window=20)
     p.record_reset(100)
     fired = [s for s, kl in enumerate(POST_RESET_KL, 101) if p.should_reset(s, kl)]
-    assert fired == [182]
-    median = sorted(POST_RESET_KL[61:81])[9:11]
-    assert POST_RESET_KL[81] > 5 * sum(median) / 2  # the outlier by the RECIPE rule itself
+    # the rule written out: a window of the 20 steps before, counting only steps more than 20
+    # after the reset (steps 121-...); the median of an even window is the mean of its middle two
+    want = []
+    for i, kl in enumerate(POST_RESET_KL):
+        history = POST_RESET_KL[20:i]  # steps 121 .. this one's predecessor
+        if len(history) >= 20:
+            middle = sorted(history[-20:])[9:11]
+            if kl > 5.0 * (middle[0] + middle[1]) / 2:
+                want.append(101 + i)
+    assert fired == want == [182]
 
 
 def test_kl_spike_needs_the_floor():

@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 from dist_helpers import run_ranks
 
+from prorl.config import load_config
 from prorl.prompt_schedule import PromptScheduler, mixed_probability
 
 
@@ -102,6 +102,23 @@ def test_choice_guarantees():
     assert len(seen_at) == size and max(gaps) <= bound, (bound, max(gaps))
 
 
+def test_a_prompt_is_stale_exactly_reprobe_epochs_after_its_last_probe():
+    """docs/recipe.md §10: a prompt not probed for `reprobe_epochs` epochs (here 2 x 12 / 4 = 6
+    steps) is chosen before any other, however unlikely a mixed group: at step 6 for a probe at
+    step 0, not at step 5."""
+    s = PromptScheduler(cfg(discount=1.0), size=12, n=8, prompts_per_step=4, seed=0)
+    s.probed[:4], s.probed[4:] = 0, 5
+    # prompts 0-3 solved (P(mixed) ~ 0.02), the others mixed (P ~ 0.9)
+    s.merge(0, [[(i, 8.0, 8) for i in range(4)] + [(i, 4.0, 8) for i in range(4, 12)]])
+    s.new_step()
+    early = s.select(4, step=5, round_=0, rank=0, world=1)
+    assert not set(early) & {0, 1, 2, 3} and s.reprobes == 0
+    s.probed[4:] = 5  # undo the probe of step 5
+    s.new_step()
+    assert sorted(s.select(4, step=6, round_=0, rank=0, world=1)) == [0, 1, 2, 3]
+    assert s.reprobes == 4
+
+
 def test_a_refill_round_runs_only_when_it_is_expected_to_keep_enough():
     def solved(min_yield):
         s = PromptScheduler(cfg(min_yield=min_yield), size=20, n=8, prompts_per_step=4, seed=0)
@@ -177,24 +194,51 @@ def _two_ranks(rank, world):
     tok = PreTrainedTokenizerFast.from_pretrained(path)
     with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
         trainer = Trainer(cfg, path, tok, builtin("digit_sums", n=40, split="train"), [], pool)
-        chosen = []
-        select = trainer.sampler.scheduler.select
+        chosen, observed = [], []
+        scheduler = trainer.sampler.scheduler
+        select, observe = scheduler.select, scheduler.observe
 
         def recording(k, **kw):
             out = select(k, **kw)
-            chosen.append(out)
+            chosen.append((kw["step"], out))
             return out
 
-        trainer.sampler.scheduler.select = recording
+        def observing(prompt, rewards):  # this rank's own groups, with the step that saw them
+            observed.append((trainer.step_count, prompt, float(sum(rewards)), len(rewards)))
+            observe(prompt, rewards)
+
+        scheduler.select, scheduler.observe = recording, observing
         for _ in range(3):
             trainer.step()
-        return trainer.sampler.scheduler.state_dict(), chosen
+        return scheduler.state_dict(), chosen, observed
 
 
 def test_the_record_is_global_under_torchrun(tmp_path):
+    """Every rank's record is the one docs/recipe.md §10 defines from EVERY rank's groups: per
+    prompt, sum over its groups of discount^(steps from the group to the prompt's last update) x
+    (successes, failures); the population the same over all groups to the last step; a prompt's
+    probe step the last step either rank chose it."""
     res = run_ranks(_two_ranks, tmp_path, world=2, timeout_s=600)
-    assert res[0][0] == res[1][0], "the ranks' records differ"
-    for a, b in zip(res[0][1], res[1][1]):  # every round: the two ranks' prompts are disjoint
+    for (_, a), (_, b) in zip(res[0][1], res[1][1]):  # every round: the ranks' prompts are disjoint
         assert not set(a) & set(b)
-    assert sum(res[0][0]["population"]) > 0, "no observation reached the record"
-    assert torch.tensor(res[0][0]["probed"]).ge(0).sum() >= 3 * 8
+    observed = res[0][2] + res[1][2]
+    assert {o[0] for o in res[0][2]} == {o[0] for o in res[1][2]} == {0, 1, 2}
+    d = load_config("default").scheduler.discount
+    size, last = 40, {}
+    for step, prompt, _, _ in observed:
+        last[prompt] = max(last.get(prompt, 0), step)
+    want = {k: np.zeros(size) for k in ("successes", "failures")}
+    population = np.zeros(2)
+    for step, prompt, s, n in observed:
+        want["successes"][prompt] += d ** (last[prompt] - step) * s
+        want["failures"][prompt] += d ** (last[prompt] - step) * (n - s)
+        population += d ** (2 - step) * np.array([s, n - s])
+    probed = np.full(size, -1)
+    for step, part in res[0][1] + res[1][1]:
+        probed[part] = np.maximum(probed[part], step)
+    for record in (res[0][0], res[1][0]):
+        for k in ("successes", "failures"):
+            assert record[k] == pytest.approx(want[k].tolist(), rel=1e-12, abs=1e-12), k
+        assert record["population"] == pytest.approx(population.tolist(), rel=1e-12)
+        assert record["probed"] == probed.tolist() and record["population_updated"] == 2
+    assert population.sum() > 0, "no group was observed"

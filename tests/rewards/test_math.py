@@ -29,6 +29,20 @@ CASES = [
     ("\\boxed{\\frac{1}{3}}", "0.33", 0.0),
     ("\\boxed{\\{1,2,3\\}}", "\\{1,2\\}", 0.0),
     ("\\boxed{-2}", "2", 0.0),
+    # an answer that merely contains the gold is wrong: prefix, suffix, extra digits, wrong sign
+    ("\\boxed{91}", "9", 0.0),
+    ("\\boxed{19}", "9", 0.0),
+    ("\\boxed{123}", "12", 0.0),
+    ("\\boxed{12}", "123", 0.0),
+    ("\\boxed{9000}", "9", 0.0),
+    ("\\boxed{9.5}", "9", 0.0),
+    ("\\boxed{0.9}", "9", 0.0),
+    ("\\boxed{9x}", "9", 0.0),
+    ("\\boxed{-9}", "9", 0.0),
+    ("\\boxed{2}", "-2", 0.0),
+    # units are text to math-verify and dropped: "9 cm" is 9 (so a wrong unit is not caught)
+    ("\\boxed{9\\text{ cm}}", "9", 1.0),
+    ("\\boxed{9\\text{ cm}}", "9\\text{ m}", 1.0),
     ("The answer is 0.5", "0.5", 0.0),  # no box: wrong format
     ("\\boxed{}", "0", 0.0),
     ("\\boxed{hello}", "5", 0.0),
