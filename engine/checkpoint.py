@@ -37,6 +37,8 @@ checkpoint's marker before its files for the same reason.
 
 Checks. The constructor fails with a clear message if the directory cannot be created or written;
 `preflight` / `save` compare the estimated size of one save (all ranks' shards) with the free space.
+`save` refuses (NonFiniteState, naming the tensor and the step) weights or optimizer state holding a
+NaN or an infinity: such a checkpoint would be resumed, and would push the last good one out.
 `meta.json` records a model identity (architecture + parameter names and shapes, hashed) per model
 key: loading a checkpoint of a different model raises `CheckpointError` naming both (replicated and
 FSDP2 runs of one model are the same model: DCP reshards). A differing config hash is only reported
@@ -70,7 +72,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import distributed
-from .checkpoint_state import ModelState, OptimizerState
+from .checkpoint_state import ModelState, OptimizerState, first_nonfinite
 from .checkpoint_verify import (
     MANIFEST,
     Verdict,
@@ -98,6 +100,29 @@ _LOAD_ERRORS = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.Un
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or must not be loaded; the message says why and where."""
+
+
+class NonFiniteState(CheckpointError):
+    """A weight or optimizer state holds a NaN or an infinity: it is not saved (a resume would
+    train on from it, and retention would delete the last good checkpoint)."""
+
+
+def check_finite(state: dict[str, Any], step: int) -> None:
+    """Raise NonFiniteState naming the tensor and `step` when a model or optimizer of `state` (a
+    Checkpointer state dict) holds a non-finite value on any rank; collective under torchrun."""
+    dcp_state, _, _ = _split(state)
+    _refuse_nonfinite({k: v.state_dict() for k, v in dcp_state.items()}, step)
+
+
+def _refuse_nonfinite(state_dicts: dict[str, Any], step: int) -> None:
+    bad = first_nonfinite(state_dicts)
+    if distributed.all_reduce_max(1.0 if bad else 0.0, what="the finite-state check") > 0:
+        where = bad or "a tensor on another rank"
+        raise NonFiniteState(
+            f"step {step}: {where} holds NaN or infinite values; not saved (the last complete "
+            "checkpoint is kept). Look for a learning rate, weight decay or loss coefficient that "
+            "makes the update diverge"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -372,6 +397,7 @@ class Checkpointer:
         self._usable = None  # usable() looks again after a save
         dcp_state, objects, models = _split(state)
         state_dicts = {k: v.state_dict() for k, v in dcp_state.items()}
+        _refuse_nonfinite(state_dicts, step)
         # on every rank: an object's state_dict may be a collective (gathering per-rank parts)
         saved_objects = {
             k: v if isinstance(v, dict) else v.state_dict() for k, v in objects.items()

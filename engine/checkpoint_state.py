@@ -92,6 +92,28 @@ class OptimizerState:
             )
 
 
+def first_nonfinite(state: Any, path: str = "") -> str | None:
+    """The dotted name of the first floating-point tensor in `state` (nested dicts, lists and
+    tuples of tensors, as `ModelState` / `OptimizerState.state_dict()` return) holding a NaN or an
+    infinity, or None. Under FSDP2 each rank looks at its own shards."""
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            return path
+        return None
+    if isinstance(state, dict):
+        items = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        return None
+    for key, value in items:
+        found = first_nonfinite(value, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
 def _plain(state: Any) -> Any:
     """`state` with torchao's FP8 all-gather weight wrappers (and what was computed from them, e.g.
     AdamW's moments) replaced by the plain tensors they hold (engine/fp8.py `plain`): checkpoints

@@ -371,3 +371,37 @@ def test_steps_that_keep_no_group_are_skipped_and_a_stall_stops_cleanly(tmp_path
     assert "3 consecutive steps kept no group" in out, out[-3000:]
     # no traceback from prorl's code (torchrun prints its own)
     assert f'File "{ROOT}' not in out, out[-3000:]
+
+
+# train.py whose AdamW writes a NaN into its first parameter at its first step after the first save
+NAN_AFTER_STEP_1 = (
+    "import sys, torch; from prorl.engine.checkpoint import Checkpointer\n"
+    "step, save, saved = torch.optim.AdamW.step, Checkpointer.save, []\n"
+    "def poisoned(self, *a, **k):\n"
+    "    out = step(self, *a, **k)\n"
+    "    if saved:\n"
+    "        with torch.no_grad(): self.param_groups[0]['params'][0].view(-1)[0] = float('nan')\n"
+    "    return out\n"
+    "def counted(self, *a, **k):\n"
+    "    out = save(self, *a, **k); saved.append(1); return out\n"
+    "torch.optim.AdamW.step, Checkpointer.save = poisoned, counted\n"
+    "from prorl.train import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+@pytest.mark.tally("faults")
+def test_a_nan_weight_is_never_saved_and_exits_9_naming_tensor_and_step(tmp_path):
+    """A weight that turns NaN (here planted in the optimizer; in the field a NaN weight decay or
+    learning-rate floor did it) stops the run at the next save with exit 9, the tensor and the step
+    named, and the last good checkpoint kept; nothing is exported."""
+    out = tmp_path / "run"
+    cmd = train_command(out, [*TINY, "trainer.total_steps=3"], nproc=None)
+    cmd[1:2] = ["-c", NAN_AFTER_STEP_1]
+    res = run(cmd, timeout=300)
+    assert res.returncode == 9, res.stdout[-2000:] + res.stderr[-3000:]
+    assert re.search(r"prorl: step 2: model\.\S+ holds NaN or infinite values", res.stderr), (
+        res.stderr[-3000:]
+    )
+    assert complete_steps(out / "checkpoints") == [1]
+    assert not (out / "checkpoints" / "final").exists()
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
