@@ -24,22 +24,23 @@ user-registered verifiers must be module-level functions of modules the workers 
 checks this when it scores.
 
 Talk is over a socketpair with multiprocessing's Connection framing (pickle). Every request carries
-an id that its reply must repeat. A verifier runs inside the worker and can break that protocol: write
-to the worker's socket (the parent reads bytes that do not unpickle), or fork a child that returns
-into the worker's loop (two replies to one request, or a reply to the next item's request: matched by
-order, every later score of the batch would shift onto the next item). A reply that does not
-unpickle, is not a reply, arrives while no request is out or repeats another request's id breaks
+an id that its reply must repeat. A verifier runs inside the worker and can break that protocol:
+write to the worker's socket (the parent reads bytes that do not unpickle), or fork a child that
+returns into the worker's loop (two replies to one request, or a reply to the next item's request:
+matched by order, every later score of the batch would shift onto the next item). A reply that does
+not unpickle, is not a reply, arrives while no request is out or repeats another request's id breaks
 the worker's protocol: the worker is killed and replaced, its item sent again once and then scored 0
 as an error ("protocol"), counted in `protocol_failures`. A forked child that returns into the loop
 exits at once without replying. The parent's reads time out (REPLY_READ_TIMEOUT_S) so a partial
-message cannot block it. A worker that dies is seen as EOF on its connection.
+message cannot block it. A worker that dies is seen as EOF on its connection. A worker that dies
+during start-up (or does not start in time) is started again; after MAX_START_FAILURES failures in a
+row the pool raises, naming the last one.
 
 Each worker runs in a process group of its own; killing a worker kills the group, so children a
 verifier started (forked, or left behind by a timed-out call) go with it, and a worker whose pool
 vanished kills its group as it exits. A worker is recycled (replaced by a fresh one, counted in
 `recycled`) after `max_calls` items or once its resident memory exceeds `max_rss_bytes`, so a
-verifier that leaks (caches every call) bounds the worker's growth instead of the machine's. A worker that dies during start-up (or does not start in time) is
-started again; after MAX_START_FAILURES failures in a row the pool raises, naming the last one.
+verifier that leaks (caches every call) bounds the worker's growth instead of the machine's.
 
 Each worker has a private TMPDIR `prorl-reward-worker-*` (its code sandboxes' directories go there),
 locked for as long as the worker lives (`sandbox.tempdirs`); the pool removes it when it kills the
@@ -312,27 +313,7 @@ class RewardPool:
         remaining = n
         self._retried = set()
         while remaining:
-            for w in self.workers:
-                if w.ready and w.item is None and pending:
-                    i = pending.popleft()
-                    self._requests += 1
-                    try:
-                        w.conn.send(
-                            (
-                                self._requests,
-                                data_sources[i],
-                                entries[data_sources[i]],
-                                responses[i],
-                                ground_truths[i],
-                                extras[i],
-                            )
-                        )
-                    except OSError:  # died while idle: replace it and retry the item
-                        pending.appendleft(i)
-                        self._replace(w)
-                        continue
-                    w.item, w.request = i, self._requests
-                    w.deadline = time.monotonic() + self.timeout_s
+            self._hand_out(pending, (data_sources, responses, ground_truths, extras), entries)
             now = time.monotonic()
             deadlines = [w.deadline for w in self.workers if w.item is not None]
             deadlines += [w.started + STARTUP_TIMEOUT_S for w in self.workers if not w.ready]
@@ -355,6 +336,23 @@ class RewardPool:
                     self._start_failed(f"did not start within {STARTUP_TIMEOUT_S:g} s")
                     self._replace(w)
         return result
+
+    def _hand_out(self, pending: deque, items: tuple, entries: dict) -> None:
+        """Send the next pending items (indices into `items`' lists) to the idle ready workers."""
+        data_sources, responses, ground_truths, extras = items
+        for w in self.workers:
+            if w.ready and w.item is None and pending:
+                i = pending.popleft()
+                self._requests += 1
+                request = (self._requests, data_sources[i], entries[data_sources[i]])
+                try:
+                    w.conn.send((*request, responses[i], ground_truths[i], extras[i]))
+                except OSError:  # died while idle: replace it and retry the item
+                    pending.appendleft(i)
+                    self._replace(w)
+                    continue
+                w.item, w.request = i, self._requests
+                w.deadline = time.monotonic() + self.timeout_s
 
     def score_batch_async(self, *args, **kwargs) -> Future:
         """`score_batch` on a background thread; returns a Future of BatchResult. One batch at a
