@@ -45,11 +45,11 @@ FSDP2 runs of one model are the same model: DCP reshards). A differing config ha
 (`CheckpointInfo.config_changed`, and a warning): the caller decides.
 
 Damage. Before a load every file is checked against `manifest.json` (sizes and checksums written at
-save). `load()` without a path takes the newest checkpoint that passes (`usable()`): a damaged newer
-one is skipped with a warning naming each damaged file; when all are damaged, `CheckpointError`
-names them. A missing or damaged RNG file only costs determinism: a warning names it and the rest is
-loaded.
-"""
+save); only regular files are read (a FIFO or a symbolic link is damage, never opened as such), and
+a file whose size differs is not read at all. `load()` without a path takes the newest checkpoint
+that passes (`usable()`): a damaged newer one is skipped with a warning naming each damaged file;
+when all are damaged, `CheckpointError` names them. A missing or damaged RNG file only costs
+determinism: a warning names it and the rest is loaded."""
 
 from __future__ import annotations
 

@@ -46,3 +46,92 @@ def test_a_non_finite_weight_or_moment_is_not_saved(tmp_path, where):
     # nothing of step 2 on disk; step 1 kept (keep_last=1 would have deleted it)
     assert ckpt.complete_steps() == [1]
     assert sorted(os.listdir(ckpt.directory)) == ["step_00000001"]
+
+
+def _fifo(path):
+    os.remove(path)
+    os.mkfifo(path)
+
+
+def _link(target):
+    def make(path):
+        os.remove(path)
+        os.symlink(target, path)
+
+    return make
+
+
+def _link_to_a_copy(path):
+    """The same bytes, but behind a symbolic link: a checkpoint holds regular files only."""
+    copy = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(path))), "elsewhere")
+    os.rename(path, copy)
+    os.symlink(copy, path)
+
+
+def _rng_dir_linked(step_dir):
+    rng, elsewhere = os.path.join(step_dir, "rng"), os.path.dirname(step_dir) + ".rng"
+    os.rename(rng, elsewhere)
+    os.symlink(elsewhere, rng)
+
+
+def _sparse(path):
+    with open(path, "r+b") as f:
+        f.truncate(2**40)  # 1 TiB, no blocks: read in full it would take hours
+
+
+class Hung(BaseException):
+    """The load blocked or read on for 20 s."""
+
+
+# (what is done to the newest checkpoint's directory, the name the warning must show)
+REFUSED = {
+    "shard a FIFO": (lambda d: _fifo(os.path.join(d, "__0_0.distcp")), "__0_0.distcp"),
+    "shard a link to /dev/zero": (
+        lambda d: _link("/dev/zero")(os.path.join(d, "__0_0.distcp")),
+        "__0_0.distcp",
+    ),
+    "objects.pt a link to its own bytes": (
+        lambda d: _link_to_a_copy(os.path.join(d, "objects.pt")),
+        "objects.pt",
+    ),
+    "manifest.json a FIFO": (lambda d: _fifo(os.path.join(d, "manifest.json")), "manifest.json"),
+    "manifest.json a link to /dev/zero": (
+        lambda d: _link("/dev/zero")(os.path.join(d, "manifest.json")),
+        "manifest.json",
+    ),
+    "an unlisted FIFO": (lambda d: os.mkfifo(os.path.join(d, "extra")), "extra"),
+    "rng/ a link to a directory": (_rng_dir_linked, "rng"),
+    "shard a sparse terabyte": (lambda d: _sparse(os.path.join(d, "__0_0.distcp")), "__0_0.distcp"),
+}
+
+
+@pytest.mark.tally("faults")
+@pytest.mark.parametrize("case", list(REFUSED))
+def test_a_fifo_link_or_huge_file_in_the_newest_checkpoint_is_refused_not_read(tmp_path, case):
+    """Before, the manifest check read every file: a FIFO blocked the resume forever, a link to
+    /dev/zero read forever. Now the checkpoint falls back to the previous one, naming the file."""
+    import signal
+
+    damage, name = REFUSED[case]
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep_last=None)
+    model = random_decoder(seed=1)
+    ckpt.save(1, {"model": model, "data": {"position": 1}})
+    ckpt.save(2, {"model": model, "data": {"position": 2}})
+    damage(ckpt.step_dir(2))
+
+    def hung(*_):
+        raise Hung  # not an OSError, which the hashing records as an unreadable file
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        data = {}
+        fresh = Checkpointer(ckpt.directory)
+        info = fresh.load({"model": random_decoder(seed=9), "data": data})
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert info.step == 1 and data == {"position": 1}
+    with pytest.raises(Exception, match="is damaged") as err:
+        fresh.load({"model": random_decoder(seed=9), "data": {}}, step=2)
+    assert os.path.join(ckpt.step_dir(2), name) in str(err.value), str(err.value)
