@@ -195,8 +195,8 @@ def range_problems(cfg: Any) -> list[str]:
         (trainer.total_steps >= 0, "trainer.total_steps must be >= 0"),
         (trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
         (trainer.mini_batches >= 1, "trainer.mini_batches must be >= 1"),
-        (trainer.mini_batches < 1 or trainer.prompts_per_step % trainer.mini_batches == 0, "trainer.prompts_per_step must be a "
-         "multiple of trainer.mini_batches"),
+        (trainer.mini_batches < 1 or trainer.prompts_per_step % trainer.mini_batches == 0,
+         "trainer.prompts_per_step must be a multiple of trainer.mini_batches"),
         (trainer.save_every >= 0 and trainer.val_every >= 0,
          "trainer.save_every and trainer.val_every must be >= 0"),
         (trainer.keep_last >= 1, "trainer.keep_last must be >= 1"),
