@@ -92,7 +92,7 @@ from prorl.engine.rollout import resolve_backend
 from prorl.engine.watchdog import Watchdog
 from prorl.lifecycle import Fatal, on_every_rank
 from prorl.model_dir import resolve_model_path
-from prorl.report import Reporter
+from prorl.report import Reporter, held_out, validation_warning
 from prorl.rewards import builtin_keys
 from prorl.rewards.function import RewardFunctionError
 from prorl.rewards.pool import RewardPool
@@ -473,10 +473,11 @@ def resume_or_validate(
                 "greedy" if cfg.trainer.val_temperature == 0 else f"T={cfg.trainer.val_temperature}"
             )
             n_val = len(trainer.val_examples)
-            reporter.say(
-                "prorl: held-out accuracy before RL: "
-                f"{val0['val/accuracy']:.1%} ({n_val} problems, {mode})"
-            )
+            # built-in verifiers score in [0, 1]
+            what, value = held_out(val0["val/accuracy"], not cfg.reward.function)
+            reporter.say(f"prorl: held-out {what} before RL: {value} ({n_val} problems, {mode})")
+            if validation_warning(val0):
+                reporter.say(validation_warning(val0))
 
 
 def due(step: int, every: int, total: int) -> bool:
