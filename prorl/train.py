@@ -88,6 +88,7 @@ from prorl.engine.checkpoint import (
     config_hash,
 )
 from prorl.engine.distributed import dist_info
+from prorl.engine.model import NonFiniteWeights
 from prorl.engine.rollout import resolve_backend
 from prorl.engine.watchdog import Watchdog
 from prorl.lifecycle import Fatal, on_every_rank
@@ -314,7 +315,10 @@ def run(cfg, preset: str | None, rank: int) -> int:
     stop = lifecycle.StopRequest()
     with make_pool(cfg, train + val) as pool, contextlib.ExitStack() as stack:
         stop.install()  # after the reward workers were started with the signals ignored
-        trainer = Trainer(cfg, model_path, tokenizer, train, val, pool)
+        try:
+            trainer = Trainer(cfg, model_path, tokenizer, train, val, pool)
+        except NonFiniteWeights as exc:
+            raise Fatal(lifecycle.EXIT_CONFIG, f"model.path={model_path!r}: {exc}") from None
         if trainer.models.fp8.enabled:
             reporter.say(f"prorl: fp8: {trainer.models.fp8_summary}")
         stack.callback(trainer.models.close)  # the sampler's engine goes before the process group

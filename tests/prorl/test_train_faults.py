@@ -271,6 +271,19 @@ def _model_copy(tmp_path, file, damage):
     return [f"model.path={path}"], str(path / file)
 
 
+def _edit_weights(file, how: str) -> None:
+    """One tensor of safetensors `file` transposed, or given a NaN."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(file))
+    name = "model.layers.0.mlp.up_proj.weight"
+    if how == "transpose":
+        state[name] = state[name].t().contiguous()
+    else:
+        state[name][0, 0] = float("nan")
+    save_file(state, str(file), metadata={"format": "pt"})
+
+
 def _set_vocab(config_json, vocab_size: int) -> None:
     cfg = json.loads(config_json.read_text())
     config_json.write_text(json.dumps({**cfg, "vocab_size": vocab_size}))
@@ -305,6 +318,10 @@ BAD_INPUT = {  # case -> (overrides, the file the message names, what it says)
         lambda t: _data_file(t, [ROW, ROW.replace(b"1+1", b"1\xff1")]),
         "row 1 (line 2): not UTF-8",
     ),
+    "a transposed tensor": (
+        lambda t: _model_copy(t, "model.safetensors", lambda p: _edit_weights(p, "transpose")),
+        "wrong shape model.layers.0.mlp.up_proj.weight",
+    ),
     "empty data file": (lambda t: _data_file(t, []), "the file is empty"),
     "a dict as a math ground truth": (
         lambda t: _data_file(t, [ROW.replace(b'"2"', b'{"x": 2}')]),
@@ -325,6 +342,18 @@ def test_bad_input_exits_2_naming_the_file(tmp_path, case):
     assert named in proc.stderr and expected in proc.stderr, proc.stderr[-3000:]
     # found before any work
     assert "Traceback" not in proc.stderr and "reward self-test" not in proc.stdout
+
+
+@pytest.mark.tally("bad_inputs")
+def test_a_nan_weight_in_the_input_model_exits_2_naming_the_tensor(tmp_path):
+    """Before, it was trained from silently and ended up in checkpoints/final."""
+    overrides, named = _model_copy(tmp_path, "model.safetensors", lambda p: _edit_weights(p, "nan"))
+    cmd = train_command(tmp_path / "run", [*overrides, "trainer.total_steps=1"], nproc=None)
+    cmd[2:2] = ["--config", "default"]
+    proc = run(cmd, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"{named}: tensor model.layers.0.mlp.up_proj.weight holds NaN" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "checkpoints").exists()
 
 
 @pytest.mark.tally("bad_inputs")
