@@ -78,6 +78,7 @@ from .checkpoint_verify import (
     Verdict,
     hash_files,
     incompatibility,
+    load_plain,
     model_identity,
     restore_rng,
     rng_state,
@@ -557,7 +558,7 @@ class Checkpointer:
         try:
             with _single_process_quiet():
                 dcp.load(dcp_state, checkpoint_id=path, no_dist=not dist.is_initialized())
-            saved_objects = torch.load(objects_file, weights_only=False)  # written by us
+            saved_objects = load_plain(objects_file)
             for key, obj in objects.items():
                 if isinstance(obj, dict):
                     obj.clear()

@@ -397,6 +397,30 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _numpy_globals() -> list:
+    """What a pickled numpy array (numpy's RNG state) needs beside torch's weights-only list."""
+    try:
+        import numpy
+    except ImportError:
+        return []
+    core = getattr(numpy, "_core", None) or numpy.core
+    return [
+        core.multiarray._reconstruct,
+        numpy.ndarray,
+        numpy.dtype,
+        type(numpy.dtype(numpy.uint32)),
+    ]
+
+
+def load_plain(path: str) -> Any:
+    """A checkpoint's pickled file (objects.pt, an RNG file) read with torch's weights-only
+    unpickler: tensors, numbers, strings, containers and numpy arrays, never a class or function
+    it names (a crafted pickle would otherwise run code at resume). pickle.UnpicklingError for
+    anything else."""
+    with torch.serialization.safe_globals(_numpy_globals()):
+        return torch.load(path, weights_only=True)
+
+
 def restore_rng(path: str, rng_file: str, saved_world: int, problem: str | None) -> None:
     """This rank's RNG states from `rng_file` of checkpoint `path`, when the world size is unchanged
     and the file is whole (`problem`: what `verify` found wrong with it); else a warning that names
@@ -414,7 +438,7 @@ def restore_rng(path: str, rng_file: str, saved_world: int, problem: str | None)
     problem = problem or (None if os.path.isfile(rng_file) else "is missing")
     if problem is None:
         try:
-            set_rng_state(torch.load(rng_file, weights_only=False))  # written by us
+            set_rng_state(load_plain(rng_file))
             return
         except (OSError, RuntimeError, EOFError, KeyError, pickle.UnpicklingError) as exc:
             problem = f"is unreadable ({type(exc).__name__})"

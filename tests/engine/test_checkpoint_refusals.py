@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 from dist_helpers import random_decoder
-from prorl.engine.checkpoint import Checkpointer, NonFiniteState
+from prorl.engine.checkpoint import Checkpointer, CheckpointError, NonFiniteState
 from prorl.engine.optim import Optimizer, OptimizerConfig
 
 
@@ -135,3 +135,50 @@ def test_a_fifo_link_or_huge_file_in_the_newest_checkpoint_is_refused_not_read(t
     with pytest.raises(Exception, match="is damaged") as err:
         fresh.load({"model": random_decoder(seed=9), "data": {}}, step=2)
     assert os.path.join(ckpt.step_dir(2), name) in str(err.value), str(err.value)
+
+
+class _RunsCode:
+    """Unpickled, calls os.system: what a crafted objects.pt or RNG file holds."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _rehash(step_dir):
+    """The manifest recomputed over the files as they are now (what an attacker would do)."""
+    import hashlib
+    import json
+
+    path = os.path.join(step_dir, "manifest.json")
+    with open(path) as f:
+        manifest = json.load(f)
+    for name in manifest["files"]:
+        with open(os.path.join(step_dir, name), "rb") as f:
+            blob = f.read()
+        manifest["files"][name] = {"size": len(blob), "sha256": hashlib.sha256(blob).hexdigest()}
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+
+
+@pytest.mark.tally("attacks")
+@pytest.mark.parametrize("target", ["objects.pt", "rng/rank_00000.pt"])
+def test_a_crafted_pickle_in_a_checkpoint_runs_no_code_at_resume(tmp_path, target):
+    """Before: torch.load(weights_only=False) ran the pickle's code at resume, the manifest
+    recomputed to match."""
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), keep_last=None)
+    ckpt.save(1, {"model": random_decoder(seed=1), "data": {"position": 1}})
+    marker = tmp_path / "pwned"
+    torch.save({"data": _RunsCode(marker), "python": _RunsCode(marker)},
+               os.path.join(ckpt.step_dir(1), target))  # fmt: skip
+    _rehash(ckpt.step_dir(1))
+    data = {}
+    try:
+        Checkpointer(ckpt.directory).load({"model": random_decoder(seed=9), "data": data})
+    except CheckpointError as exc:  # objects.pt: the load is refused, naming the file's error
+        assert target == "objects.pt" and "UnpicklingError" in str(exc), str(exc)
+    else:  # an RNG file: a warning, the run goes on without its RNG states
+        assert target != "objects.pt" and data == {"position": 1}
+    assert not marker.exists()
