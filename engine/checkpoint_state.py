@@ -71,9 +71,14 @@ class OptimizerState:
         state = _plain(get_optimizer_state_dict(self.model, self.optimizer))
         if fresh:
             # get_optimizer_state_dict initialises an empty state with a zero-lr step (step count
-            # 1); keep the optimizer itself untouched so that saving before the first step changes
-            # nothing
+            # 1); keep the optimizer itself untouched so that saving before the first step (or
+            # after ProRL v1's reset of the moments) changes nothing, and save step 0 with the zero
+            # moments: loaded, they update exactly as an empty state does (step 1's bias
+            # correction), where step 1 would have given the resumed run step 2's
             self.optimizer.state.clear()
+            for param_state in state.get("state", {}).values():
+                if isinstance(param_state.get("step"), torch.Tensor):
+                    param_state["step"] = torch.zeros_like(param_state["step"])
         out: dict[str, Any] = {"optim": state}
         if self.owner is not None:
             rest = {k: v for k, v in self.owner.state_dict().items() if k != "optimizer"}

@@ -182,3 +182,28 @@ def test_a_crafted_pickle_in_a_checkpoint_runs_no_code_at_resume(tmp_path, targe
     else:  # an RNG file: a warning, the run goes on without its RNG states
         assert target != "objects.pt" and data == {"position": 1}
     assert not marker.exists()
+
+
+def _step(model, opt, seed):
+    torch.manual_seed(seed)
+    ids = torch.randint(0, 50, (1, 6))
+    model(ids).float().pow(2).mean().backward()
+    opt.step()
+
+
+@pytest.mark.tally("faults")
+def test_a_resume_right_after_an_optimizer_reset_is_exact(tmp_path):
+    """ProRL v1's reset (algorithm.reset.reset_optimizer=true) leaves AdamW without state; saved
+    then, the checkpoint held a placeholder state with step 1, so the resumed run's next update
+    used step 2's bias correction where the uninterrupted one used step 1's."""
+    model, opt = _trained(seed=3)
+    opt.reset_state()
+    ckpt = Checkpointer(str(tmp_path / "ckpt"))
+    ckpt.save(1, {"model": model, "optimizer": opt})
+    resumed = random_decoder(seed=9)
+    resumed_opt = Optimizer(resumed, OptimizerConfig(lr=1e-3))
+    ckpt.load({"model": resumed, "optimizer": resumed_opt})
+    _step(model, opt, seed=5)
+    _step(resumed, resumed_opt, seed=5)
+    for (name, a), b in zip(model.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), name
