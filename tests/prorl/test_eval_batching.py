@@ -118,3 +118,31 @@ def test_vllm_progress_bar_reports_finished_requests():
         bar.update(1)
     bar.close()
     assert seen == [1, 1, 1]
+
+
+@pytest.mark.tally("faults")
+def test_a_validation_whose_verifier_calls_all_fail_says_so(tiny, monkeypatch):
+    """Before: 0.0% accuracy, no warning. Now the failed fraction is a metric (1.0 here: 9 prompts
+    x 2 samples, every call errored) and the report warns."""
+    from test_trainer_recipe import make
+
+    from prorl.report import validation_warning
+    from prorl.rewards.pool import BatchResult, RewardPool
+
+    def all_fail(self, sources, texts, truths, extras=None):
+        n = len(texts)
+        return BatchResult([0.0] * n, [False] * n, [True] * n, ["boom"] * n, [{}] * n)
+
+    model, tok = tiny
+    train, val = (
+        data.builtin("digit_sums", n=8, split="train"),
+        data.builtin("digit_sums", n=9, split="val"),
+    )
+    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
+        trainer = make((tok, train, val, pool), ["trainer.val_samples=2"])
+        trainer.models.generator = Recording(True)
+        monkeypatch.setattr(RewardPool, "score_batch", all_fail)
+        out = trainer.validate()
+        trainer.models.close()
+    assert out["val/accuracy"] == 0.0 and out["val/verify_failed_frac"] == 1.0
+    assert "100% of this validation's verifier calls failed" in validation_warning(out)
