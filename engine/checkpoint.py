@@ -37,17 +37,19 @@ checkpoint's marker before its files for the same reason.
 
 Checks. The constructor fails with a clear message if the directory cannot be created or written;
 `preflight` / `save` compare the estimated size of one save (all ranks' shards) with the free space.
+`save` refuses (NonFiniteState, naming the tensor and the step) weights or optimizer state holding a
+NaN or an infinity: such a checkpoint would be resumed, and would push the last good one out.
 `meta.json` records a model identity (architecture + parameter names and shapes, hashed) per model
 key: loading a checkpoint of a different model raises `CheckpointError` naming both (replicated and
 FSDP2 runs of one model are the same model: DCP reshards). A differing config hash is only reported
 (`CheckpointInfo.config_changed`, and a warning): the caller decides.
 
 Damage. Before a load every file is checked against `manifest.json` (sizes and checksums written at
-save). `load()` without a path takes the newest checkpoint that passes (`usable()`): a damaged newer
-one is skipped with a warning naming each damaged file; when all are damaged, `CheckpointError`
-names them. A missing or damaged RNG file only costs determinism: a warning names it and the rest is
-loaded.
-"""
+save); only regular files are read (a FIFO or a symbolic link is damage, never opened as such), and
+a file whose size differs is not read at all. `load()` without a path takes the newest checkpoint
+that passes (`usable()`): a damaged newer one is skipped with a warning naming each damaged file;
+when all are damaged, `CheckpointError` names them. A missing or damaged RNG file only costs
+determinism: a warning names it and the rest is loaded."""
 
 from __future__ import annotations
 
@@ -70,12 +72,13 @@ import torch.distributed as dist
 from torch import nn
 
 from . import distributed
-from .checkpoint_state import ModelState, OptimizerState
+from .checkpoint_state import ModelState, OptimizerState, first_nonfinite
 from .checkpoint_verify import (
     MANIFEST,
     Verdict,
     hash_files,
     incompatibility,
+    load_plain,
     model_identity,
     restore_rng,
     rng_state,
@@ -98,6 +101,29 @@ _LOAD_ERRORS = (OSError, RuntimeError, ValueError, KeyError, EOFError, pickle.Un
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or must not be loaded; the message says why and where."""
+
+
+class NonFiniteState(CheckpointError):
+    """A weight or optimizer state holds a NaN or an infinity: it is not saved (a resume would
+    train on from it, and retention would delete the last good checkpoint)."""
+
+
+def check_finite(state: dict[str, Any], step: int) -> None:
+    """Raise NonFiniteState naming the tensor and `step` when a model or optimizer of `state` (a
+    Checkpointer state dict) holds a non-finite value on any rank; collective under torchrun."""
+    dcp_state, _, _ = _split(state)
+    _refuse_nonfinite({k: v.state_dict() for k, v in dcp_state.items()}, step)
+
+
+def _refuse_nonfinite(state_dicts: dict[str, Any], step: int) -> None:
+    bad = first_nonfinite(state_dicts)
+    if distributed.all_reduce_max(1.0 if bad else 0.0, what="the finite-state check") > 0:
+        where = bad or "a tensor on another rank"
+        raise NonFiniteState(
+            f"step {step}: {where} holds NaN or infinite values; not saved (the last complete "
+            "checkpoint is kept). Look for a learning rate, weight decay or loss coefficient that "
+            "makes the update diverge"
+        )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -372,6 +398,7 @@ class Checkpointer:
         self._usable = None  # usable() looks again after a save
         dcp_state, objects, models = _split(state)
         state_dicts = {k: v.state_dict() for k, v in dcp_state.items()}
+        _refuse_nonfinite(state_dicts, step)
         # on every rank: an object's state_dict may be a collective (gathering per-rank parts)
         saved_objects = {
             k: v if isinstance(v, dict) else v.state_dict() for k, v in objects.items()
@@ -531,7 +558,7 @@ class Checkpointer:
         try:
             with _single_process_quiet():
                 dcp.load(dcp_state, checkpoint_id=path, no_dist=not dist.is_initialized())
-            saved_objects = torch.load(objects_file, weights_only=False)  # written by us
+            saved_objects = load_plain(objects_file)
             for key, obj in objects.items():
                 if isinstance(obj, dict):
                     obj.clear()

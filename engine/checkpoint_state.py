@@ -71,9 +71,14 @@ class OptimizerState:
         state = _plain(get_optimizer_state_dict(self.model, self.optimizer))
         if fresh:
             # get_optimizer_state_dict initialises an empty state with a zero-lr step (step count
-            # 1); keep the optimizer itself untouched so that saving before the first step changes
-            # nothing
+            # 1); keep the optimizer itself untouched so that saving before the first step (or
+            # after ProRL v1's reset of the moments) changes nothing, and save step 0 with the zero
+            # moments: loaded, they update exactly as an empty state does (step 1's bias
+            # correction), where step 1 would have given the resumed run step 2's
             self.optimizer.state.clear()
+            for param_state in state.get("state", {}).values():
+                if isinstance(param_state.get("step"), torch.Tensor):
+                    param_state["step"] = torch.zeros_like(param_state["step"])
         out: dict[str, Any] = {"optim": state}
         if self.owner is not None:
             rest = {k: v for k, v in self.owner.state_dict().items() if k != "optimizer"}
@@ -90,6 +95,28 @@ class OptimizerState:
             self.owner.load_state_dict(
                 {**state["rest"][0], "optimizer": self.optimizer.state_dict()}
             )
+
+
+def first_nonfinite(state: Any, path: str = "") -> str | None:
+    """The dotted name of the first floating-point tensor in `state` (nested dicts, lists and
+    tuples of tensors, as `ModelState` / `OptimizerState.state_dict()` return) holding a NaN or an
+    infinity, or None. Under FSDP2 each rank looks at its own shards."""
+    if isinstance(state, torch.Tensor):
+        local = state.to_local() if hasattr(state, "to_local") else state
+        if local.is_floating_point() and not bool(torch.isfinite(local).all()):
+            return path
+        return None
+    if isinstance(state, dict):
+        items = state.items()
+    elif isinstance(state, (list, tuple)):
+        items = enumerate(state)
+    else:
+        return None
+    for key, value in items:
+        found = first_nonfinite(value, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 def _plain(state: Any) -> Any:

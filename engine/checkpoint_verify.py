@@ -22,6 +22,7 @@ checkpoints saved before the wrapper was looked through hold the wrapper's class
 from __future__ import annotations
 
 import dataclasses
+import errno
 import hashlib
 import json
 import logging
@@ -29,6 +30,7 @@ import os
 import pickle
 import random
 import re
+import stat
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,19 +46,53 @@ MANIFEST = "manifest.json"
 _CHUNK = 8 * 2**20
 
 
-def _sha256(path: str) -> str:
+MAX_SMALL_FILE = 64 * 2**20  # manifest.json and meta.json: larger is damage, not read
+
+
+def open_regular(path: str, max_bytes: int | None = None):
+    """`path` opened for binary reading, refusing (OSError naming why) anything but a regular file:
+    a symbolic link (to /dev/zero, say: read forever) or a FIFO (blocks its reader forever) is not
+    followed or read; with `max_bytes`, neither is a larger file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(
+                errno.ELOOP, "a symbolic link, refused: only regular files", path
+            ) from None
+        raise
+    st = os.fstat(fd)
+    why = None
+    if not stat.S_ISREG(st.st_mode):
+        why = "not a regular file (a FIFO, device or directory), refused"
+    elif max_bytes is not None and st.st_size > max_bytes:
+        why = f"{st.st_size} bytes, over the {max_bytes} a file of its kind may have"
+    if why:
+        os.close(fd)
+        raise OSError(errno.EINVAL, why, path)
+    return os.fdopen(fd, "rb")
+
+
+def _size_and_sha256(path: str, want_size: int | None) -> dict[str, Any]:
+    """{"size", "sha256"} of regular file `path`; a file whose size is not `want_size` (the
+    manifest's) is not read, its sha256 left empty."""
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
+        size = os.fstat(f.fileno()).st_size
+        if want_size is not None and size != want_size:
+            return {"size": size, "sha256": ""}
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
-    return digest.hexdigest()
+    return {"size": size, "sha256": digest.hexdigest()}
 
 
 def _files(directory: str, skip: tuple[str, ...]) -> list[str]:
-    """Paths of every file under `directory`, relative and sorted, but those named in `skip`."""
+    """Paths of every file under `directory`, relative and sorted, but those named in `skip`;
+    symbolic links to directories are listed (as files: refused when read), not followed."""
     out = []
-    for root, _, names in os.walk(directory):
-        for name in names:
+    for root, dirs, names in os.walk(directory):
+        links = [d for d in dirs if os.path.islink(os.path.join(root, d))]
+        for name in names + links:
             rel = os.path.relpath(os.path.join(root, name), directory)
             if rel not in skip:
                 out.append(rel)
@@ -81,17 +117,20 @@ def _shared_list(items: list[str]) -> list[str]:
     return box[0]
 
 
-def hash_files(directory: str, skip: tuple[str, ...]) -> dict[str, dict[str, Any]]:
+def hash_files(
+    directory: str, skip: tuple[str, ...], sizes: dict[str, int] | None = None
+) -> dict[str, dict[str, Any]]:
     """{relative path: {"size", "sha256"}} of every file under `directory` but `skip`; collective,
-    the same dict on every rank. A file that cannot be read is recorded with its error and no
-    hash."""
+    the same dict on every rank. A file that cannot be read, or is not a regular file, is recorded
+    with its error and no hash; one whose size differs from `sizes` (the manifest's) is not read."""
+    sizes = sizes or {}
     info = distributed.dist_info()
     names = _shared_list(_files(directory, skip) if info.is_main else [])
     local: dict[str, dict[str, Any]] = {}
     for name in names[info.rank :: info.world_size]:
         path = os.path.join(directory, name)
         try:
-            local[name] = {"size": os.path.getsize(path), "sha256": _sha256(path)}
+            local[name] = _size_and_sha256(path, sizes.get(name))
         except OSError as exc:
             local[name] = {"error": str(exc)}
     return _gather(local)
@@ -134,7 +173,7 @@ def verify(path: str, *, required: tuple[str, ...], rng_dir: str, skip: tuple[st
         if not verdict.damage:
             verdict.damage += _meta_problems(os.path.join(path, "meta.json"), manifest_path)
         return verdict
-    found = hash_files(path, skip)
+    found = hash_files(path, skip, {k: v["size"] for k, v in manifest.items()})
     for name, want in sorted(manifest.items()):
         what = _file_problem(found.get(name), want)
         if what is None:
@@ -166,7 +205,7 @@ def _read_manifest(manifest_path: str) -> tuple[dict | None, str | None]:
     manifest, problem = None, None
     if distributed.dist_info().is_main:
         try:
-            with open(manifest_path, "rb") as f:
+            with open_regular(manifest_path, MAX_SMALL_FILE) as f:
                 manifest = json.loads(f.read().decode("utf-8"))
             problem = manifest_problem(manifest)
             manifest = None if problem else manifest["files"]
@@ -231,7 +270,7 @@ def manifest_problem(manifest: Any) -> str | None:
 def _meta_problems(meta_path: str, manifest_path: str) -> list[str]:
     """A checkpoint without a manifest: its meta.json must be readable and older than manifests."""
     try:
-        with open(meta_path) as f:
+        with open_regular(meta_path, MAX_SMALL_FILE) as f:
             meta = json.load(f)
         if not isinstance(meta, dict) or "keys" not in meta:
             return [f"{meta_path}: not a checkpoint's meta.json (no 'keys')"]
@@ -358,6 +397,30 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def _numpy_globals() -> list:
+    """What a pickled numpy array (numpy's RNG state) needs beside torch's weights-only list."""
+    try:
+        import numpy
+    except ImportError:
+        return []
+    core = getattr(numpy, "_core", None) or numpy.core
+    return [
+        core.multiarray._reconstruct,
+        numpy.ndarray,
+        numpy.dtype,
+        type(numpy.dtype(numpy.uint32)),
+    ]
+
+
+def load_plain(path: str) -> Any:
+    """A checkpoint's pickled file (objects.pt, an RNG file) read with torch's weights-only
+    unpickler: tensors, numbers, strings, containers and numpy arrays, never a class or function
+    it names (a crafted pickle would otherwise run code at resume). pickle.UnpicklingError for
+    anything else."""
+    with torch.serialization.safe_globals(_numpy_globals()):
+        return torch.load(path, weights_only=True)
+
+
 def restore_rng(path: str, rng_file: str, saved_world: int, problem: str | None) -> None:
     """This rank's RNG states from `rng_file` of checkpoint `path`, when the world size is unchanged
     and the file is whole (`problem`: what `verify` found wrong with it); else a warning that names
@@ -375,7 +438,7 @@ def restore_rng(path: str, rng_file: str, saved_world: int, problem: str | None)
     problem = problem or (None if os.path.isfile(rng_file) else "is missing")
     if problem is None:
         try:
-            set_rng_state(torch.load(rng_file, weights_only=False))  # written by us
+            set_rng_state(load_plain(rng_file))
             return
         except (OSError, RuntimeError, EOFError, KeyError, pickle.UnpicklingError) as exc:
             problem = f"is unreadable ({type(exc).__name__})"

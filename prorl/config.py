@@ -26,7 +26,7 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from prorl.async_rl.settings import AsyncConfig, rename_async_section
-from prorl.config_checks import range_problems, read_yaml, size_problems
+from prorl.config_checks import nonfinite_problems, range_problems, read_yaml, size_problems
 from prorl.engine.attention import BACKENDS as ATTENTION
 from prorl.engine.fp8 import BACKENDS as FP8_BACKENDS
 from prorl.engine.fp8 import RECIPES as FP8_RECIPES
@@ -497,7 +497,8 @@ def validate(cfg: Config) -> None:
         value = _get(cfg, dotted)
         if value not in allowed:
             raise ConfigError(f"{dotted}={value!r} is not one of {', '.join(map(str, allowed))}")
-    problems = range_problems(cfg) + size_problems(cfg)
+    # a NaN passes every comparison below as false: named as not finite first
+    problems = nonfinite_problems(cfg) or range_problems(cfg) + size_problems(cfg)
     if problems:
         raise ConfigError(problems[0])
     _check_model(cfg.model)

@@ -12,6 +12,9 @@
 - Sizes and counts that must be positive (`size_problems`): a zero or negative one is named, instead
   of surfacing as an empty validation set, a loop that never ends or an error deep in a component.
 - Values that must lie in a range (`range_problems`): probabilities, clip ranges, coefficients.
+- Every number anywhere in the config, lists and mappings included, must be finite
+  (`nonfinite_problems`): a NaN weight decay, learning-rate floor or length weight once trained to
+  the end on NaN weights and exited 0.
 
 Each function raises ValueError or returns problems as text; prorl/config.py turns them into
 ConfigError.
@@ -19,6 +22,7 @@ ConfigError.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -109,14 +113,68 @@ def size_problems(cfg: Any) -> list[str]:
     return problems
 
 
+def nonfinite_problems(node: Any, prefix: str = "") -> list[str]:
+    """One line per NaN or infinite number in `node` (a config dataclass, walked through its nested
+    sections, lists and mappings), naming its dotted key."""
+    if isinstance(node, float):
+        return [] if math.isfinite(node) else [f"{prefix}={node} must be a finite number"]
+    if dataclasses.is_dataclass(node):
+        items = [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node)]
+    elif isinstance(node, dict):
+        items = list(node.items())
+    elif isinstance(node, (list, tuple)):
+        items = list(enumerate(node))
+    else:
+        return []
+    out = []
+    for key, value in items:
+        if isinstance(node, (list, tuple)):
+            name = f"{prefix}[{key}]"
+        else:
+            name = f"{prefix}.{key}" if prefix else str(key)
+        out += nonfinite_problems(value, name)
+    return out
+
+
+def _optim_problems(cfg: Any) -> list[tuple[bool, str]]:
+    """AdamW and its schedule: ranges torch checks only later, without the key (or not at all)."""
+    o = cfg.optim
+    return [
+        (o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay} must be >= 0"),
+        (0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio} must be in [0, 1]"),
+        (all(0 <= b < 1 for b in o.betas), f"optim.betas={list(o.betas)} must be in [0, 1)"),
+        (o.eps > 0, f"optim.eps={o.eps} must be > 0"),
+        (o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps} must be >= 0"),
+    ]
+
+
+# the longest verifier timeout: a larger one overflows the wall-clock arithmetic of the workers
+MAX_TIMEOUT_S = 7 * 86400.0
+
+
+def _sampling_and_reward_problems(cfg: Any) -> list[tuple[bool, str]]:
+    """Validation sampling, the response-budget schedule, the reward's shaping and timeout."""
+    t, r, sched = cfg.trainer, cfg.reward, cfg.rollout.max_response_schedule
+    return [
+        (t.val_temperature >= 0, f"trainer.val_temperature={t.val_temperature} must be >= 0"),
+        (0 < t.val_top_p <= 1, f"trainer.val_top_p={t.val_top_p} must be in (0, 1]"),
+        (all(k >= 0 and v >= 1 for k, v in sched.items()),
+         f"rollout.max_response_schedule={dict(sched)}: steps must be >= 0 and budgets >= 1"),
+        (r.timeout_s <= MAX_TIMEOUT_S, f"reward.timeout_s={r.timeout_s} must be <= "
+         f"{MAX_TIMEOUT_S:.0f} (a week)"),
+        (r.length_lam >= 0, f"reward.length_lam={r.length_lam} must be >= 0"),
+        (r.overlong_penalty >= 0, f"reward.overlong_penalty={r.overlong_penalty} must be >= 0"),
+        (cfg.algorithm.reset.kl_spike_factor >= 0,
+         "algorithm.reset.kl_spike_factor must be >= 0 (0: no spike resets)"),
+        (cfg.scheduler.reprobe_epochs > 0, "scheduler.reprobe_epochs must be > 0"),
+    ]  # fmt: skip
+
+
 def range_problems(cfg: Any) -> list[str]:
     """The values of `cfg` (a prorl Config) outside their range, one message each, in order."""
     algo, trainer, rollout, sched = cfg.algorithm, cfg.trainer, cfg.rollout, cfg.scheduler
-    floats = (rollout.temperature, rollout.top_p, algo.kl_coef, algo.eps_low, algo.eps_high)
     gpu = rollout.gpu_memory_utilization
     checks = [
-        (all(math.isfinite(x) for x in (*floats, cfg.optim.lr)), "rollout.temperature/top_p, "
-         "algorithm.kl_coef/eps_low/eps_high and optim.lr must be finite"),
         (rollout.n >= 1, "rollout.n must be >= 1"),
         (rollout.n >= 2 or not algo.dynamic_sampling, "rollout.n=1 leaves every group all-equal: "
          "dynamic sampling would drop them all (set rollout.n >= 2, or "
@@ -137,8 +195,8 @@ def range_problems(cfg: Any) -> list[str]:
         (trainer.total_steps >= 0, "trainer.total_steps must be >= 0"),
         (trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
         (trainer.mini_batches >= 1, "trainer.mini_batches must be >= 1"),
-        (trainer.prompts_per_step % trainer.mini_batches == 0, "trainer.prompts_per_step must be a "
-         "multiple of trainer.mini_batches"),
+        (trainer.mini_batches < 1 or trainer.prompts_per_step % trainer.mini_batches == 0,
+         "trainer.prompts_per_step must be a multiple of trainer.mini_batches"),
         (trainer.save_every >= 0 and trainer.val_every >= 0,
          "trainer.save_every and trainer.val_every must be >= 0"),
         (trainer.keep_last >= 1, "trainer.keep_last must be >= 1"),
@@ -153,4 +211,5 @@ def range_problems(cfg: Any) -> list[str]:
          "trainer.collective_timeout_s must be >= 0 (0: from the config)"),
         (trainer.wait_warning_s >= 0, "trainer.wait_warning_s must be >= 0 (0: never warn)"),
     ]  # fmt: skip
+    checks += _optim_problems(cfg) + _sampling_and_reward_problems(cfg)
     return [msg for ok, msg in checks if not ok]

@@ -88,6 +88,14 @@ def _parse_row(
     bad."""
     if not isinstance(row, dict):
         raise DataError(f"{where}: a row must be an object, got {type(row).__name__}")
+    bad_text = _lone_surrogate(row)
+    if bad_text is not None:
+        raise _bad(
+            where,
+            bad_text,
+            "holds a lone UTF-16 surrogate (a JSON escape such as \\ud800 without its pair): "
+            "not text a tokenizer can take",
+        )
     data_source = row.get("data_source")
     if not isinstance(data_source, str) or not data_source:
         problem = "is missing" if data_source is None else f"must be a string, got {data_source!r}"
@@ -114,6 +122,24 @@ def _parse_row(
     if ability is not None and not isinstance(ability, str):
         raise _bad(where, "ability", "must be a string")
     return Example(prompt, data_source, truth, extra, ability)
+
+
+def _lone_surrogate(row: dict) -> str | None:
+    """The field (a dotted path) of the first string in `row` that is not valid Unicode text (a
+    lone surrogate), or None. Iterative: a row may be nested deep."""
+    todo: list[tuple[str, Any]] = [(str(k), v) for k, v in row.items()]
+    while todo:
+        name, value = todo.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return name
+        elif isinstance(value, dict):
+            todo += [(f"{name}.{k}", v) for k, v in value.items()]
+        elif isinstance(value, list):
+            todo += [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    return None
 
 
 def _prompt(row: dict, where: str, prompt_key: str) -> list[dict[str, str]]:
@@ -193,6 +219,8 @@ def load_file(
     refused before it is read into memory (prorl/data_read.py)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"data file not found: {path}")
+    if not os.path.isfile(path):
+        raise DataError(f"{path}: not a regular file (a directory, FIFO or device)")
     report = report if report is not None else LoadReport()
     out, seen = [], 0
     for i, row in read_rows(path, max_row_bytes):

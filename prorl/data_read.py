@@ -15,7 +15,9 @@ What a row may hold is checked there (`_parse_row`); here is what a file may hol
 - a UTF-8 byte-order mark at the start of a JSONL file is skipped (Windows tools write one); CRLF
   line ends are whitespace to JSON;
 - a last line cut off mid-row (no newline at its end) says the file looks truncated;
-- a file named .parquet that is not parquet (a CSV, say) is named as such.
+- a file named .parquet that is not parquet (a CSV, say) is named as such;
+- JSON nested too deep for the parser, or an integer of over 4,300 digits (Python's limit on
+  converting one), is named with its row instead of a RecursionError or ValueError.
 """
 
 from __future__ import annotations
@@ -56,6 +58,14 @@ def not_utf8(line: bytes, exc: UnicodeDecodeError, offset: int | None = None) ->
     exc.start)."""
     offset = exc.start if offset is None else offset
     return f"not UTF-8 text: byte 0x{line[offset]:02x} at byte {offset}"
+
+
+def _unreadable_json(exc: BaseException) -> str:
+    """What valid JSON that Python cannot build says: nested too deep, or an integer of more digits
+    than Python converts (sys.get_int_max_str_digits())."""
+    if isinstance(exc, RecursionError):
+        return "JSON nested too deep to read (arrays or objects inside each other)"
+    return f"a JSON value Python cannot read ({str(exc).split(';')[0]})"
 
 
 def _too_big(size: int, limit: int) -> str:
@@ -114,6 +124,8 @@ def _json_line(raw: bytes, where: str, last: bool):
     except json.JSONDecodeError as exc:
         cut = " - the last line has no newline at its end: a truncated file?" if last else ""
         return DataError(f"{where}: not valid JSON ({exc}){cut}")
+    except (ValueError, RecursionError) as exc:
+        return DataError(f"{where}: {_unreadable_json(exc)}")
 
 
 def _json_rows(path: str, limit: int):
@@ -132,6 +144,8 @@ def _json_rows(path: str, limit: int):
         ) from None
     except json.JSONDecodeError as exc:
         raise DataError(f"{path}: not valid JSON ({exc})") from None
+    except (ValueError, RecursionError) as exc:
+        raise DataError(f"{path}: {_unreadable_json(exc)}") from None
     if not isinstance(rows, list):
         raise DataError(f"{path}: a .json data file must hold a list of rows")
     # the file is in memory already; an over-long row goes no further

@@ -415,6 +415,8 @@ def validate(
         records = [r for part in gathered for r in part]
     summary = summarize(records, k)
     out = {"val/accuracy": summary["all"]["mean_score"] or 0.0}
+    failed = sum(bool(r["errored"] or r["timed_out"]) for r in records)
+    out["val/verify_failed_frac"] = failed / max(len(records), 1)
     out.update({f"val/{m}": v for m, v in summary["all"].items() if m.startswith("pass@")})
     for source, m in summary["by_source"].items():
         out.update(source_val_metrics(source, m, k))

@@ -8,9 +8,11 @@ directory or data file included, named), 3 reward self-test failed, 4 checkpoint
 directory unusable, 6 training stalled (steps without a group to train on, or non-finite gradients,
 `trainer.max_consecutive_skips` times in a row), 7 another rank stopped answering (a collective
 timed out or lost its peer), 8 asynchronous RL's rollout ranks stopped delivering groups or weights
-(died, hung past the timeout, or hold weights other than the version they report). In every case the
-last complete checkpoint is kept. Under torchrun the shell sees 1 for any of them; `python -m
-prorl.launch` (prorl/launch.py) returns the code itself.
+(died, hung past the timeout, or hold weights other than the version they report), 9 a weight or
+optimizer state became NaN or infinite (found before a save or the final export, which are refused;
+the tensor and the step are named). In every case the last complete checkpoint is kept. Under
+torchrun the shell sees 1 for any of them; `python -m prorl.launch` (prorl/launch.py) returns the
+code itself.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ EXIT_CONFIG, EXIT_SELF_TEST, EXIT_RESUME, EXIT_OUTPUT_DIR, EXIT_STALLED, EXIT_PE
     7,
 )
 EXIT_ROLLOUT_LOST = 8  # asynchronous RL: the rollout ranks stopped delivering (prorl/async_rl/)
+EXIT_NONFINITE = 9  # a weight or optimizer state is NaN / infinite: nothing of it is saved
 
 
 class Fatal(Exception):

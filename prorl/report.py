@@ -182,6 +182,8 @@ class Reporter:
             self.val_history.append((metrics["step"], metrics["val/accuracy"]))
         if self.rank != 0:
             return
+        if validation_warning(metrics):
+            self._print(validation_warning(metrics))
         self._write(metrics)
         if self.bar is not None:
             self.bar.n = metrics["step"]
@@ -218,7 +220,7 @@ class Reporter:
         self.close()
         summary = write_summary(self.dir)
         return (
-            f"prorl: {accuracy_line(self.val_history)}\n"
+            f"prorl: {accuracy_line(self.val_history, not self.cfg.reward.function)}\n"
             f"prorl: metrics {self.path}\nprorl: checkpoint {out}\nprorl: curves {png}\n"
             f"prorl: summary {summary}"
         )
@@ -232,12 +234,35 @@ def accuracy_before_after(vals: list[tuple[int, float]]) -> tuple[float, float, 
     return vals[0][1], sum(last) / len(last), len(last)
 
 
-def accuracy_line(vals: list[tuple[int, float]]) -> str:
-    """The closing line on held-out accuracy, or that nothing was validated."""
+def held_out(value: float, unit: bool) -> tuple[str, str]:
+    """(what, value) of a validation's mean score: ("accuracy", a percentage) when scores lie in
+    [0, 1] (the built-in verifiers: for binary ones the mean is pass@1), else ("mean score", the
+    mean itself): a verl reward function may score -1 / +1 or anything finite, and then its mean
+    is no accuracy."""
+    return ("accuracy", f"{value:.1%}") if unit else ("mean score", f"{value:.4g}")
+
+
+def accuracy_line(vals: list[tuple[int, float]], unit: bool = True) -> str:
+    """The closing line on held-out accuracy (`unit`: scores in [0, 1]; else the mean score), or
+    that nothing was validated."""
     if not vals:
         return "held-out accuracy not measured (no validation set, or trainer.val_every=0)"
     before, after, n = accuracy_before_after(vals)
-    return f"held-out accuracy {before:.1%} -> {after:.1%} (mean of the last {n} evaluations)"
+    (what, first), (_, last) = held_out(before, unit), held_out(after, unit)
+    return f"held-out {what} {first} -> {last} (mean of the last {n} evaluations)"
+
+
+def validation_warning(metrics: dict) -> str | None:
+    """A warning when most of a validation's verifier calls failed (raised, died, timed out): they
+    score 0, so the accuracy would measure the harness, not the model."""
+    failed = metrics.get("val/verify_failed_frac", 0.0)
+    if failed < 0.5:
+        return None
+    return (
+        f"prorl: warning: {failed:.0%} of this validation's verifier calls failed (raised, died or "
+        "timed out; see reward.timeout_s and the verifier's errors): its accuracy measures the "
+        "verifier, not the model"
+    )
 
 
 def _duration(seconds: float) -> str:

@@ -43,6 +43,7 @@ class Group:
     sampler_logps: list[list[float]]
     truncated: list[bool]
     raw: list[float] | None = None  # verifier scores
+    verified: list[bool] | None = None  # False: the verification failed (its raw score imputed)
     shaped: list[float] | None = None  # the rewards trained on
     # carried-over groups only: the trainer's log-probs under the policy that sampled them (pi_old;
     # Updater.store_old_logprobs writes them, TokenInputs.pi_old reads them)
@@ -168,6 +169,7 @@ class GroupSampler:
             n = len(g.responses)
             failed = [a or b for a, b in zip(res.errored[i : i + n], res.timed_out[i : i + n])]
             g.raw = impute_failed(res.scores[i : i + n], failed)
+            g.verified = [not f for f in failed]
             i += n
         acc.sum("samples_seen", len(texts))
         # a verifier's numeric extras (verl's reward_extra_info), per sample
@@ -253,8 +255,11 @@ class GroupSampler:
         kept = []
         for g, mixed in zip(groups, passed):
             acc.sum("generated_tokens", sum(len(t) for t in g.responses))
-            if self.scheduler is not None:
-                self.scheduler.observe(g.example_index, g.raw)
+            if self.scheduler is not None:  # an imputed score is no evidence of a pass rate
+                ok = g.verified or [True] * len(g.raw)
+                verified = [r for r, v in zip(g.raw, ok) if v]
+                if verified:
+                    self.scheduler.observe(g.example_index, verified)
             if not self.cfg.algorithm.dynamic_sampling or mixed:
                 kept.append(g)
                 acc.sum("groups_passed", 1)

@@ -36,6 +36,8 @@ Lifecycle (prorl/lifecycle.py has the exit codes):
 - Asynchronous RL (rollout.async.steps_ahead >= 1): rollout ranks that stop delivering groups or
   weights (dead, hung past the timeout, or holding weights other than the version they report) end
   the run with exit code 8 on the trainers; a dead rank also makes torchrun stop the others.
+- A weight or optimizer state that became NaN or infinite: exit code 9 naming the tensor and the
+  step, before the save or the final export that would have kept it.
 - A broken model directory (config.json, a truncated safetensors file) or data file (not UTF-8, an
   empty prompt or ground truth, an empty file): exit code 2 naming the file (and row and field).
 """
@@ -77,13 +79,21 @@ from prorl.config_runtime import (
     resume_conflicts,
 )
 from prorl.engine import distributed
-from prorl.engine.checkpoint import META, Checkpointer, CheckpointError, config_hash
+from prorl.engine.checkpoint import (
+    META,
+    Checkpointer,
+    CheckpointError,
+    NonFiniteState,
+    check_finite,
+    config_hash,
+)
 from prorl.engine.distributed import dist_info
+from prorl.engine.model import NonFiniteWeights
 from prorl.engine.rollout import resolve_backend
 from prorl.engine.watchdog import Watchdog
 from prorl.lifecycle import Fatal, on_every_rank
 from prorl.model_dir import resolve_model_path
-from prorl.report import Reporter
+from prorl.report import Reporter, held_out, validation_warning
 from prorl.rewards import builtin_keys
 from prorl.rewards.function import RewardFunctionError
 from prorl.rewards.pool import RewardPool
@@ -305,7 +315,10 @@ def run(cfg, preset: str | None, rank: int) -> int:
     stop = lifecycle.StopRequest()
     with make_pool(cfg, train + val) as pool, contextlib.ExitStack() as stack:
         stop.install()  # after the reward workers were started with the signals ignored
-        trainer = Trainer(cfg, model_path, tokenizer, train, val, pool)
+        try:
+            trainer = Trainer(cfg, model_path, tokenizer, train, val, pool)
+        except NonFiniteWeights as exc:
+            raise Fatal(lifecycle.EXIT_CONFIG, f"model.path={model_path!r}: {exc}") from None
         if trainer.models.fp8.enabled:
             reporter.say(f"prorl: fp8: {trainer.models.fp8_summary}")
         stack.callback(trainer.models.close)  # the sampler's engine goes before the process group
@@ -464,10 +477,11 @@ def resume_or_validate(
                 "greedy" if cfg.trainer.val_temperature == 0 else f"T={cfg.trainer.val_temperature}"
             )
             n_val = len(trainer.val_examples)
-            reporter.say(
-                "prorl: held-out accuracy before RL: "
-                f"{val0['val/accuracy']:.1%} ({n_val} problems, {mode})"
-            )
+            # built-in verifiers score in [0, 1]
+            what, value = held_out(val0["val/accuracy"], not cfg.reward.function)
+            reporter.say(f"prorl: held-out {what} before RL: {value} ({n_val} problems, {mode})")
+            if validation_warning(val0):
+                reporter.say(validation_warning(val0))
 
 
 def due(step: int, every: int, total: int) -> bool:
@@ -482,6 +496,14 @@ def where_saved(ckpt, saved_at: int, every: int) -> str:
     if not saved_at:
         return "nothing to save yet"
     return f"checkpoint {ckpt.step_dir(saved_at)} (as a model: python -m prorl.export DIR OUT)"
+
+
+def finite_or_fatal(fn, *args, **kwargs):
+    """fn(...), its NonFiniteState (a NaN or infinite weight or moment, not saved) as exit 9."""
+    try:
+        return fn(*args, **kwargs)
+    except NonFiniteState as exc:
+        raise Fatal(lifecycle.EXIT_NONFINITE, str(exc)) from None
 
 
 def train_loop(cfg, trainer, ckpt, reporter, stop, rank: int, validate: bool) -> int:
@@ -500,7 +522,7 @@ def train_loop(cfg, trainer, ckpt, reporter, stop, rank: int, validate: bool) ->
     resume_or_validate(cfg, trainer, ckpt, reporter, state, chash, validate)
 
     def save(step: int) -> None:
-        ckpt.save(step, state, config_hash=chash, extra={"config": to_dict(cfg)})
+        finite_or_fatal(ckpt.save, step, state, config_hash=chash, extra={"config": to_dict(cfg)})
 
     saved_at, total, every = trainer.step_count, cfg.trainer.total_steps, cfg.trainer.save_every
     while trainer.step_count < total:
@@ -532,6 +554,7 @@ def train_loop(cfg, trainer, ckpt, reporter, stop, rank: int, validate: bool) ->
         reporter.close()
         return 0
     reporter.say(f"prorl: trained to step {trainer.step_count} in {time.time() - t_start:.0f} s")
+    finite_or_fatal(check_finite, state, trainer.step_count)  # the final export is kept too
     out = reporter.finish(trainer)
     if dist.is_initialized():
         dist.barrier()

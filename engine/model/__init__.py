@@ -8,9 +8,10 @@ save_hf(model, "path/to/export")                        # transformers loads it
 
 from .config import SUPPORTED_ARCHITECTURES, SUPPORTED_ROPE_TYPES, ModelConfig, RopeConfig
 from .decoder import Decoder, packed_position_ids
-from .hf_io import load_hf, save_hf
+from .hf_io import NonFiniteWeights, load_hf, save_hf
 
 __all__ = [
+    "NonFiniteWeights",
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_ROPE_TYPES",
     "Decoder",

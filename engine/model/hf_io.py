@@ -129,12 +129,31 @@ def _tensor_files(path: str) -> dict[str, str]:
         return dict.fromkeys(f.keys(), single)
 
 
+class NonFiniteWeights(ValueError):
+    """A checkpoint tensor holds NaN or infinite values (found while loading it)."""
+
+
 def check_hf_dir(path: str) -> None:
     """Fail now, naming the file, if `path` cannot be loaded: a damaged or unsupported config.json,
-    a missing, truncated or zero-filled safetensors file (headers only are read: cheap for any
-    size)."""
-    ModelConfig.from_hf(read_config(path))
-    _tensor_files(path)
+    a missing, truncated or zero-filled safetensors file, a tensor missing, extra or of the wrong
+    shape for the config (headers only are read: cheap for any size)."""
+    _layout(path, read_config(path))
+
+
+def _layout(path: str, hf_cfg: dict, attention=None):
+    """(config, meta-device Decoder, {file: [tensor names]}) of checkpoint `path`; ValueError
+    naming what does not match config.json."""
+    cfg = ModelConfig.from_hf(hf_cfg)
+    with torch.device("meta"):
+        model = Decoder(cfg, attention=attention)
+    expected = {hf_name(n): tuple(p.shape) for n, p in model.state_dict().items()}
+    files = _tensor_files(path)
+    by_file = defaultdict(list)
+    for name in expected:
+        if name in files:
+            by_file[files[name]].append(name)
+    _check_checkpoint(path, cfg, expected, files, by_file)
+    return cfg, model, by_file
 
 
 def load_hf(
@@ -152,29 +171,24 @@ def load_hf(
         attention: attention backend name or instance (default: per device, see
             engine/attention.py).
     Raises:
-        ValueError: unsupported architecture/options, tensors that do not match the config, a
-            damaged config.json or safetensors file (named).
+        ValueError: unsupported architecture/options, tensors that do not match the config or
+            hold NaN or infinite values, a damaged config.json or safetensors file (named).
     """
     hf_cfg = read_config(path)
-    cfg = ModelConfig.from_hf(hf_cfg)
     device = torch.device(device or "cpu")
     dtype = dtype or _dtype_from_config(hf_cfg)
-
-    with torch.device("meta"):
-        model = Decoder(cfg, attention=attention)
-    expected = {hf_name(n): tuple(p.shape) for n, p in model.state_dict().items()}
-    files = _tensor_files(path)
-    by_file = defaultdict(list)
-    for name in expected:
-        if name in files:
-            by_file[files[name]].append(name)
-    _check_checkpoint(path, cfg, expected, files, by_file)
+    _, model, by_file = _layout(path, hf_cfg, attention)
 
     state = {}
     for file, names in by_file.items():
         with safe_open(file, framework="pt", device=str(device)) as f:
             for name in names:
                 tensor = f.get_tensor(name)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    raise NonFiniteWeights(
+                        f"{file}: tensor {name} holds NaN or infinite values: a damaged or "
+                        "diverged model (training from it would train on NaN)"
+                    )
                 state[our_name(name)] = tensor.to(dtype) if dtype is not None else tensor
     model.load_state_dict(state, strict=True, assign=True)
     return model
@@ -192,7 +206,7 @@ def _check_checkpoint(path, cfg: ModelConfig, expected: dict, files: dict, by_fi
                 shape = tuple(f.get_slice(name).get_shape())
                 if shape != expected[name]:
                     wrong_shape.append(
-                        f"{name}: checkpoint {shape}, config expects {expected[name]}"
+                        f"{name}: checkpoint {shape}, config expects {expected[name]} (in {file})"
                     )
     if not (missing or unexpected or wrong_shape):
         return

@@ -156,7 +156,7 @@ def check_result(result: Any, where: str) -> dict:
     value = out["score"]
     if hasattr(value, "item") and callable(value.item):  # a numpy or torch scalar
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not isinstance(value, (int, float)) or not math.isfinite(value):  # a bool is an int
         raise ValueError(f"reward function {where} returned score {value!r}, not a finite number")
     out["score"] = float(value)
     return out

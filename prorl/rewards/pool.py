@@ -23,9 +23,24 @@ verifier itself is sent with every item by reference (module + name, as pickle d
 user-registered verifiers must be module-level functions of modules the workers can import; the pool
 checks this when it scores.
 
-Talk is over a socketpair with multiprocessing's Connection framing (pickle). A worker that dies is
-seen as EOF on its connection. A worker that dies during start-up (or does not start in time) is
-started again; after MAX_START_FAILURES failures in a row the pool raises, naming the last one.
+Talk is over a socketpair with multiprocessing's Connection framing (pickle). Every request carries
+an id that its reply must repeat. A verifier runs inside the worker and can break that protocol:
+write to the worker's socket (the parent reads bytes that do not unpickle), or fork a child that
+returns into the worker's loop (two replies to one request, or a reply to the next item's request:
+matched by order, every later score of the batch would shift onto the next item). A reply that does
+not unpickle, is not a reply, arrives while no request is out or repeats another request's id breaks
+the worker's protocol: the worker is killed and replaced, its item sent again once and then scored 0
+as an error ("protocol"), counted in `protocol_failures`. A forked child that returns into the loop
+exits at once without replying. The parent's reads time out (REPLY_READ_TIMEOUT_S) so a partial
+message cannot block it. A worker that dies is seen as EOF on its connection. A worker that dies
+during start-up (or does not start in time) is started again; after MAX_START_FAILURES failures in a
+row the pool raises, naming the last one.
+
+Each worker runs in a process group of its own; killing a worker kills the group, so children a
+verifier started (forked, or left behind by a timed-out call) go with it, and a worker whose pool
+vanished kills its group as it exits. A worker is recycled (replaced by a fresh one, counted in
+`recycled`) after `max_calls` items or once its resident memory exceeds `max_rss_bytes`, so a
+verifier that leaks (caches every call) bounds the worker's growth instead of the machine's.
 
 Each worker has a private TMPDIR `prorl-reward-worker-*` (its code sandboxes' directories go there),
 locked for as long as the worker lives (`sandbox.tempdirs`); the pool removes it when it kills the
@@ -42,6 +57,7 @@ import pickle
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -58,6 +74,9 @@ from prorl.rewards.sandbox import tempdirs
 log = logging.getLogger(__name__)
 
 STARTUP_TIMEOUT_S = 120.0
+REPLY_READ_TIMEOUT_S = 10.0  # a reply that started arriving but stalls this long breaks the worker
+MAX_CALLS_PER_WORKER = 5000  # items before a worker is recycled
+MAX_WORKER_RSS_BYTES = 2**30  # a worker whose resident memory passes this after an item is recycled
 MAX_START_FAILURES = 3  # workers in a row that die or hang during start-up before the pool gives up
 TMP_PREFIX = "prorl-reward-worker-"
 
@@ -101,6 +120,9 @@ class _Worker:
         self.tmpdir, lock = tempdirs.make_locked(TMP_PREFIX)
         # the sandbox's unprivileged uid must reach its directory inside
         os.chmod(self.tmpdir, 0o711)
+        # a read of a reply that starts but stalls (a verifier wrote part of a frame) times out
+        timeval = struct.pack("ll", int(REPLY_READ_TIMEOUT_S), 0)
+        parent_sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
         env = dict(
             os.environ,
             OMP_NUM_THREADS="1",
@@ -114,6 +136,7 @@ class _Worker:
                 pass_fds=(child_sock.fileno(), lock),
                 env=env,
                 stdin=subprocess.DEVNULL,
+                start_new_session=True,  # its own process group: killed with its children
             )
         except BaseException:
             parent_sock.close()
@@ -128,11 +151,13 @@ class _Worker:
         self.ready = False
         self.started = time.monotonic()
         self.item: int | None = None  # index of the item it is working on
+        self.request = 0  # id of the request out (ids are unique over the pool's life)
+        self.calls = 0  # items it has scored
         self.deadline = 0.0
 
     def kill(self) -> None:
-        try:
-            self.proc.kill()
+        try:  # the whole group: children of its verifiers too (before the wait: no pid reuse)
+            os.killpg(self.proc.pid, signal.SIGKILL)
         except OSError:
             pass
         self.proc.wait()
@@ -154,6 +179,7 @@ def _worker_main(fd: int) -> None:
         tmpdir = os.environ.get("TMPDIR", "")
         if os.path.basename(tmpdir).startswith(TMP_PREFIX):
             shutil.rmtree(tmpdir, ignore_errors=True)
+        os.killpg(0, signal.SIGKILL)  # with the children its verifiers left
 
 
 def _serve(conn: Connection) -> None:
@@ -165,8 +191,9 @@ def _serve(conn: Connection) -> None:
         conn.send(("init_error", traceback.format_exc()))
         return
     conn.send(("ready",))
+    pid = os.getpid()
     while True:
-        data_source, entry, response, ground_truth, extra = conn.recv()
+        request, data_source, entry, response, ground_truth, extra = conn.recv()
         try:
             extra = dict(extra or {})
             extra.setdefault("data_source", data_source)
@@ -178,9 +205,11 @@ def _serve(conn: Connection) -> None:
                 pickle.dumps(info)
             except Exception:  # noqa: BLE001 - extras are best-effort
                 info = {k: repr(v) for k, v in info.items()}
-            reply = ("ok", value, info)
+            reply = ("ok", request, value, info)
         except Exception as exc:  # noqa: BLE001 - any verifier error scores 0 and is counted
-            reply = ("error", f"{type(exc).__name__}: {exc}", {})
+            reply = ("error", request, f"{type(exc).__name__}: {exc}", {})
+        if os.getpid() != pid:  # a child the verifier forked, returned here: not a worker
+            os._exit(0)
         conn.send(reply)
 
 
@@ -192,16 +221,28 @@ class RewardPool:
         has its own 5 s budget inside, so keep this above that.
     preload: registry keys whose modules each worker imports at start (math-verify ~1 s,
         reasoning-gym ~5 s), so that import time never counts against an item.
+    max_calls, max_rss_bytes: a worker is recycled after this many items, or when its resident
+        memory exceeds this after an item.
     """
 
     def __init__(
-        self, num_workers: int = 2, timeout_s: float = 10.0, preload: tuple[str, ...] = ("math",)
+        self,
+        num_workers: int = 2,
+        timeout_s: float = 10.0,
+        preload: tuple[str, ...] = ("math",),
+        max_calls: int = MAX_CALLS_PER_WORKER,
+        max_rss_bytes: int = MAX_WORKER_RSS_BYTES,
     ):
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         self.timeout_s = float(timeout_s)
         self.preload = tuple(preload)
+        self.max_calls, self.max_rss_bytes = max_calls, max_rss_bytes
         self.replaced = 0  # workers killed or lost and started again, over the pool's life
+        self.protocol_failures = 0  # workers replaced because their replies broke the protocol
+        self.recycled = 0  # workers replaced after max_calls items or max_rss_bytes of memory
+        self._requests = 0  # the last request id handed out
+        self._retried: set[int] = set()  # items of this batch sent again after a protocol failure
         self._start_failures = 0  # workers in a row that died or hung during start-up
         self._executor: ThreadPoolExecutor | None = None
         self.workers: list[_Worker] = []
@@ -270,25 +311,9 @@ class RewardPool:
         )
         pending = deque(range(n))
         remaining = n
+        self._retried = set()
         while remaining:
-            for w in self.workers:
-                if w.ready and w.item is None and pending:
-                    i = pending.popleft()
-                    try:
-                        w.conn.send(
-                            (
-                                data_sources[i],
-                                entries[data_sources[i]],
-                                responses[i],
-                                ground_truths[i],
-                                extras[i],
-                            )
-                        )
-                    except OSError:  # died while idle: replace it and retry the item
-                        pending.appendleft(i)
-                        self._replace(w)
-                        continue
-                    w.item, w.deadline = i, time.monotonic() + self.timeout_s
+            self._hand_out(pending, (data_sources, responses, ground_truths, extras), entries)
             now = time.monotonic()
             deadlines = [w.deadline for w in self.workers if w.item is not None]
             deadlines += [w.started + STARTUP_TIMEOUT_S for w in self.workers if not w.ready]
@@ -296,7 +321,7 @@ class RewardPool:
             ready_conns = wait([w.conn for w in self.workers], timeout=timeout)
             for w in list(self.workers):
                 if w.conn in ready_conns:
-                    remaining -= self._receive(w, result)
+                    remaining -= self._receive(w, result, pending)
             now = time.monotonic()
             for w in list(self.workers):
                 if w.item is not None and now >= w.deadline:
@@ -311,6 +336,23 @@ class RewardPool:
                     self._start_failed(f"did not start within {STARTUP_TIMEOUT_S:g} s")
                     self._replace(w)
         return result
+
+    def _hand_out(self, pending: deque, items: tuple, entries: dict) -> None:
+        """Send the next pending items (indices into `items`' lists) to the idle ready workers."""
+        data_sources, responses, ground_truths, extras = items
+        for w in self.workers:
+            if w.ready and w.item is None and pending:
+                i = pending.popleft()
+                self._requests += 1
+                request = (self._requests, data_sources[i], entries[data_sources[i]])
+                try:
+                    w.conn.send((*request, responses[i], ground_truths[i], extras[i]))
+                except OSError:  # died while idle: replace it and retry the item
+                    pending.appendleft(i)
+                    self._replace(w)
+                    continue
+                w.item, w.request = i, self._requests
+                w.deadline = time.monotonic() + self.timeout_s
 
     def score_batch_async(self, *args, **kwargs) -> Future:
         """`score_batch` on a background thread; returns a Future of BatchResult. One batch at a
@@ -341,11 +383,13 @@ class RewardPool:
             pass
 
     # -- internals --------------------------------------------------------------------------------
-    def _receive(self, w: _Worker, result: BatchResult) -> int:
+    def _receive(self, w: _Worker, result: BatchResult, pending: deque) -> int:
         """Handle what `w` sent (or its death). Returns how many items finished (0 or 1)."""
         try:
             msg = w.conn.recv()
-        except (EOFError, OSError):
+        except (EOFError, OSError) as exc:
+            if isinstance(exc, BlockingIOError):  # SO_RCVTIMEO: a reply that started, stalled
+                return self._protocol_broken(w, result, pending, f"a reply stalled ({exc})")
             code = w.proc.wait()
             if w.item is None:
                 if not w.ready:
@@ -356,25 +400,52 @@ class RewardPool:
             result.errored[i], result.errors[i] = True, f"worker died ({_exit_text(code)})"
             self._replace(w)
             return 1
-        if msg[0] == "ready":
+        except Exception as exc:  # noqa: BLE001 - bytes a verifier wrote to the worker's socket
+            return self._protocol_broken(w, result, pending, f"{type(exc).__name__}: {exc}")
+        if not w.ready and msg == ("ready",):
             w.ready = True
             self._start_failures = 0
             return 0
-        if msg[0] == "init_error":
+        if not w.ready and isinstance(msg, tuple) and msg[:1] == ("init_error",):
             raise RuntimeError(f"a reward worker failed to start:\n{msg[1]}")
+        if not _is_reply(msg, w.request) or w.item is None:
+            return self._protocol_broken(w, result, pending, f"unexpected message {msg!r:.200}")
         i, w.item = w.item, None
-        status, payload, info = msg
+        status, _, payload, info = msg
         if status == "ok":
-            result.scores[i], result.extras[i] = payload, info
+            result.scores[i], result.extras[i] = float(payload), info
         else:
             result.errored[i], result.errors[i] = True, payload
             log.debug("reward error on item %d: %s", i, payload)
+        w.calls += 1
+        if w.calls >= self.max_calls or _rss_bytes(w.proc.pid) > self.max_rss_bytes:
+            self.recycled += 1
+            self._replace(w, lost=False)
         return 1
 
-    def _replace(self, w: _Worker) -> None:
+    def _protocol_broken(self, w: _Worker, result: BatchResult, pending: deque, why: str) -> int:
+        """Replace `w`, whose replies can no longer be trusted; its item goes out once more, then
+        scores 0 as an error. Returns how many items finished (0 or 1)."""
+        self.protocol_failures += 1
+        log.warning("a reward worker broke the reply protocol (%s); replacing it", why)
+        i, w.item = w.item, None
+        self._replace(w)
+        if i is None:
+            return 0
+        if i not in self._retried:
+            self._retried.add(i)
+            pending.appendleft(i)
+            return 0
+        result.errored[i], result.errors[i] = (
+            True,
+            f"protocol: the verifier broke the reply ({why})",
+        )
+        return 1
+
+    def _replace(self, w: _Worker, lost: bool = True) -> None:
         w.kill()
         self.workers[self.workers.index(w)] = self._start()
-        self.replaced += 1
+        self.replaced += lost
 
     def _start(self) -> _Worker:
         while True:
@@ -397,6 +468,27 @@ class RewardPool:
         log.warning(
             "a reward worker %s; starting another (failure %d of %d)", why, n, MAX_START_FAILURES
         )
+
+
+def _is_reply(msg: Any, request: int) -> bool:
+    """Whether `msg` is a worker's reply to request id `request`."""
+    return (
+        isinstance(msg, tuple)
+        and len(msg) == 4
+        and msg[0] in ("ok", "error")
+        and msg[1] == request
+        and isinstance(msg[3], dict)
+        and (msg[0] == "error" or isinstance(msg[2], (int, float)))
+    )
+
+
+def _rss_bytes(pid: int) -> int:
+    """The resident memory of process `pid` (0 when it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, IndexError, ValueError):
+        return 0
 
 
 def _exit_text(code: int) -> str:

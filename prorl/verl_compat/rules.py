@@ -204,6 +204,8 @@ def _mini_batches(get) -> int | None:
     prompts, mini = _given(get, "data.train_batch_size"), _given(get, A + "ppo_mini_batch_size")
     if prompts is None or mini is None:
         return None
+    if prompts < 1:
+        raise Refused(f"data.train_batch_size={prompts} must be >= 1")
     if mini <= 0 or prompts % mini:
         raise Refused(
             f"data.train_batch_size={prompts} is not a multiple of ppo_mini_batch_size={mini}"

@@ -197,3 +197,54 @@ def test_a_damaged_file_is_named(hf_checkpoint, tmp_path, file, damage, message)
     with pytest.raises(ValueError, match=message) as err:
         load_hf(path)
     assert os.path.join(path, file) in str(err.value)
+
+
+def _transpose(state):
+    name = "model.layers.0.mlp.up_proj.weight"
+    state[name] = state[name].t().contiguous()
+
+
+def _drop(state):
+    del state["model.layers.1.mlp.down_proj.weight"]
+
+
+def _extra(state):
+    state["model.layers.0.mlp.surprise.weight"] = torch.zeros(2, 2)
+
+
+@pytest.mark.tally("bad_inputs")
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (_transpose, r"wrong shape model.layers.0.mlp.up_proj.weight: checkpoint \(64, 128\)"),
+        (_drop, "missing model.layers.1.mlp.down_proj.weight"),
+        (_extra, "unexpected model.layers.0.mlp.surprise.weight"),
+    ],
+    ids=["transposed", "missing", "extra"],
+)
+def test_the_start_up_check_names_a_tensor_that_does_not_fit(
+    hf_checkpoint, tmp_path, edit, message
+):
+    """check_hf_dir (train.py's check before anything loads: exit 2) reads the headers' names and
+    shapes; before, these surfaced only at load, as a traceback (exit 1)."""
+    from prorl.engine.model.hf_io import check_hf_dir
+
+    path = _copy(hf_checkpoint("qwen2"), tmp_path / "ckpt")
+    state = load_file(f"{path}/model.safetensors")
+    edit(state)
+    save_file(state, f"{path}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=message):
+        check_hf_dir(path)
+
+
+@pytest.mark.tally("bad_inputs")
+def test_a_nan_weight_in_the_input_model_is_named(hf_checkpoint, tmp_path):
+    """Before, it loaded silently and ended up in checkpoints/final."""
+    from prorl.engine.model import NonFiniteWeights
+
+    path = _copy(hf_checkpoint("qwen2"), tmp_path / "ckpt")
+    state = load_file(f"{path}/model.safetensors")
+    state["model.layers.1.self_attn.k_proj.weight"][3, 5] = float("nan")
+    save_file(state, f"{path}/model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(NonFiniteWeights, match="tensor model.layers.1.self_attn.k_proj.weight"):
+        load_hf(path)

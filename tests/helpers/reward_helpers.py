@@ -39,3 +39,63 @@ def counting(response, ground_truth, extra):
 
 def zero_with_stderr(response, ground_truth, extra):
     return {"score": 0.0, "stderr": "Traceback: boom"}
+
+
+def scribble_on_the_socket(response, ground_truth, extra):
+    """Writes a frame that is no pickle to the worker's own connection (its fd is the worker's
+    last argument), then scores 1."""
+    import struct
+    import sys
+
+    junk = b"this is not a pickle"
+    os.write(int(sys.argv[-1]), struct.pack("!i", len(junk)) + junk)
+    return 1.0
+
+
+def forged_reply(response, ground_truth, extra):
+    """Sends a well-formed reply of its own, with an id that no request has, then scores 0."""
+    import sys
+    from multiprocessing.connection import Connection
+
+    conn = Connection(int(sys.argv[-1]))
+    conn.send(("ok", -7, 1.0, {}))
+    conn._handle = None  # not closed: the worker still uses the descriptor
+    return 0.0
+
+
+def fork_and_score(response, ground_truth, extra):
+    """Forks; parent and child both return the ground truth (a number) as the score, and the child
+    returns into the worker's loop."""
+    os.fork()
+    return float(ground_truth)
+
+
+def ground_truth_score(response, ground_truth, extra):
+    return float(ground_truth)
+
+
+def fork_a_sleeper(response, ground_truth, extra):
+    """Starts a child that sleeps for a minute, writes its pid to the file the ground truth
+    names, and scores 1 (or hangs, when the response says so)."""
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(60)
+        os._exit(0)
+    with open(ground_truth, "a") as f:
+        f.write(f"{pid}\n")
+    while response == "hang":
+        time.sleep(60)
+    return 1.0
+
+
+_KEPT: list = []
+
+
+def leak_20_mib(response, ground_truth, extra):
+    """Keeps 20 MiB per call (touched, so resident) and scores 1."""
+    _KEPT.append(bytearray(20 * 2**20))
+    return 1.0
+
+
+def worker_pid(response, ground_truth, extra):
+    return {"score": 1.0, "pid": os.getpid()}

@@ -84,6 +84,26 @@ BAD_FILES = {
         _lines(ROW) + json.dumps(ROW).encode()[:30],
         "row 1 (line 2): not valid JSON",
     ),
+    "lone surrogate in a prompt": (
+        "d.jsonl",
+        _lines(ROW, dict(ROW, prompt=[{"role": "user", "content": "1+\ud800"}])),
+        "row 1: field 'prompt[0].content' holds a lone UTF-16 surrogate",
+    ),
+    "5000-digit integer ground truth": (
+        "d.jsonl",
+        _lines(ROW, _row(b"7" * 5000)),
+        "row 1 (line 2): a JSON value Python cannot read (Exceeds the limit (4300 digits)",
+    ),
+    "ground truth nested 100k deep (JSONL)": (
+        "d.jsonl",
+        _lines(_row(b"[" * 100_000 + b"]" * 100_000)),
+        "row 0 (line 1): JSON nested too deep",
+    ),
+    "ground truth nested 100k deep (.json)": (
+        "d.json",
+        b"[" + _row(b"[" * 100_000 + b"]" * 100_000) + b"]",
+        "JSON nested too deep",
+    ),
     "CSV named .parquet": (
         "d.parquet",
         b"data_source,prompt,ground_truth\nmath,1+1=,2\n",
@@ -104,6 +124,16 @@ def test_a_bad_data_file_is_named_with_its_row(tmp_path, case):
     assert str(err.value).startswith(f"{path}: ") and message in str(err.value), str(err.value)
     if case == "truncated last line":
         assert "a truncated file?" in str(err.value)
+
+
+@pytest.mark.tally("bad_inputs")
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_data_path_that_is_no_file_is_named(tmp_path, kind):
+    path = tmp_path / "x.jsonl"
+    path.mkdir() if kind == "directory" else os.mkfifo(path)
+    with pytest.raises(data.DataError, match="not a regular file") as err:
+        data.load_file(str(path))
+    assert str(err.value).startswith(f"{path}: ")
 
 
 @pytest.mark.tally("bad_inputs")

@@ -113,3 +113,44 @@ def test_dp_replicate_is_validated_naming_the_key(capsys):
     assert (
         "config error: model.dp_replicate=2 does not divide the 1 ranks" in capsys.readouterr().err
     )
+
+
+# (override, the key the message must name) - issue 41: each once trained on silently to exit 0
+# with NaN weights or rewards, exited with advice that did not fit, or failed later with a
+# traceback that named no key
+NUMERIC_CASES = [
+    ("optim.weight_decay=nan", "optim.weight_decay"),
+    ("optim.min_lr_ratio=nan", "optim.min_lr_ratio"),
+    ("reward.length_lam=nan", "reward.length_lam"),
+    ("algorithm.entropy_coef=nan", "algorithm.entropy_coef"),
+    ("trainer.val_temperature=nan", "trainer.val_temperature"),
+    ("reward.timeout_s=inf", "reward.timeout_s"),
+    ("reward.timeout_s=1e300", "reward.timeout_s"),
+    ("optim.betas=[nan,0.999]", "optim.betas[0]"),
+    ("optim.betas=[0.9,1.5]", "optim.betas"),
+    ("optim.eps=nan", "optim.eps"),
+    ("optim.eps=-1", "optim.eps"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay"),
+    ("optim.min_lr_ratio=2", "optim.min_lr_ratio"),
+    ("trainer.val_temperature=-1", "trainer.val_temperature"),
+    ("rollout.max_response_schedule={1: -3}", "rollout.max_response_schedule"),
+    ("rollout.max_response_schedule={1: 0}", "rollout.max_response_schedule"),
+    ("reward.length_lam=-1", "reward.length_lam"),
+]
+
+
+@pytest.mark.tally("bad_inputs")
+@pytest.mark.parametrize("override,key", NUMERIC_CASES, ids=[c[0] for c in NUMERIC_CASES])
+def test_a_non_finite_or_out_of_range_number_is_named(override, key):
+    with pytest.raises(ConfigError) as err:
+        load_config("default", [override])
+    message = str(err.value)
+    assert message.startswith(key + "="), message
+    value = override.split("=", 1)[1]
+    if value in ("nan", "inf"):
+        assert "finite" in message, message
+
+
+def test_every_preset_passes_the_numeric_checks():
+    for preset, extra in (("default", []), ("prolonged", []), ("prorl_v2_1.5b", ["model.path=x"])):
+        load_config(preset, extra)

@@ -161,3 +161,31 @@ def test_the_presets_validation_takes_more_than_one_prompt_per_call_on_a_trainer
     assert chunk == int(28.5 * GiB // per_prompt) == 7
     assert eval_module._chunk_size(model, s.k, seq, 2.0) == 1
     assert rollout_budget.validation_kv_gib(torch.device("cpu")) == 2.0  # the CPU: as before
+
+
+@pytest.mark.tally("faults")
+def test_a_validation_whose_verifier_calls_all_fail_says_so(tiny, monkeypatch):
+    """Before: 0.0% accuracy, no warning. Now the failed fraction is a metric (1.0 here: 9 prompts
+    x 2 samples, every call errored) and the report warns."""
+    from test_trainer_recipe import make
+
+    from prorl.report import validation_warning
+    from prorl.rewards.pool import BatchResult, RewardPool
+
+    def all_fail(self, sources, texts, truths, extras=None):
+        n = len(texts)
+        return BatchResult([0.0] * n, [False] * n, [True] * n, ["boom"] * n, [{}] * n)
+
+    model, tok = tiny
+    train, val = (
+        data.builtin("digit_sums", n=8, split="train"),
+        data.builtin("digit_sums", n=9, split="val"),
+    )
+    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
+        trainer = make((tok, train, val, pool), ["trainer.val_samples=2"])
+        trainer.models.generator = Recording(True)
+        monkeypatch.setattr(RewardPool, "score_batch", all_fail)
+        out = trainer.validate()
+        trainer.models.close()
+    assert out["val/accuracy"] == 0.0 and out["val/verify_failed_frac"] == 1.0
+    assert "100% of this validation's verifier calls failed" in validation_warning(out)

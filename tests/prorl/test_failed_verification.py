@@ -61,3 +61,39 @@ def test_verify_imputes_errored_and_timed_out_items():
     assert groups[1].raw == [1.0, 1.0]  # so does the timeout (1)
     sums = acc.reduce()[0]
     assert sums["samples_error"] == 1 and sums["samples_timeout"] == 1
+
+
+class _Scheduler:
+    def __init__(self):
+        self.seen = []
+
+    def observe(self, prompt, rewards):
+        self.seen.append((prompt, list(rewards)))
+
+
+@pytest.mark.tally("faults")
+def test_the_prompt_scheduler_sees_only_verified_scores():
+    """A failed verification is no evidence about a prompt: before, its imputed (or, with every
+    call failed, 0) score went into the scheduler's pass rate, and a prompt whose verifier always
+    failed was recorded as unsolved."""
+    sampler = GroupSampler.__new__(GroupSampler)
+    sampler.scheduler = _Scheduler()
+    sampler.cfg = SimpleNamespace(algorithm=SimpleNamespace(dynamic_sampling=True))
+    groups = [Group(i, [1], [[2], [3]], [[0.0], [0.0]], [False, False]) for i in range(3)]
+    groups[0].raw, groups[0].verified = [1.0, 1.0], [True, False]
+    groups[1].raw, groups[1].verified = [0.0, 0.0], [False, False]
+    groups[2].raw, groups[2].verified = [0.0, 1.0], [True, True]
+    sampler._keep(groups, StepAccumulator())
+    assert sampler.scheduler.seen == [(0, [1.0]), (2, [0.0, 1.0])]
+
+
+@pytest.mark.tally("bad_inputs")
+def test_a_mean_score_is_not_printed_as_an_accuracy_and_failed_validation_warns():
+    from prorl.report import accuracy_line, validation_warning
+
+    # a verl function scoring -1 / +1: a mean of -0.5 is no "-50.0%" accuracy
+    line = accuracy_line([(0, -0.5), (5, 0.25)], unit=False)
+    assert line == "held-out mean score -0.5 -> 0.25 (mean of the last 1 evaluations)"
+    assert accuracy_line([(0, 0.25), (5, 0.5)]).startswith("held-out accuracy 25.0% -> 50.0%")
+    assert validation_warning({"val/accuracy": 0.0, "val/verify_failed_frac": 1.0})
+    assert validation_warning({"val/accuracy": 0.4, "val/verify_failed_frac": 0.1}) is None

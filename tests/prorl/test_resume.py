@@ -38,6 +38,9 @@ OVERRIDES = [
     "optim.schedule=cosine",  # the schedule's position must survive too
     "optim.warmup_steps=2",
     "algorithm.reset.interval=2",  # reference resets after steps 2 and 4: pi_ref must be restored
+    # ProRL v1's optimizer reset with them: the checkpoints of steps 2 and 4 hold an AdamW without
+    # state, those of steps 1, 3 and 5 its moments
+    "algorithm.reset.reset_optimizer=true",
     "reward.length_k_on=2",  # the length penalty switches on and off within the run
     "reward.length_k_off=2",
     "scheduler.mode=pass-rate",  # the per-prompt record must survive too

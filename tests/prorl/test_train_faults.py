@@ -306,6 +306,19 @@ def _model_copy(tmp_path, file, damage):
     return [f"model.path={path}"], str(path / file)
 
 
+def _edit_weights(file, how: str) -> None:
+    """One tensor of safetensors `file` transposed, or given a NaN."""
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(file))
+    name = "model.layers.0.mlp.up_proj.weight"
+    if how == "transpose":
+        state[name] = state[name].t().contiguous()
+    else:
+        state[name][0, 0] = float("nan")
+    save_file(state, str(file), metadata={"format": "pt"})
+
+
 def _set_vocab(config_json, vocab_size: int) -> None:
     cfg = json.loads(config_json.read_text())
     config_json.write_text(json.dumps({**cfg, "vocab_size": vocab_size}))
@@ -340,6 +353,10 @@ BAD_INPUT = {  # case -> (overrides, the file the message names, what it says)
         lambda t: _data_file(t, [ROW, ROW.replace(b"1+1", b"1\xff1")]),
         "row 1 (line 2): not UTF-8",
     ),
+    "a transposed tensor": (
+        lambda t: _model_copy(t, "model.safetensors", lambda p: _edit_weights(p, "transpose")),
+        "wrong shape model.layers.0.mlp.up_proj.weight",
+    ),
     "empty data file": (lambda t: _data_file(t, []), "the file is empty"),
     "a dict as a math ground truth": (
         lambda t: _data_file(t, [ROW.replace(b'"2"', b'{"x": 2}')]),
@@ -360,6 +377,18 @@ def test_bad_input_exits_2_naming_the_file(tmp_path, case):
     assert named in proc.stderr and expected in proc.stderr, proc.stderr[-3000:]
     # found before any work
     assert "Traceback" not in proc.stderr and "reward self-test" not in proc.stdout
+
+
+@pytest.mark.tally("bad_inputs")
+def test_a_nan_weight_in_the_input_model_exits_2_naming_the_tensor(tmp_path):
+    """Before, it was trained from silently and ended up in checkpoints/final."""
+    overrides, named = _model_copy(tmp_path, "model.safetensors", lambda p: _edit_weights(p, "nan"))
+    cmd = train_command(tmp_path / "run", [*overrides, "trainer.total_steps=1"], nproc=None)
+    cmd[2:2] = ["--config", "default"]
+    proc = run(cmd, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"{named}: tensor model.layers.0.mlp.up_proj.weight holds NaN" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run" / "checkpoints").exists()
 
 
 @pytest.mark.tally("bad_inputs")
@@ -406,3 +435,37 @@ def test_steps_that_keep_no_group_are_skipped_and_a_stall_stops_cleanly(tmp_path
     assert "3 consecutive steps kept no group" in out, out[-3000:]
     # no traceback from prorl's code (torchrun prints its own)
     assert f'File "{ROOT}' not in out, out[-3000:]
+
+
+# train.py whose AdamW writes a NaN into its first parameter at its first step after the first save
+NAN_AFTER_STEP_1 = (
+    "import sys, torch; from prorl.engine.checkpoint import Checkpointer\n"
+    "step, save, saved = torch.optim.AdamW.step, Checkpointer.save, []\n"
+    "def poisoned(self, *a, **k):\n"
+    "    out = step(self, *a, **k)\n"
+    "    if saved:\n"
+    "        with torch.no_grad(): self.param_groups[0]['params'][0].view(-1)[0] = float('nan')\n"
+    "    return out\n"
+    "def counted(self, *a, **k):\n"
+    "    out = save(self, *a, **k); saved.append(1); return out\n"
+    "torch.optim.AdamW.step, Checkpointer.save = poisoned, counted\n"
+    "from prorl.train import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+@pytest.mark.tally("faults")
+def test_a_nan_weight_is_never_saved_and_exits_9_naming_tensor_and_step(tmp_path):
+    """A weight that turns NaN (here planted in the optimizer; in the field a NaN weight decay or
+    learning-rate floor did it) stops the run at the next save with exit 9, the tensor and the step
+    named, and the last good checkpoint kept; nothing is exported."""
+    out = tmp_path / "run"
+    cmd = train_command(out, [*TINY, "trainer.total_steps=3"], nproc=None)
+    cmd[1:2] = ["-c", NAN_AFTER_STEP_1]
+    res = run(cmd, timeout=300)
+    assert res.returncode == 9, res.stdout[-2000:] + res.stderr[-3000:]
+    assert re.search(r"prorl: step 2: model\.\S+ holds NaN or infinite values", res.stderr), (
+        res.stderr[-3000:]
+    )
+    assert complete_steps(out / "checkpoints") == [1]
+    assert not (out / "checkpoints" / "final").exists()
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]

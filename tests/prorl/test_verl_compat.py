@@ -186,3 +186,18 @@ def test_do_sample_false_means_greedy_in_training_and_validation(capsys):
     sampled = [f"{R}temperature=0.7", f"{R}do_sample=true", f"{R}val_kwargs.temperature=0.6"]
     cfg, _, _ = quiet_parse(["model.path=/m", *sampled, f"{R}val_kwargs.do_sample=true"], capsys)
     assert (cfg.rollout.temperature, cfg.trainer.val_temperature) == (0.7, 0.6)
+
+
+@pytest.mark.tally("bad_inputs")
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("data.train_batch_size=0", "data.train_batch_size=0 must be >= 1"),
+        ("trainer.mini_batches=0", "trainer.mini_batches must be >= 1"),
+    ],
+)
+def test_a_zero_batch_is_named_not_a_zero_division(override, message):
+    """Was: ZeroDivisionError out of the config checks (exit 1, no key named)."""
+    argv = ["--verl-config", SMALL] if override.startswith("data.") else ["model.path=/m"]
+    with pytest.raises(ConfigError, match=message):
+        parse_config([*argv, override])

@@ -209,3 +209,10 @@ def test_the_start_up_check_runs_the_function_once_per_data_source(reward_file):
             RuntimeError, match=f"data_source 'a'.*{reward_file}:raises raised KeyError"
         ):
             check_function(examples, pool)
+
+
+@pytest.mark.tally("bad_inputs")
+def test_a_bool_score_is_a_score_as_in_verl():
+    """verl's compute_score may return a bool (True: 1.0); it was refused (exit 3 at start)."""
+    assert check_result(True, "f")["score"] == 1.0 and check_result(False, "f")["score"] == 0.0
+    assert check_result({"score": True, "acc": True}, "f") == {"score": 1.0, "acc": True}

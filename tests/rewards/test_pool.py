@@ -288,8 +288,10 @@ def test_dirs_of_killed_runs_are_removed_at_start_and_live_ones_kept(
     killed, alive = runs
     try:
         (killed_workers, alive_workers) = [json.loads(r.stdout.readline()) for r in runs]
-        # the run and its workers, as the OOM killer or scancel would
-        os.killpg(killed.pid, signal.SIGKILL)
+        # the run and its workers (each in a process group of its own), as the OOM killer or
+        # scancel would
+        for pgid in [killed.pid] + [pid for pid, _ in killed_workers]:
+            os.killpg(pgid, signal.SIGKILL)
         killed.wait()
         assert _wait(lambda: all(_gone(pid) for pid, _ in killed_workers))
         assert all(os.path.isdir(d) for _, d in killed_workers)  # left behind

@@ -352,3 +352,72 @@ def test_tmpfs_and_many_processes_share_one_memory_limit(backend):
     assert (tmp_mib + held * per) * MIB <= limit, res.stdout
     assert res.oom_kills > 0
     assert res.memory_peak_bytes is not None and 0 < res.memory_peak_bytes <= limit
+
+
+_SOCKETS = (
+    "import socket\nout = {}\n"
+    "for name in ('AF_INET', 'AF_INET6', 'AF_NETLINK', 'AF_PACKET', 'AF_VSOCK', 'AF_UNIX'):\n"
+    "    try:\n"
+    "        socket.socket(getattr(socket, name), socket.SOCK_DGRAM).close()\n"
+    "        out[name] = 'open'\n"
+    "    except OSError as e:\n"
+    "        out[name] = e.errno\n"
+    "a, b = socket.socketpair()\nout['socketpair'] = 'open'\nprint(out)\n"
+)
+
+
+@pytest.mark.tally("attacks")
+@pytest.mark.parametrize("backend", ALL)
+def test_no_socket_family_but_unix(backend):
+    """Before: AF_VSOCK listened in a port space shared with the host (and, on `none`, AF_INET
+    reached the network)."""
+    res = run(_SOCKETS, backend)
+    assert res.returncode == 0, res.stderr
+    got = eval(res.stdout.decode())
+    refused = dict.fromkeys(("AF_INET", "AF_INET6", "AF_NETLINK", "AF_PACKET", "AF_VSOCK"), 97)
+    assert got == {**refused, "AF_UNIX": "open", "socketpair": "open"}
+
+
+_DISK = LIBC + (
+    "import errno, mmap\nout = []\n"
+    "libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]\n"
+    "for fd in (1, os.open('big', os.O_RDWR | os.O_CREAT)):\n"
+    "    # FALLOC_FL_KEEP_SIZE, 2 GiB: ext4 did not apply RLIMIT_FSIZE to it\n"
+    "    out.append((libc.fallocate(fd, 1, 0, 2**31), ctypes.get_errno()))\n"
+    "fd = os.open('sparse', os.O_RDWR | os.O_CREAT)\n"
+    "try:\n    os.ftruncate(fd, 2**31)\n    out.append('truncated')\n"
+    "except OSError as e:\n    out.append(e.errno)\n"
+    "os.ftruncate(fd, 4096)\nm = mmap.mmap(fd, 4096)\nm[:] = b'x' * 4096\nm.close()\n"
+    "try:\n    m = mmap.mmap(fd, 2**31)\n    out.append('mapped')\n"
+    "except (OSError, ValueError) as e:\n    out.append('refused')\n"
+    "n = 0\ntry:\n"
+    "    while n < 100000:\n"
+    "        with open(f'f{n}', 'wb') as f:\n            f.write(b'y' * 4096)\n"
+    "        n += 1\n"
+    "except OSError as e:\n    out.append(e.errno)\n"
+    "print(out, n)\n"
+)
+
+
+@pytest.mark.tally("attacks")
+@pytest.mark.parametrize("backend", ISOLATING)
+def test_disk_use_is_bounded_for_every_way_of_allocating(backend):
+    """fallocate on the stdout file the host opened (and on a scratch file) is refused; a 2 GiB
+    ftruncate passes RLIMIT_FSIZE (32 MiB) as EFBIG; an mmap cannot write past the file; many
+    small files fill the size-limited scratch tmpfs (64 MiB: ENOSPC) and stop there."""
+    limits = sandbox.Limits(wall_s=20.0, cpu_s=20)
+    res = run(_DISK, backend, limits=limits)
+    assert res.returncode == 0, res.stderr
+    out, files = res.stdout.decode().rsplit(" ", 1)
+    assert eval(out) == [(-1, 95), (-1, 95), 27, "refused", 28], res.stdout  # EFBIG, ENOSPC
+    assert int(files) * 4096 <= limits.tmpfs_bytes
+
+
+@pytest.mark.tally("attacks")
+@pytest.mark.parametrize("backend", ALL)
+def test_stdout_and_stderr_show_no_host_path(backend):
+    """Before: readlink /proc/self/fd/1 gave <TMPDIR>/prorl-sbx-.../stdout."""
+    code = "import os\nprint([os.readlink(f'/proc/self/fd/{fd}') for fd in (1, 2)])\n"
+    res = run(code, backend)
+    assert res.returncode == 0, res.stderr
+    assert eval(res.stdout.decode()) == ["/memfd:stdout (deleted)", "/memfd:stderr (deleted)"]

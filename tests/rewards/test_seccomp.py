@@ -101,3 +101,25 @@ def test_a_filter_the_kernel_refuses_stops_the_sandbox_naming_it(monkeypatch):
     monkeypatch.setattr(sandbox, "_filter_hex", lambda: bad.hex())
     with pytest.raises(sandbox.SandboxError, match="seccomp filter: Invalid argument"):
         run("print('ran')", sandbox.backend())
+
+
+AF = {"unix": 1, "inet": 2, "inet6": 10, "netlink": 16, "packet": 17, "vsock": 40, "unspec": 0}
+
+
+@pytest.mark.tally("attacks")
+@pytest.mark.parametrize("machine", ["x86_64", "aarch64"])
+def test_the_program_allows_only_unix_sockets_and_refuses_fallocate(machine):
+    """Before: socket(AF_VSOCK) listened in a port space shared with the host, and fallocate took
+    2 GiB of the host's disk past RLIMIT_FSIZE."""
+    prog = seccomp.program(machine)
+    col, arch = int(machine != "x86_64"), seccomp.AUDIT_ARCH[machine]
+    num = {n: v[col] for n, v in seccomp.SYSCALLS.items()}
+    for call in ("socket", "socketpair"):
+        for family, value in AF.items():
+            # SOCK_STREAM | SOCK_CLOEXEC in the second argument; the family alone decides
+            got = run_bpf(prog, num[call], arch, (value, 0x80001, 0, 0, 0, 0))
+            want = seccomp.RET_ALLOW if family == "unix" else seccomp.RET_ERRNO | 97
+            assert got == want, (call, family)
+        # the family is a 32-bit int: the upper half of the register does not make it AF_UNIX
+        assert run_bpf(prog, num[call], arch, (1 << 32 | 40, 1, 0, 0, 0, 0)) != seccomp.RET_ALLOW
+    assert run_bpf(prog, num["fallocate"], arch, (1, 1, 0, 2**31, 0, 0)) == seccomp.RET_ERRNO | 95

@@ -10,7 +10,8 @@ files, processes of the uid, no core dumps). The cgroup's memory counts the tmpf
 as well as every process's memory (`Result.memory_peak_bytes` is its own peak). A seccomp filter
 (`seccomp`), installed by the interpreter before any sandboxed code runs, denies keyrings, new user
 namespaces, mounts, ptrace and other kernel surface a judge never needs, on every backend. The
-environment is emptied (PATH, HOME, LANG); stdout/stderr go to size-limited files; on the wall clock
+environment is emptied (PATH, HOME, LANG); stdout/stderr go to size-limited memory files (memfd:
+no host path in /proc/self/fd, no host disk, charged to the run's memory cgroup); on the wall clock
 the whole run is SIGKILLed; it dies with its starter. /proc inside shows no host path: the
 namespace's pid 1 is `timeout` (unshare) or bwrap reading its options from a file, and the run's
 files are a tmpfs copy.
@@ -60,6 +61,7 @@ import select
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -322,18 +324,32 @@ def _own_deadline(limits: Limits) -> list[str]:
     return [timeout, "-s", "KILL", f"{limits.wall_s + 10:g}"]
 
 
+def _hidden_interpreter() -> str | None:
+    """What keeps an unprivileged user from running this interpreter (a folder on its path,
+    symlinks' targets included, without o+x), with the fix; or None."""
+    for path in (sys.executable, os.path.realpath(sys.executable)):
+        d = rootfs.hidden_dir(path)
+        if d:
+            mode = stat.S_IMODE(os.stat(d).st_mode)
+            return (
+                f"the interpreter {path} lies under {d} (mode {mode:o}), which other users cannot "
+                f"enter: `chmod o+x {d}` lets the sandbox's unprivileged user start it"
+            )
+    return None
+
+
 def _none_workdir(work: str, uid: int | None) -> int | None:
     """The `none` backend's working directory; returns the uid to drop to (as root), if any."""
     os.mkdir(work, 0o700)
     if uid is None:
         return None
-    exe = (sys.executable, os.path.realpath(sys.executable))
-    if any(rootfs.hidden_from_others(p) for p in exe):
+    hidden = _hidden_interpreter()
+    if hidden:
         if os.environ.get("PRORL_SANDBOX_ROOT_OK") != "1":
             raise SandboxError(
-                f"code sandbox `none` as root: the interpreter {exe[1]} lies where other users "
-                "cannot read it (e.g. under /root), so the code cannot drop to an unprivileged "
-                "uid and would run as root (able to signal or write anything on the machine). "
+                f"code sandbox `none` as root: {hidden}, so the code cannot drop to an "
+                "unprivileged uid and would run as root (able to signal or write anything on the "
+                "machine). "
                 "Install Python or the venv where other users can read it (/opt, /usr/local, "
                 "chmod o+rx on its folders), make a namespace sandbox work (install bubblewrap, "
                 "allow user namespaces), or, in a throwaway container, set PRORL_SANDBOX_ROOT_OK=1"
@@ -373,9 +389,12 @@ def _python_started(fd: int, timeout_s: float) -> bool:
         os.close(fd)
 
 
-def _read(path: str, limit: int) -> bytes:
-    with open(path, "rb") as f:
-        return f.read(limit)
+def _read(fd: int, limit: int) -> bytes:
+    """The first `limit` bytes of memory file `fd` (the code's stdout or stderr); closes `fd`."""
+    try:
+        return os.pread(fd, limit, 0)
+    finally:
+        os.close(fd)
 
 
 @functools.cache
@@ -479,42 +498,42 @@ def _prepare(launch: _Launch, name: str, code_dir: str, limits: Limits, uid: int
 def _run(launch: _Launch, name: str, limits: Limits, started_r: int) -> Result:
     """Start the sandbox, wait for Python inside and then for the code (its wall clock), kill what
     is left of it, and read its output."""
-    out_path, err_path = os.path.join(launch.outer, "stdout"), os.path.join(launch.outer, "stderr")
-    with open(out_path, "wb") as out, open(err_path, "wb") as err:
-        try:
-            proc = subprocess.Popen(
-                launch.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                cwd=launch.cwd,
-                env={"PATH": SAFE_PATH + ":/usr/sbin:/sbin"},
-                start_new_session=True,
-                close_fds=True,
-                pass_fds=launch.inherit,
-                preexec_fn=_preexec(limits, launch.drop_uid, launch.cgroup),
-            )
-        except (OSError, subprocess.SubprocessError) as exc:
-            os.close(started_r)
-            raise SandboxError(
-                f"cannot start the `{name}` sandbox ({launch.argv[0]}): {exc}"
-            ) from exc
-        finally:
-            for fd in launch.inherit:
-                os.close(fd)
-        started, returncode, timed_out, start = _wait(
-            proc, started_r, limits.wall_s, launch.drop_uid
+    # memory files, not files under the host's TMPDIR: readlink of /proc/self/fd/1 showed the host
+    # path, and fallocate on it took the host's disk
+    out, err = os.memfd_create("stdout"), os.memfd_create("stderr")
+    try:
+        proc = subprocess.Popen(
+            launch.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            cwd=launch.cwd,
+            env={"PATH": SAFE_PATH + ":/usr/sbin:/sbin"},
+            start_new_session=True,
+            close_fds=True,
+            pass_fds=launch.inherit,
+            preexec_fn=_preexec(limits, launch.drop_uid, launch.cgroup),
         )
+    except (OSError, subprocess.SubprocessError) as exc:
+        for fd in (started_r, out, err):
+            os.close(fd)
+        raise SandboxError(f"cannot start the `{name}` sandbox ({launch.argv[0]}): {exc}") from exc
+    finally:
+        for fd in launch.inherit:
+            os.close(fd)
+    started, returncode, timed_out, start = _wait(proc, started_r, limits.wall_s, launch.drop_uid)
     wall = time.monotonic() - start
-    stderr = _read(err_path, limits.output_bytes)
+    stdout, stderr = _read(out, limits.output_bytes), _read(err, limits.output_bytes)
     if not started:
         what = f"within {SETUP_TIMEOUT_S:g} s" if timed_out else f"(exit code {returncode})"
         detail = stderr.decode(errors="replace").strip()[-2000:] or "no error output"
+        if os.geteuid() == 0 and _hidden_interpreter():  # the code's unprivileged uid cannot
+            detail += f"; the cause: {_hidden_interpreter()}"
         raise SandboxError(f"the `{name}` sandbox did not start Python {what}: {detail}")
     cgroup = launch.cgroup
     return Result(
         returncode,
-        _read(out_path, limits.output_bytes),
+        stdout,
         stderr,
         timed_out,
         wall,

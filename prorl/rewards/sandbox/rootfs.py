@@ -83,14 +83,21 @@ def _library_dirs(executable: str) -> list[str]:
 def hidden_from_others(path: str) -> bool:
     """Whether a directory on `path` cannot be traversed by other users (the `none` backend's uid
     drop)."""
+    return hidden_dir(path) is not None
+
+
+def hidden_dir(path: str) -> str | None:
+    """The first directory on `path` that other users cannot traverse (no o+x: /root, or a venv
+    made in `mktemp -d`, mode 700), or None."""
     parts = path.strip(os.sep).split(os.sep)
     for i in range(1, len(parts)):
+        d = os.sep + os.sep.join(parts[:i])
         try:
-            if not os.stat(os.sep + os.sep.join(parts[:i])).st_mode & stat.S_IXOTH:
-                return True
+            if not os.stat(d).st_mode & stat.S_IXOTH:
+                return d
         except OSError:
-            return False
-    return False
+            return None
+    return None
 
 
 def user_sites() -> list[str]:

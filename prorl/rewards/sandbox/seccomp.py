@@ -11,14 +11,19 @@ that denies:
   flags live in memory a classic-BPF filter cannot read), so glibc falls back to `clone`;
 - mounts (`mount`, `umount2`, `pivot_root`, the new mount API), `ptrace` and `process_vm_*`, `bpf`,
   `perf_event_open`, `userfaultfd`, io_uring, module and kexec loading, `reboot`, swap, `acct`,
-  file handles (`open_by_handle_at`).
+  file handles (`open_by_handle_at`);
+- sockets of any family but AF_UNIX (`socket`, `socketpair`: EAFNOSUPPORT): AF_VSOCK, for one,
+  reaches a port space shared with the host from inside a network namespace;
+- `fallocate` (EOPNOTSUPP, so glibc's `posix_fallocate` falls back to writing, which RLIMIT_FSIZE
+  bounds): ext4 does not apply RLIMIT_FSIZE to FALLOC_FL_KEEP_SIZE, and 2 GiB of the host's disk
+  went to the stdout file the host had opened.
 
-Denied calls fail with EPERM (ENOSYS for `clone3`). A call made through another ABI (`int 0x80`'s
-i386 table on x86_64, whose numbers differ, or the x32 ABI) kills the process: the filter checks the
-audit architecture first, as every hand-built filter must. The program is classic BPF built here,
-with the syscall numbers of x86_64 and aarch64 written out (tests check them against the kernel's
-headers); on another architecture `program()` is None and the sandbox runs without a filter, with a
-warning.
+Denied calls fail with EPERM (ENOSYS for `clone3`, and as said above). A call made through another
+ABI (`int 0x80`'s i386 table on x86_64, whose numbers differ, or the x32 ABI) kills the process: the
+filter checks the audit architecture first, as every hand-built filter must. The program is classic
+BPF built here, with the syscall numbers of x86_64 and aarch64 written out (tests check them against
+the kernel's headers); on another architecture `program()` is None and the sandbox runs without a
+filter, with a warning.
 
 Why not libseccomp: its Python bindings are Debian's `python3-seccomp` (importable only by Debian's
 own interpreter, not a venv's or conda's) or the small `pyseccomp` ctypes wrapper, and it would need
@@ -76,10 +81,20 @@ SYSCALLS = {
     "acct": (163, 89),
     "open_by_handle_at": (304, 265),
     "name_to_handle_at": (303, 264),
+    "socket": (41, 198),
+    "socketpair": (53, 199),
+    "fallocate": (285, 47),
 }
 FLAG_CHECKED = ("unshare", "clone")  # denied only with CLONE_NEWUSER in their first argument
 ENOSYS_CALLS = ("clone3",)
-DENIED = tuple(n for n in SYSCALLS if n not in FLAG_CHECKED + ENOSYS_CALLS)
+FAMILY_CHECKED = ("socket", "socketpair")  # allowed only for AF_UNIX (their first argument)
+AF_UNIX, EAFNOSUPPORT, EOPNOTSUPP = 1, 97, 95
+OTHER_ERRNO = {"fallocate": EOPNOTSUPP}
+DENIED = tuple(
+    n
+    for n in SYSCALLS
+    if n not in FLAG_CHECKED + ENOSYS_CALLS + FAMILY_CHECKED + tuple(OTHER_ERRNO)
+)
 
 # classic BPF opcodes and seccomp return values (linux/filter.h, linux/seccomp.h)
 _LD_ABS_W, _JEQ, _JGE, _JSET, _RET = 0x20, 0x15, 0x35, 0x45, 0x06
@@ -114,6 +129,15 @@ def program(machine: str | None = None) -> bytes | None:
         p += [_insn(_JEQ, nr[name], 0, 1), _insn(_RET, RET_ERRNO | EPERM)]
     for name in ENOSYS_CALLS:
         p += [_insn(_JEQ, nr[name], 0, 1), _insn(_RET, RET_ERRNO | ENOSYS)]
+    for name, errno in OTHER_ERRNO.items():
+        p += [_insn(_JEQ, nr[name], 0, 1), _insn(_RET, RET_ERRNO | errno)]
+    for name in FAMILY_CHECKED:  # jump over the 4-instruction family check unless it is this call
+        p += [_insn(_JEQ, nr[name], 0, 4), _insn(_LD_ABS_W, arg0_low)]
+        p += [
+            _insn(_JEQ, AF_UNIX, 1, 0),
+            _insn(_RET, RET_ERRNO | EAFNOSUPPORT),
+            _insn(_RET, RET_ALLOW),
+        ]
     for name in FLAG_CHECKED:  # jump over the 4-instruction flag check unless it is this call
         p += [_insn(_JEQ, nr[name], 0, 4), _insn(_LD_ABS_W, arg0_low)]
         p += [
