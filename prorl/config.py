@@ -350,6 +350,8 @@ OPTIM_HELP = {
         "the cosine schedule's length (0/None: trainer.total_steps x mini_batches)"
     ),
     "optim.min_lr_ratio": "the cosine schedule's floor, as a fraction of lr",
+    "optim.decay_1d": "weight decay on biases and norm weights too (verl's AdamW decays every "
+    "parameter)",
 }
 
 

@@ -132,7 +132,15 @@ only(M + "hf_config_path", None, why="prorl loads config.json from model.path")
 
 # -- actor: optimizer ------------------------------------------------------------------------------
 simple(A + "optim.lr", "optim.lr", float)
-simple(A + "optim.weight_decay", "optim.weight_decay", float)
+
+
+@rule(A + "optim.weight_decay")
+def _weight_decay(get):
+    """optim.weight_decay, optim.decay_1d=true (verl's AdamW decays every parameter, biases and
+    norm weights too)"""
+    return {"optim.weight_decay": float(get(A + "optim.weight_decay")), "optim.decay_1d": True}
+
+
 simple(A + "optim.betas", "optim.betas", lambda v: [float(x) for x in v])
 simple(A + "optim.min_lr_ratio", "optim.min_lr_ratio", float)
 only(A + "optim.optimizer", "AdamW", why="prorl's optimizer is AdamW")
@@ -183,7 +191,9 @@ def _schedule(get):
       "data.train_batch_size", "trainer.total_training_steps")  # fmt: skip
 def _warmup(get):
     """optim.warmup_steps: verl counts RL steps (its scheduler steps once per update_actor), prorl
-    optimizer steps: x trainer.mini_batches"""
+    optimizer steps: x trainer.mini_batches. The ramp's length is verl's, not each step's value:
+    verl holds one lr for all of an RL step's updates and starts from 0, prorl's lr rises per
+    optimizer step from lr / warmup_steps"""
     steps, ratio = (
         _given(get, A + "optim.lr_warmup_steps"),
         _given(get, A + "optim.lr_warmup_steps_ratio"),
@@ -345,17 +355,29 @@ only("actor_rollout_ref.hybrid_engine", True, why="prorl colocates the sampler w
 
 
 # -- algorithm -------------------------------------------------------------------------------------
-@rule("algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo")
+@rule("algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo", R + "n")
 def _advantage(get):
-    """algorithm.advantage: grpo (dr-grpo without norm_adv_by_std_in_grpo),
-    reinforce_plus_plus_baseline"""
+    """algorithm.advantage: grpo with the unbiased group std (verl divides by torch.std; dr-grpo
+    without norm_adv_by_std_in_grpo), reinforce_plus_plus_baseline (token-weighted whitening, as
+    verl's masked_whiten; verl's variance carries Bessel's T / (T - 1) over the batch's T response
+    tokens, prorl's not: a relative difference of 1 / 2T). rollout.n=1 is refused: verl takes a
+    lone response's raw score as its advantage, prorl centres it to 0"""
     est, norm = get("algorithm.adv_estimator"), _given(get, "algorithm.norm_adv_by_std_in_grpo")
     if est is ABSENT:
         return {}
+    if est in ("grpo", "reinforce_plus_plus_baseline") and _given(get, R + "n") == 1:
+        raise Refused(
+            f"{est} with {R}n=1: verl's advantage is then the raw score, prorl centres a group of "
+            f"one to 0 (nothing is learnt); set {R}n to the group size (ProRL: 16)"
+        )
     if est == "grpo":
-        return {"algorithm.advantage": "dr-grpo" if norm is False else "grpo"}
+        mode = "dr-grpo" if norm is False else "grpo"
+        return {"algorithm.advantage": mode, "algorithm.grpo_std_unbiased": True}
     if est == "reinforce_plus_plus_baseline":
-        return {"algorithm.advantage": "reinforce++-baseline"}
+        return {
+            "algorithm.advantage": "reinforce++-baseline",
+            "algorithm.whiten_weighting": "token",
+        }
     why = "prorl has no critic (value model)" if est == "gae" else "not one of prorl's estimators"
     raise Refused(f"{why}: use grpo or reinforce_plus_plus_baseline (ProRL's)")
 

@@ -1,0 +1,71 @@
+"""A verl run translated by prorl/verl_compat trains what verl 0.9.1 trains: the numbers below come
+from verl's formulas written out in float64 (its `compute_grpo_outcome_advantage` divides by
+torch.std, Bessel-corrected; its AdamW decays every parameter), not from prorl's code;
+tests/peers/test_verl_algorithms.py calls verl's own functions on the same inputs."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from prorl.config import ConfigError
+from prorl.engine.optim import param_groups
+from prorl.kernels import group_advantages
+from prorl.train import parse_config
+
+DATA = Path(__file__).resolve().parent / "data"
+SMALL = str(DATA / "verl_grpo_small.yaml")
+A, R = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout."
+
+
+def _algo(argv, capsys):
+    cfg, _, _ = parse_config(argv)
+    capsys.readouterr()
+    return cfg
+
+
+def _advantages(cfg, rewards, n):
+    a = cfg.algorithm
+    r = torch.tensor(rewards, dtype=torch.float64)
+    groups = torch.arange(len(rewards) // n).repeat_interleave(n)
+    return group_advantages(r, groups, mode=a.advantage, std_unbiased=a.grpo_std_unbiased)
+
+
+def test_verls_grpo_divides_by_the_unbiased_group_std(capsys):
+    """rewards [1, 0, 0, 0] at n = 4: verl's (1 - 0.25) / (torch.std + 1e-6) = 0.75 / 0.5 = 1.5
+    (a population std gives 1.732)."""
+    cfg = _algo(["--verl-config", SMALL, "algorithm.norm_adv_by_std_in_grpo=true"], capsys)
+    assert cfg.algorithm.advantage == "grpo"
+    rewards = [1.0, 0.0, 0.0, 0.0, 0.3, 0.9, 0.9, 0.1]
+    expected = []
+    for g in (rewards[:4], rewards[4:]):
+        t = torch.tensor(g, dtype=torch.float64)
+        expected += ((t - t.mean()) / (t.std(unbiased=True) + 1e-6)).tolist()
+    got = _advantages(cfg, rewards, 4)
+    torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64))
+    assert got[0].item() == pytest.approx(0.75 / (0.5 + 1e-6), rel=1e-12)
+    # on a plain command line too
+    cfg = _algo(["model.path=/m", "algorithm.adv_estimator=grpo"], capsys)
+    assert (cfg.algorithm.advantage, cfg.algorithm.grpo_std_unbiased) == ("grpo", True)
+
+
+def test_a_group_of_one_is_refused_with_a_group_estimator(capsys):
+    """verl's GRPO takes a lone response's raw score as its advantage (mean 0, std 1); prorl centres
+    it to 0: rollout.n=1 (verl's default) is refused, naming the key."""
+    with pytest.raises(ConfigError, match=rf"{R}n=1"):
+        parse_config(["--verl-config", SMALL, f"{R}n=1"])
+
+
+def test_verls_weight_decay_applies_to_biases_and_norms_too(capsys):
+    """verl builds AdamW over module.parameters() with one weight_decay: 1-D parameters decay."""
+    cfg = _algo(["--verl-config", SMALL, f"{A}optim.weight_decay=0.1"], capsys)
+    o = cfg.optim
+    assert (o.weight_decay, o.decay_1d) == (0.1, True)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.LayerNorm(3))
+    decayed = {id(p) for g in param_groups(model, o.weight_decay, o.decay_1d) for p in g["params"]
+               if g["weight_decay"] == 0.1}  # fmt: skip
+    assert decayed == {id(p) for p in model.parameters()}
+    # prorl's own default keeps biases and norms undecayed
+    plain = _algo(["model.path=/m"], capsys).optim
+    kept = [g for g in param_groups(model, plain.weight_decay, plain.decay_1d) if g["params"]]
+    assert [len(g["params"]) for g in kept] == [1, 3] and kept[1]["weight_decay"] == 0.0
