@@ -1,6 +1,6 @@
 """What a translated verl config trains, against verl 0.9.1's own functions: the advantage
-estimators (`compute_grpo_outcome_advantage`, `compute_reinforce_plus_plus_baseline_outcome_advantage`)
-and the optimizer (`build_optimizer`), called on the inputs prorl gets, with prorl's settings from
+estimators (`compute_grpo_outcome_advantage`,
+`compute_reinforce_plus_plus_baseline_outcome_advantage`) and the optimizer (`build_optimizer`), called on the inputs prorl gets, with prorl's settings from
 `--verl-config` (prorl/verl_compat)."""
 
 import os
@@ -15,10 +15,10 @@ core_algos = pytest.importorskip(
     reason="verl is not installed here (.ci/peers.sh installs verl 0.9.1)",
 )
 import numpy as np  # noqa: E402
-from verl.workers.config.optimizer import FSDPOptimizerConfig, build_optimizer  # noqa: E402
-
 from prorl.engine.optim import Optimizer  # noqa: E402
 from prorl.kernels import group_advantages  # noqa: E402
+from verl.workers.config.optimizer import FSDPOptimizerConfig, build_optimizer  # noqa: E402
+
 from prorl.train import parse_config  # noqa: E402
 
 VERL = os.path.dirname(core_algos.__file__)

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from prorl.config import ConfigError
 from prorl.engine.optim import param_groups
 from prorl.kernels import group_advantages
+
+from prorl.config import ConfigError
 from prorl.train import parse_config
 
 DATA = Path(__file__).resolve().parent / "data"
