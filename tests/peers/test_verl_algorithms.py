@@ -1,7 +1,7 @@
 """What a translated verl config trains, against verl 0.9.1's own functions: the advantage
 estimators (`compute_grpo_outcome_advantage`,
-`compute_reinforce_plus_plus_baseline_outcome_advantage`) and the optimizer (`build_optimizer`), called on the inputs prorl gets, with prorl's settings from
-`--verl-config` (prorl/verl_compat)."""
+`compute_reinforce_plus_plus_baseline_outcome_advantage`) and the optimizer (`build_optimizer`),
+called on the inputs prorl gets, with prorl's settings from `--verl-config` (prorl/verl_compat)."""
 
 import os
 
