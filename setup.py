@@ -108,7 +108,7 @@ setup(
     + ["prorl." + p for p in find_packages("prorl")]
     + ["prorl.kernels." + p for p in find_packages("kernels")]
     + ["prorl.engine." + p for p in find_packages("engine")],
-    package_data={"prorl.kernels": ["csrc/*.cpp", "csrc/*.h"]},
+    package_data={"prorl.kernels": ["csrc/*.cpp", "csrc/*.h"], "prorl.verl_compat": ["*.json"]},
     ext_modules=[CMakeExtension("prorl.kernels._C")],
     cmdclass={"build_ext": CMakeBuild},
     # torch is a requirement, but installing it is the user's first step (README): on CPU machines

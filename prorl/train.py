@@ -144,7 +144,7 @@ def parse_config(argv: list[str] | None):
     # stderr beside --print-config's YAML
     if verl is not None and int(os.environ.get("RANK", "0")) == 0:
         print(
-            verl_compat.format_table(verl, args.verl_config),
+            verl_compat.format_table(verl, args.verl_config, list_ignored=args.print_config),
             file=sys.stderr if args.print_config else None,
         )
     cfg = load_config(preset, overrides, values)

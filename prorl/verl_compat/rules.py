@@ -10,6 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from prorl.config import fields
+from prorl.verl_compat.keys import shared_section_keys
+
 ABSENT = object()  # a verl key the file or the command line did not give
 
 # verl sections that prorl does not have: a dotted key under one of them is verl's (`reward` is
@@ -545,49 +548,5 @@ _IGNORED = [(re.compile(p), why) for p, why in IGNORED]
 
 # verl 0.9.1's keys in the sections prorl shares (data, trainer, algorithm) that prorl does not
 # have: on a prorl command line they are verl's (translated, ignored or refused), never a misspelt
-# prorl key (tests/peers/test_verl_config.py checks the list against verl's
-# _generated_ppo_trainer.yaml)
-_IN_SHARED_SECTIONS = {
-    "algorithm": (
-        "adv_estimator filter_groups.enable filter_groups.max_inflight_gen_batches "
-        "filter_groups.max_num_gen_batches filter_groups.metric gamma kl_ctrl.horizon "
-        "kl_ctrl.kl_coef kl_ctrl.target_kl kl_ctrl.type kl_penalty lam norm_adv_by_std_in_grpo "
-        "pf_ppo.reweight_method pf_ppo.weight_pow rollout_correction.bypass_mode "
-        "rollout_correction.loss_type rollout_correction.rollout_is "
-        "rollout_correction.rollout_is_batch_normalize rollout_correction.rollout_is_threshold "
-        "rollout_correction.rollout_rs rollout_correction.rollout_rs_threshold use_kl_in_reward "
-        "use_pf_ppo"
-    ),
-    "data": (
-        "apply_chat_template_kwargs audio_key custom_cls.name custom_cls.path "
-        "dataloader_num_workers filter_overlong_prompts filter_overlong_prompts_workers "
-        "function_tool_path gen_batch_size image_key image_patch_size max_prompt_length "
-        "max_response_length mm_processor_kwargs return_full_prompt return_multi_modal_inputs "
-        "return_raw_chat return_raw_input_ids reward_fn_key seed tokenizer tool_config_path "
-        "train_batch_size train_max_samples truncation trust_remote_code use_shm val_batch_size "
-        "val_max_samples validation_shuffle video_key"
-    ),
-    "trainer": (
-        "balance_batch checkpoint_callback_class critic_warmup default_hdfs_dir default_local_dir "
-        "del_local_ckpt_after_load device esi_redundant_time experiment_name log_val_generations "
-        "logger max_actor_ckpt_to_keep max_critic_ckpt_to_keep n_gpus_per_node nnodes "
-        "project_name ray_wait_register_center_timeout resume_from_path resume_mode "
-        "rollout_data_dir save_freq test_freq total_epochs total_training_steps use_v1 "
-        "v1.colocate_async.num_warmup_batches v1.sampler.custom_sampler.name "
-        "v1.sampler.custom_sampler.path v1.sampler.max_off_policy_strategy "
-        "v1.sampler.max_off_policy_threshold v1.sampler.sampler_kwargs "
-        "v1.sampler.sync_refill_failed_groups "
-        "v1.separate_async.hybrid_rollout.adaptive_switch_threshold "
-        "v1.separate_async.hybrid_rollout.enable_switch "
-        "v1.separate_async.hybrid_rollout.switch_cost_window_size "
-        "v1.separate_async.hybrid_rollout.switch_threshold_ratio "
-        "v1.separate_async.hybrid_rollout.switch_threshold_release_steps "
-        "v1.separate_async.hybrid_rollout.switch_threshold_step_down "
-        "v1.separate_async.hybrid_rollout.switch_threshold_step_up "
-        "v1.separate_async.num_warmup_batches v1.separate_async.parameter_sync_step v1.sync "
-        "v1.trainer_mode val_only validation_data_dir"
-    ),
-}
-VERL_KEYS_IN_SHARED_SECTIONS = frozenset(
-    f"{s}.{k}" for s, ks in _IN_SHARED_SECTIONS.items() for k in ks.split()
-)
+# prorl key
+VERL_KEYS_IN_SHARED_SECTIONS = shared_section_keys({k for k, _ in fields()})

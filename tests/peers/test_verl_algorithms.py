@@ -111,3 +111,22 @@ def test_weight_decay_is_verls_adamw():
     verl_opt.step()
     for mine, verls in zip(ours.parameters(), theirs.parameters()):
         torch.testing.assert_close(mine, verls, rtol=1e-12, atol=1e-12)
+
+
+def test_the_key_list_is_verls():
+    """prorl/verl_compat/verl_0_9_1_defaults.json is verl's composed trainer config; the keys
+    prorl takes from verl's dataclasses are fields of them, at those defaults; every key refused
+    away from its default is one of verl's."""
+    from verl.workers.config import RolloutConfig
+
+    from prorl.verl_compat.files import load_file, resolve
+    from prorl.verl_compat.keys import CHANGES_TRAINING, DATACLASS_ONLY, VERL_DEFAULTS, known
+
+    generated = os.path.join(os.path.dirname(PPO_TRAINER), "_generated_ppo_trainer.yaml")
+    assert VERL_DEFAULTS == resolve(load_file(generated), [])
+    fields = {f.name: f for f in RolloutConfig.__dataclass_fields__.values()}
+    for key, value in DATACLASS_ONLY.items():
+        name = key.rsplit(".", 1)[1]
+        assert name in fields and key not in VERL_DEFAULTS
+        assert fields[name].default == value
+    assert all(known(k) for k in CHANGES_TRAINING)

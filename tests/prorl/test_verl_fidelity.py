@@ -11,7 +11,7 @@ from prorl.engine.optim import param_groups
 from prorl.kernels import group_advantages
 
 from prorl.config import ConfigError
-from prorl.train import parse_config
+from prorl.train import main, parse_config
 
 DATA = Path(__file__).resolve().parent / "data"
 SMALL = str(DATA / "verl_grpo_small.yaml")
@@ -69,3 +69,50 @@ def test_verls_weight_decay_applies_to_biases_and_norms_too(capsys):
     plain = _algo(["model.path=/m"], capsys).optim
     kept = [g for g in param_groups(model, plain.weight_decay, plain.decay_1d) if g["params"]]
     assert [len(g["params"]) for g in kept] == [1, 3] and kept[1]["weight_decay"] == 0.0
+
+
+@pytest.mark.tally("bad_inputs")
+@pytest.mark.parametrize(
+    "key, near",
+    [
+        (f"{R}temprature=0.6", f"{R}temperature"),
+        ("data.train_batch_szie=8", "data.train_batch_size"),  # not prorl's data.train_size
+        ("algorithm.kl_ctrl.kl_coeff=0.1", "algorithm.kl_ctrl.kl_coef"),
+        ("actor_rollout_ref.ref.log_prob_micro_batch_sizee=2", "ref.log_prob_micro_batch_size"),
+        (f"{A}made_up_key=3", None),
+    ],
+)
+def test_a_key_verl_rejects_is_an_error_with_verls_spelling(key, near, capsys):
+    """verl's hydra rejects a key its config lacks (without `+`): so does prorl, exit 2, naming
+    the nearest verl key."""
+    assert main(["model.path=/m", key, "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert f"{key.split('=')[0]}=" in err and "not a verl 0.9.1 key" in err
+    if near:
+        assert near in err.split("did you mean ", 1)[1]
+    else:
+        assert "did you mean" not in err
+
+
+@pytest.mark.tally("bad_inputs")
+def test_a_key_that_changes_sampling_is_honoured_or_refused(capsys):
+    """rollout.repetition_penalty (verl's RolloutConfig; prorl's sampler has no penalty): refused
+    away from verl's 1.0, with or without `+`; at 1.0 it changes nothing and is ignored."""
+    for given in (f"{R}repetition_penalty=1.1", f"+{R}repetition_penalty=1.1"):
+        assert main(["model.path=/m", given, "--print-config"]) == 2
+        err = capsys.readouterr().err
+        assert "repetition_penalty=1.1: changes what verl samples" in err and "1.0" in err
+    assert main(["model.path=/m", f"{R}repetition_penalty=1.0", "--print-config"]) == 0
+    err = capsys.readouterr().err
+    assert f"ignored, at verl's default: {R}repetition_penalty" in err
+
+
+def test_print_config_lists_every_ignored_key_with_why(capsys):
+    assert main(["--verl-config", SMALL, "--print-config"]) == 0
+    err = capsys.readouterr().err
+    assert "4 verl keys ignored" in err
+    for key in (f"{R}tensor_model_parallel_size", "trainer.n_gpus_per_node", "trainer.nnodes",
+                "ray_kwargs.ray_init.num_cpus"):  # fmt: skip
+        assert key in err.split("ignored, ", 1)[1]
+    parse_config(["--verl-config", SMALL])  # a run without --print-config says where the list is
+    assert "--print-config lists them" in capsys.readouterr().out

@@ -1,0 +1,92 @@
+"""verl 0.9.1's own keys and defaults (`verl_0_9_1_defaults.json`: its composed
+`_generated_ppo_trainer.yaml`, flattened and resolved; tests/peers/test_verl_config.py checks it),
+and the verl keys without a prorl rule that change what verl samples or trains.
+
+A key verl does not have is one hydra rejects on verl's command line (without `+`); a known key that
+changes what is sampled or trained and that prorl has no rule for is honoured only at verl's
+default. Regenerate the file with `python -m prorl.verl_compat.keys VERL/trainer/config`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import sys
+
+_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verl_0_9_1_defaults.json")
+with open(_FILE) as _f:
+    VERL_DEFAULTS: dict = json.load(_f)
+
+# verl keys that its config dataclasses declare but its YAML does not (verl takes them with `+`)
+DATACLASS_ONLY = {
+    "actor_rollout_ref.rollout.repetition_penalty": 1.0,
+    "actor_rollout_ref.rollout.standalone_gpu_memory_utilization": None,
+    "actor_rollout_ref.rollout.moe_tensor_parallel_size": 1,
+    "actor_rollout_ref.rollout.custom": None,
+    "actor_rollout_ref.rollout.checkpoint_manager_class": None,
+}
+
+# verl keys with no prorl rule that change what is sampled or trained: honoured at verl's default
+# only (a sampling penalty, the sampler's dtype or context, another agent loop, a quantised or
+# speculative sampler, a LoRA adapter loaded, a tokenizer other than the model's, tools, the actor's
+# mini-batch shuffle, an asynchronous trainer mode)
+CHANGES_TRAINING = {
+    "actor_rollout_ref.rollout." + k
+    for k in (
+        "repetition_penalty dtype max_model_len logprobs_mode engine_kwargs.vllm "
+        "engine_kwargs.sglang engine_kwargs.trtllm agent.default_agent_loop "
+        "agent.agent_loop_config_path agent.custom_async_server.path "
+        "agent.custom_async_server.name quantization quantization_config_file "
+        "enable_rollout_routing_replay mtp.enable mtp.enable_train mtp.enable_rollout custom"
+    ).split()
+} | {
+    "actor_rollout_ref.model.lora_adapter_path", "actor_rollout_ref.model.lora.adapter_path",
+    "actor_rollout_ref.model.mtp.enable", "actor_rollout_ref.model.mtp.enable_train",
+    "actor_rollout_ref.actor.shuffle", "data.tokenizer", "data.tool_config_path",
+    "data.function_tool_path", "trainer.v1.trainer_mode",
+}  # fmt: skip
+
+
+def default(key: str):
+    return DATACLASS_ONLY[key] if key in DATACLASS_ONLY else VERL_DEFAULTS.get(key)
+
+
+def known(key: str, extra=()) -> bool:
+    """A key of verl 0.9.1 (its YAML, its dataclasses, `extra`: the rules' legacy spellings), or
+    one under a free-form dict of it (`rollout.engine_kwargs.vllm.x`)."""
+    if key in VERL_DEFAULTS or key in DATACLASS_ONLY or key in extra:
+        return True
+    parts = key.split(".")
+    return any(VERL_DEFAULTS.get(".".join(parts[:i])) == {} for i in range(1, len(parts)))
+
+
+def suggest(key: str, extra=()) -> str | None:
+    """The nearest verl key to a misspelt one (None when none is near)."""
+    pool = [k for k in (*VERL_DEFAULTS, *DATACLASS_ONLY, *extra) if "_target_" not in k]
+    parent, _, leaf = key.rpartition(".")
+    siblings = {k.rpartition(".")[2]: k for k in pool if k.rpartition(".")[0] == parent}
+    near = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.75)
+    if near:
+        return siblings[near[0]]
+    near = difflib.get_close_matches(key, pool, n=1, cutoff=0.85)
+    return near[0] if near else None
+
+
+def shared_section_keys(prorl_keys) -> frozenset:
+    """verl's data.* / trainer.* / algorithm.* keys that prorl does not have."""
+    return frozenset(
+        k
+        for k in VERL_DEFAULTS
+        if k.split(".")[0] in ("data", "trainer", "algorithm")
+        and "_target_" not in k
+        and k not in prorl_keys
+    )
+
+
+if __name__ == "__main__":  # python -m prorl.verl_compat.keys VERL/trainer/config
+    from prorl.verl_compat.files import load_file, resolve
+
+    flat = resolve(load_file(os.path.join(sys.argv[1], "_generated_ppo_trainer.yaml")), [])
+    with open(_FILE, "w") as f:
+        f.write(json.dumps(dict(sorted(flat.items())), indent=0) + "\n")
