@@ -233,6 +233,11 @@ class OptimConfig(OptimizerConfig):
 @dataclass
 class TrainerConfig:
     total_steps: int = _f(3000, "RL steps")
+    total_epochs: int = _f(
+        0,
+        "> 0: total_steps = total_epochs x (training prompts // prompts_per_step), counted when "
+        "the data is read (verl's trainer.total_epochs)",
+    )
     prompts_per_step: int = _f(
         256, "prompts per step, all ranks together (a multiple of the world size)"
     )

@@ -11,6 +11,21 @@ import os
 
 from prorl.config import Config, ConfigError, ModelConfig, to_dict
 
+
+def steps_from_epochs(cfg: Config, prompts: int) -> None:
+    """trainer.total_epochs > 0: trainer.total_steps = total_epochs x (prompts // prompts_per_step),
+    as verl counts (its dataloader drops the last partial batch)."""
+    epochs, pps = cfg.trainer.total_epochs, cfg.trainer.prompts_per_step
+    if epochs <= 0:
+        return
+    if prompts < pps:
+        raise ConfigError(
+            f"trainer.total_epochs={epochs}: the {prompts} training prompts make no full step of "
+            f"trainer.prompts_per_step={pps}; lower it or set trainer.total_steps"
+        )
+    cfg.trainer.total_steps = epochs * (prompts // pps)
+
+
 # -- the world -------------------------------------------------------------------------------------
 
 

@@ -75,6 +75,7 @@ from prorl.config_runtime import (
     config_changes,
     non_default,
     resume_conflicts,
+    steps_from_epochs,
 )
 from prorl.engine import distributed
 from prorl.engine.checkpoint import META, Checkpointer, CheckpointError, config_hash
@@ -147,7 +148,7 @@ def parse_config(argv: list[str] | None):
             verl_compat.format_table(verl, args.verl_config, list_ignored=args.print_config),
             file=sys.stderr if args.print_config else None,
         )
-    cfg = load_config(preset, overrides, values)
+    cfg = verl_compat.load_with_derived(values, lambda v: load_config(preset, overrides, v))
     explicit = "data.builtin_task" in values or any(
         o.startswith("data.builtin_task=") for o in overrides
     )
@@ -284,6 +285,10 @@ def run(cfg, preset: str | None, rank: int) -> int:
     check_context(cfg, model_path, reporter_say=print if rank == 0 else None)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
     train, val = load_examples(cfg, "train"), load_examples(cfg, "val")
+    try:
+        steps_from_epochs(cfg, len(train))
+    except ConfigError as exc:
+        raise Fatal(lifecycle.EXIT_CONFIG, str(exc)) from None
     reporter = Reporter(cfg, rank)
     if rank == 0:
         reporter.save_config(to_yaml(cfg))

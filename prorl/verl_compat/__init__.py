@@ -61,6 +61,7 @@ from prorl.verl_compat.rules import (
     RULES,
     VERL_KEYS_IN_SHARED_SECTIONS,
     VERL_SECTIONS,
+    Derived,
     Refused,
 )
 
@@ -249,6 +250,22 @@ def from_command_line(
         listed = "\n  ".join(t.refused)
         raise ConfigError(f"verl keys prorl cannot honour (docs/verl.md):\n  {listed}")
     return t.values, own, t
+
+
+def load_with_derived(values: dict, load):
+    """`load(values)` -> config, with each Derived value (a verl key relative to a prorl setting it
+    was given without) computed from the config loaded without it; twice, so that one derived value
+    may rest on another (warmup steps x a derived mini-batch count)."""
+    derived = {k: v for k, v in values.items() if isinstance(v, Derived)}
+    plain = {k: v for k, v in values.items() if k not in derived}
+    cfg = load(plain)
+    for _ in range(2 if derived else 0):
+        try:
+            plain.update({k: d.compute(cfg) for k, d in derived.items()})
+        except Refused as exc:
+            raise ConfigError(f"verl keys prorl cannot honour (docs/verl.md):\n  {exc}") from None
+        cfg = load(plain)
+    return cfg
 
 
 def reference_markdown() -> str:

@@ -39,6 +39,19 @@ class Refused(Exception):
     """A verl value prorl cannot honour; the message says why."""
 
 
+@dataclass
+class Derived:
+    """A prorl value computed from the rest of the run's config (`compute(cfg)`), for a verl key
+    given without the one it is relative to (`ppo_mini_batch_size` alone: the mini-batch count is
+    prorl's trainer.prompts_per_step / it). `text` is shown in the table."""
+
+    compute: Callable[[Any], Any]
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
 A = "actor_rollout_ref.actor."
 R = "actor_rollout_ref.rollout."
 M = "actor_rollout_ref.model."
@@ -101,7 +114,22 @@ only(
 only("data.train_max_samples", -1, None, why="prorl trains on every row of data.train_files")
 only("data.val_max_samples", -1, None, why="prorl validates on every row of data.val_files")
 only("data.custom_cls.path", None, why="prorl reads verl-schema parquet / JSONL rows itself")
-only("data.gen_batch_size", None, why="prorl oversamples refills by algorithm.oversample")
+
+
+@rule("data.gen_batch_size", kind="matched")
+def _gen_batch(get):
+    """None or data.train_batch_size only: DAPO samples gen_batch_size prompts a round; prorl
+    samples data.train_batch_size, then refills algorithm.oversample x the groups still missing"""
+    gen, prompts = _given(get, "data.gen_batch_size"), _given(get, "data.train_batch_size")
+    if gen is not None and gen != prompts:
+        raise Refused(
+            "prorl's counterpart is algorithm.oversample: its first round samples "
+            "data.train_batch_size prompts and each refill oversample x the groups still missing "
+            "(drop data.gen_batch_size; algorithm.oversample=1.5 is the recipe's)"
+        )
+    return {}
+
+
 only(
     "data.apply_chat_template_kwargs",
     {},
@@ -208,7 +236,11 @@ def _warmup(get):
         if total is None:
             raise Refused("a warmup ratio needs trainer.total_training_steps")
         steps = int(ratio * total)
-    minis = _mini_batches(get) or 1
+    minis = _mini_batches(get)
+    if minis is None:  # the RL steps times the run's own mini-batch count
+        steps = int(steps)
+        text = f"{steps} x trainer.mini_batches"
+        return {"optim.warmup_steps": Derived(lambda cfg: steps * cfg.trainer.mini_batches, text)}
     return {"optim.warmup_steps": int(steps) * minis}
 
 
@@ -226,9 +258,23 @@ def _mini_batches(get) -> int | None:
 
 @rule(A + "ppo_mini_batch_size", "data.train_batch_size")
 def _minis(get):
-    """trainer.mini_batches = data.train_batch_size / ppo_mini_batch_size (both count prompts)"""
+    """trainer.mini_batches = data.train_batch_size / ppo_mini_batch_size (both count prompts;
+    without data.train_batch_size: trainer.prompts_per_step / ppo_mini_batch_size)"""
+    mini = _given(get, A + "ppo_mini_batch_size")
+    if mini is not None and _given(get, "data.train_batch_size") is None:
+        if mini <= 0:
+            raise Refused("must be > 0 (prompts per mini-batch)")
+        return {"trainer.mini_batches": Derived(
+            lambda cfg: _divide(cfg.trainer.prompts_per_step, mini, "trainer.prompts_per_step"),
+            f"trainer.prompts_per_step / {mini}")}  # fmt: skip
     minis = _mini_batches(get)
     return {} if minis is None else {"trainer.mini_batches": minis}
+
+
+def _divide(prompts: int, mini: int, name: str) -> int:
+    if prompts % mini:
+        raise Refused(f"{name}={prompts} is not a multiple of {A}ppo_mini_batch_size={mini}")
+    return prompts // mini
 
 
 @rule(A + "use_dynamic_bsz", A + "ppo_max_token_len_per_gpu", A + "ppo_micro_batch_size_per_gpu",
@@ -422,13 +468,16 @@ def _rounds(get):
 # -- trainer ---------------------------------------------------------------------------------------
 @rule("trainer.total_training_steps", "trainer.total_epochs")
 def _steps(get):
-    """trainer.total_steps (prorl counts steps: total_epochs needs total_training_steps)"""
-    steps = _given(get, "trainer.total_training_steps")
-    if steps is None:
-        if get("trainer.total_epochs") is ABSENT and get("trainer.total_training_steps") is ABSENT:
+    """trainer.total_steps; without total_training_steps, trainer.total_epochs (total_epochs x
+    training prompts // data.train_batch_size, counted when the data is read, as verl counts)"""
+    steps, epochs = _given(get, "trainer.total_training_steps"), _given(get, "trainer.total_epochs")
+    if steps is not None:  # verl: total_training_steps, when set, wins over total_epochs
+        return {"trainer.total_steps": int(steps), "trainer.total_epochs": 0}
+    if epochs is None:
+        if get("trainer.total_training_steps") is ABSENT:
             return {}
-        raise Refused("prorl counts steps, not epochs: set trainer.total_training_steps")
-    return {"trainer.total_steps": int(steps)}
+        raise Refused("set trainer.total_training_steps or trainer.total_epochs")
+    return {"trainer.total_epochs": int(epochs)}
 
 
 simple("trainer.save_freq", "trainer.save_every", lambda v: max(int(v), 0))
