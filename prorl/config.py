@@ -19,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from prorl.async_rl.settings import AsyncConfig, rename_async_section
+from prorl.async_rl.settings import AsyncConfig, rename_async_section, warn_async_name
 from prorl.config_checks import range_problems, read_yaml, size_problems
 from prorl.engine.attention import BACKENDS as ATTENTION
 from prorl.engine.fp8 import BACKENDS as FP8_BACKENDS
@@ -137,7 +138,9 @@ class RolloutConfig:
     top_k: int = _f(-1, "top-k sampling (-1: off)")
     max_response_tokens: int = _f(8192, "response budget (recipe §1: 8192 in v2)")
     max_response_schedule: dict[int, int] = _f(
-        dict, "step -> response budget (a context-length schedule)"
+        dict,
+        "step -> response budget (a context-length schedule), from that step on; on the command "
+        "line rollout.max_response_schedule={100:16384,200:32768}",
     )
     gpu_memory_utilization: float | str = _f(
         "auto",
@@ -415,10 +418,16 @@ def _normalise_overrides(overrides: list[str]) -> list[str]:
     if bad:
         raise ConfigError(f"overrides must look like key=value, got {bad}")
     lists = {key for key, f in fields() if str(f.type).startswith("list")}
+    dicts = {key for key, f in fields() if str(f.type).startswith("dict")}
     out = []
     for o in overrides:
         key, value = o.split("=", 1)
-        key = key.replace("rollout.async.", "rollout.async_rl.", 1)  # `async` is a Python keyword
+        if key in dicts and value.strip().startswith("{"):
+            # {3:32} is YAML 1.1's sexagesimal 212 (a key without a value): {3: 32} is the mapping
+            value = re.sub(r":(?=\S)", ": ", value)
+        if key.startswith("rollout.async."):  # the old name (`async` is a Python keyword)
+            key = key.replace("rollout.async.", "rollout.async_rl.", 1)
+            warn_async_name(key)
         if RENAMED.get(key):
             raise ConfigError(f"config key {key!r} is now {RENAMED[key]!r}")
         if key in lists and value and not value.lstrip().startswith("["):

@@ -126,9 +126,11 @@ def _finite(x: float | None) -> float:
 
 def step_metrics(
     reduced: tuple[dict[str, float], dict[str, float], dict[str, float]],
+    importance: bool = False,
 ) -> dict[str, float]:
     """The step's metrics (docs/recipe.md §9) from the global sums and extrema the trainer
-    registered."""
+    registered; `importance`: the sampler-vs-trainer correction is on (rollout/is_*, 0 in a step
+    that trains nothing)."""
     s, mx, _ = reduced
     r = _Reduced(*reduced)
     out = _sampling_metrics(r) | _batch_metrics(r) | _update_metrics(r)
@@ -136,7 +138,7 @@ def step_metrics(
     # prorl/rewards/function.py
     for key in (k.split("/", 1)[1] for k in s if k.startswith("reward_extra/")):
         out[f"reward_extra/{key}/mean"] = r.mean(f"reward_extra/{key}", f"reward_extra_n/{key}")
-    if "is_weight" in s:
+    if "is_weight" in s or importance:
         out["rollout/is_mean"] = r.mean("is_weight", "tokens")
         out["rollout/is_max"] = r.max("is_weight")
         out["rollout/is_frac_modified"] = r.mean("is_modified", "tokens")

@@ -186,6 +186,11 @@ class Reporter:
         if self.bar is not None:
             self.bar.n = metrics["step"]
             self.bar.refresh()
+        if metrics.get("trainer/empty_reason"):  # loud, whatever logging.log_every says
+            self._print(
+                f"prorl: WARNING: step {metrics['step']} learnt nothing (counted as empty): "
+                f"{metrics['trainer/empty_reason']}"
+            )
         if metrics["step"] % max(self.cfg.logging.log_every, 1) == 0 or "val/accuracy" in metrics:
             parts = [f"step {metrics['step']:>5}"]
             for key, short, fmt in SUMMARY_KEYS:

@@ -33,7 +33,7 @@ Lifecycle (prorl/lifecycle.py has the exit codes):
 - A damaged checkpoint (a file whose size or checksum differs from the manifest written at save, or
   is missing): the previous complete one is resumed, with a warning naming the file; when every one
   is damaged, exit code 4 naming the files. A missing RNG file: resumed with a warning naming it.
-- Asynchronous RL (rollout.async.steps_ahead >= 1): rollout ranks that stop delivering groups or
+- Asynchronous RL (rollout.async_rl.steps_ahead >= 1): rollout ranks that stop delivering groups or
   weights (dead, hung past the timeout, or holding weights other than the version they report) end
   the run with exit code 8 on the trainers; a dead rank also makes torchrun stop the others.
 - A broken model directory (config.json, a truncated safetensors file) or data file (not UTF-8, an

@@ -36,6 +36,11 @@ class TrainingStalled(RuntimeError):
     `trainer.max_consecutive_skips` times); raised on every rank together, the message says why."""
 
 
+# the phases of the update, in every step row (0 in a step that trains nothing)
+UPDATE_TIMINGS = ("timing_s/adv", "timing_s/old_log_prob", "timing_s/ref", "timing_s/update_actor",
+                  "timing_s/update_weights")  # fmt: skip
+
+
 class Updater:
     """Trains `models.policy`: owns the optimizer, the log-prob passes (`logprobs`, `dummy_pass`,
     `response_logprobs`) and pi_old (`store_old_logprobs`), runs the update (`run`) and counts the

@@ -198,7 +198,7 @@ def test_push_headers_are_deleted_once_every_rollout_rank_took_them():
     for i, header in enumerate([_header(0), _header(1), _header(-1, stop=True)]):
         transport.put(store, f"push/{i}", header)
     w = RolloutWorker.__new__(RolloutWorker)
-    w.cfg = cfg("rollout.async.steps_ahead=1", "trainer.total_steps=3")
+    w.cfg = cfg("rollout.async_rl.steps_ahead=1", "trainer.total_steps=3")
     w.roles = SimpleNamespace(index=0, rollouts=1, trainers=1, store=store)
     w.weights, w.generator = _receiver(store), object()
     w.produce = lambda step, waited: None

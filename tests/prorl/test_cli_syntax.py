@@ -1,0 +1,47 @@
+"""What a user types on the command line works as documented (issue 40): a response-budget
+schedule `{step:tokens}` (YAML 1.1 reads `3:32` as the sexagesimal 212), and one name for the
+asynchronous-RL section, `rollout.async_rl.*`, in --help, --print-config and docs/ (the old
+`rollout.async.*` still read, with a deprecation warning)."""
+
+import re
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from prorl.config import load_config
+from prorl.train import main
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _printed(argv, capsys):
+    assert main(["model.path=/m", *argv, "--print-config"]) == 0
+    return OmegaConf.create(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    "given, expected",
+    [("{3:32}", {3: 32}), ("{3:32,10:64}", {3: 32, 10: 64}), ("{3: 32, 10: 64}", {3: 32, 10: 64})],
+)
+def test_a_response_schedule_on_the_command_line(given, expected, capsys):
+    cfg = _printed([f"rollout.max_response_schedule={given}"], capsys)
+    assert dict(cfg.rollout.max_response_schedule) == expected
+
+
+def test_the_old_async_spelling_is_read_with_a_deprecation_warning(capsys):
+    with pytest.warns(FutureWarning, match="rollout.async.steps_ahead is now spelt "
+                      "rollout.async_rl.steps_ahead"):  # fmt: skip
+        cfg = load_config("default", ["rollout.async.steps_ahead=2"])
+    assert cfg.rollout.async_rl.steps_ahead == 2
+
+
+def test_one_name_for_the_async_section_in_help_print_config_and_docs(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    shown = capsys.readouterr().out + OmegaConf.to_yaml(_printed([], capsys))
+    assert "rollout.async_rl.steps_ahead" in shown and "async_rl:" in shown
+    texts = {p.name: p.read_text() for p in (ROOT / "docs").glob("*.md")}
+    texts["train.py"] = (ROOT / "prorl" / "train.py").read_text()
+    old = {name: re.findall(r"rollout\.async\.\w+", text) for name, text in texts.items()}
+    assert not any(old.values()), old

@@ -1,0 +1,65 @@
+"""A step that teaches the policy nothing says so (issue 40): a loud console line naming the key to
+change, `trainer/empty_step` 1 and the step counted towards trainer.max_consecutive_skips; and every
+step row carries the same metric keys, whether it trained or not. In-process, tiny reasoner."""
+
+from pathlib import Path
+
+import pytest
+from transformers import PreTrainedTokenizerFast
+
+from prorl.config import load_config
+from prorl.data import builtin
+from prorl.report import Reporter
+from prorl.rewards.pool import RewardPool
+from prorl.trainer import Trainer, TrainingStalled
+
+TINY_REASONER = str(Path(__file__).resolve().parents[2] / "prorl" / "assets" / "tiny-reasoner")
+BASE = ["trainer.prompts_per_step=4", "rollout.n=4", "reward.length_penalty=false",
+        "trainer.mini_batches=1", "trainer.micro_batch_tokens=0", "logging.tensorboard=false",
+        "algorithm.max_rounds=1"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = PreTrainedTokenizerFast.from_pretrained(TINY_REASONER)
+    train = builtin("digit_sums", n=16, seed=0, split="train")
+    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
+        yield tok, train, pool
+
+
+def make(setup, *overrides):
+    tok, train, pool = setup
+    cfg = load_config("default", [f"model.path={TINY_REASONER}", *BASE, *overrides])
+    return Trainer(cfg, TINY_REASONER, tok, train, [], pool)
+
+
+def test_every_response_cut_is_an_empty_step_naming_the_budget(setup, tmp_path, capsys):
+    """Every response cut at a 1-token budget, dynamic sampling off: the groups are trained on but
+    their rewards (c_stop 0) and advantages are all 0. The step is empty, the console says why."""
+    trainer = make(setup, "rollout.max_response_tokens=1", "algorithm.dynamic_sampling=false",
+                   "trainer.max_consecutive_skips=2", f"output_dir={tmp_path}")  # fmt: skip
+    m = trainer.step()
+    assert m["response_length/clip_ratio"] == 1.0 and m["dynamic_sampling/kept_groups"] == 4
+    assert (m["critic/advantages/max"], m["critic/advantages/min"]) == (0.0, 0.0)
+    assert m["trainer/empty_step"] == 1.0
+    assert "rollout.max_response_tokens=1" in m["trainer/empty_reason"]
+    assert "reward.c_stop=0" in m["trainer/empty_reason"]
+    Reporter(trainer.cfg, 0).log(m)
+    out = capsys.readouterr().out
+    assert "WARNING: step 1 learnt nothing" in out and "rollout.max_response_tokens=1" in out
+    with pytest.raises(TrainingStalled, match="2 consecutive steps learnt nothing"):
+        trainer.step()
+
+
+def test_every_step_row_carries_the_same_keys(setup):
+    """Step 1 keeps no group (a 1-token budget: every group all wrong, dynamic sampling drops it);
+    step 2 trains (the schedule raises the budget). Both rows have the same keys, verl's way."""
+    trainer = make(setup, "rollout.max_response_tokens=1", "rollout.max_response_schedule={1:40}",
+                   "algorithm.is_mode=tis", "algorithm.max_rounds=6")  # fmt: skip
+    empty, trained = trainer.step(), trainer.step()
+    assert empty["trainer/empty_step"] == 1.0 and "no group kept" in empty["trainer/empty_reason"]
+    assert trained["trainer/empty_reason"] == "", trained["trainer/empty_reason"]
+    assert trained["trainer/empty_step"] == 0.0
+    assert sorted(empty) == sorted(trained)
+    for key in ("timing_s/adv", "timing_s/ref", "timing_s/update_actor", "rollout/is_mean"):
+        assert empty[key] == 0.0 and key in trained
