@@ -209,8 +209,8 @@ def is_verl_key(key: str, tree: dict | None = None) -> bool:
     from prorl.config import fields
 
     key = key.lstrip("+")
-    if tree is not None and has_key(tree, key):
-        return True
+    if tree is not None and (has_key(tree, key) or any(key in r.keys for r in RULES)):
+        return True  # a key both have (trainer.total_epochs) is read with the file's keys
     if key in {k for k, _ in fields()}:
         return False
     if key.split(".")[0] in VERL_SECTIONS or key in VERL_KEYS_IN_SHARED_SECTIONS:

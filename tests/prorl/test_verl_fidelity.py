@@ -116,3 +116,68 @@ def test_print_config_lists_every_ignored_key_with_why(capsys):
         assert key in err.split("ignored, ", 1)[1]
     parse_config(["--verl-config", SMALL])  # a run without --print-config says where the list is
     assert "--print-config lists them" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "given, prompts, minis, warmup",
+    [
+        ([f"{A}ppo_mini_batch_size=32"], 256, 8, 0),  # the recipe's 256 prompts per step
+        ([f"{A}ppo_mini_batch_size=16", "trainer.prompts_per_step=128"], 128, 8, 0),
+        ([f"{A}ppo_mini_batch_size=32", f"{A}optim.lr_warmup_steps=3"], 256, 8, 3 * 8),
+        ([f"{A}optim.lr_warmup_steps=3", "trainer.mini_batches=2"], 256, 2, 3 * 2),
+    ],
+)
+def test_ppo_mini_batch_size_alone_maps_against_prorls_batch(given, prompts, minis, warmup, capsys):
+    """verl's mini-batch and warmup keys count prompts and RL steps: given without
+    data.train_batch_size they are read against the run's own trainer.prompts_per_step."""
+    cfg = _algo(["model.path=/m", *given], capsys)
+    t = cfg.trainer
+    assert (t.prompts_per_step, t.mini_batches, cfg.optim.warmup_steps) == (prompts, minis, warmup)
+
+
+@pytest.mark.tally("bad_inputs")
+def test_a_mini_batch_that_does_not_divide_the_batch_is_refused(capsys):
+    assert main(["model.path=/m", f"{A}ppo_mini_batch_size=100", "--print-config"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.prompts_per_step=256 is not a multiple of" in err and "=100" in err
+
+
+def test_total_epochs_counts_steps_as_verls_dataloader(capsys):
+    """verl: total_training_steps = len(train_dataloader) x total_epochs, the dataloader dropping
+    the last partial batch; a set total_training_steps wins."""
+    from torch.utils.data import DataLoader
+
+    from prorl.config_runtime import steps_from_epochs
+
+    cfg = _algo(["--verl-config", SMALL, "trainer.total_training_steps=null",
+                 "trainer.total_epochs=3"], capsys)  # fmt: skip
+    assert cfg.trainer.total_epochs == 3
+    steps_from_epochs(cfg, 100)
+    verls = len(DataLoader(range(100), batch_size=32, drop_last=True)) * 3
+    assert cfg.trainer.total_steps == verls == 9
+    cfg = _algo(["--verl-config", SMALL, "trainer.total_epochs=3"], capsys)  # steps: 200
+    steps_from_epochs(cfg, 100)
+    assert (cfg.trainer.total_epochs, cfg.trainer.total_steps) == (0, 200)
+    assert main(["--verl-config", SMALL, "+data.gen_batch_size=96", "--print-config"]) == 2
+    assert "algorithm.oversample" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_a_run_by_epochs_stops_after_its_steps(tmp_path):
+    """The user's way: `prorl/train.py trainer.total_epochs=2` on 24 prompts, 8 a step: 6 steps."""
+    import json
+    import subprocess
+    import sys
+
+    from train_helpers import ENV, ROOT
+
+    argv = [f"output_dir={tmp_path}", "trainer.total_epochs=2", "data.train_size=24",
+            "trainer.prompts_per_step=8", "rollout.n=2", "rollout.max_response_tokens=4",
+            "trainer.val_before_train=false", "trainer.val_every=0", "trainer.save_every=0",
+            "logging.tensorboard=false", "data.val_size=2",
+            "trainer.max_consecutive_skips=100"]  # fmt: skip
+    res = subprocess.run([sys.executable, "prorl/train.py", *argv], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [r["step"] for r in rows if "timing_s/step" in r] == [1, 2, 3, 4, 5, 6]
