@@ -16,6 +16,7 @@ import os
 import sys
 
 from prorl.config import to_dict
+from prorl.generation_config import write_generation_config
 
 SUMMARY_KEYS = (
     ("critic/score/mean", "score", "{:.3f}"),
@@ -219,6 +220,9 @@ class Reporter:
         if self.rank != 0:
             return None
         trainer.tokenizer.save_pretrained(out)
+        write_generation_config(
+            out, trainer.tokenizer, trainer.model_path, to_dict(self.cfg)["trainer"]
+        )
         png = plot_run(self.path, os.path.join(self.dir, "training_curves.png"))
         self.close()
         summary = write_summary(self.dir)

@@ -160,24 +160,3 @@ def test_total_epochs_counts_steps_as_verls_dataloader(capsys):
     assert (cfg.trainer.total_epochs, cfg.trainer.total_steps) == (0, 200)
     assert main(["--verl-config", SMALL, "+data.gen_batch_size=96", "--print-config"]) == 2
     assert "algorithm.oversample" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_a_run_by_epochs_stops_after_its_steps(tmp_path):
-    """The user's way: `prorl/train.py trainer.total_epochs=2` on 24 prompts, 8 a step: 6 steps."""
-    import json
-    import subprocess
-    import sys
-
-    from train_helpers import ENV, ROOT
-
-    argv = [f"output_dir={tmp_path}", "trainer.total_epochs=2", "data.train_size=24",
-            "trainer.prompts_per_step=8", "rollout.n=2", "rollout.max_response_tokens=4",
-            "trainer.val_before_train=false", "trainer.val_every=0", "trainer.save_every=0",
-            "logging.tensorboard=false", "data.val_size=2",
-            "trainer.max_consecutive_skips=100"]  # fmt: skip
-    res = subprocess.run([sys.executable, "prorl/train.py", *argv], cwd=ROOT, env=ENV,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
-    assert [r["step"] for r in rows if "timing_s/step" in r] == [1, 2, 3, 4, 5, 6]
