@@ -7,8 +7,8 @@ them, whatever the number of ranks that saved it; this reads them into one proce
 builds the decoder from the run's model (the checkpoint's saved config names it), and writes
 config.json, model.safetensors, generation_config.json (prorl/generation_config.py) and the
 tokenizer: loadable by `transformers`, `prorl.eval --model` and vLLM. The run's final export
-(`checkpoints/final`) is the same thing for the last step; this is for any other step, and for a run that was stopped. `--key reference` exports the reference policy
-instead.
+(`checkpoints/final`) is the same thing for the last step; this is for any other step, and for a
+run that was stopped. `--key reference` exports the reference policy instead.
 """
 
 from __future__ import annotations
