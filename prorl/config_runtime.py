@@ -102,7 +102,11 @@ def resume_conflicts(saved: dict, cfg: Config) -> tuple[list[str], dict[str, tup
     """(keys that forbid resuming, every changed key -> (saved, now)) between a checkpoint's config
     dict and this run's."""
     changed = config_changes(saved, to_dict(cfg))
-    return sorted(k for k in changed if k.startswith(INCOMPATIBLE_ON_RESUME)), changed
+    bad = [k for k in changed if k.startswith(INCOMPATIBLE_ON_RESUME)]
+    # a run without a KL term saved no reference: a KL term cannot start from its checkpoint
+    if saved.get("algorithm", {}).get("kl_coef", 1.0) == 0 and cfg.algorithm.kl_coef != 0:
+        bad.append("algorithm.kl_coef")
+    return sorted(bad), changed
 
 
 # -- the recipe ------------------------------------------------------------------------------------

@@ -493,12 +493,9 @@ def train_loop(cfg, trainer, ckpt, reporter, stop, rank: int, validate: bool) ->
     """Resume or validate first, then train to trainer.total_steps, saving and validating on
     schedule."""
     chash = config_hash(to_yaml(cfg))  # changed settings are reported on resume
-    state = {
-        "model": trainer.policy,
-        "reference": trainer.reference,
-        "optimizer": trainer.optimizer,
-        "trainer": trainer,
-    }
+    state = {"model": trainer.policy, "optimizer": trainer.optimizer, "trainer": trainer}
+    if trainer.reference is not None:  # none without a KL term
+        state["reference"] = trainer.reference
     if cfg.trainer.save_every:  # disk space for one save, before spending time on training
         on_every_rank(5, ckpt.preflight, state)
     t_start = time.time()

@@ -152,7 +152,7 @@ class Updater:
             old = batch.tokens.pi_old(self.response_logprobs(self.policy, batch, first))
         timing["timing_s/old_log_prob"], t0 = clock(self.device) - t0, clock(self.device)
         with watchdog().phase(f"step {step + 1}, reference log-probs"):
-            ref = self.response_logprobs(self.reference, batch)
+            ref = None if self.reference is None else self.response_logprobs(self.reference, batch)
         timing["timing_s/ref"], t0 = clock(self.device) - t0, clock(self.device)
         inputs = dataclasses.replace(batch.tokens, advantage=token_adv, ref_logp=ref, old_logp=old)
         self.policy.train()
