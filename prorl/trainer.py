@@ -40,7 +40,15 @@ from prorl.config_runtime import check_world
 from prorl.data import stop_token_ids
 from prorl.engine.distributed import all_reduce, dist_info, watchdog
 from prorl.eval import validate
-from prorl.metrics import StepAccumulator, async_metrics, perf_metrics, record_batch, step_metrics
+from prorl.metrics import (
+    StepAccumulator,
+    async_metrics,
+    memory_metrics,
+    perf_metrics,
+    record_batch,
+    record_memory,
+    step_metrics,
+)
 from prorl.packing import StepBatch
 from prorl.policy import PolicyModels
 from prorl.sampling import GroupSampler, shape_rewards
@@ -134,8 +142,10 @@ class Trainer:
             timing.update(self.update(batch, max_new, acc))
         else:  # the same keys in every row: a step that trains nothing took no time there
             timing.update(dict.fromkeys(UPDATE_TIMINGS, 0.0))
+        record_memory(acc, self.device)
         reduced = acc.reduce()
         metrics = step_metrics(reduced, importance=cfg.algorithm.is_mode != "none") | timing
+        metrics |= memory_metrics(reduced[1])
         metrics["actor/lr"] = self.optimizer.lr
         empty = nothing_learnt(metrics, cfg, max_new, trained)
         reason = self._end_step(metrics["actor/kl_mean"], empty)

@@ -63,3 +63,14 @@ def test_every_step_row_carries_the_same_keys(setup):
     assert sorted(empty) == sorted(trained)
     for key in ("timing_s/adv", "timing_s/ref", "timing_s/update_actor", "rollout/is_mean"):
         assert empty[key] == 0.0 and key in trained
+
+
+def test_memory_metrics_as_verl_logs_them(setup):
+    """perf/cpu_memory_used_gb is psutil's virtual_memory().used in GiB (verl's formula; the host's
+    memory moves between the two readings, hence the tolerance); CUDA's peaks only on CUDA."""
+    psutil = pytest.importorskip("psutil")
+    m = make(setup, "rollout.max_response_tokens=8").step()
+    assert m["perf/cpu_memory_used_gb"] == pytest.approx(
+        psutil.virtual_memory().used / 1024**3, abs=0.5
+    )
+    assert "perf/max_memory_allocated_gb" not in m  # the CPU run has no CUDA peak
