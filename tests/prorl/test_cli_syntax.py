@@ -45,3 +45,18 @@ def test_one_name_for_the_async_section_in_help_print_config_and_docs(capsys):
     texts["train.py"] = (ROOT / "prorl" / "train.py").read_text()
     old = {name: re.findall(r"rollout\.async\.\w+", text) for name, text in texts.items()}
     assert not any(old.values()), old
+
+
+@pytest.mark.tally("bad_inputs")
+def test_a_missing_optional_package_is_a_config_error_before_anything_starts(tmp_path, capsys):
+    """logging.wandb_project without wandb installed: exit 2 naming the key and the package, the
+    run directory not even created (was: a traceback after the models were loaded)."""
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    out = tmp_path / "run"
+    assert main([f"output_dir={out}", "logging.wandb_project=mine"]) == 2
+    err = capsys.readouterr().err
+    assert "logging.wandb_project='mine' needs the wandb package: pip install wandb" in err
+    assert not out.exists()
