@@ -115,6 +115,16 @@ class DataConfig:
     train_size: int = _f(0, "builtin task size (0: the whole split or the generator's default)")
     val_size: int = _f(200, "builtin held-out size (0: the whole split)")
     prompt_key: str = _f("prompt", "the row field holding the prompt (chat messages or a string)")
+    answer_key: str = _f(
+        "",
+        "a flat column holding the ground truth (e.g. answer; empty: reward_model.ground_truth, "
+        "or a ground_truth column)",
+    )
+    default_source: str = _f(
+        "",
+        "the data_source (the verifier) of rows without one (e.g. math; empty: every row names "
+        "its own)",
+    )
     max_prompt_tokens: int = _f(
         1024, "prompts longer than this are dropped and counted, never truncated"
     )

@@ -96,13 +96,14 @@ def load_examples(cfg, split: str):
     """The training or held-out examples: the data files, or the builtin task's split. With training
     files but no validation files there is no held-out set (the builtin task's would say nothing
     about them)."""
-    files = cfg.data.train_files if split == "train" else cfg.data.val_files
+    d = cfg.data
+    files = d.train_files if split == "train" else d.val_files
     if files:  # "path" or "path:weight" (weighted mixing, see prorl.data)
         try:
             return data.load_mixture(
                 list(files),
                 seed=cfg.seed,
-                prompt_key=cfg.data.prompt_key,
+                fields=data.RowFields(d.prompt_key, d.answer_key, d.default_source),
                 max_row_bytes=cfg.data.max_row_bytes,
             )
         except (data.DataError, FileNotFoundError) as exc:

@@ -60,3 +60,30 @@ def test_a_missing_optional_package_is_a_config_error_before_anything_starts(tmp
     err = capsys.readouterr().err
     assert "logging.wandb_project='mine' needs the wandb package: pip install wandb" in err
     assert not out.exists()
+
+
+@pytest.mark.tally("bad_inputs")
+def test_a_flat_question_answer_parquet_trains_with_named_columns(tmp_path):
+    """A (question, answer) parquet: refused without a data_source (naming data.default_source);
+    with data.prompt_key / answer_key / default_source its rows are the verl rows they stand for."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    from prorl import lifecycle
+    from prorl.train import load_examples, parse_config
+
+    path = tmp_path / "flat.parquet"
+    pq.write_table(pa.table({"question": ["1+2?", "3+4?"], "answer": ["3", "7"]}), path)
+    base = ["model.path=/m", f"data.train_files=[{path}]", "data.prompt_key=question"]
+    cfg = parse_config(base)[0]
+    with pytest.raises(lifecycle.Fatal, match="data_source' is missing .*data.default_source"):
+        load_examples(cfg, "train")
+    cfg = parse_config([*base, "data.answer_key=answer", "data.default_source=math"])[0]
+    rows = load_examples(cfg, "train")
+    assert [(e.prompt, e.data_source, e.ground_truth) for e in rows] == [
+        ([{"role": "user", "content": "1+2?"}], "math", "3"),
+        ([{"role": "user", "content": "3+4?"}], "math", "7"),
+    ]
+    cfg = parse_config([*base, "data.answer_key=solution", "data.default_source=math"])[0]
+    with pytest.raises(lifecycle.Fatal, match="'solution' is missing .*the row has: answer"):
+        load_examples(cfg, "train")
