@@ -1,6 +1,8 @@
-"""verl 0.9.1's own keys and defaults (`verl_0_9_1_defaults.json`: its composed
-`_generated_ppo_trainer.yaml`, flattened and resolved; tests/peers/test_verl_config.py checks it),
-and the verl keys without a prorl rule that change what verl samples or trains.
+"""verl 0.9.1's own keys and defaults (`verl_0_9_1_ppo_trainer.json`: its composed
+`_generated_ppo_trainer.yaml`, flattened, interpolations kept; tests/peers checks it), and the verl
+keys without a prorl rule that change what verl samples or trains. The file also stands in for
+verl's `ppo_trainer` config when a recipe-style YAML names it and verl is not installed
+(prorl/verl_compat/files.py).
 
 A key verl does not have is one hydra rejects on verl's command line (without `+`); a known key that
 changes what is sampled or trained and that prorl has no rule for is honoured only at verl's
@@ -10,13 +12,34 @@ default. Regenerate the file with `python -m prorl.verl_compat.keys VERL/trainer
 from __future__ import annotations
 
 import difflib
+import functools
 import json
 import os
 import sys
 
-_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verl_0_9_1_defaults.json")
+_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verl_0_9_1_ppo_trainer.json")
 with open(_FILE) as _f:
-    VERL_DEFAULTS: dict = json.load(_f)
+    VERL_TEMPLATE: dict = json.load(_f)  # {dotted key: leaf}, "${...}" interpolations kept
+
+
+def nested(flat: dict) -> dict:
+    """{dotted key: leaf} as a nested dict."""
+    out: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+@functools.cache
+def _resolved() -> dict:
+    from prorl.verl_compat.files import resolve
+
+    return resolve(nested(VERL_TEMPLATE), [])
+
 
 # verl keys that its config dataclasses declare but its YAML does not (verl takes them with `+`)
 DATACLASS_ONLY = {
@@ -49,21 +72,22 @@ CHANGES_TRAINING = {
 
 
 def default(key: str):
-    return DATACLASS_ONLY[key] if key in DATACLASS_ONLY else VERL_DEFAULTS.get(key)
+    """verl 0.9.1's default of `key`, interpolations resolved."""
+    return DATACLASS_ONLY[key] if key in DATACLASS_ONLY else _resolved().get(key)
 
 
 def known(key: str, extra=()) -> bool:
     """A key of verl 0.9.1 (its YAML, its dataclasses, `extra`: the rules' legacy spellings), or
     one under a free-form dict of it (`rollout.engine_kwargs.vllm.x`)."""
-    if key in VERL_DEFAULTS or key in DATACLASS_ONLY or key in extra:
+    if key in _resolved() or key in DATACLASS_ONLY or key in extra:
         return True
     parts = key.split(".")
-    return any(VERL_DEFAULTS.get(".".join(parts[:i])) == {} for i in range(1, len(parts)))
+    return any(_resolved().get(".".join(parts[:i])) == {} for i in range(1, len(parts)))
 
 
 def suggest(key: str, extra=()) -> str | None:
     """The nearest verl key to a misspelt one (None when none is near)."""
-    pool = [k for k in (*VERL_DEFAULTS, *DATACLASS_ONLY, *extra) if "_target_" not in k]
+    pool = [k for k in (*_resolved(), *DATACLASS_ONLY, *extra) if "_target_" not in k]
     parent, _, leaf = key.rpartition(".")
     siblings = {k.rpartition(".")[2]: k for k in pool if k.rpartition(".")[0] == parent}
     near = difflib.get_close_matches(leaf, list(siblings), n=1, cutoff=0.75)
@@ -77,7 +101,7 @@ def shared_section_keys(prorl_keys) -> frozenset:
     """verl's data.* / trainer.* / algorithm.* keys that prorl does not have."""
     return frozenset(
         k
-        for k in VERL_DEFAULTS
+        for k in VERL_TEMPLATE
         if k.split(".")[0] in ("data", "trainer", "algorithm")
         and "_target_" not in k
         and k not in prorl_keys
@@ -85,8 +109,8 @@ def shared_section_keys(prorl_keys) -> frozenset:
 
 
 if __name__ == "__main__":  # python -m prorl.verl_compat.keys VERL/trainer/config
-    from prorl.verl_compat.files import load_file, resolve
+    from prorl.verl_compat.files import flatten, load_file
 
-    flat = resolve(load_file(os.path.join(sys.argv[1], "_generated_ppo_trainer.yaml")), [])
+    flat = flatten(load_file(os.path.join(sys.argv[1], "_generated_ppo_trainer.yaml")))
     with open(_FILE, "w") as f:
         f.write(json.dumps(dict(sorted(flat.items())), indent=0) + "\n")

@@ -114,19 +114,44 @@ def test_weight_decay_is_verls_adamw():
 
 
 def test_the_key_list_is_verls():
-    """prorl/verl_compat/verl_0_9_1_defaults.json is verl's composed trainer config; the keys
+    """prorl/verl_compat/verl_0_9_1_ppo_trainer.json is verl's composed trainer config; the keys
     prorl takes from verl's dataclasses are fields of them, at those defaults; every key refused
     away from its default is one of verl's."""
     from verl.workers.config import RolloutConfig
 
-    from prorl.verl_compat.files import load_file, resolve
-    from prorl.verl_compat.keys import CHANGES_TRAINING, DATACLASS_ONLY, VERL_DEFAULTS, known
+    from prorl.verl_compat.files import flatten, load_file, resolve
+    from prorl.verl_compat.keys import (
+        CHANGES_TRAINING,
+        DATACLASS_ONLY,
+        VERL_TEMPLATE,
+        default,
+        known,
+    )
 
     generated = os.path.join(os.path.dirname(PPO_TRAINER), "_generated_ppo_trainer.yaml")
-    assert VERL_DEFAULTS == resolve(load_file(generated), [])
+    assert VERL_TEMPLATE == flatten(load_file(generated))
+    verls = resolve(load_file(generated), [])
+    assert {k: default(k) for k in verls} == verls
     fields = {f.name: f for f in RolloutConfig.__dataclass_fields__.values()}
     for key, value in DATACLASS_ONLY.items():
         name = key.rsplit(".", 1)[1]
-        assert name in fields and key not in VERL_DEFAULTS
+        assert name in fields and key not in VERL_TEMPLATE
         assert fields[name].default == value
     assert all(known(k) for k in CHANGES_TRAINING)
+
+
+def test_a_recipe_finds_verls_ppo_trainer_on_its_search_path(tmp_path):
+    """`hydra.searchpath: [pkg://verl.trainer.config]` reads verl's own ppo_trainer.yaml; the
+    copy prorl ships (used when verl is not installed) composes to the same run."""
+    from prorl.verl_compat.files import load_file, resolve
+
+    recipe = (
+        "hydra:\n  searchpath:\n    - SEARCH\ndefaults:\n  - ppo_trainer\n  - _self_\n"
+        "data: {train_batch_size: 64, max_response_length: 2048}\n"
+    )
+    mine, verls = tmp_path / "shipped.yaml", tmp_path / "verls.yaml"
+    mine.write_text(recipe.replace("SEARCH", "file:///nonexistent"))
+    verls.write_text(recipe.replace("SEARCH", "pkg://verl.trainer.config"))
+    a, b = resolve(load_file(str(mine)), []), resolve(load_file(str(verls)), [])
+    b.pop("model_engine")  # the hydra choice itself, which verl's generated file leaves out
+    assert a == b and b["actor_rollout_ref.rollout.response_length"] == 2048

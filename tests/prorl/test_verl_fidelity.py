@@ -160,3 +160,41 @@ def test_total_epochs_counts_steps_as_verls_dataloader(capsys):
     assert (cfg.trainer.total_epochs, cfg.trainer.total_steps) == (0, 200)
     assert main(["--verl-config", SMALL, "+data.gen_batch_size=96", "--print-config"]) == 2
     assert "algorithm.oversample" in capsys.readouterr().err
+
+
+RECIPE = """\
+hydra:
+  searchpath:
+    - file://verl/trainer/config
+defaults:
+  - ppo_trainer
+  - _self_
+data:
+  train_files: /d/train.parquet
+  train_batch_size: 64
+  max_response_length: 2048
+algorithm:
+  adv_estimator: grpo
+actor_rollout_ref:
+  model: {path: /m}
+  rollout: {n: 8}
+  actor: {ppo_mini_batch_size: 16}
+trainer: {total_training_steps: 10}
+"""
+
+
+def test_a_recipe_style_yaml_composes_onto_verls_trainer_config(tmp_path, capsys):
+    """verl's recipes: `hydra.searchpath` + `defaults: [ppo_trainer, _self_]`, run outside verl's
+    config folder: composed onto verl 0.9.1's ppo_trainer (its interpolations follow the recipe's
+    values: rollout.response_length = data.max_response_length), the hydra block read, not
+    translated."""
+    path = tmp_path / "my_recipe.yaml"
+    path.write_text(RECIPE)
+    cfg = _algo(["--verl-config", str(path)], capsys)
+    assert cfg.rollout.max_response_tokens == 2048 and cfg.rollout.n == 8
+    assert (cfg.trainer.prompts_per_step, cfg.trainer.mini_batches) == (64, 4)
+    assert (cfg.algorithm.advantage, cfg.algorithm.grpo_std_unbiased) == ("grpo", True)
+    assert cfg.optim.weight_decay == 0.01  # verl's default, from its ppo_trainer
+    path.write_text(RECIPE.replace("  - ppo_trainer", "  - my_base"))
+    with pytest.raises(ConfigError, match=r"defaults entry 'my_base': no my_base.yaml in"):
+        parse_config(["--verl-config", str(path)])
