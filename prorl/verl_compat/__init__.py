@@ -32,7 +32,9 @@ apply after the translation and turn them on: that is how a verl recipe becomes 
 
 A file with a hydra `defaults:` list is composed the way verl's own configs use it (config groups in
 folders beside the file, `group@package: option`, `${group}` in option names, `_self_`, `# @package
-_global_`); other hydra features need the composed file. Overrides may carry hydra's `+` (add a
+_global_`); a recipe's `hydra.searchpath` (file:// or pkg://) is searched for the files it names,
+and `ppo_trainer` found nowhere is verl 0.9.1's, as prorl ships it; other hydra features need the
+composed file. Overrides may carry hydra's `+` (add a
 key). Without `--verl-config`, verl keys among the command line's overrides are translated the same
 way, from the keys given alone: a rule whose other keys are absent leaves their prorl settings as
 they are (`data.train_batch_size=8` sets trainer.prompts_per_step and keeps trainer.mini_batches),
