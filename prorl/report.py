@@ -6,6 +6,17 @@ The report can be made again from a run directory at any time, also of a run in 
 was stopped:
 
     python -m prorl.report runs/20261129-203100   # -> training_curves.png, summary.txt, printed
+
+The console line of a step (every logging.log_every steps, and at validations), in a terminal under
+a progress bar and in a log file (SLURM, nohup) alike:
+
+    step 12/300  score 0.412  val 0.380  H 0.731  kl 1.2e-04  len 211.0  pass 0.43  s 4.10  eta 20m
+
+step/total; score: critic/score/mean (the verifier's raw score of the trained responses); val:
+val/accuracy (at validations); H: actor/entropy; kl: actor/kl_mean (to the reference); len:
+response_length/mean; pass: dynamic_sampling/pass_rate (every sampled response, kept or not); s:
+timing_s/step; eta: the steps left x this process's mean step time. A step that learnt nothing
+prints `EMPTY` and its reason on a WARNING line instead of the scores.
 """
 
 from __future__ import annotations
@@ -102,6 +113,7 @@ class Reporter:
         self.wandb = None
         self.bar = None
         self.val_history: list[tuple[int, float]] = []
+        self.step_times: list[float] = []  # this process's steps, for the ETA
         if rank == 0:
             os.makedirs(self.dir, exist_ok=True)
             if cfg.logging.tensorboard:
@@ -192,14 +204,27 @@ class Reporter:
                 f"prorl: WARNING: step {metrics['step']} learnt nothing (counted as empty): "
                 f"{metrics['trainer/empty_reason']}"
             )
+        if "timing_s/step" in metrics:
+            self.step_times.append(metrics["timing_s/step"])
         if metrics["step"] % max(self.cfg.logging.log_every, 1) == 0 or "val/accuracy" in metrics:
-            parts = [f"step {metrics['step']:>5}"]
-            for key, short, fmt in SUMMARY_KEYS:
-                if key in metrics:
-                    parts.append(f"{short} {fmt.format(metrics[key])}")
-            if metrics.get("ref/reset_reason"):
-                parts.append(f"[ref reset: {metrics['ref/reset_reason']}]")
-            self._print("  ".join(parts))
+            self._print(self.summary_line(metrics))
+
+    def summary_line(self, metrics: dict) -> str:
+        """The console line of a step (module docstring)."""
+        total = self.cfg.trainer.total_steps
+        parts = [f"step {metrics['step']:>5}/{total}"]
+        empty = metrics.get("trainer/empty_step")
+        for key, short, fmt in SUMMARY_KEYS:
+            if key in metrics and not (empty and key not in ("timing_s/step", "val/accuracy")):
+                parts.append(f"{short} {fmt.format(metrics[key])}")
+        if empty:
+            parts.insert(1, "EMPTY")
+        if self.step_times:
+            left = max(total - metrics["step"], 0) * sum(self.step_times) / len(self.step_times)
+            parts.append(f"eta {_duration(left)}")
+        if metrics.get("ref/reset_reason"):
+            parts.append(f"[ref reset: {metrics['ref/reset_reason']}]")
+        return "  ".join(parts)
 
     def close(self) -> None:
         if self.tb is not None:
@@ -231,6 +256,16 @@ class Reporter:
             f"prorl: metrics {self.path}\nprorl: checkpoint {out}\nprorl: curves {png}\n"
             f"prorl: summary {summary}"
         )
+
+
+def _duration(seconds: float) -> str:
+    """12s, 19m40s, 3h05m."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def accuracy_before_after(vals: list[tuple[int, float]]) -> tuple[float, float, int]:

@@ -74,3 +74,23 @@ def test_memory_metrics_as_verl_logs_them(setup):
         psutil.virtual_memory().used / 1024**3, abs=0.5
     )
     assert "perf/max_memory_allocated_gb" not in m  # the CPU run has no CUDA peak
+
+
+def test_the_console_line_outside_a_terminal_has_step_total_eta_and_says_empty(tmp_path, capsys):
+    """A log file (SLURM, nohup: no tty) gets step/total and an ETA from the mean step time; an
+    empty step says EMPTY instead of scores of nothing."""
+    from prorl.config import load_config
+
+    cfg = load_config("default", [f"output_dir={tmp_path}", "trainer.total_steps=10",
+                                  "logging.tensorboard=false"])  # fmt: skip
+    rep = Reporter(cfg, 0)
+    row = {"critic/score/mean": 0.5, "timing_s/step": 30.0, "trainer/empty_step": 0.0}
+    rep.log({"step": 1, **row})
+    rep.log({"step": 2, **row, "timing_s/step": 90.0, "trainer/empty_step": 1.0,
+             "trainer/empty_reason": "no group kept"})  # fmt: skip
+    first, warning, second = capsys.readouterr().out.strip().splitlines()
+    assert first.startswith("step     1/10") and "score 0.500" in first
+    assert first.endswith("eta 4m30s")  # 9 steps x 30 s
+    assert "WARNING: step 2 learnt nothing" in warning
+    assert "EMPTY" in second and "score" not in second
+    assert second.endswith("eta 8m00s")  # 8 steps x (30 + 90) / 2 s
