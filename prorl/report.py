@@ -86,7 +86,8 @@ def _write_rows(path: str, rows: list[dict]) -> None:
 
 
 def start_wandb(cfg):
-    """A W&B run for `logging.wandb_project` (rank 0). WANDB_MODE=offline keeps it on disk."""
+    """A W&B run for `logging.wandb_project` (rank 0), the same one on every resume (its id kept in
+    the run directory's `wandb_run_id`). WANDB_MODE=offline keeps it on disk."""
     try:
         import wandb
     except ImportError as exc:
@@ -95,11 +96,21 @@ def start_wandb(cfg):
             "install wandb (or unset logging.wandb_project)"
         ) from exc
 
+    # the run id lives in the run directory: a resumed run goes on logging into the same W&B run
+    id_file = os.path.join(cfg.output_dir, "wandb_run_id")
+    if os.path.isfile(id_file):
+        with open(id_file) as f:
+            run_id = f.read().strip()
+    else:
+        run_id = wandb.util.generate_id()
+        with open(id_file, "w") as f:
+            f.write(run_id + "\n")
     return wandb.init(
         project=cfg.logging.wandb_project,
         config=to_dict(cfg),
         dir=cfg.output_dir,
         name=os.path.basename(os.path.normpath(cfg.output_dir)),
+        id=run_id,
         resume="allow",
     )
 

@@ -94,3 +94,24 @@ def test_the_console_line_outside_a_terminal_has_step_total_eta_and_says_empty(t
     assert "WARNING: step 2 learnt nothing" in warning
     assert "EMPTY" in second and "score" not in second
     assert second.endswith("eta 8m00s")  # 8 steps x (30 + 90) / 2 s
+
+
+def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
+    """The W&B run id is kept in the run directory; a second start (a resume) passes the same id
+    with resume='allow' (wandb itself stands in: it is not a dependency of the tests)."""
+    import sys
+    import types
+
+    from prorl.config import load_config
+    from prorl.report import start_wandb
+
+    calls, ids = [], iter(["first1", "second2"])
+    util = types.SimpleNamespace(generate_id=lambda: next(ids))
+    fake = types.SimpleNamespace(init=lambda **kw: calls.append(kw) or kw, util=util)
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = load_config("default", [f"output_dir={tmp_path}", "logging.wandb_project=p"])
+    start_wandb(cfg)
+    start_wandb(cfg)
+    assert [c["id"] for c in calls] == ["first1", "first1"]
+    assert all(c["resume"] == "allow" for c in calls)
+    assert (tmp_path / "wandb_run_id").read_text().strip() == "first1"
