@@ -424,7 +424,10 @@ def validate(
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m prorl.eval", description=__doc__.split("\n")[0], allow_abbrev=False
+        prog="python -m prorl.eval",
+        description=__doc__.split("\n")[0],
+        allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # --help shows every default
     )
     ap.add_argument(
         "--model",

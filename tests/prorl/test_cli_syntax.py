@@ -87,3 +87,19 @@ def test_a_flat_question_answer_parquet_trains_with_named_columns(tmp_path):
     cfg = parse_config([*base, "data.answer_key=solution", "data.default_source=math"])[0]
     with pytest.raises(lifecycle.Fatal, match="'solution' is missing .*the row has: answer"):
         load_examples(cfg, "train")
+
+
+def test_the_installed_commands_and_evals_help_shows_defaults(capsys):
+    """`pip install` puts prorl-train / prorl-eval / prorl-export / prorl-report on PATH (their
+    entry points name each module's main); prorl.eval --help shows every default."""
+    import importlib.metadata as md
+
+    points = {e.name: e.value for e in md.entry_points(group="console_scripts")}
+    for name in ("train", "eval", "export", "report"):
+        assert points.get(f"prorl-{name}") == f"prorl.{name}:main", "reinstall: pip install -e ."
+    from prorl import eval as prorl_eval
+
+    with pytest.raises(SystemExit):
+        prorl_eval.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "samples per prompt (default: 16)" in text and "(default: 0.95)" in text
