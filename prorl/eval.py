@@ -455,18 +455,20 @@ def _parser() -> argparse.ArgumentParser:
         "--limit", type=int, default=None, help="at most this many examples per file / task"
     )
     ap.add_argument("--k", type=int, default=16, help="samples per prompt")
-    ap.add_argument("--temperature", type=float, default=0.6)
-    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--temperature", type=float, default=0.6, help="sampling (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling")
     ap.add_argument(
         "--max-tokens", type=int, default=32768, help="max response tokens (capped by context)"
     )
     ap.add_argument(
         "--max-prompt-tokens", type=int, default=1024, help="longer prompts are filtered"
     )
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--backend", choices=BACKENDS, default="native")
-    ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument("--backend", choices=BACKENDS, default="native", help="sampler")
+    ap.add_argument("--device", default=None, help="cpu | cuda (None: cuda when available)")
+    ap.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default=None, help="None: the model's"
+    )
     ap.add_argument(
         "--kv-cache-gib", type=float, default=2.0, help="KV-cache budget per generate call"
     )
@@ -475,7 +477,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--num-workers", type=int, default=2, help="reward worker processes")
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds per verification")
-    ap.add_argument("--out", default=None, help="output directory (default runs/eval-<UTC time>)")
+    ap.add_argument("--out", default=None, help="output directory (None: runs/eval-<UTC time>)")
     return ap
 
 
