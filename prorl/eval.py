@@ -7,7 +7,9 @@ per-data-source table printed and written as JSON and CSV.
     python -m prorl.eval --model prorl/assets/tiny-reasoner --builtin digit_sums --k 4
 
 What is computed (docs/recipe.md §8), per data source and over all prompts:
-- `pass@1`: mean over prompts of c / k, where c of the k samples are correct;
+- `pass@1` (also reported as `avg@k`, the mean accuracy of k samples): mean over prompts of c / k,
+  where c of the k samples are correct; a data source read from several files gets a row per file
+  too (`by_file`);
 - `pass@j` for j = 2, 4, ... (powers of two) and k: mean over prompts of the unbiased estimator
   1 - C(k - c, j) / C(k, j) (Chen et al. 2021), the chance that j samples drawn without replacement
   from the k contain a correct one; with j = k it is the plain "any of the k correct";
@@ -366,6 +368,7 @@ def _chunk_records(run: _Run, lo: int, samples) -> list[dict]:
             dict(
                 index=i,
                 data_source=run.examples[i].data_source,
+                file=getattr(run.examples[i], "source", None),
                 sample=s.sample_index,
                 finish_reason=s.finish_reason,
                 response_tokens=len(s.token_ids),

@@ -49,6 +49,7 @@ def _group_metrics(records: list[dict], k: int) -> dict:
     correct = [sum(r["correct"] for r in rs) for rs in by_prompt.values()]
     for j in pass_ks(k):
         out[f"pass@{j}"] = sum(pass_at_k(k, c, j) for c in correct) / len(correct)
+    out[f"avg@{k}"] = out["pass@1"]  # the mean correctness of k samples: pass@1's estimate
     n = len(records)
     out["mean_score"] = sum(r["score"] for r in records) / n
     out["mean_response_tokens"] = sum(r["response_tokens"] for r in records) / n
@@ -78,8 +79,10 @@ def source_val_metrics(source: str, m: dict, k: int) -> dict[str, float]:
 
 
 def summarize(records: list[dict], k: int, filtered: dict[str, int] | None = None) -> dict:
-    """{"by_source": {data_source: metrics}, "all": metrics} from per-sample records (keys `index`,
-    `data_source`, `score`, `correct`, `timed_out`, `errored`, `finish_reason`, `response_tokens`).
+    """{"by_source": {data_source: metrics}, "by_file": {"source (file)": metrics}, "all": metrics}
+    from per-sample records (keys `index`, `data_source`, `score`, `correct`, `timed_out`,
+    `errored`, `finish_reason`, `response_tokens`, optionally `file`); by_file holds the files of a
+    data source read from several.
     `filtered`: prompts dropped per data source (reported beside the metrics)."""
     filtered = filtered or {}
     groups: dict[str, list[dict]] = defaultdict(list)
@@ -90,4 +93,13 @@ def summarize(records: list[dict], k: int, filtered: dict[str, int] | None = Non
         by_source[ds] = {"primary": primary_metric(ds), "filtered": filtered.get(ds, 0)}
         by_source[ds] |= _group_metrics(groups.get(ds, []), k)
     overall = {"primary": "pass@1", "filtered": sum(filtered.values())} | _group_metrics(records, k)
-    return {"by_source": by_source, "all": overall}
+    files: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    for r in records:
+        if r.get("file"):
+            files[(r["data_source"], r["file"])].append(r)
+    by_file = {}  # a data source read from several files: one row per file too
+    for (ds, file), rs in sorted(files.items()):
+        if sum(d == ds for d, _ in files) > 1:
+            by_file[f"{ds} ({file})"] = {"primary": primary_metric(ds), "filtered": 0}
+            by_file[f"{ds} ({file})"] |= _group_metrics(rs, k)
+    return {"by_source": by_source, "by_file": by_file, "all": overall}

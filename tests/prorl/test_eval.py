@@ -269,3 +269,23 @@ def test_an_interrupted_evaluation_reports_what_it_scored(tmp_path):
     inputs.generator = Interrupted()
     with pytest.raises(KeyboardInterrupt):
         evaluate(examples, inputs, EvalSettings(**kw), log=None)
+
+
+def test_two_files_of_one_data_source_get_a_row_each(tiny_model_dir, eval_verifier, tmp_path):
+    """Two benchmark files of the same data_source (issue 40): the source's row merges them, and
+    each file has its own row; avg@k (the mean correctness of k samples) is named."""
+    a, b, out_dir = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "out"
+    data.write_jsonl([_example("evaltest/binary", "always")], str(a))
+    data.write_jsonl([_example("evaltest/binary", "never")] * 2, str(b))
+    args = ["--model", tiny_model_dir, "--data", str(a), str(b), "--k", str(K), "--max-tokens",
+            "4", "--num-workers", "1", "--out", str(out_dir)]  # fmt: skip
+    assert main(args) == 0
+    results = json.loads((out_dir / "results.json").read_text())
+    assert results["by_source"]["evaltest/binary"]["pass@1"] == pytest.approx(1 / 3)
+    assert results["by_file"][f"evaltest/binary ({a})"]["pass@1"] == 1.0
+    assert results["by_file"][f"evaltest/binary ({b})"]["pass@1"] == 0.0
+    assert results["by_file"][f"evaltest/binary ({b})"]["prompts"] == 2
+    assert results["all"][f"avg@{K}"] == results["all"]["pass@1"] == pytest.approx(1 / 3)
+    with open(out_dir / "results.csv", newline="") as f:
+        rows = [r["data_source"] for r in csv.DictReader(f)]
+    assert rows == ["evaltest/binary", f"evaltest/binary ({a})", f"evaltest/binary ({b})", "all"]
