@@ -152,7 +152,7 @@ def _classify(out: Translation, key: str, value, from_file: bool, plus: bool | N
             return
         if near and not _is_off(value) and plus is None:
             out.warnings.append(f"{key}: not a verl 0.9.1 key, verl ignores it{hint}")
-    elif key in CHANGES_TRAINING:
+    elif key in CHANGES_TRAINING or any(key.startswith(c + ".") for c in CHANGES_TRAINING):
         if value == default(key) or (_is_off(value) and _is_off(default(key))):
             out.ignored.append((key, "at verl's default"))
         else:

@@ -105,6 +105,9 @@ def test_a_key_that_changes_sampling_is_honoured_or_refused(capsys):
     assert main(["model.path=/m", f"{R}repetition_penalty=1.0", "--print-config"]) == 0
     err = capsys.readouterr().err
     assert f"ignored, at verl's default: {R}repetition_penalty" in err
+    # a vLLM engine argument (a free-form dict of verl's) can change sampling too
+    assert main(["model.path=/m", f"+{R}engine_kwargs.vllm.seed=3", "--print-config"]) == 2
+    assert "engine_kwargs.vllm.seed=3: changes what verl samples" in capsys.readouterr().err
 
 
 def test_print_config_lists_every_ignored_key_with_why(capsys):
