@@ -9,7 +9,7 @@ per-data-source table printed and written as JSON and CSV.
 What is computed (docs/recipe.md §8), per data source and over all prompts:
 - `pass@1` (also reported as `avg@k`, the mean accuracy of k samples): mean over prompts of c / k,
   where c of the k samples are correct; a data source read from several files gets a row per file
-  too (`by_file`);
+  too (`by_file`); `maj@k` (math-verified sources): the most frequent final answer is right;
 - `pass@j` for j = 2, 4, ... (powers of two) and k: mean over prompts of the unbiased estimator
   1 - C(k - c, j) / C(k, j) (Chen et al. 2021), the chance that j samples drawn without replacement
   from the k contain a correct one; with j = k it is the plain "any of the k correct";

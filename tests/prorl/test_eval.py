@@ -289,3 +289,27 @@ def test_two_files_of_one_data_source_get_a_row_each(tiny_model_dir, eval_verifi
     with open(out_dir / "results.csv", newline="") as f:
         rows = [r["data_source"] for r in csv.DictReader(f)]
     assert rows == ["evaltest/binary", f"evaltest/binary ({a})", f"evaltest/binary ({b})", "all"]
+
+
+def test_majority_voting_on_math_answers(eval_verifier):
+    """maj@k by hand: prompt 0 answers 3, 3, 4 (3 right): right; prompt 1 answers 5, 6, 6 (5 right):
+    wrong; prompt 2 gives no answer: wrong; ties go to the answer counted first. A source the
+    math verifier does not score gets no maj@k."""
+    from prorl.eval_metrics import summarize
+
+    def rec(i, j, text, ok):
+        return dict(index=i, sample=j, data_source="openai/gsm8k", response=text, correct=ok,
+                    score=float(ok), timed_out=False, errored=False, finish_reason="stop",
+                    response_tokens=3)  # fmt: skip
+
+    records = [rec(0, 0, "so \\boxed{3}", True), rec(0, 1, "<think>x</think>\\boxed{ 3 }", True),
+               rec(0, 2, "\\boxed{4}", False), rec(1, 0, "#### 5", True),
+               rec(1, 1, "\\boxed{6}", False), rec(1, 2, "Answer: 6", False),
+               rec(2, 0, "no idea", False), rec(2, 1, "<think>cut", False),
+               rec(2, 2, "", False)]  # fmt: skip
+    out = summarize(records, 3)["all"]
+    assert out["maj@3"] == pytest.approx(1 / 3) and out["avg@3"] == pytest.approx(3 / 9)
+    tie = [rec(0, 0, "\\boxed{1}", False), rec(0, 1, "\\boxed{2}", True)]
+    assert summarize(tie, 2)["all"]["maj@2"] == 0.0
+    other = [dict(r, data_source="evaltest/binary") for r in records]
+    assert "maj@3" not in summarize(other, 3)["all"]
