@@ -55,11 +55,9 @@ from typing import Any
 
 from prorl.config import ConfigError
 from prorl.verl_compat.files import has_key, load_file, resolve
-from prorl.verl_compat.keys import CHANGES_TRAINING, default, known, suggest
+from prorl.verl_compat.keys import _IGNORED, CHANGES_TRAINING, IGNORED, default, known, suggest
 from prorl.verl_compat.rules import (
-    _IGNORED,
     ABSENT,
-    IGNORED,
     RULES,
     VERL_KEYS_IN_SHARED_SECTIONS,
     VERL_SECTIONS,

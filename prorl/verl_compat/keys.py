@@ -1,6 +1,7 @@
 """verl 0.9.1's own keys and defaults (`verl_0_9_1_ppo_trainer.json`: its composed
 `_generated_ppo_trainer.yaml`, flattened, interpolations kept; tests/peers checks it), and the verl
-keys without a prorl rule that change what verl samples or trains. The file also stands in for
+keys without a prorl rule that change what verl samples or trains, and the patterns of those that
+do not change what prorl trains (ignored at any value). The file also stands in for
 verl's `ppo_trainer` config when a recipe-style YAML names it and verl is not installed
 (prorl/verl_compat/files.py).
 
@@ -15,6 +16,7 @@ import difflib
 import functools
 import json
 import os
+import re
 import sys
 
 _FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verl_0_9_1_ppo_trainer.json")
@@ -69,6 +71,55 @@ CHANGES_TRAINING = {
     "actor_rollout_ref.actor.shuffle", "data.tokenizer", "data.tool_config_path",
     "data.function_tool_path", "trainer.v1.trainer_mode",
 }  # fmt: skip
+
+
+# -- keys that do not change what prorl trains -----------------------------------------------------
+IGNORED = [  # (pattern on the dotted key, why)
+    (r"(^|\.)_target_$", "verl's dataclass targets"),
+    (
+        r"^(ray_kwargs|global_profiler|transfer_queue|skip|model_engine)(\.|$)",
+        "verl's infrastructure",
+    ),
+    (r"(^|\.)(profiler|checkpoint|router_replay|qat)\.", "verl's profiling, checkpoint contents"),
+    (r"^critic\.", "the critic (no prorl estimator uses one)"),
+    (
+        r"^(reward_model|reward\.reward_model|sandbox_fusion|reward\.sandbox_fusion)\.",
+        "reward model and remote sandbox (off; prorl's code verifier has its own sandbox)",
+    ),
+    (r"^reward\.reward_manager\.module\.", "reward manager plug-ins (naive only)"),
+    (r"^distillation\.", "distillation (off)"),
+    (
+        r"^actor_rollout_ref\.ref\.",
+        "the reference's batch and sharding knobs (the reference is the policy's initial copy)",
+    ),
+    (
+        r"^actor_rollout_ref\.(actor|ref)\.(fsdp_config|megatron|torchtitan|veomni)\.",
+        "sharding knobs",
+    ),
+    (r"^actor_rollout_ref\.actor\.policy_loss\.", "parameters of other policy losses"),
+    (
+        r"^actor_rollout_ref\.actor\.(tau_pos|tau_neg|rollout_n|shuffle|data_loader_seed|"
+        r"use_torch_compile|use_fused_kernels|use_remove_padding|use_prefix_grouper|"
+        r"freeze_vision_tower|calculate_entropy|calculate_sum_pi_squared|"
+        r"entropy_from_logits_with_chunking|entropy_from_logits_chunk_size|"
+        r"entropy_checkpointing|pad_to_length)$",
+        "speed and memory knobs",
+    ),
+    (
+        r"^actor_rollout_ref\.actor\.optim\."
+        r"(optimizer_impl|total_training_steps|zero_indexed_step)$",
+        "derived by verl",
+    ),
+    (r"^actor_rollout_ref\.model\.", "model loading knobs (no effect on the weights trained)"),
+    (r"^actor_rollout_ref\.rollout\.", "sampler engine knobs (parallelism, memory, scheduling)"),
+    (r"^actor_rollout_ref\.nccl_timeout$", "prorl sizes its collective timeout from the config"),
+    (r"^data\.", "data-loader knobs (workers, multimodal keys, shared memory)"),
+    (r"^algorithm\.(gamma|lam)$", "GAE / REINFORCE++ discounts (unused by grpo and the baseline)"),
+    (r"^algorithm\.(kl_penalty|kl_ctrl\..*)$", "the in-reward KL (off: use_kl_in_reward false)"),
+    (r"^algorithm\.(pf_ppo|rollout_correction|filter_groups)\.", "parameters of features off"),
+    (r"^trainer\.", "launch, logging and checkpoint-storage knobs (nodes, GPUs, paths, callbacks)"),
+]
+_IGNORED = [(re.compile(p), why) for p, why in IGNORED]
 
 
 def default(key: str):

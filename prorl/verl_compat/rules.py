@@ -1,11 +1,10 @@
-"""The verl 0.9.1 key table: one `Rule` per verl setting (what it reads, what prorl makes of it),
-and the patterns of the keys that do not change what prorl trains. prorl/verl_compat/__init__.py
-explains the kinds; docs/verl.md lists them all."""
+"""The verl 0.9.1 key table: one `Rule` per verl setting (what it reads, what prorl makes of it);
+prorl/verl_compat/keys.py has the patterns of the keys that do not change what prorl trains.
+prorl/verl_compat/__init__.py explains the kinds; docs/verl.md lists them all."""
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -544,55 +543,6 @@ only("reward_model.enable", None, False, why="prorl has no reward model: verifie
 only("distillation.enabled", None, False, why="prorl has no distillation")
 only("distillation.enable", None, False, why="prorl has no distillation")
 simple("reward.num_workers", "reward.num_workers", int)
-
-
-# -- keys that do not change what prorl trains -----------------------------------------------------
-IGNORED = [  # (pattern on the dotted key, why)
-    (r"(^|\.)_target_$", "verl's dataclass targets"),
-    (
-        r"^(ray_kwargs|global_profiler|transfer_queue|skip|model_engine)(\.|$)",
-        "verl's infrastructure",
-    ),
-    (r"(^|\.)(profiler|checkpoint|router_replay|qat)\.", "verl's profiling, checkpoint contents"),
-    (r"^critic\.", "the critic (no prorl estimator uses one)"),
-    (
-        r"^(reward_model|reward\.reward_model|sandbox_fusion|reward\.sandbox_fusion)\.",
-        "reward model and remote sandbox (off; prorl's code verifier has its own sandbox)",
-    ),
-    (r"^reward\.reward_manager\.module\.", "reward manager plug-ins (naive only)"),
-    (r"^distillation\.", "distillation (off)"),
-    (
-        r"^actor_rollout_ref\.ref\.",
-        "the reference's batch and sharding knobs (the reference is the policy's initial copy)",
-    ),
-    (
-        r"^actor_rollout_ref\.(actor|ref)\.(fsdp_config|megatron|torchtitan|veomni)\.",
-        "sharding knobs",
-    ),
-    (r"^actor_rollout_ref\.actor\.policy_loss\.", "parameters of other policy losses"),
-    (
-        r"^actor_rollout_ref\.actor\.(tau_pos|tau_neg|rollout_n|shuffle|data_loader_seed|"
-        r"use_torch_compile|use_fused_kernels|use_remove_padding|use_prefix_grouper|"
-        r"freeze_vision_tower|calculate_entropy|calculate_sum_pi_squared|"
-        r"entropy_from_logits_with_chunking|entropy_from_logits_chunk_size|"
-        r"entropy_checkpointing|pad_to_length)$",
-        "speed and memory knobs",
-    ),
-    (
-        r"^actor_rollout_ref\.actor\.optim\."
-        r"(optimizer_impl|total_training_steps|zero_indexed_step)$",
-        "derived by verl",
-    ),
-    (r"^actor_rollout_ref\.model\.", "model loading knobs (no effect on the weights trained)"),
-    (r"^actor_rollout_ref\.rollout\.", "sampler engine knobs (parallelism, memory, scheduling)"),
-    (r"^actor_rollout_ref\.nccl_timeout$", "prorl sizes its collective timeout from the config"),
-    (r"^data\.", "data-loader knobs (workers, multimodal keys, shared memory)"),
-    (r"^algorithm\.(gamma|lam)$", "GAE / REINFORCE++ discounts (unused by grpo and the baseline)"),
-    (r"^algorithm\.(kl_penalty|kl_ctrl\..*)$", "the in-reward KL (off: use_kl_in_reward false)"),
-    (r"^algorithm\.(pf_ppo|rollout_correction|filter_groups)\.", "parameters of features off"),
-    (r"^trainer\.", "launch, logging and checkpoint-storage knobs (nodes, GPUs, paths, callbacks)"),
-]
-_IGNORED = [(re.compile(p), why) for p, why in IGNORED]
 
 
 # verl 0.9.1's keys in the sections prorl shares (data, trainer, algorithm) that prorl does not
