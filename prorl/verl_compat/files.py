@@ -5,6 +5,7 @@ leaf}."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 from typing import Any
@@ -12,6 +13,25 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from prorl.config import ConfigError
+
+# verl 0.9.1's composed ppo_trainer config (prorl/verl_compat/keys.py says more)
+TEMPLATE_FILE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "verl_0_9_1_ppo_trainer.json"
+)
+with open(TEMPLATE_FILE) as _f:
+    VERL_TEMPLATE: dict = json.load(_f)  # {dotted key: leaf}, "${...}" interpolations kept
+
+
+def nested(flat: dict) -> dict:
+    """{dotted key: leaf} as a nested dict."""
+    out: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
 
 
 def load_file(path: str) -> dict:
@@ -98,15 +118,12 @@ def _search_path(node, path: str) -> list[str]:
 
 def _primary(name: str, search: list[str], path: str, package: str, choices: dict):
     """A defaults entry naming a config file: the first `name`.yaml on the search path; verl's
-    `ppo_trainer` without verl's config folder: verl 0.9.1's, as prorl ships it
-    (prorl/verl_compat/keys.py)."""
+    `ppo_trainer` without verl's config folder: verl 0.9.1's, as prorl ships it (VERL_TEMPLATE)."""
     for folder in search:
         file = os.path.join(folder, name + ".yaml")
         if os.path.isfile(file):
             return _compose(file, package, choices)
     if name == "ppo_trainer":
-        from prorl.verl_compat.keys import VERL_TEMPLATE, nested
-
         return _place(OmegaConf.create(nested(VERL_TEMPLATE)), package)
     raise ConfigError(
         f"--verl-config {path}: defaults entry {name!r}: no {name}.yaml in "

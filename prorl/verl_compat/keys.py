@@ -19,27 +19,18 @@ import os
 import re
 import sys
 
-_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "verl_0_9_1_ppo_trainer.json")
-with open(_FILE) as _f:
-    VERL_TEMPLATE: dict = json.load(_f)  # {dotted key: leaf}, "${...}" interpolations kept
-
-
-def nested(flat: dict) -> dict:
-    """{dotted key: leaf} as a nested dict."""
-    out: dict = {}
-    for key, value in flat.items():
-        *parents, leaf = key.split(".")
-        node = out
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
+from prorl.verl_compat.files import (
+    TEMPLATE_FILE,
+    VERL_TEMPLATE,
+    flatten,
+    load_file,
+    nested,
+    resolve,
+)
 
 
 @functools.cache
 def _resolved() -> dict:
-    from prorl.verl_compat.files import resolve
-
     return resolve(nested(VERL_TEMPLATE), [])
 
 
@@ -160,8 +151,6 @@ def shared_section_keys(prorl_keys) -> frozenset:
 
 
 if __name__ == "__main__":  # python -m prorl.verl_compat.keys VERL/trainer/config
-    from prorl.verl_compat.files import flatten, load_file
-
     flat = flatten(load_file(os.path.join(sys.argv[1], "_generated_ppo_trainer.yaml")))
-    with open(_FILE, "w") as f:
+    with open(TEMPLATE_FILE, "w") as f:
         f.write(json.dumps(dict(sorted(flat.items())), indent=0) + "\n")
