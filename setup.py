@@ -108,8 +108,14 @@ setup(
     + ["prorl." + p for p in find_packages("prorl")]
     + ["prorl.kernels." + p for p in find_packages("kernels")]
     + ["prorl.engine." + p for p in find_packages("engine")],
-    package_data={"prorl.kernels": ["csrc/*.cpp", "csrc/*.h"]},
+    package_data={"prorl.kernels": ["csrc/*.cpp", "csrc/*.h"], "prorl.verl_compat": ["*.json"]},
     ext_modules=[CMakeExtension("prorl.kernels._C")],
+    # the installed commands (prorl-train runs one process; torchrun ... -m prorl.train for more)
+    entry_points={
+        "console_scripts": [
+            f"prorl-{name}=prorl.{name}:main" for name in ("train", "eval", "export", "report")
+        ]
+    },
     cmdclass={"build_ext": CMakeBuild},
     # torch is a requirement, but installing it is the user's first step (README): on CPU machines
     # an unpinned `torch` pulls a multi-GB CUDA build. The range below admits the 2.13 CPU build.

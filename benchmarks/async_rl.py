@@ -22,8 +22,11 @@ from benchmarks import harness, plot
 from benchmarks.report import readme
 
 NAME = "async_rl"
-ASYNC = ["rollout.async.rollout_ranks=1", "algorithm.is_mode=tis"]  # tis: docs/recipe.md §11
-VARIANTS = {"sync": [], **{f"async-k{k}": [f"rollout.async.steps_ahead={k}", *ASYNC] for k in "12"}}
+ASYNC = ["rollout.async_rl.rollout_ranks=1", "algorithm.is_mode=tis"]  # tis: docs/recipe.md §11
+VARIANTS = {
+    "sync": [],
+    **{f"async-k{k}": [f"rollout.async_rl.steps_ahead={k}", *ASYNC] for k in "12"},
+}
 POLL_S = 0.1  # how often launch() looks for new metrics rows (the time base's resolution)
 QUICK = ["data.train_size=64", "data.val_size=16", "trainer.prompts_per_step=8"]
 # phase -> the metrics.jsonl keys summed into it (seconds per step); push: + the time between steps

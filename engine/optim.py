@@ -18,7 +18,8 @@ s):
   `total_steps`.
 A skipped step does not advance the schedule (as in Hugging Face's Trainer).
 
-Weight decay applies to matrices (embeddings, projections), not to 1-D parameters (biases, norms).
+Weight decay applies to matrices (embeddings, projections), not to 1-D parameters (biases, norms),
+unless `decay_1d` (every parameter, as torch's AdamW over `module.parameters()` does: verl's).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class OptimizerConfig:
     warmup_steps: int = 0
     total_steps: int | None = None  # required by "cosine"
     min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
+    decay_1d: bool = False  # weight decay on 1-D parameters (biases, norm weights) too
 
 
 @dataclass(frozen=True)
@@ -71,11 +73,14 @@ def lr_factor(step: int, cfg: OptimizerConfig) -> float:
     raise ValueError(f"unknown schedule {cfg.schedule!r}; choose 'constant' or 'cosine'")
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Two AdamW groups: decayed matrices, undecayed 1-D parameters (biases, norm weights)."""
+def param_groups(
+    model: nn.Module, weight_decay: float, decay_1d: bool = False
+) -> list[dict[str, Any]]:
+    """Two AdamW groups: decayed matrices, undecayed 1-D parameters (biases, norm weights); with
+    `decay_1d` every parameter is decayed (the second group is empty)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
+    decay = [p for p in params if p.dim() >= 2 or decay_1d]
+    no_decay = [p for p in params if p.dim() < 2 and not decay_1d]
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -97,7 +102,10 @@ class Optimizer:
         reshard(model)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps
+            param_groups(model, cfg.weight_decay, cfg.decay_1d),
+            lr=cfg.lr,
+            betas=cfg.betas,
+            eps=cfg.eps,
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg)

@@ -19,13 +19,14 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from prorl.async_rl.settings import AsyncConfig, rename_async_section
+from prorl.async_rl.settings import AsyncConfig, rename_async_section, warn_async_name
 from prorl.config_checks import nonfinite_problems, range_problems, read_yaml, size_problems
 from prorl.engine.attention import BACKENDS as ATTENTION
 from prorl.engine.fp8 import BACKENDS as FP8_BACKENDS
@@ -114,6 +115,16 @@ class DataConfig:
     train_size: int = _f(0, "builtin task size (0: the whole split or the generator's default)")
     val_size: int = _f(200, "builtin held-out size (0: the whole split)")
     prompt_key: str = _f("prompt", "the row field holding the prompt (chat messages or a string)")
+    answer_key: str = _f(
+        "",
+        "a flat column holding the ground truth (e.g. answer; empty: reward_model.ground_truth, "
+        "or a ground_truth column)",
+    )
+    default_source: str = _f(
+        "",
+        "the data_source (the verifier) of rows without one (e.g. math; empty: every row names "
+        "its own)",
+    )
     max_prompt_tokens: int = _f(
         1024, "prompts longer than this are dropped and counted, never truncated"
     )
@@ -137,7 +148,9 @@ class RolloutConfig:
     top_k: int = _f(-1, "top-k sampling (-1: off)")
     max_response_tokens: int = _f(8192, "response budget (recipe §1: 8192 in v2)")
     max_response_schedule: dict[int, int] = _f(
-        dict, "step -> response budget (a context-length schedule)"
+        dict,
+        "step -> response budget (a context-length schedule), from that step on; on the command "
+        "line rollout.max_response_schedule={100:16384,200:32768}",
     )
     gpu_memory_utilization: float | str = _f(
         "auto",
@@ -234,6 +247,11 @@ class OptimConfig(OptimizerConfig):
 @dataclass
 class TrainerConfig:
     total_steps: int = _f(3000, "RL steps")
+    total_epochs: int = _f(
+        0,
+        "> 0: total_steps = total_epochs x (training prompts // prompts_per_step), counted when "
+        "the data is read (verl's trainer.total_epochs)",
+    )
     prompts_per_step: int = _f(
         256, "prompts per step, all ranks together (a multiple of the world size)"
     )
@@ -351,6 +369,8 @@ OPTIM_HELP = {
         "the cosine schedule's length (0/None: trainer.total_steps x mini_batches)"
     ),
     "optim.min_lr_ratio": "the cosine schedule's floor, as a fraction of lr",
+    "optim.decay_1d": "weight decay on biases and norm weights too (verl's AdamW decays every "
+    "parameter)",
 }
 
 
@@ -409,10 +429,16 @@ def _normalise_overrides(overrides: list[str]) -> list[str]:
     if bad:
         raise ConfigError(f"overrides must look like key=value, got {bad}")
     lists = {key for key, f in fields() if str(f.type).startswith("list")}
+    dicts = {key for key, f in fields() if str(f.type).startswith("dict")}
     out = []
     for o in overrides:
         key, value = o.split("=", 1)
-        key = key.replace("rollout.async.", "rollout.async_rl.", 1)  # `async` is a Python keyword
+        if key in dicts and value.strip().startswith("{"):
+            # {3:32} is YAML 1.1's sexagesimal 212 (a key without a value): {3: 32} is the mapping
+            value = re.sub(r":(?=\S)", ": ", value)
+        if key.startswith("rollout.async."):  # the old name (`async` is a Python keyword)
+            key = key.replace("rollout.async.", "rollout.async_rl.", 1)
+            warn_async_name(key)
         if RENAMED.get(key):
             raise ConfigError(f"config key {key!r} is now {RENAMED[key]!r}")
         if key in lists and value and not value.lstrip().startswith("["):

@@ -193,6 +193,7 @@ def range_problems(cfg: Any) -> list[str]:
         (cfg.optim.lr > 0, "optim.lr must be > 0"),
         (len(cfg.optim.betas) == 2, "optim.betas must have two values"),
         (trainer.total_steps >= 0, "trainer.total_steps must be >= 0"),
+        (trainer.total_epochs >= 0, "trainer.total_epochs must be >= 0"),
         (trainer.prompts_per_step >= 1, "trainer.prompts_per_step must be >= 1"),
         (trainer.mini_batches >= 1, "trainer.mini_batches must be >= 1"),
         (trainer.mini_batches < 1 or trainer.prompts_per_step % trainer.mini_batches == 0,

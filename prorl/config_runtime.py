@@ -11,6 +11,21 @@ import os
 
 from prorl.config import Config, ConfigError, ModelConfig, to_dict
 
+
+def steps_from_epochs(cfg: Config, prompts: int) -> None:
+    """trainer.total_epochs > 0: trainer.total_steps = total_epochs x (prompts // prompts_per_step),
+    as verl counts (its dataloader drops the last partial batch)."""
+    epochs, pps = cfg.trainer.total_epochs, cfg.trainer.prompts_per_step
+    if epochs <= 0:
+        return
+    if prompts < pps:
+        raise ConfigError(
+            f"trainer.total_epochs={epochs}: the {prompts} training prompts make no full step of "
+            f"trainer.prompts_per_step={pps}; lower it or set trainer.total_steps"
+        )
+    cfg.trainer.total_steps = epochs * (prompts // pps)
+
+
 # -- the world -------------------------------------------------------------------------------------
 
 
@@ -87,7 +102,11 @@ def resume_conflicts(saved: dict, cfg: Config) -> tuple[list[str], dict[str, tup
     """(keys that forbid resuming, every changed key -> (saved, now)) between a checkpoint's config
     dict and this run's."""
     changed = config_changes(saved, to_dict(cfg))
-    return sorted(k for k in changed if k.startswith(INCOMPATIBLE_ON_RESUME)), changed
+    bad = [k for k in changed if k.startswith(INCOMPATIBLE_ON_RESUME)]
+    # a run without a KL term saved no reference: a KL term cannot start from its checkpoint
+    if saved.get("algorithm", {}).get("kl_coef", 1.0) == 0 and cfg.algorithm.kl_coef != 0:
+        bad.append("algorithm.kl_coef")
+    return sorted(bad), changed
 
 
 # -- the recipe ------------------------------------------------------------------------------------

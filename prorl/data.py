@@ -10,6 +10,11 @@ brackets):
     extra_info               dict, optional                        [extra]
     ability                  str, optional (verl's domain tag)
 
+Other column names (`RowFields`, from the data.* keys of the same names): `prompt_key` names the
+prompt's column (`question`), `answer_key` a flat ground-truth column (`answer`), `default_source`
+the data_source (and so the verifier) of rows that have none: a flat (question, answer) file trains
+with `data.prompt_key=question data.answer_key=answer data.default_source=math`.
+
 A row missing a field, with a wrong type, an empty prompt or ground truth, a NaN or infinite ground
 truth, a math ground truth that is not a string or number, a chat role no template knows, a byte
 that is not UTF-8, or a data_source no verifier is registered for is an error at load time naming
@@ -81,9 +86,18 @@ def _bad(where: str, field_name: str, problem: str) -> DataError:
     return DataError(f"{where}: field '{field_name}' {problem}")
 
 
-def _parse_row(
-    row: Any, where: str, check_data_source: bool, prompt_key: str = "prompt"
-) -> Example:
+@dataclass(frozen=True)
+class RowFields:
+    """The columns a row's parts are read from (module docstring): the prompt's, a flat ground
+    truth's (empty: reward_model.ground_truth, or a `ground_truth` column), and the data_source of
+    rows without one (empty: every row names its own)."""
+
+    prompt_key: str = "prompt"
+    answer_key: str = ""
+    default_source: str = ""
+
+
+def _parse_row(row: Any, where: str, check_data_source: bool, fields: RowFields) -> Example:
     """One row as an Example; DataError naming `where` (file and row) and the field when it is
     bad."""
     if not isinstance(row, dict):
@@ -97,8 +111,14 @@ def _parse_row(
             "not text a tokenizer can take",
         )
     data_source = row.get("data_source")
+    if data_source is None and fields.default_source:
+        data_source = fields.default_source
     if not isinstance(data_source, str) or not data_source:
-        problem = "is missing" if data_source is None else f"must be a string, got {data_source!r}"
+        problem = (
+            "is missing (data.default_source names the verifier of rows without one)"
+            if data_source is None
+            else f"must be a string, got {data_source!r}"
+        )
         raise _bad(where, "data_source", problem)
     verifier = None  # the registry key of the row's verifier, when checked
     if check_data_source:
@@ -106,7 +126,14 @@ def _parse_row(
             verifier = lookup(data_source)[0]
         except UnknownDataSourceError as exc:
             raise _bad(where, "data_source", f"has no verifier: {exc}") from None
-    prompt = _prompt(row, where, prompt_key)
+    prompt = _prompt(row, where, fields.prompt_key)
+    if fields.answer_key:  # a flat answer column, read as reward_model.ground_truth
+        if fields.answer_key not in row:
+            others = ", ".join(sorted(row))
+            raise _bad(
+                where, fields.answer_key, f"is missing (data.answer_key; the row has: {others})"
+            )
+        row = {**row, "reward_model": {"ground_truth": row[fields.answer_key]}}
     truth = _ground_truth(row, where, verifier)
     extra = row.get("extra_info")
     if extra is None:
@@ -211,12 +238,12 @@ def load_file(
     check_data_source: bool = True,
     skip_bad: bool = False,
     report: LoadReport | None = None,
-    prompt_key: str = "prompt",
+    fields: RowFields = RowFields(),
     max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
 ) -> list[Example]:
-    """Every row of `path` as an Example. Raises DataError on the first bad row unless `skip_bad`
-    (then bad rows are dropped and counted in `report`). A row over `max_row_bytes` is a bad row,
-    refused before it is read into memory (prorl/data_read.py)."""
+    """Every row of `path` as an Example (its columns: `fields`). Raises DataError on the first bad
+    row unless `skip_bad` (then bad rows are dropped and counted in `report`). A row over
+    `max_row_bytes` is a bad row, refused before it is read into memory (prorl/data_read.py)."""
     if not os.path.exists(path):
         raise FileNotFoundError(f"data file not found: {path}")
     if not os.path.isfile(path):
@@ -228,7 +255,7 @@ def load_file(
         try:
             if isinstance(row, DataError):
                 raise row
-            out.append(_parse_row(row, f"{path}: row {i}", check_data_source, prompt_key))
+            out.append(_parse_row(row, f"{path}: row {i}", check_data_source, fields))
             out[-1].source = path
             report.rows += 1
         except DataError as exc:
@@ -330,7 +357,7 @@ def load_mixture(
     check_data_source: bool = True,
     skip_bad: bool = False,
     report: LoadReport | None = None,
-    prompt_key: str = "prompt",
+    fields: RowFields = RowFields(),
     max_row_bytes: int = DEFAULT_MAX_ROW_BYTES,
 ) -> list[Example]:
     """Examples of several files given as `path` or `path:weight` specs (see "Mixing files" above).
@@ -351,7 +378,7 @@ def load_mixture(
             check_data_source=check_data_source,
             skip_bad=skip_bad,
             report=report,
-            prompt_key=prompt_key,
+            fields=fields,
             max_row_bytes=max_row_bytes,
         )
         for path, _ in parsed

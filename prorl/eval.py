@@ -7,7 +7,9 @@ per-data-source table printed and written as JSON and CSV.
     python -m prorl.eval --model prorl/assets/tiny-reasoner --builtin digit_sums --k 4
 
 What is computed (docs/recipe.md §8), per data source and over all prompts:
-- `pass@1`: mean over prompts of c / k, where c of the k samples are correct;
+- `pass@1` (also reported as `avg@k`, the mean accuracy of k samples): mean over prompts of c / k,
+  where c of the k samples are correct; a data source read from several files gets a row per file
+  too (`by_file`); `maj@k` (math-verified sources): the most frequent final answer is right;
 - `pass@j` for j = 2, 4, ... (powers of two) and k: mean over prompts of the unbiased estimator
   1 - C(k - c, j) / C(k, j) (Chen et al. 2021), the chance that j samples drawn without replacement
   from the k contain a correct one; with j = k it is the plain "any of the k correct";
@@ -367,6 +369,7 @@ def _chunk_records(run: _Run, lo: int, samples) -> list[dict]:
             dict(
                 index=i,
                 data_source=run.examples[i].data_source,
+                file=getattr(run.examples[i], "source", None),
                 sample=s.sample_index,
                 finish_reason=s.finish_reason,
                 response_tokens=len(s.token_ids),
@@ -428,7 +431,10 @@ def validate(
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m prorl.eval", description=__doc__.split("\n")[0], allow_abbrev=False
+        prog="python -m prorl.eval",
+        description=__doc__.split("\n")[0],
+        allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,  # --help shows every default
     )
     ap.add_argument(
         "--model",
@@ -456,18 +462,20 @@ def _parser() -> argparse.ArgumentParser:
         "--limit", type=int, default=None, help="at most this many examples per file / task"
     )
     ap.add_argument("--k", type=int, default=16, help="samples per prompt")
-    ap.add_argument("--temperature", type=float, default=0.6)
-    ap.add_argument("--top-p", type=float, default=0.95)
+    ap.add_argument("--temperature", type=float, default=0.6, help="sampling (0: greedy)")
+    ap.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling")
     ap.add_argument(
         "--max-tokens", type=int, default=32768, help="max response tokens (capped by context)"
     )
     ap.add_argument(
         "--max-prompt-tokens", type=int, default=1024, help="longer prompts are filtered"
     )
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--backend", choices=BACKENDS, default="native")
-    ap.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default=None)
+    ap.add_argument("--seed", type=int, default=0, help="sampling seed")
+    ap.add_argument("--backend", choices=BACKENDS, default="native", help="sampler")
+    ap.add_argument("--device", default=None, help="cpu | cuda (None: cuda when available)")
+    ap.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default=None, help="None: the model's"
+    )
     ap.add_argument(
         "--kv-cache-gib", type=float, default=2.0, help="KV-cache budget per generate call"
     )
@@ -476,7 +484,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--num-workers", type=int, default=2, help="reward worker processes")
     ap.add_argument("--timeout", type=float, default=10.0, help="seconds per verification")
-    ap.add_argument("--out", default=None, help="output directory (default runs/eval-<UTC time>)")
+    ap.add_argument("--out", default=None, help="output directory (None: runs/eval-<UTC time>)")
     return ap
 
 

@@ -13,8 +13,10 @@ from prorl.eval_metrics import pass_ks
 
 
 def table_rows(results: dict) -> list[dict]:
-    """One flat dict per data source plus `all` (the CSV rows)."""
+    """One flat dict per data source, per file of a data source read from several, and `all` (the
+    CSV rows)."""
     rows = [{"data_source": ds} | m for ds, m in results["by_source"].items()]
+    rows += [{"data_source": name} | m for name, m in results.get("by_file", {}).items()]
     return rows + [{"data_source": "all"} | results["all"]]
 
 

@@ -5,10 +5,10 @@
 A checkpoint (engine/checkpoint.py) holds the policy's shards as torch.distributed.checkpoint writes
 them, whatever the number of ranks that saved it; this reads them into one process (DCP reshards),
 builds the decoder from the run's model (the checkpoint's saved config names it), and writes
-config.json, model.safetensors and the tokenizer: loadable by `transformers`, `prorl.eval --model`
-and vLLM. The run's final export (`checkpoints/final`) is the same thing for the last step; this is
-for any other step, and for a run that was stopped. `--key reference` exports the reference policy
-instead.
+config.json, model.safetensors, generation_config.json (prorl/generation_config.py) and the
+tokenizer: loadable by `transformers`, `prorl.eval --model` and vLLM. The run's final export
+(`checkpoints/final`) is the same thing for the last step; this is for any other step, and for a
+run that was stopped. `--key reference` exports the reference policy instead.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from prorl.engine.checkpoint import MARKER, META, CheckpointError, verify_checkpoint
 from prorl.engine.checkpoint_state import ModelState
 from prorl.engine.model import load_hf, save_hf
+from prorl.generation_config import write_generation_config
 from prorl.lifecycle import Fatal
 from prorl.model_dir import resolve_model_path
 
@@ -52,7 +53,9 @@ def export_checkpoint(
     dcp.load({key: ModelState(model)}, checkpoint_id=checkpoint, no_dist=True)
     dtype = dtype or config.get("model", {}).get("dtype", "float32")
     save_hf(model.to({"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]), out)
-    PreTrainedTokenizerFast.from_pretrained(model_path).save_pretrained(out)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
+    tokenizer.save_pretrained(out)
+    write_generation_config(out, tokenizer, model_path, config.get("trainer", {}))
     return out
 
 

@@ -126,9 +126,11 @@ def _finite(x: float | None) -> float:
 
 def step_metrics(
     reduced: tuple[dict[str, float], dict[str, float], dict[str, float]],
+    importance: bool = False,
 ) -> dict[str, float]:
     """The step's metrics (docs/recipe.md §9) from the global sums and extrema the trainer
-    registered."""
+    registered; `importance`: the sampler-vs-trainer correction is on (rollout/is_*, 0 in a step
+    that trains nothing)."""
     s, mx, _ = reduced
     r = _Reduced(*reduced)
     out = _sampling_metrics(r) | _batch_metrics(r) | _update_metrics(r)
@@ -136,7 +138,7 @@ def step_metrics(
     # prorl/rewards/function.py
     for key in (k.split("/", 1)[1] for k in s if k.startswith("reward_extra/")):
         out[f"reward_extra/{key}/mean"] = r.mean(f"reward_extra/{key}", f"reward_extra_n/{key}")
-    if "is_weight" in s:
+    if "is_weight" in s or importance:
         out["rollout/is_mean"] = r.mean("is_weight", "tokens")
         out["rollout/is_max"] = r.max("is_weight")
         out["rollout/is_frac_modified"] = r.mean("is_modified", "tokens")
@@ -291,3 +293,35 @@ def perf_metrics(sums: dict[str, float], elapsed: float, world: int) -> dict[str
         "perf/time_per_step": elapsed,
         "perf/throughput": total / seconds / max(world, 1),
     }
+
+
+def record_memory(acc: StepAccumulator, device: torch.device) -> None:
+    """The process's peak accelerator memory since start (CUDA) and the host's used memory, as
+    verl logs them; the step's metrics take the largest over the ranks (`memory_metrics`)."""
+    if device.type == "cuda":
+        acc.max("max_memory_allocated", float(torch.cuda.max_memory_allocated(device)))
+        acc.max("max_memory_reserved", float(torch.cuda.max_memory_reserved(device)))
+    acc.max("cpu_memory_used", float(_host_memory_used()))
+
+
+def memory_metrics(maxima: dict[str, float]) -> dict[str, float]:
+    """verl's `perf/max_memory_allocated_gb`, `perf/max_memory_reserved_gb` (CUDA: torch's peak
+    allocated / reserved bytes of any rank) and `perf/cpu_memory_used_gb` (psutil's
+    virtual_memory().used: total - available), in GiB."""
+    names = {"max_memory_allocated": "perf/max_memory_allocated_gb",
+             "max_memory_reserved": "perf/max_memory_reserved_gb",
+             "cpu_memory_used": "perf/cpu_memory_used_gb"}  # fmt: skip
+    return {name: maxima[key] / 2**30 for key, name in names.items() if key in maxima}
+
+
+def _host_memory_used() -> int:
+    """Bytes of host memory in use: psutil's virtual_memory().used (verl's), or MemTotal -
+    MemAvailable from /proc/meminfo (what psutil computes on Linux) without psutil."""
+    try:
+        import psutil
+
+        return psutil.virtual_memory().used
+    except ImportError:
+        with open("/proc/meminfo") as f:
+            kib = {line.split(":")[0]: int(line.split()[1]) for line in f}
+        return (kib["MemTotal"] - kib["MemAvailable"]) * 1024

@@ -34,9 +34,10 @@ class PolicyModels:
     a process group exists, one rank included): fp32 master weights whatever the checkpoint's dtype,
     computed in `model.dtype` (mixed precision); the reference holds the same fp32 values, so that
     after a reset it equals the policy exactly and computes identically; the native sampler gets an
-    unsharded copy in `model.dtype`, synced after every update. The sampler is built by
-    `start_sampler`, after the optimizer (FSDP2 leaves the root unsharded after a forward, and
-    vLLM's calibration runs one)."""
+    unsharded copy in `model.dtype`, synced after every update. Without a KL term
+    (algorithm.kl_coef 0) there is no reference (None): no copy held, no forward pass for it. The
+    sampler is built by `start_sampler`, after the optimizer (FSDP2 leaves the root unsharded after
+    a forward, and vLLM's calibration runs one)."""
 
     def __init__(self, cfg: Config, model_path: str):
         self.cfg, self.model_path = cfg, model_path
@@ -54,6 +55,8 @@ class PolicyModels:
                 "torchrun (--nproc_per_node=1 is fine)"
             )
         self.fp8 = FP8Training.of(cfg.model, fsdp=self.fsdp)
+        # no KL term (algorithm.kl_coef 0, verl's use_kl_loss false): no reference copy, no pass
+        self.kl = cfg.algorithm.kl_coef != 0
         self.policy, self.reference, self.sampler_model = self._build()
         self.generator = None
         self.last_sync_check: dict | None = None  # vLLM: the post-sync probe report
@@ -75,10 +78,12 @@ class PolicyModels:
                     RuntimeWarning,
                     stacklevel=4,
                 )
-            policy, reference = load(self.dtype), load(self.dtype).requires_grad_(False).eval()
+            policy = load(self.dtype)
+            reference = load(self.dtype).requires_grad_(False).eval() if self.kl else None
             if cfg.model.compile:
                 policy.compile()
-                reference.compile()
+                if reference is not None:
+                    reference.compile()
             return policy, reference, policy if self.backend == "native" else None
         opts = dict(
             activation_checkpointing=cfg.model.activation_checkpointing,
@@ -91,8 +96,10 @@ class PolicyModels:
         # FP8 (model.fp8): policy and reference get the same conversion, so that after a reset they
         # compute identically and the KL is exactly zero; the sampler's copy stays unconverted
         policy = parallel.parallelize(self.fp8.convert(load(torch.float32)), **opts)
-        frozen = self.fp8.convert(load(torch.float32)).requires_grad_(False).eval()
-        reference = parallel.parallelize(frozen, **opts)
+        reference = None
+        if self.kl:
+            frozen = self.fp8.convert(load(torch.float32)).requires_grad_(False).eval()
+            reference = parallel.parallelize(frozen, **opts)
         if self.backend != "native":  # vLLM holds its own weights
             return policy, reference, None
         return policy, reference, load(self.dtype).requires_grad_(False).eval()
@@ -152,7 +159,8 @@ class PolicyModels:
     def reset_reference(self) -> None:
         """pi_ref <- current policy, exactly (shard by shard under FSDP, in the sharded state
         checkpoints save)."""
-        copy_parameters_(self.reference, self.policy)
+        if self.reference is not None:
+            copy_parameters_(self.reference, self.policy)
 
     def export_hf(self, path: str) -> None:
         """The policy as a Hugging Face directory in `model.dtype` (collective under FSDP)."""

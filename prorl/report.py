@@ -6,6 +6,17 @@ The report can be made again from a run directory at any time, also of a run in 
 was stopped:
 
     python -m prorl.report runs/20261129-203100   # -> training_curves.png, summary.txt, printed
+
+The console line of a step (every logging.log_every steps, and at validations), in a terminal under
+a progress bar and in a log file (SLURM, nohup) alike:
+
+    step 12/300  score 0.412  val 0.380  H 0.731  kl 1.2e-04  len 211.0  pass 0.43  s 4.10  eta 20m
+
+step/total; score: critic/score/mean (the verifier's raw score of the trained responses); val:
+val/accuracy (at validations); H: actor/entropy; kl: actor/kl_mean (to the reference); len:
+response_length/mean; pass: dynamic_sampling/pass_rate (every sampled response, kept or not); s:
+timing_s/step; eta: the steps left x this process's mean step time. A step that learnt nothing
+prints `EMPTY` and its reason on a WARNING line instead of the scores.
 """
 
 from __future__ import annotations
@@ -16,6 +27,7 @@ import os
 import sys
 
 from prorl.config import to_dict
+from prorl.generation_config import write_generation_config
 
 SUMMARY_KEYS = (
     ("critic/score/mean", "score", "{:.3f}"),
@@ -74,7 +86,8 @@ def _write_rows(path: str, rows: list[dict]) -> None:
 
 
 def start_wandb(cfg):
-    """A W&B run for `logging.wandb_project` (rank 0). WANDB_MODE=offline keeps it on disk."""
+    """A W&B run for `logging.wandb_project` (rank 0), the same one on every resume (its id kept in
+    the run directory's `wandb_run_id`). WANDB_MODE=offline keeps it on disk."""
     try:
         import wandb
     except ImportError as exc:
@@ -83,11 +96,21 @@ def start_wandb(cfg):
             "install wandb (or unset logging.wandb_project)"
         ) from exc
 
+    # the run id lives in the run directory: a resumed run goes on logging into the same W&B run
+    id_file = os.path.join(cfg.output_dir, "wandb_run_id")
+    if os.path.isfile(id_file):
+        with open(id_file) as f:
+            run_id = f.read().strip()
+    else:
+        run_id = wandb.util.generate_id()
+        with open(id_file, "w") as f:
+            f.write(run_id + "\n")
     return wandb.init(
         project=cfg.logging.wandb_project,
         config=to_dict(cfg),
         dir=cfg.output_dir,
         name=os.path.basename(os.path.normpath(cfg.output_dir)),
+        id=run_id,
         resume="allow",
     )
 
@@ -101,6 +124,7 @@ class Reporter:
         self.wandb = None
         self.bar = None
         self.val_history: list[tuple[int, float]] = []
+        self.step_times: list[float] = []  # this process's steps, for the ETA
         if rank == 0:
             os.makedirs(self.dir, exist_ok=True)
             if cfg.logging.tensorboard:
@@ -188,14 +212,32 @@ class Reporter:
         if self.bar is not None:
             self.bar.n = metrics["step"]
             self.bar.refresh()
+        if metrics.get("trainer/empty_reason"):  # loud, whatever logging.log_every says
+            self._print(
+                f"prorl: WARNING: step {metrics['step']} learnt nothing (counted as empty): "
+                f"{metrics['trainer/empty_reason']}"
+            )
+        if "timing_s/step" in metrics:
+            self.step_times.append(metrics["timing_s/step"])
         if metrics["step"] % max(self.cfg.logging.log_every, 1) == 0 or "val/accuracy" in metrics:
-            parts = [f"step {metrics['step']:>5}"]
-            for key, short, fmt in SUMMARY_KEYS:
-                if key in metrics:
-                    parts.append(f"{short} {fmt.format(metrics[key])}")
-            if metrics.get("ref/reset_reason"):
-                parts.append(f"[ref reset: {metrics['ref/reset_reason']}]")
-            self._print("  ".join(parts))
+            self._print(self.summary_line(metrics))
+
+    def summary_line(self, metrics: dict) -> str:
+        """The console line of a step (module docstring)."""
+        total = self.cfg.trainer.total_steps
+        parts = [f"step {metrics['step']:>5}/{total}"]
+        empty = metrics.get("trainer/empty_step")
+        for key, short, fmt in SUMMARY_KEYS:
+            if key in metrics and not (empty and key not in ("timing_s/step", "val/accuracy")):
+                parts.append(f"{short} {fmt.format(metrics[key])}")
+        if empty:
+            parts.insert(1, "EMPTY")
+        if self.step_times:
+            left = max(total - metrics["step"], 0) * sum(self.step_times) / len(self.step_times)
+            parts.append(f"eta {_duration(left)}")
+        if metrics.get("ref/reset_reason"):
+            parts.append(f"[ref reset: {metrics['ref/reset_reason']}]")
+        return "  ".join(parts)
 
     def close(self) -> None:
         if self.tb is not None:
@@ -216,6 +258,9 @@ class Reporter:
         if self.rank != 0:
             return None
         trainer.tokenizer.save_pretrained(out)
+        write_generation_config(
+            out, trainer.tokenizer, trainer.model_path, to_dict(self.cfg)["trainer"]
+        )
         png = plot_run(self.path, os.path.join(self.dir, "training_curves.png"))
         self.close()
         summary = write_summary(self.dir)
@@ -224,6 +269,16 @@ class Reporter:
             f"prorl: metrics {self.path}\nprorl: checkpoint {out}\nprorl: curves {png}\n"
             f"prorl: summary {summary}"
         )
+
+
+def _duration(seconds: float) -> str:
+    """12s, 19m40s, 3h05m."""
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def accuracy_before_after(vals: list[tuple[int, float]]) -> tuple[float, float, int]:

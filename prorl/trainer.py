@@ -40,13 +40,51 @@ from prorl.config_runtime import check_world
 from prorl.data import stop_token_ids
 from prorl.engine.distributed import all_reduce, dist_info, watchdog
 from prorl.eval import validate
-from prorl.metrics import StepAccumulator, async_metrics, perf_metrics, record_batch, step_metrics
+from prorl.metrics import (
+    StepAccumulator,
+    async_metrics,
+    memory_metrics,
+    perf_metrics,
+    record_batch,
+    record_memory,
+    step_metrics,
+)
 from prorl.packing import StepBatch
 from prorl.policy import PolicyModels
 from prorl.sampling import GroupSampler, shape_rewards
-from prorl.update import TrainingStalled, Updater, clock
+from prorl.update import UPDATE_TIMINGS, TrainingStalled, Updater, clock
 
-__all__ = ["Trainer", "TrainingStalled"]
+__all__ = ["Trainer", "TrainingStalled", "nothing_learnt"]
+
+
+def nothing_learnt(metrics: dict, cfg: Config, max_new: int, trained: int) -> str | None:
+    """Why a step taught the policy nothing, naming the key to change; None when it did. A step
+    learns nothing when it keeps no group, when every advantage is 0 (the policy-gradient term is
+    0; only the KL term moves the weights), or when every response hit the response budget."""
+    budget = f"rollout.max_response_tokens={max_new}"
+    if not trained:
+        return (
+            "no group kept: every sampled group's rewards were all equal (all right or all wrong) "
+            f"after {int(metrics['dynamic_sampling/rounds'])} rounds of dynamic sampling. The "
+            f"data is too easy or too hard for the model, or {budget} cuts every answer; raise "
+            "algorithm.max_rounds (scheduler.min_yield=0: no refill round skipped)"
+        )
+    cut = metrics["response_length/clip_ratio"]
+    if cut >= 1.0:
+        zeroed = " (reward.c_stop=0 scores a cut response 0)" if cfg.reward.c_stop == 0 else ""
+        return f"every response hit the budget {budget}{zeroed}: raise it"
+    if metrics["critic/advantages/max"] == 0 and metrics["critic/advantages/min"] == 0:
+        if not cfg.algorithm.dynamic_sampling:
+            fix = "set algorithm.dynamic_sampling=true to drop groups whose rewards are all equal"
+        elif cfg.reward.c_stop == 0 and cut > 0:
+            fix = (
+                f"{cut:.0%} of the responses hit {budget} and reward.c_stop=0 scores them 0: "
+                "raise the budget or set reward.c_stop=1"
+            )
+        else:
+            fix = "the reward shaping (reward.length_penalty, reward.c_stop) evened them out"
+        return f"every advantage is 0 (each group's shaped rewards are equal): {fix}"
+    return None
 
 
 class Trainer:
@@ -81,7 +119,8 @@ class Trainer:
         # asynchronous RL: the step's groups come from the rollout ranks (prorl/async_rl/)
         self.remote = RemoteRollouts(cfg, roles(), self.rank, self.world) if roles() else None
         self.step_count = 0
-        self.empty_steps = 0  # RL steps in a row that kept no group on any rank
+        self.empty_steps = 0  # RL steps in a row that learnt nothing on any rank
+        self.row_keys: dict[str, None] = {}  # every metric key a step row has carried
 
     # -- one step ----------------------------------------------------------------------------
     def step(self) -> dict[str, float]:
@@ -101,20 +140,28 @@ class Trainer:
         if trained:
             batch = StepBatch.of(groups, cfg.rollout.n, self.device)
             timing.update(self.update(batch, max_new, acc))
+        else:  # the same keys in every row: a step that trains nothing took no time there
+            timing.update(dict.fromkeys(UPDATE_TIMINGS, 0.0))
+        record_memory(acc, self.device)
         reduced = acc.reduce()
-        metrics = step_metrics(reduced) | timing
+        metrics = step_metrics(reduced, importance=cfg.algorithm.is_mode != "none") | timing
+        metrics |= memory_metrics(reduced[1])
         metrics["actor/lr"] = self.optimizer.lr
-        rounds = metrics["dynamic_sampling/rounds"]
-        reason = self._end_step(metrics["actor/kl_mean"], rounds, trained)
+        empty = nothing_learnt(metrics, cfg, max_new, trained)
+        reason = self._end_step(metrics["actor/kl_mean"], empty)
         metrics.update(
             {
-                "trainer/empty_step": float(not trained),
+                "trainer/empty_step": float(empty is not None),
+                "trainer/empty_reason": empty or "",
                 "ref/num_resets": self.reset_policy.num_resets,
                 "ref/last_reset_step": self.reset_policy.last_reset_step,
                 "ref/reset_reason": reason or "",
             }
         )
         metrics.update(perf_metrics(reduced[0], clock(self.device) - t_start, self.world))
+        for key in self.row_keys.keys() - metrics.keys():  # keys only some steps register
+            metrics[key] = 0.0
+        self.row_keys.update(dict.fromkeys(metrics))
         self.step_count += 1
         metrics["step"] = self.step_count
         if self.remote is not None:  # after every step: a version is a count of completed steps
@@ -150,24 +197,21 @@ class Trainer:
         timing["timing_s/update_weights"] = clock(self.device) - t0
         return timing
 
-    def _end_step(self, kl: float, rounds: float, trained: int) -> str | None:
-        """After a step that trained, the reference-reset policy (counted in completed steps:
-        interval N resets after steps N, 2N, ...); after one that did not, the empty-step count,
-        which stops a run that keeps no group. Returns the reset's reason, if any."""
-        if trained:
+    def _end_step(self, kl: float, empty: str | None) -> str | None:
+        """After a step that trained something, the reference-reset policy (counted in completed
+        steps: interval N resets after steps N, 2N, ...); after one that did not (`empty`: why),
+        the empty-step count, which stops a run that keeps learning nothing. Returns the reset's
+        reason, if any."""
+        if empty is None:
             self.empty_steps = 0
             reason = self.reset_policy.should_reset(self.step_count + 1, kl)
             if reason is not None:
                 self.reset_reference()
             return reason
-        self.empty_steps += 1  # no group of this step carried a learning signal on any rank
+        self.empty_steps += 1  # no learning signal on any rank
         if self.empty_steps >= self.cfg.trainer.max_consecutive_skips:
             raise TrainingStalled(
-                f"{self.empty_steps} consecutive steps kept no group: every sampled group's "
-                "rewards were all equal (all right or all wrong) after "
-                f"{int(rounds)} rounds of dynamic sampling. The data is too easy or too hard for "
-                "the model, or rollout.max_response_tokens cuts every answer; raise "
-                "algorithm.max_rounds (scheduler.min_yield=0: no refill round skipped) or "
+                f"{self.empty_steps} consecutive steps learnt nothing; the last: {empty}. Raise "
                 "trainer.max_consecutive_skips to wait longer"
             )
         return None

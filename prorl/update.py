@@ -37,6 +37,11 @@ class TrainingStalled(RuntimeError):
     `trainer.max_consecutive_skips` times); raised on every rank together, the message says why."""
 
 
+# the phases of the update, in every step row (0 in a step that trains nothing)
+UPDATE_TIMINGS = ("timing_s/adv", "timing_s/old_log_prob", "timing_s/ref", "timing_s/update_actor",
+                  "timing_s/update_weights")  # fmt: skip
+
+
 class Updater:
     """Trains `models.policy`: owns the optimizer, the log-prob passes (`logprobs`, `dummy_pass`,
     `response_logprobs`) and pi_old (`store_old_logprobs`), runs the update (`run`) and counts the
@@ -192,7 +197,9 @@ class Updater:
             old = batch.tokens.pi_old(self.response_logprobs(self.policy, batch, old_passes))
         timing["timing_s/old_log_prob"], t0 = clock(self.device) - t0, clock(self.device)
         with watchdog().phase(f"step {step + 1}, reference log-probs"):
-            ref = self.response_logprobs(self.reference, batch, passes[0])
+            ref = None
+            if self.reference is not None:
+                ref = self.response_logprobs(self.reference, batch, passes[0])
         timing["timing_s/ref"] = clock(self.device) - t0
         return old, ref, clock(self.device)
 

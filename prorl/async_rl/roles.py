@@ -82,19 +82,19 @@ def check_async(cfg: Config, world: int, torchrun: bool) -> None:
     a, pps = cfg.rollout.async_rl, cfg.trainer.prompts_per_step
     if a.steps_ahead < 0 or a.rollout_ranks < 1:
         raise ConfigError(
-            f"rollout.async.steps_ahead={a.steps_ahead} must be >= 0 and "
-            f"rollout.async.rollout_ranks={a.rollout_ranks} >= 1"
+            f"rollout.async_rl.steps_ahead={a.steps_ahead} must be >= 0 and "
+            f"rollout.async_rl.rollout_ranks={a.rollout_ranks} >= 1"
         )
     if a.steps_ahead == 0:
         return
     if not torchrun:
         raise ConfigError(
-            f"rollout.async.steps_ahead={a.steps_ahead} puts sampling and training on different "
+            f"rollout.async_rl.steps_ahead={a.steps_ahead} puts sampling and training on different "
             "ranks: launch with torchrun (e.g. --nproc_per_node=2 for 1 rollout + 1 trainer rank)"
         )
     if a.rollout_ranks >= world:
         raise ConfigError(
-            f"rollout.async.rollout_ranks={a.rollout_ranks} leaves no trainer rank among the "
+            f"rollout.async_rl.rollout_ranks={a.rollout_ranks} leaves no trainer rank among the "
             f"{world} ranks: at most {world - 1}"
         )
     trainers = world - a.rollout_ranks
@@ -102,11 +102,11 @@ def check_async(cfg: Config, world: int, torchrun: bool) -> None:
         if pps % count:
             raise ConfigError(
                 f"trainer.prompts_per_step={pps} is not a multiple of the {count} {who} ranks "
-                f"({world} ranks, rollout.async.rollout_ranks={a.rollout_ranks})"
+                f"({world} ranks, rollout.async_rl.rollout_ranks={a.rollout_ranks})"
             )
     if cfg.rollout.tensor_parallel_size > 1:
         raise ConfigError(
-            "rollout.tensor_parallel_size>1 does not work with rollout.async.steps_ahead yet: "
+            "rollout.tensor_parallel_size>1 does not work with rollout.async_rl.steps_ahead yet: "
             "each rollout rank runs its own engine (set rollout.tensor_parallel_size=1)"
         )
 

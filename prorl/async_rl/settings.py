@@ -1,10 +1,11 @@
-"""`rollout.async_rl.*` (also spelt `rollout.async.*` on the command line; `async` is a Python
-keyword, so the section's field cannot carry that name). Plain dataclass, no project imports:
-prorl/config.py embeds it in `RolloutConfig`, and prorl/async_rl/roles.py checks it against the
-world."""
+"""`rollout.async_rl.*` (`async` is a Python keyword, so the section cannot carry that name; the
+old spelling `rollout.async.*` is still read, with a deprecation warning). Plain dataclass, no
+project imports: prorl/config.py embeds it in `RolloutConfig`, and prorl/async_rl/roles.py checks it
+against the world."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 
@@ -34,3 +35,14 @@ def rename_async_section(node) -> None:
                 "the config file sets both rollout.async and rollout.async_rl: keep one"
             )
         rollout["async_rl"] = rollout.pop("async")
+        warn_async_name("rollout.async_rl")
+
+
+def warn_async_name(new: str) -> None:
+    """The deprecation warning of the old spelling `rollout.async`."""
+    warnings.warn(
+        f"{new.replace('rollout.async_rl', 'rollout.async', 1)} is now spelt {new} (the old "
+        "name is still read)",
+        FutureWarning,
+        stacklevel=3,
+    )

@@ -16,10 +16,13 @@ it onto prorl's keys (verl 0.9.1's names and meanings) and sorts each key into o
   in sequences - prorl's are in tokens -, profilers, the critic when no estimator uses one, logging
   formats): accepted at any value and counted in the table.
 - refused: a key prorl cannot honour - a value that changes the algorithm with no prorl counterpart
-  (`algorithm.adv_estimator: gae`, verl's default: prorl has no critic), or a key this table does
-  not know. A key it does not know is taken as a feature left off when its value is null, false or
-  empty; any other value is refused. Each refused key is named with why; the run exits 2 before
-  anything starts.
+  (`algorithm.adv_estimator: gae`, verl's default: prorl has no critic); a key verl 0.9.1 does not
+  have, given on the command line without hydra's `+` (verl rejects it too; the nearest verl key is
+  suggested: `rollout.temprature` -> `rollout.temperature`); a verl key that changes what is sampled
+  or trained and that no rule reads (`rollout.repetition_penalty`, `rollout.dtype`), away from
+  verl's default; or a key this table does not know, unless its value is null, false or empty (a
+  feature left off). Each refused key is named with why; the run exits 2 before anything starts.
+  `--print-config` lists every ignored key with why.
 
 The prorl-only parts of the recipe that verl does not have (the cosine length penalty, reference
 resets, the stop-properly multiplier) are switched off, and so is dynamic sampling unless the file
@@ -29,7 +32,9 @@ apply after the translation and turn them on: that is how a verl recipe becomes 
 
 A file with a hydra `defaults:` list is composed the way verl's own configs use it (config groups in
 folders beside the file, `group@package: option`, `${group}` in option names, `_self_`, `# @package
-_global_`); other hydra features need the composed file. Overrides may carry hydra's `+` (add a
+_global_`); a recipe's `hydra.searchpath` (file:// or pkg://) is searched for the files it names,
+and `ppo_trainer` found nowhere is verl 0.9.1's, as prorl ships it; other hydra features need the
+composed file. Overrides may carry hydra's `+` (add a
 key). Without `--verl-config`, verl keys among the command line's overrides are translated the same
 way, from the keys given alone: a rule whose other keys are absent leaves their prorl settings as
 they are (`data.train_batch_size=8` sets trainer.prompts_per_step and keeps trainer.mini_batches),
@@ -50,13 +55,13 @@ from typing import Any
 
 from prorl.config import ConfigError
 from prorl.verl_compat.files import has_key, load_file, resolve
+from prorl.verl_compat.keys import _IGNORED, CHANGES_TRAINING, IGNORED, default, known, suggest
 from prorl.verl_compat.rules import (
-    _IGNORED,
     ABSENT,
-    IGNORED,
     RULES,
     VERL_KEYS_IN_SHARED_SECTIONS,
     VERL_SECTIONS,
+    Derived,
     Refused,
 )
 
@@ -66,7 +71,8 @@ class Translation:
     values: dict[str, Any] = field(default_factory=dict)  # prorl dotted key -> value
     # ("verl k=v, ...", "prorl k=v, ..." or note)
     rows: list[tuple[str, str]] = field(default_factory=list)
-    ignored: list[str] = field(default_factory=list)
+    ignored: list[tuple[str, str]] = field(default_factory=list)  # (key, why)
+    warnings: list[str] = field(default_factory=list)
     refused: list[str] = field(default_factory=list)  # "key=value: why"
 
 
@@ -87,9 +93,13 @@ def _is_off(value) -> bool:
     return value is None or value is False or value in ("", [], {}, "???")
 
 
-def translate(flat: dict[str, Any], *, from_file: bool) -> Translation:
+def translate(
+    flat: dict[str, Any], *, from_file: bool, cli: dict[str, bool] | None = None
+) -> Translation:
     """Map verl's flat {dotted key: value} onto prorl (module docstring). `from_file`: a whole verl
-    config (PRORL_ONLY_OFF first); else command-line keys alone."""
+    config (PRORL_ONLY_OFF first); else command-line keys alone. `cli`: the keys given on the
+    command line -> whether with hydra's `+`."""
+    cli = cli or {}
     out = Translation()
     if from_file:
         out.values.update(PRORL_ONLY_OFF)
@@ -120,23 +130,53 @@ def translate(flat: dict[str, Any], *, from_file: bool) -> Translation:
         elif r.kind == "matched":
             out.rows.append((verl, MATCHED))
     for key, value in flat.items():
-        if key in seen:
-            continue
-        why = next((w for p, w in _IGNORED if p.search(key)), None)
-        if why is not None or (from_file and _is_off(value)):
-            out.ignored.append(key)
-        else:
-            out.refused.append(f"{key}={_fmt(value)}: no counterpart in prorl (docs/verl.md)")
+        if key not in seen:
+            _classify(out, key, value, from_file, cli.get(key))
     return out
+
+
+def _classify(out: Translation, key: str, value, from_file: bool, plus: bool | None) -> None:
+    """A verl key no rule reads: refused (a key verl rejects, one that changes what is sampled or
+    trained away from verl's default, one with no counterpart) or ignored (`plus`: the key was on
+    the command line, with hydra's `+` or not; None: from the file)."""
+    rule_keys = {k for r in RULES for k in r.keys}
+    if not known(key, rule_keys):
+        near = suggest(key, rule_keys)
+        hint = f" (did you mean {near}?)" if near else ""
+        if plus is False:
+            out.refused.append(
+                f"{key}={_fmt(value)}: not a verl 0.9.1 key, verl rejects it too{hint}"
+            )
+            return
+        if near and not _is_off(value) and plus is None:
+            out.warnings.append(f"{key}: not a verl 0.9.1 key, verl ignores it{hint}")
+    elif key in CHANGES_TRAINING or any(key.startswith(c + ".") for c in CHANGES_TRAINING):
+        if value == default(key) or (_is_off(value) and _is_off(default(key))):
+            out.ignored.append((key, "at verl's default"))
+        else:
+            out.refused.append(
+                f"{key}={_fmt(value)}: changes what verl samples or trains and prorl has no "
+                f"counterpart; leave it at verl's default {_fmt(default(key))}"
+            )
+        return
+    why = next((w for p, w in _IGNORED if p.search(key)), None)
+    if why is None and from_file and _is_off(value):
+        why = "off"
+    if why is not None:
+        out.ignored.append((key, why))
+    else:
+        near = suggest(key, rule_keys) if not known(key, rule_keys) else None
+        hint = f" (did you mean {near}?)" if near else ""
+        out.refused.append(f"{key}={_fmt(value)}: no counterpart in prorl (docs/verl.md){hint}")
 
 
 def _fmt(value) -> str:
     return repr(value) if isinstance(value, str) else str(value)
 
 
-def format_table(t: Translation, path: str | None) -> str:
+def format_table(t: Translation, path: str | None, list_ignored: bool = False) -> str:
     """The printed table: what mapped to what; how many keys prorl honours as they are, and how many
-    were ignored."""
+    were ignored (`list_ignored`: each ignored key, by reason: --print-config)."""
     mapped = [(v, p) for v, p in t.rows if p != MATCHED]
     width = min(max((len(v) for v, _ in mapped), default=10), 60)
     head = f"prorl: verl config {path}" if path else "prorl: verl-style overrides"
@@ -148,7 +188,17 @@ def format_table(t: Translation, path: str | None) -> str:
             f"  ({matched} verl keys at values prorl honours as they are, e.g. ppo_epochs=1)"
         )
     if t.ignored:
-        lines.append(f"  ({len(t.ignored)} verl keys ignored: no effect on what prorl trains)")
+        more = "" if list_ignored else "; --print-config lists them"
+        lines.append(
+            f"  ({len(t.ignored)} verl keys ignored: no effect on what prorl trains{more})"
+        )
+    if list_ignored:
+        by_why: dict[str, list[str]] = {}
+        for key, why in t.ignored:
+            by_why.setdefault(why, []).append(key)
+        for why, keys in by_why.items():
+            lines.append(f"  ignored, {why}: {', '.join(keys)}")
+    lines += [f"  warning: {w}" for w in t.warnings]
     return "\n".join(lines)
 
 
@@ -159,13 +209,28 @@ def is_verl_key(key: str, tree: dict | None = None) -> bool:
     from prorl.config import fields
 
     key = key.lstrip("+")
-    if tree is not None and has_key(tree, key):
-        return True
+    if tree is not None and (has_key(tree, key) or any(key in r.keys for r in RULES)):
+        return True  # a key both have (trainer.total_epochs) is read with the file's keys
     if key in {k for k, _ in fields()}:
         return False
     if key.split(".")[0] in VERL_SECTIONS or key in VERL_KEYS_IN_SHARED_SECTIONS:
         return True
-    return any(key in r.keys for r in RULES)
+    rule_keys = {k for r in RULES for k in r.keys}
+    if key in rule_keys:
+        return True
+    return _nearer_to_verl(key, rule_keys, [k for k, _ in fields()])
+
+
+def _nearer_to_verl(key: str, rule_keys, prorl_keys) -> bool:
+    """A misspelt key nearer to one of verl's than to any of prorl's (`data.train_batch_szie`)."""
+    import difflib
+
+    near = suggest(key, rule_keys)
+    if near is None:
+        return False
+    mine = difflib.get_close_matches(key, prorl_keys, n=1, cutoff=0.0)
+    ratio = difflib.SequenceMatcher(None, key, near).ratio()
+    return not mine or ratio > difflib.SequenceMatcher(None, key, mine[0]).ratio()
 
 
 def from_command_line(
@@ -179,11 +244,28 @@ def from_command_line(
     if tree is None and not verl_over:
         return {}, own, None
     flat = resolve(tree or {}, verl_over)
-    t = translate(flat, from_file=tree is not None)
+    cli = {o.split("=", 1)[0].lstrip("+"): o.startswith("+") for o in verl_over}
+    t = translate(flat, from_file=tree is not None, cli=cli)
     if t.refused:
         listed = "\n  ".join(t.refused)
         raise ConfigError(f"verl keys prorl cannot honour (docs/verl.md):\n  {listed}")
     return t.values, own, t
+
+
+def load_with_derived(values: dict, load):
+    """`load(values)` -> config, with each Derived value (a verl key relative to a prorl setting it
+    was given without) computed from the config loaded without it; twice, so that one derived value
+    may rest on another (warmup steps x a derived mini-batch count)."""
+    derived = {k: v for k, v in values.items() if isinstance(v, Derived)}
+    plain = {k: v for k, v in values.items() if k not in derived}
+    cfg = load(plain)
+    for _ in range(2 if derived else 0):
+        try:
+            plain.update({k: d.compute(cfg) for k, d in derived.items()})
+        except Refused as exc:
+            raise ConfigError(f"verl keys prorl cannot honour (docs/verl.md):\n  {exc}") from None
+        cfg = load(plain)
+    return cfg
 
 
 def reference_markdown() -> str:
@@ -198,6 +280,9 @@ def reference_markdown() -> str:
         lines.append(f"| {'<br>'.join(f'`{k}`' for k in r.keys)} | {r.kind} | {doc} |")
     lines += ["", "Ignored at any value (pattern on the dotted key: why):", ""]
     lines += [f"- `{p}`: {why}" for p, why in IGNORED]
+    changes = ", ".join(f"`{k}`" for k in sorted(CHANGES_TRAINING))
+    lines += ["", f"Refused away from verl's default (they change what is sampled or trained): "
+              f"{changes}."]  # fmt: skip
     off = ", ".join(f"`{k}={_fmt(v)}`" for k, v in PRORL_ONLY_OFF.items())
     lines += [
         "",

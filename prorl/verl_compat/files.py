@@ -4,6 +4,8 @@ leaf}."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import re
 from typing import Any
@@ -11,6 +13,25 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from prorl.config import ConfigError
+
+# verl 0.9.1's composed ppo_trainer config (prorl/verl_compat/keys.py says more)
+TEMPLATE_FILE = os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "verl_0_9_1_ppo_trainer.json"
+)
+with open(TEMPLATE_FILE) as _f:
+    VERL_TEMPLATE: dict = json.load(_f)  # {dotted key: leaf}, "${...}" interpolations kept
+
+
+def nested(flat: dict) -> dict:
+    """{dotted key: leaf} as a nested dict."""
+    out: dict = {}
+    for key, value in flat.items():
+        *parents, leaf = key.split(".")
+        node = out
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
 
 
 def load_file(path: str) -> dict:
@@ -40,6 +61,7 @@ def _compose(path: str, package: str, choices: dict):
         entries = OmegaConf.to_container(node._get_node("defaults"), resolve=False)
         del node["defaults"]
     folder = os.path.dirname(path)
+    search = [folder, *_search_path(node, path)]  # hydra.searchpath: where defaults are found
     result = OmegaConf.create({})
     if "_self_" not in entries:
         entries.append("_self_")
@@ -47,10 +69,10 @@ def _compose(path: str, package: str, choices: dict):
         if entry == "_self_":
             result = OmegaConf.merge(result, _place(node, package))
             continue
-        if isinstance(entry, str):  # a config beside this one, at this package
-            result = OmegaConf.merge(
-                result, _compose(os.path.join(folder, entry + ".yaml"), package, choices)
-            )
+        if isinstance(
+            entry, str
+        ):  # a config beside this one or on the search path, at this package
+            result = OmegaConf.merge(result, _primary(entry, search, path, package, choices))
             continue
         ((group_pkg, option),) = entry.items()
         if str(group_pkg).startswith("override "):
@@ -71,6 +93,42 @@ def _compose(path: str, package: str, choices: dict):
             result, _compose(file, ".".join(p for p in (package, pkg) if p), choices)
         )
     return result
+
+
+def _search_path(node, path: str) -> list[str]:
+    """The folders of the file's `hydra.searchpath` (file://DIR, relative to the working directory
+    as in hydra, or to the file; pkg://a.b, an installed package's folder); the hydra block is
+    removed (it configures hydra, not the run)."""
+    if "hydra" not in node:
+        return []
+    hydra = OmegaConf.to_container(node._get_node("hydra"), resolve=False)
+    del node["hydra"]
+    folders = []
+    for entry in (hydra or {}).get("searchpath") or []:
+        scheme, _, where = str(entry).partition("://")
+        if scheme == "file":
+            folders += [os.path.abspath(where), os.path.join(os.path.dirname(path), where)]
+        elif scheme == "pkg":
+            spec = importlib.util.find_spec(where.split(".")[0])
+            if spec is not None and spec.origin:
+                root = os.path.dirname(os.path.dirname(spec.origin))
+                folders.append(os.path.join(root, *where.split(".")))
+    return folders
+
+
+def _primary(name: str, search: list[str], path: str, package: str, choices: dict):
+    """A defaults entry naming a config file: the first `name`.yaml on the search path; verl's
+    `ppo_trainer` without verl's config folder: verl 0.9.1's, as prorl ships it (VERL_TEMPLATE)."""
+    for folder in search:
+        file = os.path.join(folder, name + ".yaml")
+        if os.path.isfile(file):
+            return _compose(file, package, choices)
+    if name == "ppo_trainer":
+        return _place(OmegaConf.create(nested(VERL_TEMPLATE)), package)
+    raise ConfigError(
+        f"--verl-config {path}: defaults entry {name!r}: no {name}.yaml in "
+        f"{', '.join(dict.fromkeys(search))} (hydra.searchpath names more folders)"
+    )
 
 
 def _place(node, package: str):

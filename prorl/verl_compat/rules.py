@@ -1,14 +1,16 @@
-"""The verl 0.9.1 key table: one `Rule` per verl setting (what it reads, what prorl makes of it),
-and the patterns of the keys that do not change what prorl trains. prorl/verl_compat/__init__.py
-explains the kinds; docs/verl.md lists them all."""
+"""The verl 0.9.1 key table: one `Rule` per verl setting (what it reads, what prorl makes of it);
+prorl/verl_compat/keys.py has the patterns of the keys that do not change what prorl trains.
+prorl/verl_compat/__init__.py explains the kinds; docs/verl.md lists them all."""
 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from prorl.config import fields
+from prorl.verl_compat.keys import shared_section_keys
 
 ABSENT = object()  # a verl key the file or the command line did not give
 
@@ -34,6 +36,19 @@ class Rule:
 
 class Refused(Exception):
     """A verl value prorl cannot honour; the message says why."""
+
+
+@dataclass
+class Derived:
+    """A prorl value computed from the rest of the run's config (`compute(cfg)`), for a verl key
+    given without the one it is relative to (`ppo_mini_batch_size` alone: the mini-batch count is
+    prorl's trainer.prompts_per_step / it). `text` is shown in the table."""
+
+    compute: Callable[[Any], Any]
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
 
 
 A = "actor_rollout_ref.actor."
@@ -98,7 +113,22 @@ only(
 only("data.train_max_samples", -1, None, why="prorl trains on every row of data.train_files")
 only("data.val_max_samples", -1, None, why="prorl validates on every row of data.val_files")
 only("data.custom_cls.path", None, why="prorl reads verl-schema parquet / JSONL rows itself")
-only("data.gen_batch_size", None, why="prorl oversamples refills by algorithm.oversample")
+
+
+@rule("data.gen_batch_size", kind="matched")
+def _gen_batch(get):
+    """None or data.train_batch_size only: DAPO samples gen_batch_size prompts a round; prorl
+    samples data.train_batch_size, then refills algorithm.oversample x the groups still missing"""
+    gen, prompts = _given(get, "data.gen_batch_size"), _given(get, "data.train_batch_size")
+    if gen is not None and gen != prompts:
+        raise Refused(
+            "prorl's counterpart is algorithm.oversample: its first round samples "
+            "data.train_batch_size prompts and each refill oversample x the groups still missing "
+            "(drop data.gen_batch_size; algorithm.oversample=1.5 is the recipe's)"
+        )
+    return {}
+
+
 only(
     "data.apply_chat_template_kwargs",
     {},
@@ -132,7 +162,15 @@ only(M + "hf_config_path", None, why="prorl loads config.json from model.path")
 
 # -- actor: optimizer ------------------------------------------------------------------------------
 simple(A + "optim.lr", "optim.lr", float)
-simple(A + "optim.weight_decay", "optim.weight_decay", float)
+
+
+@rule(A + "optim.weight_decay")
+def _weight_decay(get):
+    """optim.weight_decay, optim.decay_1d=true (verl's AdamW decays every parameter, biases and
+    norm weights too)"""
+    return {"optim.weight_decay": float(get(A + "optim.weight_decay")), "optim.decay_1d": True}
+
+
 simple(A + "optim.betas", "optim.betas", lambda v: [float(x) for x in v])
 simple(A + "optim.min_lr_ratio", "optim.min_lr_ratio", float)
 only(A + "optim.optimizer", "AdamW", why="prorl's optimizer is AdamW")
@@ -183,7 +221,9 @@ def _schedule(get):
       "data.train_batch_size", "trainer.total_training_steps")  # fmt: skip
 def _warmup(get):
     """optim.warmup_steps: verl counts RL steps (its scheduler steps once per update_actor), prorl
-    optimizer steps: x trainer.mini_batches"""
+    optimizer steps: x trainer.mini_batches. The ramp's length is verl's, not each step's value:
+    verl holds one lr for all of an RL step's updates and starts from 0, prorl's lr rises per
+    optimizer step from lr / warmup_steps"""
     steps, ratio = (
         _given(get, A + "optim.lr_warmup_steps"),
         _given(get, A + "optim.lr_warmup_steps_ratio"),
@@ -195,7 +235,11 @@ def _warmup(get):
         if total is None:
             raise Refused("a warmup ratio needs trainer.total_training_steps")
         steps = int(ratio * total)
-    minis = _mini_batches(get) or 1
+    minis = _mini_batches(get)
+    if minis is None:  # the RL steps times the run's own mini-batch count
+        steps = int(steps)
+        text = f"{steps} x trainer.mini_batches"
+        return {"optim.warmup_steps": Derived(lambda cfg: steps * cfg.trainer.mini_batches, text)}
     return {"optim.warmup_steps": int(steps) * minis}
 
 
@@ -215,9 +259,23 @@ def _mini_batches(get) -> int | None:
 
 @rule(A + "ppo_mini_batch_size", "data.train_batch_size")
 def _minis(get):
-    """trainer.mini_batches = data.train_batch_size / ppo_mini_batch_size (both count prompts)"""
+    """trainer.mini_batches = data.train_batch_size / ppo_mini_batch_size (both count prompts;
+    without data.train_batch_size: trainer.prompts_per_step / ppo_mini_batch_size)"""
+    mini = _given(get, A + "ppo_mini_batch_size")
+    if mini is not None and _given(get, "data.train_batch_size") is None:
+        if mini <= 0:
+            raise Refused("must be > 0 (prompts per mini-batch)")
+        return {"trainer.mini_batches": Derived(
+            lambda cfg: _divide(cfg.trainer.prompts_per_step, mini, "trainer.prompts_per_step"),
+            f"trainer.prompts_per_step / {mini}")}  # fmt: skip
     minis = _mini_batches(get)
     return {} if minis is None else {"trainer.mini_batches": minis}
+
+
+def _divide(prompts: int, mini: int, name: str) -> int:
+    if prompts % mini:
+        raise Refused(f"{name}={prompts} is not a multiple of {A}ppo_mini_batch_size={mini}")
+    return prompts // mini
 
 
 @rule(A + "use_dynamic_bsz", A + "ppo_max_token_len_per_gpu", A + "ppo_micro_batch_size_per_gpu",
@@ -347,17 +405,29 @@ only("actor_rollout_ref.hybrid_engine", True, why="prorl colocates the sampler w
 
 
 # -- algorithm -------------------------------------------------------------------------------------
-@rule("algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo")
+@rule("algorithm.adv_estimator", "algorithm.norm_adv_by_std_in_grpo", R + "n")
 def _advantage(get):
-    """algorithm.advantage: grpo (dr-grpo without norm_adv_by_std_in_grpo),
-    reinforce_plus_plus_baseline"""
+    """algorithm.advantage: grpo with the unbiased group std (verl divides by torch.std; dr-grpo
+    without norm_adv_by_std_in_grpo), reinforce_plus_plus_baseline (token-weighted whitening, as
+    verl's masked_whiten; verl's variance carries Bessel's T / (T - 1) over the batch's T response
+    tokens, prorl's not: a relative difference of 1 / 2T). rollout.n=1 is refused: verl takes a
+    lone response's raw score as its advantage, prorl centres it to 0"""
     est, norm = get("algorithm.adv_estimator"), _given(get, "algorithm.norm_adv_by_std_in_grpo")
     if est is ABSENT:
         return {}
+    if est in ("grpo", "reinforce_plus_plus_baseline") and _given(get, R + "n") == 1:
+        raise Refused(
+            f"{est} with {R}n=1: verl's advantage is then the raw score, prorl centres a group of "
+            f"one to 0 (nothing is learnt); set {R}n to the group size (ProRL: 16)"
+        )
     if est == "grpo":
-        return {"algorithm.advantage": "dr-grpo" if norm is False else "grpo"}
+        mode = "dr-grpo" if norm is False else "grpo"
+        return {"algorithm.advantage": mode, "algorithm.grpo_std_unbiased": True}
     if est == "reinforce_plus_plus_baseline":
-        return {"algorithm.advantage": "reinforce++-baseline"}
+        return {
+            "algorithm.advantage": "reinforce++-baseline",
+            "algorithm.whiten_weighting": "token",
+        }
     why = "prorl has no critic (value model)" if est == "gae" else "not one of prorl's estimators"
     raise Refused(f"{why}: use grpo or reinforce_plus_plus_baseline (ProRL's)")
 
@@ -399,13 +469,16 @@ def _rounds(get):
 # -- trainer ---------------------------------------------------------------------------------------
 @rule("trainer.total_training_steps", "trainer.total_epochs")
 def _steps(get):
-    """trainer.total_steps (prorl counts steps: total_epochs needs total_training_steps)"""
-    steps = _given(get, "trainer.total_training_steps")
-    if steps is None:
-        if get("trainer.total_epochs") is ABSENT and get("trainer.total_training_steps") is ABSENT:
+    """trainer.total_steps; without total_training_steps, trainer.total_epochs (total_epochs x
+    training prompts // data.train_batch_size, counted when the data is read, as verl counts)"""
+    steps, epochs = _given(get, "trainer.total_training_steps"), _given(get, "trainer.total_epochs")
+    if steps is not None:  # verl: total_training_steps, when set, wins over total_epochs
+        return {"trainer.total_steps": int(steps), "trainer.total_epochs": 0}
+    if epochs is None:
+        if get("trainer.total_training_steps") is ABSENT:
             return {}
-        raise Refused("prorl counts steps, not epochs: set trainer.total_training_steps")
-    return {"trainer.total_steps": int(steps)}
+        raise Refused("set trainer.total_training_steps or trainer.total_epochs")
+    return {"trainer.total_epochs": int(epochs)}
 
 
 simple("trainer.save_freq", "trainer.save_every", lambda v: max(int(v), 0))
@@ -474,100 +547,7 @@ only("distillation.enable", None, False, why="prorl has no distillation")
 simple("reward.num_workers", "reward.num_workers", int)
 
 
-# -- keys that do not change what prorl trains -----------------------------------------------------
-IGNORED = [  # (pattern on the dotted key, why)
-    (r"(^|\.)_target_$", "verl's dataclass targets"),
-    (
-        r"^(ray_kwargs|global_profiler|transfer_queue|skip|model_engine)(\.|$)",
-        "verl's infrastructure",
-    ),
-    (r"(^|\.)(profiler|checkpoint|router_replay|qat)\.", "verl's profiling, checkpoint contents"),
-    (r"^critic\.", "the critic (no prorl estimator uses one)"),
-    (
-        r"^(reward_model|reward\.reward_model|sandbox_fusion|reward\.sandbox_fusion)\.",
-        "reward model and remote sandbox (off; prorl's code verifier has its own sandbox)",
-    ),
-    (r"^reward\.reward_manager\.module\.", "reward manager plug-ins (naive only)"),
-    (r"^distillation\.", "distillation (off)"),
-    (
-        r"^actor_rollout_ref\.ref\.",
-        "the reference's batch and sharding knobs (the reference is the policy's initial copy)",
-    ),
-    (
-        r"^actor_rollout_ref\.(actor|ref)\.(fsdp_config|megatron|torchtitan|veomni)\.",
-        "sharding knobs",
-    ),
-    (r"^actor_rollout_ref\.actor\.policy_loss\.", "parameters of other policy losses"),
-    (
-        r"^actor_rollout_ref\.actor\.(tau_pos|tau_neg|rollout_n|shuffle|data_loader_seed|"
-        r"use_torch_compile|use_fused_kernels|use_remove_padding|use_prefix_grouper|"
-        r"freeze_vision_tower|calculate_entropy|calculate_sum_pi_squared|"
-        r"entropy_from_logits_with_chunking|entropy_from_logits_chunk_size|"
-        r"entropy_checkpointing|pad_to_length)$",
-        "speed and memory knobs",
-    ),
-    (
-        r"^actor_rollout_ref\.actor\.optim\."
-        r"(optimizer_impl|total_training_steps|zero_indexed_step)$",
-        "derived by verl",
-    ),
-    (r"^actor_rollout_ref\.model\.", "model loading knobs (no effect on the weights trained)"),
-    (r"^actor_rollout_ref\.rollout\.", "sampler engine knobs (parallelism, memory, scheduling)"),
-    (r"^actor_rollout_ref\.nccl_timeout$", "prorl sizes its collective timeout from the config"),
-    (r"^data\.", "data-loader knobs (workers, multimodal keys, shared memory)"),
-    (r"^algorithm\.(gamma|lam)$", "GAE / REINFORCE++ discounts (unused by grpo and the baseline)"),
-    (r"^algorithm\.(kl_penalty|kl_ctrl\..*)$", "the in-reward KL (off: use_kl_in_reward false)"),
-    (r"^algorithm\.(pf_ppo|rollout_correction|filter_groups)\.", "parameters of features off"),
-    (r"^trainer\.", "launch, logging and checkpoint-storage knobs (nodes, GPUs, paths, callbacks)"),
-]
-_IGNORED = [(re.compile(p), why) for p, why in IGNORED]
-
-
 # verl 0.9.1's keys in the sections prorl shares (data, trainer, algorithm) that prorl does not
 # have: on a prorl command line they are verl's (translated, ignored or refused), never a misspelt
-# prorl key (tests/peers/test_verl_config.py checks the list against verl's
-# _generated_ppo_trainer.yaml)
-_IN_SHARED_SECTIONS = {
-    "algorithm": (
-        "adv_estimator filter_groups.enable filter_groups.max_inflight_gen_batches "
-        "filter_groups.max_num_gen_batches filter_groups.metric gamma kl_ctrl.horizon "
-        "kl_ctrl.kl_coef kl_ctrl.target_kl kl_ctrl.type kl_penalty lam norm_adv_by_std_in_grpo "
-        "pf_ppo.reweight_method pf_ppo.weight_pow rollout_correction.bypass_mode "
-        "rollout_correction.loss_type rollout_correction.rollout_is "
-        "rollout_correction.rollout_is_batch_normalize rollout_correction.rollout_is_threshold "
-        "rollout_correction.rollout_rs rollout_correction.rollout_rs_threshold use_kl_in_reward "
-        "use_pf_ppo"
-    ),
-    "data": (
-        "apply_chat_template_kwargs audio_key custom_cls.name custom_cls.path "
-        "dataloader_num_workers filter_overlong_prompts filter_overlong_prompts_workers "
-        "function_tool_path gen_batch_size image_key image_patch_size max_prompt_length "
-        "max_response_length mm_processor_kwargs return_full_prompt return_multi_modal_inputs "
-        "return_raw_chat return_raw_input_ids reward_fn_key seed tokenizer tool_config_path "
-        "train_batch_size train_max_samples truncation trust_remote_code use_shm val_batch_size "
-        "val_max_samples validation_shuffle video_key"
-    ),
-    "trainer": (
-        "balance_batch checkpoint_callback_class critic_warmup default_hdfs_dir default_local_dir "
-        "del_local_ckpt_after_load device esi_redundant_time experiment_name log_val_generations "
-        "logger max_actor_ckpt_to_keep max_critic_ckpt_to_keep n_gpus_per_node nnodes "
-        "project_name ray_wait_register_center_timeout resume_from_path resume_mode "
-        "rollout_data_dir save_freq test_freq total_epochs total_training_steps use_v1 "
-        "v1.colocate_async.num_warmup_batches v1.sampler.custom_sampler.name "
-        "v1.sampler.custom_sampler.path v1.sampler.max_off_policy_strategy "
-        "v1.sampler.max_off_policy_threshold v1.sampler.sampler_kwargs "
-        "v1.sampler.sync_refill_failed_groups "
-        "v1.separate_async.hybrid_rollout.adaptive_switch_threshold "
-        "v1.separate_async.hybrid_rollout.enable_switch "
-        "v1.separate_async.hybrid_rollout.switch_cost_window_size "
-        "v1.separate_async.hybrid_rollout.switch_threshold_ratio "
-        "v1.separate_async.hybrid_rollout.switch_threshold_release_steps "
-        "v1.separate_async.hybrid_rollout.switch_threshold_step_down "
-        "v1.separate_async.hybrid_rollout.switch_threshold_step_up "
-        "v1.separate_async.num_warmup_batches v1.separate_async.parameter_sync_step v1.sync "
-        "v1.trainer_mode val_only validation_data_dir"
-    ),
-}
-VERL_KEYS_IN_SHARED_SECTIONS = frozenset(
-    f"{s}.{k}" for s, ks in _IN_SHARED_SECTIONS.items() for k in ks.split()
-)
+# prorl key
+VERL_KEYS_IN_SHARED_SECTIONS = shared_section_keys({k for k, _ in fields()})

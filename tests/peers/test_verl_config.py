@@ -3,7 +3,7 @@
 - verl's `ppo_trainer.yaml` (a hydra defaults list over config groups) composed by prorl equals
   verl's own composed `_generated_ppo_trainer.yaml`, leaf for leaf;
 - left at verl's defaults it is refused, naming what prorl cannot honour (`adv_estimator: gae` needs
-  a critic; `total_training_steps: null` counts epochs);
+  a critic); its `total_epochs` counts the run's steps, as in verl;
 - with a ProRL-style override set (verl keys, then prorl keys) every key is mapped, matched or
   ignored, and the prorl values follow verl's meanings;
 - every name in prorl.metrics.VERL_METRICS is one verl 0.9.1 emits (found in its source).
@@ -100,12 +100,11 @@ def test_verls_keys_in_the_sections_prorl_shares_are_known():
 
 def test_verls_defaults_that_prorl_cannot_honour_are_refused_by_name():
     flat = resolve(load_file(os.path.join(CONFIG, "ppo_trainer.yaml")), [])
-    refused = translate(flat, from_file=True).refused
-    assert [r.split("=")[0] for r in refused] == [
-        "algorithm.adv_estimator",
-        "trainer.total_training_steps",
-    ]
-    assert "no critic" in refused[0] and "set trainer.total_training_steps" in refused[1]
+    t = translate(flat, from_file=True)
+    assert [r.split("=")[0] for r in t.refused] == ["algorithm.adv_estimator"]
+    assert "no critic" in t.refused[0]
+    # total_training_steps null: verl counts its 30 default epochs, and so does prorl
+    assert t.values["trainer.total_epochs"] == 30 == flat["trainer.total_epochs"]
     with pytest.raises(ConfigError, match="algorithm.adv_estimator='gae'"):
         parse_config(["--verl-config", os.path.join(CONFIG, "ppo_trainer.yaml")])
 

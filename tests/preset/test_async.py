@@ -1,4 +1,4 @@
-"""Asynchronous RL (`rollout.async.steps_ahead`, prorl/async_rl/) in miniature: the embedded
+"""Asynchronous RL (`rollout.async_rl.steps_ahead`, prorl/async_rl/) in miniature: the embedded
 default's tiny reasoner under `python -m prorl.launch` on gloo, the native sampler on the rollout
 ranks.
 
@@ -90,7 +90,7 @@ def worker_pid(launcher_pid: int, rank: int) -> int:
 
 def test_one_plus_one_sigterm_resume_trains_every_step_once(tmp_path):
     out, log = tmp_path / "run", tmp_path / "a.log"
-    cmd = command(out, 2, ["rollout.async.steps_ahead=1"])
+    cmd = command(out, 2, ["rollout.async_rl.steps_ahead=1"])
     proc = start(cmd, log)
     ckpt = os.path.join(out, "checkpoints")
     assert wait_for(
@@ -136,7 +136,7 @@ def test_two_plus_two_preset_staleness_bounded_and_weights_checked(tmp_path):
         ),
         *("--config", "prorl_v2_1.5b", *preset_overrides(ckpt, train, val), f"output_dir={out}"),
         *(f"trainer.total_steps={steps}", "trainer.save_every=0", "algorithm.is_mode=tis"),
-        *("rollout.async.steps_ahead=2", "rollout.async.rollout_ranks=2"),
+        *("rollout.async_rl.steps_ahead=2", "rollout.async_rl.rollout_ranks=2"),
     ]
     proc = subprocess.run(
         cmd, cwd=ROOT, env=preset_env(), capture_output=True, text=True, timeout=600
@@ -175,7 +175,7 @@ def start_and_save_once(tmp_path):
     checkpoints)."""
     out, log = tmp_path / "run", tmp_path / "a.log"
     extra = [
-        "rollout.async.steps_ahead=1",
+        "rollout.async_rl.steps_ahead=1",
         "trainer.collective_timeout_s=8",
         "algorithm.max_rounds=1",
     ]
@@ -221,7 +221,7 @@ def test_a_killed_rollout_rank_under_max_restarts_resumes_and_trains_every_step_
     finishes its step and saves on the SIGTERM) and restarts every rank, which resume from the last
     checkpoint: every step trained once, no group twice, metrics.jsonl one row per step."""
     out, log = tmp_path / "run", tmp_path / "a.log"
-    cmd = command(out, 2, ["rollout.async.steps_ahead=1"])
+    cmd = command(out, 2, ["rollout.async_rl.steps_ahead=1"])
     cmd.insert(cmd.index("--nproc_per_node=2") + 1, "--max-restarts=1")
     proc = start(cmd, log)
     ckpt = os.path.join(out, "checkpoints")

@@ -233,7 +233,7 @@ def test_push_headers_are_deleted_once_every_rollout_rank_took_them():
     # the rollout loop releases them (rollout index 0, after the all-reduce of the announced pushes)
     store, sent = _pushed([(0, one, None), (1, one, None)])
     w = RolloutWorker.__new__(RolloutWorker)
-    w.cfg = cfg("rollout.async.steps_ahead=1", "trainer.total_steps=3")
+    w.cfg = cfg("rollout.async_rl.steps_ahead=1", "trainer.total_steps=3")
     w.roles = SimpleNamespace(index=0, rollouts=1, trainers=1, store=store)
     w.weights, w.generator = _receiver(store, ReplayGroup(sent)), object()
     w.produce = lambda step, waited: None

@@ -26,7 +26,7 @@ def cfg(*overrides):
 
 
 def test_the_async_keys_are_spelt_async_on_the_command_line():
-    c = cfg("rollout.async.steps_ahead=2", "rollout.async.rollout_ranks=3")
+    c = cfg("rollout.async_rl.steps_ahead=2", "rollout.async_rl.rollout_ranks=3")
     assert (c.rollout.async_rl.steps_ahead, c.rollout.async_rl.rollout_ranks) == (2, 3)
     assert cfg().rollout.async_rl.steps_ahead == 0  # the synchronous step by default
 
@@ -34,17 +34,19 @@ def test_the_async_keys_are_spelt_async_on_the_command_line():
 @pytest.mark.parametrize(
     "overrides, world, torchrun, words",
     [
-        (["rollout.async.steps_ahead=1"], 1, False, "launch with torchrun"),
-        (["rollout.async.steps_ahead=1"], 2, True, None),
-        (["rollout.async.steps_ahead=1", "rollout.async.rollout_ranks=2"], 2, True,
+        (["rollout.async_rl.steps_ahead=1"], 1, False, "launch with torchrun"),
+        (["rollout.async_rl.steps_ahead=1"], 2, True, None),
+        (["rollout.async_rl.steps_ahead=1", "rollout.async_rl.rollout_ranks=2"], 2, True,
          "no trainer rank"),
-        (["rollout.async.steps_ahead=1", "trainer.prompts_per_step=8"], 4, True, "3 trainer ranks"),
-        (["rollout.async.steps_ahead=1", "rollout.async.rollout_ranks=3",
+        (["rollout.async_rl.steps_ahead=1", "trainer.prompts_per_step=8"], 4, True,
+         "3 trainer ranks"),
+        (["rollout.async_rl.steps_ahead=1", "rollout.async_rl.rollout_ranks=3",
           "trainer.prompts_per_step=8"], 4, True, "3 rollout ranks"),
-        (["rollout.async.steps_ahead=1", "rollout.tensor_parallel_size=2"], 2, True,
+        (["rollout.async_rl.steps_ahead=1", "rollout.tensor_parallel_size=2"], 2, True,
          "parallel_size>1"),
-        (["rollout.async.steps_ahead=-1"], 2, True, "must be >= 0"),
-        (["rollout.async.rollout_ranks=5"], 2, True, None),  # steps_ahead=0: the setting is unused
+        (["rollout.async_rl.steps_ahead=-1"], 2, True, "must be >= 0"),
+        # steps_ahead=0: the setting is unused
+        (["rollout.async_rl.rollout_ranks=5"], 2, True, None),
     ],
 )  # fmt: skip
 def test_settings_checked_against_the_world(overrides, world, torchrun, words):
@@ -167,7 +169,7 @@ def _worker(step_version: int, carry, schedule):
 
     w = RolloutWorker.__new__(RolloutWorker)
     w.cfg = cfg(
-        "rollout.async.steps_ahead=1",
+        "rollout.async_rl.steps_ahead=1",
         "trainer.prompts_per_step=4",
         "rollout.max_response_tokens=40",
     )
@@ -246,7 +248,7 @@ def _remote(tmp_path, checksums, total_steps=10):
     from types import SimpleNamespace
 
     r = RemoteRollouts.__new__(RemoteRollouts)
-    r.cfg = cfg(f"trainer.total_steps={total_steps}", "rollout.async.steps_ahead=1")
+    r.cfg = cfg(f"trainer.total_steps={total_steps}", "rollout.async_rl.steps_ahead=1")
     r.cfg.rollout.n = 1  # the stand-in groups hold one response
     r.roles = SimpleNamespace(store=Store(), pairs={(0, 0): LoopChannel()}, secret=SECRET)
     r.rank, r.k = 0, 1

@@ -269,3 +269,47 @@ def test_an_interrupted_evaluation_reports_what_it_scored(tmp_path):
     inputs.generator = Interrupted()
     with pytest.raises(KeyboardInterrupt):
         evaluate(examples, inputs, EvalSettings(**kw), log=None)
+
+
+def test_two_files_of_one_data_source_get_a_row_each(tiny_model_dir, eval_verifier, tmp_path):
+    """Two benchmark files of the same data_source (issue 40): the source's row merges them, and
+    each file has its own row; avg@k (the mean correctness of k samples) is named."""
+    a, b, out_dir = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "out"
+    data.write_jsonl([_example("evaltest/binary", "always")], str(a))
+    data.write_jsonl([_example("evaltest/binary", "never")] * 2, str(b))
+    args = ["--model", tiny_model_dir, "--data", str(a), str(b), "--k", str(K), "--max-tokens",
+            "4", "--num-workers", "1", "--out", str(out_dir)]  # fmt: skip
+    assert main(args) == 0
+    results = json.loads((out_dir / "results.json").read_text())
+    assert results["by_source"]["evaltest/binary"]["pass@1"] == pytest.approx(1 / 3)
+    assert results["by_file"][f"evaltest/binary ({a})"]["pass@1"] == 1.0
+    assert results["by_file"][f"evaltest/binary ({b})"]["pass@1"] == 0.0
+    assert results["by_file"][f"evaltest/binary ({b})"]["prompts"] == 2
+    assert results["all"][f"avg@{K}"] == results["all"]["pass@1"] == pytest.approx(1 / 3)
+    with open(out_dir / "results.csv", newline="") as f:
+        rows = [r["data_source"] for r in csv.DictReader(f)]
+    assert rows == ["evaltest/binary", f"evaltest/binary ({a})", f"evaltest/binary ({b})", "all"]
+
+
+def test_majority_voting_on_math_answers(eval_verifier):
+    """maj@k by hand: prompt 0 answers 3, 3, 4 (3 right): right; prompt 1 answers 5, 6, 6 (5 right):
+    wrong; prompt 2 gives no answer: wrong; ties go to the answer counted first. A source the
+    math verifier does not score gets no maj@k."""
+    from prorl.eval_metrics import summarize
+
+    def rec(i, j, text, ok):
+        return dict(index=i, sample=j, data_source="openai/gsm8k", response=text, correct=ok,
+                    score=float(ok), timed_out=False, errored=False, finish_reason="stop",
+                    response_tokens=3)  # fmt: skip
+
+    records = [rec(0, 0, "so \\boxed{3}", True), rec(0, 1, "<think>x</think>\\boxed{ 3 }", True),
+               rec(0, 2, "\\boxed{4}", False), rec(1, 0, "#### 5", True),
+               rec(1, 1, "\\boxed{6}", False), rec(1, 2, "Answer: 6", False),
+               rec(2, 0, "no idea", False), rec(2, 1, "<think>cut", False),
+               rec(2, 2, "", False)]  # fmt: skip
+    out = summarize(records, 3)["all"]
+    assert out["maj@3"] == pytest.approx(1 / 3) and out["avg@3"] == pytest.approx(3 / 9)
+    tie = [rec(0, 0, "\\boxed{1}", False), rec(0, 1, "\\boxed{2}", True)]
+    assert summarize(tie, 2)["all"]["maj@2"] == 0.0
+    other = [dict(r, data_source="evaltest/binary") for r in records]
+    assert "maj@3" not in summarize(other, 3)["all"]

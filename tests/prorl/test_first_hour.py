@@ -91,7 +91,7 @@ def test_prompt_key_names_the_prompt_field(tmp_path):
         data.DataError, match="field 'prompt' is missing .*the row has: data_source, question"
     ):
         data.load_file(str(path))
-    (ex,) = data.load_file(str(path), prompt_key="question")
+    (ex,) = data.load_file(str(path), fields=data.RowFields(prompt_key="question"))
     assert ex.prompt == [{"role": "user", "content": "1+1?"}]
 
 

@@ -30,7 +30,7 @@ def test_one_plus_one_with_a_vllm_rollout_engine(tmp_path):
             "prorl/train.py",
         ),
         *(f"output_dir={out}", *TINY, f"trainer.total_steps={steps}", "trainer.save_every=0"),
-        *("rollout.backend=vllm", "rollout.async.steps_ahead=1", "algorithm.is_mode=tis"),
+        *("rollout.backend=vllm", "rollout.async_rl.steps_ahead=1", "algorithm.is_mode=tis"),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
