@@ -203,6 +203,7 @@ GROUP_TYPES = {  # Group's fields (prorl/sampling.py) as they travel, and what e
     "sampler_logps": "n number lists",
     "truncated": "n bools",
     "raw": "n numbers or None",
+    "verified": "n bools or None",
     "shaped": "n numbers or None",
     "old_logps": "None or []",  # [] marks a carried group (no pi_old travels)
     "version": "index",
@@ -263,5 +264,6 @@ def _typed(v, kind: str, n: int) -> bool:
         "n number lists": lambda: n_of(v, numbers),
         "n bools": lambda: n_of(v, lambda e: type(e) is bool),
         "n numbers or None": lambda: v is None or n_of(v, _number),
+        "n bools or None": lambda: v is None or n_of(v, lambda e: type(e) is bool),
         "None or []": lambda: v is None or v == [],
     }[kind]()

@@ -34,6 +34,7 @@ def _big_slice(groups=32, n=8, tokens=4096):
                 "sampler_logps": [[-(r + 1) / 8.0] * tokens for r in range(n)],
                 "truncated": [r % 2 == 0 for r in range(n)],
                 "raw": [float(r % 2) for r in range(n)],
+                "verified": [True] * n,
                 "shaped": [float(r % 2) - 0.5 for r in range(n)],
                 "old_logps": None,
                 "version": 3,
@@ -201,6 +202,7 @@ def _group(**change):
         "sampler_logps": [[-0.5, -0.25], [-1.0]],
         "truncated": [False, True],
         "raw": [1.0, 0.0],
+        "verified": [True, False],
         "shaped": None,
         "old_logps": None,
         "version": 2,
@@ -218,6 +220,7 @@ def _group(**change):
         (_group(responses=[[5, -6], [7]]), "responses"),  # a negative token id
         (_group(truncated=[0, 1]), "truncated"),
         (_group(raw=["1", 0.0]), "raw"),
+        (_group(verified=[1, 0]), "verified"),
         (_group(version=-1), "version"),
         (_group(uid=7), "uid"),
         (_group(old_logps=[[-0.5]]), "old_logps"),  # no pi_old travels
