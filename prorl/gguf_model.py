@@ -166,6 +166,8 @@ def from_gguf(
         os.chmod(tmp, 0o755)  # mkdtemp's 700 (and the weights' 600) would hide them from others
         for name in os.listdir(tmp):
             os.chmod(os.path.join(tmp, name), 0o644)
+        if _recorded(out) == source:  # another process (a second rank) converted it meanwhile
+            return out
         if os.path.exists(out):
             shutil.rmtree(out)
         os.replace(tmp, out)

@@ -1,6 +1,8 @@
 """The run's model directory: `model.path` resolved (`builtin:NAME` is a model shipped in
-prorl/assets) and checked before anything loads it, so that a broken directory is named at start-up
-(exit code 2). Used by the trainer's command line (prorl/train.py) and by prorl/export.py."""
+prorl/assets; `gguf:[FILE]` a GGUF file converted once into the cache, SmolLM2-135M-Instruct when
+FILE is empty: `python -m prorl.model_dir from-gguf`) and checked before anything loads it, so
+that a broken directory is named at start-up (exit code 2). Used by the trainer's command line
+(prorl/train.py) and by prorl/export.py."""
 
 from __future__ import annotations
 
@@ -15,11 +17,19 @@ ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 
 
 def resolve_model_path(path: str) -> str:
-    """`path` as a Hugging Face directory (`builtin:NAME` -> prorl/assets/NAME); raises
+    """`path` as a Hugging Face directory (`builtin:NAME` -> prorl/assets/NAME, `gguf:[FILE]` ->
+    its conversion); raises
     Fatal(EXIT_CONFIG) naming it when it has no config.json, or a damaged config, weights file or
     tokenizer."""
     if path.startswith("builtin:"):
         path = os.path.join(ASSETS, path.split(":", 1)[1])
+    elif path.startswith("gguf:"):  # a GGUF file's cached conversion (prorl/gguf_model.py)
+        from prorl.gguf_model import GGUFError, from_gguf
+
+        try:
+            path = from_gguf(path.split(":", 1)[1] or None)
+        except GGUFError as exc:
+            raise Fatal(lifecycle.EXIT_CONFIG, f"model.path={path!r}: {exc}") from None
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise Fatal(
             lifecycle.EXIT_CONFIG,

