@@ -7,8 +7,11 @@ reach |40| through 30 layers; the criterion is a max abs error of 1e-3 (2.5e-5 r
 wrong RoPE base, norm epsilon, mask or head tying exceeds by orders of magnitude.
 """
 
+import pytest
 import torch
 from conftest import MESSAGES
+
+pytestmark = pytest.mark.slow  # a 135M model: seconds to a minute each
 
 LOGIT_ATOL = 1e-3
 

@@ -11,6 +11,8 @@ import pytest
 import torch
 from conftest import MESSAGES
 
+pytestmark = pytest.mark.slow  # a 135M model: seconds to a minute each
+
 STEP = [
     "trainer.prompts_per_step=2",
     "rollout.n=2",
