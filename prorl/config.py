@@ -61,7 +61,8 @@ def _f(default: Any = MISSING, help: str = "", choices: tuple | None = None, **k
 @dataclass
 class ModelConfig:
     path: str = _f(
-        help="Hugging Face-format directory (config.json, *.safetensors, tokenizer); builtin:NAME"
+        help="Hugging Face-format directory (config.json, *.safetensors, tokenizer); builtin:NAME; "
+        "gguf:[FILE] (converted once into a cache; empty FILE: SmolLM2-135M-Instruct)"
     )
     dtype: str = _f(
         "float32",
@@ -111,7 +112,11 @@ class DataConfig:
     val_files: list[str] = _f(
         list, "held-out files; empty: the builtin task's held-out split, or none"
     )
-    builtin_task: str = _f("digit_sums", "generated task used when train_files is empty")
+    builtin_task: str = _f(
+        "digit_sums",
+        "generated task used when train_files is empty (digit_sums, chain_sums, long_sums, "
+        "boxed/<one of those>, reasoning_gym/<task>)",
+    )
     train_size: int = _f(0, "builtin task size (0: the whole split or the generator's default)")
     val_size: int = _f(200, "builtin held-out size (0: the whole split)")
     prompt_key: str = _f("prompt", "the row field holding the prompt (chat messages or a string)")

@@ -521,16 +521,37 @@ def reasoning_gym_tasks(
 
 def builtin(name: str, n: int | None = None, seed: int = 0, split: str = "train") -> list[Example]:
     """A built-in task set by name: "digit_sums", "chain_sums" and "long_sums"
-    (prorl/chain_sums.py), "reasoning_gym/<task>"."""
+    (prorl/chain_sums.py), "boxed/<one of those>" (`instructed`), "reasoning_gym/<task>"."""
     if name == "digit_sums":
         return digit_sums(n, seed, split)
     if name in ("chain_sums", "long_sums"):
         return chain_sums(n, seed, split, family=name)
     if name.startswith("reasoning_gym/"):
         return reasoning_gym_tasks(name.split("/", 1)[1], n if n is not None else 1000, seed, split)
+    if name.startswith("boxed/") and name.split("/", 1)[1] in ARITHMETIC:
+        return [instructed(ex) for ex in builtin(name.split("/", 1)[1], n, seed, split)]
     raise ValueError(
         f"unknown built-in task set {name!r}; known: 'digit_sums', 'chain_sums', 'long_sums', "
-        "'reasoning_gym/<task>'"
+        "'boxed/<one of those three>', 'reasoning_gym/<task>'"
+    )
+
+
+ARITHMETIC = ("digit_sums", "chain_sums", "long_sums")
+BOXED_INSTRUCTION = "What is {terms}? Put the final answer in \\boxed{{}}."
+
+
+def instructed(ex: Example) -> Example:
+    """An arithmetic problem "3+8+5=" as a pretrained chat model is asked it: "What is 3 + 8 + 5?
+    Put the final answer in \\boxed{}." (the built-in prompts are bare for the shipped tiny
+    reasoner, which has no instructions to follow). Same data source, answer and split."""
+    terms = ex.prompt[-1]["content"].rstrip("=").split("+")
+    content = BOXED_INSTRUCTION.format(terms=" + ".join(terms))
+    return Example(
+        [{"role": "user", "content": content}],
+        ex.data_source,
+        ex.ground_truth,
+        dict(ex.extra),
+        ex.ability,
     )
 
 

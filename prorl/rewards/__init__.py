@@ -77,6 +77,13 @@ ALIASES: dict[str, str] = {
     "open-r1/codeforces": "code",
     "livecodebench": "code",
     "primeintellect": "code",
+    "openai_humaneval": "code",  # test programs (prorl/rewards/test_program.py)
+    "openai/openai_humaneval": "code",
+    "evalplus/humanevalplus": "code",
+    "humaneval": "code",
+    "mbpp": "code",
+    "google-research-datasets/mbpp": "code",
+    "evalplus/mbppplus": "code",
     # STEM
     "stem": "stem",
     "gpqa": "stem",

