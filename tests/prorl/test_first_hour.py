@@ -55,7 +55,7 @@ def test_a_bare_value_for_a_list_key_is_a_one_element_list():
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("rollout.temperature=inf", "must be finite"),
+        ("rollout.temperature=inf", "rollout.temperature=inf must be a finite number"),
         ("trainer.save_every=-3", "save_every and trainer.val_every must be >= 0"),
         ("rollout.n=1", "rollout.n=1 leaves every group all-equal"),
         ("algorithm.kl_estimator=k9", "algorithm.kl_estimator='k9' is not one of k1, k2, k3"),
