@@ -120,15 +120,12 @@ def test_projection_with_a_serial_tail():
     assert p == pytest.approx(dict(sync_s=1.8125, async_s=1.875, rollout=8, speedup=1.8125 / 1.875))
 
 
-def test_the_gpu_check_runs_async_after_main_job_and_reads_its_run(tmp_path):
+def test_the_gpu_check_runs_async_first_on_its_own(tmp_path):
+    # asynchronous RL on CUDA has never run: first in the plan, k = 1 only (no sync run to read)
     full = {"cuda": True, "torchao": "0.18.0", "omegaconf": "2.4.0", "math_verify": "0.9.0"}
     steps = plan.plan("python", full, str(tmp_path))
-    names = [s.name for s in steps]
-    assert names.index("async_rl") == names.index("main_job") + 1
-    cmd = steps[names.index("async_rl")].cmd
-    assert cmd[cmd.index("--sync-run") + 1].endswith("/default")  # main_job's output_dir
-    assert (
-        f"output_dir={cmd[cmd.index('--sync-run') + 1]}" in steps[names.index("main_job")].cmd[-1]
-    )
+    assert steps[0].name == "async_rl" and steps[0].skip is None
+    cmd = steps[0].cmd
+    assert cmd[cmd.index("--variants") + 1] == "async-k1" and "--sync-run" not in cmd
     bare = {s.name: s.skip for s in plan.plan("python", {"cuda": True}, str(tmp_path))}
     assert "omegaconf, math_verify not importable" in bare["async_rl"]

@@ -320,8 +320,17 @@ def _edit_weights(file, how: str) -> None:
 
 
 def _set_vocab(config_json, vocab_size: int) -> None:
+    """config.json and the (tied) embedding cut to `vocab_size` rows: a consistent checkpoint whose
+    vocabulary is smaller than its tokenizer's."""
+    from safetensors.torch import load_file, save_file
+
     cfg = json.loads(config_json.read_text())
     config_json.write_text(json.dumps({**cfg, "vocab_size": vocab_size}))
+    weights = config_json.parent / "model.safetensors"
+    state = load_file(str(weights))
+    for name in [k for k in state if k.endswith(("embed_tokens.weight", "lm_head.weight"))]:
+        state[name] = state[name][:vocab_size].contiguous()
+    save_file(state, str(weights), metadata={"format": "pt"})
 
 
 def _data_file(tmp_path, lines: list[bytes]):
