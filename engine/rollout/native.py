@@ -79,8 +79,10 @@ def sample_tokens(logits: torch.Tensor, params: SamplingParams, uniform: torch.T
             e, order = e.topk(min(params.top_k, e.shape[1]), -1)  # sorted, descending
         else:
             e, order = e.sort(-1, descending=True)
-        if params.top_p < 1.0:
-            p = e.double() / total[:, None]
+        if params.top_p < 1.0:  # over the top-k renormalised, as vLLM and transformers apply it
+            p = e.double() / (
+                e.sum(-1, keepdim=True, dtype=torch.float64) if params.top_k > 0 else total[:, None]
+            )
             e = e * ((p.cumsum(-1) - p) < params.top_p)  # the smallest prefix with mass >= p
     cdf = e.double().cumsum(-1)  # [B, V or k]
     target = (uniform * cdf[:, -1]).unsqueeze(1)

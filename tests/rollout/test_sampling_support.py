@@ -6,7 +6,8 @@ tokens drawn is exactly the kept set. Frequencies: 40,000 draws from the sampler
 uniforms against the renormalised kept distribution, by Pearson's chi-square at the 0.999 quantile
 (the draws are deterministic: the test cannot flake). The reference distributions are written
 here from the definitions (vLLM's / Hugging Face's): top-k keeps the k most likely tokens; top-p
-keeps the smallest set of most likely tokens whose mass reaches p (the most likely token always);
+keeps the smallest set of most likely tokens whose mass reaches p (the most likely token always),
+over the top-k renormalised when both are set;
 temperature T samples softmax(logits / T); greedy takes the argmax.
 """
 
@@ -44,8 +45,9 @@ def kept_distribution(temperature=1.0, top_k=-1, top_p=1.0) -> dict[int, float]:
     w = [p ** (1 / temperature) for p in PROBS]
     w = [x / sum(w) for x in w]
     order = sorted(range(len(w)), key=lambda i: -w[i])
-    if top_k > 0:
+    if top_k > 0:  # top-p then applies to the k kept, renormalised
         order = order[:top_k]
+        w = [x / sum(w[i] for i in order) if i in order else 0.0 for i, x in enumerate(w)]
     kept, mass = [], 0.0
     for i in order:
         kept.append(i)
@@ -91,8 +93,25 @@ def test_top_k_draws_exactly_the_k_most_likely(top_k):
 
 
 @pytest.mark.parametrize(
+    "top_k, top_p", [(3, 0.75), (3, 0.45), (3, 0.55), (2, 0.6), (5, 0.9), (4, 0.99)]
+)
+def test_top_k_with_top_p_keeps_what_transformers_keeps(top_k, top_p):
+    """Top-p over the top-k renormalised (transformers' TopK then TopP warpers; vLLM's
+    apply_top_k_top_p): with k = 3 the kept mass is 0.8, and p = 0.75 keeps 2 of the 3,
+    not all 3."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    scores = LOGITS.double()[None]
+    scores = TopPLogitsWarper(top_p)(None, TopKLogitsWarper(top_k)(None, scores))
+    want = set(torch.isfinite(scores[0]).nonzero().flatten().tolist())
+    assert set(kept_distribution(top_k=top_k, top_p=top_p)) == want
+    assert support(params(top_k=top_k, top_p=top_p)) == want
+
+
+@pytest.mark.parametrize(
     "kw",
     [
+        dict(top_k=3, top_p=0.75),
         dict(),
         dict(temperature=0.5),
         dict(temperature=1.7),
