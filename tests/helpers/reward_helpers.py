@@ -99,3 +99,21 @@ def leak_20_mib(response, ground_truth, extra):
 
 def worker_pid(response, ground_truth, extra):
     return {"score": 1.0, "pid": os.getpid()}
+
+
+def hog_memory(response, ground_truth, extra):
+    """Allocates `ground_truth` MiB in 16 MiB pieces, touched, and scores 1 if it got them all."""
+    held = [bytearray(16 * 2**20) for _ in range(int(ground_truth) // 16)]
+    return 1.0 if len(held) * 16 >= int(ground_truth) else 0.0
+
+
+def fork_a_tree(response, ground_truth, extra):
+    """Starts a child that starts a grandchild (a daemon's double fork, still in the worker's
+    process group); both sleep for a minute. Scores 1."""
+    if os.fork() == 0:
+        if os.fork() == 0:
+            time.sleep(60)
+        else:
+            time.sleep(60)
+        os._exit(0)
+    return 1.0

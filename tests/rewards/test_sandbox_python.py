@@ -108,3 +108,23 @@ def test_user_site_packages_are_visible():
         assert out == {b: [0, "from the user site", ""] for b in BACKENDS}
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.mark.tally("faults")
+def test_a_venv_in_a_mode_700_folder_runs_on_the_namespace_backends():
+    """`python -m venv "$(mktemp -d)"`: the venv's own folder is mode 700. The namespace backends'
+    unprivileged uid could not start Python there ("env: '<venv>/bin/python': Permission denied"),
+    so the default fell back to `none`, which refuses as root: the self-test failed."""
+    venv = tempfile.mkdtemp(prefix="prorl-venv-700-")  # mode 700, as mktemp -d makes it
+    try:
+        subprocess.run([BASE_PYTHON, "-m", "venv", "--without-pip", venv], check=True, timeout=120)
+        assert os.stat(venv).st_mode & 0o777 == 0o700
+        env = {"PRORL_SANDBOX_ROOT_OK": "0"}  # `none` as root refuses such an interpreter
+        out = _probe(os.path.join(venv, "bin", "python"), "import sys; print(sys.prefix)", env)
+        namespaces = [b for b in BACKENDS if b != "none"]
+        if not namespaces:
+            pytest.skip("no namespace backend works here")
+        assert {b: out[b] for b in namespaces} == {b: [0, venv, ""] for b in namespaces}
+        assert out["self_test"] == {"code": "ok"}  # the default is a namespace backend, not none
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)
