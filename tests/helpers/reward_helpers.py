@@ -109,11 +109,21 @@ def hog_memory(response, ground_truth, extra):
 
 def fork_a_tree(response, ground_truth, extra):
     """Starts a child that starts a grandchild (a daemon's double fork, still in the worker's
-    process group); both sleep for a minute. Scores 1."""
+    process group); both sleep for a minute. Appends both pids to the file the ground truth names
+    once both run, and scores 1."""
+    r, w = os.pipe()
     if os.fork() == 0:
-        if os.fork() == 0:
+        os.close(r)
+        grandchild = os.fork()
+        if grandchild == 0:
+            os.close(w)  # the parent's read ends when the child closes its end
             time.sleep(60)
-        else:
-            time.sleep(60)
+            os._exit(0)
+        os.write(w, f"{os.getpid()}\n{grandchild}\n".encode())
+        os.close(w)
+        time.sleep(60)
         os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as pipe, open(ground_truth, "a") as f:
+        f.write(pipe.read())
     return 1.0

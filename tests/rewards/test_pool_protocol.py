@@ -133,9 +133,9 @@ def test_a_verifier_allocating_past_the_worker_bound_is_contained(registered):
         assert pool.score_batch(["hog"], ["e"], [64]).scores == [1.0]
 
 
-def _processes_in_groups(groups: set[int]) -> list[int]:
+def _processes_in_groups(groups: set[int]) -> set[int]:
     """Live processes whose process group is one of `groups` (zombies excluded)."""
-    out = []
+    out = set()
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as f:
@@ -143,7 +143,7 @@ def _processes_in_groups(groups: set[int]) -> list[int]:
         except OSError:
             continue
         if fields[0] != "Z" and int(fields[2]) in groups:
-            out.append(int(pid))
+            out.add(int(pid))
     return out
 
 
@@ -152,18 +152,21 @@ def test_no_process_of_the_pool_s_groups_outlives_it(registered, tmp_path):
     """Verifiers that fork a child and grandchild, fork into the worker's loop, or leave a child
     behind a timed-out call: while the pool runs their processes are in its groups; once it is
     closed, none is left (before: 15 and 42 orphans after a run that exited 0)."""
+    pids = str(tmp_path / "pids")
     sources = ["tree", "fork", "sleeper", "tree", "truth", "sleeper"]
     responses = ["a", "b", "hang", "c", "d", "e"]
-    truths = [None, 0.5, str(tmp_path / "pids"), None, 0.7, str(tmp_path / "pids")]
-    with RewardPool(num_workers=2, timeout_s=1.5, preload=()) as pool:
-        res = pool.score_batch(sources, responses, truths)
+    with RewardPool(num_workers=1, timeout_s=1.5, preload=()) as pool:
+        res = pool.score_batch(sources, responses, [pids, 0.5, pids, pids, 0.7, pids])
         assert res.scores == [1.0, 0.5, 0.0, 1.0, 0.7, 1.0] and res.timed_out[2]
-        # 2 workers + 2 × (child + grandchild) + the sleeper of "e" (the "hang" one died with its
-        # worker); the forked "fork" child exits at once
-        during = _processes_in_groups(set(pool.process_groups))
-        assert len(during) >= 7, during
+        # "a"'s child and grandchild and "hang"'s sleeper died with the first worker, killed for
+        # the timeout; "c"'s two and "e"'s sleeper live in the second worker's group
+        left = {int(x) for x in open(pids).read().split()}
+        assert len(left) == 6
         groups = set(pool.process_groups)
+        during = _processes_in_groups(groups)
+        assert len(groups) == 2 and len(left & during) == 3
+        assert during - left == {pool.workers[0].proc.pid}
     deadline = time.monotonic() + 5
     while _processes_in_groups(groups) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _processes_in_groups(groups) == []
+    assert _processes_in_groups(groups) == set()
