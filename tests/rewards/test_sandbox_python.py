@@ -128,3 +128,31 @@ def test_a_venv_in_a_mode_700_folder_runs_on_the_namespace_backends():
         assert out["self_test"] == {"code": "ok"}  # the default is a namespace backend, not none
     finally:
         shutil.rmtree(venv, ignore_errors=True)
+
+
+@pytest.mark.tally("attacks")
+@pytest.mark.parametrize("is_venv", [True, False])
+def test_only_a_venv_s_hidden_folder_is_opened(monkeypatch, tmp_path, is_venv):
+    """A mode-700 folder of the installation is shown through a stand-in only when it is a venv's
+    own: another (a home directory used as an install prefix, holding ~/.ssh) stays a plain bind
+    that the code's uid cannot enter, and a failed start names it with its fix."""
+    from prorl.rewards import sandbox
+    from prorl.rewards.sandbox import rootfs
+
+    prefix = tmp_path / "prefix"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / ".ssh").mkdir()
+    os.symlink(os.path.realpath(sys.executable), prefix / "bin" / "python")
+    if is_venv:
+        (prefix / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    prefix.chmod(0o700)
+    monkeypatch.setattr(rootfs, "python_paths", lambda: (str(prefix),))
+    monkeypatch.setattr(sys, "executable", str(prefix / "bin" / "python"))
+    (tmp_path / "code").mkdir()
+    kinds = {m.target: m.kind for m in rootfs.plan(str(tmp_path / "code"), 1 << 20)}
+    assert kinds[str(prefix)] == ("entries" if is_venv else "ro")
+    hint = sandbox._hidden_interpreter(in_sandbox=True)
+    if is_venv:
+        assert hint is None
+    else:
+        assert f"lies under {prefix} (mode 700)" in hint and f"chmod o+x {prefix}" in hint

@@ -326,12 +326,12 @@ def _own_deadline(limits: Limits) -> list[str]:
     return [timeout, "-s", "KILL", f"{limits.wall_s + 10:g}"]
 
 
-def _hidden_interpreter(opened: tuple[str, ...] = ()) -> str | None:
+def _hidden_interpreter(in_sandbox: bool = False) -> str | None:
     """What keeps an unprivileged user from running this interpreter (a folder on its path,
-    symlinks' targets included, without o+x, other than those in `opened`), with the fix; or
-    None."""
+    symlinks' targets included, without o+x; `in_sandbox`: in the namespace backends' minimal root),
+    with the fix; or None."""
     for path in (sys.executable, os.path.realpath(sys.executable)):
-        d = rootfs.hidden_dir(path, skip=opened)
+        d = rootfs.hidden_dir(path, in_sandbox)
         if d:
             mode = stat.S_IMODE(os.stat(d).st_mode)
             return (
@@ -530,9 +530,9 @@ def _run(launch: _Launch, name: str, limits: Limits, started_r: int) -> Result:
     if not started:
         what = f"within {SETUP_TIMEOUT_S:g} s" if timed_out else f"(exit code {returncode})"
         detail = stderr.decode(errors="replace").strip()[-2000:] or "no error output"
-        # the code's unprivileged uid cannot enter a folder; the namespace backends open the
-        # Python installation's own folders (`rootfs.plan`), not those inside them
-        hidden = _hidden_interpreter(() if name == "none" else rootfs.python_paths())
+        # the code's unprivileged uid cannot enter a folder (the namespace backends show a venv's
+        # own folder as a stand-in that it can: `rootfs.stand_in`)
+        hidden = _hidden_interpreter(in_sandbox=name != "none")
         if os.geteuid() == 0 and hidden:
             detail += f"; the cause: {hidden}"
         raise SandboxError(f"the `{name}` sandbox did not start Python {what}: {detail}")

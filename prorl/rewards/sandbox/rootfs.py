@@ -89,14 +89,28 @@ def hidden_from_others(path: str) -> bool:
     return hidden_dir(path) is not None
 
 
-def hidden_dir(path: str, skip: tuple[str, ...] = ()) -> str | None:
+def stand_in(path: str) -> bool:
+    """Whether the sandbox shows directory `path` of the Python installation as a stand-in: a venv
+    (`pyvenv.cfg`) whose folder other users cannot enter (`python -m venv "$(mktemp -d)"`, mode
+    700), which would stop the code's unprivileged uid at its bind. The stand-in is a read-only
+    tmpfs of mode 755 holding read-only binds of the venv's entries. Only a venv's folder: any
+    other (a home directory used as an install prefix) may hold more than the installation."""
+    try:
+        hidden = not os.stat(path).st_mode & stat.S_IXOTH
+    except OSError:
+        return False
+    return hidden and os.path.isfile(os.path.join(path, "pyvenv.cfg"))
+
+
+def hidden_dir(path: str, in_sandbox: bool = False) -> str | None:
     """The first directory on `path` that other users cannot traverse (no o+x: /root, or a venv
-    made in `mktemp -d`, mode 700), or None. With `skip` (the sandbox's mount points), only those
-    inside one of them count: the sandbox makes the mount points and their parents traversable."""
+    made in `mktemp -d`, mode 700), or None. `in_sandbox`: in the namespace backends' minimal root,
+    where the parents of the Python installation's directories are made traversable and a venv's
+    folder is a stand-in (`stand_in`), so only the directories at or inside those count."""
     parts = path.strip(os.sep).split(os.sep)
     for i in range(1, len(parts)):
         d = os.sep + os.sep.join(parts[:i])
-        if skip and not any(_inside(d, s) and d != s for s in skip):
+        if in_sandbox and (stand_in(d) or not any(_inside(d, p) for p in python_paths())):
             continue
         try:
             if not os.stat(d).st_mode & stat.S_IXOTH:
@@ -168,10 +182,7 @@ def plan(code_dir: str, tmpfs_bytes: int) -> list[Mount]:
                 f"the Python installation needs {p}, which overlaps the sandbox's own directories "
                 f"({', '.join(OWN_PATHS)}); install Python elsewhere"
             )
-        # a folder other users cannot enter (a venv made in `mktemp -d`, mode 700) would stop the
-        # code's unprivileged uid at its bind: its entries go under a traversable stand-in instead
-        opened = os.stat(p).st_mode & stat.S_IXOTH
-        mounts.append(Mount("ro" if opened else "entries", p, p))
+        mounts.append(Mount("entries" if stand_in(p) else "ro", p, p))
     mounts += [
         Mount("copy", CODE_DIR, code_dir, size=_copy_bytes(code_dir)),
         Mount("dir", WORK_DIR),
