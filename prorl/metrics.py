@@ -163,6 +163,12 @@ def _sampling_metrics(r: _Reduced) -> dict[str, float]:
         "dynamic_sampling/passed_groups": r.sum("groups_passed"),
         "reward/timeout_frac": r.mean("samples_timeout", "samples_seen"),
         "reward/error_frac": r.mean("samples_error", "samples_seen"),
+        # reward workers replaced this step (prorl/rewards/pool.py): died or timed out, broke the
+        # reply protocol, recycled (max_calls / max_rss_bytes), hit their memory bound
+        "reward/workers_replaced": r.sum("reward_pool/replaced"),
+        "reward/protocol_failures": r.sum("reward_pool/protocol_failures"),
+        "reward/workers_recycled": r.sum("reward_pool/recycled"),
+        "reward/workers_over_memory": r.sum("reward_pool/memory_exceeded"),
     }
 
 

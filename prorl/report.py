@@ -303,6 +303,7 @@ def accuracy_line(vals: list[tuple[int, float]], unit: bool = True) -> str:
     if not vals:
         return "held-out accuracy not measured (no validation set, or trainer.val_every=0)"
     before, after, n = accuracy_before_after(vals)
+    unit = unit and all(0.0 <= v <= 1.0 for _, v in vals)  # a mean outside [0, 1] is none
     (what, first), (_, last) = held_out(before, unit), held_out(after, unit)
     return f"held-out {what} {first} -> {last} (mean of the last {n} evaluations)"
 
@@ -335,18 +336,23 @@ def summarize(run_dir: str) -> str:
     rows = read_metrics(os.path.join(run_dir, "metrics.jsonl"))
     steps = [r for r in rows if "critic/score/mean" in r]
     vals = [(r["step"], r["val/accuracy"]) for r in rows if "val/accuracy" in r]
-    total = None
+    total, function = None, None
     config = os.path.join(run_dir, "config.yaml")
     if os.path.exists(config):
         from omegaconf import OmegaConf
 
-        total = OmegaConf.load(config).get("trainer", {}).get("total_steps")
+        cfg = OmegaConf.load(config)
+        total = cfg.get("trainer", {}).get("total_steps")
+        function = cfg.get("reward", {}).get("function")
     last = steps[-1]["step"] if steps else 0
     lines = [f"run {run_dir}: {last} steps" + (f" of {total}" if total is not None else "")]
     if vals:
         before, after, n = accuracy_before_after(vals)
+        # as the run's closing line: a reward function's scores need not lie in [0, 1]
+        unit = not function and all(0.0 <= v <= 1.0 for _, v in vals)
+        (what, first), (_, final) = held_out(before, unit), held_out(after, unit)
         lines.append(
-            f"held-out accuracy {before:.1%} (step {vals[0][0]}) -> {after:.1%} "
+            f"held-out {what} {first} (step {vals[0][0]}) -> {final} "
             f"(mean of the last {n} evaluations, step {vals[-1][0]})"
         )
     if steps:

@@ -31,6 +31,7 @@ from prorl.engine.rollout import SamplingParams
 from prorl.metrics import StepAccumulator
 from prorl.prompt_schedule import PromptScheduler
 from prorl.rewards.function import numeric_extras
+from prorl.rewards.pool import pool_counts
 
 
 @dataclass
@@ -158,6 +159,7 @@ class GroupSampler:
         texts = [
             self.tokenizer.decode(t, skip_special_tokens=True) for g in groups for t in g.responses
         ]
+        counted = pool_counts(self.pool)
         res = self.pool.score_batch(
             [e.data_source for e in exs],
             texts,
@@ -179,6 +181,8 @@ class GroupSampler:
                 acc.sum(f"reward_extra_n/{key}", 1)
         acc.sum("samples_timeout", sum(res.timed_out))
         acc.sum("samples_error", sum(res.errored))
+        for key, n in pool_counts(self.pool).items():
+            acc.sum(f"reward_pool/{key}", n - counted[key])
         self.reward_time += time.perf_counter() - t0
 
     def collect(self, need: int, max_new: int, step: int, acc: StepAccumulator) -> list[Group]:

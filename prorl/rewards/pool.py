@@ -38,9 +38,15 @@ row the pool raises, naming the last one.
 
 Each worker runs in a process group of its own; killing a worker kills the group, so children a
 verifier started (forked, or left behind by a timed-out call) go with it, and a worker whose pool
-vanished kills its group as it exits. A worker is recycled (replaced by a fresh one, counted in
-`recycled`) after `max_calls` items or once its resident memory exceeds `max_rss_bytes`, so a
-verifier that leaks (caches every call) bounds the worker's growth instead of the machine's.
+vanished kills its group as it exits (a child that leaves the group with setsid() escapes it:
+verifiers are trusted code). A worker is recycled (replaced by a fresh one, counted in `recycled`)
+after `max_calls` items or once its resident memory exceeds `max_rss_bytes`, so a verifier that
+leaks (caches every call) bounds the worker's growth instead of the machine's. That check runs
+between items; within one, the kernel bounds the worker: its RLIMIT_DATA soft limit is
+`max_memory_bytes` (heap and private writable mappings, inherited by the processes it starts; the
+code sandbox sets its own). An allocation past it fails (a MemoryError, or a C library's abort):
+the item scores 0 as an error and the worker is replaced, counted in `memory_exceeded` (or, when it
+died, in `replaced`).
 
 Each worker has a private TMPDIR `prorl-reward-worker-*` (its code sandboxes' directories go there),
 locked for as long as the worker lives (`sandbox.tempdirs`); the pool removes it when it kills the
@@ -54,6 +60,7 @@ import json
 import logging
 import os
 import pickle
+import resource
 import shutil
 import signal
 import socket
@@ -77,6 +84,9 @@ STARTUP_TIMEOUT_S = 120.0
 REPLY_READ_TIMEOUT_S = 10.0  # a reply that started arriving but stalls this long breaks the worker
 MAX_CALLS_PER_WORKER = 5000  # items before a worker is recycled
 MAX_WORKER_RSS_BYTES = 2**30  # a worker whose resident memory passes this after an item is recycled
+# RLIMIT_DATA of a worker: an allocation past it fails inside the item (a worker scoring math holds
+# ~55 MB of data: VmData after `math` and `code` items)
+MAX_WORKER_MEMORY_BYTES = 4 * 2**30
 MAX_START_FAILURES = 3  # workers in a row that die or hang during start-up before the pool gives up
 TMP_PREFIX = "prorl-reward-worker-"
 
@@ -109,11 +119,12 @@ def _item_key(data_source, response, ground_truth, extra):
 
 
 class _Worker:
-    def __init__(self, preload: tuple[str, ...]):
+    def __init__(self, preload: tuple[str, ...], memory_bytes: int):
         parent_sock, child_sock = socket.socketpair()
         code = (
             "import json, sys; sys.path[:] = json.loads(sys.argv[1]); "
-            "from prorl.rewards.pool import _worker_main; _worker_main(int(sys.argv[2]))"
+            "from prorl.rewards.pool import _worker_main; "
+            "_worker_main(int(sys.argv[3]), int(sys.argv[2]))"
         )
         # a temporary directory of its own, removed when the worker is killed: a code sandbox killed
         # with its worker cannot clean up after itself. The worker inherits the directory's lock.
@@ -132,7 +143,10 @@ class _Worker:
         )
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-c", code, json.dumps(sys.path), str(child_sock.fileno())],
+                [
+                    *(sys.executable, "-c", code, json.dumps(sys.path)),
+                    *(str(memory_bytes), str(child_sock.fileno())),
+                ],
                 pass_fds=(child_sock.fileno(), lock),
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -165,9 +179,12 @@ class _Worker:
         shutil.rmtree(self.tmpdir, ignore_errors=True)
 
 
-def _worker_main(fd: int) -> None:
-    """Worker: init, say ready, then score items until the pool closes the connection or
-    vanishes."""
+def _worker_main(fd: int, memory_bytes: int) -> None:
+    """Worker: bound its memory, init, say ready, then score items until the pool closes the
+    connection or vanishes."""
+    hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
+    if hard == resource.RLIM_INFINITY or memory_bytes < hard:
+        resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, hard))
     # Ctrl-C / SIGTERM go to the whole process group: the trainer decides when to stop, and still
     # needs its verifiers to finish the step. A worker ends when its connection closes (or by
     # SIGKILL).
@@ -223,6 +240,8 @@ class RewardPool:
         reasoning-gym ~5 s), so that import time never counts against an item.
     max_calls, max_rss_bytes: a worker is recycled after this many items, or when its resident
         memory exceeds this after an item.
+    max_memory_bytes: each worker's RLIMIT_DATA (kernel-enforced, within an item); a verifier that
+        allocates past it fails its item and the worker is replaced.
     """
 
     def __init__(
@@ -232,15 +251,19 @@ class RewardPool:
         preload: tuple[str, ...] = ("math",),
         max_calls: int = MAX_CALLS_PER_WORKER,
         max_rss_bytes: int = MAX_WORKER_RSS_BYTES,
+        max_memory_bytes: int = MAX_WORKER_MEMORY_BYTES,
     ):
         if num_workers < 1:
             raise ValueError("num_workers must be >= 1")
         self.timeout_s = float(timeout_s)
         self.preload = tuple(preload)
         self.max_calls, self.max_rss_bytes = max_calls, max_rss_bytes
+        self.max_memory_bytes = max_memory_bytes
         self.replaced = 0  # workers killed or lost and started again, over the pool's life
         self.protocol_failures = 0  # workers replaced because their replies broke the protocol
         self.recycled = 0  # workers replaced after max_calls items or max_rss_bytes of memory
+        self.memory_exceeded = 0  # workers replaced after a verifier hit max_memory_bytes
+        self.process_groups: list[int] = []  # of every worker started (a worker's pid is its pgid)
         self._requests = 0  # the last request id handed out
         self._retried: set[int] = set()  # items of this batch sent again after a protocol failure
         self._start_failures = 0  # workers in a row that died or hung during start-up
@@ -417,6 +440,10 @@ class RewardPool:
         else:
             result.errored[i], result.errors[i] = True, payload
             log.debug("reward error on item %d: %s", i, payload)
+            if payload.startswith("MemoryError"):  # its heap may be left half-built: a fresh one
+                self.memory_exceeded += 1
+                self._replace(w, lost=False)
+                return 1
         w.calls += 1
         if w.calls >= self.max_calls or _rss_bytes(w.proc.pid) > self.max_rss_bytes:
             self.recycled += 1
@@ -450,7 +477,9 @@ class RewardPool:
     def _start(self) -> _Worker:
         while True:
             try:
-                return _Worker(self.preload)
+                w = _Worker(self.preload, self.max_memory_bytes)
+                self.process_groups.append(w.proc.pid)
+                return w
             # fork/exec failed (no memory, process limit): retried like a death
             except OSError as exc:
                 self._start_failed(f"could not be spawned ({exc})")
@@ -468,6 +497,16 @@ class RewardPool:
         log.warning(
             "a reward worker %s; starting another (failure %d of %d)", why, n, MAX_START_FAILURES
         )
+
+
+# the pool's counters of replaced workers, by cause (cumulative over its life; the trainer logs
+# each step's increase: reward/workers_replaced, reward/protocol_failures, ...)
+COUNTERS = ("replaced", "protocol_failures", "recycled", "memory_exceeded")
+
+
+def pool_counts(pool) -> dict[str, int]:
+    """The counters of `pool` (0 for a scorer without them)."""
+    return {key: int(getattr(pool, key, 0)) for key in COUNTERS}
 
 
 def _is_reply(msg: Any, request: int) -> bool:

@@ -99,3 +99,31 @@ def leak_20_mib(response, ground_truth, extra):
 
 def worker_pid(response, ground_truth, extra):
     return {"score": 1.0, "pid": os.getpid()}
+
+
+def hog_memory(response, ground_truth, extra):
+    """Allocates `ground_truth` MiB in 16 MiB pieces, touched, and scores 1 if it got them all."""
+    held = [bytearray(16 * 2**20) for _ in range(int(ground_truth) // 16)]
+    return 1.0 if len(held) * 16 >= int(ground_truth) else 0.0
+
+
+def fork_a_tree(response, ground_truth, extra):
+    """Starts a child that starts a grandchild (a daemon's double fork, still in the worker's
+    process group); both sleep for a minute. Appends both pids to the file the ground truth names
+    once both run, and scores 1."""
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.close(r)
+        grandchild = os.fork()
+        if grandchild == 0:
+            os.close(w)  # the parent's read ends when the child closes its end
+            time.sleep(60)
+            os._exit(0)
+        os.write(w, f"{os.getpid()}\n{grandchild}\n".encode())
+        os.close(w)
+        time.sleep(60)
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as pipe, open(ground_truth, "a") as f:
+        f.write(pipe.read())
+    return 1.0

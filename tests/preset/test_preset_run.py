@@ -4,7 +4,11 @@ file with size-only overrides on a bf16 checkpoint with an untied head
 resumed, as a preempted cluster job would be.
 
 - the resumed run continues exactly: every per-step metric and the final weights equal an
-  uninterrupted run's (trainer.deterministic=true);
+  uninterrupted run's (trainer.deterministic=true), with ProRL v1's optimizer reset on
+  (`algorithm.reset.reset_optimizer=true`, the documented v1 option): the checkpoint the run
+  resumes from (step 2) is saved right after a reset, with an AdamW of sharded FSDP2 parameters
+  that holds no state (before the fix, the resumed run's step 3 differed: the saved state's step
+  count was 1). The preset's own kept moments across a resume: test_hsdp.py (from step 1);
 - a checkpoint saved right after a reference reset holds a reference equal to the policy bit for bit
   (read back here by torch.distributed.checkpoint into one process: DCP reshards 2 ranks -> 1);
 - the final Hugging Face export loads in `transformers`, with its own (untied) LM head, and gives
@@ -41,6 +45,7 @@ def command(out, ckpt, train, val, nproc=2):
         f"trainer.total_steps={TOTAL}",
         "trainer.save_every=2",
         "trainer.keep_last=3",
+        "algorithm.reset.reset_optimizer=true",  # see the module's docstring
         f"output_dir={out}",
     ]
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from prorl.metrics import StepAccumulator
+from prorl.metrics import StepAccumulator, step_metrics
 from prorl.rewards.pool import BatchResult
 from prorl.sampling import Group, GroupSampler, impute_failed
 
@@ -97,3 +97,44 @@ def test_a_mean_score_is_not_printed_as_an_accuracy_and_failed_validation_warns(
     assert accuracy_line([(0, 0.25), (5, 0.5)]).startswith("held-out accuracy 25.0% -> 50.0%")
     assert validation_warning({"val/accuracy": 0.0, "val/verify_failed_frac": 1.0})
     assert validation_warning({"val/accuracy": 0.4, "val/verify_failed_frac": 0.1}) is None
+
+
+class _CountingPool(_Pool):
+    """A pool whose counters (cumulative over its life, as RewardPool's) already hold earlier
+    steps' replacements and grow during each batch."""
+
+    def __init__(self):
+        self.replaced, self.protocol_failures, self.recycled, self.memory_exceeded = 5, 4, 3, 2
+
+    def score_batch(self, sources, texts, truths, extras):
+        self.replaced += 1
+        self.protocol_failures += 2
+        self.recycled += 3
+        self.memory_exceeded += 4
+        return super().score_batch(sources, texts, truths, extras)
+
+
+@pytest.mark.tally("faults")
+def test_the_step_row_counts_the_reward_workers_replaced_this_step():
+    """Replaced reward workers (protocol broken, recycled, over their memory bound) were counted
+    only inside the pool, never in metrics.jsonl."""
+    sampler = GroupSampler.__new__(GroupSampler)
+    ex = SimpleNamespace(data_source="math", ground_truth="1", extra={})
+    sampler.examples, sampler.kept, sampler.pool = [ex], [0], _CountingPool()
+    sampler.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "x")
+    sampler.reward_time = 0.0
+    acc = StepAccumulator()
+    for _ in range(2):  # two verify rounds in one step
+        sampler.verify([Group(0, [1], [[2], [3]], [[0.0], [0.0]], [False, False])], acc)
+    row = step_metrics(acc.reduce())
+    got = {k: row[k] for k in row if k.startswith("reward/") and "frac" not in k}
+    assert got == {
+        "reward/length_penalty/mean": 0.0,
+        "reward/workers_replaced": 2.0,
+        "reward/protocol_failures": 4.0,
+        "reward/workers_recycled": 6.0,
+        "reward/workers_over_memory": 8.0,
+    }
+    # a step without reward-pool trouble still carries the keys (uniform rows), at 0
+    quiet = step_metrics(StepAccumulator().reduce())
+    assert quiet["reward/protocol_failures"] == 0.0 and quiet["reward/workers_over_memory"] == 0.0

@@ -142,3 +142,25 @@ def test_wandb_without_the_package_fails_with_the_install_hint(tmp_path, monkeyp
     cfg = load_config("default", [f"output_dir={tmp_path}", "logging.wandb_project=demo"])
     with pytest.raises(ImportError, match="pip install wandb"):
         Reporter(cfg, rank=0)
+
+
+@pytest.mark.tally("bad_inputs")
+@pytest.mark.parametrize(
+    "function, scores, shown",
+    [(True, (0.25, 0.5), ("0.25", "0.5")), (False, (-0.5, 0.25), ("-0.5", "0.25"))],
+)
+def test_summary_prints_a_reward_function_s_mean_score_not_an_accuracy(
+    tmp_path, function, scores, shown
+):
+    """A verl reward function's scores need not lie in {0, 1} (issue 41, item 8): summary.txt
+    printed a -1 / +1 function's mean score as "held-out accuracy -50.0%". With a reward function,
+    or any mean outside [0, 1], the line says "mean score"."""
+    rows = [{"step": 0, "val/accuracy": scores[0]}, {"step": 5, "val/accuracy": scores[1]}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reward = "reward:\n  function: /data/score.py\n" if function else ""
+    (tmp_path / "config.yaml").write_text("trainer:\n  total_steps: 5\n" + reward)
+    line = summarize(str(tmp_path)).splitlines()[1]
+    assert line == (
+        f"held-out mean score {shown[0]} (step 0) -> {shown[1]} "
+        "(mean of the last 1 evaluations, step 5)"
+    )

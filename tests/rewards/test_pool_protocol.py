@@ -23,6 +23,8 @@ def registered():
         ("sleeper", "fork_a_sleeper"),
         ("leak", "leak_20_mib"),
         ("pid", "worker_pid"),
+        ("hog", "hog_memory"),
+        ("tree", "fork_a_tree"),
     ):
         rewards.register(key, f"reward_helpers:{name}")
     yield
@@ -110,3 +112,61 @@ def test_a_worker_is_recycled_after_max_calls(registered):
     # one worker at a time, replaced after every third item
     assert [pids.index(p) for p in pids] == [0, 0, 0, 3, 3, 3, 6], pids
     assert pool.recycled == 2
+
+
+@pytest.mark.tally("faults")
+def test_a_verifier_allocating_past_the_worker_bound_is_contained(registered):
+    """1 GiB in 16 MiB pieces against a 256 MiB bound (RLIMIT_DATA): the allocation fails inside
+    the item, which scores 0 as an error; the worker is replaced and the batch goes on. Before, the
+    worker took the whole 1 GiB (only the resident-memory check after the item recycled it)."""
+    bound = 256 * 2**20
+    sources = ["truth", "hog", "truth", "truth"]
+    with RewardPool(num_workers=1, timeout_s=20, preload=(), max_memory_bytes=bound) as pool:
+        first = pool.workers[0].proc.pid
+        res = pool.score_batch(sources, list("abcd"), [0.1, 1024, 0.3, 0.4])
+        assert res.scores == [0.1, 0.0, 0.3, 0.4]
+        assert res.errored == [False, True, False, False]
+        assert res.errors[1].startswith("MemoryError"), res.errors[1]
+        assert pool.memory_exceeded == 1 and pool.replaced == 0
+        assert pool.workers[0].proc.pid != first  # a fresh worker scored the rest
+        # under the bound, the same verifier scores normally
+        assert pool.score_batch(["hog"], ["e"], [64]).scores == [1.0]
+
+
+def _processes_in_groups(groups: set[int]) -> set[int]:
+    """Live processes whose process group is one of `groups` (zombies excluded)."""
+    out = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) in groups:
+            out.add(int(pid))
+    return out
+
+
+@pytest.mark.tally("faults")
+def test_no_process_of_the_pool_s_groups_outlives_it(registered, tmp_path):
+    """Verifiers that fork a child and grandchild, fork into the worker's loop, or leave a child
+    behind a timed-out call: while the pool runs their processes are in its groups; once it is
+    closed, none is left (before: 15 and 42 orphans after a run that exited 0)."""
+    pids = str(tmp_path / "pids")
+    sources = ["tree", "fork", "sleeper", "tree", "truth", "sleeper"]
+    responses = ["a", "b", "hang", "c", "d", "e"]
+    with RewardPool(num_workers=1, timeout_s=1.5, preload=()) as pool:
+        res = pool.score_batch(sources, responses, [pids, 0.5, pids, pids, 0.7, pids])
+        assert res.scores == [1.0, 0.5, 0.0, 1.0, 0.7, 1.0] and res.timed_out[2]
+        # "a"'s child and grandchild and "hang"'s sleeper died with the first worker, killed for
+        # the timeout; "c"'s two and "e"'s sleeper live in the second worker's group
+        left = {int(x) for x in open(pids).read().split()}
+        assert len(left) == 6
+        groups = set(pool.process_groups)
+        during = _processes_in_groups(groups)
+        assert len(groups) == 2 and len(left & during) == 3
+        assert during - left == {pool.workers[0].proc.pid}
+    deadline = time.monotonic() + 5
+    while _processes_in_groups(groups) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _processes_in_groups(groups) == set()

@@ -108,3 +108,51 @@ def test_user_site_packages_are_visible():
         assert out == {b: [0, "from the user site", ""] for b in BACKENDS}
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+@pytest.mark.tally("faults")
+def test_a_venv_in_a_mode_700_folder_runs_on_the_namespace_backends():
+    """`python -m venv "$(mktemp -d)"`: the venv's own folder is mode 700. The namespace backends'
+    unprivileged uid could not start Python there ("env: '<venv>/bin/python': Permission denied"),
+    so the default fell back to `none`, which refuses as root: the self-test failed."""
+    venv = tempfile.mkdtemp(prefix="prorl-venv-700-")  # mode 700, as mktemp -d makes it
+    try:
+        subprocess.run([BASE_PYTHON, "-m", "venv", "--without-pip", venv], check=True, timeout=120)
+        assert os.stat(venv).st_mode & 0o777 == 0o700
+        env = {"PRORL_SANDBOX_ROOT_OK": "0"}  # `none` as root refuses such an interpreter
+        out = _probe(os.path.join(venv, "bin", "python"), "import sys; print(sys.prefix)", env)
+        namespaces = [b for b in BACKENDS if b != "none"]
+        if not namespaces:
+            pytest.skip("no namespace backend works here")
+        assert {b: out[b] for b in namespaces} == {b: [0, venv, ""] for b in namespaces}
+        assert out["self_test"] == {"code": "ok"}  # the default is a namespace backend, not none
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)
+
+
+@pytest.mark.tally("attacks")
+@pytest.mark.parametrize("is_venv", [True, False])
+def test_only_a_venv_s_hidden_folder_is_opened(monkeypatch, tmp_path, is_venv):
+    """A mode-700 folder of the installation is shown through a stand-in only when it is a venv's
+    own: another (a home directory used as an install prefix, holding ~/.ssh) stays a plain bind
+    that the code's uid cannot enter, and a failed start names it with its fix."""
+    from prorl.rewards import sandbox
+    from prorl.rewards.sandbox import rootfs
+
+    prefix = tmp_path / "prefix"
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / ".ssh").mkdir()
+    os.symlink(os.path.realpath(sys.executable), prefix / "bin" / "python")
+    if is_venv:
+        (prefix / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    prefix.chmod(0o700)
+    monkeypatch.setattr(rootfs, "python_paths", lambda: (str(prefix),))
+    monkeypatch.setattr(sys, "executable", str(prefix / "bin" / "python"))
+    (tmp_path / "code").mkdir()
+    kinds = {m.target: m.kind for m in rootfs.plan(str(tmp_path / "code"), 1 << 20)}
+    assert kinds[str(prefix)] == ("entries" if is_venv else "ro")
+    hint = sandbox._hidden_interpreter(in_sandbox=True)
+    if is_venv:
+        assert hint is None
+    else:
+        assert f"lies under {prefix} (mode 700)" in hint and f"chmod o+x {prefix}" in hint

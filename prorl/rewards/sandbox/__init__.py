@@ -248,6 +248,8 @@ def _preexec(limits: Limits, uid: int | None, cgroup: cgroups.Cgroup | None):
             (resource.RLIMIT_NPROC, limits.nproc),
             (resource.RLIMIT_NOFILE, limits.nofile),
             (resource.RLIMIT_CORE, 0),
+            # a reward worker's data bound (its soft limit) is not the sandbox's: memory_bytes is
+            (resource.RLIMIT_DATA, resource.getrlimit(resource.RLIMIT_DATA)[1]),
         ):
             resource.setrlimit(res, (value, value))
 
@@ -324,11 +326,12 @@ def _own_deadline(limits: Limits) -> list[str]:
     return [timeout, "-s", "KILL", f"{limits.wall_s + 10:g}"]
 
 
-def _hidden_interpreter() -> str | None:
+def _hidden_interpreter(in_sandbox: bool = False) -> str | None:
     """What keeps an unprivileged user from running this interpreter (a folder on its path,
-    symlinks' targets included, without o+x), with the fix; or None."""
+    symlinks' targets included, without o+x; `in_sandbox`: in the namespace backends' minimal root),
+    with the fix; or None."""
     for path in (sys.executable, os.path.realpath(sys.executable)):
-        d = rootfs.hidden_dir(path)
+        d = rootfs.hidden_dir(path, in_sandbox)
         if d:
             mode = stat.S_IMODE(os.stat(d).st_mode)
             return (
@@ -527,8 +530,11 @@ def _run(launch: _Launch, name: str, limits: Limits, started_r: int) -> Result:
     if not started:
         what = f"within {SETUP_TIMEOUT_S:g} s" if timed_out else f"(exit code {returncode})"
         detail = stderr.decode(errors="replace").strip()[-2000:] or "no error output"
-        if os.geteuid() == 0 and _hidden_interpreter():  # the code's unprivileged uid cannot
-            detail += f"; the cause: {_hidden_interpreter()}"
+        # the code's unprivileged uid cannot enter a folder (the namespace backends show a venv's
+        # own folder as a stand-in that it can: `rootfs.stand_in`)
+        hidden = _hidden_interpreter(in_sandbox=name != "none")
+        if os.geteuid() == 0 and hidden:
+            detail += f"; the cause: {hidden}"
         raise SandboxError(f"the `{name}` sandbox did not start Python {what}: {detail}")
     cgroup = launch.cgroup
     return Result(

@@ -5,7 +5,9 @@ Visible inside, and nothing else of the host:
   merged-/usr systems), the dynamic loader's configuration and /etc/localtime, and the Python
   installation wherever it lives: sys.prefix / base_prefix / exec_prefix, the directory of every hop
   on the executable's symlink chain, the directories of its shared libraries and those of
-  lib-dynload (ldd), and the user site directory when this process uses one;
+  lib-dynload (ldd), and the user site directory when this process uses one (a folder of those
+  that other users cannot enter, a venv made in `mktemp -d`, is a mode-755 tmpfs holding binds of
+  its entries, so that the code's unprivileged uid can start Python);
 - read-only at /sandbox/code: a copy of the run's own files on a tmpfs of its own (so that
   /proc/self/mountinfo names no host path that is not visible at the same place inside);
 - private and size-limited (tmpfs): /tmp (the working directory is /tmp/work), /var/tmp, /dev/shm;
@@ -48,9 +50,10 @@ class LayoutError(RuntimeError):
 
 @dataclass(frozen=True)
 class Mount:
-    # "ro" (read-only bind of `source`), "copy" (of directory `source`, read-only), "symlink"
+    # "ro" (read-only bind of `source`), "copy" (of directory `source`, read-only), "entries"
+    # (a read-only tmpfs, mode 755, holding read-only binds of directory `source`'s entries),
+    # "symlink" (to `source`), "tmpfs", "dir", "proc", "dev"
     kind: str
-    # (to `source`), "tmpfs", "dir", "proc", "dev"
     target: str
     source: str = ""
     size: int = 0  # tmpfs bytes
@@ -86,12 +89,29 @@ def hidden_from_others(path: str) -> bool:
     return hidden_dir(path) is not None
 
 
-def hidden_dir(path: str) -> str | None:
+def stand_in(path: str) -> bool:
+    """Whether the sandbox shows directory `path` of the Python installation as a stand-in: a venv
+    (`pyvenv.cfg`) whose folder other users cannot enter (`python -m venv "$(mktemp -d)"`, mode
+    700), which would stop the code's unprivileged uid at its bind. The stand-in is a read-only
+    tmpfs of mode 755 holding read-only binds of the venv's entries. Only a venv's folder: any
+    other (a home directory used as an install prefix) may hold more than the installation."""
+    try:
+        hidden = not os.stat(path).st_mode & stat.S_IXOTH
+    except OSError:
+        return False
+    return hidden and os.path.isfile(os.path.join(path, "pyvenv.cfg"))
+
+
+def hidden_dir(path: str, in_sandbox: bool = False) -> str | None:
     """The first directory on `path` that other users cannot traverse (no o+x: /root, or a venv
-    made in `mktemp -d`, mode 700), or None."""
+    made in `mktemp -d`, mode 700), or None. `in_sandbox`: in the namespace backends' minimal root,
+    where the parents of the Python installation's directories are made traversable and a venv's
+    folder is a stand-in (`stand_in`), so only the directories at or inside those count."""
     parts = path.strip(os.sep).split(os.sep)
     for i in range(1, len(parts)):
         d = os.sep + os.sep.join(parts[:i])
+        if in_sandbox and (stand_in(d) or not any(_inside(d, p) for p in python_paths())):
+            continue
         try:
             if not os.stat(d).st_mode & stat.S_IXOTH:
                 return d
@@ -162,7 +182,7 @@ def plan(code_dir: str, tmpfs_bytes: int) -> list[Mount]:
                 f"the Python installation needs {p}, which overlaps the sandbox's own directories "
                 f"({', '.join(OWN_PATHS)}); install Python elsewhere"
             )
-        mounts.append(Mount("ro", p, p))
+        mounts.append(Mount("entries" if stand_in(p) else "ro", p, p))
     mounts += [
         Mount("copy", CODE_DIR, code_dir, size=_copy_bytes(code_dir)),
         Mount("dir", WORK_DIR),
@@ -175,6 +195,15 @@ def _copy_bytes(directory: str) -> int:
     inodes)."""
     sizes = [os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)]
     return sum(-(-n // 4096) * 4096 for n in sizes) + (64 << 10)
+
+
+def _entries(directory: str) -> list[tuple[str, str | None]]:
+    """(name, symlink target or None) of each entry of `directory`, sorted."""
+    out = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        out.append((name, os.readlink(path) if os.path.islink(path) else None))
+    return out
 
 
 _NO_FS = object()  # `_mount_commands`: the mount makes no file system (a directory's owner)
@@ -197,6 +226,18 @@ def _mount_commands(m: Mount, t: str, work_owner: int | None):
             [],
             [],
         )
+    if m.kind == "entries":
+        steps = [(f"mount -t tmpfs -o size=64k,mode=755,nosuid,nodev tmpfs {t}", m.target)]
+        dirs, files = [], []
+        for name, link in _entries(m.source):
+            src, dst = q(os.path.join(m.source, name)), f"{t}/{q(name)}"
+            if link is not None:
+                steps.append((f"ln -s {q(link)} {dst}", None))
+                continue
+            (dirs if os.path.isdir(os.path.join(m.source, name)) else files).append(dst)
+            steps.append((f"mount --bind -o ro,nosuid,nodev {src} {dst}", None))
+        steps.append((f"mount -o remount,ro,nosuid,nodev tmpfs {t}", None))
+        return steps, (dirs, files)
     if m.kind == "proc":
         return [(f"mount -t proc -o nosuid,nodev,noexec proc {t}", None)], None
     if m.kind == "dev":
@@ -273,6 +314,13 @@ def bwrap_args(mounts: list[Mount], open_fd) -> list[str]:
             for name in sorted(os.listdir(m.source)):
                 fd = open_fd(os.path.join(m.source, name))
                 args += ["--perms", "0644", "--file", str(fd), f"{m.target}/{name}"]
+            args += ["--remount-ro", m.target]
+        elif m.kind == "entries":
+            args += ["--perms", "0755", "--size", str(64 << 10), "--tmpfs", m.target]
+            for name, link in _entries(m.source):
+                dst = f"{m.target}/{name}"
+                src = os.path.join(m.source, name)
+                args += ["--symlink", link, dst] if link is not None else ["--ro-bind", src, dst]
             args += ["--remount-ro", m.target]
         elif m.kind == "tmpfs":
             args += ["--perms", "1777", "--size", str(m.size), "--tmpfs", m.target]
