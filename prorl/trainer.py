@@ -39,7 +39,7 @@ from prorl.config import Config
 from prorl.config_runtime import check_world
 from prorl.data import stop_token_ids
 from prorl.engine.distributed import all_reduce, dist_info, watchdog
-from prorl.eval import validate
+from prorl.eval_run import validate
 from prorl.metrics import (
     StepAccumulator,
     async_metrics,
