@@ -34,7 +34,7 @@ from prorl.config_checks import (
     read_yaml,
     size_problems,
 )
-from prorl.engine import choices
+from prorl.engine import choices as engine
 from prorl.prompt_schedule import MODES as SCHEDULER_MODES
 
 KERNEL = kernel_options()  # the fused ops' option values (prorl.kernels.options)
@@ -84,13 +84,13 @@ class ModelConfig:
         "FP8 GEMMs in the decoder blocks of policy and "
         "reference (torchao: also on the CPU; te: Transformer "
         "Engine on H100/H200); needs model.fsdp=true; the sampler stays bf16 (engine/fp8.py)",
-        choices.FP8_BACKENDS,
+        engine.FP8_BACKENDS,
     )
     fp8_recipe: str = _f(
         "auto",
         "FP8 scaling: torchao tensorwise|rowwise; te "
         "delayed|current|mxfp8 (auto: tensorwise / current)",
-        tuple(dict.fromkeys(r for rs in choices.FP8_RECIPES.values() for r in rs)),
+        tuple(dict.fromkeys(r for rs in engine.FP8_RECIPES.values() for r in rs)),
     )
     fp8_emulate: bool | str = _f(
         "auto",
@@ -241,7 +241,7 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True)
-class OptimConfig(choices.OptimizerConfig):
+class OptimConfig(engine.OptimizerConfig):
     """engine.optim.OptimizerConfig itself (AdamW, schedule, clipping), with the recipe's defaults;
     `total_steps` (0/None) is the trainer's: total_steps x mini_batches optimizer steps."""
 
@@ -340,9 +340,9 @@ class Config:
 
 def _engine_choices() -> dict[str, tuple]:
     return {
-        "model.attention": ("auto", *choices.ATTENTION),
-        "rollout.backend": ("auto", *choices.ROLLOUT),
-        "optim.schedule": choices.SCHEDULES,
+        "model.attention": ("auto", *engine.ATTENTION),
+        "rollout.backend": ("auto", *engine.ROLLOUT),
+        "optim.schedule": engine.SCHEDULES,
     }
 
 
@@ -537,10 +537,10 @@ def validate(cfg: Config) -> None:
 
 def _check_model(m: ModelConfig) -> None:
     """The model section's combinations: the FP8 recipe of the FP8 backend, what needs FSDP."""
-    if m.fp8_recipe not in choices.FP8_RECIPES[m.fp8]:
+    if m.fp8_recipe not in engine.FP8_RECIPES[m.fp8]:
         raise ConfigError(
             f"model.fp8_recipe={m.fp8_recipe!r} is not a recipe of model.fp8={m.fp8!r}: choose one "
-            f"of {', '.join(choices.FP8_RECIPES[m.fp8])}"
+            f"of {', '.join(engine.FP8_RECIPES[m.fp8])}"
         )
     if m.dp_replicate < 1 or (m.dp_replicate > 1 and not m.fsdp):
         raise ConfigError(
