@@ -269,18 +269,20 @@ def _base_of_run_dir(values: dict, own: list[str]) -> list[str]:
 
 def load_with_derived(values: dict, load):
     """`load(values)` -> config, with each Derived value (a verl key relative to a prorl setting it
-    was given without) computed from the config loaded without it; twice, so that one derived value
-    may rest on another (warmup steps x a derived mini-batch count)."""
+    was given without) computed from the config loaded without it; with several, again from the
+    config holding the others' values but not its own, so that one may rest on another (warmup
+    steps x a derived mini-batch count) and none on itself (output_dir under output_dir)."""
     derived = {k: v for k, v in values.items() if isinstance(v, Derived)}
     plain = {k: v for k, v in values.items() if k not in derived}
-    cfg = load(plain)
-    for _ in range(2 if derived else 0):
-        try:
-            plain.update({k: d.compute(cfg) for k, d in derived.items()})
-        except Refused as exc:
-            raise ConfigError(f"verl keys prorl cannot honour (docs/verl.md):\n  {exc}") from None
+    try:
         cfg = load(plain)
-    return cfg
+        got = {k: d.compute(cfg) for k, d in derived.items()}
+        if len(derived) > 1:
+            others = {k: {j: v for j, v in got.items() if j != k} for k in derived}
+            got = {k: d.compute(load(plain | others[k])) for k, d in derived.items()}
+    except Refused as exc:
+        raise ConfigError(f"verl keys prorl cannot honour (docs/verl.md):\n  {exc}") from None
+    return load(plain | got) if derived else cfg
 
 
 def reference_markdown() -> str:
