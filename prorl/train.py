@@ -4,6 +4,7 @@
     torchrun --nproc_per_node=8 prorl/train.py --config prorl_v2_1.5b model.path=/models/x \\
         data.train_files=[/data/train.parquet] data.val_files=[/data/val.parquet]
     torchrun ... -m prorl.train ...                                     # the same, as a module
+    torchrun ... --no-python prorl-train ...    # the installed command (prorl-train: one process)
     torchrun ... prorl/train.py --verl-config ppo_trainer.yaml [verl.key=value ...]  # a verl config
 
 With no arguments it runs the embedded default on the CPU: the shipped tiny reasoner trained with
