@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from prorl.exits import Fatal
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m prorl.export", description=__doc__.splitlines()[0])
@@ -27,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--key", choices=("model", "reference"), default="model")
     args = ap.parse_args(argv)
     # torch and the engine load only now, after the command line was checked
-    from prorl.export_run import CheckpointError, Fatal, export_checkpoint
+    from prorl.export_run import CheckpointError, export_checkpoint
 
     try:
         out = export_checkpoint(args.checkpoint, args.out, dtype=args.dtype, key=args.key)

@@ -99,3 +99,24 @@ def test_the_installed_commands_answer_without_torch(command, argv, code, tmp_pa
     )
     assert done.returncode == code, done.stderr[-2000:]
     assert "imported before the command answered" not in done.stderr
+
+
+@pytest.mark.slow
+def test_past_the_command_line_the_commands_load_their_work(tmp_path):
+    """The work behind each command, imported once the arguments are checked, is there: an export
+    of a folder that is no checkpoint and an evaluation of one that is no model end with their
+    message and exit code 2, not an ImportError."""
+    (tmp_path / "empty").mkdir()
+    for argv, said in (
+        (["prorl.export", str(tmp_path / "empty"), str(tmp_path / "out")], "not a complete"),
+        (["prorl.eval", "--model", str(tmp_path / "empty"), "--builtin", "digit_sums"], "neither"),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", *argv],
+            cwd=tmp_path,
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 2 and said in done.stderr, done.stderr[-2000:]
