@@ -9,9 +9,16 @@ no sources of its own, and `CMakeBuild.build_extension` runs CMake configure/bui
 that is already installed (so install with `--no-build-isolation`). Where it is built is chosen by
 `PRORL_TARGET_DEVICE` (`cpu`, `cuda`, `none`; default: `cpu`, or `cuda` when torch is a CUDA build
 and nvcc is found), read here without importing prorl. A build that fails, or `none`, leaves the
-torch backend in charge and says so: `pip install` never fails for want of a compiler.
+torch backend in charge and says so: `pip install` never fails for want of a compiler. CMake's
+build folder is one per interpreter and torch (under build/), so venvs that install from one
+checkout never reuse each other's configured torch.
+
+`PRORL_PACKAGE=kernels` builds `prorl-kernels` instead: `prorl.kernels` and its drop-in adapters
+alone (torch their only requirement; no trainer, engine or commands), for a TRL / verl / OpenRLHF
+user who wants only the fused ops (kernels/ADAPTERS.md).
 """
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -20,8 +27,13 @@ import warnings
 
 from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+PACKAGE = os.environ.get("PRORL_PACKAGE", "prorl").strip().lower() or "prorl"
+if PACKAGE not in ("prorl", "kernels"):
+    raise SystemExit(f"PRORL_PACKAGE must be prorl or kernels, got {PACKAGE!r}")
+KERNELS_ONLY = PACKAGE == "kernels"
 
 
 def target_device() -> str:
@@ -65,10 +77,14 @@ class CMakeBuild(build_ext):
             )
 
     def build_extension(self, ext: CMakeExtension):
-        import torch  # noqa: F401 - present: target_device() returned cpu/cuda
+        import torch  # present: target_device() returned cpu/cuda
 
         out_path = os.path.abspath(self.get_ext_fullpath(ext.name))
-        build_temp = os.path.join(os.path.abspath(self.build_temp), ext.name)
+        # one CMake folder per interpreter and torch: its cache holds the torch it configured
+        key = f"{sys.executable}|{torch.__version__}|{torch.__file__}".encode()
+        build_temp = os.path.join(
+            os.path.abspath(self.build_temp), f"{ext.name}-{hashlib.sha1(key).hexdigest()[:10]}"
+        )
         os.makedirs(build_temp, exist_ok=True)
         cfg = os.environ.get("PRORL_BUILD_TYPE", "Release")
         args = [
@@ -94,29 +110,39 @@ def read(path: str) -> str:
         return f.read()
 
 
-setup(
+class BuildPy(build_py):
+    """`prorl-kernels` (PRORL_PACKAGE=kernels) takes of the `prorl` package only its __init__, the
+    package prorl.kernels lives in: no trainer modules that could not import without their
+    requirements."""
+
+    def find_package_modules(self, package, package_dir):
+        modules = super().find_package_modules(package, package_dir)
+        if KERNELS_ONLY and package == "prorl":
+            return [m for m in modules if m[1] == "__init__"]
+        return modules
+
+
+KERNEL_PACKAGES = ["prorl", "prorl.kernels"] + [
+    "prorl.kernels." + p for p in find_packages("kernels")
+]
+KERNEL_DATA = {"prorl.kernels": ["csrc/*.cpp", "csrc/*.h"]}
+
+FULL = dict(
     name="prorl",
-    version="0.1.0",
     description=(
         "A lean engine for prolonged RL of LLM reasoning (the ProRL v2 recipe) with fused loss ops"
     ),
     long_description=read("README.md"),
-    long_description_content_type="text/markdown",
-    python_requires=">=3.10",
-    package_dir={"prorl": "prorl", "prorl.kernels": "kernels", "prorl.engine": "engine"},
-    packages=["prorl", "prorl.kernels", "prorl.engine"]
+    packages=[*KERNEL_PACKAGES, "prorl.engine"]
     + ["prorl." + p for p in find_packages("prorl")]
-    + ["prorl.kernels." + p for p in find_packages("kernels")]
     + ["prorl.engine." + p for p in find_packages("engine")],
-    package_data={"prorl.kernels": ["csrc/*.cpp", "csrc/*.h"], "prorl.verl_compat": ["*.json"]},
-    ext_modules=[CMakeExtension("prorl.kernels._C")],
+    package_data={**KERNEL_DATA, "prorl.verl_compat": ["*.json"]},
     # the installed commands (prorl-train runs one process; torchrun ... -m prorl.train for more)
     entry_points={
         "console_scripts": [
             f"prorl-{name}=prorl.{name}:main" for name in ("train", "eval", "export", "report")
         ]
     },
-    cmdclass={"build_ext": CMakeBuild},
     # torch is a requirement, but installing it is the user's first step (README): on CPU machines
     # an unpinned `torch` pulls a multi-GB CUDA build. The range below admits the 2.13 CPU build.
     install_requires=[
@@ -172,5 +198,26 @@ setup(
             "flash-attn==2.8.3.post2",
         ],
     },
+)
+KERNELS = dict(
+    name="prorl-kernels",
+    description="prorl's fused RL loss ops and their drop-ins for verl, OpenRLHF and TRL",
+    long_description=read("kernels/ADAPTERS.md"),
+    packages=KERNEL_PACKAGES,
+    package_data=KERNEL_DATA,
+    install_requires=["torch>=2.6"],  # the kernels' only requirement (triton: optional, GPU)
+)
+setup(
+    **(KERNELS if KERNELS_ONLY else FULL),
+    version="0.1.0",
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    package_dir={"prorl": "prorl", "prorl.kernels": "kernels", "prorl.engine": "engine"},
+    ext_modules=[CMakeExtension("prorl.kernels._C")],
+    cmdclass={"build_ext": CMakeBuild, "build_py": BuildPy},
+    # a build folder of its own: the full package's build/lib (trainer modules) stays out of it
+    options={"build": {"build_base": os.path.join("build", "prorl-kernels")}}
+    if KERNELS_ONLY
+    else {},
     zip_safe=False,
 )

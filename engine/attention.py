@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .choices import ATTENTION
+
 
 # SDPA kernels allowed on CUDA: cuDNN's attention is left out. It builds an execution plan for every
 # new shape, and bucketed RL batches bring new shapes every step: on an H200 (torch 2.11) a
@@ -317,7 +319,8 @@ class FlashAttention(AttentionBackend):
         )
 
 
-BACKENDS = {"sdpa": SDPAAttention, "flex": FlexAttention, "flash": FlashAttention}
+# the names are engine/choices.py's (checked by the config before torch is loaded)
+BACKENDS = dict(zip(ATTENTION, (SDPAAttention, FlexAttention, FlashAttention)))
 
 
 def flash_attn_available() -> bool:

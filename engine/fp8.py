@@ -75,14 +75,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from .choices import FP8_BACKENDS, FP8_RECIPES
+
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("none", "torchao", "te")
-RECIPES = {
-    "none": ("auto",),
-    "torchao": ("auto", "tensorwise", "rowwise"),
-    "te": ("auto", "delayed", "current", "mxfp8"),
-}
+BACKENDS, RECIPES = FP8_BACKENDS, FP8_RECIPES
 DEFAULT_RECIPE = {"none": "auto", "torchao": "tensorwise", "te": "current"}
 MIN_CAPABILITY = (9, 0)
 TE_HINT = "install the GPU extra: pip install 'prorl[gpu]' (transformer-engine[pytorch] >= 2.9)"

@@ -31,24 +31,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from .choices import SCHEDULES, OptimizerConfig  # noqa: F401 - re-exported
 from .parallel import reshard
-
-SCHEDULES = ("constant", "cosine")
-
-
-@dataclass(frozen=True)
-class OptimizerConfig:
-    lr: float = 1e-6
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    # None or <= 0: no clipping (the norm is still computed and reported)
-    max_grad_norm: float | None = 1.0
-    schedule: str = "constant"  # one of SCHEDULES
-    warmup_steps: int = 0
-    total_steps: int | None = None  # required by "cosine"
-    min_lr_ratio: float = 0.0  # cosine floor, as a fraction of lr
-    decay_1d: bool = False  # weight decay on 1-D parameters (biases, norm weights) too
 
 
 @dataclass(frozen=True)

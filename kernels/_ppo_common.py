@@ -2,8 +2,8 @@
 object, the statistics-slot layout, the input layouts and the aggregation weights (ppo_loss.py's
 docstring has the math). Torch code only; no backend lives here.
 
-The option tuples are the public list of allowed values (exported by `prorl.kernels`); an option's
-position in its tuple is the integer code that the native and triton kernels take.
+The option tuples (options.py) are the public list of allowed values (exported by `prorl.kernels`);
+an option's position in its tuple is the integer code that the native and triton kernels take.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from .options import AGG_MODES, IS_MODES, KL_CLAMPS, KL_ESTIMATORS
 
 __all__ = [
     "AGG_MODES",
@@ -31,10 +33,6 @@ __all__ = [
     "token_scale",
 ]
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "constant")
-KL_ESTIMATORS = ("k1", "k2", "k3")
-KL_CLAMPS = ("log-ratio", "output", "none")
-IS_MODES = ("none", "tis", "icepop")
 # |logp - old_logp| bound before exp (kernels/csrc/ppo_loss.cpp and the triton kernel)
 RATIO_LOG_CLAMP = 20.0
 

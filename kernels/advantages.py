@@ -44,6 +44,7 @@ import warnings
 
 import torch
 
+from .options import ADVANTAGE_MODES, WHITEN_WEIGHTINGS
 from .reference import group_advantages_reference
 
 __all__ = [
@@ -53,9 +54,6 @@ __all__ = [
     "group_advantages",
     "group_advantages_reference",
 ]
-
-ADVANTAGE_MODES = ("reinforce++-baseline", "grpo", "dr-grpo")  # group_advantages(mode=)
-WHITEN_WEIGHTINGS = ("token", "sequence")  # group_advantages(weighting=), batch_whiten(weighting=)
 
 
 def group_advantages(

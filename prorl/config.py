@@ -27,21 +27,17 @@ from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from prorl.async_rl.settings import AsyncConfig, rename_async_section, warn_async_name
-from prorl.config_checks import nonfinite_problems, range_problems, read_yaml, size_problems
-from prorl.engine.attention import BACKENDS as ATTENTION
-from prorl.engine.fp8 import BACKENDS as FP8_BACKENDS
-from prorl.engine.fp8 import RECIPES as FP8_RECIPES
-from prorl.engine.optim import SCHEDULES, OptimizerConfig
-from prorl.engine.rollout import BACKENDS as ROLLOUT
-from prorl.kernels import (
-    ADVANTAGE_MODES,
-    AGG_MODES,
-    IS_MODES,
-    KL_CLAMPS,
-    KL_ESTIMATORS,
-    WHITEN_WEIGHTINGS,
+from prorl.config_checks import (
+    kernel_options,
+    nonfinite_problems,
+    range_problems,
+    read_yaml,
+    size_problems,
 )
+from prorl.engine import choices as engine
 from prorl.prompt_schedule import MODES as SCHEDULER_MODES
+
+KERNEL = kernel_options()  # the fused ops' option values (prorl.kernels.options)
 
 PRESET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -88,13 +84,13 @@ class ModelConfig:
         "FP8 GEMMs in the decoder blocks of policy and "
         "reference (torchao: also on the CPU; te: Transformer "
         "Engine on H100/H200); needs model.fsdp=true; the sampler stays bf16 (engine/fp8.py)",
-        FP8_BACKENDS,
+        engine.FP8_BACKENDS,
     )
     fp8_recipe: str = _f(
         "auto",
         "FP8 scaling: torchao tensorwise|rowwise; te "
         "delayed|current|mxfp8 (auto: tensorwise / current)",
-        tuple(dict.fromkeys(r for rs in FP8_RECIPES.values() for r in rs)),
+        tuple(dict.fromkeys(r for rs in engine.FP8_RECIPES.values() for r in rs)),
     )
     fp8_emulate: bool | str = _f(
         "auto",
@@ -214,21 +210,25 @@ class ResetConfig:
 
 @dataclass
 class AlgorithmConfig:
-    advantage: str = _f("reinforce++-baseline", "advantage estimator", ADVANTAGE_MODES)
-    whiten_weighting: str = _f("token", "global whitening weights", WHITEN_WEIGHTINGS)
+    advantage: str = _f("reinforce++-baseline", "advantage estimator", KERNEL.ADVANTAGE_MODES)
+    whiten_weighting: str = _f("token", "global whitening weights", KERNEL.WHITEN_WEIGHTINGS)
     grpo_std_unbiased: bool = _f(False, "GRPO: unbiased group std (verl, OpenRLHF)")
     eps_low: float = _f(0.2, "PPO clip below 1")
     eps_high: float = _f(0.28, "PPO clip above 1 (clip-higher)")
     dual_clip: float | None = _f(None, "dual-clip c > 1 for A < 0 (None: off; verl's default is 3)")
     kl_coef: float = _f(1e-4, "beta of the KL penalty in the loss")
-    kl_estimator: str = _f("k2", "KL estimator", KL_ESTIMATORS)
+    kl_estimator: str = _f("k2", "KL estimator", KERNEL.KL_ESTIMATORS)
     kl_clamp: str = _f(
-        "log-ratio", "clamp the log-ratio (v2) or the estimator's output (OpenRLHF)", KL_CLAMPS
+        "log-ratio",
+        "clamp the log-ratio (v2) or the estimator's output (OpenRLHF)",
+        KERNEL.KL_CLAMPS,
     )
     entropy_coef: float = _f(0.0, "entropy bonus")
-    agg: str = _f("token-mean", "loss aggregation over the global mini-batch", AGG_MODES)
+    agg: str = _f("token-mean", "loss aggregation over the global mini-batch", KERNEL.AGG_MODES)
     is_mode: str = _f(
-        "none", "sampler-vs-trainer importance correction (tis: truncate, icepop: mask)", IS_MODES
+        "none",
+        "sampler-vs-trainer importance correction (tis: truncate, icepop: mask)",
+        KERNEL.IS_MODES,
     )
     is_low: float = _f(0.5, "icepop lower bound")
     is_high: float = _f(5.0, "tis / icepop upper bound")
@@ -241,7 +241,7 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True)
-class OptimConfig(OptimizerConfig):
+class OptimConfig(engine.OptimizerConfig):
     """engine.optim.OptimizerConfig itself (AdamW, schedule, clipping), with the recipe's defaults;
     `total_steps` (0/None) is the trainer's: total_steps x mini_batches optimizer steps."""
 
@@ -340,9 +340,9 @@ class Config:
 
 def _engine_choices() -> dict[str, tuple]:
     return {
-        "model.attention": ("auto", *ATTENTION),
-        "rollout.backend": ("auto", *ROLLOUT),
-        "optim.schedule": SCHEDULES,
+        "model.attention": ("auto", *engine.ATTENTION),
+        "rollout.backend": ("auto", *engine.ROLLOUT),
+        "optim.schedule": engine.SCHEDULES,
     }
 
 
@@ -537,10 +537,10 @@ def validate(cfg: Config) -> None:
 
 def _check_model(m: ModelConfig) -> None:
     """The model section's combinations: the FP8 recipe of the FP8 backend, what needs FSDP."""
-    if m.fp8_recipe not in FP8_RECIPES[m.fp8]:
+    if m.fp8_recipe not in engine.FP8_RECIPES[m.fp8]:
         raise ConfigError(
             f"model.fp8_recipe={m.fp8_recipe!r} is not a recipe of model.fp8={m.fp8!r}: choose one "
-            f"of {', '.join(FP8_RECIPES[m.fp8])}"
+            f"of {', '.join(engine.FP8_RECIPES[m.fp8])}"
         )
     if m.dp_replicate < 1 or (m.dp_replicate > 1 and not m.fsdp):
         raise ConfigError(

@@ -17,13 +17,16 @@
   the end on NaN weights and exited 0.
 
 Each function raises ValueError or returns problems as text; prorl/config.py turns them into
-ConfigError.
+ConfigError. `kernel_options` gives the fused ops' option values without loading torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
+import os
+import sys
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
@@ -214,3 +217,17 @@ def range_problems(cfg: Any) -> list[str]:
     ]  # fmt: skip
     checks += _optim_problems(cfg) + _sampling_and_reward_problems(cfg)
     return [msg for ok, msg in checks if not ok]
+
+
+def kernel_options():
+    """prorl.kernels.options (the fused ops' option values) without running prorl.kernels'
+    __init__, which loads torch and the ops: a command line is checked, and `--help` answered,
+    before torch is loaded. Registered under its own name, so the kernels use the same tuples."""
+    name = "prorl.kernels.options"
+    if name not in sys.modules:
+        folder = importlib.util.find_spec("prorl.kernels").submodule_search_locations[0]
+        spec = importlib.util.spec_from_file_location(name, os.path.join(folder, "options.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]

@@ -27,7 +27,7 @@ from __future__ import annotations
 import signal
 import sys
 
-from prorl.lifecycle import EXIT_PEER_LOST
+from prorl.exits import EXIT_PEER_LOST
 
 
 def exit_status(failures: dict[int, tuple[int, float]]) -> int:

@@ -2,9 +2,9 @@
 signals as stop requests agreed on by every rank, the output directory's lock, seeding, and telling
 a lost peer from a bug. Used by prorl/train.py; nothing here knows about RL.
 
-Exit codes (train.py): 0 done (or stopped cleanly by a signal), 2 config error (a damaged model
-directory or data file included, named), 3 reward self-test failed, 4 checkpoint cannot be resumed
-(incompatible settings or model, or every checkpoint damaged: the files are named), 5 output
+Exit codes (prorl/exits.py): 0 done (or stopped cleanly by a signal), 2 config error (a damaged
+model directory or data file included, named), 3 reward self-test failed, 4 checkpoint cannot be
+resumed (incompatible settings or model, or every checkpoint damaged: the files are named), 5 output
 directory unusable, 6 training stalled (steps without a group to train on, or non-finite gradients,
 `trainer.max_consecutive_skips` times in a row), 7 another rank stopped answering (a collective
 timed out or lost its peer), 8 asynchronous RL's rollout ranks stopped delivering groups or weights
@@ -27,26 +27,17 @@ import torch.distributed as dist
 
 from prorl.engine import distributed
 from prorl.engine.checkpoint import CheckpointError
-
-EXIT_CONFIG, EXIT_SELF_TEST, EXIT_RESUME, EXIT_OUTPUT_DIR, EXIT_STALLED, EXIT_PEER_LOST = (
-    2,
-    3,
-    4,
-    5,
-    6,
-    7,
+from prorl.exits import (  # noqa: F401 - the exit codes and Fatal, re-exported
+    EXIT_CONFIG,
+    EXIT_NONFINITE,
+    EXIT_OUTPUT_DIR,
+    EXIT_PEER_LOST,
+    EXIT_RESUME,
+    EXIT_ROLLOUT_LOST,
+    EXIT_SELF_TEST,
+    EXIT_STALLED,
+    Fatal,
 )
-EXIT_ROLLOUT_LOST = 8  # asynchronous RL: the rollout ranks stopped delivering (prorl/async_rl/)
-EXIT_NONFINITE = 9  # a weight or optimizer state is NaN / infinite: nothing of it is saved
-
-
-class Fatal(Exception):
-    """Stop before (or instead of) training with a message and an exit code; raised on every
-    rank."""
-
-    def __init__(self, code: int, message: str):
-        super().__init__(message)
-        self.code = code
 
 
 def on_every_rank(code: int, fn, *args):

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import os
 
-from prorl import lifecycle
+from prorl import exits
 from prorl.engine.model.hf_io import check_hf_dir
-from prorl.lifecycle import Fatal
+from prorl.exits import Fatal
 from prorl.tokenizer import check_tokenizer
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
@@ -29,17 +29,17 @@ def resolve_model_path(path: str) -> str:
         try:
             path = from_gguf(path.split(":", 1)[1] or None)
         except GGUFError as exc:
-            raise Fatal(lifecycle.EXIT_CONFIG, f"model.path={path!r}: {exc}") from None
+            raise Fatal(exits.EXIT_CONFIG, f"model.path={path!r}: {exc}") from None
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise Fatal(
-            lifecycle.EXIT_CONFIG,
+            exits.EXIT_CONFIG,
             f"model.path={path!r} is not a Hugging Face model directory (no config.json)",
         )
     try:  # a damaged config.json or weights file, no tokenizer or another model's: named now
         check_hf_dir(path)
         check_tokenizer(path)
     except (ValueError, OSError) as exc:
-        raise Fatal(lifecycle.EXIT_CONFIG, f"model.path={path!r}: {exc}") from None
+        raise Fatal(exits.EXIT_CONFIG, f"model.path={path!r}: {exc}") from None
     return path
 
 

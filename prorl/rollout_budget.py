@@ -124,8 +124,8 @@ def vllm_report(cfg, world: int, generator) -> str:
 
 def report(cfg, world: int, generator) -> str | None:
     """The start-up line for the sampler `generator` (native: refuses a round that cannot fit). An
-    asynchronous run's trainer ranks sample validation only (prorl/eval.py sizes its chunks to the
-    KV budget); their training rounds are the rollout ranks', checked there."""
+    asynchronous run's trainer ranks sample validation only (prorl/eval_run.py sizes its chunks to
+    the KV budget); their training rounds are the rollout ranks', checked there."""
     if cfg.rollout.async_rl.steps_ahead > 0 and not is_rollout_rank():
         return None
     if hasattr(generator, "cache_bytes"):

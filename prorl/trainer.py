@@ -16,7 +16,7 @@ The Trainer is built from parts that each own one concern (docs/architecture.md)
 (prorl/policy.py: policy, reference, the sampler and its weight sync, export), `updater`
 (prorl/update.py: optimizer, log-prob passes, loss, optimizer step), `sampler`
 (prorl/sampling.py: the groups of a step and the carry-over), the reference-reset policy
-(prorl/algorithm.py) and validation (prorl/eval.py: `validate`). The Trainer sequences them and
+(prorl/algorithm.py) and validation (prorl/eval_run.py: `validate`). The Trainer sequences them and
 holds the step's own state.
 
 Under torchrun every rank takes `prompts_per_step / world` prompts, samples and verifies its own
@@ -39,7 +39,7 @@ from prorl.config import Config
 from prorl.config_runtime import check_world
 from prorl.data import stop_token_ids
 from prorl.engine.distributed import all_reduce, dist_info, watchdog
-from prorl.eval import validate
+from prorl.eval_run import validate
 from prorl.metrics import (
     StepAccumulator,
     async_metrics,
@@ -226,7 +226,7 @@ class Trainer:
 
     @torch.no_grad()
     def validate(self, log=None) -> dict[str, float]:
-        """Held-out evaluation with the trainer's own sampler (prorl/eval.py: `validate`,
+        """Held-out evaluation with the trainer's own sampler (prorl/eval_run.py: `validate`,
         collective); the reference-reset policy sees its accuracy."""
         m = self.models
         if self.remote is not None:  # asynchronous: this sampler is synced for validation only

@@ -11,6 +11,7 @@ import importlib.util
 
 import torch
 
+from ..choices import ROLLOUT
 from .base import Generator, Rollouts, Sample, SamplingParams
 from .native import NativeGenerator
 from .vllm import (  # vllm itself is imported only when one is built
@@ -20,7 +21,7 @@ from .vllm import (  # vllm itself is imported only when one is built
     torchrun_engine_kwargs,
 )
 
-BACKENDS = ("native", "vllm")
+BACKENDS = ROLLOUT
 
 
 def resolve_backend(name: str, device: torch.device | str) -> str:

@@ -50,7 +50,9 @@ The full table: docs/verl.md (`python -m prorl.verl_compat > docs/verl.md`).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 from prorl.config import ConfigError
@@ -249,23 +251,38 @@ def from_command_line(
     if t.refused:
         listed = "\n  ".join(t.refused)
         raise ConfigError(f"verl keys prorl cannot honour (docs/verl.md):\n  {listed}")
-    return t.values, own, t
+    return t.values, _base_of_run_dir(t.values, own), t
+
+
+def _base_of_run_dir(values: dict, own: list[str]) -> list[str]:
+    """prorl's `output_dir=` on the command line as the folder verl's relative
+    trainer.default_local_dir is resolved in (rules.py), rather than a value that replaces it: the
+    override is consumed and the derived output_dir computed from it; the other overrides."""
+    run_dir = values.get("output_dir")
+    given = [o for o in own if o.split("=", 1)[0] == "output_dir"]
+    if not isinstance(run_dir, Derived) or not given:
+        return own
+    base = os.path.expanduser(given[-1].split("=", 1)[1])  # the last wins, as for every key
+    values["output_dir"] = run_dir.compute(SimpleNamespace(output_dir=base))
+    return [o for o in own if o not in given]
 
 
 def load_with_derived(values: dict, load):
     """`load(values)` -> config, with each Derived value (a verl key relative to a prorl setting it
-    was given without) computed from the config loaded without it; twice, so that one derived value
-    may rest on another (warmup steps x a derived mini-batch count)."""
+    was given without) computed from the config loaded without it; with several, again from the
+    config holding the others' values but not its own, so that one may rest on another (warmup
+    steps x a derived mini-batch count) and none on itself (output_dir under output_dir)."""
     derived = {k: v for k, v in values.items() if isinstance(v, Derived)}
     plain = {k: v for k, v in values.items() if k not in derived}
-    cfg = load(plain)
-    for _ in range(2 if derived else 0):
-        try:
-            plain.update({k: d.compute(cfg) for k, d in derived.items()})
-        except Refused as exc:
-            raise ConfigError(f"verl keys prorl cannot honour (docs/verl.md):\n  {exc}") from None
+    try:
         cfg = load(plain)
-    return cfg
+        got = {k: d.compute(cfg) for k, d in derived.items()}
+        if len(derived) > 1:
+            others = {k: {j: v for j, v in got.items() if j != k} for k in derived}
+            got = {k: d.compute(load(plain | others[k])) for k, d in derived.items()}
+    except Refused as exc:
+        raise ConfigError(f"verl keys prorl cannot honour (docs/verl.md):\n  {exc}") from None
+    return load(plain | got) if derived else cfg
 
 
 def reference_markdown() -> str:

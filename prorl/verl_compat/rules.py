@@ -484,7 +484,25 @@ def _steps(get):
 simple("trainer.save_freq", "trainer.save_every", lambda v: max(int(v), 0))
 simple("trainer.test_freq", "trainer.val_every", lambda v: max(int(v), 0))
 simple("trainer.val_before_train", "trainer.val_before_train", bool)
-simple("trainer.default_local_dir", "output_dir", lambda v: os.path.expanduser(str(v)))
+RUNS = "runs"  # prorl's run folder (prorl/config.py: output_dir's default runs/<timestamp>)
+
+
+@rule("trainer.default_local_dir")
+def _run_dir(get):
+    """output_dir. A relative path (verl's default `checkpoints/<project>/<experiment>`) is resolved
+    against prorl's `output_dir` when one is given (verl resolves it against the current directory),
+    else against runs/: a run started in a checkout writes nothing else into it, and re-running the
+    same command resumes"""
+    path = _given(get, "trainer.default_local_dir")
+    if path is None:
+        return {}
+    path = os.path.expanduser(str(path))
+    if os.path.isabs(path):
+        return {"output_dir": path}
+    text = f"{{output_dir or {RUNS}}}/{path}"
+    return {"output_dir": Derived(lambda cfg: os.path.join(cfg.output_dir or RUNS, path), text)}
+
+
 only("trainer.val_only", False, why="validate a model with python -m prorl.eval")
 only("trainer.resume_mode", "auto", why="prorl resumes from output_dir's latest checkpoint (a new "
      "trainer.default_local_dir starts afresh)")  # fmt: skip

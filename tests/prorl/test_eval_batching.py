@@ -61,7 +61,7 @@ def test_an_engine_that_schedules_its_batch_gets_every_prompt(tiny, monkeypatch)
     """A KV budget that holds one prompt (what the native sampler's chunking would give at the
     preset's sizes) still hands vLLM all 12 prompts in one call; progress is logged by finished
     requests."""
-    import prorl.eval as eval_module
+    import prorl.eval_run as eval_module
 
     monkeypatch.setattr(eval_module, "PROGRESS_EVERY_S", 0.0)  # a line per report, not per 10 s
     native, engine = Recording(False), Recording(True)
@@ -129,7 +129,7 @@ def test_the_presets_validation_takes_more_than_one_prompt_per_call_on_a_trainer
 
     import torch
 
-    from prorl import eval as eval_module
+    from prorl import eval_run as eval_module
     from prorl import rollout_budget
     from prorl.config import load_config
 

@@ -18,7 +18,7 @@ from prorl.engine.rollout import NativeGenerator, SamplingParams
 from train_helpers import ROOT, run, train_command
 from transformers import PreTrainedTokenizerFast
 
-import prorl.eval as eval_module
+import prorl.eval_run as eval_module
 import prorl.rewards as rewards
 from prorl import data
 from prorl.config import ConfigError, load_config
