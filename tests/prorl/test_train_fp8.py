@@ -95,24 +95,13 @@ def _reset_worker(rank, world):
 
     scaled_mm_standin.install()  # CUDA's _scaled_mm rules, should any GEMM here run the real kernel
     from prorl.engine.fp8 import fp8_layers
-    from test_trainer_recipe import TINY_REASONER, LossSpy, make, sampled, update
-    from transformers import PreTrainedTokenizerFast
+    from test_trainer_recipe import LossSpy, make, sampled, update
+    from tiny_trainer import tiny_parts
 
-    from prorl.data import builtin
-    from prorl.rewards.pool import RewardPool
-
-    tok = PreTrainedTokenizerFast.from_pretrained(TINY_REASONER)
-    train, val = (
-        builtin("digit_sums", n=16, seed=0, split="train"),
-        builtin("digit_sums", n=4, seed=0, split="val"),
-    )
     overrides = ["model.fp8=torchao", "model.fsdp=true", "model.dtype=bfloat16", "optim.lr=3e-3"]
     overrides.append("trainer.micro_batch_tokens=64")  # several micro-batches per mini-batch
-    with (
-        RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool,
-        pytest.MonkeyPatch.context() as mp,
-    ):
-        trainer = make((tok, train, val, pool), [*overrides, "algorithm.kl_coef=1.0"])
+    with tiny_parts() as setup, pytest.MonkeyPatch.context() as mp:
+        trainer = make(setup, [*overrides, "algorithm.kl_coef=1.0"])
         models = trainer.models
         layers = [
             len(fp8_layers(m)) for m in (models.policy, models.reference, models.sampler_model)
@@ -154,13 +143,11 @@ def _real_gemm_worker(rank, world, emulate):
     under CUDA's `_scaled_mm` rules, on micro-batches of whatever token counts the sampler
     produced."""
     import scaled_mm_standin
-    from test_trainer_recipe import TINY_REASONER, make, sampled, update
-    from transformers import PreTrainedTokenizerFast
+    from test_trainer_recipe import make, sampled, update
+    from tiny_trainer import tiny_parts
 
     from prorl import packing
-    from prorl.data import builtin
     from prorl.metrics import StepAccumulator, step_metrics
-    from prorl.rewards.pool import RewardPool
 
     scaled_mm_standin.install()
     calls = {"gemms": 0, "tokens": []}
@@ -175,11 +162,6 @@ def _real_gemm_worker(rank, world, emulate):
         return real_hidden(model, batch, pad_multiple)
 
     torch._scaled_mm, packing.hidden_states = counted_mm, recorded_hidden
-    tok = PreTrainedTokenizerFast.from_pretrained(TINY_REASONER)
-    train, val = (
-        builtin("digit_sums", n=16, seed=0, split="train"),
-        builtin("digit_sums", n=4, seed=0, split="val"),
-    )
     overrides = [
         "model.fp8=torchao",
         "model.fsdp=true",
@@ -187,8 +169,8 @@ def _real_gemm_worker(rank, world, emulate):
         f"model.fp8_emulate={emulate}",
     ]
     overrides += ["trainer.micro_batch_tokens=96", "trainer.deterministic=true"]
-    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
-        trainer = make((tok, train, val, pool), overrides)
+    with tiny_parts() as setup:
+        trainer = make(setup, overrides)
         before = trainer.policy.layers[0].mlp.up_proj.weight.full_tensor().clone()
         acc = StepAccumulator()
         update(trainer, sampled(trainer, k=2), acc)
