@@ -138,10 +138,10 @@ def test_fp8_reference_is_converted_so_the_kl_is_exactly_zero_after_a_reset(tmp_
     assert len(kl) > 1 and all(k == (0.0, 0.0) for k in kl) and all(exact)  # in every micro-batch
 
 
-def _real_gemm_worker(rank, world, emulate):
-    """In a world of one (gloo): one update of an FP8 trainer (torchao, `model.fp8_emulate=emulate`)
-    under CUDA's `_scaled_mm` rules, on micro-batches of whatever token counts the sampler
-    produced."""
+def _real_gemm_worker(rank, world):
+    """In a world of one (gloo): one update of an FP8 trainer (torchao) with `model.fp8_emulate`
+    false, then true, under CUDA's `_scaled_mm` rules, on micro-batches of whatever token counts
+    the sampler produced. {emulate: (fp8 summary, calls, max weight change, pg_loss)}."""
     import scaled_mm_standin
     from test_trainer_recipe import make, sampled, update
     from tiny_trainer import tiny_parts
@@ -150,7 +150,7 @@ def _real_gemm_worker(rank, world, emulate):
     from prorl.metrics import StepAccumulator, step_metrics
 
     scaled_mm_standin.install()
-    calls = {"gemms": 0, "tokens": []}
+    calls = {}
     real_mm, real_hidden = torch._scaled_mm, packing.hidden_states
 
     def counted_mm(*args, **kwargs):
@@ -162,24 +162,25 @@ def _real_gemm_worker(rank, world, emulate):
         return real_hidden(model, batch, pad_multiple)
 
     torch._scaled_mm, packing.hidden_states = counted_mm, recorded_hidden
-    overrides = [
-        "model.fp8=torchao",
-        "model.fsdp=true",
-        "model.dtype=bfloat16",
-        f"model.fp8_emulate={emulate}",
-    ]
+    overrides = ["model.fp8=torchao", "model.fsdp=true", "model.dtype=bfloat16"]
     overrides += ["trainer.micro_batch_tokens=96", "trainer.deterministic=true"]
+    # the CPU's _scaled_mm takes ~5 ms per token of a GEMM: one prompt's 2 sequences, and no
+    # separate old-log-prob or reference pass (one mini-batch: the training pass gives pi_old)
+    overrides += ["rollout.n=2", "trainer.recompute_old_logp=false", "algorithm.kl_coef=0"]
+    out = {}
     with tiny_parts() as setup:
-        trainer = make(setup, overrides)
-        before = trainer.policy.layers[0].mlp.up_proj.weight.full_tensor().clone()
-        acc = StepAccumulator()
-        update(trainer, sampled(trainer, k=2), acc)
-        moved = float(
-            (trainer.policy.layers[0].mlp.up_proj.weight.full_tensor() - before).abs().max()
-        )
-        summary, pg_loss = trainer.models.fp8_summary, step_metrics(acc.reduce())["actor/pg_loss"]
-        trainer.models.close()
-    return summary, calls, moved, pg_loss
+        for emulate in ("false", "true"):
+            calls = {"gemms": 0, "tokens": []}
+            trainer = make(setup, [*overrides, f"model.fp8_emulate={emulate}"])
+            weight = trainer.policy.layers[0].mlp.up_proj.weight
+            before = weight.full_tensor().clone()
+            acc = StepAccumulator()
+            update(trainer, sampled(trainer, k=1), acc)
+            moved = float((weight.full_tensor() - before).abs().max())
+            pg_loss = step_metrics(acc.reduce())["actor/pg_loss"]
+            out[emulate] = trainer.models.fp8_summary, calls, moved, pg_loss
+            trainer.models.close()
+    return out
 
 
 @pytest.mark.slow
@@ -191,11 +192,12 @@ def test_fp8_trainer_with_real_fp8_gemms_obeys_cudas_shape_rules(tmp_path):
     emulation matches the real GEMM within one bf16 ulp: tests/engine/test_fp8.py)."""
     from dist_helpers import run_ranks
 
-    summary, calls, moved, pg_loss = run_ranks(_real_gemm_worker, tmp_path, "false", world=1)[0]
+    runs = run_ranks(_real_gemm_worker, tmp_path, world=1)[0]
+    summary, calls, moved, pg_loss = runs["false"]
     assert "in FP8 GEMMs" in summary and "emulated" not in summary
     assert any(n % 16 for n in calls["tokens"]), calls["tokens"]  # odd counts were trained on
     assert calls["gemms"] > 0 and moved > 0
-    _, emulated_calls, _, emulated_loss = run_ranks(_real_gemm_worker, tmp_path, "true", world=1)[0]
+    _, emulated_calls, _, emulated_loss = runs["true"]
     assert emulated_calls["gemms"] == 0 and emulated_calls["tokens"] == calls["tokens"]
     assert pg_loss == pytest.approx(emulated_loss, rel=1e-2, abs=1e-4)
 
