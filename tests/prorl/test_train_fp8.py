@@ -1,13 +1,13 @@
 """End to end: `torchrun --nproc_per_node=1 prorl/train.py model.fp8=torchao model.dtype=bfloat16
 model.fsdp=true` on the embedded task against the same run in bf16, 10 steps each (~30 s each
-here)."""
+here; the two run side by side)."""
 
 import json
 import sys
 
 import pytest
 import torch
-from train_helpers import run, train_command
+from train_helpers import kill_tree, launch, run, train_command
 
 pytest.importorskip("torchao.float8", reason="needs torchao: pip install 'prorl[fp8]'")
 
@@ -23,23 +23,38 @@ OVERRIDES = [
 ]
 
 
-def _run(tmp_path, name, extra):
-    """(log, val accuracies, mean sampler/trainer log-prob mismatch, steps) of one run."""
-    out = tmp_path / name
-    proc = run(train_command(out, OVERRIDES + extra, nproc=1))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
-    steps = [r for r in rows if "rollout/logprob_mismatch" in r]
-    mismatch = sum(r["rollout/logprob_mismatch"] for r in steps) / len(steps)
-    return proc.stdout + proc.stderr, val, mismatch, len(steps)
+def _runs(tmp_path, extras):
+    """{name: (log, val accuracies, mean sampler/trainer log-prob mismatch, steps)} of one run per
+    `extras` item (name: overrides), all at the same time: each is one single-threaded process."""
+    procs = {}
+    for name, extra in extras.items():
+        cmd = train_command(tmp_path / name, OVERRIDES + extra, nproc=1)
+        procs[name] = launch(cmd, tmp_path / f"{name}.log")
+    out = {}
+    try:
+        for name, proc in procs.items():
+            proc.wait(timeout=900)
+            log = (tmp_path / f"{name}.log").read_text()
+            assert proc.returncode == 0, log[-6000:]
+            metrics = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+            rows = [json.loads(line) for line in metrics]
+            val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
+            steps = [r for r in rows if "rollout/logprob_mismatch" in r]
+            mismatch = sum(r["rollout/logprob_mismatch"] for r in steps) / len(steps)
+            out[name] = log, val, mismatch, len(steps)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                kill_tree(proc)
+    return out
 
 
 @pytest.mark.slow
 def test_fp8_run_learns_like_the_bf16_run(tmp_path):
-    _, bf16_val, bf16_mismatch, bf16_steps = _run(tmp_path, "bf16", [])
     fp8 = ["model.fp8=torchao", "trainer.save_every=10"]
-    log, fp8_val, fp8_mismatch, fp8_steps = _run(tmp_path, "fp8", fp8)
+    runs = _runs(tmp_path, {"bf16": [], "fp8": fp8})
+    _, bf16_val, bf16_mismatch, bf16_steps = runs["bf16"]
+    log, fp8_val, fp8_mismatch, fp8_steps = runs["fp8"]
     assert "fp8: torchao tensorwise: 14 Linear layers of the policy and the reference" in log
     assert bf16_steps == fp8_steps == 10
     assert fp8_val[0] == bf16_val[0]  # the same start (validation samples with the bf16 sampler)
