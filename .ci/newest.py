@@ -7,9 +7,10 @@ TRL / verl / OpenRLHF users); this catches a release that breaks us at our next 
 - the drop-in adapters' imports, TRL's trainer included;
 - a transformers model and `prorl.kernels` import together from the repository root, with Hugging
   Face's `kernels` installed (tests/test_import_names.py);
-- a 3-step run of the embedded default on 2 ranks.
+- a short run of the embedded default on 2 ranks, shortened by the dotted overrides given (.ci/run
+  passes the main job's).
 
-    python .ci/newest.py        # from the repository root, with the newest-versions venv active
+    python .ci/newest.py OVERRIDE...  # from the repository root, in the newest-versions venv
 """
 
 import importlib
@@ -45,7 +46,7 @@ def all_modules() -> list[str]:
     return sorted(set(names))
 
 
-def main() -> int:
+def main(overrides: list[str]) -> int:
     print("newest: " + ", ".join(f"{p} {md.version(p)}" for p in PINNED))
     failed = []
     for name in all_modules():
@@ -76,10 +77,7 @@ def main() -> int:
             "--standalone",
             "--nproc_per_node=2",
             "prorl/train.py",
-            "trainer.total_steps=3",
-            "trainer.val_every=3",
-            "data.val_size=40",
-            "output_dir=runs/ci-newest",
+            *overrides,
         ],
     ]
     for command in steps:
@@ -91,4 +89,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))

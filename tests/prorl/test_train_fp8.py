@@ -1,13 +1,13 @@
 """End to end: `torchrun --nproc_per_node=1 prorl/train.py model.fp8=torchao model.dtype=bfloat16
 model.fsdp=true` on the embedded task against the same run in bf16, 10 steps each (~30 s each
-here)."""
+here; the two run side by side)."""
 
 import json
 import sys
 
 import pytest
 import torch
-from train_helpers import run, train_command
+from train_helpers import kill_tree, launch, run, train_command
 
 pytest.importorskip("torchao.float8", reason="needs torchao: pip install 'prorl[fp8]'")
 
@@ -23,23 +23,38 @@ OVERRIDES = [
 ]
 
 
-def _run(tmp_path, name, extra):
-    """(log, val accuracies, mean sampler/trainer log-prob mismatch, steps) of one run."""
-    out = tmp_path / name
-    proc = run(train_command(out, OVERRIDES + extra, nproc=1))
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
-    steps = [r for r in rows if "rollout/logprob_mismatch" in r]
-    mismatch = sum(r["rollout/logprob_mismatch"] for r in steps) / len(steps)
-    return proc.stdout + proc.stderr, val, mismatch, len(steps)
+def _runs(tmp_path, extras):
+    """{name: (log, val accuracies, mean sampler/trainer log-prob mismatch, steps)} of one run per
+    `extras` item (name: overrides), all at the same time: each is one single-threaded process."""
+    procs = {}
+    for name, extra in extras.items():
+        cmd = train_command(tmp_path / name, OVERRIDES + extra, nproc=1)
+        procs[name] = launch(cmd, tmp_path / f"{name}.log")
+    out = {}
+    try:
+        for name, proc in procs.items():
+            proc.wait(timeout=900)
+            log = (tmp_path / f"{name}.log").read_text()
+            assert proc.returncode == 0, log[-6000:]
+            metrics = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+            rows = [json.loads(line) for line in metrics]
+            val = [r["val/accuracy"] for r in rows if "val/accuracy" in r]
+            steps = [r for r in rows if "rollout/logprob_mismatch" in r]
+            mismatch = sum(r["rollout/logprob_mismatch"] for r in steps) / len(steps)
+            out[name] = log, val, mismatch, len(steps)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                kill_tree(proc)
+    return out
 
 
 @pytest.mark.slow
 def test_fp8_run_learns_like_the_bf16_run(tmp_path):
-    _, bf16_val, bf16_mismatch, bf16_steps = _run(tmp_path, "bf16", [])
     fp8 = ["model.fp8=torchao", "trainer.save_every=10"]
-    log, fp8_val, fp8_mismatch, fp8_steps = _run(tmp_path, "fp8", fp8)
+    runs = _runs(tmp_path, {"bf16": [], "fp8": fp8})
+    _, bf16_val, bf16_mismatch, bf16_steps = runs["bf16"]
+    log, fp8_val, fp8_mismatch, fp8_steps = runs["fp8"]
     assert "fp8: torchao tensorwise: 14 Linear layers of the policy and the reference" in log
     assert bf16_steps == fp8_steps == 10
     assert fp8_val[0] == bf16_val[0]  # the same start (validation samples with the bf16 sampler)
@@ -95,24 +110,13 @@ def _reset_worker(rank, world):
 
     scaled_mm_standin.install()  # CUDA's _scaled_mm rules, should any GEMM here run the real kernel
     from prorl.engine.fp8 import fp8_layers
-    from test_trainer_recipe import TINY_REASONER, LossSpy, make, sampled, update
-    from transformers import PreTrainedTokenizerFast
+    from test_trainer_recipe import LossSpy, make, sampled, update
+    from tiny_trainer import tiny_parts
 
-    from prorl.data import builtin
-    from prorl.rewards.pool import RewardPool
-
-    tok = PreTrainedTokenizerFast.from_pretrained(TINY_REASONER)
-    train, val = (
-        builtin("digit_sums", n=16, seed=0, split="train"),
-        builtin("digit_sums", n=4, seed=0, split="val"),
-    )
     overrides = ["model.fp8=torchao", "model.fsdp=true", "model.dtype=bfloat16", "optim.lr=3e-3"]
     overrides.append("trainer.micro_batch_tokens=64")  # several micro-batches per mini-batch
-    with (
-        RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool,
-        pytest.MonkeyPatch.context() as mp,
-    ):
-        trainer = make((tok, train, val, pool), [*overrides, "algorithm.kl_coef=1.0"])
+    with tiny_parts() as setup, pytest.MonkeyPatch.context() as mp:
+        trainer = make(setup, [*overrides, "algorithm.kl_coef=1.0"])
         models = trainer.models
         layers = [
             len(fp8_layers(m)) for m in (models.policy, models.reference, models.sampler_model)
@@ -149,21 +153,19 @@ def test_fp8_reference_is_converted_so_the_kl_is_exactly_zero_after_a_reset(tmp_
     assert len(kl) > 1 and all(k == (0.0, 0.0) for k in kl) and all(exact)  # in every micro-batch
 
 
-def _real_gemm_worker(rank, world, emulate):
-    """In a world of one (gloo): one update of an FP8 trainer (torchao, `model.fp8_emulate=emulate`)
-    under CUDA's `_scaled_mm` rules, on micro-batches of whatever token counts the sampler
-    produced."""
+def _real_gemm_worker(rank, world):
+    """In a world of one (gloo): one update of an FP8 trainer (torchao) with `model.fp8_emulate`
+    false, then true, under CUDA's `_scaled_mm` rules, on micro-batches of whatever token counts
+    the sampler produced. {emulate: (fp8 summary, calls, max weight change, pg_loss)}."""
     import scaled_mm_standin
-    from test_trainer_recipe import TINY_REASONER, make, sampled, update
-    from transformers import PreTrainedTokenizerFast
+    from test_trainer_recipe import make, sampled, update
+    from tiny_trainer import tiny_parts
 
     from prorl import packing
-    from prorl.data import builtin
     from prorl.metrics import StepAccumulator, step_metrics
-    from prorl.rewards.pool import RewardPool
 
     scaled_mm_standin.install()
-    calls = {"gemms": 0, "tokens": []}
+    calls = {}
     real_mm, real_hidden = torch._scaled_mm, packing.hidden_states
 
     def counted_mm(*args, **kwargs):
@@ -175,29 +177,25 @@ def _real_gemm_worker(rank, world, emulate):
         return real_hidden(model, batch, pad_multiple)
 
     torch._scaled_mm, packing.hidden_states = counted_mm, recorded_hidden
-    tok = PreTrainedTokenizerFast.from_pretrained(TINY_REASONER)
-    train, val = (
-        builtin("digit_sums", n=16, seed=0, split="train"),
-        builtin("digit_sums", n=4, seed=0, split="val"),
-    )
-    overrides = [
-        "model.fp8=torchao",
-        "model.fsdp=true",
-        "model.dtype=bfloat16",
-        f"model.fp8_emulate={emulate}",
-    ]
+    overrides = ["model.fp8=torchao", "model.fsdp=true", "model.dtype=bfloat16"]
     overrides += ["trainer.micro_batch_tokens=96", "trainer.deterministic=true"]
-    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
-        trainer = make((tok, train, val, pool), overrides)
-        before = trainer.policy.layers[0].mlp.up_proj.weight.full_tensor().clone()
-        acc = StepAccumulator()
-        update(trainer, sampled(trainer, k=2), acc)
-        moved = float(
-            (trainer.policy.layers[0].mlp.up_proj.weight.full_tensor() - before).abs().max()
-        )
-        summary, pg_loss = trainer.models.fp8_summary, step_metrics(acc.reduce())["actor/pg_loss"]
-        trainer.models.close()
-    return summary, calls, moved, pg_loss
+    # the CPU's _scaled_mm takes ~5 ms per token of a GEMM: one prompt's 2 sequences, and no
+    # separate old-log-prob or reference pass (one mini-batch: the training pass gives pi_old)
+    overrides += ["rollout.n=2", "trainer.recompute_old_logp=false", "algorithm.kl_coef=0"]
+    out = {}
+    with tiny_parts() as setup:
+        for emulate in ("false", "true"):
+            calls = {"gemms": 0, "tokens": []}
+            trainer = make(setup, [*overrides, f"model.fp8_emulate={emulate}"])
+            weight = trainer.policy.layers[0].mlp.up_proj.weight
+            before = weight.full_tensor().clone()
+            acc = StepAccumulator()
+            update(trainer, sampled(trainer, k=1), acc)
+            moved = float((weight.full_tensor() - before).abs().max())
+            pg_loss = step_metrics(acc.reduce())["actor/pg_loss"]
+            out[emulate] = trainer.models.fp8_summary, calls, moved, pg_loss
+            trainer.models.close()
+    return out
 
 
 @pytest.mark.slow
@@ -209,11 +207,12 @@ def test_fp8_trainer_with_real_fp8_gemms_obeys_cudas_shape_rules(tmp_path):
     emulation matches the real GEMM within one bf16 ulp: tests/engine/test_fp8.py)."""
     from dist_helpers import run_ranks
 
-    summary, calls, moved, pg_loss = run_ranks(_real_gemm_worker, tmp_path, "false", world=1)[0]
+    runs = run_ranks(_real_gemm_worker, tmp_path, world=1)[0]
+    summary, calls, moved, pg_loss = runs["false"]
     assert "in FP8 GEMMs" in summary and "emulated" not in summary
     assert any(n % 16 for n in calls["tokens"]), calls["tokens"]  # odd counts were trained on
     assert calls["gemms"] > 0 and moved > 0
-    _, emulated_calls, _, emulated_loss = run_ranks(_real_gemm_worker, tmp_path, "true", world=1)[0]
+    _, emulated_calls, _, emulated_loss = runs["true"]
     assert emulated_calls["gemms"] == 0 and emulated_calls["tokens"] == calls["tokens"]
     assert pg_loss == pytest.approx(emulated_loss, rel=1e-2, abs=1e-4)
 

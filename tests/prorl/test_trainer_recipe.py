@@ -14,25 +14,20 @@ tests/prorl/test_recipe_wiring.py's.
 
 import copy
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from prorl.kernels import ppo_loss
 from rollout_checkpoints import recompute_logprobs
-from transformers import PreTrainedTokenizerFast
+from tiny_trainer import make_trainer
 
 import prorl.update as update_module
 from prorl.config import ConfigError, load_config
 from prorl.config_runtime import check_world
-from prorl.data import builtin
 from prorl.metrics import StepAccumulator, record_batch, record_loss, step_metrics
 from prorl.packing import StepBatch
-from prorl.rewards.pool import RewardPool
 from prorl.sampling import Group, shape_rewards
-from prorl.trainer import Trainer
 
-TINY_REASONER = str(Path(__file__).resolve().parents[2] / "prorl" / "assets" / "tiny-reasoner")
 BASE = [
     "trainer.prompts_per_step=4",
     "rollout.n=4",
@@ -43,19 +38,8 @@ BASE = [
 ]
 
 
-@pytest.fixture(scope="module")
-def setup():
-    tok = PreTrainedTokenizerFast.from_pretrained(TINY_REASONER)
-    train = builtin("digit_sums", n=16, seed=0, split="train")
-    val = builtin("digit_sums", n=4, seed=0, split="val")
-    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
-        yield tok, train, val, pool
-
-
 def make(setup, overrides=()):
-    tok, train, val, pool = setup
-    cfg = load_config("default", [f"model.path={TINY_REASONER}", *BASE, *overrides])
-    return Trainer(cfg, TINY_REASONER, tok, train, val, pool)
+    return make_trainer(setup, [*BASE, *overrides])
 
 
 class LossSpy:
@@ -96,8 +80,8 @@ def per_token_logprobs(model, groups, temperature=1.0):
     return torch.cat(out) if out else torch.zeros(0)
 
 
-def test_carried_groups_are_trained_against_the_policy_that_sampled_them(setup, monkeypatch):
-    trainer = make(setup, ["optim.lr=3e-3"])
+def test_carried_groups_are_trained_against_the_policy_that_sampled_them(tiny_setup, monkeypatch):
+    trainer = make(tiny_setup, ["optim.lr=3e-3"])
     groups = sampled(trainer, k=3)
     # this step's surplus, sampled by the current policy
     trainer.sampler.carry = copy.deepcopy(groups[2:])
@@ -118,8 +102,8 @@ def test_carried_groups_are_trained_against_the_policy_that_sampled_them(setup, 
     assert (now - want_old).abs().max() > 1e-3, "the update did not move the policy"
 
 
-def test_a_carried_group_is_never_carried_twice(setup):
-    trainer = make(setup)
+def test_a_carried_group_is_never_carried_twice(tiny_setup):
+    trainer = make(tiny_setup)
     groups = sampled(trainer, k=3)
     for g in groups[:2]:
         g.old_logps = [[0.0] * len(t) for t in g.responses]
@@ -130,13 +114,14 @@ def test_a_carried_group_is_never_carried_twice(setup):
     assert s["groups_dropped"] == 1 and s["groups_carried"] == 2
 
 
-def test_the_sampler_keeps_the_groups_the_keep_rule_keeps(setup, monkeypatch):
+def test_the_sampler_keeps_the_groups_the_keep_rule_keeps(tiny_setup, monkeypatch):
     """docs/recipe.md §6 through GroupSampler.collect, the code the trainer runs: a group is kept
     iff its raw rewards are not all equal ([1,0,0,0] kept: one right answer is a signal; all right,
     all wrong dropped; [0.5,0.5,0.25,0.5] kept), and the pass-rate metrics count every sampled
     group."""
     trainer = make(
-        setup, ["algorithm.dynamic_sampling=true", "algorithm.max_rounds=1", "scheduler.mode=none"]
+        tiny_setup,
+        ["algorithm.dynamic_sampling=true", "algorithm.max_rounds=1", "scheduler.mode=none"],
     )
     patterns = [
         [1.0, 0.0, 0.0, 0.0],
@@ -175,10 +160,10 @@ def test_the_sampler_keeps_the_groups_the_keep_rule_keeps(setup, monkeypatch):
     ],
 )
 def test_importance_weights_are_bounded_once_at_the_configured_bounds(
-    setup, monkeypatch, mode, bounds, log_w, modified
+    tiny_setup, monkeypatch, mode, bounds, log_w, modified
 ):
     trainer = make(
-        setup,
+        tiny_setup,
         [
             f"algorithm.is_mode={mode}",
             f"algorithm.is_low={bounds[0]}",
@@ -224,10 +209,10 @@ def test_clip_fraction_names_carry_verls_meanings():
     assert got["actor/ppo_kl"] == pytest.approx(-float(logp.mean()))  # mean of old - new
 
 
-def test_rewards_metric_is_the_shaped_reward(setup):
+def test_rewards_metric_is_the_shaped_reward(tiny_setup):
     """docs/recipe.md §5: raw [1, 1, 0, 0] with truncated [F, T, F, T] -> trained on [1, 0, 0,
     0]."""
-    trainer = make(setup)
+    trainer = make(tiny_setup)
     g = Group(
         0,
         [1, 2],
@@ -248,8 +233,8 @@ def test_rewards_metric_is_the_shaped_reward(setup):
     assert got["response_length/clip_ratio"] == pytest.approx(0.5)
 
 
-def test_rollout_seeds_are_distinct_within_a_step(setup):
-    sampler = make(setup).sampler
+def test_rollout_seeds_are_distinct_within_a_step(tiny_setup):
+    sampler = make(tiny_setup).sampler
     seeds = set()
     for world in (1, 2, 64, 65, 300):
         sampler.world = world
@@ -270,10 +255,10 @@ def test_prompts_per_step_must_split_evenly_over_ranks():
         check_world(cfg, 2)
 
 
-def test_right_after_a_reset_the_kl_and_its_gradient_are_zero(setup, monkeypatch):
+def test_right_after_a_reset_the_kl_and_its_gradient_are_zero(tiny_setup, monkeypatch):
     """docs/recipe.md §7: after pi_ref <- policy the first mini-batch's KL term is exactly 0, and so
     is its gradient (one mini-batch: the reference pass and the update see the same passes)."""
-    trainer = make(setup, ["optim.lr=3e-3", "algorithm.kl_coef=1.0"])
+    trainer = make(tiny_setup, ["optim.lr=3e-3", "algorithm.kl_coef=1.0"])
     update(trainer, sampled(trainer, k=2))  # the policy moves away from the reference
     trainer.reset_reference()
     spy = LossSpy(monkeypatch)

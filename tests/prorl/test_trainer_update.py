@@ -11,21 +11,14 @@ agree to float32 round-off.
 """
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
-from transformers import PreTrainedTokenizerFast
+from tiny_trainer import make_trainer
 
-from prorl.config import load_config
-from prorl.data import builtin
 from prorl.metrics import StepAccumulator, step_metrics
 from prorl.packing import StepBatch
-from prorl.rewards.pool import RewardPool
 from prorl.sampling import shape_rewards
-from prorl.trainer import Trainer
-
-TINY_REASONER = str(Path(__file__).resolve().parents[2] / "prorl" / "assets" / "tiny-reasoner")
 
 BASE = [
     "trainer.prompts_per_step=4",
@@ -42,19 +35,8 @@ SGD_LR = 0.05
 pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)`")
 
 
-@pytest.fixture(scope="module")
-def setup():
-    tok = PreTrainedTokenizerFast.from_pretrained(TINY_REASONER)
-    train = builtin("digit_sums", n=16, seed=0, split="train")
-    val = builtin("digit_sums", n=4, seed=0, split="val")
-    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
-        yield tok, train, val, pool
-
-
 def make(setup, overrides):
-    tok, train, val, pool = setup
-    cfg = load_config("default", [f"model.path={TINY_REASONER}", *BASE, *overrides])
-    return Trainer(cfg, TINY_REASONER, tok, train, val, pool)
+    return make_trainer(setup, [*BASE, *overrides])
 
 
 def run_update(trainer, groups, max_new=24):
@@ -81,16 +63,16 @@ def with_sgd(trainer):
     return grads
 
 
-def updated(setup, overrides, groups, max_new=24):
-    trainer = make(setup, overrides)
+def updated(tiny_setup, overrides, groups, max_new=24):
+    trainer = make(tiny_setup, overrides)
     grads = with_sgd(trainer)
     metrics = run_update(trainer, groups, max_new)
     weights = {k: v.detach().clone() for k, v in trainer.policy.state_dict().items()}
     return weights, grads, metrics
 
 
-def sampled_groups(setup, overrides):
-    trainer = make(setup, overrides)
+def sampled_groups(tiny_setup, overrides):
+    trainer = make(tiny_setup, overrides)
     groups = trainer.sampler.collect(2, 24, 0, StepAccumulator())
     shape_rewards(groups, trainer.cfg.reward, 0, 24)
     assert sum(len(t) for g in groups for t in g.responses) > 0
@@ -115,25 +97,25 @@ def assert_same(a, b):
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "constant"])
-def test_micro_batches_equal_one_pass(setup, agg):
-    groups = sampled_groups(setup, ["trainer.mini_batches=2"])
-    one = updated(setup, ["trainer.mini_batches=2", f"algorithm.agg={agg}"], groups)
+def test_micro_batches_equal_one_pass(tiny_setup, agg):
+    groups = sampled_groups(tiny_setup, ["trainer.mini_batches=2"])
+    one = updated(tiny_setup, ["trainer.mini_batches=2", f"algorithm.agg={agg}"], groups)
     # 40 tokens: each mini-batch (8 sequences of ~20-45 tokens) splits into several micro-batches
     many = updated(
-        setup,
+        tiny_setup,
         ["trainer.mini_batches=2", f"algorithm.agg={agg}", "trainer.micro_batch_tokens=40"],
         groups,
     )
     assert_same(one, many)
-    before = make(setup, []).policy.state_dict()
+    before = make(tiny_setup, []).policy.state_dict()
     assert any(not torch.equal(before[k], one[0][k]) for k in one[0]), "the update changed nothing"
 
 
-def test_on_policy_shortcut_equals_recomputed_old_logp(setup):
-    groups = sampled_groups(setup, ["trainer.mini_batches=1"])
-    recomputed = updated(setup, ["trainer.mini_batches=1"], groups)
+def test_on_policy_shortcut_equals_recomputed_old_logp(tiny_setup):
+    groups = sampled_groups(tiny_setup, ["trainer.mini_batches=1"])
+    recomputed = updated(tiny_setup, ["trainer.mini_batches=1"], groups)
     shortcut = updated(
-        setup,
+        tiny_setup,
         [
             "trainer.mini_batches=1",
             "trainer.recompute_old_logp=false",
@@ -144,7 +126,7 @@ def test_on_policy_shortcut_equals_recomputed_old_logp(setup):
     assert_same(recomputed, shortcut)
 
 
-def test_first_mini_batch_takes_old_logp_from_its_own_pass(setup, monkeypatch):
+def test_first_mini_batch_takes_old_logp_from_its_own_pass(tiny_setup, monkeypatch):
     """With M mini-batches the first one differentiates the policy that sampled its groups, so its
     old_logp is logp.detach(): the no-grad pass of the policy covers only the later mini-batches'
     groups (their tokens, counted from the groups), and the update equals the one that recomputes
@@ -153,9 +135,9 @@ def test_first_mini_batch_takes_old_logp_from_its_own_pass(setup, monkeypatch):
     from prorl.update import Updater
 
     mb = ["trainer.mini_batches=2"]
-    groups = sampled_groups(setup, mb)
+    groups = sampled_groups(tiny_setup, mb)
     assert len(groups) == 2
-    recomputed = updated(setup, mb, groups)  # BASE: recompute_old_logp=true
+    recomputed = updated(tiny_setup, mb, groups)  # BASE: recompute_old_logp=true
     no_grad_tokens, calls = [], []
     real_logprobs, real_loss = Updater.logprobs, update_module.ppo_loss
 
@@ -170,7 +152,7 @@ def test_first_mini_batch_takes_old_logp_from_its_own_pass(setup, monkeypatch):
 
     monkeypatch.setattr(Updater, "logprobs", recording_logprobs)
     monkeypatch.setattr(update_module, "ppo_loss", recording_loss)
-    skipped = updated(setup, [*mb, "trainer.recompute_old_logp=false"], groups)
+    skipped = updated(tiny_setup, [*mb, "trainer.recompute_old_logp=false"], groups)
     second = groups[1]  # mini-batch 1 of 2: the second group; share_prompts packs its prompt once
     assert no_grad_tokens == [len(second.prompt_ids) + sum(len(r) for r in second.responses)]
     assert torch.equal(calls[0][1], calls[0][0])  # mini-batch 0: old_logp is logp.detach(), exactly
@@ -201,11 +183,13 @@ def test_loss_normalizer_counts_by_aggregation():
     assert float(loss_normalizer("constant", mask, cu, 10)) == 30
 
 
-def test_shared_prompts_equal_repeated_prompts(setup):
-    groups = sampled_groups(setup, ["trainer.mini_batches=2"])
-    shared = updated(setup, ["trainer.mini_batches=2", "trainer.micro_batch_tokens=100"], groups)
+def test_shared_prompts_equal_repeated_prompts(tiny_setup):
+    groups = sampled_groups(tiny_setup, ["trainer.mini_batches=2"])
+    shared = updated(
+        tiny_setup, ["trainer.mini_batches=2", "trainer.micro_batch_tokens=100"], groups
+    )
     repeated = updated(
-        setup,
+        tiny_setup,
         ["trainer.mini_batches=2", "trainer.micro_batch_tokens=100", "trainer.share_prompts=false"],
         groups,
     )
@@ -220,7 +204,7 @@ def _single_rank_group(tmp_path):
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
 
 
-def test_bf16_updates_keep_fp32_master_weights(setup, tmp_path):
+def test_bf16_updates_keep_fp32_master_weights(tiny_setup, tmp_path):
     """bf16 compute: with FSDP (one rank is enough) the policy's master weights stay fp32, so an
     update far below bf16's resolution still moves them; without FSDP the trainer warns that bf16
     weights lose such updates (and they are indeed lost to rounding)."""
@@ -229,15 +213,15 @@ def test_bf16_updates_keep_fp32_master_weights(setup, tmp_path):
     tiny = ["model.dtype=bfloat16", "optim.lr=1e-7", "optim.weight_decay=0"]
     tiny.append("trainer.recompute_old_logp=false")
     with pytest.warns(RuntimeWarning, match="no fp32 master copy"):
-        plain = make(setup, tiny)
-    groups = sampled_groups(setup, [])
+        plain = make(tiny_setup, tiny)
+    groups = sampled_groups(tiny_setup, [])
     before = {k: v.detach().float().clone() for k, v in plain.policy.state_dict().items()}
     run_update(plain, groups)
     after = {k: v.detach().float() for k, v in plain.policy.state_dict().items()}
     moved_bf16 = sum(int((after[k] != before[k]).sum()) for k in before)
     _single_rank_group(tmp_path)
     try:
-        sharded = make(setup, [*tiny, "model.fsdp=true"])
+        sharded = make(tiny_setup, [*tiny, "model.fsdp=true"])
         assert sharded.models.fsdp
         params = dict(sharded.policy.named_parameters())
         assert all(p.dtype == torch.float32 for p in params.values()), "master weights must be fp32"
@@ -255,7 +239,7 @@ def test_bf16_updates_keep_fp32_master_weights(setup, tmp_path):
     assert moved_bf16 < 0.01 * total, (moved_bf16, total)
 
 
-def test_export_gathers_a_sharded_policy(setup, tmp_path):
+def test_export_gathers_a_sharded_policy(tiny_setup, tmp_path):
     """export_hf under FSDP without a sampler copy (the vLLM backend's case): the policy is gathered
     from its shards and written in the configured dtype; transformers loads it and its weights are
     the policy's."""
@@ -264,7 +248,7 @@ def test_export_gathers_a_sharded_policy(setup, tmp_path):
 
     _single_rank_group(tmp_path)
     try:
-        trainer = make(setup, ["model.fsdp=true"])
+        trainer = make(tiny_setup, ["model.fsdp=true"])
         trainer.models.sampler_model = None  # as with rollout.backend=vllm
         trainer.models.export_hf(str(tmp_path / "final"))
         want = {k: p.detach().full_tensor() for k, p in trainer.policy.named_parameters()}
@@ -278,7 +262,7 @@ def test_export_gathers_a_sharded_policy(setup, tmp_path):
     )
 
 
-def test_cpu_offload_reaches_fsdp(setup, tmp_path):
+def test_cpu_offload_reaches_fsdp(tiny_setup, tmp_path):
     """model.cpu_offload is FSDP2's CPUOffloadPolicy, which needs a GPU (it pins host memory): on
     this CPU the trainer says so when it applies the parallel plan."""
     import torch.distributed as dist
@@ -286,18 +270,18 @@ def test_cpu_offload_reaches_fsdp(setup, tmp_path):
     _single_rank_group(tmp_path)
     try:
         with pytest.raises(ValueError, match="model.cpu_offload .* needs a CUDA device"):
-            make(setup, ["model.fsdp=true", "model.cpu_offload=true"])
+            make(tiny_setup, ["model.fsdp=true", "model.cpu_offload=true"])
     finally:
         dist.destroy_process_group()
 
 
-def test_each_response_is_packed_once_per_step(setup, monkeypatch):
+def test_each_response_is_packed_once_per_step(tiny_setup, monkeypatch):
     """The old-policy, reference and update passes share one plan: every response goes through
     `packing.pack` once per step, not once per pass kind (3.6 s each at the preset's sizes)."""
     from prorl import packing
 
-    trainer = make(setup, ["trainer.mini_batches=2", "trainer.micro_batch_tokens=64"])
-    groups = sampled_groups(setup, [])
+    trainer = make(tiny_setup, ["trainer.mini_batches=2", "trainer.micro_batch_tokens=64"])
+    groups = sampled_groups(tiny_setup, [])
     packed, pack = [], packing.pack
 
     def counting(entries, *args, **kwargs):
