@@ -258,9 +258,14 @@ def run_trl(work: dict, model_path: str, steps: int, memory, gpu: bool, gen="vll
     p, n = work["prompts"], work["n"]
     dtype = torch.bfloat16 if gpu else torch.float32
     out_dir = tempfile.mkdtemp(prefix="rl_step_trl_")
-    # one optimizer step per generation of P prompts x n completions, one update each
-    kwargs = dict(per_device_train_batch_size=p * n, gradient_accumulation_steps=1, max_steps=steps)
-    kwargs.update(steps_per_generation=1, num_iterations=1, num_generations=n, seed=0)
+    # one optimizer step per generation of P prompts x n completions, one update each, in
+    # micro-batches of `trl_micro` completions (default all: one)
+    micro = work.get("trl_micro") or p * n
+    if (p * n) % micro:
+        raise ValueError(f"trl_micro={micro} does not divide the {p * n} completions of a step")
+    kwargs = dict(per_device_train_batch_size=micro, gradient_accumulation_steps=p * n // micro)
+    kwargs.update(steps_per_generation=p * n // micro, num_iterations=1, num_generations=n, seed=0)
+    kwargs.update(max_steps=steps)
     kwargs.update(max_completion_length=work["max_new"], temperature=1.0, top_p=1.0, top_k=0)
     beta = work.get("kl", 1e-4)  # rl_step.KL unless the work says
     kwargs.update(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=beta)  # token-level loss
@@ -288,6 +293,7 @@ def run_trl(work: dict, model_path: str, steps: int, memory, gpu: bool, gen="vll
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     note = f"trl={dist_version('trl')} transformers={dist_version('transformers')} loss=dapo kl=k3"
+    note += f" micro_batch={micro}"
     note += f" old_logp={'recomputed' if use_vllm else 'skipped (on-policy)'}"
     note += f" gen={'vllm-colocate' if use_vllm else 'transformers.generate'} reward=in-process"
     return phases.records, note + (" dtype=bfloat16" if gpu else "")

@@ -26,7 +26,7 @@ import time
 import torch
 
 from benchmarks import harness, plot, rl_step
-from benchmarks.report.readme import View
+from benchmarks.report.readme import VIEWS
 
 NAME = "trl_real"
 PROVIDERS = ("prorl", "trl")
@@ -42,7 +42,7 @@ def work(args) -> dict:
     w = dict(task=args.task, prompts=args.prompts or (2 if q else 4), n=args.n or (2 if q else 8))
     w.update(max_new=args.max_new or (16 if q else 32), lr=args.lr, kl=args.kl, no_stop=False)
     w.update(steps=args.steps or (2 if q else 8), eval_every=args.eval_every or 2)
-    w.update(val_n=args.eval_n or (4 if q else 40), overrides=OVERRIDES)
+    w.update(val_n=args.eval_n or (4 if q else 40), overrides=OVERRIDES, trl_micro=args.trl_micro)
     label = (
         f"{args.task} P={w['prompts']} n={w['n']} L={w['max_new']} lr={args.lr:g} kl={args.kl:g}"
     )
@@ -65,12 +65,12 @@ def sgemm_gflops(size: int = 1024, reps: int = 20) -> float:
 
 
 def model_flops(path: str, prompt_tokens: float, response_tokens: float, samples: int) -> float:
-    """Model FLOPs of one RL step over `prompt_tokens` + `response_tokens` (summed over the step's
-    samples, each sample counted with its own prompt, as a trainer without prompt sharing runs
-    it): generation (a forward per token), the reference's forward and the update's forward +
-    backward (2 forwards): 5 forwards' worth per token. A forward is 2 FLOPs per matmul weight
-    (the tied head counted as a matmul) plus attention's QK^T and PV, 4 * d per layer per token
-    attended, at the mean attended length."""
+    """Model FLOPs of one RL step over the tokens a trainer processes: `prompt_tokens` (summed over
+    the step's samples; once per group where prompts are shared) + `response_tokens`. Generation
+    (a forward per token), the reference's forward and the update's forward + backward (2
+    forwards): 5 forwards' worth per token. A forward is 2 FLOPs per matmul weight (the tied head
+    counted as a matmul) plus attention's QK^T and PV, 4 * d per layer per token attended, at the
+    mean attended length (roughly: half a sample's tokens)."""
     with open(os.path.join(path, "config.json")) as f:
         c = json.load(f)
     d, layers, v = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
@@ -156,6 +156,7 @@ def train_prorl(w: dict, path: str, memory, pool, evaluate) -> tuple[list[dict],
         memory.start()
         t0 = time.perf_counter()
         rec = run.step()
+        rec["prompt_tokens"] /= w["n"]  # processed once per group: shared (prorl/packing.py)
         rec["step"] = time.perf_counter() - t0
         rec["peak_rss"] = (memory.stop() or (math.nan,))[0] + descendants_hwm_mb()
         trained += rec["step"]
@@ -276,10 +277,11 @@ def _options(p) -> None:
     add("--steps", type=int, help="RL steps per provider (default 8; --quick 2)")
     add("--eval-every", type=int, help="steps between evaluations (default 2)")
     add("--eval-n", type=int, help="held-out problems (default 40; --quick 4)")
+    add("--trl-micro", type=int, default=8, help="TRL's micro-batch, completions (default 8)")
 
 
-VIEW = View(extras=("mfu", "peak_memory"), ratios=(("trl", "speedup"),), phases=PHASES[:-1])
-settings = dict(modes=("step",), reps=(1, 1), warmup=(1, 1), threads=1, view=VIEW, plot=_plot)
+settings = dict(modes=("step",), reps=(1, 1), warmup=(1, 1), threads=1, view=VIEWS[NAME])
+settings.update(plot=_plot)
 settings.update(derive=time_to_accuracy, measure=MEASURE)
 BENCHMARK = harness.Benchmark(NAME, PROVIDERS, lambda args: [work(args)], _options, **settings)
 main = BENCHMARK.main
