@@ -143,15 +143,18 @@ class HFGenerator:
 # --- TRL ------------------------------------------------------------------------------------------
 
 
-def math_reward(completions, ground_truth, **kwargs) -> list[float]:
-    """TRL reward function: prorl's `math` verifier (the same function prorl's RewardPool runs)."""
+def math_reward(completions, ground_truth, data_source=None, **kwargs) -> list[float]:
+    """TRL reward function: prorl's verifier of each row's data source (default `math`; the same
+    function prorl's RewardPool runs)."""
     from prorl.rewards import score
 
     texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-    return [float(score("math", t, g)) for t, g in zip(texts, ground_truth)]
+    sources = data_source or ["math"] * len(texts)
+    return [float(score(s, t, g)) for s, t, g in zip(sources, texts, ground_truth)]
 
 
 _PHASES = ("gen", "reward", "old_logp", "update")
+_TOKENS = ("tokens", "prompt_tokens")  # summed over the step's samples
 
 
 class TRLPhases:
@@ -166,12 +169,13 @@ class TRLPhases:
     included).
     """
 
-    def __init__(self, memory):
+    def __init__(self, memory, on_step=None):
         self.memory, self.records, self._cur, self._t_end = memory, [], self._fresh(), None
+        self.on_step = on_step  # on_step(model, record) after each step, outside its interval
 
     @staticmethod
     def _fresh() -> dict:
-        return dict.fromkeys((*_PHASES, "tokens", "_prepare", "_ts_end", "_gs"), 0.0)
+        return dict.fromkeys((*_PHASES, *_TOKENS, "_prepare", "_ts_end", "_gs"), 0.0)
 
     def _timed(self, fn, key, when=None):
         def wrapper(*args, **kwargs):
@@ -181,6 +185,7 @@ class TRLPhases:
                 self._cur[key] += time.perf_counter() - t0
             if key == "_gs":
                 self._cur["tokens"] += float(out["completion_mask"].sum())
+                self._cur["prompt_tokens"] += float(out["prompt_mask"].sum())
             return out
 
         return wrapper
@@ -221,9 +226,11 @@ class TRLPhases:
                 cur = phases._cur
                 cur["update"] += t - cur["_ts_end"]
                 rss, extra = phases.memory.stop() or (math.nan, math.nan)
-                rec = {k: cur[k] for k in (*_PHASES, "tokens")}
+                rec = {k: cur[k] for k in (*_PHASES, *_TOKENS)}
                 rec.update(step=t - phases._t_end, peak_rss=rss, peak_extra_memory=extra)
                 phases.records.append(rec)
+                if phases.on_step is not None:
+                    phases.on_step(kwargs["model"], rec)
                 phases._cur = phases._fresh()
                 phases.memory.start()  # untimed: the next step's interval starts after it
                 phases._t_end = time.perf_counter()
@@ -231,10 +238,10 @@ class TRLPhases:
         trainer.add_callback(_Clock())
 
 
-def run_trl(work: dict, model_path: str, steps: int, memory, gpu: bool, gen: str = "vllm") -> tuple:
+def run_trl(work: dict, model_path: str, steps: int, memory, gpu: bool, gen="vllm", on_step=None):
     """TRL's GRPOTrainer on the same model, prompts and settings; returns (per-step records, note).
     On `gpu`, `gen` = "vllm" (colocated vLLM) or "native" (transformers.generate on CUDA,
-    use_vllm=False)."""
+    use_vllm=False). `on_step(model, record)`: called after each step, outside its timing."""
     import shutil
     import tempfile
 
@@ -245,16 +252,23 @@ def run_trl(work: dict, model_path: str, steps: int, memory, gpu: bool, gen: str
     from prorl.data import builtin
 
     tok = PreTrainedTokenizerFast.from_pretrained(model_path)
-    examples = builtin("digit_sums", seed=0, split="train")
-    ds = Dataset.from_list([{"prompt": e.prompt, "ground_truth": e.ground_truth} for e in examples])
+    examples = builtin(work.get("task", "digit_sums"), seed=0, split="train")
+    row = lambda e: dict(prompt=e.prompt, ground_truth=e.ground_truth, data_source=e.data_source)
+    ds = Dataset.from_list([row(e) for e in examples])
     p, n = work["prompts"], work["n"]
     dtype = torch.bfloat16 if gpu else torch.float32
     out_dir = tempfile.mkdtemp(prefix="rl_step_trl_")
-    # one optimizer step per generation of P prompts x n completions, one update each
-    kwargs = dict(per_device_train_batch_size=p * n, gradient_accumulation_steps=1, max_steps=steps)
-    kwargs.update(steps_per_generation=1, num_iterations=1, num_generations=n, seed=0)
+    # one optimizer step per generation of P prompts x n completions, one update each, in
+    # micro-batches of `trl_micro` completions (default all: one)
+    micro = work.get("trl_micro") or p * n
+    if (p * n) % micro:
+        raise ValueError(f"trl_micro={micro} does not divide the {p * n} completions of a step")
+    kwargs = dict(per_device_train_batch_size=micro, gradient_accumulation_steps=p * n // micro)
+    kwargs.update(steps_per_generation=p * n // micro, num_iterations=1, num_generations=n, seed=0)
+    kwargs.update(max_steps=steps)
     kwargs.update(max_completion_length=work["max_new"], temperature=1.0, top_p=1.0, top_k=0)
-    kwargs.update(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=1e-4)  # token-level loss
+    beta = work.get("kl", 1e-4)  # rl_step.KL unless the work says
+    kwargs.update(loss_type="dapo", epsilon=0.2, epsilon_high=0.28, beta=beta)  # token-level loss
     kwargs.update(learning_rate=work["lr"], lr_scheduler_type="constant")
     # TRL defaults to activation checkpointing (an extra forward in backward); prorl does not
     # checkpoint here, so TRL must not either: equal work
@@ -272,13 +286,14 @@ def run_trl(work: dict, model_path: str, steps: int, memory, gpu: bool, gen: str
     setup = dict(args=GRPOConfig(**kwargs), train_dataset=ds, processing_class=tok)
     trainer = GRPOTrainer(model=model_path, reward_funcs=math_reward, **setup)
     torch.set_num_threads(threads)  # whatever the trainer's set-up did, the same threads as prorl
-    phases = TRLPhases(memory)
+    phases = TRLPhases(memory, on_step)
     phases.instrument(trainer)
     try:
         trainer.train()
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     note = f"trl={dist_version('trl')} transformers={dist_version('transformers')} loss=dapo kl=k3"
+    note += f" micro_batch={micro}"
     note += f" old_logp={'recomputed' if use_vllm else 'skipped (on-policy)'}"
     note += f" gen={'vllm-colocate' if use_vllm else 'transformers.generate'} reward=in-process"
     return phases.records, note + (" dtype=bfloat16" if gpu else "")

@@ -37,6 +37,7 @@ RANDOM_MODELS = {  # random-weight Qwen2 checkpoints with the tiny reasoner's to
     "large": qwen2_shape(1024, 2816, 12, 16, max_position_embeddings=4096),
 }
 LR = 3e-5
+KL = 1e-4  # the KL coefficient against the reference (TRL's beta)
 MEASURE = "benchmarks.rl_step:measure"  # worker_main's measure: whole trainer steps
 GPU_GENS = ("vllm", "native")  # --gpu-gen: the samplers of the --gpu run
 ABLATIONS = ("nofused", "nopack", "noshare", "hfgen", "compile")  # the flags of prorl-<flag>-<flag>
@@ -61,7 +62,6 @@ def model_path(name: str) -> str:
 EQUAL_WORK = (  # the Trainer's fixed overrides (module docstring)
     "seed=0 rollout.temperature=1.0 trainer.mini_batches=1 data.max_prompt_tokens=64",
     "algorithm.dynamic_sampling=false algorithm.eps_low=0.2 algorithm.eps_high=0.28",
-    "algorithm.kl_coef=1e-4",
     "algorithm.agg=token-mean algorithm.reset.interval=0 algorithm.reset.kl_spike_factor=0",
     "reward.length_penalty=false reward.num_workers=1",
     "optim.weight_decay=0.0 optim.max_grad_norm=1.0",
@@ -80,6 +80,7 @@ def prorl_overrides(w: dict, path: str, gpu: bool, gen: str = "vllm") -> list[st
             backend = ["rollout.backend=vllm", "rollout.gpu_memory_utilization=0.3"]
     work = [f"rollout.n={w['n']}", f"rollout.max_response_tokens={w['max_new']}"]
     work += [f"optim.lr={w['lr']}", f"trainer.prompts_per_step={w['prompts']}"]
+    work += [f"algorithm.kl_coef={w.get('kl', KL)}"]
     model = [f"model.path={path}", f"model.dtype={'bfloat16' if gpu else 'float32'}"]
     return model + work + " ".join(EQUAL_WORK).split() + backend
 
@@ -104,9 +105,10 @@ def prorl_trainer(w: dict, path: str, *, gpu: bool, gen: str = "vllm", flags=(),
     if unknown:
         raise ValueError(f"unknown prorl variant(s) {sorted(unknown)}; known: {sorted(ABLATIONS)}")
     tok = PreTrainedTokenizerFast.from_pretrained(path)
-    train = builtin("digit_sums", seed=0, split="train")
-    val = builtin("digit_sums", n=4, seed=0, split="val")
-    cfg = load_config("default", prorl_overrides(w, path, gpu, gen))
+    task = w.get("task", "digit_sums")  # a built-in task set (prorl.data.builtin)
+    train = builtin(task, seed=0, split="train")
+    val = builtin(task, n=w.get("val_n", 4), seed=0, split="val")
+    cfg = load_config("default", prorl_overrides(w, path, gpu, gen) + w.get("overrides", []))
     trainer = prorl.trainer.Trainer(cfg, path, tok, train, val, pool)
     if w["no_stop"]:
         trainer.sampler.stop_ids = []
@@ -136,8 +138,11 @@ def prorl_trainer(w: dict, path: str, *, gpu: bool, gen: str = "vllm", flags=(),
     def step() -> dict:
         m = trainer.step()
         phases = {p: m[f"timing_s/{METRIC_OF_PHASE.get(p, p)}"] for p in PHASES[:4]}
+        phases["old_logp"] += m["timing_s/ref"]  # the no-grad passes: old policy and reference
         sync = m.get("timing_s/update_weights", 0.0)  # weights to the sampler, where it is a copy
-        return dict(phases, sync=sync, tokens=m["response_length/mean"] * w["prompts"] * w["n"])
+        samples = w["prompts"] * w["n"]
+        tokens = dict(tokens=m["response_length/mean"] * samples)
+        return dict(phases, sync=sync, prompt_tokens=m["prompt_length/mean"] * samples, **tokens)
 
     attention = lambda: trainer.policy.attention_backend(trainer.device).name
     return SimpleNamespace(trainer=trainer, step=step, sampler=sampler, attention=attention)

@@ -71,6 +71,15 @@ def param_groups(
     ]
 
 
+def fusable(params: list) -> bool:
+    """Whether torch's fused AdamW kernel takes `params` (floating point, on the CPU or CUDA): one
+    pass over each parameter and its moments instead of the ~8 element-wise passes of the
+    per-tensor loop torch otherwise picks on the CPU (SmolLM2-135M: docs/real-model.md)."""
+    return bool(params) and all(
+        p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params
+    )
+
+
 class Optimizer:
     """AdamW + schedule + clipping + non-finite skip for one model. See the module docstring."""
 
@@ -90,6 +99,7 @@ class Optimizer:
             lr=cfg.lr,
             betas=cfg.betas,
             eps=cfg.eps,
+            fused=fusable(self.params),
         )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg)

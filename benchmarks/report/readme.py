@@ -53,6 +53,9 @@ VIEWS: dict[str, View] = {
     "rl_step": View(
         extras=("tokens_per_s", "peak_memory"), ratios=(("trl", "speedup"),), phases=RL_PHASES
     ),
+    "trl_real": View(
+        extras=("mfu", "peak_memory"), ratios=(("trl", "speedup"),), phases=("gen", *RL_PHASES[2:])
+    ),
     "train_step": View(
         extras=("tokens_per_s", "peak_extra_memory"), ratios=(("transformers-padded", "speedup"),)
     ),

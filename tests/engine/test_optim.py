@@ -163,3 +163,10 @@ def test_reset_state_forgets_moments_keeps_schedule():
     torch.testing.assert_close(
         (model.weight - w0).abs(), torch.full_like(w0, lr_before), atol=1e-4, rtol=0
     )
+
+
+def test_cpu_parameters_take_the_fused_adamw_kernel():
+    """On the CPU torch would otherwise pick its per-tensor loop (~8 passes over memory per
+    parameter; 4.5x slower on SmolLM2-135M's matrices here); the float64 reference test above holds
+    for the fused kernel too."""
+    assert Optimizer(_model(), OptimizerConfig()).optimizer.defaults["fused"] is True
