@@ -281,6 +281,7 @@ class TrainerConfig:
         0.95, "validation top-p, with val_temperature > 0 (the papers: T 0.6, top-p 0.95)"
     )
     val_samples: int = _f(1, "samples per validation prompt")
+    val_save_samples: bool = _f(False, "append each validation sample to val_samples.jsonl")
     max_consecutive_skips: int = _f(
         5, "stop after this many skipped steps in a row (no group / non-finite grads)"
     )
@@ -579,14 +580,13 @@ def reference_markdown() -> str:
     docs/config.md`)."""
     head = (
         "# Configuration reference\n\n"
-        "Generated from the dataclasses in "
-        "prorl/config.py by `python -m prorl.config > docs/config.md` "
-        "(a test checks it is current). Set a key in a "
-        "YAML file given with `--config FILE` or on the "
-        "command line as `key=value`; the defaults "
-        "below are the ProRL v2 recipe's (docs/recipe.md). "
-        "Presets: `default` (the embedded default, for the no-argument run) and `prorl_v2_1.5b` "
-        "(prorl/configs/).\n\n"
+        "Generated from the dataclasses in prorl/config.py by `python -m prorl.config > "
+        "docs/config.md` (a test checks it is current). Set a key in a YAML file given with "
+        "`--config FILE` or on the command line as `key=value`; the defaults below are the ProRL "
+        "v2 recipe's (docs/recipe.md). "
+        "Presets (prorl/configs/): `default` (the embedded default, for the no-argument run), "
+        "`prorl_v2_1.5b`, `prolonged`, `smollm2_digit_sums` (SmolLM2-135M-Instruct on the CPU: "
+        "docs/real-model.md).\n\n"
     )
     return head + "```\n" + reference() + "\n```\n"
 

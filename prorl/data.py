@@ -528,26 +528,36 @@ def builtin(name: str, n: int | None = None, seed: int = 0, split: str = "train"
         return chain_sums(n, seed, split, family=name)
     if name.startswith("reasoning_gym/"):
         return reasoning_gym_tasks(name.split("/", 1)[1], n if n is not None else 1000, seed, split)
-    if name.startswith("boxed/") and name.split("/", 1)[1] in ARITHMETIC:
-        return [instructed(ex) for ex in builtin(name.split("/", 1)[1], n, seed, split)]
+    kind, _, base = name.partition("/")
+    if kind in ("boxed", "oneshot") and base in ARITHMETIC:
+        shot = ONE_SHOT if kind == "oneshot" else None
+        return [instructed(ex, shot) for ex in builtin(base, n, seed, split)]
     raise ValueError(
         f"unknown built-in task set {name!r}; known: 'digit_sums', 'chain_sums', 'long_sums', "
-        "'boxed/<one of those three>', 'reasoning_gym/<task>'"
+        "'boxed/<one of those three>', 'oneshot/<one of those three>', 'reasoning_gym/<task>'"
     )
 
 
 ARITHMETIC = ("digit_sums", "chain_sums", "long_sums")
 BOXED_INSTRUCTION = "What is {terms}? Put the final answer in \\boxed{{}}."
+# `oneshot/`'s worked example: a training-split digit_sums problem (2+5+1 is not held out), shown
+# as a previous chat turn so that a small chat model sees the answer format once
+ONE_SHOT = ((2, 5, 1), "2 + 5 + 1 = 8. \\boxed{8}")
 
 
-def instructed(ex: Example) -> Example:
+def instructed(ex: Example, shot: tuple[tuple[int, ...], str] | None = None) -> Example:
     """An arithmetic problem "3+8+5=" as a pretrained chat model is asked it: "What is 3 + 8 + 5?
     Put the final answer in \\boxed{}." (the built-in prompts are bare for the shipped tiny
-    reasoner, which has no instructions to follow). Same data source, answer and split."""
+    reasoner, which has no instructions to follow), after `shot` = (terms, answer) asked and
+    answered as an earlier turn when given. Same data source, answer and split."""
     terms = ex.prompt[-1]["content"].rstrip("=").split("+")
     content = BOXED_INSTRUCTION.format(terms=" + ".join(terms))
+    turns = []
+    if shot is not None:
+        question = BOXED_INSTRUCTION.format(terms=" + ".join(map(str, shot[0])))
+        turns = [{"role": "user", "content": question}, {"role": "assistant", "content": shot[1]}]
     return Example(
-        [{"role": "user", "content": content}],
+        [*turns, {"role": "user", "content": content}],
         ex.data_source,
         ex.ground_truth,
         dict(ex.extra),

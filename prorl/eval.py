@@ -61,7 +61,7 @@ from prorl.engine.model import load_hf
 from prorl.engine.rollout import NativeGenerator, SamplingParams
 from prorl.engine.rollout.base import host_available_bytes
 from prorl.eval_metrics import source_val_metrics, summarize
-from prorl.eval_results import format_table, write_results
+from prorl.eval_results import append_samples, format_table, write_results
 from prorl.export import export_checkpoint, is_checkpoint
 from prorl.rewards import builtin_keys, use_function
 from prorl.rewards.function import RewardFunctionError, numeric_extras
@@ -383,7 +383,7 @@ def _chunk_records(run: _Run, lo: int, samples) -> list[dict]:
 
 
 def validate(
-    cfg: Config, examples: list, model, tokenizer, pool, generator, log=None
+    cfg: Config, examples: list, model, tokenizer, pool, generator, log=None, step: int = 0
 ) -> dict[str, float]:
     """The trainer's held-out evaluation: `evaluate` on this rank's share of `examples` with the
     trainer's sampler (`generator` over `model`; `trainer.val_samples` per prompt at
@@ -393,7 +393,8 @@ def validate(
     Returns `val/accuracy` (mean verifier score over every sample; for binary verifiers the mean
     pass@1), `val/pass@j`, and per data source `val-core/<source>/reward/mean@k` (verl's name) and
     `val-core/<source>/pass@j` and a reward function's extras (`source_val_metrics`). Collective:
-    every rank calls it."""
+    every rank calls it. With `trainer.val_save_samples` rank 0 appends the records, responses
+    included and tagged with `step`, to <output_dir>/val_samples.jsonl."""
     info, k, t = dist_info(), cfg.trainer.val_samples, cfg.trainer
     mine = list(range(info.rank, len(examples), info.world_size))
     settings = EvalSettings(
@@ -407,15 +408,16 @@ def validate(
     )
     inputs = EvalInputs(model=model, tokenizer=tokenizer, pool=pool, generator=generator)
     results = evaluate([examples[i] for i in mine], inputs, settings, log=log)
-    fields = (
-        "data_source score correct timed_out errored finish_reason response_tokens extras".split()
-    )
+    fields = "data_source score correct timed_out errored finish_reason response_tokens extras"
+    fields = fields.split() + (["response"] if t.val_save_samples else [])
     records = [{"index": mine[r["index"]], **{f: r[f] for f in fields}} for r in results["samples"]]
     if info.world_size > 1:
         gathered = [None] * info.world_size
         with watchdog().waiting("all-gather of the validation records"):
             dist.all_gather_object(gathered, records)
         records = [r for part in gathered for r in part]
+    if t.val_save_samples and info.rank == 0:
+        append_samples(os.path.join(cfg.output_dir, "val_samples.jsonl"), records, step)
     summary = summarize(records, k)
     out = {"val/accuracy": summary["all"]["mean_score"] or 0.0}
     failed = sum(bool(r["errored"] or r["timed_out"]) for r in records)

@@ -48,6 +48,14 @@ def format_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def append_samples(path: str, records: list[dict], step: int) -> None:
+    """Append the trainer's validation `records` of `step` to the JSONL file `path`, one row a
+    sample in prompt order (`trainer.val_save_samples`)."""
+    with open(path, "a") as f:
+        for r in sorted(records, key=lambda r: (r["index"], r.get("sample", 0))):
+            f.write(json.dumps({"step": step, **r}) + "\n")
+
+
 def write_results(results: dict, out_dir: str) -> list[str]:
     """results.json (all but the samples), results.csv, samples.jsonl in `out_dir`; returns the
     paths."""

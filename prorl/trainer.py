@@ -233,7 +233,9 @@ class Trainer:
             m.sync_sampler()
         model = m.sampler_model if m.sampler_model is not None else self.policy
         examples, tokenizer = self.val_examples, self.tokenizer
-        out = validate(self.cfg, examples, model, tokenizer, self.pool, m.generator, log)
+        out = validate(
+            self.cfg, examples, model, tokenizer, self.pool, m.generator, log, self.step_count
+        )
         self.reset_policy.observe_validation(out["val/accuracy"])
         return out
 

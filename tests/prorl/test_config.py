@@ -152,5 +152,6 @@ def test_a_non_finite_or_out_of_range_number_is_named(override, key):
 
 
 def test_every_preset_passes_the_numeric_checks():
-    for preset, extra in (("default", []), ("prolonged", []), ("prorl_v2_1.5b", ["model.path=x"])):
+    presets = [("default", []), ("prolonged", []), ("prorl_v2_1.5b", ["model.path=x"])]
+    for preset, extra in [*presets, ("smollm2_digit_sums", [])]:
         load_config(preset, extra)

@@ -189,3 +189,36 @@ def test_a_validation_whose_verifier_calls_all_fail_says_so(tiny, monkeypatch):
         trainer.models.close()
     assert out["val/accuracy"] == 0.0 and out["val/verify_failed_frac"] == 1.0
     assert "100% of this validation's verifier calls failed" in validation_warning(out)
+
+
+def test_validation_samples_are_saved_with_their_step_when_asked(tiny, tmp_path):
+    """trainer.val_save_samples: every validation sample (9 prompts x 2) is appended to
+    <output_dir>/val_samples.jsonl with the step, its prompt's index and the response text (the
+    tokenizer's decoding of the sampled token); off (the default), no file is written."""
+    import json
+
+    from test_trainer_recipe import make
+
+    from prorl.rewards.pool import RewardPool
+
+    model, tok = tiny
+    train, val = (
+        data.builtin("digit_sums", n=8, split="train"),
+        data.builtin("digit_sums", n=9, split="val"),
+    )
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    with RewardPool(num_workers=1, timeout_s=30.0, preload=("math",)) as pool:
+        for save in (False, True):
+            keys = ["trainer.val_samples=2", f"output_dir={out_dir}"]
+            trainer = make((tok, train, val, pool), keys + [f"trainer.val_save_samples={save}"])
+            trainer.models.generator = Recording(True)
+            assert (out_dir / "val_samples.jsonl").exists() is False
+            trainer.step_count = 7
+            trainer.validate()
+            trainer.models.close()
+    rows = [json.loads(line) for line in (out_dir / "val_samples.jsonl").read_text().splitlines()]
+    assert len(rows) == 18 and {r["step"] for r in rows} == {7}
+    assert sorted(r["index"] for r in rows) == sorted(list(range(9)) * 2)
+    assert {r["response"] for r in rows} == {tok.decode([5])}
+    assert all(r["score"] == 0.0 and r["finish_reason"] == "length" for r in rows)
