@@ -36,7 +36,8 @@ BEGIN, END = "<!-- real_model:begin -->", "<!-- real_model:end -->"
 METRICS = {  # CSV metric -> metrics.jsonl key
     "val_pass@1": "val/accuracy",
     "val_pass@4": "val/pass@4",
-    "score": "critic/score/mean",
+    "train_pass_rate": "dynamic_sampling/pass_rate",  # every sampled answer, T 1.0
+    "score": "critic/score/mean",  # the kept groups'
     "kl": "actor/kl_mean",
     "entropy": "actor/entropy",
     "response_length": "response_length/mean",
@@ -171,6 +172,9 @@ def markdown(rows: list[dict], seeds: list[int]) -> str:
             first[c] += got.get(steps[0], 0) if steps else 0
             last[c] += got.get(steps[-1], 0) if steps else 0
     table = "\n".join(lines) + "\n"
+    changes = [series(rows, s, "val_pass@1") for s in seeds]
+    changes = [f"{100 * (p[-1][1] - p[0][1]):+.1f}" for p in changes if p]
+    table += f"\nHeld-out pass@1 change per seed (points): {', '.join(changes)}.\n"
     if sum(first.values()):
         table += "\nHeld-out answers (all seeds' samples) at the first → the last validation:\n\n"
         table += "| answer | before RL | after RL |\n|---|---|---|\n"
@@ -179,8 +183,8 @@ def markdown(rows: list[dict], seeds: list[int]) -> str:
 
 
 def figure(rows: list[dict], seeds: list[int], png: Path) -> Path:
-    """Held-out pass@1 (solid) and pass@4 (dashed) per seed against the step, and the training
-    batches' mean score."""
+    """Held-out pass@1 (solid) and pass@4 (dashed) per seed against the step, and the fraction of
+    each step's sampled answers that were right."""
     plt = pyplot()
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(10, 3.8))
     for i, s in enumerate(seeds):
@@ -189,11 +193,11 @@ def figure(rows: list[dict], seeds: list[int], png: Path) -> Path:
             pts = series(rows, s, metric)
             if pts:
                 ax0.plot(*zip(*pts), style, color=colour, label=f"seed {s} {metric[4:]}")
-        pts = series(rows, s, "score")
+        pts = series(rows, s, "train_pass_rate")
         if pts:
             ax1.plot(*zip(*pts), color=colour, label=f"seed {s}")
     ax0.set(xlabel="RL step", ylabel="held-out pass@k (4 samples, T 0.6)", ylim=(0, 1))
-    ax1.set(xlabel="RL step", ylabel="training batch mean reward")
+    ax1.set(xlabel="RL step", ylabel="training samples right (pass rate, T 1.0)")
     for ax in (ax0, ax1):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
