@@ -48,7 +48,8 @@ QUICK += ["trainer.val_samples=2", "data.train_size=8", "trainer.prompts_per_ste
 QUICK += ["rollout.n=4", "rollout.max_response_tokens=24", "algorithm.dynamic_sampling=false"]
 CLASSES = (  # the classes of a validation answer, in the table's order
     "correct",
-    "boxed, wrong number",
+    "boxed, wrong sum of the asked terms",
+    "boxed, wrong number, terms miscopied",
     "empty \\boxed{}",
     "no \\boxed{}, right sum in the text",
     "no \\boxed{}, no right sum",
@@ -56,19 +57,30 @@ CLASSES = (  # the classes of a validation answer, in the table's order
 )
 
 
-def classify(response: str, finish_reason: str, correct: bool, truth: str) -> str:
-    """One of CLASSES: the last `\\boxed{...}`'s content decides (empty, or a wrong number);
-    without one, whether the text was cut by the token limit, or else states the right sum as its
-    last number (a format failure) or not."""
+def classify(response: str, finish_reason: str, correct: bool, truth: str, terms=()) -> str:
+    """One of CLASSES: the last `\\boxed{...}`'s content decides (empty, or a wrong number: an
+    arithmetic slip when the answer's opening "a + b + c =" restates the asked `terms`, else a
+    miscopied problem); without one, whether the text was cut by the token limit, or else states
+    the right sum as its last number (a format failure) or not."""
     if correct:
         return CLASSES[0]
     boxes = re.findall(r"\\boxed\{([^{}]*)\}", response)
     if boxes:
-        return CLASSES[2] if not boxes[-1].strip() else CLASSES[1]
+        if not boxes[-1].strip():
+            return CLASSES[3]
+        restated = re.match(r"\s*(\d+(?:\s*\+\s*\d+)*)\s*=", response)
+        copied = restated and [int(t) for t in restated.group(1).split("+")] == list(terms)
+        return CLASSES[1] if copied else CLASSES[2]
     if finish_reason == "length":
-        return CLASSES[5]
+        return CLASSES[6]
     numbers = re.findall(r"-?\d+", response)
-    return CLASSES[3] if numbers and numbers[-1] == truth else CLASSES[4]
+    return CLASSES[4] if numbers and numbers[-1] == truth else CLASSES[5]
+
+
+def asked_terms(example) -> list[int]:
+    """The terms of an instructed problem, "What is 3 + 8 + 5? ..." (its last message)."""
+    m = re.match(r"What is ([0-9 +]+)\?", example.prompt[-1]["content"])
+    return [int(t) for t in m.group(1).split("+")] if m else []
 
 
 def answer_classes(run: Path) -> dict[int, Counter]:
@@ -86,8 +98,10 @@ def answer_classes(run: Path) -> dict[int, Counter]:
     out: dict[int, Counter] = {}
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        truth = val[r["index"]].ground_truth
-        kind = classify(r["response"], r["finish_reason"], r["correct"], truth)
+        ex = val[r["index"]]
+        kind = classify(
+            r["response"], r["finish_reason"], r["correct"], ex.ground_truth, asked_terms(ex)
+        )
         out.setdefault(int(r["step"]), Counter())[kind] += 1
     return out
 

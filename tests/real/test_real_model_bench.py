@@ -23,7 +23,9 @@ DOC = "# x\n\n<!-- real_model:begin -->\nold\n<!-- real_model:end -->\nkept\n"
     "response, finish, correct, kind",
     [
         ("5 + 2 + 6 = 13. \\boxed{13}", "stop", True, "correct"),
-        ("5 + 2 + 6 = 15. \\boxed{15}", "stop", False, "boxed, wrong number"),
+        ("5 + 2 + 6 = 15. \\boxed{15}", "stop", False, "boxed, wrong sum of the asked terms"),
+        ("2 + 6 = 8. \\boxed{8}", "stop", False, "boxed, wrong number, terms miscopied"),
+        ("\\boxed{12}", "stop", False, "boxed, wrong number, terms miscopied"),
         ("\\boxed{13} no, \\boxed{ }", "stop", False, "empty \\boxed{}"),
         ("5 + 2 + 6 = 13", "stop", False, "no \\boxed{}, right sum in the text"),
         ("13 is not it: 5 + 2 + 6 = 14", "stop", False, "no \\boxed{}, no right sum"),
@@ -31,7 +33,7 @@ DOC = "# x\n\n<!-- real_model:begin -->\nold\n<!-- real_model:end -->\nkept\n"
     ],
 )
 def test_wrong_answers_are_classified_by_their_last_box(response, finish, correct, kind):
-    assert real_model.classify(response, finish, correct, "13") == kind
+    assert real_model.classify(response, finish, correct, "13", [5, 2, 6]) == kind
 
 
 def _sum_asked(example) -> int:
