@@ -49,7 +49,7 @@ QUICK += ["rollout.n=4", "rollout.max_response_tokens=24", "algorithm.dynamic_sa
 CLASSES = (  # the classes of a validation answer, in the table's order
     "correct",
     "boxed, wrong sum of the asked terms",
-    "boxed, wrong number, terms miscopied",
+    "boxed, wrong number, a term dropped or miscopied",
     "empty \\boxed{}",
     "no \\boxed{}, right sum in the text",
     "no \\boxed{}, no right sum",
@@ -133,9 +133,9 @@ def series(rows: list[dict], seed: int, metric: str) -> list[tuple[int, float]]:
 
 def run_seeds(seeds: list[int], work: Path, extra: list[str], parallel: int) -> None:
     """Train one run per seed, `parallel` at a time, one thread each (a run restarts from
-    scratch); raises with the log's tail when one fails."""
+    scratch); once all have ended, raises with a failed run's log tail."""
     io = dict(cwd=harness.REPO_ROOT, env=dict(os.environ, **harness.TRAIN_ENV))
-    pending, running = list(seeds), {}
+    pending, running, failed = list(seeds), {}, []
     while pending or running:
         while pending and len(running) < parallel:
             seed = pending.pop(0)
@@ -153,10 +153,14 @@ def run_seeds(seeds: list[int], work: Path, extra: list[str], parallel: int) -> 
                 continue
             log.close()
             del running[seed]
-            if proc.returncode != 0:
-                tail = (work / f"s{seed}" / "train.log").read_text()[-3000:]
-                raise RuntimeError(f"seed {seed} failed (exit {proc.returncode}):\n{tail}")
-            print(f"{NAME}: seed {seed} done", flush=True)
+            status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
+            print(
+                f"{NAME}: seed {seed} {status}; log {work / f's{seed}' / 'train.log'}", flush=True
+            )
+            failed += [seed] if proc.returncode else []
+    if failed:  # after the other seeds have finished: their runs are reported either way
+        tail = (work / f"s{failed[0]}" / "train.log").read_text()[-3000:]
+        raise RuntimeError(f"seeds {failed} failed; the first's log ends:\n{tail}")
 
 
 def _pct(x: float) -> str:
@@ -165,32 +169,34 @@ def _pct(x: float) -> str:
 
 def markdown(rows: list[dict], seeds: list[int]) -> str:
     """Per seed, held-out pass@1 and pass@4 before RL and at the last validation (and the best
-    pass@1); then the answer classes at the first and the last validation, summed over seeds."""
+    pass@1), the training steps logged; then the answer classes at the first and the last
+    validation, summed over the seeds validated after RL (a run that stopped before its second
+    validation has no "after")."""
     head = "| seed | steps | pass@1 % before → after (best) | pass@4 % before → after |"
-    lines = [head, "|---|---|---|---|"]
+    lines, changes = [head, "|---|---|---|---|"], []
     first, last = Counter(), Counter()
     for s in seeds:
         p1, p4 = series(rows, s, "val_pass@1"), series(rows, s, "val_pass@4")
         if not p1:
             continue
+        trained = max([st for st, _ in series(rows, s, "step_time")], default=0)
+        if len(p1) < 2:
+            lines.append(f"| {s} | {trained} | {_pct(p1[0][1])} → - (stopped) | - |")
+            continue
         best = max(y for _, y in p1)
         lines.append(
-            f"| {s} | {p1[-1][0]} | {_pct(p1[0][1])} → {_pct(p1[-1][1])} ({_pct(best)}) | "
+            f"| {s} | {trained} | {_pct(p1[0][1])} → {_pct(p1[-1][1])} ({_pct(best)}) | "
             f"{_pct(p4[0][1]) if p4 else '-'} → {_pct(p4[-1][1]) if p4 else '-'} |"
         )
-        steps = sorted(
-            {r["step"] for r in rows if r["seed"] == s and r["metric"] == "answers/correct"}
-        )
+        changes.append(f"{100 * (p1[-1][1] - p1[0][1]):+.1f}")
         for c in CLASSES:
             got = dict(series(rows, s, f"answers/{c}"))
-            first[c] += got.get(steps[0], 0) if steps else 0
-            last[c] += got.get(steps[-1], 0) if steps else 0
+            first[c] += got.get(p1[0][0], 0)
+            last[c] += got.get(p1[-1][0], 0)
     table = "\n".join(lines) + "\n"
-    changes = [series(rows, s, "val_pass@1") for s in seeds]
-    changes = [f"{100 * (p[-1][1] - p[0][1]):+.1f}" for p in changes if p]
-    table += f"\nHeld-out pass@1 change per seed (points): {', '.join(changes)}.\n"
+    table += f"\nHeld-out pass@1 change per seed (points): {', '.join(changes) or '-'}.\n"
     if sum(first.values()):
-        table += "\nHeld-out answers (all seeds' samples) at the first → the last validation:\n\n"
+        table += "\nHeld-out answers (those seeds' samples) before → after RL:\n\n"
         table += "| answer | before RL | after RL |\n|---|---|---|\n"
         table += "".join(f"| {c} | {first[c]:.0f} | {last[c]:.0f} |\n" for c in CLASSES)
     return table

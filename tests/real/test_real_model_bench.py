@@ -16,6 +16,7 @@ from prorl.data import builtin
 
 pytestmark = pytest.mark.slow  # a 135M model: about a minute
 
+DROPPED = "boxed, wrong number, a term dropped or miscopied"
 DOC = "# x\n\n<!-- real_model:begin -->\nold\n<!-- real_model:end -->\nkept\n"
 
 
@@ -24,8 +25,8 @@ DOC = "# x\n\n<!-- real_model:begin -->\nold\n<!-- real_model:end -->\nkept\n"
     [
         ("5 + 2 + 6 = 13. \\boxed{13}", "stop", True, "correct"),
         ("5 + 2 + 6 = 15. \\boxed{15}", "stop", False, "boxed, wrong sum of the asked terms"),
-        ("2 + 6 = 8. \\boxed{8}", "stop", False, "boxed, wrong number, terms miscopied"),
-        ("\\boxed{12}", "stop", False, "boxed, wrong number, terms miscopied"),
+        ("2 + 6 = 8. \\boxed{8}", "stop", False, DROPPED),
+        ("\\boxed{12}", "stop", False, DROPPED),
         ("\\boxed{13} no, \\boxed{ }", "stop", False, "empty \\boxed{}"),
         ("5 + 2 + 6 = 13", "stop", False, "no \\boxed{}, right sum in the text"),
         ("13 is not it: 5 + 2 + 6 = 14", "stop", False, "no \\boxed{}, no right sum"),
