@@ -94,7 +94,8 @@ def answer_classes(run: Path) -> dict[int, Counter]:
     if not path.exists():
         return {}
     cfg = OmegaConf.load(run / "config.yaml")
-    val = data.builtin(cfg.data.builtin_task, n=cfg.data.val_size, seed=cfg.seed, split="val")
+    size = cfg.data.val_size or None  # as prorl/train.py's load_examples draws them
+    val = data.builtin(cfg.data.builtin_task, n=size, seed=cfg.seed, split="val")
     out: dict[int, Counter] = {}
     for line in path.read_text().splitlines():
         r = json.loads(line)
