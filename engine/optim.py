@@ -148,3 +148,16 @@ class Optimizer:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped_total = state["skipped_total"]
+        self._use_own_kernel()
+
+    def _use_own_kernel(self) -> None:
+        """A loaded state carries its param groups' `fused` flag (False in checkpoints written
+        before the fused kernel was used): the kernel is this process's choice, and the fused one
+        keeps each `step` as a float32 tensor on its parameter's device."""
+        fused = fusable(self.params)
+        for group in self.optimizer.param_groups:
+            group["fused"] = fused
+            for p in group["params"] if fused else ():
+                step = self.optimizer.state.get(p, {}).get("step")
+                if isinstance(step, torch.Tensor):
+                    self.optimizer.state[p]["step"] = step.to(p.device, torch.float32)

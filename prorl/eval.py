@@ -133,8 +133,10 @@ def __getattr__(name: str):
     system's own look-ups, such as `__path__`)."""
     if name.startswith("__"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from prorl import eval_run
-
+    try:  # an AttributeError raised while importing would read as "no attribute {name}" here
+        from prorl import eval_run
+    except AttributeError as exc:
+        raise ImportError(f"importing prorl.eval_run failed: {exc}") from exc
     try:
         return getattr(eval_run, name)
     except AttributeError:

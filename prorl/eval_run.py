@@ -369,7 +369,7 @@ def validate(
     inputs = EvalInputs(model=model, tokenizer=tokenizer, pool=pool, generator=generator)
     results = evaluate([examples[i] for i in mine], inputs, settings, log=log)
     fields = "data_source score correct timed_out errored finish_reason response_tokens extras"
-    fields = fields.split() + (["response"] if t.val_save_samples else [])
+    fields = fields.split() + (["sample", "response"] if t.val_save_samples else [])
     records = [{"index": mine[r["index"]], **{f: r[f] for f in fields}} for r in results["samples"]]
     if info.world_size > 1:
         gathered = [None] * info.world_size

@@ -167,10 +167,14 @@ class Reporter:
         return self.resume(-1)
 
     def resume(self, step: int) -> int:
-        """Drop metrics of steps after the checkpoint (they are about to be redone) and reload
-        history. Returns how many rows were dropped (rank 0)."""
+        """Drop metrics (and saved validation samples) of steps after the checkpoint (they are
+        about to be redone) and reload history. Returns how many metric rows were dropped
+        (rank 0)."""
         if self.rank != 0:  # only rank 0 writes metrics or reads the history
             return 0
+        samples = os.path.join(self.dir, "val_samples.jsonl")  # trainer.val_save_samples
+        if os.path.exists(samples):
+            _write_rows(samples, [r for r in read_metrics(samples) if r.get("step", 0) <= step])
         rows = read_metrics(self.path)
         kept = [r for r in rows if r.get("step", 0) <= step]
         self.val_history = [(r["step"], r["val/accuracy"]) for r in kept if "val/accuracy" in r]

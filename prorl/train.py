@@ -141,8 +141,10 @@ def __getattr__(name: str):
     import system's own look-ups, such as `__path__` for `from prorl.train import main`)."""
     if name.startswith("__"):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from prorl import train_run
-
+    try:  # an AttributeError raised while importing would read as "no attribute {name}" here
+        from prorl import train_run
+    except AttributeError as exc:
+        raise ImportError(f"importing prorl.train_run failed: {exc}") from exc
     try:
         return getattr(train_run, name)
     except AttributeError:

@@ -170,3 +170,26 @@ def test_cpu_parameters_take_the_fused_adamw_kernel():
     parameter; 4.5x slower on SmolLM2-135M's matrices here); the float64 reference test above holds
     for the fused kernel too."""
     assert Optimizer(_model(), OptimizerConfig()).optimizer.defaults["fused"] is True
+
+
+def test_a_state_saved_by_the_per_tensor_loop_resumes_on_the_fused_kernel():
+    """Checkpoints written before the fused kernel carry `fused: False` in their param groups;
+    loading one keeps this process's kernel, and the step continues as an uninterrupted one."""
+    torch.manual_seed(0)
+    model, x = _model(), torch.randn(5, 4)
+    old = Optimizer(model, OptimizerConfig(lr=1e-2))
+    for group in old.optimizer.param_groups:
+        group["fused"] = False
+    for _ in range(2):
+        model(x).square().sum().backward()
+        old.step()
+    saved = copy.deepcopy(old.state_dict())
+    twin = copy.deepcopy(model)
+    new = Optimizer(twin, OptimizerConfig(lr=1e-2))
+    new.load_state_dict(saved)
+    assert all(g["fused"] for g in new.optimizer.param_groups)
+    for m, o in ((model, old), (twin, new)):
+        m(x).square().sum().backward()
+        o.step()
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

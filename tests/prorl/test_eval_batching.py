@@ -181,8 +181,8 @@ def test_a_validation_whose_verifier_calls_all_fail_says_so(monkeypatch):
 
 def test_validation_samples_are_saved_with_their_step_when_asked(tiny, tmp_path):
     """trainer.val_save_samples: every validation sample (9 prompts x 2) is appended to
-    <output_dir>/val_samples.jsonl with the step, its prompt's index and the response text (the
-    tokenizer's decoding of the sampled token); off (the default), no file is written."""
+    <output_dir>/val_samples.jsonl with the step, its prompt's and sample's indices and the response
+    text (the tokenizer's decoding of the sampled token); off (the default), no file is written."""
     import json
 
     from test_trainer_recipe import make
@@ -207,6 +207,6 @@ def test_validation_samples_are_saved_with_their_step_when_asked(tiny, tmp_path)
             trainer.models.close()
     rows = [json.loads(line) for line in (out_dir / "val_samples.jsonl").read_text().splitlines()]
     assert len(rows) == 18 and {r["step"] for r in rows} == {7}
-    assert sorted(r["index"] for r in rows) == sorted(list(range(9)) * 2)
+    assert [(r["index"], r["sample"]) for r in rows] == [(i, j) for i in range(9) for j in (0, 1)]
     assert {r["response"] for r in rows} == {tok.decode([5])}
     assert all(r["score"] == 0.0 and r["finish_reason"] == "length" for r in rows)

@@ -164,3 +164,20 @@ def test_summary_prints_a_reward_function_s_mean_score_not_an_accuracy(
         f"held-out mean score {shown[0]} (step 0) -> {shown[1]} "
         "(mean of the last 1 evaluations, step 5)"
     )
+
+
+def test_resume_drops_the_saved_validation_samples_of_steps_it_redoes(tmp_path):
+    """val_samples.jsonl follows metrics.jsonl on a resume: rows of steps after the checkpoint
+    (about to be validated again) are dropped, so no step's answers are counted twice; a fresh
+    start drops them all."""
+    from prorl.config import load_config
+    from prorl.report import Reporter
+
+    samples = tmp_path / "val_samples.jsonl"
+    rows = [{"step": s, "index": i} for s in (0, 4, 8) for i in range(2)]
+    samples.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reporter = Reporter(load_config("default", [f"output_dir={tmp_path}"]), rank=0)
+    reporter.resume(4)
+    assert [r["step"] for r in read_metrics(str(samples))] == [0, 0, 4, 4]
+    reporter.start()
+    assert read_metrics(str(samples)) == []

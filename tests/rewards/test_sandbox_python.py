@@ -154,5 +154,7 @@ def test_only_a_venv_s_hidden_folder_is_opened(monkeypatch, tmp_path, is_venv):
     hint = sandbox._hidden_interpreter(in_sandbox=True)
     if is_venv:
         assert hint is None
+        # the stand-in shows the venv's own entries, never the rest of the folder
+        assert [name for name, _ in rootfs._entries(str(prefix))] == ["bin", "pyvenv.cfg"]
     else:
         assert f"lies under {prefix} (mode 700)" in hint and f"chmod o+x {prefix}" in hint

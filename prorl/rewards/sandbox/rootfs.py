@@ -197,10 +197,15 @@ def _copy_bytes(directory: str) -> int:
     return sum(-(-n // 4096) * 4096 for n in sizes) + (64 << 10)
 
 
+# What `python -m venv` makes in a venv's folder: the stand-in shows these and nothing else (a venv
+# made in a project's own folder, `python -m venv .`, also holds its sources and secrets).
+VENV_ENTRIES = ("bin", "include", "lib", "lib64", "pyvenv.cfg", "share")
+
+
 def _entries(directory: str) -> list[tuple[str, str | None]]:
-    """(name, symlink target or None) of each entry of `directory`, sorted."""
+    """(name, symlink target or None) of each of a venv's own entries in `directory`, sorted."""
     out = []
-    for name in sorted(os.listdir(directory)):
+    for name in sorted(set(os.listdir(directory)) & set(VENV_ENTRIES)):
         path = os.path.join(directory, name)
         out.append((name, os.readlink(path) if os.path.islink(path) else None))
     return out
