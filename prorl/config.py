@@ -177,6 +177,7 @@ class RewardConfig:
     )
     num_workers: int = _f(2, "verifier processes")
     timeout_s: float = _f(10.0, "per-item verifier timeout (a timed-out item scores 0)")
+    worker_memory_gib: float = _f(4.0, "each verifier process's RLIMIT_DATA in GiB (0: none)")
     c_stop: float = _f(
         0.0, "reward multiplier of responses cut at the length limit (stop-properly)"
     )

@@ -207,6 +207,7 @@ def range_problems(cfg: Any) -> list[str]:
         (trainer.val_samples >= 1, "trainer.val_samples must be >= 1"),
         (cfg.reward.timeout_s > 0, "reward.timeout_s must be > 0"),
         (cfg.reward.num_workers >= 1, "reward.num_workers must be >= 1"),
+        (cfg.reward.worker_memory_gib >= 0, "reward.worker_memory_gib must be >= 0 (0: none)"),
         (cfg.seed >= 0, "seed must be >= 0"),
         (0 < sched.discount <= 1, "scheduler.discount must be in (0, 1]"),
         (sched.prior_strength > 0, "scheduler.prior_strength must be > 0"),

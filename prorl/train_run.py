@@ -311,6 +311,7 @@ def make_pool(cfg, examples):
         num_workers=cfg.reward.num_workers,
         timeout_s=cfg.reward.timeout_s,
         preload=builtin_keys(sources),
+        max_memory_bytes=int(cfg.reward.worker_memory_gib * 2**30),
     )
     pool = lifecycle.ignoring_stop_signals(RewardPool, **kw)
     try:

@@ -183,7 +183,7 @@ def _worker_main(fd: int, memory_bytes: int) -> None:
     """Worker: bound its memory, init, say ready, then score items until the pool closes the
     connection or vanishes."""
     hard = resource.getrlimit(resource.RLIMIT_DATA)[1]
-    if hard == resource.RLIM_INFINITY or memory_bytes < hard:
+    if memory_bytes > 0 and (hard == resource.RLIM_INFINITY or memory_bytes < hard):  # 0: none
         resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, hard))
     # Ctrl-C / SIGTERM go to the whole process group: the trainer decides when to stop, and still
     # needs its verifiers to finish the step. A worker ends when its connection closes (or by

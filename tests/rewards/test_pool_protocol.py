@@ -170,3 +170,25 @@ def test_no_process_of_the_pool_s_groups_outlives_it(registered, tmp_path):
     while _processes_in_groups(groups) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _processes_in_groups(groups) == set()
+
+
+def _data_limit(pid: int) -> str:
+    with open(f"/proc/{pid}/limits") as f:
+        return next(line.split()[3] for line in f if line.startswith("Max data size"))
+
+
+@pytest.mark.parametrize("gib, want", [(0.5, str(2**29)), (0.0, None)])
+def test_reward_worker_memory_gib_is_the_workers_kernel_limit(gib, want):
+    """reward.worker_memory_gib reaches the kernel: the trainer's pool workers' RLIMIT_DATA, read
+    from /proc; 0 leaves the limit the trainer had (a reward function that loads a judge model)."""
+    from prorl import data
+    from prorl.config import load_config
+    from prorl.train_run import make_pool
+
+    cfg = load_config("default", [f"reward.worker_memory_gib={gib}", "reward.num_workers=1"])
+    pool = make_pool(cfg, data.builtin("digit_sums", n=2, split="train"))
+    try:
+        got = _data_limit(pool.workers[0].proc.pid)
+        assert got == (want or _data_limit(os.getpid()))
+    finally:
+        pool.close()
