@@ -127,6 +127,9 @@ class Optimizer:
                 self.params, self.cfg.max_grad_norm, norm, foreach=True
             )
         self.optimizer.step()
+        # torch's fused kernel writes the parameters without bumping their version counters, which
+        # is how a sampler on this model learns that its cached copies are stale
+        torch.autograd.graph.increment_version(self.params)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return StepResult(norm_value, lr, False, self.skipped_total)

@@ -106,6 +106,28 @@ def test_update_weights_in_place(checkpoint):
         gen.update_weights({"nope.weight": torch.zeros(1)})
 
 
+def test_a_sampler_on_the_trained_model_samples_after_each_optimizer_step(checkpoint):
+    """The sampler's fused weight copies are rebuilt after the trainer's AdamW step (torch's fused
+    kernel writes the parameters without bumping their versions): its log-probs after a step equal
+    those of a fresh sampler on a copy of the updated model."""
+    import copy
+
+    from prorl.engine.optim import Optimizer, OptimizerConfig
+
+    path, _ = checkpoint
+    model = load_hf(path)
+    gen, opt = NativeGenerator(model), Optimizer(model, OptimizerConfig(lr=1e-2))
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=6, seed=3)
+    gen.generate(PROMPTS, params)  # builds the copies
+    model(torch.tensor([PROMPTS[2]])).float().square().mean().backward()
+    opt.step()
+    after = gen.generate(PROMPTS, params)
+    ref = NativeGenerator(copy.deepcopy(model)).generate(PROMPTS, params)
+    assert [s.token_ids for s in after.samples] == [s.token_ids for s in ref.samples]
+    for a, b in zip(after.samples, ref.samples, strict=True):
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+
+
 def test_compaction_keeps_every_row(checkpoint):
     """A stop token most rows hit early: the cache is compacted (several times) and every sample is
     still the prefix, up to its first stop token, of the same sample drawn without stop tokens."""
