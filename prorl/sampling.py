@@ -107,6 +107,9 @@ class GroupSampler:
         if rank == 0 and budget:
             print(f"prorl: rollout: {budget}")
         self.reward_time = 0.0  # seconds spent verifying since the last reset of this counter
+        # the pool's counters when last reported: what happened since (validation shares the pool)
+        # goes into the next step's row
+        self.pool_seen = pool_counts(pool)
 
     # -- data --------------------------------------------------------------------------------------
     def next_examples(self, k: int) -> list[int]:
@@ -159,7 +162,6 @@ class GroupSampler:
         texts = [
             self.tokenizer.decode(t, skip_special_tokens=True) for g in groups for t in g.responses
         ]
-        counted = pool_counts(self.pool)
         res = self.pool.score_batch(
             [e.data_source for e in exs],
             texts,
@@ -181,8 +183,10 @@ class GroupSampler:
                 acc.sum(f"reward_extra_n/{key}", 1)
         acc.sum("samples_timeout", sum(res.timed_out))
         acc.sum("samples_error", sum(res.errored))
-        for key, n in pool_counts(self.pool).items():
-            acc.sum(f"reward_pool/{key}", n - counted[key])
+        now = pool_counts(self.pool)
+        for key, n in now.items():
+            acc.sum(f"reward_pool/{key}", n - self.pool_seen[key])
+        self.pool_seen = now
         self.reward_time += time.perf_counter() - t0
 
     def collect(self, need: int, max_new: int, step: int, acc: StepAccumulator) -> list[Group]:

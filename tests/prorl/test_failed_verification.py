@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from prorl.metrics import StepAccumulator, step_metrics
-from prorl.rewards.pool import BatchResult
+from prorl.rewards.pool import BatchResult, pool_counts
 from prorl.sampling import Group, GroupSampler, impute_failed
 
 
@@ -53,7 +53,7 @@ def test_verify_imputes_errored_and_timed_out_items():
     ex = SimpleNamespace(data_source="math", ground_truth="1", extra={})
     sampler.examples, sampler.kept, sampler.pool = [ex, ex], [0, 1], _Pool()
     sampler.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "x")
-    sampler.reward_time = 0.0
+    sampler.reward_time, sampler.pool_seen = 0.0, pool_counts(sampler.pool)
     groups = [Group(i, [1], [[2], [3]], [[0.0], [0.0]], [False, False]) for i in range(2)]
     acc = StepAccumulator()
     sampler.verify(groups, acc)
@@ -123,6 +123,7 @@ def test_the_step_row_counts_the_reward_workers_replaced_this_step():
     sampler.examples, sampler.kept, sampler.pool = [ex], [0], _CountingPool()
     sampler.tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: "x")
     sampler.reward_time = 0.0
+    sampler.pool_seen = {"replaced": 5, "protocol_failures": 4, "recycled": 3, "memory_exceeded": 2}
     acc = StepAccumulator()
     for _ in range(2):  # two verify rounds in one step
         sampler.verify([Group(0, [1], [[2], [3]], [[0.0], [0.0]], [False, False])], acc)
@@ -135,6 +136,11 @@ def test_the_step_row_counts_the_reward_workers_replaced_this_step():
         "reward/workers_recycled": 6.0,
         "reward/workers_over_memory": 8.0,
     }
+    # a worker replaced between steps (validation shares the pool) counts in the next step's row
+    sampler.pool.replaced += 10
+    acc = StepAccumulator()
+    sampler.verify([Group(0, [1], [[2], [3]], [[0.0], [0.0]], [False, False])], acc)
+    assert step_metrics(acc.reduce())["reward/workers_replaced"] == 11.0
     # a step without reward-pool trouble still carries the keys (uniform rows), at 0
     quiet = step_metrics(StepAccumulator().reduce())
     assert quiet["reward/protocol_failures"] == 0.0 and quiet["reward/workers_over_memory"] == 0.0
