@@ -264,7 +264,8 @@ def run_trl(work: dict, model_path: str, steps: int, memory, gpu: bool, gen="vll
     if (p * n) % micro:
         raise ValueError(f"trl_micro={micro} does not divide the {p * n} completions of a step")
     kwargs = dict(per_device_train_batch_size=micro, gradient_accumulation_steps=p * n // micro)
-    kwargs.update(steps_per_generation=p * n // micro, num_iterations=1, num_generations=n, seed=0)
+    kwargs.update(steps_per_generation=p * n // micro, num_iterations=1, num_generations=n)
+    kwargs.update(seed=work.get("seed", 0))  # data order and sampling
     kwargs.update(max_steps=steps)
     kwargs.update(max_completion_length=work["max_new"], temperature=1.0, top_p=1.0, top_k=0)
     beta = work.get("kl", 1e-4)  # rl_step.KL unless the work says

@@ -9,6 +9,7 @@ draw one benchmark's figure. Details: docs/benchmarks.md.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 from benchmarks.harness import MODES, RESULTS_DIR, argparser, newest, read_csv
@@ -209,7 +210,8 @@ def bandwidth(rows: list[dict], png: Path, ops: list[str]) -> Path:
 def curves(lines: dict[str, list[tuple[float, float]]], png: Path, xlabel: str, ylabel: str):
     """(seconds, accuracy) curves against minutes, one marker style per line."""
     fig, ax = pyplot().subplots(figsize=(6, 3.6))
-    for (name, pts), style in zip(lines.items(), ("o-", "s--", "^:")):
+    styles = itertools.cycle(("o-", "s--", "^:", "d-.", "v-", "x--"))
+    for (name, pts), style in zip(lines.items(), styles):
         ax.plot([t / 60 for t, _ in pts], [a for _, a in pts], style, label=name)
     ax.set(xlabel=xlabel, ylabel=ylabel, ylim=(0, 1.05))
     ax.legend(loc="center right")

@@ -1,13 +1,15 @@
 """SmolLM2-135M-Instruct, prorl vs TRL's GRPOTrainer on the CPU: phases, time to accuracy, MFU.
 
     python -m benchmarks trl_real [--quick] [--threads 1] [--task oneshot/digit_sums] [--steps 8]
-        [--prompts 4] [--n 8] [--max-new 32] [--lr 3e-5] [--kl 1e-3] [--eval-every 2] [--eval-n 40]
+        [--prorl-steps N] [--seeds 0] [--prompts 4] [--n 8] [--max-new 32] [--lr 3e-5] [--kl 1e-3]
+        [--eval-every 2] [--eval-n 40]
 
 Each provider trains the same real model in its own worker process with rl_step.py's equal-work
 settings (`rl_step.prorl_trainer`, `_rl_step_peers.run_trl`), on a built-in task chosen by --task.
 Every `--eval-every` steps (and before the first) the worker pauses its clock and scores the policy
 with one evaluator for both: the weights copied into a fresh prorl decoder, `prorl.eval.validate`
-greedy on `--eval-n` held-out problems. Rows: per phase time (ms, steps after the warm-up), the
+greedy on `--eval-n` held-out problems (the same problems for every seed; a seed sets the trainers'
+data order and sampling). Rows: per phase time (ms, steps after the warm-up), the
 peak resident set (MB), the step's model FLOP/s against the sgemm peak measured in the same worker
 (`mfu`), held-out pass@1 at each evaluation with the training wall time to it, and the 1-minute load
 average at start and end. Details: docs/real-model.md.
@@ -35,18 +37,28 @@ MODEL = "gguf:"  # SmolLM2-135M-Instruct's conversion (prorl.model_dir)
 PHASES = ("gen", "reward", "old_logp", "update", "other", "step")
 # the real model's prompts (chat template and system prompt) are longer than the toy's 64
 OVERRIDES = ["data.max_prompt_tokens=256", "trainer.val_samples=1", "trainer.val_temperature=0.0"]
+# TRL trains on through steps whose groups all score alike (only its KL term moves the weights);
+# prorl, which would stop a run after 5 such steps in a row, does the same here
+OVERRIDES += ["trainer.max_consecutive_skips=1000000"]
 
 
-def work(args) -> dict:
+def work(args, seed: int) -> dict:
+    """One run's settings: the command line's, trained with `seed`."""
     q = args.quick
     w = dict(task=args.task, prompts=args.prompts or (2 if q else 4), n=args.n or (2 if q else 8))
     w.update(max_new=args.max_new or (16 if q else 32), lr=args.lr, kl=args.kl, no_stop=False)
     w.update(steps=args.steps or (2 if q else 8), eval_every=args.eval_every or 2)
-    w.update(val_n=args.eval_n or (4 if q else 40), overrides=OVERRIDES, trl_micro=args.trl_micro)
+    w.update(prorl_steps=args.prorl_steps or w["steps"], seed=seed)
+    w.update(val_n=args.eval_n or (4 if q else 40))
+    w.update(trl_micro=min(args.trl_micro, w["prompts"] * w["n"]))  # --quick's step is 4
+    w.update(overrides=[*OVERRIDES, f"seed={seed}"])
     label = (
         f"{args.task} P={w['prompts']} n={w['n']} L={w['max_new']} lr={args.lr:g} kl={args.kl:g}"
     )
-    return dict(w, label=f"{label} steps={w['steps']}")
+    steps = f"steps={w['steps']}" + (
+        f"/{w['prorl_steps']}" if w["prorl_steps"] != w["steps"] else ""
+    )
+    return dict(w, label=f"{label} {steps} seed={seed}")
 
 
 # --- What a worker measures besides the step ----------------------------------------------------
@@ -140,19 +152,19 @@ class Evaluator:
 # --- The two trainers ----------------------------------------------------------------------------
 
 
-def evaluate_at(w: dict, k: int, rec: dict, trained_s: float, evaluate, weights) -> None:
-    """After step `k`: at every `eval_every`-th and the last, `rec["val"]` and the training seconds
-    before it (`trained_s`, evaluations excluded)."""
-    if k % w["eval_every"] == 0 or k == w["steps"]:
+def evaluate_at(w: dict, k: int, last: int, rec: dict, trained_s: float, evaluate, weights):
+    """After step `k` of `last`: at every `eval_every`-th and the last, `rec["val"]` and the
+    training seconds before it (`trained_s`, evaluations excluded)."""
+    if k % w["eval_every"] == 0 or k == last:
         rec.update(val=evaluate(weights()), trained_s=trained_s)
 
 
 def train_prorl(w: dict, path: str, memory, pool, evaluate) -> tuple[list[dict], str]:
-    """`w["steps"]` prorl steps (rl_step.prorl_trainer); per step the phases, its wall time, the
-    tokens and the peak resident set (the reward worker's mark added)."""
+    """`w["prorl_steps"]` prorl steps (rl_step.prorl_trainer); per step the phases, its wall time,
+    the tokens and the peak resident set (the reward worker's mark added)."""
     run = rl_step.prorl_trainer(w, path, gpu=False, pool=pool)
     records, trained = [], 0.0
-    for k in range(1, w["steps"] + 1):
+    for k in range(1, w["prorl_steps"] + 1):
         memory.start()
         t0 = time.perf_counter()
         rec = run.step()
@@ -160,7 +172,8 @@ def train_prorl(w: dict, path: str, memory, pool, evaluate) -> tuple[list[dict],
         rec["step"] = time.perf_counter() - t0
         rec["peak_rss"] = (memory.stop() or (math.nan,))[0] + descendants_hwm_mb()
         trained += rec["step"]
-        evaluate_at(w, k, rec, trained, evaluate, run.trainer.policy.state_dict)
+        weights = run.trainer.policy.state_dict
+        evaluate_at(w, k, w["prorl_steps"], rec, trained, evaluate, weights)
         records.append(rec)
     return records, f"gen={run.sampler} logp=fused packed shared-prompts kl=k2"
 
@@ -174,7 +187,7 @@ def train_trl(w: dict, path: str, memory, evaluate) -> tuple[list[dict], str]:
 
     def on_step(model, rec):
         trained.append(rec["step"])
-        evaluate_at(w, len(trained), rec, sum(trained), evaluate, model.state_dict)
+        evaluate_at(w, len(trained), w["steps"], rec, sum(trained), evaluate, model.state_dict)
 
     return run_trl(w, path, w["steps"], memory, False, on_step=on_step)
 
@@ -229,37 +242,65 @@ def rows(w: dict, path: str, records: list[dict], peak: float, load: list, note:
 # --- The parent: time to accuracy, the plot -------------------------------------------------------
 
 
-def curve(rows: list[dict], provider: str) -> list[tuple[float, float]]:
-    """(training seconds, pass@1) of `provider`'s evaluations, in step order."""
+def curve(rows: list[dict], provider: str, shape: str) -> list[tuple[float, float]]:
+    """(training seconds, pass@1) of `provider`'s evaluations in run `shape`, in step order."""
     at = lambda metric: {
-        r["mode"]: r["p50"] for r in rows if r["provider"] == provider and r["metric"] == metric
+        r["mode"]: r["p50"]
+        for r in rows
+        if (r["provider"], r["shape"], r["metric"]) == (provider, shape, metric)
     }
     acc, wall = at("pass@1"), at("train_wall")
     steps = sorted(acc, key=lambda mode: int(mode.split("@")[1]))
     return [(wall[m], acc[m] / 100) for m in steps]
 
 
+def mean_curve(curves: list[list[tuple[float, float]]]) -> list[tuple[float, float]]:
+    """The seeds' curves averaged point by point (their k-th evaluations are after the same
+    step), as long as the shortest."""
+    points = list(zip(*curves))
+    return [tuple(sum(x) / len(p) for x in zip(*p)) for p in points]
+
+
+def race(trl: list, ours: list) -> tuple[float, float, float, float]:
+    """(target pass@1, TRL's budget in seconds, prorl's seconds to the target, their ratio): the
+    target is where TRL's curve ends, prorl's time its first evaluation at or above it. NaN when
+    TRL ends at or below its start (there is no accuracy to race to) or prorl never gets there."""
+    target, budget = trl[-1][1], trl[-1][0]
+    hit = next((t for t, a in ours if a >= target > trl[0][1]), math.nan)
+    return target, budget, hit, hit / budget if budget else math.nan
+
+
 def time_to_accuracy(rows: list[dict], args) -> list[dict]:
-    """prorl's training seconds to the pass@1 TRL ends its run at (the first evaluation at or above
-    it; none when it never gets there), and its ratio to TRL's budget."""
-    trl, ours = curve(rows, "trl"), curve(rows, "prorl")
-    if not trl or not ours:
-        return []
-    target = trl[-1][1]  # not above the start: TRL's run learnt nothing to race to
-    first = lambda pts: next((t for t, a in pts if a >= target > pts[0][1]), math.nan)
+    """Per seed, and on the seeds' mean curves when there are several: TRL's training budget,
+    prorl's training seconds to the pass@1 TRL ends at (`race`), and its ratio to the budget."""
+    shapes = list(dict.fromkeys(r["shape"] for r in rows if r["metric"] == "pass@1"))
+    runs = {s: (curve(rows, "trl", s), curve(rows, "prorl", s)) for s in shapes}
+    runs = {s: pair for s, pair in runs.items() if all(pair)}
+    if len(runs) > 1:
+        label = next(iter(runs)).rsplit(" seed=", 1)[0]
+        seeds = ",".join(s.rsplit("seed=", 1)[1] for s in runs)
+        pairs = list(runs.values())
+        means = [mean_curve([pair[i] for pair in pairs]) for i in (0, 1)]
+        runs[f"{label} seeds={seeds} mean"] = tuple(means)
     common = {k: rows[0][k] for k in ("name", "git_rev", "timestamp", "device", "versions")}
-    common.update(shape=rows[0]["shape"], mode="tta", note=f"target pass@1 {100 * target:.1f}%")
     out = []
-    for name, pts in (("trl", trl), ("prorl", ours)):
-        seconds = first(pts) if name == "prorl" else trl[-1][0]
-        out.append(dict(harness.row("time_to_accuracy", "s", [seconds]), provider=name, **common))
-    ratio = first(ours) / trl[-1][0] if trl[-1][0] else math.nan
-    out.append(dict(harness.row("tta_ratio", "x", [ratio]), provider="prorl", **common))
+    for shape, (trl, ours) in runs.items():
+        target, budget, hit, ratio = race(trl, ours)
+        tag = dict(common, shape=shape, mode="tta", note=f"target pass@1 {100 * target:.1f}%")
+        out.append(dict(harness.row("time_to_accuracy", "s", [budget]), provider="trl", **tag))
+        out.append(dict(harness.row("time_to_accuracy", "s", [hit]), provider="prorl", **tag))
+        out.append(dict(harness.row("tta_ratio", "x", [ratio]), provider="prorl", **tag))
     return out
 
 
 def _plot(csv_path, rows: list[dict], args) -> list:
-    lines = {p: curve(rows, p) for p in PROVIDERS if curve(rows, p)}
+    shapes = list(dict.fromkeys(r["shape"] for r in rows if r["metric"] == "pass@1"))
+    lines = {}
+    for s in shapes:
+        seed = f" seed {s.rsplit('seed=', 1)[1]}" if "seed=" in s else ""
+        for p in PROVIDERS:
+            if pts := curve(rows, p, s):
+                lines[f"{p}{seed}"] = pts
     png = csv_path.with_name(f"{csv_path.stem}_pass1.png")
     return [plot.curves(lines, png, "training wall time (min)", "held-out pass@1")] if lines else []
 
@@ -275,6 +316,9 @@ def _options(p) -> None:
     add("--lr", type=float, default=3e-5, help="learning rate (default 3e-5)")
     add("--kl", type=float, default=1e-3, help="KL coefficient, TRL's beta (default 1e-3)")
     add("--steps", type=int, help="RL steps per provider (default 8; --quick 2)")
+    add("--prorl-steps", type=int, help="prorl's steps when not --steps (a longer race to TRL's)")
+    seeds = lambda s: [int(x) for x in s.split(",")]
+    add("--seeds", type=seeds, default=[0], help="one run per seed per provider (default 0)")
     add("--eval-every", type=int, help="steps between evaluations (default 2)")
     add("--eval-n", type=int, help="held-out problems (default 40; --quick 4)")
     add("--trl-micro", type=int, default=8, help="TRL's micro-batch, completions (default 8)")
@@ -283,7 +327,8 @@ def _options(p) -> None:
 settings = dict(modes=("step",), reps=(1, 1), warmup=(1, 1), threads=1, view=VIEWS[NAME])
 settings.update(plot=_plot)
 settings.update(derive=time_to_accuracy, measure=MEASURE)
-BENCHMARK = harness.Benchmark(NAME, PROVIDERS, lambda args: [work(args)], _options, **settings)
+shapes = lambda args: [work(args, seed) for seed in args.seeds]
+BENCHMARK = harness.Benchmark(NAME, PROVIDERS, shapes, _options, **settings)
 main = BENCHMARK.main
 
 

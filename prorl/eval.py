@@ -46,6 +46,7 @@ import argparse
 import sys
 
 from prorl.engine.choices import ROLLOUT as BACKENDS
+from prorl.lazy import forwarder
 
 # The command line is parsed, and --help answered, before torch is loaded: the evaluation itself is
 # prorl/eval_run.py.
@@ -127,20 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     return eval_run.run(args, ap)
 
 
-def __getattr__(name: str):
-    """The evaluation's functions (prorl/eval_run.py) under this module's name too, e.g.
-    `from prorl.eval import evaluate`: loaded on first use, not by `--help` (nor by the import
-    system's own look-ups, such as `__path__`)."""
-    if name.startswith("__"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:  # an AttributeError raised while importing would read as "no attribute {name}" here
-        from prorl import eval_run
-    except AttributeError as exc:
-        raise ImportError(f"importing prorl.eval_run failed: {exc}") from exc
-    try:
-        return getattr(eval_run, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = forwarder(__name__, "prorl.eval_run")  # `from prorl.eval import ...`
 
 
 if __name__ == "__main__":

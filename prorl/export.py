@@ -17,6 +17,7 @@ import argparse
 import sys
 
 from prorl.exits import Fatal
+from prorl.lazy import forwarder
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -38,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"prorl.export: {exc}", file=sys.stderr)
         return 2
     return 0
+
+
+__getattr__ = forwarder(__name__, "prorl.export_run")  # `from prorl.export import ...`
 
 
 if __name__ == "__main__":

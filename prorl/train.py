@@ -54,6 +54,7 @@ from prorl import verl_compat
 from prorl.config import ConfigError, load_config, preset_path, reference, to_yaml
 from prorl.config_checks import repeated_overrides
 from prorl.exits import EXIT_CONFIG
+from prorl.lazy import forwarder
 
 
 def parse_config(argv: list[str] | None):
@@ -135,20 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     return train_run.launch(cfg, preset)
 
 
-def __getattr__(name: str):
-    """The run's functions (prorl/train_run.py) under this module's name too, e.g.
-    `from prorl.train import load_examples`: loaded on first use, not by `--help` (nor by the
-    import system's own look-ups, such as `__path__` for `from prorl.train import main`)."""
-    if name.startswith("__"):
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    try:  # an AttributeError raised while importing would read as "no attribute {name}" here
-        from prorl import train_run
-    except AttributeError as exc:
-        raise ImportError(f"importing prorl.train_run failed: {exc}") from exc
-    try:
-        return getattr(train_run, name)
-    except AttributeError:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+__getattr__ = forwarder(__name__, "prorl.train_run")  # `from prorl.train import ...`
 
 
 if __name__ == "__main__":

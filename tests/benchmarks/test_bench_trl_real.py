@@ -39,11 +39,11 @@ def test_model_flops_is_five_forwards_of_every_matmul_weight(tmp_path):
     assert got == pytest.approx(expected, rel=1e-12)
 
 
-def _rows(curves: dict) -> list[dict]:
+def _rows(curves: dict, shape: str = "s") -> list[dict]:
     rows = []
     for provider, points in curves.items():
         for k, (seconds, accuracy) in enumerate(points):
-            base = dict(provider=provider, mode=f"eval@{2 * k}", shape="s", name="trl_real")
+            base = dict(provider=provider, mode=f"eval@{2 * k}", shape=shape, name="trl_real")
             base.update(git_rev="r", timestamp="t", device="cpu", versions="v")
             rows.append(dict(base, metric="pass@1", p50=100 * accuracy))
             rows.append(dict(base, metric="train_wall", p50=seconds))
@@ -67,3 +67,26 @@ def test_no_time_to_accuracy_when_trl_ends_where_it_started_or_prorl_never_gets_
     up = [(0.0, 0.2), (100.0, 0.5)]
     out = trl_real.time_to_accuracy(_rows({"trl": up, "prorl": [(0.0, 0.2), (40.0, 0.3)]}), None)
     assert math.isnan({r["metric"]: r["p50"] for r in out if r["provider"] == "prorl"}["tta_ratio"])
+
+
+def test_several_seeds_race_each_and_on_their_mean_curves():
+    # seed 0: TRL ends at 0.4 after 200 s, prorl first reaches it at 60 s (0.3x);
+    # seed 1: TRL ends at 0.2 = its start: nothing to race to
+    runs = {
+        "t seed=0": dict(
+            trl=[(0, 0.2), (100, 0.3), (200, 0.4)], prorl=[(0, 0.2), (30, 0.3), (60, 0.4)]
+        ),
+        "t seed=1": dict(
+            trl=[(0, 0.2), (110, 0.3), (220, 0.2)], prorl=[(0, 0.2), (30, 0.2), (60, 0.3)]
+        ),
+    }
+    rows = [r for shape, curves in runs.items() for r in _rows(curves, shape)]
+    out = trl_real.time_to_accuracy(rows, None)
+    by = {(r["shape"], r["provider"], r["metric"]): r["p50"] for r in out}
+    assert by[("t seed=0", "prorl", "tta_ratio")] == pytest.approx(0.3)
+    assert math.isnan(by[("t seed=1", "prorl", "tta_ratio")])
+    # the means: TRL (0, 0.2) (105, 0.3) (210, 0.3); prorl (0, 0.2) (30, 0.25) (60, 0.35)
+    mean = "t seeds=0,1 mean"
+    assert by[(mean, "trl", "time_to_accuracy")] == pytest.approx(210.0)
+    assert by[(mean, "prorl", "time_to_accuracy")] == pytest.approx(60.0)
+    assert by[(mean, "prorl", "tta_ratio")] == pytest.approx(60 / 210)
