@@ -23,7 +23,9 @@ import gc
 import json
 import math
 import os
+import re
 import time
+from pathlib import Path
 
 import torch
 
@@ -242,12 +244,20 @@ def rows(w: dict, path: str, records: list[dict], peak: float, load: list, note:
 # --- The parent: time to accuracy, the plot -------------------------------------------------------
 
 
+def race_key(shape: str) -> str:
+    """A run's label without prorl's own step count (`steps=12/36` -> `steps=12`): the runs that
+    race the same TRL run."""
+    return re.sub(r"(steps=\d+)/\d+", r"\1", shape)
+
+
 def curve(rows: list[dict], provider: str, shape: str) -> list[tuple[float, float]]:
-    """(training seconds, pass@1) of `provider`'s evaluations in run `shape`, in step order."""
+    """(training seconds, pass@1) of `provider`'s evaluations in run `shape` (or one that races
+    the same TRL run), in step order."""
+    key = race_key(shape)
     at = lambda metric: {
         r["mode"]: r["p50"]
         for r in rows
-        if (r["provider"], r["shape"], r["metric"]) == (provider, shape, metric)
+        if (r["provider"], race_key(r["shape"]), r["metric"]) == (provider, key, metric)
     }
     acc, wall = at("pass@1"), at("train_wall")
     steps = sorted(acc, key=lambda mode: int(mode.split("@")[1]))
@@ -270,11 +280,31 @@ def race(trl: list, ours: list) -> tuple[float, float, float, float]:
     return target, budget, hit, hit / budget if budget else math.nan
 
 
+def earlier_trl(rows: list[dict], out: Path) -> list[dict]:
+    """When this command ran prorl alone: TRL's evaluations of the same runs (`race_key`) from the
+    results CSV `out`, the newest of each, so that a longer prorl run races TRL's earlier one."""
+    if any(r["provider"] == "trl" for r in rows) or not out.exists():
+        return []
+    keys, device = {race_key(r["shape"]) for r in rows}, rows[0]["device"]
+    found: dict[tuple, dict] = {}
+    for r in harness.read_csv(out):
+        key = (race_key(r["shape"]), r["mode"], r["metric"])
+        if r["provider"] != "trl" or r["device"] != device or key[0] not in keys:
+            continue
+        newer = key not in found or r["timestamp"] >= found[key]["timestamp"]
+        if r["mode"].startswith("eval@") and newer:
+            found[key] = r
+    return list(found.values())
+
+
 def time_to_accuracy(rows: list[dict], args) -> list[dict]:
     """Per seed, and on the seeds' mean curves when there are several: TRL's training budget,
-    prorl's training seconds to the pass@1 TRL ends at (`race`), and its ratio to the budget."""
+    prorl's training seconds to the pass@1 TRL ends at (`race`), and its ratio to the budget.
+    TRL's curves come from this command's rows, or from the results CSV (`earlier_trl`)."""
+    out = Path(args.out) if args is not None and args.out else harness.RESULTS_DIR / f"{NAME}.csv"
+    earlier = earlier_trl(rows, out) if args is not None else []
     shapes = list(dict.fromkeys(r["shape"] for r in rows if r["metric"] == "pass@1"))
-    runs = {s: (curve(rows, "trl", s), curve(rows, "prorl", s)) for s in shapes}
+    runs = {s: (curve(rows + earlier, "trl", s), curve(rows, "prorl", s)) for s in shapes}
     runs = {s: pair for s, pair in runs.items() if all(pair)}
     if len(runs) > 1:
         label = next(iter(runs)).rsplit(" seed=", 1)[0]
@@ -283,10 +313,12 @@ def time_to_accuracy(rows: list[dict], args) -> list[dict]:
         means = [mean_curve([pair[i] for pair in pairs]) for i in (0, 1)]
         runs[f"{label} seeds={seeds} mean"] = tuple(means)
     common = {k: rows[0][k] for k in ("name", "git_rev", "timestamp", "device", "versions")}
+    source = f"; TRL's curve measured {earlier[0]['timestamp']}" if earlier else ""
     out = []
     for shape, (trl, ours) in runs.items():
         target, budget, hit, ratio = race(trl, ours)
-        tag = dict(common, shape=shape, mode="tta", note=f"target pass@1 {100 * target:.1f}%")
+        note = f"target pass@1 {100 * target:.1f}%{source}"
+        tag = dict(common, shape=shape, mode="tta", note=note)
         out.append(dict(harness.row("time_to_accuracy", "s", [budget]), provider="trl", **tag))
         out.append(dict(harness.row("time_to_accuracy", "s", [hit]), provider="prorl", **tag))
         out.append(dict(harness.row("tta_ratio", "x", [ratio]), provider="prorl", **tag))
@@ -295,6 +327,7 @@ def time_to_accuracy(rows: list[dict], args) -> list[dict]:
 
 def _plot(csv_path, rows: list[dict], args) -> list:
     shapes = list(dict.fromkeys(r["shape"] for r in rows if r["metric"] == "pass@1"))
+    rows = rows + earlier_trl(rows, csv_path)
     lines = {}
     for s in shapes:
         seed = f" seed {s.rsplit('seed=', 1)[1]}" if "seed=" in s else ""

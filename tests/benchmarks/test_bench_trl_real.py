@@ -90,3 +90,27 @@ def test_several_seeds_race_each_and_on_their_mean_curves():
     assert by[(mean, "trl", "time_to_accuracy")] == pytest.approx(210.0)
     assert by[(mean, "prorl", "time_to_accuracy")] == pytest.approx(60.0)
     assert by[(mean, "prorl", "tta_ratio")] == pytest.approx(60 / 210)
+
+
+def test_a_prorl_run_alone_races_the_newest_trl_run_of_its_settings_in_the_csv(tmp_path):
+    from types import SimpleNamespace
+
+    from benchmarks import harness
+
+    trl = [(0, 0.2), (100, 0.3), (200, 0.4)]
+    older = [
+        dict(r, timestamp="2026-01-01")
+        for r in _rows({"trl": [(0, 0.2), (50, 0.5)]}, "t steps=2/4 seed=0")
+    ]
+    newer = [dict(r, timestamp="2026-02-01") for r in _rows({"trl": trl}, "t steps=2/4 seed=0")]
+    other = _rows({"trl": [(0, 0.2), (10, 0.21)]}, "t steps=3 seed=0")  # another TRL budget
+    csv = tmp_path / "trl_real.csv"
+    harness.append_csv(
+        csv, [dict(r, unit="", p20=r["p50"], p80=r["p50"]) for r in older + newer + other]
+    )
+    prorl = _rows({"prorl": [(0, 0.2), (30, 0.3), (60, 0.4), (90, 0.45)]}, "t steps=2/8 seed=0")
+    out = trl_real.time_to_accuracy(prorl, SimpleNamespace(out=str(csv)))
+    by = {(r["provider"], r["metric"]): r["p50"] for r in out}
+    assert by[("trl", "time_to_accuracy")] == 200.0
+    assert by[("prorl", "tta_ratio")] == pytest.approx(60 / 200)
+    assert "TRL's curve measured 2026-02-01" in out[0]["note"]
