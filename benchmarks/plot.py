@@ -208,13 +208,17 @@ def bandwidth(rows: list[dict], png: Path, ops: list[str]) -> Path:
 
 
 def curves(lines: dict[str, list[tuple[float, float]]], png: Path, xlabel: str, ylabel: str):
-    """(seconds, accuracy) curves against minutes, one marker style per line."""
+    """(seconds, accuracy) curves against minutes, one marker style per line; lines named
+    "<group> <rest>" (e.g. "prorl seed 0") share their group's colour."""
     fig, ax = pyplot().subplots(figsize=(6, 3.6))
     styles = itertools.cycle(("o-", "s--", "^:", "d-.", "v-", "x--"))
+    colours = {}
     for (name, pts), style in zip(lines.items(), styles):
-        ax.plot([t / 60 for t, _ in pts], [a for _, a in pts], style, label=name)
-    ax.set(xlabel=xlabel, ylabel=ylabel, ylim=(0, 1.05))
-    ax.legend(loc="center right")
+        colour = colours.setdefault(name.split()[0], f"C{len(colours)}")
+        ax.plot([t / 60 for t, _ in pts], [a for _, a in pts], style, label=name, color=colour)
+    top = max((a for pts in lines.values() for _, a in pts), default=1.0)
+    ax.set(xlabel=xlabel, ylabel=ylabel, ylim=(0, min(1.05, top + 0.15)))
+    ax.legend(loc="lower right", fontsize=8)
     ax.grid(alpha=0.3)
     return save(fig, png, 100)
 

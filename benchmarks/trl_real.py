@@ -283,7 +283,9 @@ def race(trl: list, ours: list) -> tuple[float, float, float, float]:
 def earlier_trl(rows: list[dict], out: Path) -> list[dict]:
     """When this command ran prorl alone: TRL's evaluations of the same runs (`race_key`) from the
     results CSV `out`, the newest of each, so that a longer prorl run races TRL's earlier one."""
-    if any(r["provider"] == "trl" for r in rows) or not out.exists():
+    if any(r["provider"] == "trl" and r["mode"].startswith("eval@") for r in rows):
+        return []  # this command ran TRL (its derived `tta` rows do not count)
+    if not out.exists():
         return []
     keys, device = {race_key(r["shape"]) for r in rows}, rows[0]["device"]
     found: dict[tuple, dict] = {}
@@ -312,7 +314,8 @@ def time_to_accuracy(rows: list[dict], args) -> list[dict]:
         pairs = list(runs.values())
         means = [mean_curve([pair[i] for pair in pairs]) for i in (0, 1)]
         runs[f"{label} seeds={seeds} mean"] = tuple(means)
-    common = {k: rows[0][k] for k in ("name", "git_rev", "timestamp", "device", "versions")}
+    common = {k: rows[0][k] for k in ("name", "git_rev", "timestamp", "device")}
+    common["versions"] = rows[0]["versions"].split(" note=")[0]  # not one provider's note
     source = f"; TRL's curve measured {earlier[0]['timestamp']}" if earlier else ""
     out = []
     for shape, (trl, ours) in runs.items():

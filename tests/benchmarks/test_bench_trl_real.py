@@ -92,7 +92,9 @@ def test_several_seeds_race_each_and_on_their_mean_curves():
     assert by[(mean, "prorl", "tta_ratio")] == pytest.approx(60 / 210)
 
 
-def test_a_prorl_run_alone_races_the_newest_trl_run_of_its_settings_in_the_csv(tmp_path):
+def test_a_prorl_run_alone_races_the_newest_trl_run_of_its_settings_in_the_csv(
+    tmp_path, monkeypatch
+):
     from types import SimpleNamespace
 
     from benchmarks import harness
@@ -110,6 +112,12 @@ def test_a_prorl_run_alone_races_the_newest_trl_run_of_its_settings_in_the_csv(t
     )
     prorl = _rows({"prorl": [(0, 0.2), (30, 0.3), (60, 0.4), (90, 0.45)]}, "t steps=2/8 seed=0")
     out = trl_real.time_to_accuracy(prorl, SimpleNamespace(out=str(csv)))
+    lines = {}
+    trl_real.plot.curves = lambda found, *_: lines.update(
+        found
+    )  # the plot: TRL's earlier curve too
+    trl_real._plot(csv, prorl + out, None)
+    assert lines["trl seed 0"] == trl
     by = {(r["provider"], r["metric"]): r["p50"] for r in out}
     assert by[("trl", "time_to_accuracy")] == 200.0
     assert by[("prorl", "tta_ratio")] == pytest.approx(60 / 200)
